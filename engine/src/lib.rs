@@ -1,0 +1,1 @@
+//! `canopy-engine`: the runtime half of Canopy's engine.

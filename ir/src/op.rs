@@ -1,0 +1,332 @@
+//! The v1 op set.
+//!
+//! Every op produces exactly one value. Layouts are NCHW for images and
+//! OIHW for convolution filters. Semantics, one line each, are the contract
+//! that every backend and every autodiff rule follows.
+
+use crate::data::TensorData;
+use crate::graph::Graph;
+use crate::types::{DType, Dim};
+
+/// Elementwise unary ops. All take and return f32 except `Not` (bool).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    /// -1, 0 or 1.
+    Sign,
+    Exp,
+    Log,
+    Sqrt,
+    /// 1 / sqrt(x).
+    Rsqrt,
+    /// 1 / x.
+    Reciprocal,
+    Square,
+    Relu,
+    /// tanh approximation: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+    Gelu,
+    Sigmoid,
+    Tanh,
+    /// Logical not, bool → bool.
+    Not,
+}
+
+/// Elementwise binary ops with NumPy broadcasting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    /// x^y for f32.
+    Pow,
+    Maximum,
+    Minimum,
+    /// Comparisons take two tensors of one dtype and return bool.
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    /// Logical ops take and return bool.
+    And,
+    Or,
+}
+
+impl BinaryOp {
+    pub fn is_comparison(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
+        )
+    }
+
+    pub fn is_logical(self) -> bool {
+        matches!(self, BinaryOp::And | BinaryOp::Or)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceKind {
+    Sum,
+    Mean,
+    Max,
+}
+
+/// Convolution geometry; each pair is (height, width).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Conv2dAttrs {
+    pub stride: [usize; 2],
+    /// Zero padding added on both sides.
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+}
+
+impl Default for Conv2dAttrs {
+    fn default() -> Self {
+        Conv2dAttrs {
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+        }
+    }
+}
+
+/// Pooling geometry; each pair is (height, width). Padding never wins a max
+/// and counts as zero in an average (count_include_pad).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Pool2dAttrs {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+/// A function with a user-written backward rule that replaces the derived
+/// one.
+///
+/// `forward` maps the node's inputs (in order) to one output. `backward`
+/// takes the same inputs, then the forward output `y`, then the cotangent
+/// `dy`, and returns one gradient per forward input, in order. Because `y`
+/// is an input of the backward graph, a rule can reuse the forward result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CustomGrad {
+    pub name: String,
+    pub forward: Graph,
+    pub backward: Graph,
+}
+
+/// An operation, with its attributes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// A named graph input.
+    Input { name: String },
+    /// A literal tensor.
+    Constant(Box<TensorData>),
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// where(cond: bool, a, b): a where cond, else b, with broadcasting.
+    Where,
+    /// Converts the element type (float → int truncates toward zero).
+    Cast { to: DType },
+    /// Batched matmul: [..., m, k] × [..., k, n] → [..., m, n]; batch
+    /// dimensions broadcast. The transpose flags swap the last two axes of
+    /// an operand first, so autodiff needs no materialised transpose.
+    MatMul { transpose_a: bool, transpose_b: bool },
+    /// Reduction over sorted, distinct `axes`.
+    Reduce {
+        kind: ReduceKind,
+        axes: Vec<usize>,
+        keep_dims: bool,
+    },
+    /// Same elements, new shape (row-major order is kept).
+    Reshape { shape: Vec<Dim> },
+    /// out.shape[i] = in.shape[perm[i]].
+    Transpose { perm: Vec<usize> },
+    /// NumPy broadcast_to.
+    Broadcast { shape: Vec<Dim> },
+    /// Elements [start, end) along one axis.
+    Slice { axis: usize, start: usize, end: usize },
+    /// Zero padding along one axis (the adjoint of `Slice`).
+    Pad {
+        axis: usize,
+        before: usize,
+        after: usize,
+    },
+    /// Joins its inputs (at least one) along `axis`.
+    Concat { axis: usize },
+    /// conv2d(x: [N, C, H, W], w: [O, C, KH, KW]) → [N, O, OH, OW], no bias.
+    Conv2d(Conv2dAttrs),
+    /// The gradient of conv2d with respect to x: (dy, w) → x-shaped, for an
+    /// input of spatial size `input_hw`.
+    Conv2dBackwardInput {
+        attrs: Conv2dAttrs,
+        input_hw: [usize; 2],
+    },
+    /// The gradient of conv2d with respect to w: (x, dy) → w-shaped, for a
+    /// filter of spatial size `kernel_hw`.
+    Conv2dBackwardFilter {
+        attrs: Conv2dAttrs,
+        kernel_hw: [usize; 2],
+    },
+    /// Max over each window of x: [N, C, H, W] → [N, C, OH, OW].
+    MaxPool2d(Pool2dAttrs),
+    /// (x, v) → pooled-shaped: v at the position where x has its window
+    /// maximum (the first one on ties). `MaxPool2d(x) = Select(x, x)`.
+    MaxPool2dSelect(Pool2dAttrs),
+    /// (x, dy) → x-shaped: each dy routed to its window's argmax in x
+    /// (the adjoint of `MaxPool2dSelect` in its second operand).
+    MaxPool2dBackward(Pool2dAttrs),
+    /// Mean over each window (padding counts as zero).
+    AvgPool2d(Pool2dAttrs),
+    /// dy → x-shaped, the adjoint of `AvgPool2d`, for input size `input_hw`.
+    AvgPool2dBackward {
+        attrs: Pool2dAttrs,
+        input_hw: [usize; 2],
+    },
+    Softmax { axis: usize },
+    LogSoftmax { axis: usize },
+    /// gather(data, indices: i64|i32) along `axis`: out.shape =
+    /// data.shape[..axis] ++ indices.shape ++ data.shape[axis+1..].
+    /// Out-of-range indices are a runtime error.
+    Gather { axis: usize },
+    /// scatter_add(indices, updates): the adjoint of `Gather`; returns zeros
+    /// of data shape (axis length `dim_size`) with updates summed in.
+    ScatterAdd { axis: usize, dim_size: usize },
+    /// one_hot(indices: i64|i32) → f32 [..., depth]; out-of-range rows are 0.
+    OneHot { depth: usize },
+    /// uniform(seed: i64 scalar) → f32 in [0, 1) of `shape`; the same seed
+    /// gives the same values on every backend.
+    RandomUniform { shape: Vec<Dim> },
+    /// A call with a user-written backward rule.
+    CustomGrad(Box<CustomGrad>),
+}
+
+impl Op {
+    /// Stable op name, used in error messages, op counts and the file format.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Constant(_) => "constant",
+            Op::Unary(u) => match u {
+                UnaryOp::Neg => "neg",
+                UnaryOp::Abs => "abs",
+                UnaryOp::Sign => "sign",
+                UnaryOp::Exp => "exp",
+                UnaryOp::Log => "log",
+                UnaryOp::Sqrt => "sqrt",
+                UnaryOp::Rsqrt => "rsqrt",
+                UnaryOp::Reciprocal => "reciprocal",
+                UnaryOp::Square => "square",
+                UnaryOp::Relu => "relu",
+                UnaryOp::Gelu => "gelu",
+                UnaryOp::Sigmoid => "sigmoid",
+                UnaryOp::Tanh => "tanh",
+                UnaryOp::Not => "not",
+            },
+            Op::Binary(b) => match b {
+                BinaryOp::Add => "add",
+                BinaryOp::Sub => "sub",
+                BinaryOp::Mul => "mul",
+                BinaryOp::Div => "div",
+                BinaryOp::Pow => "pow",
+                BinaryOp::Maximum => "maximum",
+                BinaryOp::Minimum => "minimum",
+                BinaryOp::Eq => "eq",
+                BinaryOp::Ne => "ne",
+                BinaryOp::Lt => "lt",
+                BinaryOp::Le => "le",
+                BinaryOp::Gt => "gt",
+                BinaryOp::Ge => "ge",
+                BinaryOp::And => "and",
+                BinaryOp::Or => "or",
+            },
+            Op::Where => "where",
+            Op::Cast { .. } => "cast",
+            Op::MatMul { .. } => "matmul",
+            Op::Reduce { kind, .. } => match kind {
+                ReduceKind::Sum => "sum",
+                ReduceKind::Mean => "mean",
+                ReduceKind::Max => "max",
+            },
+            Op::Reshape { .. } => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Broadcast { .. } => "broadcast",
+            Op::Slice { .. } => "slice",
+            Op::Pad { .. } => "pad",
+            Op::Concat { .. } => "concat",
+            Op::Conv2d(_) => "conv2d",
+            Op::Conv2dBackwardInput { .. } => "conv2d_backward_input",
+            Op::Conv2dBackwardFilter { .. } => "conv2d_backward_filter",
+            Op::MaxPool2d(_) => "max_pool2d",
+            Op::MaxPool2dSelect(_) => "max_pool2d_select",
+            Op::MaxPool2dBackward(_) => "max_pool2d_backward",
+            Op::AvgPool2d(_) => "avg_pool2d",
+            Op::AvgPool2dBackward { .. } => "avg_pool2d_backward",
+            Op::Softmax { .. } => "softmax",
+            Op::LogSoftmax { .. } => "log_softmax",
+            Op::Gather { .. } => "gather",
+            Op::ScatterAdd { .. } => "scatter_add",
+            Op::OneHot { .. } => "one_hot",
+            Op::RandomUniform { .. } => "random_uniform",
+            Op::CustomGrad(_) => "custom_grad",
+        }
+    }
+
+    /// How many inputs the op takes; `None` for variadic ops.
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Input { .. } | Op::Constant(_) => 0,
+            Op::Unary(_)
+            | Op::Cast { .. }
+            | Op::Reduce { .. }
+            | Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Broadcast { .. }
+            | Op::Slice { .. }
+            | Op::Pad { .. }
+            | Op::MaxPool2d(_)
+            | Op::AvgPool2d(_)
+            | Op::AvgPool2dBackward { .. }
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. }
+            | Op::OneHot { .. }
+            | Op::RandomUniform { .. } => 1,
+            Op::Binary(_)
+            | Op::MatMul { .. }
+            | Op::Conv2d(_)
+            | Op::Conv2dBackwardInput { .. }
+            | Op::Conv2dBackwardFilter { .. }
+            | Op::MaxPool2dSelect(_)
+            | Op::MaxPool2dBackward(_)
+            | Op::Gather { .. }
+            | Op::ScatterAdd { .. } => 2,
+            Op::Where => 3,
+            Op::Concat { .. } => return None,
+            Op::CustomGrad(c) => c.forward.inputs().len(),
+        })
+    }
+
+    /// True for ops whose result depends only on their inputs and attributes
+    /// (every op but graph inputs), so equal nodes may be merged.
+    pub fn is_pure(&self) -> bool {
+        !matches!(self, Op::Input { .. })
+    }
+}
+
+/// The output size of a strided window over `input` (conv and pooling).
+pub fn window_output_size(
+    input: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+) -> Option<usize> {
+    let effective_kernel = dilation.checked_mul(kernel.checked_sub(1)?)?.checked_add(1)?;
+    let padded = input.checked_add(padding.checked_mul(2)?)?;
+    if stride == 0 || padded < effective_kernel {
+        return None;
+    }
+    Some((padded - effective_kernel) / stride + 1)
+}

@@ -1,0 +1,118 @@
+//! The verifier: checks every structural invariant of a graph built from
+//! raw parts (a file, a pass), naming the node, its op and the cause.
+
+use std::collections::HashSet;
+
+use crate::error::{IrError, IrResult, node_error};
+use crate::graph::{Graph, MAX_NODES, ValueId};
+use crate::infer::infer_type;
+use crate::op::{CustomGrad, Op};
+
+/// How deeply custom-gradient graphs may nest; bounds recursion on
+/// untrusted input.
+pub const MAX_NESTING: usize = 8;
+
+pub fn verify(graph: &Graph) -> IrResult<()> {
+    verify_at_depth(graph, 0)
+}
+
+fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
+    if depth > MAX_NESTING {
+        return Err(IrError::LimitExceeded {
+            what: "levels of nested custom-gradient graphs",
+            limit: MAX_NESTING,
+        });
+    }
+    if graph.len() > MAX_NODES {
+        return Err(IrError::LimitExceeded {
+            what: "nodes",
+            limit: MAX_NODES,
+        });
+    }
+    let mut input_nodes = Vec::new();
+    for (index, node) in graph.nodes().iter().enumerate() {
+        let id = ValueId(index as u32);
+        let name = node.op.name();
+        if let Some(&bad) = node.inputs.iter().find(|i| i.index() >= index) {
+            return Err(node_error(id, name, format!("reads {bad}, which is not defined before it")));
+        }
+        if let Op::Input { .. } = node.op {
+            if !node.inputs.is_empty() {
+                return Err(node_error(id, name, "an input node cannot read values"));
+            }
+            input_nodes.push(id);
+            continue;
+        }
+        if let Op::CustomGrad(custom) = &node.op {
+            verify_custom(custom, depth).map_err(|e| node_error(id, name, e.to_string()))?;
+        }
+        let types: Vec<_> = node.inputs.iter().map(|&i| graph.ty(i)).collect();
+        let inferred = infer_type(&node.op, &types).map_err(|cause| node_error(id, name, cause))?;
+        if inferred != node.ty {
+            return Err(node_error(
+                id,
+                name,
+                format!("declared type {} differs from inferred type {inferred}", node.ty),
+            ));
+        }
+    }
+    if input_nodes != graph.inputs() {
+        return Err(IrError::Invalid(
+            "graph inputs must list every input node once, in node order".into(),
+        ));
+    }
+    let mut names = HashSet::new();
+    for &input in graph.inputs() {
+        let name = graph.input_name(input);
+        if !names.insert(name) {
+            return Err(IrError::DuplicateInput(name.to_string()));
+        }
+    }
+    let mut names = HashSet::new();
+    for (name, value) in graph.outputs() {
+        if value.index() >= graph.len() {
+            return Err(IrError::DanglingOutput {
+                name: name.clone(),
+                value: value.index(),
+            });
+        }
+        if !names.insert(name.as_str()) {
+            return Err(IrError::DuplicateOutput(name.clone()));
+        }
+    }
+    Ok(())
+}
+
+/// A custom rule's backward graph takes (inputs…, y, dy) and returns one
+/// gradient per input, each of that input's type.
+fn verify_custom(custom: &CustomGrad, depth: usize) -> IrResult<()> {
+    verify_at_depth(&custom.forward, depth + 1)?;
+    verify_at_depth(&custom.backward, depth + 1)?;
+    let fwd = &custom.forward;
+    let bwd = &custom.backward;
+    let [(_, out)] = fwd.outputs() else {
+        return Err(IrError::Invalid(format!(
+            "custom gradient `{}`: forward must have one output",
+            custom.name
+        )));
+    };
+    let n = fwd.inputs().len();
+    let mut expected: Vec<_> = fwd.inputs().iter().map(|&i| fwd.ty(i).clone()).collect();
+    expected.push(fwd.ty(*out).clone());
+    expected.push(fwd.ty(*out).clone());
+    let got: Vec<_> = bwd.inputs().iter().map(|&i| bwd.ty(i).clone()).collect();
+    if got != expected {
+        return Err(IrError::Invalid(format!(
+            "custom gradient `{}`: backward must take (inputs…, y, dy) typed {expected:?}, takes {got:?}",
+            custom.name
+        )));
+    }
+    let grads: Vec<_> = bwd.outputs().iter().map(|(_, v)| bwd.ty(*v).clone()).collect();
+    if grads.len() != n || grads.iter().zip(&expected).any(|(g, e)| g != e) {
+        return Err(IrError::Invalid(format!(
+            "custom gradient `{}`: backward must return one gradient per input, typed like it",
+            custom.name
+        )));
+    }
+    Ok(())
+}
