@@ -15,6 +15,7 @@ pub mod graph;
 pub mod infer;
 pub mod model;
 pub mod op;
+pub mod passes;
 pub mod types;
 pub mod verify;
 

@@ -197,7 +197,10 @@ pub enum Op {
     /// one_hot(indices: i64|i32) → f32 [..., depth]; out-of-range rows are 0.
     OneHot { depth: usize },
     /// uniform(seed: i64 scalar) → f32 in [0, 1) of `shape`; the same seed
-    /// gives the same values on every backend.
+    /// gives the same values on every backend: element `i` (row-major) is
+    /// `(splitmix64(seed as u64 + (i as u64 + 1) * 0x9E3779B97F4A7C15) >> 40) as f32 / 2^24`
+    /// with wrapping arithmetic, where splitmix64 is the finaliser
+    /// `z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31`.
     RandomUniform { shape: Vec<Dim> },
     /// A call with a user-written backward rule.
     CustomGrad(Box<CustomGrad>),

@@ -1,0 +1,231 @@
+//! The CPU backend: an executor over `ndarray` kernels.
+//!
+//! Graph mode reuses buffers: the executor computes each value's last use
+//! at compile time and hands a value to its last consumer by ownership, so
+//! elementwise kernels and in-graph optimizer updates write in place.
+
+pub mod kernels;
+
+use canopy_ir::{Dim, Graph, Op, TensorType, ValueId};
+
+use crate::backend::{Backend, Executable};
+use crate::error::{EngineError, EngineResult};
+use crate::value::Value;
+pub use kernels::Arg;
+
+/// The CPU backend. Matmul runs on `matrixmultiply` (threaded), large
+/// elementwise and reduction kernels on rayon.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn compile(&self, graph: &Graph) -> EngineResult<Box<dyn Executable>> {
+        Ok(Box::new(CpuExecutable::new(graph)?))
+    }
+}
+
+/// A graph prepared for repeated execution on the CPU.
+pub struct CpuExecutable {
+    graph: Graph,
+    /// For each node, the index of the last node that reads it, or
+    /// `usize::MAX` when it is a graph output.
+    last_use: Vec<usize>,
+    /// Constants decoded once, at compile time.
+    constants: Vec<Option<Value>>,
+    input_names: Vec<String>,
+    output_names: Vec<String>,
+}
+
+impl CpuExecutable {
+    pub fn new(graph: &Graph) -> EngineResult<CpuExecutable> {
+        canopy_ir::verify::verify(graph)?;
+        let graph = canopy_ir::passes::inline_custom_grads(graph)?;
+        let mut last_use = vec![0usize; graph.len()];
+        for (index, node) in graph.nodes().iter().enumerate() {
+            for input in &node.inputs {
+                last_use[input.index()] = index;
+            }
+        }
+        for (_, out) in graph.outputs() {
+            last_use[out.index()] = usize::MAX;
+        }
+        let constants = graph
+            .nodes()
+            .iter()
+            .map(|n| match &n.op {
+                Op::Constant(data) => Some(Value::from_data(data)),
+                _ => None,
+            })
+            .collect();
+        let input_names = graph.input_names().iter().map(|s| s.to_string()).collect();
+        let output_names = graph.outputs().iter().map(|(n, _)| n.clone()).collect();
+        Ok(CpuExecutable {
+            graph,
+            last_use,
+            constants,
+            input_names,
+            output_names,
+        })
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// Binds the symbolic batch dimension from the inputs and checks every
+    /// input against its declared type.
+    fn bind_batch(&self, inputs: &[Value]) -> EngineResult<usize> {
+        let mut batch: Option<usize> = None;
+        for (&id, value) in self.graph.inputs().iter().zip(inputs) {
+            let ty = self.graph.ty(id);
+            let name = self.graph.input_name(id);
+            check_rank_and_dtype(name, ty, value)?;
+            for (axis, dim) in ty.shape.dims().iter().enumerate() {
+                if *dim != Dim::Batch {
+                    continue;
+                }
+                let got = value.shape()[axis];
+                match batch {
+                    None => batch = Some(got),
+                    Some(b) if b != got => {
+                        return Err(EngineError::Input {
+                            name: name.to_string(),
+                            cause: format!(
+                                "batch dimension (axis {axis}) is {got}, but other inputs bind it to {b}"
+                            ),
+                        });
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        let batch = batch.unwrap_or(1);
+        for (&id, value) in self.graph.inputs().iter().zip(inputs) {
+            let ty = self.graph.ty(id);
+            if !value.fits(ty, batch) {
+                return Err(EngineError::Input {
+                    name: self.graph.input_name(id).to_string(),
+                    cause: format!("expected {ty} (N = {batch}), got shape {:?}", value.shape()),
+                });
+            }
+        }
+        Ok(batch)
+    }
+}
+
+fn check_rank_and_dtype(name: &str, ty: &TensorType, value: &Value) -> EngineResult<()> {
+    if value.dtype() != ty.dtype || value.shape().len() != ty.rank() {
+        return Err(EngineError::Input {
+            name: name.to_string(),
+            cause: format!(
+                "expected {ty}, got {}{:?}",
+                value.dtype(),
+                value.shape()
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl Executable for CpuExecutable {
+    fn run(&mut self, inputs: Vec<Value>) -> EngineResult<Vec<Value>> {
+        let expected = self.graph.inputs().len();
+        if inputs.len() != expected {
+            return Err(EngineError::Other(format!(
+                "graph takes {expected} inputs ({}), got {}",
+                self.input_names.join(", "),
+                inputs.len()
+            )));
+        }
+        let batch = self.bind_batch(&inputs)?;
+        let mut values: Vec<Option<Value>> = vec![None; self.graph.len()];
+        for (&id, value) in self.graph.inputs().iter().zip(inputs) {
+            values[id.index()] = Some(value);
+        }
+        for (index, node) in self.graph.nodes().iter().enumerate() {
+            if matches!(node.op, Op::Input { .. } | Op::Constant(_)) {
+                continue;
+            }
+            let result = self.eval_node(index, &mut values, batch)?;
+            values[index] = Some(result);
+            for input in &node.inputs {
+                if self.last_use[input.index()] == index {
+                    values[input.index()] = None;
+                }
+            }
+        }
+        let outputs = self.graph.outputs();
+        let mut result = Vec::with_capacity(outputs.len());
+        for (position, (_, id)) in outputs.iter().enumerate() {
+            let reused_later = outputs[position + 1..].iter().any(|(_, o)| o == id);
+            let value = if reused_later {
+                self.lookup(&values, *id).clone()
+            } else {
+                match values[id.index()].take() {
+                    Some(v) => v,
+                    None => self.lookup(&values, *id).clone(),
+                }
+            };
+            result.push(value);
+        }
+        Ok(result)
+    }
+
+    fn input_names(&self) -> &[String] {
+        &self.input_names
+    }
+
+    fn output_names(&self) -> &[String] {
+        &self.output_names
+    }
+}
+
+impl CpuExecutable {
+    fn lookup<'a>(&'a self, values: &'a [Option<Value>], id: ValueId) -> &'a Value {
+        values[id.index()]
+            .as_ref()
+            .or(self.constants[id.index()].as_ref())
+            .expect("executor invariant: a value is live until its last use")
+    }
+
+    fn eval_node(
+        &self,
+        index: usize,
+        values: &mut [Option<Value>],
+        batch: usize,
+    ) -> EngineResult<Value> {
+        let node = &self.graph.nodes()[index];
+        // A value is handed over by ownership only at its last use, and only
+        // when this node reads it once.
+        let mut owned: Vec<Option<Value>> = node
+            .inputs
+            .iter()
+            .map(|id| {
+                let once = node.inputs.iter().filter(|&x| x == id).count() == 1;
+                if once && self.last_use[id.index()] == index {
+                    values[id.index()].take()
+                } else {
+                    None
+                }
+            })
+            .collect();
+        let args: Vec<Arg<'_>> = node
+            .inputs
+            .iter()
+            .zip(owned.iter_mut())
+            .map(|(&id, slot)| match slot.take() {
+                Some(v) => Arg::Owned(v),
+                None => Arg::Shared(self.lookup(values, id)),
+            })
+            .collect();
+        kernels::eval(&node.op, args, &node.ty, batch).map_err(|cause| EngineError::Kernel {
+            node: index,
+            op: node.op.name(),
+            cause,
+        })
+    }
+}
