@@ -10,10 +10,29 @@
 
 pub mod backend;
 pub mod cpu;
+pub mod data;
 pub mod error;
+pub mod fold;
+pub mod function;
+pub mod nn;
+pub mod optim;
+pub mod tensor;
+pub mod train;
 pub mod value;
+pub mod zoo;
 
 pub use backend::{Backend, Executable};
 pub use cpu::CpuBackend;
 pub use error::{EngineError, EngineResult};
+pub use function::Function;
+pub use tensor::{Mode, Tensor, mode, set_mode, trace};
 pub use value::Value;
+
+/// The standard optimisation pipeline, with constant folding on the CPU
+/// kernels.
+pub fn optimize_graph(graph: &canopy_ir::Graph) -> EngineResult<canopy_ir::Graph> {
+    Ok(canopy_ir::passes::optimize(
+        graph,
+        Some(&fold::CpuConstEvaluator),
+    )?)
+}

@@ -75,14 +75,20 @@ impl Value {
     pub fn as_f32(&self) -> Result<&ArrayD<f32>, EngineError> {
         match self {
             Value::F32(a) => Ok(a),
-            other => Err(EngineError::DType(format!("expected f32, got {}", other.dtype()))),
+            other => Err(EngineError::DType(format!(
+                "expected f32, got {}",
+                other.dtype()
+            ))),
         }
     }
 
     pub fn into_f32(self) -> Result<ArrayD<f32>, EngineError> {
         match self {
             Value::F32(a) => Ok(a),
-            other => Err(EngineError::DType(format!("expected f32, got {}", other.dtype()))),
+            other => Err(EngineError::DType(format!(
+                "expected f32, got {}",
+                other.dtype()
+            ))),
         }
     }
 
@@ -93,7 +99,9 @@ impl Value {
             .next()
             .copied()
             .filter(|_| a.len() == 1)
-            .ok_or_else(|| EngineError::Shape(format!("expected one element, got shape {:?}", a.shape())))
+            .ok_or_else(|| {
+                EngineError::Shape(format!("expected one element, got shape {:?}", a.shape()))
+            })
     }
 
     /// Row-major f32 elements (copies when the layout is not standard).

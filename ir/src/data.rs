@@ -113,7 +113,9 @@ pub struct TensorData {
 impl TensorData {
     /// Builds a tensor; `None` when the element count does not match the shape.
     pub fn new(shape: Vec<usize>, buffer: Buffer) -> Option<TensorData> {
-        let count = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
+        let count = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))?;
         (count == buffer.len()).then_some(TensorData { shape, buffer })
     }
 

@@ -17,7 +17,10 @@ pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, Cause> {
     }
     let ty = infer_unchecked(op, types)?;
     if ty.rank() > MAX_RANK {
-        return Err(format!("result rank {} exceeds the limit of {MAX_RANK}", ty.rank()));
+        return Err(format!(
+            "result rank {} exceeds the limit of {MAX_RANK}",
+            ty.rank()
+        ));
     }
     Ok(ty)
 }
@@ -87,7 +90,10 @@ fn infer_unchecked(op: &Op, t: &[&TensorType]) -> Result<TensorType, Cause> {
         Op::MaxPool2dBackward(attrs) => {
             let pooled = pool2d(t[0], attrs)?;
             if *t[1] != pooled {
-                return Err(format!("gradient {} must have the pooled type {pooled}", t[1]));
+                return Err(format!(
+                    "gradient {} must have the pooled type {pooled}",
+                    t[1]
+                ));
             }
             Ok(t[0].clone())
         }
@@ -96,7 +102,12 @@ fn infer_unchecked(op: &Op, t: &[&TensorType]) -> Result<TensorType, Cause> {
             let dims = &t[0].shape.0;
             let input = TensorType::new(
                 DType::F32,
-                Shape(vec![dims[0], dims[1], Dim::Fixed(input_hw[0]), Dim::Fixed(input_hw[1])]),
+                Shape(vec![
+                    dims[0],
+                    dims[1],
+                    Dim::Fixed(input_hw[0]),
+                    Dim::Fixed(input_hw[1]),
+                ]),
             );
             let pooled = pool2d(&input, attrs)?;
             if pooled != *t[0] {
@@ -179,7 +190,11 @@ fn fixed_axis(shape: &Shape, axis: usize) -> Result<usize, Cause> {
 }
 
 fn unary(op: UnaryOp, t: &TensorType) -> Result<TensorType, Cause> {
-    let want = if op == UnaryOp::Not { DType::Bool } else { DType::F32 };
+    let want = if op == UnaryOp::Not {
+        DType::Bool
+    } else {
+        DType::F32
+    };
     expect_dtype(t, want, "operand")?;
     Ok(t.clone())
 }
@@ -262,7 +277,12 @@ fn swap_if(swap: bool, x: Dim, y: Dim) -> (Dim, Dim) {
     if swap { (y, x) } else { (x, y) }
 }
 
-fn reduce(kind: ReduceKind, t: &TensorType, axes: &[usize], keep: bool) -> Result<TensorType, Cause> {
+fn reduce(
+    kind: ReduceKind,
+    t: &TensorType,
+    axes: &[usize],
+    keep: bool,
+) -> Result<TensorType, Cause> {
     if t.dtype != DType::F32 && kind != ReduceKind::Max && kind != ReduceKind::Sum {
         return Err(format!("{kind:?} needs an f32 operand, got {t}"));
     }
@@ -310,7 +330,10 @@ fn reshape(t: &TensorType, target: &[Dim]) -> Result<TensorType, Cause> {
 fn transpose(t: &TensorType, perm: &[usize]) -> Result<TensorType, Cause> {
     let mut seen = vec![false; t.rank()];
     if perm.len() != t.rank() {
-        return Err(format!("permutation {perm:?} does not fit rank {}", t.rank()));
+        return Err(format!(
+            "permutation {perm:?} does not fit rank {}",
+            t.rank()
+        ));
     }
     for &p in perm {
         if p >= t.rank() || std::mem::replace(&mut seen[p], true) {
@@ -324,7 +347,9 @@ fn transpose(t: &TensorType, perm: &[usize]) -> Result<TensorType, Cause> {
 fn slice(t: &TensorType, axis: usize, start: usize, end: usize) -> Result<TensorType, Cause> {
     let len = fixed_axis(&t.shape, axis)?;
     if start > end || end > len {
-        return Err(format!("range {start}..{end} is out of bounds for axis {axis} of length {len}"));
+        return Err(format!(
+            "range {start}..{end} is out of bounds for axis {axis} of length {len}"
+        ));
     }
     let mut dims = t.shape.0.clone();
     dims[axis] = Dim::Fixed(end - start);
@@ -342,7 +367,9 @@ fn concat(t: &[&TensorType], axis: usize) -> Result<TensorType, Cause> {
         }
         for (d, (a, b)) in x.shape.0.iter().zip(&first.shape.0).enumerate() {
             if d != axis && a != b {
-                return Err(format!("input {i} {x} differs from input 0 {first} off the concat axis"));
+                return Err(format!(
+                    "input {i} {x} differs from input 0 {first} off the concat axis"
+                ));
             }
         }
         total += fixed_axis(&x.shape, axis)?;
@@ -366,9 +393,7 @@ fn conv_out_hw(in_hw: [usize; 2], k_hw: [usize; 2], a: &Conv2dAttrs) -> Result<[
     for i in 0..2 {
         out[i] = window_output_size(in_hw[i], k_hw[i], a.stride[i], a.padding[i], a.dilation[i])
             .filter(|&o| o > 0 && a.dilation[i] > 0)
-            .ok_or_else(|| {
-                format!("kernel {k_hw:?} with {a:?} does not fit input {in_hw:?}")
-            })?;
+            .ok_or_else(|| format!("kernel {k_hw:?} with {a:?} does not fit input {in_hw:?}"))?;
     }
     Ok(out)
 }
@@ -384,7 +409,12 @@ fn conv2d(x: &TensorType, w: &TensorType, a: &Conv2dAttrs) -> Result<TensorType,
     let _ = c_out;
     Ok(TensorType::new(
         DType::F32,
-        Shape(vec![x.shape.0[0], w.shape.0[0], Dim::Fixed(out[0]), Dim::Fixed(out[1])]),
+        Shape(vec![
+            x.shape.0[0],
+            w.shape.0[0],
+            Dim::Fixed(out[0]),
+            Dim::Fixed(out[1]),
+        ]),
     ))
 }
 
@@ -406,11 +436,18 @@ fn conv2d_backward_input(
     let k_hw = image(w, "filter")?;
     let x = TensorType::new(
         DType::F32,
-        Shape(vec![dy.shape.0[0], w.shape.0[1], Dim::Fixed(input_hw[0]), Dim::Fixed(input_hw[1])]),
+        Shape(vec![
+            dy.shape.0[0],
+            w.shape.0[1],
+            Dim::Fixed(input_hw[0]),
+            Dim::Fixed(input_hw[1]),
+        ]),
     );
     let y = conv2d(&x, w, a)?;
     if y != *dy {
-        return Err(format!("gradient {dy} does not match the forward output {y}"));
+        return Err(format!(
+            "gradient {dy} does not match the forward output {y}"
+        ));
     }
     let _ = k_hw;
     Ok(x)
@@ -429,7 +466,9 @@ fn conv2d_backward_filter(
     let w = TensorType::f32(&[c_out, c_in, kernel_hw[0], kernel_hw[1]]);
     let y = conv2d(x, &w, a)?;
     if y != *dy {
-        return Err(format!("gradient {dy} does not match the forward output {y}"));
+        return Err(format!(
+            "gradient {dy} does not match the forward output {y}"
+        ));
     }
     Ok(w)
 }
@@ -439,7 +478,10 @@ fn pool2d(x: &TensorType, a: &Pool2dAttrs) -> Result<TensorType, Cause> {
     let mut out = [0; 2];
     for i in 0..2 {
         if a.padding[i] * 2 > a.kernel[i] {
-            return Err(format!("padding {:?} exceeds half the kernel {:?}", a.padding, a.kernel));
+            return Err(format!(
+                "padding {:?} exceeds half the kernel {:?}",
+                a.padding, a.kernel
+            ));
         }
         out[i] = window_output_size(in_hw[i], a.kernel[i], a.stride[i], a.padding[i], 1)
             .filter(|&o| o > 0 && a.kernel[i] > 0)
@@ -447,7 +489,12 @@ fn pool2d(x: &TensorType, a: &Pool2dAttrs) -> Result<TensorType, Cause> {
     }
     Ok(TensorType::new(
         DType::F32,
-        Shape(vec![x.shape.0[0], x.shape.0[1], Dim::Fixed(out[0]), Dim::Fixed(out[1])]),
+        Shape(vec![
+            x.shape.0[0],
+            x.shape.0[1],
+            Dim::Fixed(out[0]),
+            Dim::Fixed(out[1]),
+        ]),
     ))
 }
 
@@ -470,7 +517,9 @@ fn scatter_add(
     expect_dtype(updates, DType::F32, "updates")?;
     let (ri, ru) = (idx.rank(), updates.rank());
     if ru < axis + ri || updates.shape.0[axis..axis + ri] != idx.shape.0[..] {
-        return Err(format!("updates {updates} do not fit indices {idx} at axis {axis}"));
+        return Err(format!(
+            "updates {updates} do not fit indices {idx} at axis {axis}"
+        ));
     }
     let mut dims = updates.shape.0[..axis].to_vec();
     dims.push(Dim::Fixed(dim_size));

@@ -3,14 +3,16 @@
 //! A functional graph IR ([`Graph`], [`Node`], [`Op`]) with static shape and
 //! dtype inference and a verifier; automatic differentiation as IR-to-IR
 //! transforms ([`autodiff`]); optimisation passes ([`passes`]); and the
-//! versioned, digest-checked file format ([`format`]).
+//! versioned, digest-checked file format ([`format`](mod@format)).
 //!
 //! Architecture invariant: this crate does no I/O and no execution. It maps
 //! bytes to graphs and graphs to graphs; running them is `canopy-engine`'s
 //! job, and reading files is the caller's.
 
+pub mod autodiff;
 pub mod data;
 pub mod error;
+pub mod format;
 pub mod graph;
 pub mod infer;
 pub mod model;

@@ -76,10 +76,15 @@ impl Model {
     /// Checks that every entry point verifies and that every `params/NAME`
     /// input names a parameter of the same type.
     pub fn validate(&self) -> IrResult<()> {
-        let mut seen = std::collections::HashSet::new();
+        // A map, not `parameter()`'s scan: a hostile file may pair many
+        // inputs with many parameters.
+        let mut by_name = std::collections::HashMap::with_capacity(self.parameters.len());
         for p in &self.parameters {
-            if !seen.insert(p.name.as_str()) {
-                return Err(IrError::Invalid(format!("parameter `{}` is declared twice", p.name)));
+            if by_name.insert(p.name.as_str(), p).is_some() {
+                return Err(IrError::Invalid(format!(
+                    "parameter `{}` is declared twice",
+                    p.name
+                )));
             }
         }
         for (entry, graph) in &self.entry_points {
@@ -90,7 +95,7 @@ impl Model {
                 let Some(param_name) = name.strip_prefix(PARAM_PREFIX) else {
                     continue;
                 };
-                let Some(param) = self.parameter(param_name) else {
+                let Some(param) = by_name.get(param_name) else {
                     return Err(IrError::Invalid(format!(
                         "entry point `{entry}` reads `{name}`, but the model has no parameter `{param_name}`"
                     )));

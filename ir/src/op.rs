@@ -121,7 +121,9 @@ pub struct CustomGrad {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     /// A named graph input.
-    Input { name: String },
+    Input {
+        name: String,
+    },
     /// A literal tensor.
     Constant(Box<TensorData>),
     Unary(UnaryOp),
@@ -129,11 +131,16 @@ pub enum Op {
     /// where(cond: bool, a, b): a where cond, else b, with broadcasting.
     Where,
     /// Converts the element type (float → int truncates toward zero).
-    Cast { to: DType },
+    Cast {
+        to: DType,
+    },
     /// Batched matmul: [..., m, k] × [..., k, n] → [..., m, n]; batch
     /// dimensions broadcast. The transpose flags swap the last two axes of
     /// an operand first, so autodiff needs no materialised transpose.
-    MatMul { transpose_a: bool, transpose_b: bool },
+    MatMul {
+        transpose_a: bool,
+        transpose_b: bool,
+    },
     /// Reduction over sorted, distinct `axes`.
     Reduce {
         kind: ReduceKind,
@@ -141,13 +148,23 @@ pub enum Op {
         keep_dims: bool,
     },
     /// Same elements, new shape (row-major order is kept).
-    Reshape { shape: Vec<Dim> },
+    Reshape {
+        shape: Vec<Dim>,
+    },
     /// out.shape[i] = in.shape[perm[i]].
-    Transpose { perm: Vec<usize> },
+    Transpose {
+        perm: Vec<usize>,
+    },
     /// NumPy broadcast_to.
-    Broadcast { shape: Vec<Dim> },
+    Broadcast {
+        shape: Vec<Dim>,
+    },
     /// Elements [start, end) along one axis.
-    Slice { axis: usize, start: usize, end: usize },
+    Slice {
+        axis: usize,
+        start: usize,
+        end: usize,
+    },
     /// Zero padding along one axis (the adjoint of `Slice`).
     Pad {
         axis: usize,
@@ -155,7 +172,9 @@ pub enum Op {
         after: usize,
     },
     /// Joins its inputs (at least one) along `axis`.
-    Concat { axis: usize },
+    Concat {
+        axis: usize,
+    },
     /// conv2d(x: [N, C, H, W], w: [O, C, KH, KW]) → [N, O, OH, OW], no bias.
     Conv2d(Conv2dAttrs),
     /// The gradient of conv2d with respect to x: (dy, w) → x-shaped, for an
@@ -185,23 +204,36 @@ pub enum Op {
         attrs: Pool2dAttrs,
         input_hw: [usize; 2],
     },
-    Softmax { axis: usize },
-    LogSoftmax { axis: usize },
+    Softmax {
+        axis: usize,
+    },
+    LogSoftmax {
+        axis: usize,
+    },
     /// gather(data, indices: i64|i32) along `axis`: out.shape =
     /// data.shape[..axis] ++ indices.shape ++ data.shape[axis+1..].
     /// Out-of-range indices are a runtime error.
-    Gather { axis: usize },
+    Gather {
+        axis: usize,
+    },
     /// scatter_add(indices, updates): the adjoint of `Gather`; returns zeros
     /// of data shape (axis length `dim_size`) with updates summed in.
-    ScatterAdd { axis: usize, dim_size: usize },
+    ScatterAdd {
+        axis: usize,
+        dim_size: usize,
+    },
     /// one_hot(indices: i64|i32) → f32 [..., depth]; out-of-range rows are 0.
-    OneHot { depth: usize },
+    OneHot {
+        depth: usize,
+    },
     /// uniform(seed: i64 scalar) → f32 in [0, 1) of `shape`; the same seed
     /// gives the same values on every backend: element `i` (row-major) is
     /// `(splitmix64(seed as u64 + (i as u64 + 1) * 0x9E3779B97F4A7C15) >> 40) as f32 / 2^24`
     /// with wrapping arithmetic, where splitmix64 is the finaliser
     /// `z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31`.
-    RandomUniform { shape: Vec<Dim> },
+    RandomUniform {
+        shape: Vec<Dim>,
+    },
     /// A call with a user-written backward rule.
     CustomGrad(Box<CustomGrad>),
 }
@@ -326,7 +358,9 @@ pub fn window_output_size(
     padding: usize,
     dilation: usize,
 ) -> Option<usize> {
-    let effective_kernel = dilation.checked_mul(kernel.checked_sub(1)?)?.checked_add(1)?;
+    let effective_kernel = dilation
+        .checked_mul(kernel.checked_sub(1)?)?
+        .checked_add(1)?;
     let padded = input.checked_add(padding.checked_mul(2)?)?;
     if stride == 0 || padded < effective_kernel {
         return None;

@@ -141,8 +141,7 @@ impl Shape {
 
     /// Element count when the shape is fully static.
     pub fn num_elements(&self) -> Option<usize> {
-        self.as_fixed()
-            .map(|dims| dims.iter().product::<usize>())
+        self.as_fixed().map(|dims| dims.iter().product::<usize>())
     }
 }
 

@@ -34,7 +34,11 @@ fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
         let id = ValueId(index as u32);
         let name = node.op.name();
         if let Some(&bad) = node.inputs.iter().find(|i| i.index() >= index) {
-            return Err(node_error(id, name, format!("reads {bad}, which is not defined before it")));
+            return Err(node_error(
+                id,
+                name,
+                format!("reads {bad}, which is not defined before it"),
+            ));
         }
         if let Op::Input { .. } = node.op {
             if !node.inputs.is_empty() {
@@ -52,7 +56,10 @@ fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
             return Err(node_error(
                 id,
                 name,
-                format!("declared type {} differs from inferred type {inferred}", node.ty),
+                format!(
+                    "declared type {} differs from inferred type {inferred}",
+                    node.ty
+                ),
             ));
         }
     }
@@ -107,7 +114,11 @@ fn verify_custom(custom: &CustomGrad, depth: usize) -> IrResult<()> {
             custom.name
         )));
     }
-    let grads: Vec<_> = bwd.outputs().iter().map(|(_, v)| bwd.ty(*v).clone()).collect();
+    let grads: Vec<_> = bwd
+        .outputs()
+        .iter()
+        .map(|(_, v)| bwd.ty(*v).clone())
+        .collect();
     if grads.len() != n || grads.iter().zip(&expected).any(|(g, e)| g != e) {
         return Err(IrError::Invalid(format!(
             "custom gradient `{}`: backward must return one gradient per input, typed like it",

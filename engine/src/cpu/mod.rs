@@ -121,11 +121,7 @@ fn check_rank_and_dtype(name: &str, ty: &TensorType, value: &Value) -> EngineRes
     if value.dtype() != ty.dtype || value.shape().len() != ty.rank() {
         return Err(EngineError::Input {
             name: name.to_string(),
-            cause: format!(
-                "expected {ty}, got {}{:?}",
-                value.dtype(),
-                value.shape()
-            ),
+            cause: format!("expected {ty}, got {}{:?}", value.dtype(), value.shape()),
         });
     }
     Ok(())

@@ -1,0 +1,183 @@
+//! `canopy model bench`: the engine's speed figures.
+//!
+//! Every figure excludes start-up (data loading, tracing, compilation); the
+//! timed region is the training or execution loop alone.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use canopy_engine::data::Dataset;
+use canopy_engine::optim::Optimizer;
+use canopy_engine::train::Trainer;
+use canopy_engine::zoo::{Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_model};
+use canopy_engine::{Backend, CpuBackend, Executable, Value};
+use canopy_ir::{Graph, Model, TensorType, autodiff};
+use clap::Args;
+
+use super::load_for_model;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// MNIST-format folder for the training workloads.
+    #[arg(long, default_value = "datasets/mnist-10k")]
+    data: PathBuf,
+    /// Epochs of the MLP workload.
+    #[arg(long, default_value_t = 5)]
+    epochs: usize,
+    /// Epochs of the LeNet-5 workload.
+    #[arg(long, default_value_t = 1)]
+    lenet_epochs: usize,
+    /// Print one JSON object as the last line.
+    #[arg(long)]
+    json: bool,
+}
+
+const BATCH: usize = 64;
+const LR: f32 = 0.1;
+/// How long each micro-benchmark runs.
+const MEASURE: Duration = Duration::from_millis(600);
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let mlp = model(Architecture::Mlp {
+        inputs: 784,
+        hidden: 128,
+        classes: 10,
+    })?;
+    let lenet = model(Architecture::LeNet5 { classes: 10 })?;
+    let (mlp_train, _) = load_for_model(&args.data, &mlp)?;
+    let (lenet_train, _) = load_for_model(&args.data, &lenet)?;
+    let mlp_rate = train_throughput(&mlp, &mlp_train, args.epochs)?;
+    println!(
+        "mlp 784-128-10 training: {mlp_rate:.0} samples/s ({} epochs, batch {BATCH}, SGD {LR})",
+        args.epochs
+    );
+    let lenet_rate = train_throughput(&lenet, &lenet_train, args.lenet_epochs)?;
+    println!(
+        "lenet5 training:         {lenet_rate:.0} samples/s ({} epochs)",
+        args.lenet_epochs
+    );
+    let mlp_ratio = backward_forward_ratio(&mlp, &mlp_train)?;
+    let lenet_ratio = backward_forward_ratio(&lenet, &lenet_train)?;
+    println!("backward/forward time:   mlp {mlp_ratio:.2}, lenet5 {lenet_ratio:.2}");
+    let mut gflops = serde_json::Map::new();
+    for n in [256, 512, 1024] {
+        let rate = matmul_gflops(n)?;
+        println!("matmul {n}x{n}:          {rate:.1} GFLOPS");
+        gflops.insert(n.to_string(), rate.into());
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "mlp_train_samples_per_s": mlp_rate,
+                "lenet5_train_samples_per_s": lenet_rate,
+                "backward_forward_ratio": mlp_ratio,
+                "lenet5_backward_forward_ratio": lenet_ratio,
+                "matmul_gflops": gflops,
+                "threads": rayon::current_num_threads(),
+            })
+        );
+    }
+    Ok(())
+}
+
+fn model(architecture: Architecture) -> Result<Model> {
+    Ok(build_model(&ModelConfig {
+        architecture,
+        seed: 0,
+        optimizer: Optimizer::sgd(),
+        frozen_prefixes: Vec::new(),
+        producer: "canopy bench".into(),
+    })?)
+}
+
+/// Samples per second over the whole shuffled training loop.
+fn train_throughput(model: &Model, train: &Dataset, epochs: usize) -> Result<f64> {
+    let mut trainer = Trainer::new(model, &CpuBackend, 0)?;
+    let started = Instant::now();
+    let mut samples = 0usize;
+    for epoch in 0..epochs {
+        for batch in train.batches(BATCH, Some(epoch as u64), true)? {
+            samples += batch.len();
+            trainer.step(batch.x, batch.y, LR)?;
+        }
+    }
+    Ok(samples as f64 / started.elapsed().as_secs_f64())
+}
+
+/// (time of forward+backward − time of forward) / time of forward, for the
+/// loss graph and its `value_and_grad`, on one batch.
+fn backward_forward_ratio(model: &Model, train: &Dataset) -> Result<f64> {
+    let forward = model.entry(ENTRY_TRAIN_LOSS)?.clone();
+    let wrt: Vec<String> = model
+        .parameters
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| format!("params/{}", p.name))
+        .collect();
+    let wrt: Vec<&str> = wrt.iter().map(String::as_str).collect();
+    let both = canopy_engine::optimize_graph(&autodiff::value_and_grad(&forward, "loss", &wrt)?)?;
+    let batch = train
+        .batches(BATCH, None, true)?
+        .next()
+        .context("dataset is smaller than one batch")?;
+    let forward_time = time_graph(&forward, model, &batch.x, &batch.y)?;
+    let both_time = time_graph(&both, model, &batch.x, &batch.y)?;
+    Ok((both_time - forward_time) / forward_time)
+}
+
+fn time_graph(graph: &Graph, model: &Model, x: &Value, y: &Value) -> Result<f64> {
+    let mut exec = CpuBackend.compile(graph)?;
+    let inputs = || -> Result<Vec<Value>> {
+        graph
+            .inputs()
+            .iter()
+            .map(|&i| {
+                let name = graph.input_name(i);
+                Ok(match name {
+                    "x" => x.clone(),
+                    "y" => y.clone(),
+                    "seed" => Value::scalar_i64(1),
+                    _ => Value::from_data(
+                        &model
+                            .parameter(name.trim_start_matches("params/"))
+                            .with_context(|| format!("no parameter for input `{name}`"))?
+                            .data,
+                    ),
+                })
+            })
+            .collect()
+    };
+    per_run_seconds(exec.as_mut(), inputs)
+}
+
+/// Mean seconds per run, after a warm-up run; input preparation is not timed.
+fn per_run_seconds(
+    exec: &mut dyn Executable,
+    inputs: impl Fn() -> Result<Vec<Value>>,
+) -> Result<f64> {
+    exec.run(inputs()?)?;
+    let (mut total, mut runs) = (Duration::ZERO, 0u32);
+    while total < MEASURE {
+        let prepared = inputs()?;
+        let started = Instant::now();
+        exec.run(prepared)?;
+        total += started.elapsed();
+        runs += 1;
+    }
+    Ok(total.as_secs_f64() / runs as f64)
+}
+
+fn matmul_gflops(n: usize) -> Result<f64> {
+    let mut g = Graph::new();
+    let a = g.input("a", TensorType::f32(&[n, n]))?;
+    let b = g.input("b", TensorType::f32(&[n, n]))?;
+    let c = g.matmul(a, b)?;
+    g.set_output("c", c)?;
+    let mut exec = CpuBackend.compile(&g)?;
+    let values: Vec<f32> = (0..n * n).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+    let operand = Value::f32(&[n, n], values)?;
+    let seconds = per_run_seconds(exec.as_mut(), || Ok(vec![operand.clone(), operand.clone()]))?;
+    Ok(2.0 * (n as f64).powi(3) / seconds / 1e9)
+}

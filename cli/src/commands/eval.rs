@@ -1,0 +1,44 @@
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+use clap::Args;
+
+use super::load_for_model;
+use super::train::evaluate;
+use crate::DataArgs;
+use crate::files::read_model_file;
+
+#[derive(Args)]
+pub struct EvalArgs {
+    file: PathBuf,
+    #[command(flatten)]
+    data: DataArgs,
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Print one JSON object with `loss`, `accuracy` and `samples` as the last line.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: EvalArgs) -> Result<()> {
+    if args.batch == 0 || args.batch > 1 << 16 {
+        bail!("--batch {} is out of range (1..=65536)", args.batch);
+    }
+    let (model, _) = read_model_file(&args.file)?;
+    let (_, test) = load_for_model(&args.data.data, &model)?;
+    let stats = evaluate(&model, &test, args.batch)?;
+    println!(
+        "{}: test loss {:.4}, accuracy {:.4} over {} samples",
+        args.file.display(),
+        stats.loss,
+        stats.accuracy,
+        stats.samples
+    );
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"loss": stats.loss, "accuracy": stats.accuracy, "samples": stats.samples})
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,107 @@
+use std::path::PathBuf;
+
+use anyhow::Result;
+use canopy_ir::format::digest_hex;
+use clap::Args;
+
+use crate::files::read_model_file;
+
+#[derive(Args)]
+pub struct InspectArgs {
+    file: PathBuf,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: InspectArgs) -> Result<()> {
+    let (model, digest) = read_model_file(&args.file)?;
+    if args.json {
+        println!("{}", to_json(&model, &digest));
+        return Ok(());
+    }
+    let meta = &model.metadata;
+    println!("model:     {}", meta.model_name);
+    println!("digest:    sha256:{}", digest_hex(&digest));
+    println!("producer:  {}", meta.producer);
+    if let Some(parent) = &meta.parent_digest {
+        println!("parent:    sha256:{}", digest_hex(parent));
+    }
+    for (key, value) in &meta.properties {
+        println!("{key:<10} {value}");
+    }
+    println!("\nparameters:");
+    for p in &model.parameters {
+        let kind = if p.trainable { "trainable" } else { "frozen" };
+        println!(
+            "  {:<20} {:<5} {:<16} {kind}",
+            p.name,
+            p.data.dtype().name(),
+            format!("{:?}", p.data.shape)
+        );
+    }
+    println!(
+        "  total {} elements, {} trainable",
+        model
+            .parameters
+            .iter()
+            .map(|p| p.data.num_elements())
+            .sum::<usize>(),
+        model.trainable_elements()
+    );
+    println!("\nentry points:");
+    for (name, graph) in &model.entry_points {
+        let inputs: Vec<String> = graph
+            .inputs()
+            .iter()
+            .filter(|&&i| !graph.input_name(i).starts_with("params/"))
+            .map(|&i| format!("{}: {}", graph.input_name(i), graph.ty(i)))
+            .collect();
+        let outputs: Vec<String> = graph
+            .outputs()
+            .iter()
+            .filter(|(n, _)| !n.starts_with("params/") && !n.starts_with("state/"))
+            .map(|(n, v)| format!("{n}: {}", graph.ty(*v)))
+            .collect();
+        println!("  {name} ({} nodes)", graph.len());
+        println!("    inputs:  params/*, {}", inputs.join(", "));
+        println!("    outputs: {}", outputs.join(", "));
+        let counts: Vec<String> = graph
+            .op_counts()
+            .into_iter()
+            .filter(|(op, _)| *op != "input")
+            .map(|(op, n)| format!("{op}×{n}"))
+            .collect();
+        println!("    ops:     {}", counts.join(" "));
+    }
+    Ok(())
+}
+
+fn to_json(model: &canopy_ir::Model, digest: &[u8; 32]) -> serde_json::Value {
+    let params: Vec<_> = model
+        .parameters
+        .iter()
+        .map(|p| {
+            serde_json::json!({
+                "name": p.name, "dtype": p.data.dtype().name(),
+                "shape": p.data.shape, "trainable": p.trainable,
+            })
+        })
+        .collect();
+    let entries: serde_json::Map<String, serde_json::Value> = model
+        .entry_points
+        .iter()
+        .map(|(name, g)| {
+            (
+                name.clone(),
+                serde_json::json!({"nodes": g.len(), "ops": g.op_counts()}),
+            )
+        })
+        .collect();
+    serde_json::json!({
+        "model": model.metadata.model_name,
+        "digest": digest_hex(digest),
+        "parameters": params,
+        "entry_points": entries,
+    })
+}

@@ -1,0 +1,58 @@
+pub mod bench;
+pub mod eval;
+pub mod inspect;
+pub mod new;
+pub mod train;
+
+use anyhow::{Context, Result, bail};
+use canopy_engine::data::{Dataset, load_dir};
+use canopy_ir::Model;
+use std::path::Path;
+
+use crate::files::Hint;
+
+/// Loads `dir`'s train and test splits shaped for `model`'s `x` input,
+/// checking that labels fit its classes.
+pub fn load_for_model(dir: &Path, model: &Model) -> Result<(Dataset, Dataset)> {
+    let (train, test) =
+        load_dir(dir).with_context(|| format!("cannot load dataset `{}`", dir.display()))?;
+    let shape = canopy_engine::zoo::sample_shape(model)?;
+    let classes = model_classes(model)?;
+    let fit = |d: Dataset, split: &str| -> Result<Dataset> {
+        let sample: Vec<usize> = d.feature_shape().to_vec();
+        let d = d.with_feature_shape(&shape).map_err(|e| {
+            anyhow::Error::new(e)
+                .context(format!(
+                    "the {split} split of `{}` has samples of shape {sample:?}, but the model `{}` expects {shape:?}",
+                    dir.display(),
+                    model.metadata.model_name
+                ))
+        })?;
+        if let Some(bad) = d.labels().iter().find(|&&l| l < 0 || l as usize >= classes) {
+            bail!(
+                "the {split} split of `{}` has label {bad}, but the model `{}` has {classes} classes",
+                dir.display(),
+                model.metadata.model_name
+            );
+        }
+        Ok(d)
+    };
+    Ok((fit(train, "train")?, fit(test, "test")?))
+}
+
+pub fn model_classes(model: &Model) -> Result<usize> {
+    let infer = model.entry(canopy_ir::model::ENTRY_INFER)?;
+    let logits = infer
+        .outputs()
+        .first()
+        .map(|(_, v)| infer.ty(*v).clone())
+        .context("entry point `infer` has no output")?;
+    match logits.shape.dims().last().and_then(|d| d.fixed()) {
+        Some(c) => Ok(c),
+        None => Err(
+            anyhow::Error::new(Hint("rebuild the model with `canopy model new`".into())).context(
+                format!("`infer` output {logits} has no static class dimension"),
+            ),
+        ),
+    }
+}

@@ -1,0 +1,61 @@
+//! Reading and writing model files, with errors that name the file.
+
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use canopy_ir::Model;
+use canopy_ir::format::{digest_hex, read_model, write_model};
+
+/// Largest model file the CLI reads: bigger files are refused before they
+/// are loaded into memory.
+pub const MAX_MODEL_FILE_BYTES: u64 = 2 << 30;
+
+/// A hint attached to an error chain; printed as `hint:`.
+#[derive(Debug)]
+pub struct Hint(pub String);
+
+impl std::fmt::Display for Hint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Hint {}
+
+pub fn read_model_file(path: &Path) -> Result<(Model, [u8; 32])> {
+    let bytes = read_bounded(path, MAX_MODEL_FILE_BYTES)
+        .with_context(|| format!("cannot read model file `{}`", path.display()))?;
+    let digest = canopy_ir::format::digest(&bytes)
+        .with_context(|| format!("`{}` is not a valid Canopy model file", path.display()))?;
+    let model = read_model(&bytes)
+        .with_context(|| format!("`{}` is not a valid Canopy model file", path.display()))?;
+    Ok((model, digest))
+}
+
+fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>> {
+    let meta = fs::metadata(path)?;
+    if meta.is_dir() {
+        anyhow::bail!("it is a directory");
+    }
+    if meta.len() > limit {
+        anyhow::bail!("it is {} bytes, over the limit of {limit}", meta.len());
+    }
+    Ok(fs::read(path)?)
+}
+
+/// Writes atomically (temporary file, then rename), so an interrupted
+/// write never leaves a truncated model behind. Returns the digest.
+pub fn write_model_file(path: &Path, model: &Model) -> Result<[u8; 32]> {
+    let bytes = write_model(model).context("cannot serialise the model")?;
+    let digest = canopy_ir::format::digest(&bytes).context("cannot digest the model")?;
+    let tmp = path.with_extension("canopy.tmp");
+    fs::write(&tmp, &bytes)
+        .and_then(|()| fs::rename(&tmp, path))
+        .with_context(|| format!("cannot write model file `{}`", path.display()))?;
+    Ok(digest)
+}
+
+pub fn short_digest(digest: &[u8; 32]) -> String {
+    digest_hex(digest)[..16].to_string()
+}

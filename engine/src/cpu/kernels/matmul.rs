@@ -1,0 +1,142 @@
+//! Batched matmul on `matrixmultiply` (through `general_mat_mul`), which
+//! takes arbitrary strides: transposes are strided views, never copies.
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewD, Axis, Ix2, IxDyn};
+
+use super::Arg;
+use super::tensor::{broadcast_shapes, broadcast_to, checked_len, filled, tensor};
+use crate::value::Value;
+
+/// [..., m, k] × [..., k, n] → [..., m, n]; `transpose` swaps the last two
+/// axes of the left and right operand first.
+pub fn matmul(a: Arg<'_>, b: Arg<'_>, transpose: [bool; 2]) -> Result<Value, String> {
+    let (a, b) = (
+        tensor::<f32>(a, "left operand")?,
+        tensor::<f32>(b, "right operand")?,
+    );
+    let a = matrix_view(a.view(), transpose[0], "left")?;
+    let b = matrix_view(b.view(), transpose[1], "right")?;
+    let (ra, rb) = (a.ndim(), b.ndim());
+    let (m, k, k2, n) = (
+        a.shape()[ra - 2],
+        a.shape()[ra - 1],
+        b.shape()[rb - 2],
+        b.shape()[rb - 1],
+    );
+    if k != k2 {
+        return Err(format!(
+            "inner dimensions differ: {:?} × {:?} (after transposes)",
+            a.shape(),
+            b.shape()
+        ));
+    }
+    if ra == 2 && rb == 2 {
+        return Ok(Value::F32(matmul_2d(&as_2d(a)?, &as_2d(b)?)?.into_dyn()));
+    }
+    if rb == 2 && a.is_standard_layout() {
+        return Ok(Value::F32(matmul_folded(&a, &as_2d(b)?)?));
+    }
+    let batch = broadcast_shapes(&a.shape()[..ra - 2], &b.shape()[..rb - 2])?;
+    matmul_batched(&a, &b, &batch, [m, k, n]).map(Value::F32)
+}
+
+/// `view` with its last two axes swapped when `transpose` is set.
+fn matrix_view<'a>(
+    mut view: ArrayViewD<'a, f32>,
+    transpose: bool,
+    side: &str,
+) -> Result<ArrayViewD<'a, f32>, String> {
+    let rank = view.ndim();
+    if rank < 2 {
+        return Err(format!(
+            "{side} operand must have rank >= 2, got {:?}",
+            view.shape()
+        ));
+    }
+    if transpose {
+        view.swap_axes(rank - 2, rank - 1);
+    }
+    Ok(view)
+}
+
+fn as_2d(view: ArrayViewD<'_, f32>) -> Result<ArrayView2<'_, f32>, String> {
+    view.into_dimensionality::<Ix2>()
+        .map_err(|e| format!("internal error: {e}"))
+}
+
+fn matmul_2d(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<Array2<f32>, String> {
+    let shape = [a.nrows(), b.ncols()];
+    checked_len(&shape)?;
+    let mut out = Array2::zeros(shape);
+    if a.ncols() > 0 {
+        general_mat_mul(1.0, a, b, 0.0, &mut out);
+    }
+    Ok(out)
+}
+
+/// A contiguous [..., m, k] left operand times a plain matrix is one
+/// [(... m), k] × [k, n] product: one large gemm instead of many small ones.
+fn matmul_folded(a: &ArrayViewD<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<ArrayD<f32>, String> {
+    let k = a.shape()[a.ndim() - 1];
+    let mut out_shape = a.shape().to_vec();
+    let last = out_shape.len() - 1;
+    out_shape[last] = b.ncols();
+    if k == 0 {
+        // An empty inner dimension makes every output element an empty sum.
+        return filled(&out_shape, 0.0);
+    }
+    let a2 = a
+        .view()
+        .into_shape_with_order((a.len() / k, k))
+        .map_err(|e| format!("internal error: {e}"))?;
+    let out = matmul_2d(&a2, b)?;
+    out.into_shape_with_order(IxDyn(&out_shape))
+        .map_err(|e| format!("internal error: {e}"))
+}
+
+/// One gemm per element of the broadcast batch dimensions.
+fn matmul_batched(
+    a: &ArrayViewD<'_, f32>,
+    b: &ArrayViewD<'_, f32>,
+    batch: &[usize],
+    [m, k, n]: [usize; 3],
+) -> Result<ArrayD<f32>, String> {
+    let a = broadcast_to(a, &[batch, &[m, k]].concat())?;
+    let b = broadcast_to(b, &[batch, &[k, n]].concat())?;
+    let out_shape = [batch, &[m, n]].concat();
+    let mut out = filled(&out_shape, 0.0f32)?;
+    let count: usize = batch.iter().product();
+    if k == 0 || out.is_empty() {
+        return Ok(out);
+    }
+    let mut out3 = out
+        .view_mut()
+        .into_shape_with_order((count, m, n))
+        .map_err(|e| format!("internal error: {e}"))?;
+    for (flat, mut c) in out3.outer_iter_mut().enumerate() {
+        let index = unravel(flat, batch);
+        let (a2, b2) = (as_2d(select(&a, &index))?, as_2d(select(&b, &index))?);
+        general_mat_mul(1.0, &a2, &b2, 0.0, &mut c);
+    }
+    Ok(out)
+}
+
+/// The row-major multi-index of `flat` in `shape`.
+fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut index = vec![0; shape.len()];
+    for (slot, &dim) in index.iter_mut().zip(shape).rev() {
+        *slot = flat % dim;
+        flat /= dim;
+    }
+    index
+}
+
+/// The trailing sub-array of `view` at the leading `index`.
+fn select<'a>(view: &ArrayViewD<'a, f32>, index: &[usize]) -> ArrayViewD<'a, f32> {
+    let mut sub = view.clone();
+    for &i in index {
+        sub = sub.index_axis_move(Axis(0), i);
+    }
+    sub
+}

@@ -1,0 +1,283 @@
+//! 2-D pooling over NCHW images and the adjoints used by autodiff.
+//!
+//! Each (n, c) plane is independent, so kernels work plane by plane (in
+//! parallel when large). Padding never wins a max and counts as zero in an
+//! average, whose divisor is always the full kernel area.
+
+use std::ops::Range;
+
+use canopy_ir::Pool2dAttrs;
+use canopy_ir::op::window_output_size;
+use rayon::prelude::*;
+
+use super::Arg;
+use super::tensor::{PAR_THRESHOLD, Tensor, as_slice, from_vec, standard, tensor};
+use crate::value::Value;
+
+/// Pooling geometry for one input size, with each output row's and
+/// column's window clipped to the image once, up front.
+struct Geometry {
+    in_hw: [usize; 2],
+    out_hw: [usize; 2],
+    kernel_area: f32,
+    /// Input rows of each output row's window (padding excluded).
+    row_windows: Vec<Range<usize>>,
+    /// Input columns of each output column's window (padding excluded).
+    col_windows: Vec<Range<usize>>,
+}
+
+impl Geometry {
+    fn new(attrs: &Pool2dAttrs, in_hw: [usize; 2]) -> Result<Geometry, String> {
+        let mut out_hw = [0; 2];
+        for i in 0..2 {
+            out_hw[i] = window_output_size(
+                in_hw[i],
+                attrs.kernel[i],
+                attrs.stride[i],
+                attrs.padding[i],
+                1,
+            )
+            .filter(|&o| o > 0 && attrs.kernel[i] > 0)
+            .ok_or_else(|| format!("window {attrs:?} does not fit input {in_hw:?}"))?;
+        }
+        let windows = |i: usize| -> Vec<Range<usize>> {
+            (0..out_hw[i])
+                .map(|o| {
+                    let start = (o * attrs.stride[i]) as isize - attrs.padding[i] as isize;
+                    let end = start + attrs.kernel[i] as isize;
+                    let limit = in_hw[i] as isize;
+                    (start.clamp(0, limit) as usize)..(end.clamp(0, limit) as usize)
+                })
+                .collect()
+        };
+        Ok(Geometry {
+            in_hw,
+            out_hw,
+            kernel_area: (attrs.kernel[0] * attrs.kernel[1]) as f32,
+            row_windows: windows(0),
+            col_windows: windows(1),
+        })
+    }
+
+    fn in_plane(&self) -> usize {
+        self.in_hw[0] * self.in_hw[1]
+    }
+
+    fn out_plane(&self) -> usize {
+        self.out_hw[0] * self.out_hw[1]
+    }
+
+    /// Calls `f(output_index, rows, cols)` for every output of a plane.
+    fn for_each_window(&self, mut f: impl FnMut(usize, &Range<usize>, &Range<usize>)) {
+        let width = self.out_hw[1];
+        for (oh, rows) in self.row_windows.iter().enumerate() {
+            for (ow, cols) in self.col_windows.iter().enumerate() {
+                f(oh * width + ow, rows, cols);
+            }
+        }
+    }
+
+    /// The flat position of the first maximum of `plane` in the window, in
+    /// row-major window order (NaN counts as the maximum); `None` for a
+    /// window of padding only, which happens only for an empty input.
+    fn argmax(&self, plane: &[f32], rows: &Range<usize>, cols: &Range<usize>) -> Option<usize> {
+        if rows.is_empty() || cols.is_empty() {
+            return None;
+        }
+        let width = self.in_hw[1];
+        let mut best_at = rows.start * width + cols.start;
+        let mut best = plane[best_at];
+        for r in rows.clone() {
+            let line = &plane[r * width..(r + 1) * width];
+            for c in cols.clone() {
+                let v = line[c];
+                if v > best || (v.is_nan() && !best.is_nan()) {
+                    best = v;
+                    best_at = r * width + c;
+                }
+            }
+        }
+        Some(best_at)
+    }
+
+    /// Sum of `plane` over the window.
+    fn window_sum(&self, plane: &[f32], rows: &Range<usize>, cols: &Range<usize>) -> f32 {
+        let width = self.in_hw[1];
+        rows.clone()
+            .map(|r| {
+                plane[r * width..(r + 1) * width][cols.clone()]
+                    .iter()
+                    .sum::<f32>()
+            })
+            .sum()
+    }
+
+    /// Adds `value` to every element of `plane` in the window.
+    fn window_add(&self, plane: &mut [f32], rows: &Range<usize>, cols: &Range<usize>, value: f32) {
+        let width = self.in_hw[1];
+        for r in rows.clone() {
+            plane[r * width..(r + 1) * width][cols.clone()]
+                .iter_mut()
+                .for_each(|v| *v += value);
+        }
+    }
+}
+
+/// An NCHW f32 operand with its (N·C) plane count and (H, W).
+fn image<'a>(arg: Arg<'a>, role: &str) -> Result<(Tensor<'a, f32>, usize, [usize; 2]), String> {
+    let x = tensor::<f32>(arg, role)?;
+    match *x.shape() {
+        [n, c, h, w] => Ok((x, n * c, [h, w])),
+        ref other => Err(format!("{role} must be NCHW (rank 4), got shape {other:?}")),
+    }
+}
+
+/// Checks that `arg`'s shape is `expected`.
+fn expect_shape(x: &Tensor<'_, f32>, expected: &[usize], role: &str) -> Result<(), String> {
+    if x.shape() != expected {
+        return Err(format!(
+            "{role} has shape {:?}, expected {expected:?}",
+            x.shape()
+        ));
+    }
+    Ok(())
+}
+
+/// Calls `f(plane, out_plane)` for each of `planes` equal parts of `out`,
+/// in parallel when `work` (elements touched) is large.
+fn per_plane(
+    out: &mut [f32],
+    planes: usize,
+    work: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync + Send,
+) {
+    if out.is_empty() || planes == 0 {
+        return;
+    }
+    let size = out.len() / planes;
+    if work >= PAR_THRESHOLD {
+        out.par_chunks_mut(size)
+            .enumerate()
+            .for_each(|(p, o)| f(p, o));
+    } else {
+        out.chunks_mut(size).enumerate().for_each(|(p, o)| f(p, o));
+    }
+}
+
+fn pooled_shape(x: &Tensor<'_, f32>, g: &Geometry) -> Vec<usize> {
+    let s = x.shape();
+    vec![s[0], s[1], g.out_hw[0], g.out_hw[1]]
+}
+
+pub fn max_pool2d(x: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
+    let (x, planes, in_hw) = image(x, "input")?;
+    let g = Geometry::new(attrs, in_hw)?;
+    let view = x.view();
+    let data = standard(&view);
+    select_into(
+        as_slice(&data)?,
+        as_slice(&data)?,
+        planes,
+        &g,
+        pooled_shape(&x, &g),
+    )
+}
+
+/// (x, v) → pooled: v at the first maximum of x in each window.
+pub fn max_pool2d_select(x: Arg<'_>, v: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
+    let (x, planes, in_hw) = image(x, "input")?;
+    let v = tensor::<f32>(v, "values")?;
+    expect_shape(&v, x.shape(), "values")?;
+    let g = Geometry::new(attrs, in_hw)?;
+    let (xv, vv) = (x.view(), v.view());
+    let (xd, vd) = (standard(&xv), standard(&vv));
+    select_into(
+        as_slice(&xd)?,
+        as_slice(&vd)?,
+        planes,
+        &g,
+        pooled_shape(&x, &g),
+    )
+}
+
+fn select_into(
+    x: &[f32],
+    v: &[f32],
+    planes: usize,
+    g: &Geometry,
+    shape: Vec<usize>,
+) -> Result<Value, String> {
+    let mut out = vec![0.0f32; planes * g.out_plane()];
+    per_plane(&mut out, planes, x.len(), |p, out| {
+        let xp = &x[p * g.in_plane()..][..g.in_plane()];
+        let vp = &v[p * g.in_plane()..][..g.in_plane()];
+        g.for_each_window(|o, rows, cols| {
+            out[o] = g.argmax(xp, rows, cols).map_or(0.0, |i| vp[i]);
+        });
+    });
+    from_vec(&shape, out).map(Value::F32)
+}
+
+/// (x, dy) → x-shaped: each dy added at its window's first maximum of x.
+pub fn max_pool2d_backward(x: Arg<'_>, dy: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
+    let (x, planes, in_hw) = image(x, "input")?;
+    let g = Geometry::new(attrs, in_hw)?;
+    let dy = tensor::<f32>(dy, "gradient")?;
+    expect_shape(&dy, &pooled_shape(&x, &g), "gradient")?;
+    let (xv, dv) = (x.view(), dy.view());
+    let (xd, dd) = (standard(&xv), standard(&dv));
+    let (xs, ds) = (as_slice(&xd)?, as_slice(&dd)?);
+    let mut out = vec![0.0f32; xs.len()];
+    per_plane(&mut out, planes, xs.len(), |p, dx| {
+        let xp = &xs[p * g.in_plane()..][..g.in_plane()];
+        let dyp = &ds[p * g.out_plane()..][..g.out_plane()];
+        g.for_each_window(|o, rows, cols| {
+            if let Some(i) = g.argmax(xp, rows, cols) {
+                dx[i] += dyp[o];
+            }
+        });
+    });
+    from_vec(x.shape(), out).map(Value::F32)
+}
+
+pub fn avg_pool2d(x: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
+    let (x, planes, in_hw) = image(x, "input")?;
+    let g = Geometry::new(attrs, in_hw)?;
+    let view = x.view();
+    let data = standard(&view);
+    let xs = as_slice(&data)?;
+    let mut out = vec![0.0f32; planes * g.out_plane()];
+    let scale = 1.0 / g.kernel_area;
+    per_plane(&mut out, planes, xs.len(), |p, out| {
+        let xp = &xs[p * g.in_plane()..][..g.in_plane()];
+        g.for_each_window(|o, rows, cols| out[o] = g.window_sum(xp, rows, cols) * scale);
+    });
+    from_vec(&pooled_shape(&x, &g), out).map(Value::F32)
+}
+
+/// dy → x-shaped: each dy spread evenly (over the full kernel area) onto
+/// the input elements of its window.
+pub fn avg_pool2d_backward(
+    dy: Arg<'_>,
+    attrs: &Pool2dAttrs,
+    input_hw: [usize; 2],
+) -> Result<Value, String> {
+    let (dy, planes, _) = image(dy, "gradient")?;
+    let g = Geometry::new(attrs, input_hw)?;
+    let shape = dy.shape();
+    let (x_shape, expected) = (
+        vec![shape[0], shape[1], input_hw[0], input_hw[1]],
+        vec![shape[0], shape[1], g.out_hw[0], g.out_hw[1]],
+    );
+    expect_shape(&dy, &expected, "gradient")?;
+    let view = dy.view();
+    let data = standard(&view);
+    let ds = as_slice(&data)?;
+    let mut out = vec![0.0f32; planes * g.in_plane()];
+    let scale = 1.0 / g.kernel_area;
+    per_plane(&mut out, planes, planes * g.in_plane(), |p, dx| {
+        let dyp = &ds[p * g.out_plane()..][..g.out_plane()];
+        g.for_each_window(|o, rows, cols| g.window_add(dx, rows, cols, dyp[o] * scale));
+    });
+    from_vec(&x_shape, out).map(Value::F32)
+}

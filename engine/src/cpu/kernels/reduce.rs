@@ -1,0 +1,210 @@
+//! Sum, Mean and Max over a set of axes.
+//!
+//! The input is viewed as [outer, reduced, inner] in row-major order: that
+//! is free when the reduced axes are one contiguous run (leading, trailing
+//! or middle axes of a contiguous array, e.g. a bias gradient summed over
+//! the batch), and costs one transposing copy otherwise.
+
+use canopy_ir::{DType, ReduceKind};
+use ndarray::{ArrayD, IxDyn};
+use rayon::prelude::*;
+
+use super::Arg;
+use super::tensor::{Number, PAR_THRESHOLD, as_slice, check_axis, from_vec, tensor, to_standard};
+use crate::value::Value;
+
+/// Columns handled by one parallel task when a single row of output is
+/// reduced over many rows.
+const COLUMN_BLOCK: usize = 1024;
+
+pub fn reduce(
+    kind: ReduceKind,
+    axes: &[usize],
+    arg: Arg<'_>,
+    out_shape: &[usize],
+) -> Result<Value, String> {
+    match (arg.value().dtype(), kind) {
+        (DType::F32, ReduceKind::Mean) => {
+            let x = tensor::<f32>(arg, "operand")?;
+            let (sum, count) = reduce_typed(ReduceKind::Sum, axes, &x.view(), out_shape)?;
+            // An empty reduction divides 0 by 0: NaN, as in NumPy.
+            let scale = 1.0 / count as f32;
+            Ok(Value::F32(sum.mapv_into(|v| v * scale)))
+        }
+        (DType::F32, _) => reduce_value::<f32>(kind, axes, arg, out_shape),
+        (DType::I64, ReduceKind::Sum | ReduceKind::Max) => {
+            reduce_value::<i64>(kind, axes, arg, out_shape)
+        }
+        (DType::I32, ReduceKind::Sum | ReduceKind::Max) => {
+            reduce_value::<i32>(kind, axes, arg, out_shape)
+        }
+        (dtype, kind) => Err(format!("cannot take the {kind:?} of a {dtype} tensor")),
+    }
+}
+
+fn reduce_value<T: Number>(
+    kind: ReduceKind,
+    axes: &[usize],
+    arg: Arg<'_>,
+    out_shape: &[usize],
+) -> Result<Value, String> {
+    let x = tensor::<T>(arg, "operand")?;
+    let (out, _) = reduce_typed(kind, axes, &x.view(), out_shape)?;
+    Ok(T::into_value(out))
+}
+
+/// The reduction and the number of elements folded into each output.
+fn reduce_typed<T: Number>(
+    kind: ReduceKind,
+    axes: &[usize],
+    x: &ndarray::ArrayViewD<'_, T>,
+    out_shape: &[usize],
+) -> Result<(ArrayD<T>, usize), String> {
+    for &axis in axes {
+        check_axis(axis, x.ndim())?;
+    }
+    if axes.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(format!("axes {axes:?} must be sorted and distinct"));
+    }
+    let (data, [outer, reduced, inner]) = arrange(x, axes);
+    let data = as_slice(&data)?;
+    let out = match kind {
+        ReduceKind::Max if reduced == 0 && outer * inner > 0 => {
+            return Err("cannot take the max over an empty axis".to_string());
+        }
+        ReduceKind::Max => fold(data, [outer, reduced, inner], max_slice::<T>, T::maximum),
+        ReduceKind::Sum | ReduceKind::Mean => {
+            fold(data, [outer, reduced, inner], sum_slice::<T>, T::plus)
+        }
+    };
+    Ok((from_vec(out_shape, out)?, reduced))
+}
+
+/// The elements of `x` in an order where the reduced axes form the middle
+/// of [outer, reduced, inner], with those three sizes.
+fn arrange<'b, T: Number>(
+    x: &'b ndarray::ArrayViewD<'_, T>,
+    axes: &[usize],
+) -> (ndarray::CowArray<'b, T, IxDyn>, [usize; 3]) {
+    let shape = x.shape();
+    let product = |dims: &[usize]| dims.iter().product::<usize>();
+    let is_run = axes.windows(2).all(|w| w[1] == w[0] + 1);
+    match (axes.first(), axes.last()) {
+        (Some(&first), Some(&last)) if is_run => {
+            let sizes = [
+                product(&shape[..first]),
+                product(&shape[first..=last]),
+                product(&shape[last + 1..]),
+            ];
+            (x.as_standard_layout(), sizes)
+        }
+        (None, _) | (_, None) => (x.as_standard_layout(), [x.len(), 1, 1]),
+        _ => {
+            let kept: Vec<usize> = (0..x.ndim()).filter(|a| !axes.contains(a)).collect();
+            let perm: Vec<usize> = kept.iter().chain(axes).copied().collect();
+            let moved = to_standard(x.view().permuted_axes(IxDyn(&perm)));
+            let outer = kept.iter().map(|&a| shape[a]).product();
+            let reduced = axes.iter().map(|&a| shape[a]).product();
+            (moved.into(), [outer, reduced, 1])
+        }
+    }
+}
+
+/// Folds the `reduced` axis of `data` viewed as [outer, reduced, inner]:
+/// `whole` reduces one contiguous run, `combine` merges two partials.
+fn fold<T: Number>(
+    data: &[T],
+    [outer, reduced, inner]: [usize; 3],
+    whole: impl Fn(&[T]) -> T + Copy + Sync + Send,
+    combine: impl Fn(T, T) -> T + Copy + Sync + Send,
+) -> Vec<T> {
+    let parallel = data.len() >= PAR_THRESHOLD;
+    if reduced == 0 {
+        return vec![T::ZERO; outer * inner];
+    }
+    if inner == 1 {
+        return fold_rows(data, reduced, parallel, whole, combine);
+    }
+    let mut out = vec![T::ZERO; outer * inner];
+    if parallel && outer > 1 {
+        out.par_chunks_mut(inner)
+            .zip(data.par_chunks(reduced * inner))
+            .for_each(|(row, block)| fold_columns(block, inner, 0, row, combine));
+    } else if parallel {
+        out.par_chunks_mut(COLUMN_BLOCK)
+            .enumerate()
+            .for_each(|(i, cols)| fold_columns(data, inner, i * COLUMN_BLOCK, cols, combine));
+    } else {
+        for (row, block) in out.chunks_mut(inner).zip(data.chunks(reduced * inner)) {
+            fold_columns(block, inner, 0, row, combine);
+        }
+    }
+    out
+}
+
+/// Each output is the reduction of one contiguous row of `reduced` elements.
+fn fold_rows<T: Number>(
+    data: &[T],
+    reduced: usize,
+    parallel: bool,
+    whole: impl Fn(&[T]) -> T + Copy + Sync + Send,
+    combine: impl Fn(T, T) -> T + Copy + Sync + Send,
+) -> Vec<T> {
+    let rows = data.len() / reduced;
+    if parallel && rows == 1 {
+        // One long row: reduce chunks in parallel, then the partials.
+        let partials: Vec<T> = data.par_chunks(PAR_THRESHOLD / 4).map(whole).collect();
+        return vec![partials.into_iter().reduce(combine).unwrap_or(T::ZERO)];
+    }
+    if parallel {
+        return data.par_chunks_exact(reduced).map(whole).collect();
+    }
+    data.chunks_exact(reduced).map(whole).collect()
+}
+
+/// Folds rows of `block` (each `inner` long) into `out`, which holds the
+/// columns starting at `first`. The first row seeds the result so that Max
+/// needs no identity.
+fn fold_columns<T: Number>(
+    block: &[T],
+    inner: usize,
+    first: usize,
+    out: &mut [T],
+    combine: impl Fn(T, T) -> T,
+) {
+    let width = out.len();
+    let mut rows = block
+        .chunks_exact(inner)
+        .map(|row| &row[first..first + width]);
+    if let Some(seed) = rows.next() {
+        out.copy_from_slice(seed);
+    }
+    for row in rows {
+        out.iter_mut()
+            .zip(row)
+            .for_each(|(acc, &v)| *acc = combine(*acc, v));
+    }
+}
+
+/// Sum with eight independent accumulators: vectorisable, and more
+/// accurate than one running sum.
+fn sum_slice<T: Number>(xs: &[T]) -> T {
+    lanes_fold(xs, T::ZERO, T::plus)
+}
+
+fn max_slice<T: Number>(xs: &[T]) -> T {
+    lanes_fold(xs, xs.first().copied().unwrap_or(T::ZERO), T::maximum)
+}
+
+fn lanes_fold<T: Number>(xs: &[T], seed: T, combine: impl Fn(T, T) -> T + Copy) -> T {
+    let mut lanes = [seed; 8];
+    let chunks = xs.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane = combine(*lane, v);
+        }
+    }
+    let tail = rest.iter().fold(seed, |acc, &v| combine(acc, v));
+    lanes.into_iter().fold(tail, combine)
+}

@@ -1,0 +1,42 @@
+//! Data loading: datasets in memory, file loaders (IDX, CSV, NPY, whole
+//! folders), seeded batching and federated partitioning.
+//!
+//! Every loader reports failures as [`EngineError::Data`] naming the file
+//! and the cause, never panics on malformed input, and checks every size a
+//! header claims against the bytes actually present before allocating, all
+//! under the explicit caps in [`limits`].
+//!
+//! [`EngineError::Data`]: crate::EngineError::Data
+
+mod batch;
+mod csv;
+mod dataset;
+mod dir;
+mod idx;
+pub mod limits;
+mod npy;
+mod partition;
+mod read;
+
+pub use batch::{Batch, Batches};
+pub use csv::{CsvHeader, CsvOptions, LabelColumn, load_csv, load_csv_with};
+pub use dataset::{Dataset, FeatureStats};
+pub use dir::{DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, load_dir};
+pub use idx::{load_idx, load_idx_labels};
+pub use npy::{load_npy, load_npy_dataset};
+pub use partition::{
+    DEFAULT_MIN_CLIENT_SAMPLES, DirichletOptions, partition_by_label, partition_dirichlet,
+    partition_dirichlet_with, partition_iid,
+};
+
+use std::path::Path;
+
+use crate::error::EngineError;
+
+/// Builds the one error type every loader returns.
+pub(crate) fn data_err(path: &Path, cause: impl Into<String>) -> EngineError {
+    EngineError::Data {
+        path: path.display().to_string(),
+        cause: cause.into(),
+    }
+}

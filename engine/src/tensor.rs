@@ -1,0 +1,385 @@
+//! The user-facing `Tensor`: eager by default, traced into IR in graph mode.
+//!
+//! Model code is written once against `Tensor`. In eager mode each op runs
+//! at once on the CPU kernels. Inside a trace (graph mode, or an explicit
+//! [`trace`]) the same calls append nodes to a graph instead; eager tensors
+//! met during a trace are captured as constants. The switch is one line:
+//! `canopy_engine::set_mode(Mode::Graph)`, as with MindSpore's
+//! `set_context(mode=…)`.
+
+use std::cell::{Cell, RefCell};
+use std::sync::Arc;
+
+use canopy_ir::{
+    BinaryOp, Conv2dAttrs, DType, Dim, Graph, Op, Pool2dAttrs, ReduceKind, TensorType, UnaryOp,
+    ValueId,
+};
+
+use crate::cpu::kernels::{self, Arg};
+use crate::error::{EngineError, EngineResult};
+use crate::value::Value;
+
+/// How [`crate::Function`]s run: op by op, or traced and compiled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Eager,
+    Graph,
+}
+
+thread_local! {
+    static MODE: Cell<Mode> = const { Cell::new(Mode::Eager) };
+    static TRACE: RefCell<Option<TraceState>> = const { RefCell::new(None) };
+    static NEXT_TRACE_ID: Cell<u64> = const { Cell::new(1) };
+}
+
+/// Selects eager or graph mode for this thread.
+pub fn set_mode(mode: Mode) {
+    MODE.with(|m| m.set(mode));
+}
+
+pub fn mode() -> Mode {
+    MODE.with(|m| m.get())
+}
+
+struct TraceState {
+    id: u64,
+    graph: Graph,
+}
+
+#[derive(Clone, Debug)]
+enum Repr {
+    Eager(Arc<Value>),
+    Traced {
+        id: ValueId,
+        trace: u64,
+        ty: TensorType,
+    },
+}
+
+/// A tensor: concrete data (eager) or a value of the graph being traced.
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    repr: Repr,
+}
+
+impl From<Value> for Tensor {
+    fn from(value: Value) -> Tensor {
+        Tensor::from_value(value)
+    }
+}
+
+impl Tensor {
+    pub fn from_value(value: Value) -> Tensor {
+        Tensor {
+            repr: Repr::Eager(Arc::new(value)),
+        }
+    }
+
+    pub fn from_f32(shape: &[usize], data: Vec<f32>) -> EngineResult<Tensor> {
+        Value::f32(shape, data).map(Tensor::from_value)
+    }
+
+    pub fn scalar(x: f32) -> Tensor {
+        Tensor::from_value(Value::scalar_f32(x))
+    }
+
+    /// The tensor's static type (for eager tensors, their concrete shape).
+    pub fn ty(&self) -> TensorType {
+        match &self.repr {
+            Repr::Eager(v) => TensorType::new(v.dtype(), canopy_ir::Shape::fixed(v.shape())),
+            Repr::Traced { ty, .. } => ty.clone(),
+        }
+    }
+
+    pub fn dims(&self) -> Vec<Dim> {
+        self.ty().shape.0
+    }
+
+    pub fn rank(&self) -> usize {
+        self.ty().rank()
+    }
+
+    pub fn is_traced(&self) -> bool {
+        matches!(self.repr, Repr::Traced { .. })
+    }
+
+    /// The concrete value; an error for a traced tensor.
+    pub fn value(&self) -> EngineResult<&Value> {
+        match &self.repr {
+            Repr::Eager(v) => Ok(v),
+            Repr::Traced { .. } => Err(EngineError::Other(
+                "a traced tensor has no value until its graph runs".into(),
+            )),
+        }
+    }
+
+    pub fn to_vec_f32(&self) -> EngineResult<Vec<f32>> {
+        self.value()?.to_f32_vec()
+    }
+
+    /// The graph value of a traced tensor.
+    pub fn traced_id(&self) -> Option<ValueId> {
+        match self.repr {
+            Repr::Traced { id, .. } => Some(id),
+            Repr::Eager(_) => None,
+        }
+    }
+}
+
+/// Traces `f` into a graph whose inputs are `inputs` (name, type) and whose
+/// outputs are the named tensors `f` returns.
+pub fn trace<F>(inputs: &[(&str, TensorType)], f: F) -> EngineResult<Graph>
+where
+    F: FnOnce(&[Tensor]) -> EngineResult<Vec<(String, Tensor)>>,
+{
+    let id = NEXT_TRACE_ID.with(|n| {
+        let id = n.get();
+        n.set(id + 1);
+        id
+    });
+    let previous = TRACE.with(|t| {
+        t.borrow_mut().replace(TraceState {
+            id,
+            graph: Graph::new(),
+        })
+    });
+    let result = trace_body(id, inputs, f);
+    let state = TRACE.with(|t| std::mem::replace(&mut *t.borrow_mut(), previous));
+    let outputs = result?;
+    let mut graph = state.expect("trace state is restored only here").graph;
+    graph.set_outputs(outputs)?;
+    Ok(graph)
+}
+
+fn trace_body<F>(
+    trace: u64,
+    inputs: &[(&str, TensorType)],
+    f: F,
+) -> EngineResult<Vec<(String, canopy_ir::ValueId)>>
+where
+    F: FnOnce(&[Tensor]) -> EngineResult<Vec<(String, Tensor)>>,
+{
+    let mut args = Vec::with_capacity(inputs.len());
+    for (name, ty) in inputs {
+        let id = with_graph(|g| Ok(g.input(*name, ty.clone())?))?;
+        args.push(Tensor {
+            repr: Repr::Traced {
+                id,
+                trace,
+                ty: ty.clone(),
+            },
+        });
+    }
+    let outputs = f(&args)?;
+    outputs
+        .into_iter()
+        .map(|(name, t)| Ok((name, graph_value(&t)?)))
+        .collect()
+}
+
+fn with_graph<T>(f: impl FnOnce(&mut Graph) -> EngineResult<T>) -> EngineResult<T> {
+    TRACE.with(|t| match t.borrow_mut().as_mut() {
+        Some(state) => f(&mut state.graph),
+        None => Err(EngineError::Other("no trace is active".into())),
+    })
+}
+
+fn tracing() -> Option<u64> {
+    TRACE.with(|t| t.borrow().as_ref().map(|s| s.id))
+}
+
+/// The graph value for `t` in the active trace; eager tensors become
+/// constants (captured, as in graph mode closures).
+fn graph_value(t: &Tensor) -> EngineResult<ValueId> {
+    let active = tracing().ok_or_else(|| EngineError::Other("no trace is active".into()))?;
+    match &t.repr {
+        Repr::Traced { id, trace, .. } if *trace == active => Ok(*id),
+        Repr::Traced { .. } => Err(EngineError::Other(
+            "a tensor from another trace was used in this one".into(),
+        )),
+        Repr::Eager(v) => with_graph(|g| Ok(g.constant(v.to_data())?)),
+    }
+}
+
+/// Applies `op` to `inputs`: appends a node while tracing, runs the kernel
+/// otherwise. The single dispatch point of every tensor op.
+pub fn apply(op: Op, inputs: &[&Tensor]) -> EngineResult<Tensor> {
+    if let Some(trace) = tracing() {
+        let ids = inputs
+            .iter()
+            .map(|t| graph_value(t))
+            .collect::<EngineResult<Vec<_>>>()?;
+        let id = with_graph(|g| Ok(g.push(op, &ids)?))?;
+        let ty = with_graph(|g| Ok(g.ty(id).clone()))?;
+        return Ok(Tensor {
+            repr: Repr::Traced { id, trace, ty },
+        });
+    }
+    run_eager(op, inputs)
+}
+
+fn run_eager(op: Op, inputs: &[&Tensor]) -> EngineResult<Tensor> {
+    let values = inputs
+        .iter()
+        .map(|t| t.value())
+        .collect::<EngineResult<Vec<_>>>()?;
+    let types: Vec<TensorType> = inputs.iter().map(|t| t.ty()).collect();
+    let type_refs: Vec<&TensorType> = types.iter().collect();
+    let out_ty = canopy_ir::infer::infer_type(&op, &type_refs)
+        .map_err(|cause| EngineError::Shape(format!("eager {}: {cause}", op.name())))?;
+    let args = values.into_iter().map(Arg::Shared).collect();
+    let value = kernels::eval(&op, args, &out_ty, 1).map_err(|cause| EngineError::Kernel {
+        node: 0,
+        op: op.name(),
+        cause,
+    })?;
+    Ok(Tensor::from_value(value))
+}
+
+macro_rules! unary_methods {
+    ($($name:ident => $op:ident),* $(,)?) => {
+        $(pub fn $name(&self) -> EngineResult<Tensor> {
+            apply(Op::Unary(UnaryOp::$op), &[self])
+        })*
+    };
+}
+
+macro_rules! binary_methods {
+    ($($name:ident => $op:ident),* $(,)?) => {
+        $(pub fn $name(&self, other: &Tensor) -> EngineResult<Tensor> {
+            apply(Op::Binary(BinaryOp::$op), &[self, other])
+        })*
+    };
+}
+
+impl Tensor {
+    unary_methods!(
+        neg => Neg, abs => Abs, exp => Exp, log => Log, sqrt => Sqrt, rsqrt => Rsqrt,
+        square => Square, relu => Relu, gelu => Gelu, sigmoid => Sigmoid, tanh => Tanh,
+    );
+
+    binary_methods!(
+        add => Add, sub => Sub, mul => Mul, div => Div, pow => Pow,
+        maximum => Maximum, minimum => Minimum, eq => Eq, lt => Lt, gt => Gt, ge => Ge,
+    );
+
+    /// Multiplies by a scalar constant.
+    pub fn scale(&self, factor: f32) -> EngineResult<Tensor> {
+        self.mul(&Tensor::scalar(factor))
+    }
+
+    pub fn matmul(&self, other: &Tensor) -> EngineResult<Tensor> {
+        self.matmul_t(other, false, false)
+    }
+
+    pub fn matmul_t(&self, other: &Tensor, ta: bool, tb: bool) -> EngineResult<Tensor> {
+        apply(
+            Op::MatMul {
+                transpose_a: ta,
+                transpose_b: tb,
+            },
+            &[self, other],
+        )
+    }
+
+    fn reduce(&self, kind: ReduceKind, axes: &[usize], keep_dims: bool) -> EngineResult<Tensor> {
+        apply(
+            Op::Reduce {
+                kind,
+                axes: axes.to_vec(),
+                keep_dims,
+            },
+            &[self],
+        )
+    }
+
+    pub fn sum(&self, axes: &[usize], keep_dims: bool) -> EngineResult<Tensor> {
+        self.reduce(ReduceKind::Sum, axes, keep_dims)
+    }
+
+    pub fn mean(&self, axes: &[usize], keep_dims: bool) -> EngineResult<Tensor> {
+        self.reduce(ReduceKind::Mean, axes, keep_dims)
+    }
+
+    pub fn max(&self, axes: &[usize], keep_dims: bool) -> EngineResult<Tensor> {
+        self.reduce(ReduceKind::Max, axes, keep_dims)
+    }
+
+    pub fn sum_all(&self) -> EngineResult<Tensor> {
+        let axes: Vec<usize> = (0..self.rank()).collect();
+        self.sum(&axes, false)
+    }
+
+    pub fn mean_all(&self) -> EngineResult<Tensor> {
+        let axes: Vec<usize> = (0..self.rank()).collect();
+        self.mean(&axes, false)
+    }
+
+    pub fn reshape(&self, shape: Vec<Dim>) -> EngineResult<Tensor> {
+        apply(Op::Reshape { shape }, &[self])
+    }
+
+    /// Keeps the leading dimension and flattens the rest.
+    pub fn flatten(&self) -> EngineResult<Tensor> {
+        let dims = self.dims();
+        let Some((&lead, rest)) = dims.split_first() else {
+            return Err(EngineError::Shape("cannot flatten a scalar".into()));
+        };
+        let mut count = 1usize;
+        for d in rest {
+            count *= d.fixed().ok_or_else(|| {
+                EngineError::Shape("only the leading dimension may be the batch".into())
+            })?;
+        }
+        self.reshape(vec![lead, Dim::Fixed(count)])
+    }
+
+    pub fn transpose(&self, perm: Vec<usize>) -> EngineResult<Tensor> {
+        apply(Op::Transpose { perm }, &[self])
+    }
+
+    pub fn broadcast_to(&self, shape: Vec<Dim>) -> EngineResult<Tensor> {
+        apply(Op::Broadcast { shape }, &[self])
+    }
+
+    pub fn cast(&self, to: DType) -> EngineResult<Tensor> {
+        apply(Op::Cast { to }, &[self])
+    }
+
+    pub fn select(cond: &Tensor, a: &Tensor, b: &Tensor) -> EngineResult<Tensor> {
+        apply(Op::Where, &[cond, a, b])
+    }
+
+    pub fn conv2d(&self, w: &Tensor, attrs: Conv2dAttrs) -> EngineResult<Tensor> {
+        apply(Op::Conv2d(attrs), &[self, w])
+    }
+
+    pub fn max_pool2d(&self, attrs: Pool2dAttrs) -> EngineResult<Tensor> {
+        apply(Op::MaxPool2d(attrs), &[self])
+    }
+
+    pub fn avg_pool2d(&self, attrs: Pool2dAttrs) -> EngineResult<Tensor> {
+        apply(Op::AvgPool2d(attrs), &[self])
+    }
+
+    pub fn softmax(&self, axis: usize) -> EngineResult<Tensor> {
+        apply(Op::Softmax { axis }, &[self])
+    }
+
+    pub fn log_softmax(&self, axis: usize) -> EngineResult<Tensor> {
+        apply(Op::LogSoftmax { axis }, &[self])
+    }
+
+    pub fn gather(&self, indices: &Tensor, axis: usize) -> EngineResult<Tensor> {
+        apply(Op::Gather { axis }, &[self, indices])
+    }
+
+    pub fn one_hot(&self, depth: usize) -> EngineResult<Tensor> {
+        apply(Op::OneHot { depth }, &[self])
+    }
+
+    /// Uniform [0, 1) noise of `shape` from an i64 scalar seed tensor.
+    pub fn random_uniform(seed: &Tensor, shape: Vec<Dim>) -> EngineResult<Tensor> {
+        apply(Op::RandomUniform { shape }, &[seed])
+    }
+}

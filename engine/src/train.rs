@@ -1,0 +1,330 @@
+//! Runners for a model file's `train_step` and `eval` graphs.
+//!
+//! The trainer keeps parameters and optimizer state as runtime values
+//! between steps and hands them to the compiled step by ownership, so the
+//! update is written into the same buffers step after step.
+
+use std::collections::HashMap;
+
+use canopy_ir::model::{ENTRY_EVAL, ENTRY_TRAIN_STEP, PARAM_PREFIX, STATE_PREFIX};
+use canopy_ir::{Dim, Model};
+
+use crate::backend::{Backend, Executable};
+use crate::error::{EngineError, EngineResult};
+use crate::optim::{INPUT_LR, INPUT_SEED, INPUT_STEP};
+use crate::value::Value;
+
+/// What one training step reports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    pub loss: f32,
+    pub correct: i64,
+}
+
+/// What an evaluation pass reports.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvalStats {
+    pub loss: f64,
+    pub accuracy: f64,
+    pub samples: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Slot {
+    /// A parameter or optimizer-state value carried between steps.
+    Carried {
+        trainable: bool,
+    },
+    X,
+    Y,
+    Seed,
+    Lr,
+    Step,
+}
+
+pub struct Trainer {
+    executable: Box<dyn Executable>,
+    slots: Vec<Slot>,
+    /// Carried values, by input position.
+    carried: Vec<Option<Value>>,
+    /// For each output, the input position it replaces (or None for
+    /// `loss` / `correct`).
+    output_targets: Vec<Option<usize>>,
+    loss_output: usize,
+    correct_output: usize,
+    steps: u64,
+    seed: i64,
+}
+
+impl Trainer {
+    /// Compiles the model's `train_step`; optimizer state starts at zero.
+    pub fn new(model: &Model, backend: &dyn Backend, seed: u64) -> EngineResult<Trainer> {
+        let graph = model.entry(ENTRY_TRAIN_STEP)?;
+        let executable = backend.compile(graph)?;
+        let mut slots = Vec::new();
+        let mut carried = Vec::new();
+        for &input in graph.inputs() {
+            let name = graph.input_name(input);
+            let (slot, value) = classify_input(model, name, graph.ty(input))?;
+            slots.push(slot);
+            carried.push(value);
+        }
+        let position: HashMap<&str, usize> = graph
+            .inputs()
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| (graph.input_name(id), i))
+            .collect();
+        let output_targets = graph
+            .outputs()
+            .iter()
+            .map(|(name, _)| position.get(name.as_str()).copied())
+            .collect();
+        let find = |name: &str| {
+            graph
+                .outputs()
+                .iter()
+                .position(|(n, _)| n == name)
+                .ok_or_else(|| EngineError::Other(format!("train_step has no output `{name}`")))
+        };
+        Ok(Trainer {
+            executable,
+            slots,
+            carried,
+            output_targets,
+            loss_output: find("loss")?,
+            correct_output: find("correct")?,
+            steps: 0,
+            seed: seed as i64,
+        })
+    }
+
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Runs one step on a batch; errors (without losing the parameters)
+    /// when the loss is not finite.
+    pub fn step(&mut self, x: Value, y: Value, lr: f32) -> EngineResult<StepStats> {
+        let mut x = Some(x);
+        let mut y = Some(y);
+        let step_number = self.steps + 1;
+        let mut inputs = Vec::with_capacity(self.slots.len());
+        for (slot, carried) in self.slots.iter().zip(&mut self.carried) {
+            let value = match slot {
+                Slot::Carried { trainable: true } => carried.take(),
+                Slot::Carried { trainable: false } => carried.clone(),
+                Slot::X => x.take(),
+                Slot::Y => y.take(),
+                Slot::Seed => Some(Value::scalar_i64(
+                    self.seed
+                        .wrapping_mul(1_000_003)
+                        .wrapping_add(step_number as i64),
+                )),
+                Slot::Lr => Some(Value::scalar_f32(lr)),
+                Slot::Step => Some(Value::scalar_f32(step_number as f32)),
+            };
+            inputs.push(value.ok_or_else(|| {
+                EngineError::Other("trainer state was lost by an earlier failed step".into())
+            })?);
+        }
+        let snapshot = self.snapshot_trainable(&inputs);
+        let outputs = match self.executable.run(inputs) {
+            Ok(outputs) => outputs,
+            Err(e) => {
+                self.restore(snapshot);
+                return Err(e);
+            }
+        };
+        let loss = outputs[self.loss_output].to_scalar_f32()?;
+        let correct = match &outputs[self.correct_output] {
+            Value::I64(a) => a.iter().copied().next().unwrap_or(0),
+            other => other.to_scalar_f32()? as i64,
+        };
+        if !loss.is_finite() {
+            self.restore(snapshot);
+            return Err(EngineError::Other(format!(
+                "training diverged at step {step_number}: loss is {loss}; \
+                 the parameters from before this step are kept (try a lower learning rate)"
+            )));
+        }
+        for (value, target) in outputs.into_iter().zip(&self.output_targets) {
+            if let Some(position) = target {
+                self.carried[*position] = Some(value);
+            }
+        }
+        self.steps = step_number;
+        Ok(StepStats { loss, correct })
+    }
+
+    /// Copies of the carried trainable values, so a failed step can be
+    /// undone. Copying costs one model's worth of memory traffic per step,
+    /// which is why it is only taken when asked for.
+    fn snapshot_trainable(&self, inputs: &[Value]) -> Option<Vec<(usize, Value)>> {
+        if !self.guard_enabled() {
+            return None;
+        }
+        Some(
+            self.slots
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| matches!(s, Slot::Carried { trainable: true }))
+                .map(|(i, _)| (i, inputs[i].clone()))
+                .collect(),
+        )
+    }
+
+    fn guard_enabled(&self) -> bool {
+        // Keep a copy for the first steps, where divergence with a bad
+        // learning rate usually shows, and every 64th step thereafter.
+        self.steps < 8 || self.steps % 64 == 0
+    }
+
+    fn restore(&mut self, snapshot: Option<Vec<(usize, Value)>>) {
+        for (i, value) in snapshot.into_iter().flatten() {
+            self.carried[i] = Some(value);
+        }
+    }
+
+    /// Writes the current parameter values back into `model`.
+    pub fn write_back(&self, model: &mut Model) -> EngineResult<()> {
+        for (i, slot) in self.slots.iter().enumerate() {
+            if *slot != (Slot::Carried { trainable: true }) {
+                continue;
+            }
+            let name = self.executable.input_names()[i].as_str();
+            let Some(param) = name.strip_prefix(PARAM_PREFIX) else {
+                continue;
+            };
+            let value = self.carried[i].as_ref().ok_or_else(|| {
+                EngineError::Other(format!("parameter `{param}` was lost by a failed step"))
+            })?;
+            let target = model
+                .parameter_mut(param)
+                .ok_or_else(|| EngineError::Other(format!("model has no parameter `{param}`")))?;
+            target.data = value.to_data();
+        }
+        Ok(())
+    }
+}
+
+fn classify_input(
+    model: &Model,
+    name: &str,
+    ty: &canopy_ir::TensorType,
+) -> EngineResult<(Slot, Option<Value>)> {
+    if let Some(param) = name.strip_prefix(PARAM_PREFIX) {
+        let p = model.parameter(param).ok_or_else(|| {
+            EngineError::Other(format!("train_step reads `{name}`, which the model lacks"))
+        })?;
+        let slot = Slot::Carried {
+            trainable: p.trainable,
+        };
+        return Ok((slot, Some(Value::from_data(&p.data))));
+    }
+    if name.starts_with(STATE_PREFIX) {
+        let dims = ty.shape.as_fixed().ok_or_else(|| {
+            EngineError::Other(format!("state `{name}` must have a static shape"))
+        })?;
+        let zeros = Value::zeros(ty.dtype, &dims);
+        return Ok((Slot::Carried { trainable: true }, Some(zeros)));
+    }
+    let slot = match name {
+        "x" => Slot::X,
+        "y" => Slot::Y,
+        INPUT_SEED => Slot::Seed,
+        INPUT_LR => Slot::Lr,
+        INPUT_STEP => Slot::Step,
+        other => {
+            return Err(EngineError::Other(format!(
+                "train_step has an input `{other}` that no runner knows how to feed"
+            )));
+        }
+    };
+    Ok((slot, None))
+}
+
+/// Runs a model's `eval` graph over batches.
+pub struct Evaluator {
+    executable: Box<dyn Executable>,
+    params: Vec<Option<Value>>,
+    loss_output: usize,
+    correct_output: usize,
+}
+
+impl Evaluator {
+    pub fn new(model: &Model, backend: &dyn Backend) -> EngineResult<Evaluator> {
+        let graph = model.entry(ENTRY_EVAL)?;
+        let executable = backend.compile(graph)?;
+        let mut params = Vec::new();
+        for &input in graph.inputs() {
+            let name = graph.input_name(input);
+            let value = match name.strip_prefix(PARAM_PREFIX) {
+                Some(p) => Some(Value::from_data(
+                    &model
+                        .parameter(p)
+                        .ok_or_else(|| {
+                            EngineError::Other(format!(
+                                "eval reads `{name}`, which the model lacks"
+                            ))
+                        })?
+                        .data,
+                )),
+                None if name == "x" || name == "y" => None,
+                None => {
+                    return Err(EngineError::Other(format!(
+                        "eval has an input `{name}` that no runner knows how to feed"
+                    )));
+                }
+            };
+            params.push(value);
+        }
+        let position = |name: &str| {
+            graph
+                .outputs()
+                .iter()
+                .position(|(n, _)| n == name)
+                .ok_or_else(|| EngineError::Other(format!("eval has no output `{name}`")))
+        };
+        Ok(Evaluator {
+            loss_output: position("loss")?,
+            correct_output: position("correct")?,
+            executable,
+            params,
+        })
+    }
+
+    /// Loss (summed over samples) and correct count of one batch.
+    pub fn batch(&mut self, x: Value, y: Value) -> EngineResult<(f64, i64)> {
+        let batch = x.shape().first().copied().unwrap_or(0);
+        let mut x = Some(x);
+        let mut y = Some(y);
+        let names = self.executable.input_names().to_vec();
+        let inputs = self
+            .params
+            .iter()
+            .zip(&names)
+            .map(|(p, name)| match (p, name.as_str()) {
+                (Some(v), _) => v.clone(),
+                (None, "x") => x.take().expect("x is bound once"),
+                (None, _) => y.take().expect("y is bound once"),
+            })
+            .collect();
+        let out = self.executable.run(inputs)?;
+        let loss = out[self.loss_output].to_scalar_f32()? as f64 * batch as f64;
+        let correct = match &out[self.correct_output] {
+            Value::I64(a) => a.iter().copied().next().unwrap_or(0),
+            other => other.to_scalar_f32()? as i64,
+        };
+        Ok((loss, correct))
+    }
+}
+
+/// The x input's expected dims with the batch left symbolic.
+pub fn x_dims(model: &Model) -> EngineResult<Vec<Dim>> {
+    let graph = model.entry(ENTRY_EVAL)?;
+    let x = graph
+        .find_input("x")
+        .ok_or_else(|| EngineError::Other("eval has no input `x`".into()))?;
+    Ok(graph.ty(x).shape.0.clone())
+}

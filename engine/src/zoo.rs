@@ -1,0 +1,357 @@
+//! The model zoo and the builder of model files.
+//!
+//! A model file carries four graphs traced from one network:
+//! - `infer(params, x) → logits`;
+//! - `eval(params, x, y) → (loss, correct)`;
+//! - `train_loss(params, x, y, seed) → (loss, correct)`, the training-mode
+//!   forward (dropout active), kept so any tier can derive a new training
+//!   step (another optimizer, another frozen set) with no model code;
+//! - `train_step`, built from `train_loss` by [`crate::optim`].
+
+use std::collections::BTreeMap;
+
+use canopy_ir::model::{ENTRY_EVAL, ENTRY_INFER, ENTRY_TRAIN_STEP, PARAM_PREFIX};
+use canopy_ir::{DType, Dim, Graph, Metadata, Model, Parameter, Shape, TensorType};
+
+use crate::data::Dataset;
+use crate::error::{EngineError, EngineResult};
+use crate::nn::{
+    Conv2d, Flatten, ForwardCtx, INPUT_MEAN, INPUT_STATS_PREFIX, INPUT_STD, Layer, Linear,
+    MaxPool2d, Params, ReLU, Sequential, Standardize, correct_count, init_params,
+    softmax_cross_entropy,
+};
+use crate::optim::{INPUT_SEED, Optimizer, build_train_step};
+use crate::tensor::{Tensor, trace};
+
+pub const ENTRY_TRAIN_LOSS: &str = "train_loss";
+
+/// Metadata property keys.
+pub const PROP_ARCH: &str = "architecture";
+pub const PROP_INPUT_SHAPE: &str = "input_shape";
+pub const PROP_CLASSES: &str = "classes";
+pub const PROP_OPTIMIZER: &str = "optimizer";
+/// `unfitted` until `fit_input_stats` has set `input.mean` / `input.std`.
+pub const PROP_INPUT_STATS: &str = "input_stats";
+
+/// The architectures `canopy model new` knows.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Architecture {
+    Mlp {
+        inputs: usize,
+        hidden: usize,
+        classes: usize,
+    },
+    LeNet5 {
+        classes: usize,
+    },
+    LogReg {
+        inputs: usize,
+        classes: usize,
+    },
+}
+
+impl Architecture {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Architecture::Mlp { .. } => "mlp",
+            Architecture::LeNet5 { .. } => "lenet5",
+            Architecture::LogReg { .. } => "logreg",
+        }
+    }
+
+    pub fn classes(&self) -> usize {
+        match *self {
+            Architecture::Mlp { classes, .. }
+            | Architecture::LeNet5 { classes }
+            | Architecture::LogReg { classes, .. } => classes,
+        }
+    }
+
+    /// The shape of one sample.
+    pub fn input_shape(&self) -> Vec<usize> {
+        match *self {
+            Architecture::Mlp { inputs, .. } | Architecture::LogReg { inputs, .. } => vec![inputs],
+            Architecture::LeNet5 { .. } => vec![1, 28, 28],
+        }
+    }
+
+    pub fn network(&self) -> Sequential {
+        match *self {
+            Architecture::Mlp {
+                inputs,
+                hidden,
+                classes,
+            } => Sequential::new()
+                .push(Standardize)
+                .push(Linear::new("fc1", inputs, hidden))
+                .push(ReLU)
+                .push(Linear::new("fc2", hidden, classes)),
+            Architecture::LogReg { inputs, classes } => Sequential::new()
+                .push(Standardize)
+                .push(Linear::new("linear", inputs, classes)),
+            // LeCun et al. 1998 with ReLU and max pooling, as in most modern
+            // reproductions; padding 2 keeps 28×28 MNIST at the original 32×32 geometry.
+            Architecture::LeNet5 { classes } => Sequential::new()
+                .push(Standardize)
+                .push(Conv2d::new("conv1", 1, 6, 5).padding(2))
+                .push(ReLU)
+                .push(MaxPool2d::new(2, 2))
+                .push(Conv2d::new("conv2", 6, 16, 5))
+                .push(ReLU)
+                .push(MaxPool2d::new(2, 2))
+                .push(Flatten)
+                .push(Linear::new("fc1", 16 * 5 * 5, 120))
+                .push(ReLU)
+                .push(Linear::new("fc2", 120, 84))
+                .push(ReLU)
+                .push(Linear::new("fc3", 84, classes)),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match *self {
+            Architecture::Mlp {
+                inputs,
+                hidden,
+                classes,
+            } => format!("mlp:{inputs},{hidden},{classes}"),
+            Architecture::LeNet5 { classes } => format!("lenet5:{classes}"),
+            Architecture::LogReg { inputs, classes } => format!("logreg:{inputs},{classes}"),
+        }
+    }
+}
+
+/// What `build_model` needs besides the architecture.
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub seed: u64,
+    pub optimizer: Optimizer,
+    /// Parameters whose name starts with any of these are frozen.
+    pub frozen_prefixes: Vec<String>,
+    pub producer: String,
+}
+
+/// Builds a complete model: initialised parameters and all entry points.
+pub fn build_model(config: &ModelConfig) -> EngineResult<Model> {
+    let arch = &config.architecture;
+    let net = arch.network();
+    let specs = net.params();
+    let parameters: Vec<Parameter> = init_params(&specs, config.seed)
+        .into_iter()
+        .zip(&specs)
+        .map(|((name, data), spec)| Parameter {
+            trainable: spec.trainable && !is_frozen(&name, &config.frozen_prefixes),
+            name,
+            data,
+        })
+        .collect();
+    let entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?;
+    let mut properties = BTreeMap::new();
+    properties.insert(PROP_ARCH.into(), arch.describe());
+    properties.insert(PROP_INPUT_SHAPE.into(), join(&arch.input_shape()));
+    properties.insert(PROP_CLASSES.into(), arch.classes().to_string());
+    properties.insert(PROP_INPUT_STATS.into(), "unfitted".into());
+    let mut model = Model {
+        metadata: Metadata {
+            model_name: arch.name().into(),
+            parent_digest: None,
+            producer: config.producer.clone(),
+            properties,
+        },
+        parameters,
+        entry_points: entries,
+    };
+    rebuild_train_step(&mut model, &config.optimizer)?;
+    model.validate()?;
+    Ok(model)
+}
+
+pub fn is_frozen(name: &str, prefixes: &[String]) -> bool {
+    prefixes.iter().any(|p| name.starts_with(p.as_str()))
+}
+
+fn join(dims: &[usize]) -> String {
+    dims.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn param_inputs(parameters: &[Parameter]) -> Vec<(String, TensorType)> {
+    parameters
+        .iter()
+        .map(|p| (format!("{PARAM_PREFIX}{}", p.name), p.data.tensor_type()))
+        .collect()
+}
+
+fn batch_input(sample_shape: &[usize]) -> TensorType {
+    let mut dims = vec![Dim::Batch];
+    dims.extend(sample_shape.iter().map(|&d| Dim::Fixed(d)));
+    TensorType::new(DType::F32, Shape(dims))
+}
+
+fn labels_input() -> TensorType {
+    TensorType::new(DType::I64, Shape(vec![Dim::Batch]))
+}
+
+/// Traces `infer`, `eval` and `train_loss` from `net`.
+fn trace_entry_points(
+    net: &dyn Layer,
+    parameters: &[Parameter],
+    sample_shape: &[usize],
+    classes: usize,
+) -> EngineResult<BTreeMap<String, Graph>> {
+    let params = param_inputs(parameters);
+    let n = params.len();
+    let mut with_x: Vec<(&str, TensorType)> = params
+        .iter()
+        .map(|(n, t)| (n.as_str(), t.clone()))
+        .collect();
+    with_x.push(("x", batch_input(sample_shape)));
+    let mut with_xy = with_x.clone();
+    with_xy.push(("y", labels_input()));
+    let mut with_seed = with_xy.clone();
+    with_seed.push((INPUT_SEED, TensorType::scalar(DType::I64)));
+
+    let bind = |args: &[Tensor]| -> Params {
+        Params(
+            parameters
+                .iter()
+                .zip(args)
+                .map(|(p, t)| (p.name.clone(), t.clone()))
+                .collect(),
+        )
+    };
+    let infer = trace(&with_x, |args| {
+        let logits = net.forward(&bind(args), &args[n], &ForwardCtx::inference())?;
+        check_logits(&logits, classes)?;
+        Ok(vec![("logits".into(), logits)])
+    })?;
+    let loss_and_correct = |args: &[Tensor], ctx: ForwardCtx| {
+        let logits = net.forward(&bind(args), &args[n], &ctx)?;
+        check_logits(&logits, classes)?;
+        let loss = softmax_cross_entropy(&logits, &args[n + 1])?;
+        let correct = correct_count(&logits, &args[n + 1])?;
+        Ok(vec![("loss".into(), loss), ("correct".into(), correct)])
+    };
+    let eval = trace(&with_xy, |args| {
+        loss_and_correct(args, ForwardCtx::inference())
+    })?;
+    let train_loss = trace(&with_seed, |args| {
+        loss_and_correct(args, ForwardCtx::training(Some(args[n + 2].clone())))
+    })?;
+    let mut entries = BTreeMap::new();
+    entries.insert(ENTRY_INFER.to_string(), crate::optimize_graph(&infer)?);
+    entries.insert(ENTRY_EVAL.to_string(), crate::optimize_graph(&eval)?);
+    entries.insert(
+        ENTRY_TRAIN_LOSS.to_string(),
+        crate::optimize_graph(&train_loss)?,
+    );
+    Ok(entries)
+}
+
+fn check_logits(logits: &Tensor, classes: usize) -> EngineResult<()> {
+    match logits.dims().as_slice() {
+        [Dim::Batch, Dim::Fixed(c)] if *c == classes => Ok(()),
+        dims => Err(EngineError::Shape(format!(
+            "network output must be [N, {classes}], got {dims:?}"
+        ))),
+    }
+}
+
+/// (Re)derives `train_step` from the model's `train_loss` graph for the
+/// current trainable set and `optimizer`. Works on any model file, so a
+/// device or the CLI can change the optimizer or freeze a backbone.
+pub fn rebuild_train_step(model: &mut Model, optimizer: &Optimizer) -> EngineResult<()> {
+    let train_loss = model.entry(ENTRY_TRAIN_LOSS)?.clone();
+    let trainable: Vec<String> = model
+        .parameters
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| p.name.clone())
+        .collect();
+    if trainable.is_empty() {
+        return Err(EngineError::Other(
+            "every parameter is frozen: nothing to train".into(),
+        ));
+    }
+    let step = build_train_step(&train_loss, &trainable, optimizer)?;
+    model.entry_points.insert(ENTRY_TRAIN_STEP.into(), step);
+    model
+        .metadata
+        .properties
+        .insert(PROP_OPTIMIZER.into(), optimizer.to_string());
+    Ok(())
+}
+
+/// Sets `trainable` from freeze prefixes; errors when a prefix matches
+/// nothing, since a typo would silently train everything.
+pub fn set_frozen(model: &mut Model, prefixes: &[String]) -> EngineResult<()> {
+    for prefix in prefixes {
+        if !model
+            .parameters
+            .iter()
+            .any(|p| p.name.starts_with(prefix.as_str()))
+        {
+            let names: Vec<&str> = model.parameters.iter().map(|p| p.name.as_str()).collect();
+            return Err(EngineError::Other(format!(
+                "freeze prefix `{prefix}` matches no parameter (parameters: {})",
+                names.join(", ")
+            )));
+        }
+    }
+    for p in &mut model.parameters {
+        p.trainable = !is_frozen(&p.name, prefixes) && !p.name.starts_with(INPUT_STATS_PREFIX);
+    }
+    Ok(())
+}
+
+/// Whether the model's input statistics still await fitting.
+pub fn needs_input_stats(model: &Model) -> bool {
+    model
+        .metadata
+        .properties
+        .get(PROP_INPUT_STATS)
+        .map(String::as_str)
+        == Some("unfitted")
+}
+
+/// Sets `input.mean` / `input.std` from `train`'s features (global
+/// statistics, so constant pixels cannot cause a division by zero).
+pub fn fit_input_stats(model: &mut Model, train: &Dataset) -> EngineResult<()> {
+    let (mean, std) = train.global_stats();
+    if !(mean.is_finite() && std.is_finite() && std > 0.0) {
+        return Err(EngineError::Other(format!(
+            "cannot standardise inputs: training features have mean {mean} and std {std}"
+        )));
+    }
+    for (name, value) in [(INPUT_MEAN, mean), (INPUT_STD, std)] {
+        let param = model
+            .parameter_mut(name)
+            .ok_or_else(|| EngineError::Other(format!("model has no parameter `{name}` to fit")))?;
+        param.data = canopy_ir::TensorData::scalar_f32(value);
+    }
+    model
+        .metadata
+        .properties
+        .insert(PROP_INPUT_STATS.into(), "fitted".into());
+    Ok(())
+}
+
+/// The sample shape a model's `x` input expects.
+pub fn sample_shape(model: &Model) -> EngineResult<Vec<usize>> {
+    let infer = model.entry(ENTRY_INFER)?;
+    let x = infer
+        .find_input("x")
+        .ok_or_else(|| EngineError::Other("entry point `infer` has no input `x`".into()))?;
+    let dims = &infer.ty(x).shape.0;
+    dims.iter()
+        .skip(1)
+        .map(|d| {
+            d.fixed().ok_or_else(|| {
+                EngineError::Other("only the leading dimension of `x` may be the batch".into())
+            })
+        })
+        .collect()
+}

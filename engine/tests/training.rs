@@ -1,0 +1,153 @@
+//! Training graphs on real data: gradients of the shipped model against
+//! finite differences, eager against graph mode, frozen backbones.
+
+use anyhow::Result;
+use canopy_engine::data::load_dir;
+use canopy_engine::optim::Optimizer;
+use canopy_engine::zoo::{Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_model};
+use canopy_engine::{Backend, CpuBackend, Value};
+use canopy_ir::{Model, autodiff};
+
+fn datasets() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets")
+}
+
+fn mlp() -> Result<Model> {
+    Ok(build_model(&ModelConfig {
+        architecture: Architecture::Mlp {
+            inputs: 784,
+            hidden: 32,
+            classes: 10,
+        },
+        seed: 3,
+        optimizer: Optimizer::sgd(),
+        frozen_prefixes: vec![],
+        producer: "test".into(),
+    })?)
+}
+
+fn inputs_for(model: &Model, graph: &canopy_ir::Graph, x: &Value, y: &Value) -> Vec<Value> {
+    graph
+        .inputs()
+        .iter()
+        .map(|&i| match graph.input_name(i) {
+            "x" => x.clone(),
+            "y" => y.clone(),
+            "seed" => Value::scalar_i64(7),
+            name => Value::from_data(
+                &model
+                    .parameter(name.strip_prefix("params/").unwrap())
+                    .unwrap()
+                    .data,
+            ),
+        })
+        .collect()
+}
+
+#[test]
+fn mlp_gradient_on_real_batch_matches_finite_differences() -> Result<()> {
+    for batch_size in [64, 4, 5, 1] {
+        check_gradient(batch_size)?;
+    }
+    Ok(())
+}
+
+fn check_gradient(batch_size: usize) -> Result<()> {
+    let model = mlp()?;
+    let (train, _) = load_dir(datasets().join("mnist-10k"))?;
+    let train = train.with_feature_shape(&[784])?;
+    let batch = train.batches(batch_size, None, true)?.next().unwrap();
+    let loss_graph = model.entry(ENTRY_TRAIN_LOSS)?.clone();
+    let wrt = ["params/fc1.weight", "params/fc2.bias"];
+    let vg = autodiff::value_and_grad(&loss_graph, "loss", &wrt)?;
+    let mut exec = CpuBackend.compile(&vg)?;
+    let out = exec.run(inputs_for(&model, &vg, &batch.x, &batch.y))?;
+    let mut loss_exec = CpuBackend.compile(&loss_graph)?;
+    let names: Vec<String> = vg.outputs().iter().map(|(n, _)| n.clone()).collect();
+    for (k, param) in ["fc1.weight", "fc2.bias"].iter().enumerate() {
+        let grad = out[names
+            .iter()
+            .position(|n| *n == format!("grad/{}", wrt[k]))
+            .unwrap()]
+        .to_f32_vec()?;
+        let base = model.parameter(param).unwrap().data.clone();
+        // Probe the largest-gradient coordinates, where f32 differences are meaningful.
+        let mut order: Vec<usize> = (0..grad.len()).collect();
+        order.sort_by(|&a, &b| grad[b].abs().total_cmp(&grad[a].abs()));
+        for &i in order.iter().take(5) {
+            let eps = 1e-3f32;
+            let mut eval = |delta: f32| -> Result<f64> {
+                let mut m = model.clone();
+                let p = m.parameter_mut(param).unwrap();
+                if let canopy_ir::Buffer::F32(v) = &mut p.data.buffer {
+                    v[i] = base.as_f32().unwrap()[i] + delta;
+                }
+                let o = loss_exec.run(inputs_for(&m, &loss_graph, &batch.x, &batch.y))?;
+                Ok(o[0].to_scalar_f32()? as f64)
+            };
+            let numeric = (eval(eps)? - eval(-eps)?) / (2.0 * eps as f64);
+            let analytic = grad[i] as f64;
+            assert!(
+                (numeric - analytic).abs() <= 2e-2 * analytic.abs().max(1e-3),
+                "batch {batch_size}, {param}[{i}]: analytic {analytic} vs numeric {numeric}"
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn sgd_train_step_equals_parameter_minus_lr_times_gradient() -> Result<()> {
+    let mut model = mlp()?;
+    let (train, _) = load_dir(datasets().join("mnist-10k"))?;
+    let train = train.with_feature_shape(&[784])?;
+    let batch = train.batches(64, Some(1), true)?.next().unwrap();
+    let loss_graph = model.entry(ENTRY_TRAIN_LOSS)?.clone();
+    let names: Vec<String> = model
+        .parameters
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| format!("params/{}", p.name))
+        .collect();
+    let wrt: Vec<&str> = names.iter().map(String::as_str).collect();
+    let vg = autodiff::value_and_grad(&loss_graph, "loss", &wrt)?;
+    let out = CpuBackend
+        .compile(&vg)?
+        .run(inputs_for(&model, &vg, &batch.x, &batch.y))?;
+    let before = model.clone();
+    let mut trainer = canopy_engine::train::Trainer::new(&model, &CpuBackend, 0)?;
+    let lr = 0.1f32;
+    let stats = trainer.step(batch.x.clone(), batch.y.clone(), lr)?;
+    assert!(
+        (stats.loss - out[0].to_scalar_f32()?).abs() < 1e-5,
+        "loss differs"
+    );
+    trainer.write_back(&mut model)?;
+    for (k, name) in names.iter().enumerate() {
+        let param = name.strip_prefix("params/").unwrap();
+        let grad = out[2 + k].to_f32_vec()?;
+        let old = before
+            .parameter(param)
+            .unwrap()
+            .data
+            .as_f32()
+            .unwrap()
+            .to_vec();
+        let new = model
+            .parameter(param)
+            .unwrap()
+            .data
+            .as_f32()
+            .unwrap()
+            .to_vec();
+        for i in 0..old.len() {
+            let expected = old[i] - lr * grad[i];
+            assert!(
+                (new[i] - expected).abs() <= 1e-6 + 1e-5 * expected.abs(),
+                "{param}[{i}]: {} vs {expected}",
+                new[i]
+            );
+        }
+    }
+    Ok(())
+}
