@@ -54,7 +54,12 @@ pub struct Trainer {
     correct_output: usize,
     steps: u64,
     seed: i64,
+    /// (step, carried trainable values) to roll back to on divergence.
+    checkpoint: Option<(u64, Vec<(usize, Value)>)>,
 }
+
+/// How often the trainer checkpoints for rollback, in steps.
+pub const CHECKPOINT_EVERY_STEPS: u64 = 64;
 
 impl Trainer {
     /// Compiles the model's `train_step`; optimizer state starts at zero.
@@ -96,6 +101,7 @@ impl Trainer {
             correct_output: find("correct")?,
             steps: 0,
             seed: seed as i64,
+            checkpoint: None,
         })
     }
 
@@ -103,37 +109,27 @@ impl Trainer {
         self.steps
     }
 
-    /// Runs one step on a batch; errors (without losing the parameters)
-    /// when the loss is not finite.
+    /// Runs one step on a batch. A step that yields a non-finite loss or
+    /// parameter is an error, and the trainer rolls back to its last
+    /// checkpoint, so a diverging run never leaves NaN weights behind.
     pub fn step(&mut self, x: Value, y: Value, lr: f32) -> EngineResult<StepStats> {
-        let mut x = Some(x);
-        let mut y = Some(y);
-        let step_number = self.steps + 1;
-        let mut inputs = Vec::with_capacity(self.slots.len());
-        for (slot, carried) in self.slots.iter().zip(&mut self.carried) {
-            let value = match slot {
-                Slot::Carried { trainable: true } => carried.take(),
-                Slot::Carried { trainable: false } => carried.clone(),
-                Slot::X => x.take(),
-                Slot::Y => y.take(),
-                Slot::Seed => Some(Value::scalar_i64(
-                    self.seed
-                        .wrapping_mul(1_000_003)
-                        .wrapping_add(step_number as i64),
-                )),
-                Slot::Lr => Some(Value::scalar_f32(lr)),
-                Slot::Step => Some(Value::scalar_f32(step_number as f32)),
-            };
-            inputs.push(value.ok_or_else(|| {
-                EngineError::Other("trainer state was lost by an earlier failed step".into())
-            })?);
+        if !(lr.is_finite() && lr > 0.0) {
+            return Err(EngineError::Other(format!(
+                "learning rate {lr} must be a positive finite number"
+            )));
         }
-        let snapshot = self.snapshot_trainable(&inputs);
+        if self.checkpoint.is_none() || self.steps % CHECKPOINT_EVERY_STEPS == 0 {
+            self.take_checkpoint();
+        }
+        let step_number = self.steps + 1;
+        let inputs = self.step_inputs(x, y, lr, step_number)?;
         let outputs = match self.executable.run(inputs) {
             Ok(outputs) => outputs,
             Err(e) => {
-                self.restore(snapshot);
-                return Err(e);
+                let rolled_back = self.roll_back();
+                return Err(EngineError::Other(format!(
+                    "step {step_number} failed (rolled back to step {rolled_back}): {e}"
+                )));
             }
         };
         let loss = outputs[self.loss_output].to_scalar_f32()?;
@@ -141,11 +137,11 @@ impl Trainer {
             Value::I64(a) => a.iter().copied().next().unwrap_or(0),
             other => other.to_scalar_f32()? as i64,
         };
-        if !loss.is_finite() {
-            self.restore(snapshot);
+        if let Some(problem) = self.non_finite(loss, &outputs) {
+            let rolled_back = self.roll_back();
             return Err(EngineError::Other(format!(
-                "training diverged at step {step_number}: loss is {loss}; \
-                 the parameters from before this step are kept (try a lower learning rate)"
+                "training diverged at step {step_number}: {problem}; rolled back to the \
+                 parameters of step {rolled_back} (try a lower learning rate)"
             )));
         }
         for (value, target) in outputs.into_iter().zip(&self.output_targets) {
@@ -157,33 +153,71 @@ impl Trainer {
         Ok(StepStats { loss, correct })
     }
 
-    /// Copies of the carried trainable values, so a failed step can be
-    /// undone. Copying costs one model's worth of memory traffic per step,
-    /// which is why it is only taken when asked for.
-    fn snapshot_trainable(&self, inputs: &[Value]) -> Option<Vec<(usize, Value)>> {
-        if !self.guard_enabled() {
-            return None;
+    fn step_inputs(&mut self, x: Value, y: Value, lr: f32, step: u64) -> EngineResult<Vec<Value>> {
+        let mut x = Some(x);
+        let mut y = Some(y);
+        let mut inputs = Vec::with_capacity(self.slots.len());
+        for (slot, carried) in self.slots.iter().zip(&mut self.carried) {
+            let value = match slot {
+                Slot::Carried { trainable: true } => carried.take(),
+                Slot::Carried { trainable: false } => carried.clone(),
+                Slot::X => x.take(),
+                Slot::Y => y.take(),
+                Slot::Seed => Some(Value::scalar_i64(
+                    self.seed.wrapping_mul(1_000_003).wrapping_add(step as i64),
+                )),
+                Slot::Lr => Some(Value::scalar_f32(lr)),
+                Slot::Step => Some(Value::scalar_f32(step as f32)),
+            };
+            inputs.push(value.ok_or_else(|| {
+                EngineError::Other("trainer state is missing a carried value".into())
+            })?);
         }
-        Some(
-            self.slots
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| matches!(s, Slot::Carried { trainable: true }))
-                .map(|(i, _)| (i, inputs[i].clone()))
-                .collect(),
-        )
+        Ok(inputs)
     }
 
-    fn guard_enabled(&self) -> bool {
-        // Keep a copy for the first steps, where divergence with a bad
-        // learning rate usually shows, and every 64th step thereafter.
-        self.steps < 8 || self.steps % 64 == 0
+    /// Describes the first non-finite loss or carried output, if any.
+    fn non_finite(&self, loss: f32, outputs: &[Value]) -> Option<String> {
+        if !loss.is_finite() {
+            return Some(format!("loss is {loss}"));
+        }
+        let names = self.executable.output_names();
+        outputs
+            .iter()
+            .zip(&self.output_targets)
+            .zip(names)
+            .filter(|((_, target), _)| target.is_some())
+            .find(|((value, _), _)| match value {
+                Value::F32(a) => !a.iter().all(|v| v.is_finite()),
+                _ => false,
+            })
+            .map(|(_, name)| format!("`{name}` is not finite"))
     }
 
-    fn restore(&mut self, snapshot: Option<Vec<(usize, Value)>>) {
-        for (i, value) in snapshot.into_iter().flatten() {
-            self.carried[i] = Some(value);
+    /// Copies every carried trainable value. Costs one model (plus optimizer
+    /// state) of memory traffic, hence only every `CHECKPOINT_EVERY_STEPS`.
+    fn take_checkpoint(&mut self) {
+        let values = self
+            .slots
+            .iter()
+            .zip(&self.carried)
+            .enumerate()
+            .filter(|(_, (slot, _))| matches!(slot, Slot::Carried { trainable: true }))
+            .filter_map(|(i, (_, value))| value.clone().map(|v| (i, v)))
+            .collect();
+        self.checkpoint = Some((self.steps, values));
+    }
+
+    /// Restores the last checkpoint; returns the step it was taken at.
+    fn roll_back(&mut self) -> u64 {
+        let Some((step, values)) = &self.checkpoint else {
+            return self.steps;
+        };
+        for (i, value) in values {
+            self.carried[*i] = Some(value.clone());
         }
+        self.steps = *step;
+        *step
     }
 
     /// Writes the current parameter values back into `model`.
@@ -197,7 +231,7 @@ impl Trainer {
                 continue;
             };
             let value = self.carried[i].as_ref().ok_or_else(|| {
-                EngineError::Other(format!("parameter `{param}` was lost by a failed step"))
+                EngineError::Other(format!("trainer holds no value for parameter `{param}`"))
             })?;
             let target = model
                 .parameter_mut(param)

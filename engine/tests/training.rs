@@ -151,3 +151,132 @@ fn sgd_train_step_equals_parameter_minus_lr_times_gradient() -> Result<()> {
     }
     Ok(())
 }
+
+fn lenet(frozen: &[&str], optimizer: Optimizer) -> Result<Model> {
+    Ok(build_model(&ModelConfig {
+        architecture: Architecture::LeNet5 { classes: 10 },
+        seed: 1,
+        optimizer,
+        frozen_prefixes: frozen.iter().map(|s| s.to_string()).collect(),
+        producer: "test".into(),
+    })?)
+}
+
+#[test]
+fn frozen_backbone_has_a_smaller_training_graph_without_backbone_backward() -> Result<()> {
+    let full = lenet(&[], Optimizer::adam())?;
+    let head = lenet(&["conv", "fc1"], Optimizer::adam())?;
+    let full_step = full.entry("train_step")?;
+    let head_step = head.entry("train_step")?;
+    assert!(
+        head_step.len() < full_step.len(),
+        "frozen: {} nodes, full: {} nodes",
+        head_step.len(),
+        full_step.len()
+    );
+    let count = |g: &canopy_ir::Graph, op: &str| g.op_counts().get(op).copied().unwrap_or(0);
+    assert!(count(full_step, "conv2d_backward_filter") == 2);
+    for op in [
+        "conv2d_backward_filter",
+        "conv2d_backward_input",
+        "max_pool2d_backward",
+    ] {
+        assert_eq!(
+            count(head_step, op),
+            0,
+            "frozen backbone graph has a `{op}` node"
+        );
+    }
+    // Optimizer state exists only for the trainable head: two Adam slots per parameter.
+    let state_inputs = head_step
+        .input_names()
+        .iter()
+        .filter(|n| n.starts_with("state/"))
+        .count();
+    let trainable = head.parameters.iter().filter(|p| p.trainable).count();
+    assert_eq!(trainable, 4, "fc2 and fc3 weights and biases");
+    assert_eq!(state_inputs, 2 * trainable);
+    Ok(())
+}
+
+#[test]
+fn training_a_head_leaves_the_frozen_backbone_untouched() -> Result<()> {
+    let mut model = lenet(&["conv", "fc1"], Optimizer::sgd())?;
+    let before = model.clone();
+    let (train, _) = load_dir(datasets().join("mnist-10k"))?;
+    let mut trainer = canopy_engine::train::Trainer::new(&model, &CpuBackend, 0)?;
+    for batch in train.batches(32, Some(3), true)?.take(5) {
+        trainer.step(batch.x, batch.y, 0.05)?;
+    }
+    trainer.write_back(&mut model)?;
+    for (old, new) in before.parameters.iter().zip(&model.parameters) {
+        if old.trainable {
+            assert_ne!(old.data, new.data, "{} should have changed", old.name);
+        } else {
+            assert_eq!(old.data, new.data, "{} is frozen", old.name);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn passes_shrink_the_mlp_training_graph() -> Result<()> {
+    let model = mlp()?;
+    let loss = model.entry(ENTRY_TRAIN_LOSS)?;
+    let trainable: Vec<String> = model
+        .parameters
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| p.name.clone())
+        .collect();
+    let wrt: Vec<String> = trainable.iter().map(|p| format!("params/{p}")).collect();
+    let wrt: Vec<&str> = wrt.iter().map(String::as_str).collect();
+    let raw = autodiff::value_and_grad(loss, "loss", &wrt)?;
+    let (optimized, report) = canopy_ir::passes::optimize_with_report(
+        &raw,
+        Some(&canopy_engine::fold::CpuConstEvaluator),
+    )?;
+    println!(
+        "mlp value_and_grad: {} nodes before passes, {} after ({:?})",
+        report.before, report.after, report.per_pass
+    );
+    assert!(report.after < report.before);
+    assert_eq!(optimized.len(), report.after);
+    Ok(())
+}
+
+#[test]
+fn divergence_is_an_error_that_keeps_the_parameters() -> Result<()> {
+    let mut model = mlp()?;
+    let before = model.clone();
+    let (train, _) = load_dir(datasets().join("mnist-10k"))?;
+    let train = train.with_feature_shape(&[784])?;
+    let mut trainer = canopy_engine::train::Trainer::new(&model, &CpuBackend, 0)?;
+    let batch = train.batches(64, None, true)?.next().unwrap();
+    let err = trainer
+        .step(batch.x.clone(), batch.y.clone(), f32::NAN)
+        .unwrap_err();
+    assert!(err.to_string().contains("learning rate NaN"), "{err}");
+    // An absurd learning rate overflows the weights within a few steps.
+    let mut failure = None;
+    for _ in 0..20 {
+        if let Err(e) = trainer.step(batch.x.clone(), batch.y.clone(), 1e30) {
+            failure = Some(e.to_string());
+            break;
+        }
+    }
+    let failure = failure.expect("a learning rate of 1e30 diverges");
+    assert!(
+        failure.contains("diverged at step")
+            && failure.contains("rolled back to the parameters of step 0"),
+        "{failure}"
+    );
+    trainer.write_back(&mut model)?;
+    assert_eq!(
+        model.parameters, before.parameters,
+        "rolled back to the start"
+    );
+    // The trainer is still usable after the rollback.
+    assert!(trainer.step(batch.x, batch.y, 0.1)?.loss.is_finite());
+    Ok(())
+}

@@ -1,0 +1,299 @@
+//! The `canopy` binary as a user runs it: accuracy on real data, JSON
+//! output, and errors that name the object and the cause without panicking.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn canopy(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_canopy"))
+        .args(args)
+        .env("CANOPY_LOG", "warn")
+        .output()
+        .expect("the canopy binary runs")
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn mnist() -> String {
+    repo().join("datasets/mnist-10k").display().to_string()
+}
+
+/// A fresh scratch folder per test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("canopy-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn ok(out: Output) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "canopy failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// Asserts a clean failure and returns stderr.
+fn fails(out: Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "expected failure, stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    assert!(stderr.starts_with("error:"), "house error style: {stderr}");
+    stderr
+}
+
+fn last_json(stdout: &str) -> serde_json::Value {
+    serde_json::from_str(stdout.lines().last().expect("output")).expect("last line is JSON")
+}
+
+fn train_and_eval(arch: &[&str], extra: &[&str], name: &str) -> serde_json::Value {
+    let dir = scratch(name);
+    let model = dir.join("m.canopy").display().to_string();
+    let trained = dir.join("t.canopy").display().to_string();
+    let mut new = vec!["model", "new"];
+    new.extend_from_slice(arch);
+    new.extend_from_slice(&["-o", &model]);
+    ok(canopy(&new));
+    let mut train = vec!["model", "train", &model, "--data"];
+    let data = mnist();
+    train.extend_from_slice(&[
+        &data, "--epochs", "5", "--batch", "64", "--lr", "0.1", "-o", &trained,
+    ]);
+    train.extend_from_slice(extra);
+    ok(canopy(&train));
+    last_json(&ok(canopy(&[
+        "model", "eval", &trained, "--data", &data, "--json",
+    ])))
+}
+
+#[test]
+fn mlp_reaches_092_test_accuracy() {
+    let eval = train_and_eval(
+        &[
+            "mlp",
+            "--inputs",
+            "784",
+            "--hidden",
+            "128",
+            "--classes",
+            "10",
+        ],
+        &[],
+        "mlp",
+    );
+    let accuracy = eval["accuracy"].as_f64().unwrap();
+    assert!(accuracy >= 0.92, "MLP test accuracy {accuracy}");
+    assert_eq!(eval["samples"], 1996);
+    assert!(eval["loss"].as_f64().unwrap() < 0.5);
+}
+
+#[test]
+fn lenet5_reaches_0965_test_accuracy() {
+    let eval = train_and_eval(&["lenet5", "--classes", "10"], &[], "lenet");
+    let accuracy = eval["accuracy"].as_f64().unwrap();
+    assert!(accuracy >= 0.965, "LeNet-5 test accuracy {accuracy}");
+}
+
+#[test]
+fn frozen_backbone_with_adam_trains_only_the_head() {
+    let dir = scratch("frozen");
+    let model = dir.join("m.canopy").display().to_string();
+    let trained = dir.join("t.canopy").display().to_string();
+    ok(canopy(&["model", "new", "lenet5", "-o", &model]));
+    let data = mnist();
+    let out = ok(canopy(&[
+        "model",
+        "train",
+        &model,
+        "--data",
+        &data,
+        "--epochs",
+        "1",
+        "--lr",
+        "0.001",
+        "--optimizer",
+        "adam",
+        "--freeze",
+        "conv",
+        "--json",
+        "-o",
+        &trained,
+    ]));
+    assert!(last_json(&out)["accuracy"].as_f64().unwrap() > 0.5);
+    let inspect = last_json(&ok(canopy(&["model", "inspect", &trained, "--json"])));
+    for p in inspect["parameters"].as_array().unwrap() {
+        let name = p["name"].as_str().unwrap();
+        let frozen = name.starts_with("conv") || name.starts_with("input.");
+        assert_eq!(p["trainable"].as_bool().unwrap(), !frozen, "{name}");
+    }
+    let step_ops = &inspect["entry_points"]["train_step"]["ops"];
+    assert!(
+        step_ops.get("conv2d_backward_filter").is_none(),
+        "{step_ops}"
+    );
+}
+
+#[test]
+fn logreg_trains_on_the_digits_csv() {
+    let dir = scratch("digits");
+    let model = dir.join("m.canopy").display().to_string();
+    let trained = dir.join("t.canopy").display().to_string();
+    ok(canopy(&[
+        "model",
+        "new",
+        "logreg",
+        "--inputs",
+        "64",
+        "--classes",
+        "10",
+        "-o",
+        &model,
+    ]));
+    let data = repo().join("datasets/digits").display().to_string();
+    let out = ok(canopy(&[
+        "model", "train", &model, "--data", &data, "--epochs", "20", "--batch", "32", "--lr",
+        "0.1", "--json", "-o", &trained,
+    ]));
+    let accuracy = last_json(&out)["accuracy"].as_f64().unwrap();
+    assert!(accuracy > 0.9, "digits accuracy {accuracy}");
+}
+
+#[test]
+fn inspect_shows_entry_points_parameters_and_digest() {
+    let dir = scratch("inspect");
+    let model = dir.join("m.canopy").display().to_string();
+    ok(canopy(&[
+        "model", "new", "mlp", "--hidden", "16", "-o", &model,
+    ]));
+    let text = ok(canopy(&["model", "inspect", &model]));
+    for needle in [
+        "digest:    sha256:",
+        "fc1.weight",
+        "[784, 16]",
+        "trainable",
+        "frozen",
+        "train_step",
+        "infer",
+        "eval",
+        "matmul×",
+    ] {
+        assert!(
+            text.contains(needle),
+            "inspect output lacks `{needle}`:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn bad_input_is_a_clean_error_naming_the_cause() {
+    let dir = scratch("errors");
+    let model = dir.join("m.canopy").display().to_string();
+    let out_path = dir.join("o.canopy").display().to_string();
+    let data = mnist();
+    ok(canopy(&[
+        "model", "new", "mlp", "--hidden", "8", "-o", &model,
+    ]));
+
+    let e = fails(canopy(&["model", "inspect", "/nonexistent/model.canopy"]));
+    assert!(e.contains("/nonexistent/model.canopy"), "{e}");
+
+    let corrupt = dir.join("corrupt.canopy");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x55;
+    std::fs::write(&corrupt, &bytes).unwrap();
+    let e = fails(canopy(&["model", "inspect", corrupt.to_str().unwrap()]));
+    assert!(e.contains("corrupt.canopy") && e.contains("digest"), "{e}");
+
+    std::fs::write(dir.join("short.canopy"), &bytes[..10]).unwrap();
+    fails(canopy(&[
+        "model",
+        "inspect",
+        dir.join("short.canopy").to_str().unwrap(),
+    ]));
+
+    let small = dir.join("small.canopy").display().to_string();
+    ok(canopy(&[
+        "model", "new", "mlp", "--inputs", "100", "-o", &small,
+    ]));
+    let e = fails(canopy(&[
+        "model", "train", &small, "--data", &data, "-o", &out_path,
+    ]));
+    assert!(
+        e.contains("[1, 28, 28]") && e.contains("[100]"),
+        "shape mismatch names both shapes: {e}"
+    );
+
+    let e = fails(canopy(&[
+        "model", "train", &model, "--data", &data, "--epochs", "0", "-o", &out_path,
+    ]));
+    assert!(e.contains("--epochs"), "{e}");
+    let e = fails(canopy(&[
+        "model", "train", &model, "--data", &data, "--lr", "NaN", "-o", &out_path,
+    ]));
+    assert!(e.contains("--lr"), "{e}");
+    let e = fails(canopy(&[
+        "model", "train", &model, "--data", &data, "--freeze", "nope", "-o", &out_path,
+    ]));
+    assert!(e.contains("`nope` matches no parameter"), "{e}");
+    let e = fails(canopy(&[
+        "model",
+        "train",
+        &model,
+        "--data",
+        &data,
+        "--optimizer",
+        "rmsprop",
+        "-o",
+        &out_path,
+    ]));
+    assert!(e.contains("unknown optimizer `rmsprop`"), "{e}");
+    let e = fails(canopy(&[
+        "model",
+        "train",
+        &model,
+        "--data",
+        "/nonexistent/data",
+        "-o",
+        &out_path,
+    ]));
+    assert!(e.contains("/nonexistent/data"), "{e}");
+    fails(canopy(&[
+        "model", "new", "mlp", "--hidden", "0", "-o", &out_path,
+    ]));
+    assert!(
+        !Path::new(&out_path).exists(),
+        "no output is written on failure"
+    );
+
+    // clap's own usage errors exit non-zero too.
+    let out = canopy(&["model", "train", &model, "--bogus"]);
+    assert!(!out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
+}
+
+#[test]
+fn readme_opens_with_the_main_job_and_the_ci_test_command() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let commands: Vec<&str> = readme
+        .lines()
+        .filter(|l| l.starts_with("    ") && !l.trim().is_empty())
+        .map(str::trim)
+        .take(2)
+        .collect();
+    assert!(
+        commands[0].contains("model train") && commands[0].contains("datasets/mnist-10k"),
+        "{commands:?}"
+    );
+    assert_eq!(commands[1], "cargo test --workspace --release");
+    let ci = std::fs::read_to_string(repo().join(".ci/run")).unwrap();
+    assert!(
+        ci.contains("cargo test ") && ci.contains("README.md"),
+        ".ci/run runs the README's command"
+    );
+}
