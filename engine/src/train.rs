@@ -188,7 +188,10 @@ impl Trainer {
             .zip(names)
             .filter(|((_, target), _)| target.is_some())
             .find(|((value, _), _)| match value {
-                Value::F32(a) => !a.iter().all(|v| v.is_finite()),
+                Value::F32(a) => match a.as_slice_memory_order() {
+                    Some(slice) => !all_finite(slice),
+                    None => !a.iter().all(|v| v.is_finite()),
+                },
                 _ => false,
             })
             .map(|(_, name)| format!("`{name}` is not finite"))
@@ -240,6 +243,20 @@ impl Trainer {
         }
         Ok(())
     }
+}
+
+/// Whether every element is finite, without a branch per element: `v·0`
+/// is 0 for finite `v` and NaN otherwise, and 16 lanes vectorise.
+fn all_finite(values: &[f32]) -> bool {
+    let mut lanes = [0.0f32; 16];
+    let chunks = values.chunks_exact(16);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane += v * 0.0;
+        }
+    }
+    lanes.iter().all(|l| *l == 0.0) && rest.iter().all(|v| v.is_finite())
 }
 
 fn classify_input(

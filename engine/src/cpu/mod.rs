@@ -38,6 +38,40 @@ pub struct CpuExecutable {
     constants: Vec<Option<Value>>,
     input_names: Vec<String>,
     output_names: Vec<String>,
+    /// Per-node (total time, runs) when `CANOPY_PROFILE=1`; printed to
+    /// stderr by op name when the executable is dropped.
+    profile: Option<Vec<(std::time::Duration, u64)>>,
+}
+
+impl Drop for CpuExecutable {
+    fn drop(&mut self) {
+        let Some(profile) = &self.profile else {
+            return;
+        };
+        let mut by_op: std::collections::BTreeMap<&str, (std::time::Duration, u64)> =
+            Default::default();
+        for (node, (time, runs)) in self.graph.nodes().iter().zip(profile) {
+            let entry = by_op.entry(node.op.name()).or_default();
+            entry.0 += *time;
+            entry.1 += runs;
+        }
+        let total: f64 = by_op.values().map(|(t, _)| t.as_secs_f64()).sum();
+        let mut rows: Vec<_> = by_op.into_iter().collect();
+        rows.sort_by(|a, b| b.1.0.cmp(&a.1.0));
+        eprintln!(
+            "canopy profile ({} nodes, {:.3} s in kernels):",
+            self.graph.len(),
+            total
+        );
+        for (op, (time, runs)) in rows {
+            let secs = time.as_secs_f64();
+            eprintln!(
+                "  {op:<24} {:>6.1}%  {:>10.1} µs/run-of-node  {runs} runs",
+                100.0 * secs / total.max(1e-12),
+                1e6 * secs / runs.max(1) as f64
+            );
+        }
+    }
 }
 
 impl CpuExecutable {
@@ -63,12 +97,15 @@ impl CpuExecutable {
             .collect();
         let input_names = graph.input_names().iter().map(|s| s.to_string()).collect();
         let output_names = graph.outputs().iter().map(|(n, _)| n.clone()).collect();
+        let profile = (std::env::var("CANOPY_PROFILE").as_deref() == Ok("1"))
+            .then(|| vec![Default::default(); graph.len()]);
         Ok(CpuExecutable {
             graph,
             last_use,
             constants,
             input_names,
             output_names,
+            profile,
         })
     }
 
@@ -146,7 +183,12 @@ impl Executable for CpuExecutable {
             if matches!(node.op, Op::Input { .. } | Op::Constant(_)) {
                 continue;
             }
+            let started = self.profile.is_some().then(std::time::Instant::now);
             let result = self.eval_node(index, &mut values, batch)?;
+            if let (Some(profile), Some(started)) = (&mut self.profile, started) {
+                profile[index].0 += started.elapsed();
+                profile[index].1 += 1;
+            }
             values[index] = Some(result);
             for input in &node.inputs {
                 if self.last_use[input.index()] == index {

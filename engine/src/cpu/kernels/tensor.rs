@@ -9,7 +9,7 @@ use crate::value::Value;
 
 /// Element count from which a kernel spreads its work over rayon's threads;
 /// below it, waking the pool costs more than the split saves.
-pub const PAR_THRESHOLD: usize = 32 * 1024;
+pub const PAR_THRESHOLD: usize = 256 * 1024;
 
 /// An element type a `Value` can hold.
 pub trait Element: Copy + Default + PartialEq + PartialOrd + Send + Sync + 'static {
