@@ -165,7 +165,27 @@ fn check_rank_and_dtype(name: &str, ty: &TensorType, value: &Value) -> EngineRes
 }
 
 impl Executable for CpuExecutable {
+    /// Runs the whole graph on a rayon worker: kernels that fork (matmul
+    /// halves, large elementwise ops) then join from inside the pool, one
+    /// half inline, instead of parking the caller's thread at every fork.
     fn run(&mut self, inputs: Vec<Value>) -> EngineResult<Vec<Value>> {
+        if rayon::current_thread_index().is_some() {
+            return self.run_here(inputs);
+        }
+        rayon::scope(|_| self.run_here(inputs))
+    }
+
+    fn input_names(&self) -> &[String] {
+        &self.input_names
+    }
+
+    fn output_names(&self) -> &[String] {
+        &self.output_names
+    }
+}
+
+impl CpuExecutable {
+    fn run_here(&mut self, inputs: Vec<Value>) -> EngineResult<Vec<Value>> {
         let expected = self.graph.inputs().len();
         if inputs.len() != expected {
             return Err(EngineError::Other(format!(
@@ -213,16 +233,6 @@ impl Executable for CpuExecutable {
         Ok(result)
     }
 
-    fn input_names(&self) -> &[String] {
-        &self.input_names
-    }
-
-    fn output_names(&self) -> &[String] {
-        &self.output_names
-    }
-}
-
-impl CpuExecutable {
     fn lookup<'a>(&'a self, values: &'a [Option<Value>], id: ValueId) -> &'a Value {
         values[id.index()]
             .as_ref()

@@ -345,6 +345,9 @@ fn select_typed<T: Element>(
         (x, y) => (to_standard(broadcast_to(&x.view(), &shape)?), y, true),
     };
     let other = other.view();
+    if select_contiguous(&mut acc, &cond, &other, keep_when) {
+        return Ok(acc);
+    }
     let other = broadcast_to(&other, &shape)?;
     // `acc` holds one branch; elements where the condition picks the other
     // branch are overwritten.
@@ -361,6 +364,36 @@ fn select_typed<T: Element>(
         zip.for_each(pick);
     }
     Ok(acc)
+}
+
+/// Fast path for contiguous operands, with the other branch either of the
+/// same layout or a single value (ReLU's gradient is `where(x > 0, g, 0)`).
+/// Branch-free so the loop vectorises.
+fn select_contiguous<T: Element>(
+    acc: &mut ArrayD<T>,
+    cond: &ArrayViewD<'_, bool>,
+    other: &ArrayViewD<'_, T>,
+    keep_when: bool,
+) -> bool {
+    let (Some(flags), Some(dst)) = (cond.as_slice(), acc.as_slice_mut()) else {
+        return false;
+    };
+    if other.len() == 1 {
+        let y = other.iter().copied().next().unwrap_or_default();
+        for (x, &c) in dst.iter_mut().zip(flags) {
+            *x = if c == keep_when { *x } else { y };
+        }
+        return true;
+    }
+    match other.as_slice() {
+        Some(src) if src.len() == dst.len() && other.shape() == cond.shape() => {
+            for ((x, &c), &y) in dst.iter_mut().zip(flags).zip(src) {
+                *x = if c == keep_when { *x } else { y };
+            }
+            true
+        }
+        _ => false,
+    }
 }
 
 /// Converts the element type; a cast to the same dtype returns the operand.
