@@ -192,6 +192,17 @@ pub fn build_train_step(
     trainable: &[String],
     optimizer: &Optimizer,
 ) -> EngineResult<Graph> {
+    crate::optimize_graph(&build_train_step_unoptimized(
+        train_loss, trainable, optimizer,
+    )?)
+}
+
+/// `build_train_step` before the optimisation passes (for reports).
+pub fn build_train_step_unoptimized(
+    train_loss: &Graph,
+    trainable: &[String],
+    optimizer: &Optimizer,
+) -> EngineResult<Graph> {
     let wrt: Vec<String> = trainable
         .iter()
         .map(|p| format!("{PARAM_PREFIX}{p}"))
@@ -241,7 +252,7 @@ pub fn build_train_step(
         outputs.push((name.to_string(), *value));
     }
     g.set_outputs(outputs)?;
-    crate::optimize_graph(&g)
+    Ok(g)
 }
 
 struct Hyper {

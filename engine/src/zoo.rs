@@ -146,7 +146,10 @@ pub fn build_model(config: &ModelConfig) -> EngineResult<Model> {
             data,
         })
         .collect();
-    let entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?;
+    let entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?
+        .into_iter()
+        .map(|(name, graph)| Ok((name, crate::optimize_graph(&graph)?)))
+        .collect::<EngineResult<BTreeMap<_, _>>>()?;
     let mut properties = BTreeMap::new();
     properties.insert(PROP_ARCH.into(), arch.describe());
     properties.insert(PROP_INPUT_SHAPE.into(), join(&arch.input_shape()));
@@ -195,7 +198,22 @@ fn labels_input() -> TensorType {
     TensorType::new(DType::I64, Shape(vec![Dim::Batch]))
 }
 
-/// Traces `infer`, `eval` and `train_loss` from `net`.
+/// The `train_loss` graph exactly as traced, before any pass (for reports).
+pub fn traced_train_loss(config: &ModelConfig) -> EngineResult<Graph> {
+    let model = build_model(config)?;
+    let arch = &config.architecture;
+    let mut entries = trace_entry_points(
+        &arch.network(),
+        &model.parameters,
+        &arch.input_shape(),
+        arch.classes(),
+    )?;
+    entries
+        .remove(ENTRY_TRAIN_LOSS)
+        .ok_or_else(|| EngineError::Other("no train_loss traced".into()))
+}
+
+/// Traces `infer`, `eval` and `train_loss` from `net`, unoptimised.
 fn trace_entry_points(
     net: &dyn Layer,
     parameters: &[Parameter],

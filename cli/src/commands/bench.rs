@@ -60,6 +60,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mlp_ratio = backward_forward_ratio(&mlp, &mlp_train)?;
     let lenet_ratio = backward_forward_ratio(&lenet, &lenet_train)?;
     println!("backward/forward time:   mlp {mlp_ratio:.2}, lenet5 {lenet_ratio:.2}");
+    let full_ms = step_millis(&lenet, &lenet_train)?;
+    let frozen = model_frozen(Architecture::LeNet5 { classes: 10 }, &["conv", "fc1"])?;
+    let frozen_ms = step_millis(&frozen, &lenet_train)?;
+    println!(
+        "lenet5 step, batch {BATCH}:  full {full_ms:.2} ms ({} nodes), frozen conv+fc1 {frozen_ms:.2} ms ({} nodes)",
+        lenet.entry("train_step")?.len(),
+        frozen.entry("train_step")?.len()
+    );
+    let (nodes_before, nodes_after) = mlp_pass_report()?;
+    println!("mlp train_step nodes:    {nodes_before} before passes, {nodes_after} after");
     let mut gflops = serde_json::Map::new();
     for n in [256, 512, 1024] {
         let rate = matmul_gflops(n)?;
@@ -75,6 +85,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "backward_forward_ratio": mlp_ratio,
                 "lenet5_backward_forward_ratio": lenet_ratio,
                 "matmul_gflops": gflops,
+                "lenet5_full_step_ms": full_ms,
+                "lenet5_frozen_backbone_step_ms": frozen_ms,
+                "mlp_train_step_nodes_before_passes": nodes_before,
+                "mlp_train_step_nodes_after_passes": nodes_after,
                 "threads": rayon::current_num_threads(),
             })
         );
@@ -83,13 +97,63 @@ pub fn run(args: BenchArgs) -> Result<()> {
 }
 
 fn model(architecture: Architecture) -> Result<Model> {
+    model_frozen(architecture, &[])
+}
+
+fn model_frozen(architecture: Architecture, frozen: &[&str]) -> Result<Model> {
     Ok(build_model(&ModelConfig {
         architecture,
         seed: 0,
         optimizer: Optimizer::sgd(),
-        frozen_prefixes: Vec::new(),
+        frozen_prefixes: frozen.iter().map(|p| p.to_string()).collect(),
         producer: "canopy bench".into(),
     })?)
+}
+
+/// Mean milliseconds of one training step over a fixed set of batches.
+fn step_millis(model: &Model, train: &Dataset) -> Result<f64> {
+    let mut trainer = Trainer::new(model, &CpuBackend, 0)?;
+    let batches: Vec<_> = train.batches(BATCH, Some(7), true)?.take(40).collect();
+    let (warm_up, timed) = batches.split_at(5);
+    for b in warm_up {
+        trainer.step(b.x.clone(), b.y.clone(), LR)?;
+    }
+    let started = Instant::now();
+    for b in timed {
+        trainer.step(b.x.clone(), b.y.clone(), LR)?;
+    }
+    Ok(1e3 * started.elapsed().as_secs_f64() / timed.len() as f64)
+}
+
+/// Node counts of the MLP's training step as traced and differentiated,
+/// before and after the optimisation passes.
+fn mlp_pass_report() -> Result<(usize, usize)> {
+    let config = ModelConfig {
+        architecture: Architecture::Mlp {
+            inputs: 784,
+            hidden: 128,
+            classes: 10,
+        },
+        seed: 0,
+        optimizer: Optimizer::sgd(),
+        frozen_prefixes: Vec::new(),
+        producer: "canopy bench".into(),
+    };
+    let model = build_model(&config)?;
+    let loss = &canopy_engine::zoo::traced_train_loss(&config)?;
+    let trainable: Vec<String> = model
+        .parameters
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| p.name.clone())
+        .collect();
+    let unoptimized =
+        canopy_engine::optim::build_train_step_unoptimized(loss, &trainable, &Optimizer::sgd())?;
+    let (_, report) = canopy_ir::passes::optimize_with_report(
+        &unoptimized,
+        Some(&canopy_engine::fold::CpuConstEvaluator),
+    )?;
+    Ok((report.before, report.after))
 }
 
 /// Samples per second over the whole shuffled training loop.
