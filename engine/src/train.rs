@@ -118,7 +118,7 @@ impl Trainer {
                 "learning rate {lr} must be a positive finite number"
             )));
         }
-        if self.checkpoint.is_none() || self.steps % CHECKPOINT_EVERY_STEPS == 0 {
+        if self.checkpoint.is_none() || self.steps.is_multiple_of(CHECKPOINT_EVERY_STEPS) {
             self.take_checkpoint();
         }
         let step_number = self.steps + 1;

@@ -283,12 +283,7 @@ fn check_logits(logits: &Tensor, classes: usize) -> EngineResult<()> {
 /// device or the CLI can change the optimizer or freeze a backbone.
 pub fn rebuild_train_step(model: &mut Model, optimizer: &Optimizer) -> EngineResult<()> {
     let train_loss = model.entry(ENTRY_TRAIN_LOSS)?.clone();
-    let trainable: Vec<String> = model
-        .parameters
-        .iter()
-        .filter(|p| p.trainable)
-        .map(|p| p.name.clone())
-        .collect();
+    let trainable: Vec<String> = model.trainable_names();
     if trainable.is_empty() {
         return Err(EngineError::Other(
             "every parameter is frozen: nothing to train".into(),

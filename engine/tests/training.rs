@@ -223,12 +223,7 @@ fn training_a_head_leaves_the_frozen_backbone_untouched() -> Result<()> {
 fn passes_shrink_the_mlp_training_graph() -> Result<()> {
     let model = mlp()?;
     let loss = model.entry(ENTRY_TRAIN_LOSS)?;
-    let trainable: Vec<String> = model
-        .parameters
-        .iter()
-        .filter(|p| p.trainable)
-        .map(|p| p.name.clone())
-        .collect();
+    let trainable: Vec<String> = model.trainable_names();
     let wrt: Vec<String> = trainable.iter().map(|p| format!("params/{p}")).collect();
     let wrt: Vec<&str> = wrt.iter().map(String::as_str).collect();
     let raw = autodiff::value_and_grad(loss, "loss", &wrt)?;

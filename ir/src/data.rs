@@ -56,7 +56,7 @@ impl Buffer {
     /// Decodes little-endian bytes; `None` when the length does not fit the
     /// dtype or a bool byte is neither 0 nor 1.
     pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Option<Buffer> {
-        if bytes.len() % dtype.size_bytes() != 0 {
+        if !bytes.len().is_multiple_of(dtype.size_bytes()) {
             return None;
         }
         Some(match dtype {

@@ -10,10 +10,10 @@ type Cause = String;
 
 /// Infers the output type of `op` applied to inputs of `types`.
 pub fn infer_type(op: &Op, types: &[&TensorType]) -> Result<TensorType, Cause> {
-    if let Some(arity) = op.arity() {
-        if types.len() != arity {
-            return Err(format!("expects {arity} inputs, got {}", types.len()));
-        }
+    if let Some(arity) = op.arity()
+        && types.len() != arity
+    {
+        return Err(format!("expects {arity} inputs, got {}", types.len()));
     }
     let ty = infer_unchecked(op, types)?;
     if ty.rank() > MAX_RANK {

@@ -64,6 +64,15 @@ impl Model {
             .ok_or_else(|| IrError::Invalid(format!("model has no entry point `{name}`")))
     }
 
+    /// Names of the trainable parameters, in declaration order.
+    pub fn trainable_names(&self) -> Vec<String> {
+        self.parameters
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.name.clone())
+            .collect()
+    }
+
     /// Total elements of trainable parameters.
     pub fn trainable_elements(&self) -> usize {
         self.parameters

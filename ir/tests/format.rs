@@ -899,7 +899,7 @@ fn trailing_garbage_and_padding_are_rejected() {
     fix_digest(&mut bad);
     assert_err_contains(&bad, &["7 trailing bytes"]);
     let hl = u64_at(&file, 16) as usize;
-    if (64 + hl) % 64 != 0 {
+    if !(64 + hl).is_multiple_of(64) {
         let mut bad = file;
         bad[64 + hl] = 1;
         fix_digest(&mut bad);

@@ -141,12 +141,7 @@ fn mlp_pass_report() -> Result<(usize, usize)> {
     };
     let model = build_model(&config)?;
     let loss = &canopy_engine::zoo::traced_train_loss(&config)?;
-    let trainable: Vec<String> = model
-        .parameters
-        .iter()
-        .filter(|p| p.trainable)
-        .map(|p| p.name.clone())
-        .collect();
+    let trainable: Vec<String> = model.trainable_names();
     let unoptimized =
         canopy_engine::optim::build_train_step_unoptimized(loss, &trainable, &Optimizer::sgd())?;
     let (_, report) = canopy_ir::passes::optimize_with_report(

@@ -57,7 +57,7 @@ impl Drop for CpuExecutable {
         }
         let total: f64 = by_op.values().map(|(t, _)| t.as_secs_f64()).sum();
         let mut rows: Vec<_> = by_op.into_iter().collect();
-        rows.sort_by(|a, b| b.1.0.cmp(&a.1.0));
+        rows.sort_by_key(|row| std::cmp::Reverse(row.1.0));
         eprintln!(
             "canopy profile ({} nodes, {:.3} s in kernels):",
             self.graph.len(),

@@ -10,6 +10,9 @@ use canopy_engine::{Backend, CpuBackend, Executable, Value};
 use canopy_ir::autodiff::{jvp, vjp};
 use canopy_ir::{DType, Graph, Shape, TensorType, ValueId};
 
+/// A scalar function of a compiled graph's outputs.
+type Objective<'a> = dyn Fn(&mut Box<dyn Executable>, Vec<Value>) -> f64 + 'a;
+
 /// Compiles `graph` for the CPU backend, with the graph in the message.
 pub fn compile(graph: &Graph) -> Box<dyn Executable> {
     CpuBackend
@@ -203,7 +206,7 @@ fn fd_gradient(
     inputs: &[Value],
     k: usize,
     eps: f32,
-    phi: &dyn Fn(&mut Box<dyn Executable>, Vec<Value>) -> f64,
+    phi: &Objective<'_>,
 ) -> Vec<f64> {
     let n = inputs[k].len();
     (0..n)

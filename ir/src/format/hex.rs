@@ -15,7 +15,7 @@ pub(crate) fn encode(bytes: &[u8]) -> String {
 /// `None` for odd lengths and anything but `0-9a-f`.
 pub(crate) fn decode(s: &str) -> Option<Vec<u8>> {
     let s = s.as_bytes();
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     s.chunks_exact(2)

@@ -93,7 +93,7 @@ pub(crate) fn parse(file: &[u8], limits: &ReadLimits) -> Result<Preamble, Format
             limits.max_file_bytes,
         ));
     }
-    if data_len % ALIGN as u64 != 0 {
+    if !data_len.is_multiple_of(ALIGN as u64) {
         return Err(FormatError::invalid(
             "preamble",
             format!("data section length {data_len} is not a multiple of {ALIGN}"),

@@ -361,7 +361,7 @@ impl<'b> Decoder<'b> {
                 r.bytes
             )));
         }
-        if r.offset % ALIGN as u64 != 0 {
+        if !r.offset.is_multiple_of(ALIGN as u64) {
             return Err(err(format!(
                 "data offset {} is not aligned to {ALIGN} bytes",
                 r.offset
