@@ -153,6 +153,10 @@ fn mlp_pass_report() -> Result<(usize, usize)> {
 
 /// Samples per second over the whole shuffled training loop.
 fn train_throughput(model: &Model, train: &Dataset, epochs: usize) -> Result<f64> {
+    rayon::scope(|_| train_throughput_here(model, train, epochs))
+}
+
+fn train_throughput_here(model: &Model, train: &Dataset, epochs: usize) -> Result<f64> {
     let mut trainer = Trainer::new(model, &CpuBackend, 0)?;
     let started = Instant::now();
     let mut samples = 0usize;

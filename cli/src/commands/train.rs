@@ -145,7 +145,18 @@ fn retarget(model: &mut Model, args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// Runs on a rayon worker, so each step's kernels fork and join inside the
+/// pool rather than waking it from outside once per step.
 fn train_epoch(
+    trainer: &mut Trainer,
+    train: &Dataset,
+    args: &TrainArgs,
+    epoch: usize,
+) -> Result<(f64, f64)> {
+    rayon::scope(|_| train_epoch_here(trainer, train, args, epoch))
+}
+
+fn train_epoch_here(
     trainer: &mut Trainer,
     train: &Dataset,
     args: &TrainArgs,

@@ -76,8 +76,10 @@ fn matmul_2d(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<Array2<
 }
 
 /// Products below this many multiply-adds run on the calling thread: for
-/// them, waking a worker costs more than it saves.
-const PARALLEL_MACS: usize = 1 << 20;
+/// them, waking a worker costs more than it saves. Measured on 2 cores: the
+/// MLP benchmark (64×784×128 layers, 6.4M) trains at a median of 207k
+/// samples/s single-threaded and 193k split; 1024³ gains 1.7× from the split.
+const PARALLEL_MACS: usize = 1 << 23;
 
 /// c = a·b. Large products are split once, in two, along the larger output
 /// dimension (splitting further repacks the operands per piece) and the
