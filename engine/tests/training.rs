@@ -275,3 +275,140 @@ fn divergence_is_an_error_that_keeps_the_parameters() -> Result<()> {
     assert!(trainer.step(batch.x, batch.y, 0.1)?.loss.is_finite());
     Ok(())
 }
+
+/// Reference update rules, written out plainly, for one parameter tensor.
+struct Reference {
+    optimizer: Optimizer,
+    slots: [Vec<f32>; 2],
+}
+
+impl Reference {
+    fn new(optimizer: Optimizer, len: usize) -> Reference {
+        Reference {
+            optimizer,
+            slots: [vec![0.0; len], vec![0.0; len]],
+        }
+    }
+
+    fn update(&mut self, p: &mut [f32], g: &[f32], lr: f32, step: i32) {
+        match self.optimizer {
+            Optimizer::Sgd {
+                momentum,
+                nesterov,
+                weight_decay,
+            } => {
+                for i in 0..p.len() {
+                    let grad = g[i] + weight_decay * p[i];
+                    let v = momentum * self.slots[0][i] + grad;
+                    self.slots[0][i] = v;
+                    let dir = if momentum == 0.0 {
+                        grad
+                    } else if nesterov {
+                        grad + momentum * v
+                    } else {
+                        v
+                    };
+                    p[i] -= lr * dir;
+                }
+            }
+            Optimizer::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+            } => {
+                for i in 0..p.len() {
+                    let grad = if decoupled {
+                        g[i]
+                    } else {
+                        g[i] + weight_decay * p[i]
+                    };
+                    let m = beta1 * self.slots[0][i] + (1.0 - beta1) * grad;
+                    let v = beta2 * self.slots[1][i] + (1.0 - beta2) * grad * grad;
+                    self.slots[0][i] = m;
+                    self.slots[1][i] = v;
+                    let m_hat = m / (1.0 - beta1.powi(step));
+                    let v_hat = v / (1.0 - beta2.powi(step));
+                    let mut dir = m_hat / (v_hat.sqrt() + eps);
+                    if decoupled {
+                        dir += weight_decay * p[i];
+                    }
+                    p[i] -= lr * dir;
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_optimizer_matches_its_reference_update_over_three_steps() -> Result<()> {
+    let (train, _) = load_dir(datasets().join("mnist-10k"))?;
+    let train = train.with_feature_shape(&[784])?;
+    let batches: Vec<_> = train.batches(16, Some(5), true)?.take(3).collect();
+    let optimizers = [
+        Optimizer::parse("sgd:momentum=0.9")?,
+        Optimizer::parse("sgd:momentum=0.9,nesterov=true,weight_decay=0.01")?,
+        Optimizer::parse("sgd:weight_decay=0.1")?,
+        Optimizer::adam(),
+        Optimizer::parse("adam:weight_decay=0.05")?,
+        Optimizer::adamw(0.1),
+    ];
+    for optimizer in optimizers {
+        let mut model = build_model(&ModelConfig {
+            architecture: Architecture::LogReg {
+                inputs: 784,
+                classes: 10,
+            },
+            seed: 11,
+            optimizer,
+            frozen_prefixes: vec![],
+            producer: "test".into(),
+        })?;
+        let loss_graph = model.entry(ENTRY_TRAIN_LOSS)?.clone();
+        let grads = autodiff::grad(
+            &loss_graph,
+            "loss",
+            &["params/linear.weight", "params/linear.bias"],
+        )?;
+        let mut grad_exec = CpuBackend.compile(&grads)?;
+        let mut trainer = canopy_engine::train::Trainer::new(&model, &CpuBackend, 0)?;
+        let names = ["linear.weight", "linear.bias"];
+        let mut reference: Vec<Reference> = names
+            .iter()
+            .map(|n| Reference::new(optimizer, model.parameter(n).unwrap().data.num_elements()))
+            .collect();
+        let mut expected: Vec<Vec<f32>> = names
+            .iter()
+            .map(|n| model.parameter(n).unwrap().data.as_f32().unwrap().to_vec())
+            .collect();
+        let lr = 0.05;
+        for (step, batch) in batches.iter().enumerate() {
+            // Gradients at the reference parameters, which equal the trainer's so far.
+            let mut at = model.clone();
+            for (n, values) in names.iter().zip(&expected) {
+                at.parameter_mut(n).unwrap().data = canopy_ir::TensorData::f32(
+                    at.parameter(n).unwrap().data.shape.clone(),
+                    values.clone(),
+                )
+                .unwrap();
+            }
+            let g = grad_exec.run(inputs_for(&at, &grads, &batch.x, &batch.y))?;
+            for k in 0..2 {
+                reference[k].update(&mut expected[k], &g[k].to_f32_vec()?, lr, step as i32 + 1);
+            }
+            trainer.step(batch.x.clone(), batch.y.clone(), lr)?;
+        }
+        trainer.write_back(&mut model)?;
+        for (n, want) in names.iter().zip(&expected) {
+            let got = model.parameter(n).unwrap().data.as_f32().unwrap();
+            for (i, (a, b)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 + 1e-4 * b.abs(),
+                    "{optimizer}: {n}[{i}] {a} vs reference {b}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
