@@ -25,7 +25,7 @@ pub fn bar(len: u64, prefix: String) -> ProgressBar {
     }
     let bar = ProgressBar::new(len).with_prefix(prefix);
     let style = ProgressStyle::with_template(
-        "{prefix:>10} [{bar:30}] {pos}/{len} batches  {msg}  ({per_sec}, eta {eta})",
+        "{prefix:>10} [{bar:30}] {pos}/{len} batches  {msg}  ({elapsed}, eta {eta})",
     )
     .expect("static template is valid")
     .progress_chars("=> ");
