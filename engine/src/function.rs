@@ -1,5 +1,5 @@
 //! `Function`: model code that runs eagerly or as a compiled graph,
-//! depending on the thread's [`Mode`](crate::Mode).
+//! depending on the thread's [`Mode`].
 
 use std::sync::Arc;
 

@@ -478,7 +478,7 @@ impl Layer for LayerNorm {
     }
 }
 
-/// Mean softmax cross-entropy of `logits` [B, C] against i64 labels [B].
+/// Mean softmax cross-entropy of `logits` `[B, C]` against i64 labels `[B]`.
 pub fn softmax_cross_entropy(logits: &Tensor, labels: &Tensor) -> EngineResult<Tensor> {
     let classes = class_count(logits)?;
     let log_probs = logits.log_softmax(1)?;

@@ -151,7 +151,7 @@ pub enum Op {
     Reshape {
         shape: Vec<Dim>,
     },
-    /// out.shape[i] = in.shape[perm[i]].
+    /// `out.shape[i] = in.shape[perm[i]]`.
     Transpose {
         perm: Vec<usize>,
     },
