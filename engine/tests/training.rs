@@ -412,3 +412,62 @@ fn every_optimizer_matches_its_reference_update_over_three_steps() -> Result<()>
     }
     Ok(())
 }
+
+/// Multiply-adds of a graph's matmuls and convolutions at batch `n`, from
+/// static shapes: a deterministic measure of a step's work, where a timed
+/// assertion would be flaky.
+fn multiply_adds(graph: &canopy_ir::Graph, n: usize) -> usize {
+    use canopy_ir::Op;
+    let dims = |id: canopy_ir::ValueId| graph.ty(id).shape.resolve(n);
+    graph
+        .nodes()
+        .iter()
+        .map(|node| match &node.op {
+            Op::MatMul { transpose_a, .. } => {
+                let a = dims(node.inputs[0]);
+                let k = if *transpose_a {
+                    a[a.len() - 2]
+                } else {
+                    a[a.len() - 1]
+                };
+                node.ty.shape.resolve(n).iter().product::<usize>() * k
+            }
+            // Each conv-family op costs output elements × the reduction length.
+            Op::Conv2d(_) => {
+                let w = dims(node.inputs[1]);
+                node.ty.shape.resolve(n).iter().product::<usize>() * w[1] * w[2] * w[3]
+            }
+            Op::Conv2dBackwardInput { .. } => {
+                let w = dims(node.inputs[1]);
+                dims(node.inputs[0]).iter().product::<usize>() * w[1] * w[2] * w[3]
+            }
+            Op::Conv2dBackwardFilter { .. } => {
+                let dy = dims(node.inputs[1]);
+                node.ty.shape.resolve(n).iter().product::<usize>() * dy[0] * dy[2] * dy[3]
+            }
+            _ => 0,
+        })
+        .sum()
+}
+
+#[test]
+fn frozen_backbone_step_does_far_less_work_than_full_fine_tuning() -> Result<()> {
+    let full = lenet(&[], Optimizer::sgd())?;
+    let head = lenet(&["conv", "fc1"], Optimizer::sgd())?;
+    let full_work = multiply_adds(full.entry("train_step")?, 64);
+    let head_work = multiply_adds(head.entry("train_step")?, 64);
+    let forward_work = multiply_adds(full.entry("eval")?, 64);
+    println!(
+        "multiply-adds per step at N=64: full {full_work}, frozen {head_work}, forward {forward_work}"
+    );
+    // The frozen step is the forward pass plus a small head backward.
+    assert!(
+        head_work < full_work / 2,
+        "frozen {head_work} vs full {full_work}"
+    );
+    assert!(
+        head_work < forward_work * 11 / 10,
+        "frozen {head_work} vs forward {forward_work}"
+    );
+    Ok(())
+}
