@@ -81,13 +81,15 @@ fn matmul_2d(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<Array2<
 /// samples/s single-threaded and 193k split; 1024³ gains 1.7× from the split.
 const PARALLEL_MACS: usize = 1 << 23;
 
-/// c = a·b. Large products are split once, in two, along the larger output
-/// dimension (splitting further repacks the operands per piece) and the
-/// halves run under `rayon::join`; each half is one
-/// single-threaded `matrixmultiply` call. One thread pool (rayon's) thus
+/// c = a·b. Products of at least `PARALLEL_MACS` are split once, in two,
+/// along the larger output dimension (splitting further repacks the
+/// operands per piece) and the halves run under `rayon::join`; each half is
+/// a single-threaded `matrixmultiply` call. One thread pool (rayon's) thus
 /// serves matmul and every other kernel, instead of two pools competing for
-/// the cores (measured: the MLP's 64×784×128 layer runs at 172 GFLOPS this
-/// way, 93 with `matrixmultiply`'s own threading, 119 on one thread).
+/// the cores. In isolation the MLP's 64×784×128 layer runs at 172 GFLOPS
+/// split, 119 on one thread and 93 with `matrixmultiply`'s own threading;
+/// within a whole training step the split's wake-ups cost more than that,
+/// hence the threshold above it.
 fn gemm(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>, c: &mut ArrayViewMut2<'_, f32>) {
     let (m, k, n) = (a.nrows(), a.ncols(), b.ncols());
     let macs = m.saturating_mul(k).saturating_mul(n);
