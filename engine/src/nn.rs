@@ -58,17 +58,14 @@ pub struct ParamSpec {
 /// Initialises every spec from one seeded RNG, in order, so a seed fixes
 /// the whole model.
 pub fn init_params(specs: &[ParamSpec], seed: u64) -> Vec<(String, TensorData)> {
-    // Statistics are not drawn from the RNG, so adding a `Standardize`
+    // Zeros and Ones draw nothing from the RNG, so adding a `Standardize`
     // layer does not change the initial weights of the layers after it.
     let mut rng = StdRng::seed_from_u64(seed);
     specs
         .iter()
         .map(|spec| {
             let len = spec.shape.iter().product();
-            let values = match spec.init {
-                Init::Zeros | Init::Ones => spec.init.fill(len, &mut StdRng::seed_from_u64(0)),
-                init => init.fill(len, &mut rng),
-            };
+            let values = spec.init.fill(len, &mut rng);
             let data = TensorData::f32(spec.shape.clone(), values)
                 .expect("fill produces shape-product elements");
             (spec.name.clone(), data)

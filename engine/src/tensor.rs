@@ -209,8 +209,10 @@ pub fn apply(op: Op, inputs: &[&Tensor]) -> EngineResult<Tensor> {
             .iter()
             .map(|t| graph_value(t))
             .collect::<EngineResult<Vec<_>>>()?;
-        let id = with_graph(|g| Ok(g.push(op, &ids)?))?;
-        let ty = with_graph(|g| Ok(g.ty(id).clone()))?;
+        let (id, ty) = with_graph(|g| {
+            let id = g.push(op, &ids)?;
+            Ok((id, g.ty(id).clone()))
+        })?;
         return Ok(Tensor {
             repr: Repr::Traced { id, trace, ty },
         });

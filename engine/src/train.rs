@@ -6,8 +6,8 @@
 
 use std::collections::HashMap;
 
+use canopy_ir::Model;
 use canopy_ir::model::{ENTRY_EVAL, ENTRY_TRAIN_STEP, PARAM_PREFIX, STATE_PREFIX};
-use canopy_ir::{Dim, Model};
 
 use crate::backend::{Backend, Executable};
 use crate::error::{EngineError, EngineResult};
@@ -70,7 +70,7 @@ impl Trainer {
         let mut carried = Vec::new();
         for &input in graph.inputs() {
             let name = graph.input_name(input);
-            let (slot, value) = classify_input(model, name, graph.ty(input))?;
+            let (slot, value) = classify_input(model, ENTRY_TRAIN_STEP, name, graph.ty(input))?;
             slots.push(slot);
             carried.push(value);
         }
@@ -133,10 +133,7 @@ impl Trainer {
             }
         };
         let loss = outputs[self.loss_output].to_scalar_f32()?;
-        let correct = match &outputs[self.correct_output] {
-            Value::I64(a) => a.iter().copied().next().unwrap_or(0),
-            other => other.to_scalar_f32()? as i64,
-        };
+        let correct = count_of(&outputs[self.correct_output])?;
         if let Some(problem) = self.non_finite(loss, &outputs) {
             let rolled_back = self.roll_back();
             return Err(EngineError::Other(format!(
@@ -261,12 +258,13 @@ fn all_finite(values: &[f32]) -> bool {
 
 fn classify_input(
     model: &Model,
+    entry: &str,
     name: &str,
     ty: &canopy_ir::TensorType,
 ) -> EngineResult<(Slot, Option<Value>)> {
     if let Some(param) = name.strip_prefix(PARAM_PREFIX) {
         let p = model.parameter(param).ok_or_else(|| {
-            EngineError::Other(format!("train_step reads `{name}`, which the model lacks"))
+            EngineError::Other(format!("{entry} reads `{name}`, which the model lacks"))
         })?;
         let slot = Slot::Carried {
             trainable: p.trainable,
@@ -288,17 +286,26 @@ fn classify_input(
         INPUT_STEP => Slot::Step,
         other => {
             return Err(EngineError::Other(format!(
-                "train_step has an input `{other}` that no runner knows how to feed"
+                "{entry} has an input `{other}` that no runner knows how to feed"
             )));
         }
     };
     Ok((slot, None))
 }
 
+/// The single value of a `correct` output (i64, or f32 from older graphs).
+fn count_of(value: &Value) -> EngineResult<i64> {
+    match value {
+        Value::I64(a) => Ok(a.iter().copied().next().unwrap_or(0)),
+        other => Ok(other.to_scalar_f32()? as i64),
+    }
+}
+
 /// Runs a model's `eval` graph over batches.
 pub struct Evaluator {
     executable: Box<dyn Executable>,
-    params: Vec<Option<Value>>,
+    /// Per input: parameters (`Carried`, with their value), `X` or `Y`.
+    slots: Vec<(Slot, Option<Value>)>,
     loss_output: usize,
     correct_output: usize,
 }
@@ -307,28 +314,21 @@ impl Evaluator {
     pub fn new(model: &Model, backend: &dyn Backend) -> EngineResult<Evaluator> {
         let graph = model.entry(ENTRY_EVAL)?;
         let executable = backend.compile(graph)?;
-        let mut params = Vec::new();
+        let mut slots = Vec::new();
         for &input in graph.inputs() {
             let name = graph.input_name(input);
-            let value = match name.strip_prefix(PARAM_PREFIX) {
-                Some(p) => Some(Value::from_data(
-                    &model
-                        .parameter(p)
-                        .ok_or_else(|| {
-                            EngineError::Other(format!(
-                                "eval reads `{name}`, which the model lacks"
-                            ))
-                        })?
-                        .data,
-                )),
-                None if name == "x" || name == "y" => None,
-                None => {
-                    return Err(EngineError::Other(format!(
-                        "eval has an input `{name}` that no runner knows how to feed"
-                    )));
-                }
+            let slot = classify_input(model, ENTRY_EVAL, name, graph.ty(input))?;
+            let feedable = match slot.0 {
+                Slot::Carried { .. } => name.starts_with(PARAM_PREFIX),
+                Slot::X | Slot::Y => true,
+                Slot::Seed | Slot::Lr | Slot::Step => false,
             };
-            params.push(value);
+            if !feedable {
+                return Err(EngineError::Other(format!(
+                    "eval has an input `{name}` that no runner knows how to feed"
+                )));
+            }
+            slots.push(slot);
         }
         let position = |name: &str| {
             graph
@@ -341,7 +341,7 @@ impl Evaluator {
             loss_output: position("loss")?,
             correct_output: position("correct")?,
             executable,
-            params,
+            slots,
         })
     }
 
@@ -350,32 +350,18 @@ impl Evaluator {
         let batch = x.shape().first().copied().unwrap_or(0);
         let mut x = Some(x);
         let mut y = Some(y);
-        let names = self.executable.input_names().to_vec();
         let inputs = self
-            .params
+            .slots
             .iter()
-            .zip(&names)
-            .map(|(p, name)| match (p, name.as_str()) {
-                (Some(v), _) => v.clone(),
-                (None, "x") => x.take().expect("x is bound once"),
-                (None, _) => y.take().expect("y is bound once"),
+            .map(|(slot, value)| match slot {
+                Slot::X => x.take(),
+                Slot::Y => y.take(),
+                _ => value.clone(),
             })
-            .collect();
+            .collect::<Option<Vec<Value>>>()
+            .ok_or_else(|| EngineError::Other("eval reads `x` or `y` twice".into()))?;
         let out = self.executable.run(inputs)?;
         let loss = out[self.loss_output].to_scalar_f32()? as f64 * batch as f64;
-        let correct = match &out[self.correct_output] {
-            Value::I64(a) => a.iter().copied().next().unwrap_or(0),
-            other => other.to_scalar_f32()? as i64,
-        };
-        Ok((loss, correct))
+        Ok((loss, count_of(&out[self.correct_output])?))
     }
-}
-
-/// The x input's expected dims with the batch left symbolic.
-pub fn x_dims(model: &Model) -> EngineResult<Vec<Dim>> {
-    let graph = model.entry(ENTRY_EVAL)?;
-    let x = graph
-        .find_input("x")
-        .ok_or_else(|| EngineError::Other("eval has no input `x`".into()))?;
-    Ok(graph.ty(x).shape.0.clone())
 }

@@ -136,16 +136,7 @@ pub struct ModelConfig {
 pub fn build_model(config: &ModelConfig) -> EngineResult<Model> {
     let arch = &config.architecture;
     let net = arch.network();
-    let specs = net.params();
-    let parameters: Vec<Parameter> = init_params(&specs, config.seed)
-        .into_iter()
-        .zip(&specs)
-        .map(|((name, data), spec)| Parameter {
-            trainable: spec.trainable && !is_frozen(&name, &config.frozen_prefixes),
-            name,
-            data,
-        })
-        .collect();
+    let parameters = initial_parameters(&net, config);
     let entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?
         .into_iter()
         .map(|(name, graph)| Ok((name, crate::optimize_graph(&graph)?)))
@@ -198,19 +189,36 @@ fn labels_input() -> TensorType {
     TensorType::new(DType::I64, Shape(vec![Dim::Batch]))
 }
 
-/// The `train_loss` graph exactly as traced, before any pass (for reports).
-pub fn traced_train_loss(config: &ModelConfig) -> EngineResult<Graph> {
-    let model = build_model(config)?;
+/// Seeded initial values of `net`'s parameters, with the config's frozen set.
+fn initial_parameters(net: &dyn Layer, config: &ModelConfig) -> Vec<Parameter> {
+    let specs = net.params();
+    init_params(&specs, config.seed)
+        .into_iter()
+        .zip(&specs)
+        .map(|((name, data), spec)| Parameter {
+            trainable: spec.trainable && !is_frozen(&name, &config.frozen_prefixes),
+            name,
+            data,
+        })
+        .collect()
+}
+
+/// The `train_loss` graph exactly as traced, before any pass, and the
+/// trainable parameter names (for reports on the passes).
+pub fn traced_train_loss(config: &ModelConfig) -> EngineResult<(Graph, Vec<String>)> {
     let arch = &config.architecture;
-    let mut entries = trace_entry_points(
-        &arch.network(),
-        &model.parameters,
-        &arch.input_shape(),
-        arch.classes(),
-    )?;
-    entries
+    let net = arch.network();
+    let parameters = initial_parameters(&net, config);
+    let mut entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?;
+    let graph = entries
         .remove(ENTRY_TRAIN_LOSS)
-        .ok_or_else(|| EngineError::Other("no train_loss traced".into()))
+        .ok_or_else(|| EngineError::Other("no train_loss traced".into()))?;
+    let trainable = parameters
+        .into_iter()
+        .filter(|p| p.trainable)
+        .map(|p| p.name)
+        .collect();
+    Ok((graph, trainable))
 }
 
 /// Traces `infer`, `eval` and `train_loss` from `net`, unoptimised.

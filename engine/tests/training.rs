@@ -126,20 +126,8 @@ fn sgd_train_step_equals_parameter_minus_lr_times_gradient() -> Result<()> {
     for (k, name) in names.iter().enumerate() {
         let param = name.strip_prefix("params/").unwrap();
         let grad = out[2 + k].to_f32_vec()?;
-        let old = before
-            .parameter(param)
-            .unwrap()
-            .data
-            .as_f32()
-            .unwrap()
-            .to_vec();
-        let new = model
-            .parameter(param)
-            .unwrap()
-            .data
-            .as_f32()
-            .unwrap()
-            .to_vec();
+        let values = |m: &Model| m.parameter(param).unwrap().data.as_f32().unwrap().to_vec();
+        let (old, new) = (values(&before), values(&model));
         for i in 0..old.len() {
             let expected = old[i] - lr * grad[i];
             assert!(

@@ -139,11 +139,9 @@ fn mlp_pass_report() -> Result<(usize, usize)> {
         frozen_prefixes: Vec::new(),
         producer: "canopy bench".into(),
     };
-    let model = build_model(&config)?;
-    let loss = &canopy_engine::zoo::traced_train_loss(&config)?;
-    let trainable: Vec<String> = model.trainable_names();
+    let (loss, trainable) = canopy_engine::zoo::traced_train_loss(&config)?;
     let unoptimized =
-        canopy_engine::optim::build_train_step_unoptimized(loss, &trainable, &Optimizer::sgd())?;
+        canopy_engine::optim::build_train_step_unoptimized(&loss, &trainable, &Optimizer::sgd())?;
     let (_, report) = canopy_ir::passes::optimize_with_report(
         &unoptimized,
         Some(&canopy_engine::fold::CpuConstEvaluator),

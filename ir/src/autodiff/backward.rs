@@ -2,8 +2,8 @@
 
 use crate::autodiff::activity;
 use crate::autodiff::util::{
-    accumulate, broadcast_to, check_type, keep_dims_shape, mask, reduce_count, reshape_to,
-    scale_by_unary_derivative, unbroadcast, zeros,
+    accumulate, broadcast_to, check_type, keep_dims_shape, mask, or_zeros, reduce_count,
+    reshape_to, scale_by_unary_derivative, unbroadcast,
 };
 use crate::error::{IrError, IrResult};
 use crate::graph::{Graph, ValueId};
@@ -43,15 +43,7 @@ pub fn backpropagate(
             }
         }
     }
-    wrt.iter()
-        .map(|&w| match ct[w.index()] {
-            Some(grad) => Ok(grad),
-            None => {
-                let ty = g.ty(w).clone();
-                zeros(g, &ty)
-            }
-        })
-        .collect()
+    wrt.iter().map(|&w| or_zeros(g, ct[w.index()], w)).collect()
 }
 
 /// The VJP of one node: given the cotangent `ct` of its output `y`, the

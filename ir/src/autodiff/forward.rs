@@ -2,7 +2,8 @@
 
 use crate::autodiff::activity;
 use crate::autodiff::util::{
-    broadcast_to, check_type, keep_dims_shape, mask, reshape_to, scale_by_unary_derivative, zeros,
+    broadcast_to, check_type, keep_dims_shape, mask, or_zeros, reshape_to,
+    scale_by_unary_derivative,
 };
 use crate::error::{IrError, IrResult};
 use crate::graph::{Graph, ValueId};
@@ -43,13 +44,7 @@ pub fn propagate(
     }
     targets
         .iter()
-        .map(|&v| match tan[v.index()] {
-            Some(t) => Ok(t),
-            None => {
-                let ty = g.ty(v).clone();
-                zeros(g, &ty)
-            }
-        })
+        .map(|&v| or_zeros(g, tan[v.index()], v))
         .collect()
 }
 
@@ -99,13 +94,7 @@ fn jvp_rule(
         Op::Concat { .. } => {
             let mut parts = Vec::with_capacity(x.len());
             for (k, &xk) in x.iter().enumerate() {
-                parts.push(match t[k] {
-                    Some(tk) => tk,
-                    None => {
-                        let ty = g.ty(xk).clone();
-                        zeros(g, &ty)?
-                    }
-                });
+                parts.push(or_zeros(g, t[k], xk)?);
             }
             g.push(op.clone(), &parts)
         }

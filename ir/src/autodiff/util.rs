@@ -17,6 +17,17 @@ pub fn zeros(g: &mut Graph, ty: &TensorType) -> IrResult<ValueId> {
     filled(g, ty, 0.0)
 }
 
+/// `derivative`, or zeros typed like `value` when nothing reached it.
+pub fn or_zeros(g: &mut Graph, derivative: Option<ValueId>, value: ValueId) -> IrResult<ValueId> {
+    match derivative {
+        Some(d) => Ok(d),
+        None => {
+            let ty = g.ty(value).clone();
+            zeros(g, &ty)
+        }
+    }
+}
+
 /// `v` broadcast to `shape`; no node when it already has that shape.
 pub fn broadcast_to(g: &mut Graph, v: ValueId, shape: &Shape) -> IrResult<ValueId> {
     if g.ty(v).shape == *shape {
