@@ -1,0 +1,344 @@
+//! JSON bodies of the device API.
+//!
+//! Requests (device to server) reject unknown fields, so a typo in a client
+//! fails loudly instead of being ignored. Responses accept unknown fields, so
+//! a newer server can add fields without breaking older devices.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::update::{MAX_SAMPLES, UpdateLayout};
+
+pub const MAX_BACKENDS: usize = 8;
+pub const MAX_BACKEND_CHARS: usize = 32;
+pub const MAX_OS_CHARS: usize = 64;
+pub const MAX_TAGS: usize = 32;
+pub const MAX_TAG_KEY_CHARS: usize = 64;
+pub const MAX_TAG_VALUE_CHARS: usize = 256;
+/// 16 TiB; anything above is a bug or a lie.
+pub const MAX_MEMORY_MB: u64 = 1 << 24;
+pub const MAX_HEARTBEAT_STATE_CHARS: usize = 64;
+
+/// The class of device: `End` devices (phones, sensors) and `Edge` devices
+/// (gateways, on-premise boxes) are scheduled into separate rounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    End,
+    Edge,
+}
+
+impl Tier {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::End => "end",
+            Tier::Edge => "edge",
+        }
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Tier {
+    type Err = ParseTierError;
+
+    fn from_str(s: &str) -> Result<Tier, ParseTierError> {
+        match s {
+            "end" => Ok(Tier::End),
+            "edge" => Ok(Tier::Edge),
+            other => Err(ParseTierError {
+                given: other.chars().take(MAX_OS_CHARS).collect(),
+            }),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("device tier `{given}` is unknown; expected `end` or `edge`")]
+pub struct ParseTierError {
+    pub given: String,
+}
+
+/// What a device can do, declared at enrollment and used for scheduling.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capabilities {
+    pub tier: Tier,
+    /// Execution backends the device's engine offers, e.g. `cpu`.
+    pub backends: Vec<String>,
+    pub memory_mb: u64,
+    pub os: String,
+    /// Free-form labels that jobs can select devices by.
+    #[serde(default)]
+    pub tags: BTreeMap<String, String>,
+}
+
+impl Capabilities {
+    /// Checks the size limits and character sets, naming the offending field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.backends.len() > MAX_BACKENDS {
+            return Err(format!(
+                "capabilities.backends has {} entries, the limit is {MAX_BACKENDS}",
+                self.backends.len()
+            ));
+        }
+        for (index, backend) in self.backends.iter().enumerate() {
+            let length = backend.chars().count();
+            let charset_ok = backend
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+            if !(1..=MAX_BACKEND_CHARS).contains(&length) || !charset_ok {
+                return Err(format!(
+                    "capabilities.backends[{index}] `{}` must be 1..={MAX_BACKEND_CHARS} characters of [a-z0-9_-]",
+                    truncate_for_message(backend)
+                ));
+            }
+        }
+        if self.memory_mb > MAX_MEMORY_MB {
+            return Err(format!(
+                "capabilities.memory_mb {} is above the limit of {MAX_MEMORY_MB}",
+                self.memory_mb
+            ));
+        }
+        let os_chars = self.os.chars().count();
+        if os_chars > MAX_OS_CHARS {
+            return Err(format!(
+                "capabilities.os is {os_chars} characters, the limit is {MAX_OS_CHARS}"
+            ));
+        }
+        // Control characters would let a device forge lines in server logs.
+        if self.os.chars().any(char::is_control) {
+            return Err("capabilities.os contains control characters".to_string());
+        }
+        if self.tags.len() > MAX_TAGS {
+            return Err(format!(
+                "capabilities.tags has {} entries, the limit is {MAX_TAGS}",
+                self.tags.len()
+            ));
+        }
+        for (key, value) in &self.tags {
+            let key_chars = key.chars().count();
+            let key_ok = key
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+            if !(1..=MAX_TAG_KEY_CHARS).contains(&key_chars) || !key_ok {
+                return Err(format!(
+                    "capabilities.tags key `{}` must be 1..={MAX_TAG_KEY_CHARS} characters of [A-Za-z0-9_.-]",
+                    truncate_for_message(key)
+                ));
+            }
+            let value_chars = value.chars().count();
+            if value_chars > MAX_TAG_VALUE_CHARS {
+                return Err(format!(
+                    "capabilities.tags[`{key}`] is {value_chars} characters, the limit is {MAX_TAG_VALUE_CHARS}"
+                ));
+            }
+            if value.chars().any(char::is_control) {
+                return Err(format!(
+                    "capabilities.tags[`{key}`] contains control characters"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Echoing a hostile multi-megabyte string into an error message would
+/// defeat the limit it violated.
+fn truncate_for_message(s: &str) -> String {
+    const SHOWN_CHARS: usize = 64;
+    let mut shown: String = s
+        .chars()
+        .take(SHOWN_CHARS)
+        .map(|c| if c.is_control() { '\u{FFFD}' } else { c })
+        .collect();
+    if s.chars().nth(SHOWN_CHARS).is_some() {
+        shown.push('…');
+    }
+    shown
+}
+
+/// `POST` body of enrollment: a one-time token and the device's new key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnrollRequest {
+    pub enrollment_token: String,
+    /// 64 lowercase hex characters; see [`crate::auth::parse_public_key_hex`].
+    pub public_key: String,
+    pub capabilities: Capabilities,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EnrollResponse {
+    pub device_id: i64,
+    /// Key that model signatures verify against; see [`crate::model_sig`].
+    pub server_public_key: String,
+    pub heartbeat_interval_ms: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainingConfig {
+    pub epochs: u32,
+    pub batch_size: u32,
+    pub learning_rate: f64,
+}
+
+/// One round's work for one device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Task {
+    pub job_id: i64,
+    pub round_id: i64,
+    pub round_number: u32,
+    pub model_version_id: i64,
+    /// Lowercase hex SHA-256 of the model file.
+    pub model_digest: String,
+    pub model_size_bytes: u64,
+    /// Server path to download the model from.
+    pub model_path: String,
+    /// Server path to upload the update to.
+    pub upload_path: String,
+    /// Exact size the upload must have: `layout.encoded_len()`.
+    pub upload_size_bytes: u64,
+    pub deadline_unix_ms: u64,
+    pub training: TrainingConfig,
+    pub layout: UpdateLayout,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Heartbeat {
+    /// What the device is doing, e.g. `idle` or `training`; informational.
+    #[serde(default)]
+    pub state: Option<String>,
+    #[serde(default)]
+    pub round_id: Option<i64>,
+}
+
+impl Heartbeat {
+    /// Bounds the free-form state string before the server stores it.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(state) = &self.state {
+            let chars = state.chars().count();
+            if chars > MAX_HEARTBEAT_STATE_CHARS {
+                return Err(format!(
+                    "heartbeat.state is {chars} characters, the limit is {MAX_HEARTBEAT_STATE_CHARS}"
+                ));
+            }
+            if state.chars().any(char::is_control) {
+                return Err("heartbeat.state contains control characters".to_string());
+            }
+        }
+        if let Some(round_id) = self.round_id {
+            if round_id <= 0 {
+                return Err(format!(
+                    "heartbeat.round_id {round_id} is not a valid id; ids are positive"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatResponse {
+    pub server_time_ms: u64,
+    pub heartbeat_interval_ms: u64,
+}
+
+/// Training and evaluation results a device reports for a round.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoundMetrics {
+    pub round_id: i64,
+    #[serde(default)]
+    pub train_loss: Option<f64>,
+    #[serde(default)]
+    pub eval_loss: Option<f64>,
+    #[serde(default)]
+    pub eval_accuracy: Option<f64>,
+    #[serde(default)]
+    pub eval_samples: Option<u64>,
+    #[serde(default)]
+    pub train_duration_ms: Option<u64>,
+}
+
+impl RoundMetrics {
+    /// Values must be finite, accuracy in [0, 1], losses >= 0, so that one
+    /// broken device cannot poison the round's aggregated metrics.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.round_id <= 0 {
+            return Err(format!(
+                "metrics.round_id {} is not a valid id; ids are positive",
+                self.round_id
+            ));
+        }
+        for (field, loss) in [
+            ("train_loss", self.train_loss),
+            ("eval_loss", self.eval_loss),
+        ] {
+            if let Some(loss) = loss {
+                if !loss.is_finite() || loss < 0.0 {
+                    return Err(format!(
+                        "metrics.{field} {loss} must be a finite number >= 0"
+                    ));
+                }
+            }
+        }
+        if let Some(accuracy) = self.eval_accuracy {
+            if !(0.0..=1.0).contains(&accuracy) {
+                return Err(format!(
+                    "metrics.eval_accuracy {accuracy} must be between 0 and 1"
+                ));
+            }
+        }
+        if let Some(samples) = self.eval_samples {
+            if samples > MAX_SAMPLES {
+                return Err(format!(
+                    "metrics.eval_samples {samples} is above the limit of {MAX_SAMPLES}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The server's answer to an accepted upload.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadReceipt {
+    pub round_id: i64,
+    pub accepted: bool,
+    pub num_samples: u64,
+    pub bytes: u64,
+}
+
+/// Body of every non-2xx response of the device API.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Stable, machine-readable, e.g. `bad_signature`.
+    pub code: String,
+    /// For humans; may change between versions.
+    pub message: String,
+}
+
+impl ErrorBody {
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                code: code.into(),
+                message: message.into(),
+            },
+        }
+    }
+}

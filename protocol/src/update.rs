@@ -1,0 +1,498 @@
+//! The binary update format: what a device uploads after training, namely
+//! the change of every trainable parameter and the number of samples it
+//! trained on (the weight of its update in federated averaging).
+//!
+//! Layout of an encoded update, all integers little-endian:
+//!
+//! ```text
+//! magic        8 bytes  b"CANOPYUP"
+//! version      u16      = 1
+//! reserved     u16      = 0 (must be 0)
+//! num_samples  u64      (1 ..= MAX_SAMPLES)
+//! tensor_count u32
+//! per tensor, in layout order:
+//!   name_len u16, name (UTF-8, name_len bytes)
+//!   dtype u8 (1 = f32; only f32 supported)
+//!   rank u8 (<= MAX_RANK)
+//!   dims: rank × u64
+//! then the data of every tensor, in layout order, f32 LE, no padding
+//! ```
+//!
+//! The header repeats the layout the server already knows so that a device
+//! training against the wrong model version is caught by name and shape
+//! rather than by silently averaging unrelated numbers.
+
+use std::collections::HashSet;
+
+use serde::{Deserialize, Serialize};
+
+pub const UPDATE_MAGIC: [u8; 8] = *b"CANOPYUP";
+pub const UPDATE_VERSION: u16 = 1;
+/// Large enough for any real dataset, small enough that sample-weighted sums
+/// of many updates stay far from overflowing.
+pub const MAX_SAMPLES: u64 = 1 << 40;
+pub const MAX_RANK: usize = 8;
+pub const MAX_TENSORS: usize = 4096;
+pub const MAX_NAME_BYTES: usize = 256;
+/// Upper bound on the total number of values in an update (4 GiB of f32),
+/// so that every length computed from a layout fits in `usize` and `u64`.
+pub const MAX_ELEMENTS: usize = 1 << 30;
+
+const DTYPE_F32: u8 = 1;
+const FIXED_HEADER_LEN: usize = 8 + 2 + 2 + 8 + 4;
+const F32_BYTES: usize = 4;
+
+/// One trainable tensor of the update: its parameter name and shape.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    /// Product of the dimensions (1 for a scalar). Saturates at `usize::MAX`
+    /// for shapes that no valid layout can contain.
+    pub fn num_elements(&self) -> usize {
+        checked_elements(&self.shape).unwrap_or(usize::MAX)
+    }
+
+    fn header_len(&self) -> usize {
+        2 + self.name.len() + 1 + 1 + 8 * self.shape.len()
+    }
+}
+
+fn checked_elements(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// The ordered list of tensors an update must contain.
+///
+/// Deserialization goes through [`UpdateLayout::new`], so a layout received
+/// as JSON obeys the same limits as one built in code.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "UnvalidatedLayout")]
+pub struct UpdateLayout {
+    pub tensors: Vec<TensorSpec>,
+}
+
+#[derive(Deserialize)]
+struct UnvalidatedLayout {
+    tensors: Vec<TensorSpec>,
+}
+
+impl TryFrom<UnvalidatedLayout> for UpdateLayout {
+    type Error = UpdateError;
+
+    fn try_from(raw: UnvalidatedLayout) -> Result<Self, Self::Error> {
+        UpdateLayout::new(raw.tensors)
+    }
+}
+
+impl UpdateLayout {
+    /// Enforces the format's limits (tensor count, name length, rank, total
+    /// size) and that names are non-empty and unique.
+    pub fn new(tensors: Vec<TensorSpec>) -> Result<UpdateLayout, UpdateError> {
+        let layout = UpdateLayout { tensors };
+        layout.validate()?;
+        Ok(layout)
+    }
+
+    /// The checks of [`UpdateLayout::new`], for layouts built field by field.
+    /// Encoding and decoding run it too, since the fields are public.
+    pub fn validate(&self) -> Result<(), UpdateError> {
+        let layout_error = |reason: String| Err(UpdateError::Layout { reason });
+        if self.tensors.len() > MAX_TENSORS {
+            return layout_error(format!(
+                "{} tensors, the limit is {MAX_TENSORS}",
+                self.tensors.len()
+            ));
+        }
+        let mut names = HashSet::with_capacity(self.tensors.len());
+        let mut total: usize = 0;
+        for (index, tensor) in self.tensors.iter().enumerate() {
+            if tensor.name.is_empty() || tensor.name.len() > MAX_NAME_BYTES {
+                return layout_error(format!(
+                    "tensor {index} name is {} bytes, must be 1..={MAX_NAME_BYTES}",
+                    tensor.name.len()
+                ));
+            }
+            if !names.insert(tensor.name.as_str()) {
+                return layout_error(format!(
+                    "tensor name `{}` appears more than once",
+                    tensor.name
+                ));
+            }
+            if tensor.shape.len() > MAX_RANK {
+                return layout_error(format!(
+                    "tensor `{}` has rank {}, the limit is {MAX_RANK}",
+                    tensor.name,
+                    tensor.shape.len()
+                ));
+            }
+            let elements = checked_elements(&tensor.shape)
+                .and_then(|n| total.checked_add(n))
+                .filter(|&n| n <= MAX_ELEMENTS);
+            match elements {
+                Some(n) => total = n,
+                None => {
+                    return layout_error(format!(
+                        "tensor `{}` with shape {:?} brings the update above {MAX_ELEMENTS} values",
+                        tensor.name, tensor.shape
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Total number of values across all tensors.
+    pub fn num_elements(&self) -> usize {
+        self.tensors
+            .iter()
+            .fold(0usize, |acc, t| acc.saturating_add(t.num_elements()))
+    }
+
+    /// Bytes before the tensor data.
+    pub fn header_len(&self) -> usize {
+        FIXED_HEADER_LEN
+            + self
+                .tensors
+                .iter()
+                .map(TensorSpec::header_len)
+                .sum::<usize>()
+    }
+
+    /// Exact byte length of a valid encoding; servers use it as the upload
+    /// size limit.
+    pub fn encoded_len(&self) -> u64 {
+        let data_len = (self.num_elements() as u64).saturating_mul(F32_BYTES as u64);
+        (self.header_len() as u64).saturating_add(data_len)
+    }
+}
+
+/// Encodes an update. `values` are all tensors concatenated in layout order.
+/// Refuses non-finite values here rather than letting the server reject the
+/// upload after the transfer.
+pub fn encode_update(
+    layout: &UpdateLayout,
+    num_samples: u64,
+    values: &[f32],
+) -> Result<Vec<u8>, UpdateError> {
+    layout.validate()?;
+    check_num_samples(num_samples)?;
+    let expected_values = layout.num_elements();
+    if values.len() != expected_values {
+        return Err(UpdateError::ValueCount {
+            expected: expected_values,
+            got: values.len(),
+        });
+    }
+    check_finite(layout, values)?;
+
+    let capacity = usize::try_from(layout.encoded_len()).map_err(|_| UpdateError::Layout {
+        reason: "the encoded update does not fit in this machine's address space".to_string(),
+    })?;
+    let mut out = Vec::with_capacity(capacity);
+    out.extend_from_slice(&UPDATE_MAGIC);
+    out.extend_from_slice(&UPDATE_VERSION.to_le_bytes());
+    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&num_samples.to_le_bytes());
+    // validate() bounds these conversions: tensors <= MAX_TENSORS, names
+    // <= MAX_NAME_BYTES, rank <= MAX_RANK.
+    out.extend_from_slice(&(layout.tensors.len() as u32).to_le_bytes());
+    for tensor in &layout.tensors {
+        out.extend_from_slice(&(tensor.name.len() as u16).to_le_bytes());
+        out.extend_from_slice(tensor.name.as_bytes());
+        out.push(DTYPE_F32);
+        out.push(tensor.shape.len() as u8);
+        for &dim in &tensor.shape {
+            out.extend_from_slice(&(dim as u64).to_le_bytes());
+        }
+    }
+    for value in values {
+        out.extend_from_slice(&value.to_le_bytes());
+    }
+    Ok(out)
+}
+
+fn check_num_samples(num_samples: u64) -> Result<(), UpdateError> {
+    if num_samples == 0 || num_samples > MAX_SAMPLES {
+        return Err(UpdateError::SampleCount { num_samples });
+    }
+    Ok(())
+}
+
+fn check_finite(layout: &UpdateLayout, values: &[f32]) -> Result<(), UpdateError> {
+    let mut start = 0;
+    for tensor in &layout.tensors {
+        let end = start + tensor.num_elements();
+        if let Some(index) = values[start..end].iter().position(|v| !v.is_finite()) {
+            return Err(UpdateError::NonFinite {
+                name: tensor.name.clone(),
+                index,
+                value: values[start + index],
+            });
+        }
+        start = end;
+    }
+    Ok(())
+}
+
+/// A decoded update, checked against the layout it was decoded with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodedUpdate {
+    pub num_samples: u64,
+    /// All tensors concatenated in layout order.
+    pub values: Vec<f32>,
+}
+
+/// Reads fixed-size fields from untrusted bytes, turning every short read
+/// into [`UpdateError::Truncated`] instead of a panic.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    offset: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, needed: usize) -> Result<&'a [u8], UpdateError> {
+        let truncated = UpdateError::Truncated {
+            offset: self.offset,
+            needed,
+            len: self.bytes.len(),
+        };
+        let end = self.offset.checked_add(needed).ok_or(truncated.clone())?;
+        let slice = self.bytes.get(self.offset..end).ok_or(truncated)?;
+        self.offset = end;
+        Ok(slice)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], UpdateError> {
+        let mut array = [0u8; N];
+        array.copy_from_slice(self.take(N)?);
+        Ok(array)
+    }
+
+    fn u8(&mut self) -> Result<u8, UpdateError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, UpdateError> {
+        self.array().map(u16::from_le_bytes)
+    }
+
+    fn u32(&mut self) -> Result<u32, UpdateError> {
+        self.array().map(u32::from_le_bytes)
+    }
+
+    fn u64(&mut self) -> Result<u64, UpdateError> {
+        self.array().map(u64::from_le_bytes)
+    }
+}
+
+/// Decodes and checks against the expected layout: magic, version, reserved,
+/// sample count bounds, tensor count, each name, dtype, shape, exact total
+/// length (no trailing bytes), and that every value is finite.
+///
+/// Never panics, and allocates for the values only after the header has
+/// matched `expected` and the length is exact, so hostile counts in the
+/// header cannot make it allocate.
+pub fn decode_update(bytes: &[u8], expected: &UpdateLayout) -> Result<DecodedUpdate, UpdateError> {
+    expected.validate()?;
+    let mut reader = Reader { bytes, offset: 0 };
+
+    if reader.array::<8>()? != UPDATE_MAGIC {
+        return Err(UpdateError::BadMagic);
+    }
+    let version = reader.u16()?;
+    if version != UPDATE_VERSION {
+        return Err(UpdateError::UnsupportedVersion { version });
+    }
+    let reserved = reader.u16()?;
+    if reserved != 0 {
+        return Err(UpdateError::Reserved { value: reserved });
+    }
+    let num_samples = reader.u64()?;
+    check_num_samples(num_samples)?;
+    let tensor_count = reader.u32()?;
+    if usize::try_from(tensor_count).ok() != Some(expected.tensors.len()) {
+        return Err(UpdateError::TensorCount {
+            expected: expected.tensors.len(),
+            got: usize::try_from(tensor_count).unwrap_or(usize::MAX),
+        });
+    }
+
+    for (index, tensor) in expected.tensors.iter().enumerate() {
+        let name_len = usize::from(reader.u16()?);
+        let name = reader.take(name_len)?;
+        if name != tensor.name.as_bytes() {
+            return Err(UpdateError::Name {
+                index,
+                expected: tensor.name.clone(),
+                got: printable_name(name),
+            });
+        }
+        let dtype = reader.u8()?;
+        if dtype != DTYPE_F32 {
+            return Err(UpdateError::DType {
+                name: tensor.name.clone(),
+                code: dtype,
+            });
+        }
+        // The rank is a u8, so even a hostile header cannot make this read
+        // more than 255 dims.
+        let rank = usize::from(reader.u8()?);
+        let mut shape = Vec::with_capacity(rank);
+        for _ in 0..rank {
+            let dim = reader.u64()?;
+            shape.push(usize::try_from(dim).unwrap_or(usize::MAX));
+        }
+        if shape != tensor.shape {
+            return Err(UpdateError::Shape {
+                name: tensor.name.clone(),
+                expected: tensor.shape.clone(),
+                got: shape,
+            });
+        }
+    }
+
+    // validate() capped the element count at MAX_ELEMENTS, so this cannot
+    // overflow.
+    let value_count = expected.num_elements();
+    let data_len = value_count * F32_BYTES;
+    let remaining = bytes.len() - reader.offset;
+    if remaining < data_len {
+        return Err(UpdateError::Truncated {
+            offset: reader.offset,
+            needed: data_len,
+            len: bytes.len(),
+        });
+    }
+    if remaining > data_len {
+        return Err(UpdateError::TrailingBytes {
+            extra: remaining - data_len,
+        });
+    }
+
+    let mut values = Vec::with_capacity(value_count);
+    let mut chunks = bytes[reader.offset..].chunks_exact(F32_BYTES);
+    for tensor in &expected.tensors {
+        for index in 0..tensor.num_elements() {
+            let chunk = chunks.next().ok_or(UpdateError::ValueCount {
+                expected: value_count,
+                got: values.len(),
+            })?;
+            let value = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
+            if !value.is_finite() {
+                return Err(UpdateError::NonFinite {
+                    name: tensor.name.clone(),
+                    index,
+                    value,
+                });
+            }
+            values.push(value);
+        }
+    }
+    Ok(DecodedUpdate {
+        num_samples,
+        values,
+    })
+}
+
+/// An untrusted name for an error message: lossy UTF-8, cut to a length
+/// that keeps log lines readable.
+fn printable_name(bytes: &[u8]) -> String {
+    let cut = &bytes[..bytes.len().min(MAX_NAME_BYTES)];
+    let mut name: String = String::from_utf8_lossy(cut)
+        .chars()
+        .map(|c| if c.is_control() { '\u{FFFD}' } else { c })
+        .collect();
+    if cut.len() < bytes.len() {
+        name.push('…');
+    }
+    name
+}
+
+fn describe_non_finite(value: &f32) -> &'static str {
+    if value.is_nan() {
+        "NaN"
+    } else if value.is_sign_positive() {
+        "+inf"
+    } else {
+        "-inf"
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum UpdateError {
+    #[error("update does not start with the magic bytes `CANOPYUP`; it is not a Canopy update")]
+    BadMagic,
+    #[error(
+        "update format version {version} is not supported; this build reads version {UPDATE_VERSION}"
+    )]
+    UnsupportedVersion { version: u16 },
+    #[error("update header reserved field is {value}, must be 0")]
+    Reserved { value: u16 },
+    #[error(
+        "update is truncated: {needed} bytes needed at offset {offset}, but the update is {len} bytes long"
+    )]
+    Truncated {
+        offset: usize,
+        needed: usize,
+        len: usize,
+    },
+    #[error("update has {extra} unexpected bytes after the last tensor")]
+    TrailingBytes { extra: usize },
+    #[error("update sample count {num_samples} is outside 1..={MAX_SAMPLES}")]
+    SampleCount { num_samples: u64 },
+    #[error("update has {got} tensors, expected {expected}")]
+    TensorCount { expected: usize, got: usize },
+    #[error("update tensor {index} is named `{got}`, expected `{expected}`")]
+    Name {
+        index: usize,
+        expected: String,
+        got: String,
+    },
+    #[error("tensor `{name}` has dtype code {code}; only 1 (f32) is supported")]
+    DType { name: String, code: u8 },
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    Shape {
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("tensor `{name}` element {index} is {}; updates must be finite", describe_non_finite(.value))]
+    NonFinite {
+        name: String,
+        index: usize,
+        value: f32,
+    },
+    #[error("update has {got} values, the layout needs {expected}")]
+    ValueCount { expected: usize, got: usize },
+    #[error("invalid update layout: {reason}")]
+    Layout { reason: String },
+}
+
+impl UpdateError {
+    /// True for errors about the content's meaning (sample count, tensor
+    /// count, names, dtype, shape, non-finite values, value count) as opposed
+    /// to framing (magic, version, reserved, length) or an invalid layout.
+    /// Servers answer 422 for both kinds; the split is for logs and metrics,
+    /// since content errors usually mean a device trained the wrong model.
+    pub fn is_content_error(&self) -> bool {
+        match self {
+            UpdateError::SampleCount { .. }
+            | UpdateError::TensorCount { .. }
+            | UpdateError::Name { .. }
+            | UpdateError::DType { .. }
+            | UpdateError::Shape { .. }
+            | UpdateError::NonFinite { .. }
+            | UpdateError::ValueCount { .. } => true,
+            UpdateError::BadMagic
+            | UpdateError::UnsupportedVersion { .. }
+            | UpdateError::Reserved { .. }
+            | UpdateError::Truncated { .. }
+            | UpdateError::TrailingBytes { .. }
+            | UpdateError::Layout { .. } => false,
+        }
+    }
+}

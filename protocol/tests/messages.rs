@@ -1,0 +1,302 @@
+use std::collections::BTreeMap;
+
+use canopy_protocol::messages::*;
+use canopy_protocol::update::{TensorSpec, UpdateLayout};
+
+fn capabilities() -> Capabilities {
+    Capabilities {
+        tier: Tier::Edge,
+        backends: vec!["cpu".into(), "cuda_12-x".into()],
+        memory_mb: 8192,
+        os: "linux-aarch64 6.1".into(),
+        tags: BTreeMap::from([("site.zone-1".to_string(), "north".to_string())]),
+    }
+}
+
+fn assert_invalid(caps: &Capabilities, fragment: &str) {
+    let err = caps.validate().unwrap_err();
+    assert!(err.contains(fragment), "expected {fragment:?} in {err:?}");
+}
+
+#[test]
+fn tier_text_forms() {
+    assert_eq!("end".parse::<Tier>().unwrap(), Tier::End);
+    assert_eq!("edge".parse::<Tier>().unwrap(), Tier::Edge);
+    assert_eq!(Tier::Edge.to_string(), "edge");
+    assert_eq!(serde_json::to_string(&Tier::End).unwrap(), r#""end""#);
+    let err = "Edge".parse::<Tier>().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "device tier `Edge` is unknown; expected `end` or `edge`"
+    );
+    assert!(serde_json::from_str::<Tier>(r#""cloud""#).is_err());
+}
+
+#[test]
+fn valid_capabilities_pass_and_limits_hold_at_the_edge() {
+    capabilities().validate().unwrap();
+
+    let mut caps = capabilities();
+    caps.backends = (0..MAX_BACKENDS).map(|i| format!("b{i}")).collect();
+    caps.backends[0] = "a".repeat(MAX_BACKEND_CHARS);
+    caps.os = "o".repeat(MAX_OS_CHARS);
+    caps.memory_mb = MAX_MEMORY_MB;
+    caps.tags = (0..MAX_TAGS)
+        .map(|i| (format!("k{i}"), "v".repeat(MAX_TAG_VALUE_CHARS)))
+        .collect();
+    caps.tags
+        .insert("K".repeat(MAX_TAG_KEY_CHARS), String::new());
+    caps.tags.remove("k0");
+    caps.validate().unwrap();
+}
+
+#[test]
+fn capabilities_limits_are_enforced() {
+    let mut caps = capabilities();
+    caps.backends = (0..=MAX_BACKENDS).map(|i| format!("b{i}")).collect();
+    assert_invalid(&caps, "capabilities.backends has 9 entries");
+
+    for bad in ["", "CUDA", "gpu!", &"a".repeat(MAX_BACKEND_CHARS + 1)] {
+        let mut caps = capabilities();
+        caps.backends.push(bad.to_string());
+        assert_invalid(&caps, "capabilities.backends[2]");
+    }
+
+    let mut caps = capabilities();
+    caps.memory_mb = MAX_MEMORY_MB + 1;
+    assert_invalid(&caps, "capabilities.memory_mb");
+
+    let mut caps = capabilities();
+    caps.os = "o".repeat(MAX_OS_CHARS + 1);
+    assert_invalid(&caps, "capabilities.os");
+
+    let mut caps = capabilities();
+    caps.os = "linux\nforged log line".into();
+    assert_invalid(&caps, "capabilities.os contains control characters");
+
+    let mut caps = capabilities();
+    caps.tags = (0..=MAX_TAGS)
+        .map(|i| (format!("k{i}"), String::new()))
+        .collect();
+    assert_invalid(&caps, "capabilities.tags has 33 entries");
+
+    for bad_key in ["", "has space", "ключ", &"k".repeat(MAX_TAG_KEY_CHARS + 1)] {
+        let mut caps = capabilities();
+        caps.tags.insert(bad_key.to_string(), "v".into());
+        assert_invalid(&caps, "capabilities.tags key");
+    }
+
+    let mut caps = capabilities();
+    caps.tags
+        .insert("k".into(), "v".repeat(MAX_TAG_VALUE_CHARS + 1));
+    assert_invalid(&caps, "capabilities.tags[`k`]");
+}
+
+#[test]
+fn long_offending_values_are_cut_in_messages() {
+    let mut caps = capabilities();
+    caps.backends.push("X".repeat(10_000));
+    let err = caps.validate().unwrap_err();
+    assert!(err.len() < 300, "{} bytes", err.len());
+}
+
+#[test]
+fn requests_reject_unknown_fields_and_default_optionals() {
+    let json = r#"{
+        "enrollment_token": "tok",
+        "public_key": "00",
+        "capabilities": {"tier": "end", "backends": ["cpu"], "memory_mb": 512, "os": "android"}
+    }"#;
+    let request: EnrollRequest = serde_json::from_str(json).unwrap();
+    assert_eq!(request.capabilities.tier, Tier::End);
+    assert!(request.capabilities.tags.is_empty());
+
+    let extra = json.replace("\"tok\",", "\"tok\", \"admin\": true,");
+    assert!(serde_json::from_str::<EnrollRequest>(&extra).is_err());
+    let nested_extra = json.replace("\"os\": \"android\"", "\"os\": \"android\", \"gpu\": 1");
+    assert!(serde_json::from_str::<EnrollRequest>(&nested_extra).is_err());
+
+    let heartbeat: Heartbeat = serde_json::from_str("{}").unwrap();
+    assert_eq!(heartbeat, Heartbeat::default());
+    assert!(serde_json::from_str::<Heartbeat>(r#"{"cpu": 3}"#).is_err());
+
+    let metrics: RoundMetrics = serde_json::from_str(r#"{"round_id": 4}"#).unwrap();
+    assert_eq!(metrics.train_loss, None);
+    assert!(serde_json::from_str::<RoundMetrics>(r#"{"round_id": 4, "loss": 1}"#).is_err());
+}
+
+#[test]
+fn responses_tolerate_new_fields() {
+    let response: HeartbeatResponse = serde_json::from_str(
+        r#"{"server_time_ms": 1, "heartbeat_interval_ms": 30000, "added_later": "x"}"#,
+    )
+    .unwrap();
+    assert_eq!(response.heartbeat_interval_ms, 30_000);
+}
+
+#[test]
+fn round_metrics_validation() {
+    let good = RoundMetrics {
+        round_id: 3,
+        train_loss: Some(0.5),
+        eval_loss: Some(0.0),
+        eval_accuracy: Some(1.0),
+        eval_samples: Some(100),
+        train_duration_ms: Some(1234),
+    };
+    good.validate().unwrap();
+
+    let cases: Vec<(RoundMetrics, &str)> = vec![
+        (
+            RoundMetrics {
+                train_loss: Some(f64::NAN),
+                ..good.clone()
+            },
+            "metrics.train_loss",
+        ),
+        (
+            RoundMetrics {
+                eval_loss: Some(-0.1),
+                ..good.clone()
+            },
+            "metrics.eval_loss",
+        ),
+        (
+            RoundMetrics {
+                eval_loss: Some(f64::INFINITY),
+                ..good.clone()
+            },
+            "metrics.eval_loss",
+        ),
+        (
+            RoundMetrics {
+                eval_accuracy: Some(1.01),
+                ..good.clone()
+            },
+            "metrics.eval_accuracy",
+        ),
+        (
+            RoundMetrics {
+                eval_accuracy: Some(-0.01),
+                ..good.clone()
+            },
+            "metrics.eval_accuracy",
+        ),
+        (
+            RoundMetrics {
+                eval_accuracy: Some(f64::NAN),
+                ..good.clone()
+            },
+            "metrics.eval_accuracy",
+        ),
+        (
+            RoundMetrics {
+                round_id: 0,
+                ..good.clone()
+            },
+            "metrics.round_id",
+        ),
+        (
+            RoundMetrics {
+                eval_samples: Some(u64::MAX),
+                ..good.clone()
+            },
+            "metrics.eval_samples",
+        ),
+    ];
+    for (metrics, fragment) in cases {
+        let err = metrics.validate().unwrap_err();
+        assert!(err.contains(fragment), "expected {fragment:?} in {err:?}");
+    }
+}
+
+#[test]
+fn heartbeat_validation() {
+    Heartbeat {
+        state: Some("training".into()),
+        round_id: Some(2),
+    }
+    .validate()
+    .unwrap();
+    assert!(
+        Heartbeat {
+            state: Some("s".repeat(MAX_HEARTBEAT_STATE_CHARS + 1)),
+            round_id: None
+        }
+        .validate()
+        .is_err()
+    );
+    assert!(
+        Heartbeat {
+            state: None,
+            round_id: Some(-1)
+        }
+        .validate()
+        .is_err()
+    );
+}
+
+#[test]
+fn task_json_roundtrip_with_layout() {
+    let layout = UpdateLayout::new(vec![TensorSpec {
+        name: "params/w".into(),
+        shape: vec![2, 2],
+    }])
+    .unwrap();
+    let task = Task {
+        job_id: 1,
+        round_id: 2,
+        round_number: 3,
+        model_version_id: 4,
+        model_digest: "ab".repeat(32),
+        model_size_bytes: 1000,
+        model_path: "/v1/models/4".into(),
+        upload_path: "/v1/rounds/2/update".into(),
+        upload_size_bytes: layout.encoded_len(),
+        deadline_unix_ms: 1_700_000_000_000,
+        training: TrainingConfig {
+            epochs: 1,
+            batch_size: 32,
+            learning_rate: 0.01,
+        },
+        layout,
+    };
+    let json = serde_json::to_string(&task).unwrap();
+    let back: Task = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, task);
+
+    // A layout that breaks the limits cannot arrive inside a task.
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let mut bad = value.clone();
+    bad["layout"]["tensors"][0]["name"] = serde_json::Value::String(String::new());
+    assert!(serde_json::from_value::<Task>(bad).is_err());
+}
+
+#[test]
+fn error_body_shape() {
+    let body = ErrorBody::new(
+        "bad_signature",
+        "signature does not match the device's public key",
+    );
+    assert_eq!(
+        serde_json::to_string(&body).unwrap(),
+        r#"{"error":{"code":"bad_signature","message":"signature does not match the device's public key"}}"#
+    );
+    let receipt = UploadReceipt {
+        round_id: 1,
+        accepted: true,
+        num_samples: 10,
+        bytes: 99,
+    };
+    let back: UploadReceipt =
+        serde_json::from_str(&serde_json::to_string(&receipt).unwrap()).unwrap();
+    assert_eq!(back, receipt);
+    let enroll = EnrollResponse {
+        device_id: 5,
+        server_public_key: "k".into(),
+        heartbeat_interval_ms: 1,
+    };
+    let back: EnrollResponse =
+        serde_json::from_str(&serde_json::to_string(&enroll).unwrap()).unwrap();
+    assert_eq!(back, enroll);
+}

@@ -1,0 +1,162 @@
+//! Devices: list, get, tag, revoke.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::api::ErrorResponse;
+use crate::api::pagination::{PageQuery, finish};
+use crate::db::now_ms;
+use crate::error::{ApiError, ApiResult, Json, Path, Query};
+use crate::state::AppState;
+use crate::store::devices::{self, DeviceRow};
+
+pub const MAX_TAGS: usize = 32;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DeviceView {
+    pub id: i64,
+    /// `end` or `edge`.
+    pub tier: String,
+    pub backends: Vec<String>,
+    pub memory_mb: i64,
+    pub os: String,
+    pub tags: BTreeMap<String, String>,
+    /// Seen within the server's online window and not revoked.
+    pub online: bool,
+    pub last_seen_ms: i64,
+    pub enrolled_ms: i64,
+    pub revoked: bool,
+    /// The device's Ed25519 public key, hex.
+    pub public_key: String,
+}
+
+impl DeviceView {
+    fn from_row(row: DeviceRow, online_since_ms: i64) -> ApiResult<DeviceView> {
+        Ok(DeviceView {
+            backends: row.backends()?,
+            tags: row.tags()?,
+            online: row.revoked_ms.is_none() && row.last_seen_ms >= online_since_ms,
+            id: row.id,
+            tier: row.tier,
+            memory_mb: row.memory_mb,
+            os: row.os,
+            last_seen_ms: row.last_seen_ms,
+            enrolled_ms: row.enrolled_ms,
+            revoked: row.revoked_ms.is_some(),
+            public_key: hex::encode(&row.public_key),
+        })
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DeviceList {
+    pub items: Vec<DeviceView>,
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TagsUpdate {
+    /// Replaces the device's tags.
+    pub tags: BTreeMap<String, String>,
+}
+
+fn online_since(state: &AppState) -> i64 {
+    now_ms() - i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX)
+}
+
+/// List devices with their online state.
+#[utoipa::path(
+    get, path = "/api/v1/devices", tag = "devices", params(PageQuery),
+    responses((status = 200, body = DeviceList), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn list(
+    State(state): State<AppState>,
+    Query(query): Query<PageQuery>,
+) -> ApiResult<Json<DeviceList>> {
+    let page = query.page(state.settings.limits.max_page_size)?;
+    let rows = devices::list(&state.db, page).await?;
+    let (rows, next_cursor) = finish(rows, page, |row| row.id.to_string());
+    let since = online_since(&state);
+    Ok(Json(DeviceList {
+        items: rows
+            .into_iter()
+            .map(|row| DeviceView::from_row(row, since))
+            .collect::<ApiResult<_>>()?,
+        next_cursor,
+    }))
+}
+
+async fn find(state: &AppState, id: i64) -> ApiResult<DeviceRow> {
+    devices::get(&state.db, id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("device {id} does not exist")))
+}
+
+/// Get one device.
+#[utoipa::path(
+    get, path = "/api/v1/devices/{id}", tag = "devices", params(("id" = i64, Path)),
+    responses((status = 200, body = DeviceView), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn get(
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<DeviceView>> {
+    let row = find(&state, id).await?;
+    Ok(Json(DeviceView::from_row(row, online_since(&state))?))
+}
+
+/// Replace a device's tags.
+#[utoipa::path(
+    put, path = "/api/v1/devices/{id}/tags", tag = "devices", params(("id" = i64, Path)), request_body = TagsUpdate,
+    responses(
+        (status = 200, body = DeviceView),
+        (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
+        (status = 404, body = ErrorResponse), (status = 415, body = ErrorResponse), (status = 422, body = ErrorResponse),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn set_tags(
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    Json(update): Json<TagsUpdate>,
+) -> ApiResult<Json<DeviceView>> {
+    check_tags(&update.tags).map_err(ApiError::unprocessable)?;
+    if !devices::set_tags(&state.db, id, &update.tags).await? {
+        return Err(ApiError::not_found(format!("device {id} does not exist")));
+    }
+    get(State(state), Path(id)).await
+}
+
+pub fn check_tags(tags: &BTreeMap<String, String>) -> Result<(), String> {
+    let capabilities = canopy_protocol::messages::Capabilities {
+        tier: canopy_protocol::messages::Tier::Edge,
+        backends: Vec::new(),
+        memory_mb: 0,
+        os: String::new(),
+        tags: tags.clone(),
+    };
+    capabilities.validate()
+}
+
+/// Revoke a device: it can no longer authenticate.
+#[utoipa::path(
+    post, path = "/api/v1/devices/{id}/revoke", tag = "devices", params(("id" = i64, Path)),
+    responses((status = 200, body = DeviceView), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn revoke(
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<DeviceView>> {
+    if !devices::revoke(&state.db, id).await? {
+        return Err(ApiError::not_found(format!("device {id} does not exist")));
+    }
+    tracing::info!(device = id, "revoked device");
+    get(State(state), Path(id)).await
+}

@@ -1,0 +1,427 @@
+//! Jobs and their rounds.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::api::ErrorResponse;
+use crate::api::pagination::{PageQuery, finish};
+use crate::error::{ApiError, ApiResult, Json, Path, Query};
+use crate::state::AppState;
+use crate::store::jobs::{self, ActionError, JobAction, JobRow, JobSpec, JobState};
+use crate::store::models;
+use crate::store::rounds::{self, ParticipantRow, RoundRow};
+
+/// Participants included in a round's detail; page through the rest.
+pub const DETAIL_PARTICIPANTS: i64 = 200;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobView {
+    pub id: i64,
+    pub name: String,
+    pub state: JobState,
+    pub spec: JobSpec,
+    /// The version the job started from.
+    pub model_version_id: i64,
+    /// The latest version the job produced (the start version before any round).
+    pub current_version_id: i64,
+    pub rounds_completed: i64,
+    /// Failed attempts of the current round.
+    pub round_failures: i64,
+    /// Why the job is waiting, paused or failed.
+    pub status_message: String,
+    pub created_ms: i64,
+    pub updated_ms: i64,
+    pub started_ms: Option<i64>,
+    pub finished_ms: Option<i64>,
+}
+
+impl JobView {
+    fn from_row(row: JobRow) -> ApiResult<JobView> {
+        Ok(JobView {
+            spec: row.spec()?,
+            state: row.state(),
+            id: row.id,
+            name: row.name,
+            model_version_id: row.model_version_id,
+            current_version_id: row.current_version_id,
+            rounds_completed: row.rounds_completed,
+            round_failures: row.round_failures,
+            status_message: row.status_message,
+            created_ms: row.created_ms,
+            updated_ms: row.updated_ms,
+            started_ms: row.started_ms,
+            finished_ms: row.finished_ms,
+        })
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobList {
+    pub items: Vec<JobView>,
+    pub next_cursor: Option<String>,
+}
+
+/// Create a job (in state `created`; start it with `/start`).
+#[utoipa::path(
+    post, path = "/api/v1/jobs", tag = "jobs", request_body = JobSpec,
+    responses(
+        (status = 201, body = JobView),
+        (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
+        (status = 404, description = "No such model version", body = ErrorResponse),
+        (status = 415, body = ErrorResponse),
+        (status = 422, description = "Invalid settings or an untrainable model", body = ErrorResponse),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn create(
+    State(state): State<AppState>,
+    Json(spec): Json<JobSpec>,
+) -> ApiResult<(StatusCode, Json<JobView>)> {
+    spec.validate().map_err(ApiError::unprocessable)?;
+    let version = models::get_version(&state.db, spec.model_version_id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::not_found(format!(
+                "model version {} does not exist",
+                spec.model_version_id
+            ))
+        })?;
+    if version.has_train_step == 0 {
+        return Err(ApiError::unprocessable(format!(
+            "model `{}` version {} cannot be trained on devices: it needs a `train_step` entry point and f32 trainable parameters",
+            version.model_name, version.version
+        )));
+    }
+    let row = jobs::insert(&state.db, &spec).await?;
+    tracing::info!(job = row.id, name = %row.name, "created job");
+    Ok((StatusCode::CREATED, Json(JobView::from_row(row)?)))
+}
+
+/// List jobs.
+#[utoipa::path(
+    get, path = "/api/v1/jobs", tag = "jobs", params(PageQuery),
+    responses((status = 200, body = JobList), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn list(
+    State(state): State<AppState>,
+    Query(query): Query<PageQuery>,
+) -> ApiResult<Json<JobList>> {
+    let page = query.page(state.settings.limits.max_page_size)?;
+    let rows = jobs::list(&state.db, page).await?;
+    let (rows, next_cursor) = finish(rows, page, |row| row.id.to_string());
+    Ok(Json(JobList {
+        items: rows
+            .into_iter()
+            .map(JobView::from_row)
+            .collect::<ApiResult<_>>()?,
+        next_cursor,
+    }))
+}
+
+async fn find(state: &AppState, id: i64) -> ApiResult<JobRow> {
+    jobs::get(&state.db, id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("job {id} does not exist")))
+}
+
+/// Get a job's settings and status.
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}", tag = "jobs", params(("id" = i64, Path)),
+    responses((status = 200, body = JobView), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn get(State(state): State<AppState>, Path(id): Path<i64>) -> ApiResult<Json<JobView>> {
+    Ok(Json(JobView::from_row(find(&state, id).await?)?))
+}
+
+async fn act(state: &AppState, id: i64, action: JobAction) -> ApiResult<Json<JobView>> {
+    let row = jobs::apply_action(&state.db, id, action)
+        .await
+        .map_err(|error| match error {
+            ActionError::NotFound { .. } => ApiError::not_found(error.to_string()),
+            ActionError::WrongState { .. } => ApiError::conflict(error.to_string()),
+            ActionError::Sql(error) => error.into(),
+        })?;
+    tracing::info!(job = id, action = action.verb(), "job action");
+    state.orchestrator_wake.notify_one();
+    Ok(Json(JobView::from_row(row)?))
+}
+
+macro_rules! job_action {
+    ($name:ident, $action:expr, $path:literal, $summary:literal) => {
+        #[doc = $summary]
+        #[utoipa::path(
+            post, path = $path, tag = "jobs", params(("id" = i64, Path)),
+            responses(
+                (status = 200, body = JobView),
+                (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
+                (status = 404, body = ErrorResponse),
+                (status = 409, description = "The job is not in a state the action applies to", body = ErrorResponse),
+            ),
+            security(("bearer" = []))
+        )]
+        pub async fn $name(State(state): State<AppState>, Path(id): Path<i64>) -> ApiResult<Json<JobView>> {
+            act(&state, id, $action).await
+        }
+    };
+}
+
+job_action!(
+    start,
+    JobAction::Start,
+    "/api/v1/jobs/{id}/start",
+    "Start a created job."
+);
+job_action!(
+    pause,
+    JobAction::Pause,
+    "/api/v1/jobs/{id}/pause",
+    "Pause a running job; its open round waits."
+);
+job_action!(
+    resume,
+    JobAction::Resume,
+    "/api/v1/jobs/{id}/resume",
+    "Resume a paused job."
+);
+job_action!(
+    cancel,
+    JobAction::Cancel,
+    "/api/v1/jobs/{id}/cancel",
+    "Cancel a job; its open round fails."
+);
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundMetricsView {
+    /// Sample-weighted mean of the participants' training losses.
+    pub train_loss: Option<f64>,
+    /// Sample-weighted mean of the participants' held-out accuracy.
+    pub eval_accuracy: Option<f64>,
+    pub eval_loss: Option<f64>,
+    pub bytes_in: i64,
+    pub bytes_out: i64,
+    pub dropouts: i64,
+    pub updates_accepted: i64,
+    /// Samples behind the accepted updates (the FedAvg weight).
+    pub samples: i64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundDurations {
+    /// Waiting for enough eligible devices.
+    pub selecting_ms: Option<i64>,
+    /// From selection to closing.
+    pub training_ms: Option<i64>,
+    /// From closing to the new version.
+    pub aggregating_ms: Option<i64>,
+    pub total_ms: Option<i64>,
+    pub mean_device_training_ms: Option<f64>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundView {
+    pub id: i64,
+    pub job_id: i64,
+    pub number: i64,
+    pub attempt: i64,
+    /// selecting, training, aggregating, succeeded or failed.
+    pub state: String,
+    pub base_version_id: i64,
+    pub result_version_id: Option<i64>,
+    pub target_devices: i64,
+    pub min_devices: i64,
+    pub selected: i64,
+    pub status_message: String,
+    pub created_ms: i64,
+    pub deadline_ms: Option<i64>,
+    pub finished_ms: Option<i64>,
+}
+
+impl From<&RoundRow> for RoundView {
+    fn from(row: &RoundRow) -> RoundView {
+        RoundView {
+            id: row.id,
+            job_id: row.job_id,
+            number: row.number,
+            attempt: row.attempt,
+            state: row.state.clone(),
+            base_version_id: row.base_version_id,
+            result_version_id: row.result_version_id,
+            target_devices: row.target_devices,
+            min_devices: row.min_devices,
+            selected: row.selected_count,
+            status_message: row.status_message.clone(),
+            created_ms: row.created_ms,
+            deadline_ms: row.deadline_ms,
+            finished_ms: row.finished_ms,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ParticipantView {
+    pub device_id: i64,
+    /// selected, delivered, uploaded or dropped.
+    pub state: String,
+    pub num_samples: Option<i64>,
+    pub update_bytes: Option<i64>,
+    pub train_loss: Option<f64>,
+    pub eval_loss: Option<f64>,
+    pub eval_accuracy: Option<f64>,
+    pub train_duration_ms: Option<i64>,
+    pub selected_ms: i64,
+    pub delivered_ms: Option<i64>,
+    pub uploaded_ms: Option<i64>,
+}
+
+impl From<ParticipantRow> for ParticipantView {
+    fn from(row: ParticipantRow) -> ParticipantView {
+        ParticipantView {
+            device_id: row.device_id,
+            state: row.state,
+            num_samples: row.num_samples,
+            update_bytes: row.update_bytes,
+            train_loss: row.train_loss,
+            eval_loss: row.eval_loss,
+            eval_accuracy: row.eval_accuracy,
+            train_duration_ms: row.train_duration_ms,
+            selected_ms: row.selected_ms,
+            delivered_ms: row.delivered_ms,
+            uploaded_ms: row.uploaded_ms,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundDetail {
+    #[serde(flatten)]
+    pub round: RoundView,
+    pub metrics: RoundMetricsView,
+    pub durations: RoundDurations,
+    /// The first participants by device id; page through
+    /// `/api/v1/rounds/{id}/participants` for all.
+    pub participants: Vec<ParticipantView>,
+    pub participants_next_cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundDetailList {
+    pub items: Vec<RoundDetail>,
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ParticipantList {
+    pub items: Vec<ParticipantView>,
+    pub next_cursor: Option<String>,
+}
+
+fn span(from: Option<i64>, to: Option<i64>) -> Option<i64> {
+    Some(to? - from?)
+}
+
+async fn detail(
+    state: &AppState,
+    row: &RoundRow,
+    with_participants: bool,
+) -> ApiResult<RoundDetail> {
+    let metrics = rounds::metrics(&state.db, row.id).await?;
+    let (participants, participants_next_cursor) = if with_participants {
+        let page = crate::store::Page {
+            after: 0,
+            limit: DETAIL_PARTICIPANTS + 1,
+        };
+        let rows = rounds::participants(&state.db, row.id, page).await?;
+        let (rows, next) = finish(rows, page, |p| p.device_id.to_string());
+        (rows.into_iter().map(Into::into).collect(), next)
+    } else {
+        (Vec::new(), None)
+    };
+    let end = row.finished_ms;
+    Ok(RoundDetail {
+        round: row.into(),
+        metrics: RoundMetricsView {
+            train_loss: metrics.train_loss,
+            eval_accuracy: metrics.eval_accuracy,
+            eval_loss: metrics.eval_loss,
+            bytes_in: row.bytes_in,
+            bytes_out: row.bytes_out,
+            dropouts: row.dropouts,
+            updates_accepted: row.updates_accepted,
+            samples: row.weight_total,
+        },
+        durations: RoundDurations {
+            selecting_ms: span(Some(row.created_ms), row.training_started_ms),
+            training_ms: span(row.training_started_ms, row.closed_ms),
+            aggregating_ms: span(row.closed_ms, end),
+            total_ms: span(Some(row.created_ms), end),
+            mean_device_training_ms: metrics.mean_train_duration_ms,
+        },
+        participants,
+        participants_next_cursor,
+    })
+}
+
+/// List a job's rounds with their metrics, oldest first.
+#[utoipa::path(
+    get, path = "/api/v1/jobs/{id}/rounds", tag = "jobs", params(("id" = i64, Path), PageQuery),
+    responses((status = 200, body = RoundDetailList), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn list_rounds(
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    Query(query): Query<PageQuery>,
+) -> ApiResult<Json<RoundDetailList>> {
+    find(&state, id).await?;
+    let page = query.page(state.settings.limits.max_page_size.min(100))?;
+    let rows = rounds::list_for_job(&state.db, id, page).await?;
+    let (rows, next_cursor) = finish(rows, page, |row| row.id.to_string());
+    let mut items = Vec::with_capacity(rows.len());
+    for row in &rows {
+        items.push(detail(&state, row, false).await?);
+    }
+    Ok(Json(RoundDetailList { items, next_cursor }))
+}
+
+/// A round's detail: participants, metrics and durations.
+#[utoipa::path(
+    get, path = "/api/v1/rounds/{id}", tag = "jobs", params(("id" = i64, Path)),
+    responses((status = 200, body = RoundDetail), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn get_round(
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> ApiResult<Json<RoundDetail>> {
+    let row = rounds::get(&state.db, id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("round {id} does not exist")))?;
+    Ok(Json(detail(&state, &row, true).await?))
+}
+
+/// Page through a round's participants.
+#[utoipa::path(
+    get, path = "/api/v1/rounds/{id}/participants", tag = "jobs", params(("id" = i64, Path), PageQuery),
+    responses((status = 200, body = ParticipantList), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn list_participants(
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+    Query(query): Query<PageQuery>,
+) -> ApiResult<Json<ParticipantList>> {
+    rounds::get(&state.db, id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("round {id} does not exist")))?;
+    let page = query.page(state.settings.limits.max_page_size)?;
+    let rows = rounds::participants(&state.db, id, page).await?;
+    let (rows, next_cursor) = finish(rows, page, |p| p.device_id.to_string());
+    Ok(Json(ParticipantList {
+        items: rows.into_iter().map(Into::into).collect(),
+        next_cursor,
+    }))
+}

@@ -1,0 +1,362 @@
+//! Models and versions: upload, list, get, download, lineage.
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use canopy_protocol::update::UpdateLayout;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+use crate::api::pagination::{PageQuery, finish};
+use crate::error::{ApiError, ApiResult, Json, Path, Query, chain};
+use crate::fedavg;
+use crate::state::AppState;
+use crate::store::models::{self, NewVersion, VersionRow};
+
+pub const MAX_MODEL_NAME_BYTES: usize = 64;
+/// Parents followed by the lineage route.
+pub const MAX_LINEAGE: usize = 1_000;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelVersionView {
+    /// Server-wide id of this version (jobs refer to it).
+    pub id: i64,
+    pub model: String,
+    /// 1 for the first upload, then one more for each upload or round.
+    pub version: i64,
+    /// The model file's content digest (SHA-256, hex).
+    pub digest: String,
+    pub size_bytes: i64,
+    pub trainable_elements: i64,
+    /// Whether devices can train it: a `train_step` and f32 trainable parameters.
+    pub trainable: bool,
+    pub parent_version_id: Option<i64>,
+    /// The job and round that produced it, for versions made by training.
+    pub produced_by_job: Option<i64>,
+    pub produced_by_round: Option<i64>,
+    pub created_ms: i64,
+}
+
+impl From<VersionRow> for ModelVersionView {
+    fn from(row: VersionRow) -> ModelVersionView {
+        ModelVersionView {
+            id: row.id,
+            model: row.model_name,
+            version: row.version,
+            digest: row.digest,
+            size_bytes: row.size_bytes,
+            trainable_elements: row.trainable_elements,
+            trainable: row.has_train_step != 0,
+            parent_version_id: row.parent_version_id,
+            produced_by_job: row.job_id,
+            produced_by_round: row.round_id,
+            created_ms: row.created_ms,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelVersionList {
+    pub items: Vec<ModelVersionView>,
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelView {
+    pub name: String,
+    pub versions: i64,
+    pub created_ms: i64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelList {
+    pub items: Vec<ModelView>,
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Lineage {
+    /// The version asked for, then its parent, grandparent, …
+    pub chain: Vec<ModelVersionView>,
+    /// True when the chain was cut at the server's limit.
+    pub truncated: bool,
+}
+
+pub fn check_model_name(name: &str) -> ApiResult<()> {
+    let valid = !name.is_empty()
+        && name.len() <= MAX_MODEL_NAME_BYTES
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && !name.starts_with('.');
+    if !valid {
+        return Err(ApiError::bad_request(format!(
+            "model name `{}` is invalid: use 1 to {MAX_MODEL_NAME_BYTES} letters, digits, `-`, `_` or `.`, not starting with `.`",
+            name.chars().take(80).collect::<String>()
+        )));
+    }
+    Ok(())
+}
+
+/// Upload a new version of a model (a Canopy IR file as the raw body).
+#[utoipa::path(
+    post, path = "/api/v1/models/{name}/versions", tag = "models",
+    params(("name" = String, Path, description = "Model name")),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "A Canopy IR file"),
+    responses(
+        (status = 201, description = "Stored", body = ModelVersionView),
+        (status = 400, description = "Bad model name", body = crate::api::ErrorResponse),
+        (status = 401, body = crate::api::ErrorResponse), (status = 403, body = crate::api::ErrorResponse),
+        (status = 413, description = "Over the model size limit", body = crate::api::ErrorResponse),
+        (status = 422, description = "Not a valid Canopy IR file", body = crate::api::ErrorResponse),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn upload_version(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<(StatusCode, Json<ModelVersionView>)> {
+    check_model_name(&name)?;
+    let limit = state.settings.limits.max_model_bytes;
+    let bytes = read_limited(&headers, body, limit, "model file").await?;
+    let row = store_version(&state, &name, bytes, None, None, None).await?;
+    Ok((StatusCode::CREATED, Json(row.into())))
+}
+
+/// Reads a body up to `limit` bytes; 413 as soon as it is known to be over.
+pub async fn read_limited(
+    headers: &HeaderMap,
+    body: Body,
+    limit: u64,
+    what: &str,
+) -> ApiResult<Bytes> {
+    if let Some(length) = content_length(headers)
+        && length > limit
+    {
+        return Err(ApiError::too_large(format!(
+            "{what} is {length} bytes, over the {limit}-byte limit"
+        )));
+    }
+    let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
+    axum::body::to_bytes(body, limit_usize)
+        .await
+        .map_err(|error| {
+            let over = std::error::Error::source(&error)
+                .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
+            if over {
+                ApiError::too_large(format!("{what} is over the {limit}-byte limit"))
+            } else {
+                ApiError::bad_request(format!("cannot read the {what}: {}", chain(&error)))
+            }
+        })
+}
+
+pub fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Verifies, stores and records a model file as the next version.
+pub async fn store_version(
+    state: &AppState,
+    name: &str,
+    bytes: Bytes,
+    parent_version_id: Option<i64>,
+    job_id: Option<i64>,
+    round_id: Option<i64>,
+) -> ApiResult<VersionRow> {
+    let limits = canopy_ir::format::ReadLimits {
+        max_file_bytes: state.settings.limits.max_model_bytes,
+        ..canopy_ir::format::ReadLimits::default()
+    };
+    let parsed = {
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || {
+            canopy_ir::format::read_model_with_limits(&bytes, &limits).map(|model| {
+                let layout = fedavg::check_trainable(&model).ok();
+                (model.metadata.model_name.clone(), layout)
+            })
+        })
+        .await
+        .map_err(|error| ApiError::internal(format!("model verification task failed: {error}")))?
+    };
+    let (_, layout) = parsed.map_err(|error| {
+        ApiError::unprocessable(format!("the model file is invalid: {}", chain(&error)))
+    })?;
+    let digest = canopy_ir::format::digest(&bytes)
+        .map(|d| canopy_ir::format::digest_hex(&d))
+        .map_err(|error| ApiError::unprocessable(chain(&error)))?;
+    state.blobs.put(&digest, bytes.clone()).await?;
+    let has_train_step = layout.is_some();
+    let layout = layout.unwrap_or(UpdateLayout {
+        tensors: Vec::new(),
+    });
+    let new = NewVersion {
+        model_name: name,
+        digest: &digest,
+        size_bytes: bytes.len() as u64,
+        layout: &layout,
+        has_train_step,
+        parent_version_id,
+        job_id,
+        round_id,
+    };
+    let _writer = state.db.write_lock().await;
+    let mut tx = state.db.pool.begin().await?;
+    let row = models::insert_version(&mut tx, &new).await?;
+    tx.commit().await?;
+    tracing::info!(model = name, version = row.version, digest = %row.digest, "stored model version");
+    Ok(row)
+}
+
+/// List models.
+#[utoipa::path(
+    get, path = "/api/v1/models", tag = "models",
+    params(
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "Items per page"),
+        ("cursor" = Option<String>, Query, description = "`next_cursor` of the previous page (a model name)"),
+    ),
+    responses((status = 200, body = ModelList), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn list_models(
+    State(state): State<AppState>,
+    Query(query): Query<PageQuery>,
+) -> ApiResult<Json<ModelList>> {
+    let limit = query.limit(state.settings.limits.max_page_size)?;
+    let after = query.cursor.clone().unwrap_or_default();
+    let rows = models::list_models(&state.db, &after, i64::from(limit) + 1).await?;
+    let page = crate::store::Page {
+        after: 0,
+        limit: i64::from(limit) + 1,
+    };
+    let (rows, next_cursor) = finish(rows, page, |row| row.name.clone());
+    Ok(Json(ModelList {
+        items: rows
+            .into_iter()
+            .map(|row| ModelView {
+                name: row.name,
+                versions: row.versions,
+                created_ms: row.created_ms,
+            })
+            .collect(),
+        next_cursor,
+    }))
+}
+
+/// List a model's versions, oldest first.
+#[utoipa::path(
+    get, path = "/api/v1/models/{name}/versions", tag = "models",
+    params(("name" = String, Path), PageQuery),
+    responses((status = 200, body = ModelVersionList), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn list_versions(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    Query(query): Query<PageQuery>,
+) -> ApiResult<Json<ModelVersionList>> {
+    check_model_name(&name)?;
+    let page = query.page(state.settings.limits.max_page_size)?;
+    let rows = models::list_versions(&state.db, &name, page).await?;
+    let (rows, next_cursor) = finish(rows, page, |row| row.version.to_string());
+    Ok(Json(ModelVersionList {
+        items: rows.into_iter().map(Into::into).collect(),
+        next_cursor,
+    }))
+}
+
+pub async fn find(state: &AppState, name: &str, version: i64) -> ApiResult<VersionRow> {
+    check_model_name(name)?;
+    models::find_version(&state.db, name, version)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("model `{name}` has no version {version}")))
+}
+
+/// Get one version.
+#[utoipa::path(
+    get, path = "/api/v1/models/{name}/versions/{version}", tag = "models",
+    params(("name" = String, Path), ("version" = i64, Path)),
+    responses((status = 200, body = ModelVersionView), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse), (status = 404, body = crate::api::ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn get_version(
+    State(state): State<AppState>,
+    Path((name, version)): Path<(String, i64)>,
+) -> ApiResult<Json<ModelVersionView>> {
+    Ok(Json(find(&state, &name, version).await?.into()))
+}
+
+/// Download a version's model file.
+#[utoipa::path(
+    get, path = "/api/v1/models/{name}/versions/{version}/download", tag = "models",
+    params(("name" = String, Path), ("version" = i64, Path)),
+    responses(
+        (status = 200, description = "The Canopy IR file", content_type = "application/octet-stream", body = Vec<u8>),
+        (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse), (status = 404, body = crate::api::ErrorResponse)
+    ),
+    security(("bearer" = []))
+)]
+pub async fn download_version(
+    State(state): State<AppState>,
+    Path((name, version)): Path<(String, i64)>,
+) -> ApiResult<Response> {
+    let row = find(&state, &name, version).await?;
+    let blob = state.blobs.stream(&row.digest, 0).await?;
+    state.metrics.bytes_sent.inc_by(blob.size);
+    let signature = state.server_key.sign_model(&row.digest);
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (header::CONTENT_LENGTH, blob.size.to_string()),
+            (
+                header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{name}-v{version}.canopy\""),
+            ),
+        ],
+        [
+            (
+                canopy_protocol::model_sig::HEADER_MODEL_DIGEST,
+                row.digest.clone(),
+            ),
+            (
+                canopy_protocol::model_sig::HEADER_MODEL_SIGNATURE,
+                signature,
+            ),
+        ],
+        Body::from_stream(blob.stream),
+    )
+        .into_response())
+}
+
+/// A version's ancestry: which round produced it from which parent.
+#[utoipa::path(
+    get, path = "/api/v1/models/{name}/versions/{version}/lineage", tag = "models",
+    params(("name" = String, Path), ("version" = i64, Path)),
+    responses((status = 200, body = Lineage), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse), (status = 404, body = crate::api::ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn lineage(
+    State(state): State<AppState>,
+    Path((name, version)): Path<(String, i64)>,
+) -> ApiResult<Json<Lineage>> {
+    let row = find(&state, &name, version).await?;
+    let chain = models::lineage(&state.db, row.id, MAX_LINEAGE + 1).await?;
+    let truncated = chain.len() > MAX_LINEAGE;
+    Ok(Json(Lineage {
+        chain: chain
+            .into_iter()
+            .take(MAX_LINEAGE)
+            .map(Into::into)
+            .collect(),
+        truncated,
+    }))
+}

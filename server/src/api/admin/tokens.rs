@@ -1,0 +1,294 @@
+//! API tokens (admins only) and device enrollment tokens (operators).
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::api::ErrorResponse;
+use crate::api::pagination::{PageQuery, finish};
+use crate::db::now_ms;
+use crate::error::{ApiError, ApiResult, Json, Path, Query};
+use crate::state::AppState;
+use crate::store::tokens::{self, ApiTokenRow, EnrollmentTokenRow, Role};
+
+pub const MAX_LABEL_BYTES: usize = 128;
+pub const MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(10 * 365 * 86_400);
+pub const MAX_ENROLLMENT_USES: u32 = 1_000_000;
+
+/// Parses lifetimes such as `30d`, `12h` or `90m`.
+pub fn parse_lifetime(text: &str) -> Result<Duration, String> {
+    let lifetime = humantime::parse_duration(text)
+        .map_err(|error| format!("lifetime `{text}` is not a duration like 30d or 12h: {error}"))?;
+    if lifetime.is_zero() || lifetime > MAX_TOKEN_LIFETIME {
+        return Err(format!(
+            "lifetime `{text}` must be above zero and at most 10 years"
+        ));
+    }
+    Ok(lifetime)
+}
+
+fn expiry_ms(lifetime: Duration) -> i64 {
+    now_ms().saturating_add(i64::try_from(lifetime.as_millis()).unwrap_or(i64::MAX))
+}
+
+fn check_label(label: &str) -> ApiResult<()> {
+    if label.len() > MAX_LABEL_BYTES {
+        return Err(ApiError::unprocessable(format!(
+            "`label` is {} bytes, over the {MAX_LABEL_BYTES}-byte limit",
+            label.len()
+        )));
+    }
+    Ok(())
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateApiToken {
+    pub role: Role,
+    #[serde(default)]
+    pub label: String,
+    /// Lifetime such as `30d`; no expiry when absent.
+    #[serde(default)]
+    pub expires_in: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApiTokenView {
+    pub id: i64,
+    pub role: String,
+    pub label: String,
+    pub created_ms: i64,
+    pub expires_ms: Option<i64>,
+    pub revoked: bool,
+}
+
+impl From<ApiTokenRow> for ApiTokenView {
+    fn from(row: ApiTokenRow) -> ApiTokenView {
+        ApiTokenView {
+            id: row.id,
+            role: row.role,
+            label: row.label,
+            created_ms: row.created_ms,
+            expires_ms: row.expires_ms,
+            revoked: row.revoked_ms.is_some(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CreatedApiToken {
+    #[serde(flatten)]
+    pub token: ApiTokenView,
+    /// The bearer secret. Shown once; the server keeps only its hash.
+    pub secret: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApiTokenList {
+    pub items: Vec<ApiTokenView>,
+    pub next_cursor: Option<String>,
+}
+
+/// Create an API token (admins only).
+#[utoipa::path(
+    post, path = "/api/v1/tokens", tag = "tokens", request_body = CreateApiToken,
+    responses(
+        (status = 201, body = CreatedApiToken),
+        (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
+        (status = 415, body = ErrorResponse), (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn create_api_token(
+    State(state): State<AppState>,
+    Json(request): Json<CreateApiToken>,
+) -> ApiResult<(StatusCode, Json<CreatedApiToken>)> {
+    check_label(&request.label)?;
+    let expires = match &request.expires_in {
+        Some(text) => Some(expiry_ms(
+            parse_lifetime(text).map_err(ApiError::unprocessable)?,
+        )),
+        None => None,
+    };
+    let (row, secret) =
+        tokens::create_api_token(&state.db, request.role, &request.label, expires).await?;
+    tracing::info!(token = row.id, role = %row.role, "created API token");
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedApiToken {
+            token: row.into(),
+            secret,
+        }),
+    ))
+}
+
+/// List API tokens (admins only).
+#[utoipa::path(
+    get, path = "/api/v1/tokens", tag = "tokens", params(PageQuery),
+    responses((status = 200, body = ApiTokenList), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn list_api_tokens(
+    State(state): State<AppState>,
+    Query(query): Query<PageQuery>,
+) -> ApiResult<Json<ApiTokenList>> {
+    let page = query.page(state.settings.limits.max_page_size)?;
+    let rows = tokens::list_api_tokens(&state.db, page).await?;
+    let (rows, next_cursor) = finish(rows, page, |row| row.id.to_string());
+    Ok(Json(ApiTokenList {
+        items: rows.into_iter().map(Into::into).collect(),
+        next_cursor,
+    }))
+}
+
+/// Revoke an API token (admins only).
+#[utoipa::path(
+    post, path = "/api/v1/tokens/{id}/revoke", tag = "tokens", params(("id" = i64, Path)),
+    responses((status = 204, description = "Revoked"), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn revoke_api_token(
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> ApiResult<StatusCode> {
+    if !tokens::revoke_api_token(&state.db, id).await? {
+        return Err(ApiError::not_found(format!(
+            "API token {id} does not exist"
+        )));
+    }
+    tracing::info!(token = id, "revoked API token");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateEnrollmentToken {
+    #[serde(default)]
+    pub label: String,
+    /// Lifetime such as `7d`.
+    pub expires_in: String,
+    /// Devices that may enroll with it.
+    pub max_uses: u32,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EnrollmentTokenView {
+    pub id: i64,
+    pub label: String,
+    pub created_ms: i64,
+    pub expires_ms: i64,
+    pub max_uses: i64,
+    pub uses: i64,
+    pub revoked: bool,
+}
+
+impl From<EnrollmentTokenRow> for EnrollmentTokenView {
+    fn from(row: EnrollmentTokenRow) -> EnrollmentTokenView {
+        EnrollmentTokenView {
+            id: row.id,
+            label: row.label,
+            created_ms: row.created_ms,
+            expires_ms: row.expires_ms,
+            max_uses: row.max_uses,
+            uses: row.uses,
+            revoked: row.revoked_ms.is_some(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CreatedEnrollmentToken {
+    #[serde(flatten)]
+    pub token: EnrollmentTokenView,
+    /// Give this to `canopy-agent enroll --token`. Shown once.
+    pub secret: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EnrollmentTokenList {
+    pub items: Vec<EnrollmentTokenView>,
+    pub next_cursor: Option<String>,
+}
+
+/// Create an enrollment token for devices.
+#[utoipa::path(
+    post, path = "/api/v1/enrollment-tokens", tag = "enrollment", request_body = CreateEnrollmentToken,
+    responses(
+        (status = 201, body = CreatedEnrollmentToken),
+        (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
+        (status = 415, body = ErrorResponse), (status = 422, body = ErrorResponse), (status = 429, body = ErrorResponse),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn create_enrollment_token(
+    State(state): State<AppState>,
+    Json(request): Json<CreateEnrollmentToken>,
+) -> ApiResult<(StatusCode, Json<CreatedEnrollmentToken>)> {
+    check_label(&request.label)?;
+    if request.max_uses == 0 || request.max_uses > MAX_ENROLLMENT_USES {
+        return Err(ApiError::unprocessable(format!(
+            "`max_uses` must be between 1 and {MAX_ENROLLMENT_USES}, got {}",
+            request.max_uses
+        )));
+    }
+    let lifetime = parse_lifetime(&request.expires_in).map_err(ApiError::unprocessable)?;
+    let (row, secret) = tokens::create_enrollment_token(
+        &state.db,
+        &request.label,
+        expiry_ms(lifetime),
+        i64::from(request.max_uses),
+    )
+    .await?;
+    tracing::info!(
+        token = row.id,
+        max_uses = row.max_uses,
+        "created enrollment token"
+    );
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedEnrollmentToken {
+            token: row.into(),
+            secret,
+        }),
+    ))
+}
+
+/// List enrollment tokens.
+#[utoipa::path(
+    get, path = "/api/v1/enrollment-tokens", tag = "enrollment", params(PageQuery),
+    responses((status = 200, body = EnrollmentTokenList), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn list_enrollment_tokens(
+    State(state): State<AppState>,
+    Query(query): Query<PageQuery>,
+) -> ApiResult<Json<EnrollmentTokenList>> {
+    let page = query.page(state.settings.limits.max_page_size)?;
+    let rows = tokens::list_enrollment_tokens(&state.db, page).await?;
+    let (rows, next_cursor) = finish(rows, page, |row| row.id.to_string());
+    Ok(Json(EnrollmentTokenList {
+        items: rows.into_iter().map(Into::into).collect(),
+        next_cursor,
+    }))
+}
+
+/// Revoke an enrollment token; devices already enrolled stay enrolled.
+#[utoipa::path(
+    post, path = "/api/v1/enrollment-tokens/{id}/revoke", tag = "enrollment", params(("id" = i64, Path)),
+    responses((status = 204, description = "Revoked"), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    security(("bearer" = []))
+)]
+pub async fn revoke_enrollment_token(
+    State(state): State<AppState>,
+    Path(id): Path<i64>,
+) -> ApiResult<StatusCode> {
+    if !tokens::revoke_enrollment_token(&state.db, id).await? {
+        return Err(ApiError::not_found(format!(
+            "enrollment token {id} does not exist"
+        )));
+    }
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,145 @@
+//! The device API, under `/device/v1`.
+
+pub mod auth;
+mod tasks;
+mod upload;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::{get, post, put};
+use canopy_protocol::messages::{
+    EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics,
+};
+use serde::de::DeserializeOwned;
+
+use crate::api::admin::models::read_limited;
+use crate::db::now_ms;
+use crate::error::{ApiError, ApiResult, Json, Path};
+use crate::state::AppState;
+use crate::store::devices::{self, EnrollError};
+use crate::store::rounds;
+use crate::store::tokens::EnrollmentTokenError;
+use auth::DeviceAuth;
+
+pub fn router() -> Router<AppState> {
+    Router::new()
+        .route("/device/v1/enroll", post(enroll))
+        .route("/device/v1/server-key", get(server_key))
+        .route("/device/v1/heartbeat", post(heartbeat))
+        .route("/device/v1/tasks/next", get(tasks::next_task))
+        .route("/device/v1/models/{version_id}", get(tasks::download_model))
+        .route(
+            "/device/v1/rounds/{round_id}/update",
+            put(upload::upload_update),
+        )
+        .route("/device/v1/rounds/{round_id}/metrics", post(report_metrics))
+}
+
+/// Reads a small JSON body, checks it against the signed digest, parses it.
+async fn signed_json<T: DeserializeOwned>(
+    state: &AppState,
+    device: &DeviceAuth,
+    headers: &HeaderMap,
+    body: Body,
+) -> ApiResult<T> {
+    let limit = state.settings.limits.max_json_bytes as u64;
+    let bytes = read_limited(headers, body, limit, "request body").await?;
+    device.check_body(&bytes)?;
+    serde_json::from_slice(&bytes)
+        .map_err(|error| ApiError::unprocessable(format!("the JSON body is invalid: {error}")))
+}
+
+async fn enroll(
+    State(state): State<AppState>,
+    Json(request): Json<EnrollRequest>,
+) -> ApiResult<(StatusCode, Json<EnrollResponse>)> {
+    request
+        .capabilities
+        .validate()
+        .map_err(ApiError::unprocessable)?;
+    let public_key = canopy_protocol::auth::parse_public_key_hex(&request.public_key)
+        .map_err(|error| ApiError::unprocessable(error.to_string()))?;
+    let device_id = devices::enroll(
+        &state.db,
+        &request.enrollment_token,
+        &public_key,
+        &request.capabilities,
+    )
+    .await
+    .map_err(|error| match error {
+        EnrollError::Token(EnrollmentTokenError::Sql(error)) | EnrollError::Sql(error) => {
+            error.into()
+        }
+        EnrollError::Token(token) => ApiError::unauthorized(format!("cannot enroll: {token}")),
+        EnrollError::KeyInUse { .. } => ApiError::conflict(format!("cannot enroll: {error}")),
+    })?;
+    tracing::info!(device = device_id, tier = %request.capabilities.tier, "enrolled device");
+    Ok((
+        StatusCode::CREATED,
+        Json(EnrollResponse {
+            device_id,
+            server_public_key: state.server_key.public_key_hex(),
+            heartbeat_interval_ms: state.settings.limits.heartbeat_interval_ms,
+        }),
+    ))
+}
+
+#[derive(serde::Serialize)]
+struct ServerKeyView {
+    server_public_key: String,
+}
+
+/// The model-signing public key. Devices should take it from enrollment,
+/// over the pinned TLS channel; this route is for tooling.
+async fn server_key(State(state): State<AppState>) -> Json<ServerKeyView> {
+    Json(ServerKeyView {
+        server_public_key: state.server_key.public_key_hex(),
+    })
+}
+
+async fn heartbeat(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<Json<HeartbeatResponse>> {
+    let beat: Heartbeat = signed_json(&state, &device, &headers, body).await?;
+    beat.validate().map_err(ApiError::unprocessable)?;
+    Ok(Json(HeartbeatResponse {
+        server_time_ms: u64::try_from(now_ms()).unwrap_or(0),
+        heartbeat_interval_ms: state.settings.limits.heartbeat_interval_ms,
+    }))
+}
+
+async fn report_metrics(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path(round_id): Path<i64>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<StatusCode> {
+    let metrics: RoundMetrics = signed_json(&state, &device, &headers, body).await?;
+    metrics.validate().map_err(ApiError::unprocessable)?;
+    if metrics.round_id != round_id {
+        return Err(ApiError::unprocessable(format!(
+            "the body is about round {}, the path about round {round_id}",
+            metrics.round_id
+        )));
+    }
+    if !rounds::record_metrics(&state.db, round_id, device.device_id, &metrics).await? {
+        return Err(ApiError::not_found(format!(
+            "device {} is not a participant of round {round_id}",
+            device.device_id
+        )));
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// How long a task poll waits, clamped to the server's limit.
+fn poll_wait(requested_ms: Option<u64>, max_ms: u64) -> Duration {
+    Duration::from_millis(requested_ms.unwrap_or(max_ms).min(max_ms))
+}

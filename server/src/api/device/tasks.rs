@@ -1,0 +1,182 @@
+//! Task polling and model download.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use canopy_protocol::messages::{Task, TrainingConfig};
+use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE};
+use canopy_protocol::update::UpdateLayout;
+use serde::Deserialize;
+
+use super::auth::DeviceAuth;
+use super::poll_wait;
+use crate::error::{ApiError, ApiResult, Path, Query};
+use crate::state::AppState;
+use crate::store::jobs::JobSpec;
+use crate::store::{models, rounds};
+
+/// Between wake-ups, a poll re-reads the database this often, so that it
+/// also sees rounds opened by another server process.
+const POLL_RECHECK_MS: u64 = 500;
+
+#[derive(Debug, Deserialize)]
+pub struct PollQuery {
+    pub wait_ms: Option<u64>,
+}
+
+pub async fn next_task(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Query(query): Query<PollQuery>,
+) -> ApiResult<Response> {
+    let wait = poll_wait(query.wait_ms, state.settings.limits.long_poll_max_ms);
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        // Register interest before looking, so a wake-up between the look
+        // and the wait is not lost.
+        let woken = state.tasks_ready.notified();
+        if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
+            return Ok(axum::Json(build_task(&state, task).await?).into_response());
+        }
+        let now = tokio::time::Instant::now();
+        if now >= deadline || state.is_shutting_down() {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+        let recheck = now + std::time::Duration::from_millis(POLL_RECHECK_MS);
+        tokio::select! {
+            _ = woken => {}
+            _ = tokio::time::sleep_until(recheck.min(deadline)) => {}
+        }
+    }
+}
+
+/// The update layout of a model version, cached.
+pub async fn layout(state: &AppState, version_id: i64) -> ApiResult<Arc<UpdateLayout>> {
+    if let Some(layout) = state.cached_layout(version_id) {
+        return Ok(layout);
+    }
+    let row = models::get_version(&state.db, version_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("model version {version_id} does not exist")))?;
+    let layout = Arc::new(row.layout()?);
+    state.cache_layout(version_id, layout.clone());
+    Ok(layout)
+}
+
+async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> {
+    let spec: JobSpec = serde_json::from_str(&task.config).map_err(|error| {
+        ApiError::internal(format!(
+            "job {} has an unreadable config: {error}",
+            task.job_id
+        ))
+    })?;
+    let version = models::get_version(&state.db, task.base_version_id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::internal(format!("model version {} vanished", task.base_version_id))
+        })?;
+    let layout = layout(state, version.id).await?;
+    Ok(Task {
+        job_id: task.job_id,
+        round_id: task.round_id,
+        round_number: u32::try_from(task.number).unwrap_or(u32::MAX),
+        model_version_id: version.id,
+        model_digest: version.digest.clone(),
+        model_size_bytes: u64::try_from(version.size_bytes).unwrap_or(0),
+        model_path: format!("/device/v1/models/{}", version.id),
+        upload_path: format!("/device/v1/rounds/{}/update", task.round_id),
+        upload_size_bytes: layout.encoded_len(),
+        deadline_unix_ms: u64::try_from(task.deadline_ms).unwrap_or(0),
+        training: TrainingConfig {
+            epochs: spec.local_epochs,
+            batch_size: spec.batch_size,
+            learning_rate: spec.learning_rate,
+        },
+        layout: (*layout).clone(),
+    })
+}
+
+/// Parses `Range: bytes=N-`, the one form resumable downloads need.
+fn range_start(headers: &HeaderMap, size: u64) -> ApiResult<Option<u64>> {
+    let Some(value) = headers.get(header::RANGE) else {
+        return Ok(None);
+    };
+    let text = value.to_str().unwrap_or_default();
+    let start = text
+        .strip_prefix("bytes=")
+        .and_then(|rest| rest.strip_suffix('-'))
+        .and_then(|start| start.parse::<u64>().ok())
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "range_not_satisfiable",
+                format!(
+                    "only `Range: bytes=N-` is supported, got `{}`",
+                    text.chars().take(64).collect::<String>()
+                ),
+            )
+        })?;
+    if start >= size {
+        return Err(ApiError::new(
+            StatusCode::RANGE_NOT_SATISFIABLE,
+            "range_not_satisfiable",
+            format!("range starts at byte {start}, but the model is {size} bytes"),
+        ));
+    }
+    Ok(Some(start))
+}
+
+pub async fn download_model(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path(version_id): Path<i64>,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    let version = models::get_version(&state.db, version_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("model version {version_id} does not exist")))?;
+    let size = u64::try_from(version.size_bytes).unwrap_or(0);
+    let start = range_start(&headers, size)?;
+    let blob = state
+        .blobs
+        .stream(&version.digest, start.unwrap_or(0))
+        .await?;
+    let sent = blob.range.end - blob.range.start;
+    state.metrics.bytes_sent.inc_by(sent);
+    rounds::add_bytes_out(&state.db, device.device_id, version_id, sent).await?;
+    let signature = state.server_key.sign_model(&version.digest);
+    let status = if start.is_some() {
+        StatusCode::PARTIAL_CONTENT
+    } else {
+        StatusCode::OK
+    };
+    let mut response = (
+        status,
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+            (header::CONTENT_LENGTH, sent.to_string()),
+            (header::ACCEPT_RANGES, "bytes".to_string()),
+        ],
+        [
+            (HEADER_MODEL_DIGEST, version.digest.clone()),
+            (HEADER_MODEL_SIGNATURE, signature),
+        ],
+        Body::from_stream(blob.stream),
+    )
+        .into_response();
+    if start.is_some() {
+        let value = format!(
+            "bytes {}-{}/{}",
+            blob.range.start,
+            blob.range.end.saturating_sub(1),
+            blob.size
+        );
+        if let Ok(value) = value.parse() {
+            response.headers_mut().insert(header::CONTENT_RANGE, value);
+        }
+    }
+    Ok(response)
+}

@@ -1,0 +1,162 @@
+//! Update upload: a binary stream, bounded by the model's own size.
+//!
+//! Order matters. The signature is checked from headers alone; the round
+//! and participant are checked before the body is touched; the declared
+//! length is checked against the exact encoded size of the model's
+//! trainable parameters; only then is the body read, chunk by chunk,
+//! stopping at the limit. Upload slots bound how many bodies are in
+//! memory at once.
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use bytes::BytesMut;
+use canopy_protocol::messages::UploadReceipt;
+use canopy_protocol::update::decode_update;
+use futures_util::StreamExt;
+use sha2::{Digest, Sha256};
+
+use super::auth::DeviceAuth;
+use super::tasks::layout;
+use crate::api::admin::models::content_length;
+use crate::db::now_ms;
+use crate::error::{ApiError, ApiResult, Json, Path};
+use crate::state::AppState;
+use crate::store::rounds::{self, AcceptedUpdate, UploadRejection};
+
+pub async fn upload_update(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path(round_id): Path<i64>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<(StatusCode, Json<UploadReceipt>)> {
+    let base_version_id = check_participant(&state, round_id, device.device_id).await?;
+    let layout = layout(&state, base_version_id).await?;
+    let limit = layout.encoded_len();
+    if let Some(length) = content_length(&headers)
+        && length > limit
+    {
+        return Err(ApiError::too_large(format!(
+            "the update is {length} bytes, but an update of this model is exactly {limit} bytes"
+        )));
+    }
+    let _slot = state
+        .upload_slots
+        .acquire()
+        .await
+        .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    let bytes = read_hashed(body, limit, &device.content_sha256).await?;
+    let decoded = {
+        let layout = layout.clone();
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || decode_update(&bytes, &layout))
+            .await
+            .map_err(|error| ApiError::internal(format!("update decoding task failed: {error}")))?
+    }
+    .map_err(|error| {
+        ApiError::unprocessable(format!("update for round {round_id} rejected: {error}"))
+    })?;
+    let update = AcceptedUpdate {
+        round_id,
+        device_id: device.device_id,
+        num_samples: decoded.num_samples,
+        values: &decoded.values,
+        bytes: bytes.len() as u64,
+    };
+    rounds::accept_update(&state.db, &update)
+        .await
+        .map_err(rejection)?;
+    state.metrics.updates_accepted.inc();
+    state.metrics.bytes_received.inc_by(bytes.len() as u64);
+    state.orchestrator_wake.notify_one();
+    tracing::debug!(
+        round = round_id,
+        device = device.device_id,
+        samples = decoded.num_samples,
+        "accepted update"
+    );
+    Ok((
+        StatusCode::CREATED,
+        Json(UploadReceipt {
+            round_id,
+            accepted: true,
+            num_samples: decoded.num_samples,
+            bytes: bytes.len() as u64,
+        }),
+    ))
+}
+
+fn rejection(error: UploadRejection) -> ApiError {
+    match error {
+        UploadRejection::NotParticipant { .. } => ApiError::forbidden(error.to_string()),
+        UploadRejection::Duplicate { .. } => ApiError::conflict(error.to_string()),
+        UploadRejection::Closed { .. } | UploadRejection::Dropped { .. } => {
+            ApiError::gone(error.to_string())
+        }
+        UploadRejection::SumLength { .. } => ApiError::internal(error.to_string()),
+        UploadRejection::Sql(error) => error.into(),
+    }
+}
+
+/// Fails fast, before reading the body, on uploads that cannot be accepted.
+async fn check_participant(state: &AppState, round_id: i64, device_id: i64) -> ApiResult<i64> {
+    let Some((participant, round, deadline_ms, base_version_id)) =
+        rounds::participant_state(&state.db, round_id, device_id).await?
+    else {
+        return Err(rejection(UploadRejection::NotParticipant {
+            round_id,
+            device_id,
+        }));
+    };
+    if participant == "uploaded" {
+        return Err(rejection(UploadRejection::Duplicate {
+            round_id,
+            device_id,
+        }));
+    }
+    if round != "training" || deadline_ms.is_some_and(|deadline| now_ms() > deadline) {
+        return Err(rejection(UploadRejection::Closed {
+            round_id,
+            state: if round == "training" {
+                "deadline passed".to_string()
+            } else {
+                round
+            },
+        }));
+    }
+    if participant == "dropped" {
+        return Err(rejection(UploadRejection::Dropped {
+            round_id,
+            device_id,
+        }));
+    }
+    Ok(base_version_id)
+}
+
+/// Reads at most `limit` bytes, hashing as it goes, and checks the digest
+/// the signature covers.
+async fn read_hashed(body: Body, limit: u64, expected_sha256: &str) -> ApiResult<bytes::Bytes> {
+    let capacity = usize::try_from(limit).unwrap_or(usize::MAX);
+    let mut buffer = BytesMut::with_capacity(capacity.min(64 << 20));
+    let mut hasher = Sha256::new();
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk
+            .map_err(|error| ApiError::bad_request(format!("the upload was cut off: {error}")))?;
+        if (buffer.len() + chunk.len()) as u64 > limit {
+            return Err(ApiError::too_large(format!(
+                "the update is over {limit} bytes, the exact size of an update of this model"
+            )));
+        }
+        hasher.update(&chunk);
+        buffer.extend_from_slice(&chunk);
+    }
+    let actual = hex::encode(hasher.finalize());
+    if actual != expected_sha256 {
+        return Err(ApiError::unauthorized(format!(
+            "the body's SHA-256 is {actual}, but the signed header says {expected_sha256}"
+        )));
+    }
+    Ok(buffer.freeze())
+}

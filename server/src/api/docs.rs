@@ -1,0 +1,159 @@
+//! The OpenAPI 3.1 document, generated from the handlers' annotations, and
+//! a reference page rendered from it on the server (no CDN, no JS).
+
+use std::fmt::Write;
+use std::sync::OnceLock;
+
+use axum::http::header;
+use axum::response::{Html, IntoResponse, Response};
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+use super::admin::{devices, jobs, models, tokens};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Canopy admin API",
+        description = "Models, jobs, rounds, devices and tokens of a Canopy federated-learning server. \
+                       Every route takes `Authorization: Bearer TOKEN`; errors are \
+                       `{\"error\": {\"code\", \"message\"}}`; lists page with `limit` and `cursor`.",
+    ),
+    paths(
+        models::list_models, models::upload_version, models::list_versions, models::get_version,
+        models::download_version, models::lineage,
+        jobs::create, jobs::list, jobs::get, jobs::start, jobs::pause, jobs::resume, jobs::cancel,
+        jobs::list_rounds, jobs::get_round, jobs::list_participants,
+        devices::list, devices::get, devices::set_tags, devices::revoke,
+        tokens::create_enrollment_token, tokens::list_enrollment_tokens, tokens::revoke_enrollment_token,
+        tokens::create_api_token, tokens::list_api_tokens, tokens::revoke_api_token,
+    ),
+    modifiers(&BearerAuth),
+    tags(
+        (name = "models", description = "Model files and their versions"),
+        (name = "jobs", description = "Federated jobs and their rounds"),
+        (name = "devices", description = "Enrolled devices"),
+        (name = "enrollment", description = "Tokens that let devices enroll"),
+        (name = "tokens", description = "API tokens (admins only)"),
+    )
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+fn document() -> &'static str {
+    static JSON: OnceLock<String> = OnceLock::new();
+    JSON.get_or_init(|| {
+        ApiDoc::openapi().to_pretty_json().unwrap_or_else(|error| {
+            format!("{{\"error\": \"cannot render the OpenAPI document: {error}\"}}")
+        })
+    })
+}
+
+pub async fn openapi_json() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], document()).into_response()
+}
+
+pub async fn index() -> Html<&'static str> {
+    Html(
+        "<!doctype html><meta charset=utf-8><title>Canopy</title>\
+         <h1>Canopy server</h1><ul>\
+         <li><a href=\"/api/v1/docs\">API reference</a></li>\
+         <li><a href=\"/api/v1/openapi.json\">OpenAPI document</a></li>\
+         <li><a href=\"/metrics\">Metrics</a></li></ul>",
+    )
+}
+
+pub async fn reference_page() -> Html<String> {
+    static PAGE: OnceLock<String> = OnceLock::new();
+    Html(PAGE.get_or_init(render_reference).clone())
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// Renders the reference from the JSON form of the document, so the page
+/// can never disagree with `/api/v1/openapi.json`.
+fn render_reference() -> String {
+    let doc: serde_json::Value = serde_json::from_str(document()).unwrap_or_default();
+    let mut page = String::from(
+        "<!doctype html><meta charset=utf-8><title>Canopy admin API</title>\
+         <style>body{font:15px/1.5 system-ui,sans-serif;max-width:60em;margin:2em auto;padding:0 1em}\
+         code,pre{background:#f4f4f4;padding:0 .2em}h3{margin-bottom:.2em}.m{font-weight:bold;text-transform:uppercase}\
+         table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:.2em .5em;text-align:left}</style>",
+    );
+    let info = &doc["info"];
+    let _ = write!(
+        page,
+        "<h1>{}</h1><p>{}</p><p>Machine-readable: <a href=\"/api/v1/openapi.json\">openapi.json</a> (OpenAPI {})</p>",
+        escape(info["title"].as_str().unwrap_or("")),
+        escape(info["description"].as_str().unwrap_or("")),
+        escape(doc["openapi"].as_str().unwrap_or("")),
+    );
+    let Some(paths) = doc["paths"].as_object() else {
+        return page;
+    };
+    for (path, item) in paths {
+        let Some(operations) = item.as_object() else {
+            continue;
+        };
+        for (method, operation) in operations {
+            let _ = write!(
+                page,
+                "<h3><span class=m>{}</span> <code>{}</code></h3><p>{}</p>",
+                escape(method),
+                escape(path),
+                escape(
+                    operation["summary"]
+                        .as_str()
+                        .or(operation["description"].as_str())
+                        .unwrap_or("")
+                ),
+            );
+            if let Some(parameters) = operation["parameters"].as_array() {
+                page.push_str(
+                    "<table><tr><th>parameter</th><th>in</th><th>required</th><th>about</th></tr>",
+                );
+                for parameter in parameters {
+                    let _ = write!(
+                        page,
+                        "<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                        escape(parameter["name"].as_str().unwrap_or("")),
+                        escape(parameter["in"].as_str().unwrap_or("")),
+                        parameter["required"].as_bool().unwrap_or(false),
+                        escape(parameter["description"].as_str().unwrap_or("")),
+                    );
+                }
+                page.push_str("</table>");
+            }
+            if let Some(responses) = operation["responses"].as_object() {
+                let codes: Vec<String> = responses
+                    .iter()
+                    .map(|(code, response)| {
+                        format!(
+                            "<code>{}</code> {}",
+                            escape(code),
+                            escape(response["description"].as_str().unwrap_or(""))
+                        )
+                    })
+                    .collect();
+                let _ = write!(page, "<p>Responses: {}</p>", codes.join(" · "));
+            }
+        }
+    }
+    page
+}

@@ -1,0 +1,263 @@
+//! The HTTP surface: routes, middleware and the OpenAPI document.
+
+pub mod admin;
+pub mod device;
+mod docs;
+pub mod pagination;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::{ConnectInfo, MatchedPath, Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Serialize;
+use tower::ServiceBuilder;
+use tower::limit::ConcurrencyLimitLayer;
+use tower_http::catch_panic::CatchPanicLayer;
+use tower_http::compression::CompressionLayer;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::timeout::TimeoutLayer;
+use tower_http::trace::TraceLayer;
+use utoipa::ToSchema;
+
+use crate::db::now_ms;
+use crate::error::ApiError;
+use crate::metrics::RequestLabels;
+use crate::state::AppState;
+use crate::store::devices;
+
+pub use docs::ApiDoc;
+
+/// The error body every route uses.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorResponse {
+    pub error: ErrorInfo,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorInfo {
+    /// Stable, machine-readable: `unauthorized`, `not_found`, `conflict`, …
+    pub code: String,
+    /// For people: names the object and the cause.
+    pub message: String,
+}
+
+/// The whole application, middleware included.
+pub fn app(state: AppState) -> Router {
+    let limits = &state.settings.limits;
+    let admin = admin::router().route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        admin::require_role,
+    ));
+    let public = Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/api/v1/openapi.json", get(docs::openapi_json))
+        .route("/api/v1/docs", get(docs::reference_page))
+        .route("/", get(docs::index));
+    Router::new()
+        .merge(admin)
+        .merge(device::router())
+        .merge(public)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(
+            ServiceBuilder::new()
+                .layer(CatchPanicLayer::custom(panic_response))
+                .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+                .layer(TraceLayer::new_for_http().make_span_with(request_span))
+                .layer(PropagateRequestIdLayer::x_request_id())
+                .layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    record_latency,
+                ))
+                .layer(middleware::map_response(json_errors))
+                .layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    rate_limit_sensitive,
+                ))
+                .layer(CompressionLayer::new())
+                .layer(TimeoutLayer::with_status_code(
+                    StatusCode::REQUEST_TIMEOUT,
+                    Duration::from_millis(limits.request_timeout_ms),
+                ))
+                .layer(ConcurrencyLimitLayer::new(limits.max_concurrent_requests)),
+        )
+        .with_state(state)
+}
+
+fn request_span(request: &Request) -> tracing::Span {
+    let request_id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or("-");
+    tracing::info_span!(
+        "request",
+        method = %request.method(),
+        path = %request.uri().path(),
+        request_id = %request_id,
+    )
+}
+
+fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    ApiError::internal("the server hit a bug while handling this request; it was logged")
+        .into_response()
+}
+
+async fn not_found(request: Request) -> ApiError {
+    ApiError::not_found(format!(
+        "no route for {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+}
+
+async fn method_not_allowed(request: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!(
+            "{} is not allowed on {}",
+            request.method(),
+            request.uri().path()
+        ),
+    )
+}
+
+/// Turns every error response that is not already JSON (timeouts, the
+/// body-limit layer, the concurrency layer) into the JSON error shape.
+async fn json_errors(response: Response) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|value| value.as_bytes().starts_with(b"application/json"));
+    if status.as_u16() < 400 || is_json {
+        return response;
+    }
+    let code = match status {
+        StatusCode::REQUEST_TIMEOUT => "timeout",
+        StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limited",
+        StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+        s if s.is_server_error() => "internal",
+        _ => "bad_request",
+    };
+    let reason = status.canonical_reason().unwrap_or("error");
+    let mut json =
+        ApiError::new(status, code, format!("{reason} ({})", status.as_u16())).into_response();
+    for name in [
+        header::RETRY_AFTER,
+        header::HeaderName::from_static("x-request-id"),
+    ] {
+        if let Some(value) = response.headers().get(&name) {
+            json.headers_mut().insert(name, value.clone());
+        }
+    }
+    json
+}
+
+async fn record_latency(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = request.method().to_string();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|path| path.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".to_string());
+    let response = next.run(request).await;
+    state
+        .metrics
+        .request_seconds
+        .get_or_create(&RequestLabels {
+            method,
+            route,
+            status: response.status().as_u16(),
+        })
+        .observe(started.elapsed().as_secs_f64());
+    response
+}
+
+/// Routes that mint credentials, rate-limited per client address.
+fn is_sensitive(method: &Method, path: &str) -> bool {
+    method == Method::POST
+        && matches!(
+            path,
+            "/device/v1/enroll" | "/api/v1/tokens" | "/api/v1/enrollment-tokens"
+        )
+}
+
+async fn rate_limit_sensitive(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if is_sensitive(request.method(), request.uri().path()) {
+        let ip = request
+            .extensions()
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|info| info.0.ip())
+            .unwrap_or(std::net::IpAddr::from([0, 0, 0, 0]));
+        if let Err(not_until) = state.sensitive_limiter.check_key(&ip) {
+            let wait = not_until.wait_time_from(governor::clock::Clock::now(
+                &governor::clock::DefaultClock::default(),
+            ));
+            let mut response = ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                format!(
+                    "too many credential requests from {ip}; retry in {} s",
+                    wait.as_secs().max(1)
+                ),
+            )
+            .into_response();
+            if let Ok(value) = HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
+                response.headers_mut().insert(header::RETRY_AFTER, value);
+            }
+            return response;
+        }
+    }
+    next.run(request).await
+}
+
+#[derive(Serialize)]
+struct Health {
+    status: &'static str,
+}
+
+async fn healthz() -> axum::Json<Health> {
+    axum::Json(Health { status: "ok" })
+}
+
+/// Ready when the database answers and the server is not draining.
+async fn readyz(State(state): State<AppState>) -> Result<axum::Json<Health>, ApiError> {
+    if state.is_shutting_down() {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
+    sqlx::query("SELECT 1")
+        .execute(&state.db.pool)
+        .await
+        .map_err(|error| ApiError::unavailable(format!("the database does not answer: {error}")))?;
+    Ok(axum::Json(Health { status: "ready" }))
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let window = i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX);
+    if let Ok(online) = devices::count_online(&state.db, now_ms() - window).await {
+        state.metrics.online_devices.set(online);
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.encode(),
+    )
+        .into_response()
+}

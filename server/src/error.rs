@@ -1,0 +1,178 @@
+//! Errors as values that become JSON responses:
+//! `{"error": {"code": "...", "message": "..."}}`, everywhere.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use canopy_protocol::messages::{ErrorBody, ErrorDetail};
+
+use crate::db::DbError;
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_request", message)
+    }
+
+    pub fn unauthorized(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+
+    pub fn forbidden(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::FORBIDDEN, "forbidden", message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::CONFLICT, "conflict", message)
+    }
+
+    pub fn gone(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::GONE, "gone", message)
+    }
+
+    pub fn too_large(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message)
+    }
+
+    pub fn unprocessable(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unprocessable", message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", message)
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({}): {}",
+            self.status.as_u16(),
+            self.code,
+            self.message
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if self.status.is_server_error() {
+            tracing::error!(code = self.code, message = %self.message, "request failed");
+        }
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code.to_string(),
+                message: self.message,
+            },
+        };
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+/// Formats an error and its chain of causes on one line.
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(error: sqlx::Error) -> ApiError {
+        match error {
+            sqlx::Error::PoolTimedOut => {
+                ApiError::unavailable("the database is busy; retry shortly")
+            }
+            other => ApiError::internal(format!("database error: {}", chain(&other))),
+        }
+    }
+}
+
+impl From<DbError> for ApiError {
+    fn from(error: DbError) -> ApiError {
+        ApiError::internal(chain(&error))
+    }
+}
+
+impl From<crate::blobs::BlobError> for ApiError {
+    fn from(error: crate::blobs::BlobError) -> ApiError {
+        ApiError::internal(chain(&error))
+    }
+}
+
+/// Axum's own rejections (bad JSON, bad path or query) in our JSON form.
+macro_rules! rejection_into_api_error {
+    ($($rejection:ty),* $(,)?) => {$(
+        impl From<$rejection> for ApiError {
+            fn from(rejection: $rejection) -> ApiError {
+                let status = rejection.status();
+                let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+                    "payload_too_large"
+                } else if status == StatusCode::UNSUPPORTED_MEDIA_TYPE {
+                    "unsupported_media_type"
+                } else if status == StatusCode::UNPROCESSABLE_ENTITY {
+                    "unprocessable"
+                } else {
+                    "bad_request"
+                };
+                ApiError::new(status, code, rejection.body_text())
+            }
+        }
+    )*};
+}
+
+rejection_into_api_error!(
+    axum::extract::rejection::JsonRejection,
+    axum::extract::rejection::PathRejection,
+    axum::extract::rejection::QueryRejection,
+    axum::extract::rejection::BytesRejection,
+);
+
+/// `axum::Json` whose rejection is an [`ApiError`].
+#[derive(axum::extract::FromRequest)]
+#[from_request(via(axum::Json), rejection(ApiError))]
+pub struct Json<T>(pub T);
+
+impl<T: serde::Serialize> IntoResponse for Json<T> {
+    fn into_response(self) -> Response {
+        axum::Json(self.0).into_response()
+    }
+}
+
+/// `axum::extract::Path` whose rejection is an [`ApiError`].
+#[derive(axum::extract::FromRequestParts)]
+#[from_request(via(axum::extract::Path), rejection(ApiError))]
+pub struct Path<T>(pub T);
+
+/// `axum::extract::Query` whose rejection is an [`ApiError`].
+#[derive(axum::extract::FromRequestParts)]
+#[from_request(via(axum::extract::Query), rejection(ApiError))]
+pub struct Query<T>(pub T);

@@ -1,0 +1,22 @@
+//! The Canopy cloud server: keeps models and their versions, runs
+//! federated jobs as durable rounds over enrolled devices, aggregates their
+//! updates (FedAvg), and serves admins a REST API and devices a signed
+//! device API, over HTTPS, on SQLite or PostgreSQL.
+//!
+//! Codemap: [`config`] merges flags, environment and file; [`db`] and
+//! [`store`] are the only modules that speak SQL; [`blobs`] keeps model
+//! files; [`api`] is the HTTP surface; [`orchestrator`] drives rounds;
+//! [`fedavg`] is the arithmetic; [`server`] wires it all together.
+
+pub mod api;
+pub mod blobs;
+pub mod config;
+pub mod db;
+pub mod error;
+pub mod fedavg;
+pub mod metrics;
+pub mod orchestrator;
+pub mod server;
+pub mod state;
+pub mod store;
+pub mod tls;

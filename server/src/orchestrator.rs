@@ -1,0 +1,355 @@
+//! Drives every running job through its rounds.
+//!
+//! The orchestrator holds no state of its own: each tick reads the open
+//! rounds from the database and advances each one inside a transaction
+//! that holds its row lock (`FOR UPDATE SKIP LOCKED` on PostgreSQL), so
+//! any number of server processes can run it, and a restarted process
+//! carries on from whatever was committed.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use canopy_protocol::messages::Tier;
+use futures_util::StreamExt;
+use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
+
+use crate::db::now_ms;
+use crate::error::{ApiError, chain};
+use crate::fedavg;
+use crate::state::AppState;
+use crate::store::jobs::{self, DeviceFilter, JobRow, JobSpec, JobState};
+use crate::store::models::{self, NewVersion};
+use crate::store::rounds::{self, CandidateRow, RoundRow, Tx};
+use crate::store::{devices, from_json};
+
+/// Open rounds advanced per tick; the rest wait for the next one.
+const MAX_ROUNDS_PER_TICK: i64 = 256;
+const NONCE_PRUNE_EVERY_MS: i64 = 60_000;
+
+pub async fn run(state: AppState, mut shutdown: watch::Receiver<bool>) {
+    let tick = Duration::from_millis(state.settings.limits.orchestrator_tick_ms.max(10));
+    let mut last_prune_ms = 0;
+    loop {
+        if let Err(error) = tick_once(&state).await {
+            tracing::warn!(error = %error, "orchestrator tick failed; retrying");
+        }
+        if now_ms() - last_prune_ms > NONCE_PRUNE_EVERY_MS {
+            last_prune_ms = now_ms();
+            if let Err(error) = devices::prune_nonces(&state.db).await {
+                tracing::warn!(error = %chain(&error), "cannot prune device nonces");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(tick) => {}
+            _ = state.orchestrator_wake.notified() => {}
+            _ = shutdown.changed() => {}
+        }
+        if *shutdown.borrow() {
+            tracing::info!("orchestrator stopped");
+            return;
+        }
+    }
+}
+
+pub async fn tick_once(state: &AppState) -> Result<(), ApiError> {
+    open_rounds(state).await?;
+    for round_id in rounds::open_round_ids(&state.db, MAX_ROUNDS_PER_TICK).await? {
+        if let Err(error) = advance(state, round_id).await {
+            tracing::warn!(round = round_id, error = %error, "cannot advance round");
+        }
+    }
+    Ok(())
+}
+
+/// Opens the next round of every running job that has none open.
+async fn open_rounds(state: &AppState) -> Result<(), ApiError> {
+    let waiting: Vec<JobRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {} FROM jobs j WHERE j.state = 'running' AND NOT EXISTS \
+         (SELECT 1 FROM rounds r WHERE r.job_id = j.id AND r.state IN {})",
+        jobs::JOB_COLUMNS
+            .split(", ")
+            .map(|column| format!("j.{column}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        rounds::OPEN_STATES
+    )))
+    .fetch_all(&state.db.pool)
+    .await?;
+    for job in waiting {
+        let spec = job.spec()?;
+        let _writer = state.db.write_lock().await;
+        let mut tx = state.db.pool.begin().await?;
+        let opened = rounds::open_round(
+            &mut tx,
+            job.id,
+            job.rounds_completed + 1,
+            job.round_failures + 1,
+            job.current_version_id,
+            i64::from(spec.target_devices),
+            i64::from(spec.min_devices),
+        )
+        .await?;
+        tx.commit().await?;
+        if let Some(round_id) = opened {
+            tracing::info!(
+                job = job.id,
+                round = round_id,
+                number = job.rounds_completed + 1,
+                attempt = job.round_failures + 1,
+                "opened round"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Advances one round by as many states as it can go now.
+async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
+    let _writer = state.db.write_lock().await;
+    let mut tx = state.db.pool.begin().await?;
+    let Some(round) = rounds::claim(&state.db, &mut tx, round_id).await? else {
+        return Ok(());
+    };
+    let job: JobRow = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {} FROM jobs WHERE id = $1",
+        jobs::JOB_COLUMNS
+    )))
+    .bind(round.job_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    let spec = job.spec()?;
+    match job.state() {
+        JobState::Running => {}
+        JobState::Paused | JobState::Created => return Ok(()),
+        other => {
+            let reason = format!("the job is {}", other.as_str());
+            rounds::fail(&mut tx, &round, &reason, i64::MAX).await?;
+            tx.commit().await?;
+            return Ok(());
+        }
+    }
+    let mut notify_devices = false;
+    let mut round = round;
+    if round.state == "selecting" {
+        notify_devices = select(state, &mut tx, &round, &spec).await?;
+        round = reload(&mut tx, round.id).await?;
+    }
+    if round.state == "training" && should_close(&mut tx, &round).await? {
+        rounds::close(&mut tx, round.id).await?;
+        tracing::info!(
+            round = round.id,
+            updates = round.updates_accepted,
+            "closed round"
+        );
+        round = reload(&mut tx, round.id).await?;
+    }
+    let mut outcome = None;
+    if round.state == "aggregating" {
+        outcome = Some(aggregate(state, &mut tx, &round, &job, &spec).await?);
+    }
+    tx.commit().await?;
+    if notify_devices {
+        state.tasks_ready.notify_waiters();
+    }
+    if let Some(outcome) = outcome {
+        state.metrics.round_finished(outcome);
+    }
+    Ok(())
+}
+
+async fn reload(tx: &mut Tx<'_>, id: i64) -> Result<RoundRow, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {} FROM rounds WHERE id = $1",
+        rounds::ROUND_COLUMNS
+    )))
+    .bind(id)
+    .fetch_one(&mut **tx)
+    .await
+}
+
+/// Picks devices by reservoir sampling over the eligible ones, so memory
+/// is bounded by the selection size however many devices are online.
+/// Returns whether the round started training.
+async fn select(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    spec: &JobSpec,
+) -> Result<bool, ApiError> {
+    let wanted = spec.selection_size() as usize;
+    let window = i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX);
+    let mut rng = rand::rngs::StdRng::from_os_rng();
+    let mut chosen: Vec<i64> = Vec::with_capacity(wanted);
+    let mut eligible = 0usize;
+    {
+        let mut candidates = rounds::candidates(tx, now_ms() - window);
+        while let Some(candidate) = candidates.next().await {
+            let candidate = candidate?;
+            if !matches_filter(&candidate, &spec.filters)? {
+                continue;
+            }
+            eligible += 1;
+            if chosen.len() < wanted {
+                chosen.push(candidate.id);
+            } else {
+                let slot = rng.random_range(0..eligible);
+                if slot < wanted {
+                    chosen[slot] = candidate.id;
+                }
+            }
+        }
+    }
+    if eligible < spec.min_devices as usize {
+        let message = format!(
+            "waiting for devices: {eligible} eligible online, the round needs at least {}",
+            spec.min_devices
+        );
+        if message != round.status_message {
+            rounds::set_status(tx, round.id, &message).await?;
+        }
+        return Ok(false);
+    }
+    let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
+    rounds::start_training(tx, round.id, &chosen, deadline).await?;
+    tracing::info!(
+        round = round.id,
+        selected = chosen.len(),
+        eligible,
+        "selected devices"
+    );
+    Ok(true)
+}
+
+fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<bool, sqlx::Error> {
+    if let Some(tier) = &filter.tier {
+        let wanted: Option<Tier> = tier.parse().ok();
+        if wanted.map(|t| t.to_string()).as_deref() != Some(candidate.tier.as_str()) {
+            return Ok(false);
+        }
+    }
+    if !filter.backends.is_empty() {
+        let backends: Vec<String> = from_json("devices.backends", &candidate.backends)?;
+        if !filter.backends.iter().all(|b| backends.contains(b)) {
+            return Ok(false);
+        }
+    }
+    if !filter.tags.is_empty() {
+        let tags: std::collections::BTreeMap<String, String> =
+            from_json("devices.tags", &candidate.tags)?;
+        if !filter.tags.iter().all(|(k, v)| tags.get(k) == Some(v)) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// A round closes at its target, at its deadline, or when every selected
+/// device has either uploaded or been dropped.
+async fn should_close(tx: &mut Tx<'_>, round: &RoundRow) -> Result<bool, sqlx::Error> {
+    if round.updates_accepted >= round.target_devices {
+        return Ok(true);
+    }
+    if round
+        .deadline_ms
+        .is_some_and(|deadline| now_ms() >= deadline)
+    {
+        return Ok(true);
+    }
+    let (pending,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM participants WHERE round_id = $1 AND state IN ('selected', 'delivered')",
+    )
+    .bind(round.id)
+    .fetch_one(&mut **tx)
+    .await?;
+    Ok(pending == 0)
+}
+
+/// Writes the averaged model as a new version, or fails the round when too
+/// few updates arrived. Returns the outcome for the metrics.
+async fn aggregate(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+    spec: &JobSpec,
+) -> Result<&'static str, ApiError> {
+    let max_retries = i64::from(spec.max_round_retries);
+    if round.updates_accepted < round.min_devices {
+        let reason = format!(
+            "only {} of the {} updates needed arrived before the round closed",
+            round.updates_accepted, round.min_devices
+        );
+        rounds::fail(tx, round, &reason, max_retries).await?;
+        tracing::warn!(round = round.id, job = job.id, %reason, "round failed");
+        return Ok("failed");
+    }
+    let base = models::get_version(&state.db, round.base_version_id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::internal(format!("base version {} is missing", round.base_version_id))
+        })?;
+    let sum = rounds::update_sum(tx, round.id)
+        .await?
+        .map(|bytes| fedavg::decode_sum(&bytes))
+        .unwrap_or_default();
+    let layout = base.layout()?;
+    let weight_total = u64::try_from(round.weight_total).unwrap_or(0);
+    let limit = state.settings.limits.max_model_bytes;
+    let bytes = state.blobs.get(&base.digest, limit).await?;
+    let built =
+        tokio::task::spawn_blocking(move || build_next_model(&bytes, &layout, &sum, weight_total))
+            .await
+            .map_err(|error| ApiError::internal(format!("aggregation task failed: {error}")))?;
+    let (file, layout) = match built {
+        Ok(built) => built,
+        Err(reason) => {
+            rounds::fail(tx, round, &reason, max_retries).await?;
+            tracing::warn!(round = round.id, %reason, "round failed in aggregation");
+            return Ok("failed");
+        }
+    };
+    let digest = canopy_ir::format::digest(&file)
+        .map(|d| canopy_ir::format::digest_hex(&d))
+        .map_err(|error| ApiError::internal(chain(&error)))?;
+    state.blobs.put(&digest, Bytes::from(file.clone())).await?;
+    let version = models::insert_version(
+        tx,
+        &NewVersion {
+            model_name: &base.model_name,
+            digest: &digest,
+            size_bytes: file.len() as u64,
+            layout: &layout,
+            has_train_step: true,
+            parent_version_id: Some(base.id),
+            job_id: Some(job.id),
+            round_id: Some(round.id),
+        },
+    )
+    .await?;
+    rounds::succeed(tx, round, version.id, i64::from(spec.rounds)).await?;
+    tracing::info!(
+        job = job.id, round = round.id, number = round.number, updates = round.updates_accepted,
+        samples = round.weight_total, version = version.version, digest = %digest,
+        "round succeeded"
+    );
+    Ok("succeeded")
+}
+
+/// Parses the base model, applies the mean update, serialises the result
+/// with its lineage. An error is a reason to fail the round.
+fn build_next_model(
+    base: &[u8],
+    layout: &canopy_protocol::update::UpdateLayout,
+    sum: &[f64],
+    weight_total: u64,
+) -> Result<(Vec<u8>, canopy_protocol::update::UpdateLayout), String> {
+    let mut model = canopy_ir::format::read_model(base)
+        .map_err(|error| format!("the base model does not load: {}", chain(&error)))?;
+    let parent_digest = canopy_ir::format::digest(base).ok();
+    fedavg::apply_mean(&mut model, layout, sum, weight_total).map_err(|error| error.to_string())?;
+    model.metadata.parent_digest = parent_digest;
+    let file = canopy_ir::format::write_model(&model)
+        .map_err(|error| format!("the averaged model does not serialise: {error}"))?;
+    Ok((file, layout.clone()))
+}

@@ -1,0 +1,188 @@
+//! Enrolled devices, their keys and the nonces they have used.
+
+use std::collections::BTreeMap;
+
+use canopy_protocol::messages::Capabilities;
+use sqlx::FromRow;
+
+use super::tokens::{EnrollmentTokenError, spend_enrollment_token};
+use super::{Page, from_json};
+use crate::db::{Db, is_unique_violation, now_ms};
+
+#[derive(Clone, Debug, FromRow)]
+pub struct DeviceRow {
+    pub id: i64,
+    pub public_key: Vec<u8>,
+    pub tier: String,
+    pub backends: String,
+    pub memory_mb: i64,
+    pub os: String,
+    pub tags: String,
+    pub enrollment_token_id: i64,
+    pub enrolled_ms: i64,
+    pub last_seen_ms: i64,
+    pub revoked_ms: Option<i64>,
+}
+
+const DEVICE_COLUMNS: &str = "id, public_key, tier, backends, memory_mb, os, tags, \
+     enrollment_token_id, enrolled_ms, last_seen_ms, revoked_ms";
+
+impl DeviceRow {
+    pub fn backends(&self) -> Result<Vec<String>, sqlx::Error> {
+        from_json("devices.backends", &self.backends)
+    }
+
+    pub fn tags(&self) -> Result<BTreeMap<String, String>, sqlx::Error> {
+        from_json("devices.tags", &self.tags)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnrollError {
+    #[error(transparent)]
+    Token(#[from] EnrollmentTokenError),
+    #[error("this public key is already enrolled as device {device_id}")]
+    KeyInUse { device_id: i64 },
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+}
+
+/// Spends one use of the enrollment token and records the device, in one
+/// transaction: a failed enrollment spends nothing.
+pub async fn enroll(
+    db: &Db,
+    enrollment_secret: &str,
+    public_key: &[u8; 32],
+    capabilities: &Capabilities,
+) -> Result<i64, EnrollError> {
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let token_id = spend_enrollment_token(&mut tx, enrollment_secret).await?;
+    let existing: Option<(i64,)> = sqlx::query_as("SELECT id FROM devices WHERE public_key = $1")
+        .bind(public_key.to_vec())
+        .fetch_optional(&mut *tx)
+        .await?;
+    if let Some((device_id,)) = existing {
+        return Err(EnrollError::KeyInUse { device_id });
+    }
+    let now = now_ms();
+    let inserted: Result<(i64,), sqlx::Error> = sqlx::query_as(
+        "INSERT INTO devices (public_key, tier, backends, memory_mb, os, tags, \
+         enrollment_token_id, enrolled_ms, last_seen_ms) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8) RETURNING id",
+    )
+    .bind(public_key.to_vec())
+    .bind(capabilities.tier.to_string())
+    .bind(serde_json::to_string(&capabilities.backends).unwrap_or_default())
+    .bind(i64::try_from(capabilities.memory_mb).unwrap_or(i64::MAX))
+    .bind(capabilities.os.clone())
+    .bind(serde_json::to_string(&capabilities.tags).unwrap_or_default())
+    .bind(token_id)
+    .bind(now)
+    .fetch_one(&mut *tx)
+    .await;
+    let (device_id,) = match inserted {
+        Err(error) if is_unique_violation(&error) => {
+            return Err(EnrollError::KeyInUse { device_id: 0 });
+        }
+        other => other?,
+    };
+    tx.commit().await?;
+    Ok(device_id)
+}
+
+pub async fn get(db: &Db, id: i64) -> Result<Option<DeviceRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {DEVICE_COLUMNS} FROM devices WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_optional(&db.pool)
+    .await
+}
+
+pub async fn list(db: &Db, page: Page) -> Result<Vec<DeviceRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {DEVICE_COLUMNS} FROM devices WHERE id > $1 ORDER BY id LIMIT $2"
+    )))
+    .bind(page.after)
+    .bind(page.limit)
+    .fetch_all(&db.pool)
+    .await
+}
+
+/// Records a nonce; false when the device already used it (a replay).
+/// Also marks the device as seen.
+pub async fn use_nonce(
+    db: &Db,
+    device_id: i64,
+    nonce: &str,
+    expires_ms: i64,
+) -> Result<bool, sqlx::Error> {
+    let now = now_ms();
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let inserted = sqlx::query(
+        "INSERT INTO device_nonces (device_id, nonce, expires_ms) VALUES ($1, $2, $3) \
+         ON CONFLICT (device_id, nonce) DO NOTHING",
+    )
+    .bind(device_id)
+    .bind(nonce)
+    .bind(expires_ms)
+    .execute(&mut *tx)
+    .await?;
+    // Seen-times need no millisecond precision; skipping most writes keeps
+    // polling devices from rewriting their row on every request.
+    sqlx::query("UPDATE devices SET last_seen_ms = $1 WHERE id = $2 AND last_seen_ms < $3")
+        .bind(now)
+        .bind(device_id)
+        .bind(now - 1_000)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(inserted.rows_affected() == 1)
+}
+
+/// Forgets nonces whose timestamps can no longer pass the clock check.
+pub async fn prune_nonces(db: &Db) -> Result<u64, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let result = sqlx::query("DELETE FROM device_nonces WHERE expires_ms < $1")
+        .bind(now_ms())
+        .execute(&db.pool)
+        .await?;
+    Ok(result.rows_affected())
+}
+
+pub async fn set_tags(
+    db: &Db,
+    id: i64,
+    tags: &BTreeMap<String, String>,
+) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let result = sqlx::query("UPDATE devices SET tags = $1 WHERE id = $2")
+        .bind(serde_json::to_string(tags).unwrap_or_default())
+        .bind(id)
+        .execute(&db.pool)
+        .await?;
+    Ok(result.rows_affected() == 1)
+}
+
+pub async fn revoke(db: &Db, id: i64) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let result =
+        sqlx::query("UPDATE devices SET revoked_ms = COALESCE(revoked_ms, $1) WHERE id = $2")
+            .bind(now_ms())
+            .bind(id)
+            .execute(&db.pool)
+            .await?;
+    Ok(result.rows_affected() == 1)
+}
+
+pub async fn count_online(db: &Db, online_since_ms: i64) -> Result<i64, sqlx::Error> {
+    let (count,): (i64,) = sqlx::query_as(
+        "SELECT COUNT(*) FROM devices WHERE revoked_ms IS NULL AND last_seen_ms >= $1",
+    )
+    .bind(online_since_ms)
+    .fetch_one(&db.pool)
+    .await?;
+    Ok(count)
+}

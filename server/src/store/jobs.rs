@@ -1,0 +1,354 @@
+//! Federated jobs: what to train, on which devices, for how many rounds,
+//! and the job's own state machine.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use sqlx::FromRow;
+use utoipa::ToSchema;
+
+use super::{Page, from_json};
+use crate::db::{Db, now_ms};
+
+pub const MAX_ROUNDS: u32 = 100_000;
+pub const MAX_DEVICES_PER_ROUND: u32 = 100_000;
+pub const MAX_OVER_SELECTION: f64 = 4.0;
+pub const MIN_ROUND_DEADLINE_MS: u64 = 1_000;
+pub const MAX_ROUND_DEADLINE_MS: u64 = 7 * 24 * 3_600_000;
+pub const MAX_LOCAL_EPOCHS: u32 = 1_000;
+pub const MAX_BATCH_SIZE: u32 = 65_536;
+pub const MAX_ROUND_RETRIES: u32 = 100;
+pub const MAX_JOB_NAME_BYTES: usize = 128;
+
+/// How updates are combined. Only FedAvg for now; secure aggregation
+/// arrives as a property of the job, not a new strategy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    #[default]
+    Fedavg,
+}
+
+/// Which devices may take part. Empty fields match every device.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceFilter {
+    /// `end` or `edge`.
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// The device must report every one of these backends.
+    #[serde(default)]
+    pub backends: Vec<String>,
+    /// The device must carry every one of these tags with these values.
+    #[serde(default)]
+    pub tags: BTreeMap<String, String>,
+}
+
+/// A job as an operator creates it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    pub name: String,
+    /// The model version the job starts from (`id` of a version).
+    pub model_version_id: i64,
+    /// Successful rounds to run.
+    pub rounds: u32,
+    /// Fewest updates that make a round succeed.
+    pub min_devices: u32,
+    /// Updates at which a round closes early.
+    pub target_devices: u32,
+    /// Extra devices to select, as a fraction of the target, to absorb dropouts.
+    #[serde(default = "default_over_selection")]
+    pub over_selection: f64,
+    /// How long devices have to upload, from the moment they are selected.
+    pub round_deadline_ms: u64,
+    pub local_epochs: u32,
+    pub batch_size: u32,
+    pub learning_rate: f64,
+    #[serde(default)]
+    pub strategy: Strategy,
+    #[serde(default)]
+    pub filters: DeviceFilter,
+    /// Failed attempts of one round before the job fails.
+    #[serde(default = "default_round_retries")]
+    pub max_round_retries: u32,
+}
+
+fn default_over_selection() -> f64 {
+    0.3
+}
+
+fn default_round_retries() -> u32 {
+    3
+}
+
+impl JobSpec {
+    /// Checks every bound; the message names the field and the limit.
+    pub fn validate(&self) -> Result<(), String> {
+        let name_len = self.name.len();
+        if name_len == 0 || name_len > MAX_JOB_NAME_BYTES {
+            return Err(format!(
+                "`name` must be 1 to {MAX_JOB_NAME_BYTES} bytes, got {name_len}"
+            ));
+        }
+        check_range("rounds", self.rounds, 1, MAX_ROUNDS)?;
+        check_range("min_devices", self.min_devices, 1, MAX_DEVICES_PER_ROUND)?;
+        check_range(
+            "target_devices",
+            self.target_devices,
+            self.min_devices,
+            MAX_DEVICES_PER_ROUND,
+        )
+        .map_err(|e| format!("{e} (it may not be below `min_devices`)"))?;
+        if !(0.0..=MAX_OVER_SELECTION).contains(&self.over_selection) {
+            return Err(format!(
+                "`over_selection` must be between 0 and {MAX_OVER_SELECTION}, got {}",
+                self.over_selection
+            ));
+        }
+        check_range(
+            "round_deadline_ms",
+            self.round_deadline_ms,
+            MIN_ROUND_DEADLINE_MS,
+            MAX_ROUND_DEADLINE_MS,
+        )?;
+        check_range("local_epochs", self.local_epochs, 1, MAX_LOCAL_EPOCHS)?;
+        check_range("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)?;
+        if !(self.learning_rate.is_finite()
+            && self.learning_rate > 0.0
+            && self.learning_rate <= 100.0)
+        {
+            return Err(format!(
+                "`learning_rate` must be finite, above 0 and at most 100, got {}",
+                self.learning_rate
+            ));
+        }
+        check_range(
+            "max_round_retries",
+            self.max_round_retries,
+            0,
+            MAX_ROUND_RETRIES,
+        )?;
+        if let Some(tier) = &self.filters.tier {
+            tier.parse::<canopy_protocol::messages::Tier>()
+                .map_err(|_| format!("`filters.tier` must be `end` or `edge`, got `{tier}`"))?;
+        }
+        if self.filters.backends.len() > 8 || self.filters.tags.len() > 32 {
+            return Err("`filters` may name at most 8 backends and 32 tags".to_string());
+        }
+        Ok(())
+    }
+
+    /// Devices to select for a round: the target plus over-selection.
+    pub fn selection_size(&self) -> u32 {
+        let extra = (f64::from(self.target_devices) * self.over_selection).ceil();
+        self.target_devices.saturating_add(extra as u32)
+    }
+}
+
+fn check_range<T: PartialOrd + std::fmt::Display>(
+    field: &str,
+    value: T,
+    low: T,
+    high: T,
+) -> Result<(), String> {
+    if value < low || value > high {
+        return Err(format!(
+            "`{field}` must be between {low} and {high}, got {value}"
+        ));
+    }
+    Ok(())
+}
+
+/// The states of a job. Rounds run only while it is `running`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    Created,
+    Running,
+    Paused,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Created => "created",
+            JobState::Running => "running",
+            JobState::Paused => "paused",
+            JobState::Completed => "completed",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<JobState> {
+        Some(match text {
+            "created" => JobState::Created,
+            "running" => JobState::Running,
+            "paused" => JobState::Paused,
+            "completed" => JobState::Completed,
+            "failed" => JobState::Failed,
+            "cancelled" => JobState::Cancelled,
+            _ => return None,
+        })
+    }
+}
+
+/// An operator's command on a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JobAction {
+    Start,
+    Pause,
+    Resume,
+    Cancel,
+}
+
+impl JobAction {
+    /// The states the action applies to and the state it leads to.
+    fn transition(self) -> (&'static [JobState], JobState) {
+        use JobState::*;
+        match self {
+            JobAction::Start => (&[Created], Running),
+            JobAction::Pause => (&[Running], Paused),
+            JobAction::Resume => (&[Paused], Running),
+            JobAction::Cancel => (&[Created, Running, Paused], Cancelled),
+        }
+    }
+
+    pub fn verb(self) -> &'static str {
+        match self {
+            JobAction::Start => "start",
+            JobAction::Pause => "pause",
+            JobAction::Resume => "resume",
+            JobAction::Cancel => "cancel",
+        }
+    }
+}
+
+#[derive(Clone, Debug, FromRow)]
+pub struct JobRow {
+    pub id: i64,
+    pub name: String,
+    pub model_version_id: i64,
+    pub current_version_id: i64,
+    pub config: String,
+    pub state: String,
+    pub rounds_completed: i64,
+    pub round_failures: i64,
+    pub status_message: String,
+    pub created_ms: i64,
+    pub updated_ms: i64,
+    pub started_ms: Option<i64>,
+    pub finished_ms: Option<i64>,
+}
+
+pub const JOB_COLUMNS: &str = "id, name, model_version_id, current_version_id, config, state, \
+     rounds_completed, round_failures, status_message, created_ms, updated_ms, started_ms, finished_ms";
+
+impl JobRow {
+    pub fn spec(&self) -> Result<JobSpec, sqlx::Error> {
+        from_json("jobs.config", &self.config)
+    }
+
+    pub fn state(&self) -> JobState {
+        JobState::parse(&self.state).unwrap_or(JobState::Failed)
+    }
+}
+
+pub async fn insert(db: &Db, spec: &JobSpec) -> Result<JobRow, sqlx::Error> {
+    let now = now_ms();
+    let _writer = db.write_lock().await;
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO jobs (name, model_version_id, current_version_id, config, state, \
+         created_ms, updated_ms) VALUES ($1, $2, $2, $3, 'created', $4, $4) RETURNING {JOB_COLUMNS}"
+    )))
+    .bind(spec.name.clone())
+    .bind(spec.model_version_id)
+    .bind(serde_json::to_string(spec).unwrap_or_default())
+    .bind(now)
+    .fetch_one(&db.pool)
+    .await
+}
+
+pub async fn get(db: &Db, id: i64) -> Result<Option<JobRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_optional(&db.pool)
+    .await
+}
+
+pub async fn list(db: &Db, page: Page) -> Result<Vec<JobRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {JOB_COLUMNS} FROM jobs WHERE id > $1 ORDER BY id LIMIT $2"
+    )))
+    .bind(page.after)
+    .bind(page.limit)
+    .fetch_all(&db.pool)
+    .await
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ActionError {
+    #[error("job {id} does not exist")]
+    NotFound { id: i64 },
+    #[error("cannot {verb} job {id}: it is {state}")]
+    WrongState {
+        id: i64,
+        verb: &'static str,
+        state: String,
+    },
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+}
+
+/// Applies an operator's action as a compare-and-set on the state, so two
+/// racing requests cannot both succeed. Cancelling also fails the open
+/// round, so its devices get 410 on upload.
+pub async fn apply_action(db: &Db, id: i64, action: JobAction) -> Result<JobRow, ActionError> {
+    let (from, to) = action.transition();
+    let now = now_ms();
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let job: Option<JobRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1{}",
+        db.for_update()
+    )))
+    .bind(id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let job = job.ok_or(ActionError::NotFound { id })?;
+    if !from.contains(&job.state()) {
+        return Err(ActionError::WrongState {
+            id,
+            verb: action.verb(),
+            state: job.state.clone(),
+        });
+    }
+    let finished = matches!(to, JobState::Cancelled).then_some(now);
+    let row: JobRow = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "UPDATE jobs SET state = $1, updated_ms = $2, started_ms = COALESCE(started_ms, $3), \
+         finished_ms = COALESCE($4, finished_ms), status_message = $5 WHERE id = $6 RETURNING {JOB_COLUMNS}"
+    )))
+    .bind(to.as_str())
+    .bind(now)
+    .bind((to == JobState::Running).then_some(now))
+    .bind(finished)
+    .bind(match action {
+        JobAction::Cancel => "cancelled by an operator",
+        JobAction::Pause => "paused by an operator",
+        _ => "",
+    })
+    .bind(id)
+    .fetch_one(&mut *tx)
+    .await?;
+    if action == JobAction::Cancel {
+        super::rounds::fail_open_round(&mut tx, id, "the job was cancelled", now).await?;
+    }
+    tx.commit().await?;
+    Ok(row)
+}

@@ -1,0 +1,630 @@
+//! Rounds and their participants: the durable state machine that the
+//! orchestrator drives and device uploads feed.
+//!
+//! Round states: `selecting` → `training` → `aggregating` → `succeeded` or
+//! `failed`. Participant states: `selected` → `delivered` (task fetched) →
+//! `uploaded`, or `dropped` when the round closes without their update.
+//! Every transition is a conditional UPDATE on the current state, inside a
+//! transaction that holds the round's row lock on PostgreSQL, so two server
+//! processes can never both act on one round.
+
+use sqlx::FromRow;
+
+use super::Page;
+use crate::db::{Db, now_ms};
+use crate::fedavg;
+
+pub const OPEN_STATES: &str = "('selecting', 'training', 'aggregating')";
+
+#[derive(Clone, Debug, FromRow)]
+pub struct RoundRow {
+    pub id: i64,
+    pub job_id: i64,
+    pub number: i64,
+    pub attempt: i64,
+    pub state: String,
+    pub base_version_id: i64,
+    pub result_version_id: Option<i64>,
+    pub target_devices: i64,
+    pub min_devices: i64,
+    pub selected_count: i64,
+    pub updates_accepted: i64,
+    pub weight_total: i64,
+    pub bytes_in: i64,
+    pub bytes_out: i64,
+    pub dropouts: i64,
+    pub status_message: String,
+    pub created_ms: i64,
+    pub training_started_ms: Option<i64>,
+    pub deadline_ms: Option<i64>,
+    pub closed_ms: Option<i64>,
+    pub finished_ms: Option<i64>,
+}
+
+pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_version_id, \
+     result_version_id, target_devices, min_devices, selected_count, updates_accepted, \
+     weight_total, bytes_in, bytes_out, dropouts, status_message, created_ms, \
+     training_started_ms, deadline_ms, closed_ms, finished_ms";
+
+pub type Tx<'a> = sqlx::Transaction<'a, sqlx::Any>;
+
+/// Opens the next round of a job unless one is open; the partial unique
+/// index settles races between processes.
+pub async fn open_round(
+    tx: &mut Tx<'_>,
+    job_id: i64,
+    number: i64,
+    attempt: i64,
+    base_version_id: i64,
+    target_devices: i64,
+    min_devices: i64,
+) -> Result<Option<i64>, sqlx::Error> {
+    let row: Option<(i64,)> = sqlx::query_as(
+        "INSERT INTO rounds (job_id, number, attempt, state, base_version_id, target_devices, \
+         min_devices, created_ms) VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7) \
+         ON CONFLICT DO NOTHING RETURNING id",
+    )
+    .bind(job_id)
+    .bind(number)
+    .bind(attempt)
+    .bind(base_version_id)
+    .bind(target_devices)
+    .bind(min_devices)
+    .bind(now_ms())
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(row.map(|(id,)| id))
+}
+
+pub async fn get(db: &Db, id: i64) -> Result<Option<RoundRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ROUND_COLUMNS} FROM rounds WHERE id = $1"
+    )))
+    .bind(id)
+    .fetch_optional(&db.pool)
+    .await
+}
+
+pub async fn list_for_job(db: &Db, job_id: i64, page: Page) -> Result<Vec<RoundRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ROUND_COLUMNS} FROM rounds WHERE job_id = $1 AND id > $2 ORDER BY id LIMIT $3"
+    )))
+    .bind(job_id)
+    .bind(page.after)
+    .bind(page.limit)
+    .fetch_all(&db.pool)
+    .await
+}
+
+/// Ids of open rounds, oldest first.
+pub async fn open_round_ids(db: &Db, limit: i64) -> Result<Vec<i64>, sqlx::Error> {
+    let rows: Vec<(i64,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM rounds WHERE state IN {OPEN_STATES} ORDER BY id LIMIT $1"
+    )))
+    .bind(limit)
+    .fetch_all(&db.pool)
+    .await?;
+    Ok(rows.into_iter().map(|(id,)| id).collect())
+}
+
+/// Locks an open round for this transaction, or returns `None` when it is
+/// closed or another process holds it.
+pub async fn claim(db: &Db, tx: &mut Tx<'_>, id: i64) -> Result<Option<RoundRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ROUND_COLUMNS} FROM rounds WHERE id = $1 AND state IN {OPEN_STATES}{}",
+        db.skip_locked()
+    )))
+    .bind(id)
+    .fetch_optional(&mut **tx)
+    .await
+}
+
+pub async fn set_status(tx: &mut Tx<'_>, id: i64, message: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE rounds SET status_message = $1 WHERE id = $2")
+        .bind(message)
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// A device that may be selected, with what the filters look at.
+#[derive(Clone, Debug, FromRow)]
+pub struct CandidateRow {
+    pub id: i64,
+    pub tier: String,
+    pub backends: String,
+    pub tags: String,
+}
+
+/// Online, unrevoked devices that are not busy in another open round.
+/// Streamed, so selection memory is bounded by the sample it keeps.
+pub fn candidates<'a>(
+    tx: &'a mut Tx<'_>,
+    online_since_ms: i64,
+) -> futures_util::stream::BoxStream<'a, Result<CandidateRow, sqlx::Error>> {
+    sqlx::query_as(
+        "SELECT d.id, d.tier, d.backends, d.tags FROM devices d \
+         WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $1 AND NOT EXISTS ( \
+           SELECT 1 FROM participants p JOIN rounds r ON r.id = p.round_id \
+           WHERE p.device_id = d.id AND p.state IN ('selected', 'delivered') \
+           AND r.state IN ('selecting', 'training', 'aggregating')) \
+         ORDER BY d.id",
+    )
+    .bind(online_since_ms)
+    .fetch(&mut **tx)
+}
+
+/// Records the chosen devices and moves the round to `training`.
+pub async fn start_training(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    device_ids: &[i64],
+    deadline_ms: i64,
+) -> Result<(), sqlx::Error> {
+    let now = now_ms();
+    for device_id in device_ids {
+        sqlx::query(
+            "INSERT INTO participants (round_id, device_id, state, selected_ms) \
+             VALUES ($1, $2, 'selected', $3)",
+        )
+        .bind(round_id)
+        .bind(device_id)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    }
+    sqlx::query(
+        "UPDATE rounds SET state = 'training', selected_count = $1, training_started_ms = $2, \
+         deadline_ms = $3, status_message = '' WHERE id = $4 AND state = 'selecting'",
+    )
+    .bind(device_ids.len() as i64)
+    .bind(now)
+    .bind(deadline_ms)
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Stops accepting updates: `training` → `aggregating`; devices that did
+/// not upload become dropouts.
+pub async fn close(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
+    let dropped = sqlx::query(
+        "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
+         AND state IN ('selected', 'delivered')",
+    )
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "UPDATE rounds SET state = 'aggregating', closed_ms = $1, dropouts = $2 \
+         WHERE id = $3 AND state = 'training'",
+    )
+    .bind(now_ms())
+    .bind(dropped.rows_affected() as i64)
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// The weighted sum of the round's accepted updates, `None` before any.
+pub async fn update_sum(tx: &mut Tx<'_>, round_id: i64) -> Result<Option<Vec<u8>>, sqlx::Error> {
+    let (sum,): (Option<Vec<u8>>,) = sqlx::query_as("SELECT update_sum FROM rounds WHERE id = $1")
+        .bind(round_id)
+        .fetch_one(&mut **tx)
+        .await?;
+    Ok(sum)
+}
+
+/// `aggregating` → `succeeded`, and the job moves on to the new version.
+pub async fn succeed(
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    new_version_id: i64,
+    total_rounds: i64,
+) -> Result<(), sqlx::Error> {
+    let now = now_ms();
+    sqlx::query(
+        "UPDATE rounds SET state = 'succeeded', result_version_id = $1, finished_ms = $2, \
+         update_sum = NULL, status_message = '' WHERE id = $3",
+    )
+    .bind(new_version_id)
+    .bind(now)
+    .bind(round.id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "UPDATE jobs SET current_version_id = $1, rounds_completed = rounds_completed + 1, \
+         round_failures = 0, updated_ms = $2, status_message = '', \
+         state = CASE WHEN rounds_completed + 1 >= $3 THEN 'completed' ELSE state END, \
+         finished_ms = CASE WHEN rounds_completed + 1 >= $3 THEN $2 ELSE finished_ms END \
+         WHERE id = $4",
+    )
+    .bind(new_version_id)
+    .bind(now)
+    .bind(total_rounds)
+    .bind(round.job_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// `aggregating` → `failed` with a reason; no model version is written.
+/// The job fails once the round has failed more than `max_retries` times.
+pub async fn fail(
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    reason: &str,
+    max_retries: i64,
+) -> Result<(), sqlx::Error> {
+    let now = now_ms();
+    sqlx::query(
+        "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
+         AND state IN ('selected', 'delivered')",
+    )
+    .bind(round.id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "UPDATE rounds SET state = 'failed', finished_ms = $1, closed_ms = COALESCE(closed_ms, $1), \
+         update_sum = NULL, status_message = $2 WHERE id = $3",
+    )
+    .bind(now)
+    .bind(reason)
+    .bind(round.id)
+    .execute(&mut **tx)
+    .await?;
+    let job_message = format!(
+        "round {} attempt {} failed: {reason}",
+        round.number, round.attempt
+    );
+    sqlx::query(
+        "UPDATE jobs SET round_failures = round_failures + 1, updated_ms = $1, status_message = $2, \
+         state = CASE WHEN round_failures + 1 > $3 THEN 'failed' ELSE state END, \
+         finished_ms = CASE WHEN round_failures + 1 > $3 THEN $1 ELSE finished_ms END \
+         WHERE id = $4",
+    )
+    .bind(now)
+    .bind(job_message)
+    .bind(max_retries)
+    .bind(round.job_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Fails a job's open round, if any (cancellation).
+pub async fn fail_open_round(
+    tx: &mut Tx<'_>,
+    job_id: i64,
+    reason: &str,
+    now: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE participants SET state = 'dropped' WHERE state IN ('selected', 'delivered') \
+         AND round_id IN (SELECT id FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES})"
+    )))
+    .bind(job_id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE rounds SET state = 'failed', finished_ms = $1, closed_ms = COALESCE(closed_ms, $1), \
+         update_sum = NULL, status_message = $2 WHERE job_id = $3 AND state IN {OPEN_STATES}"
+    )))
+    .bind(now)
+    .bind(reason)
+    .bind(job_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[derive(Clone, Debug, FromRow)]
+pub struct ParticipantRow {
+    pub round_id: i64,
+    pub device_id: i64,
+    pub state: String,
+    pub selected_ms: i64,
+    pub delivered_ms: Option<i64>,
+    pub uploaded_ms: Option<i64>,
+    pub num_samples: Option<i64>,
+    pub update_bytes: Option<i64>,
+    pub train_loss: Option<f64>,
+    pub eval_loss: Option<f64>,
+    pub eval_accuracy: Option<f64>,
+    pub eval_samples: Option<i64>,
+    pub train_duration_ms: Option<i64>,
+}
+
+const PARTICIPANT_COLUMNS: &str = "round_id, device_id, state, selected_ms, delivered_ms, \
+     uploaded_ms, num_samples, update_bytes, train_loss, eval_loss, eval_accuracy, eval_samples, \
+     train_duration_ms";
+
+pub async fn participants(
+    db: &Db,
+    round_id: i64,
+    page: Page,
+) -> Result<Vec<ParticipantRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {PARTICIPANT_COLUMNS} FROM participants WHERE round_id = $1 AND device_id > $2 \
+         ORDER BY device_id LIMIT $3"
+    )))
+    .bind(round_id)
+    .bind(page.after)
+    .bind(page.limit)
+    .fetch_all(&db.pool)
+    .await
+}
+
+/// Sample-weighted means of what the participants reported.
+#[derive(Clone, Debug, Default, FromRow)]
+pub struct RoundMetricsRow {
+    pub train_loss: Option<f64>,
+    pub eval_accuracy: Option<f64>,
+    pub eval_loss: Option<f64>,
+    pub mean_train_duration_ms: Option<f64>,
+}
+
+pub async fn metrics(db: &Db, round_id: i64) -> Result<RoundMetricsRow, sqlx::Error> {
+    // Casts make both databases return a float (PostgreSQL's SUM of a
+    // BIGINT is NUMERIC, which the `Any` driver cannot decode).
+    sqlx::query_as(
+        "SELECT \
+           SUM(train_loss * num_samples) / NULLIF(CAST(SUM(CASE WHEN train_loss IS NULL THEN 0 ELSE num_samples END) AS DOUBLE PRECISION), 0) AS train_loss, \
+           SUM(eval_accuracy * eval_samples) / NULLIF(CAST(SUM(CASE WHEN eval_accuracy IS NULL THEN 0 ELSE eval_samples END) AS DOUBLE PRECISION), 0) AS eval_accuracy, \
+           SUM(eval_loss * eval_samples) / NULLIF(CAST(SUM(CASE WHEN eval_loss IS NULL THEN 0 ELSE eval_samples END) AS DOUBLE PRECISION), 0) AS eval_loss, \
+           AVG(CAST(train_duration_ms AS DOUBLE PRECISION)) AS mean_train_duration_ms \
+         FROM participants WHERE round_id = $1",
+    )
+    .bind(round_id)
+    .fetch_one(&db.pool)
+    .await
+}
+
+/// A task the device should work on: its participation in a training round.
+#[derive(Clone, Debug, FromRow)]
+pub struct TaskRow {
+    pub round_id: i64,
+    pub job_id: i64,
+    pub number: i64,
+    pub base_version_id: i64,
+    pub deadline_ms: i64,
+    pub config: String,
+}
+
+/// The device's open task, marked delivered. A task already delivered is
+/// handed out again, so a device that restarts picks its work back up.
+pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx::Error> {
+    let now = now_ms();
+    let task: Option<TaskRow> = sqlx::query_as(
+        "SELECT r.id AS round_id, r.job_id, r.number, r.base_version_id, r.deadline_ms, j.config \
+         FROM participants p JOIN rounds r ON r.id = p.round_id JOIN jobs j ON j.id = r.job_id \
+         WHERE p.device_id = $1 AND p.state IN ('selected', 'delivered') \
+         AND r.state = 'training' AND r.deadline_ms > $2 ORDER BY r.id LIMIT 1",
+    )
+    .bind(device_id)
+    .bind(now)
+    .fetch_optional(&db.pool)
+    .await?;
+    if let Some(task) = &task {
+        let _writer = db.write_lock().await;
+        sqlx::query(
+            "UPDATE participants SET state = 'delivered', delivered_ms = $1 \
+             WHERE round_id = $2 AND device_id = $3 AND state = 'selected'",
+        )
+        .bind(now)
+        .bind(task.round_id)
+        .bind(device_id)
+        .execute(&db.pool)
+        .await?;
+    }
+    Ok(task)
+}
+
+/// Why an upload was not folded in.
+#[derive(Debug, thiserror::Error)]
+pub enum UploadRejection {
+    #[error("device {device_id} was not selected for round {round_id}")]
+    NotParticipant { round_id: i64, device_id: i64 },
+    #[error("device {device_id} already uploaded its update for round {round_id}")]
+    Duplicate { round_id: i64, device_id: i64 },
+    #[error("round {round_id} is closed ({state}); the update arrived too late")]
+    Closed { round_id: i64, state: String },
+    #[error("device {device_id} was dropped from round {round_id} before its update arrived")]
+    Dropped { round_id: i64, device_id: i64 },
+    #[error("round {round_id}'s stored sum has {stored} values, the update {got}")]
+    SumLength {
+        round_id: i64,
+        stored: usize,
+        got: usize,
+    },
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+}
+
+/// What the upload handler knows about the round before reading the body.
+pub async fn participant_state(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+) -> Result<Option<(String, String, Option<i64>, i64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT p.state, r.state, r.deadline_ms, r.base_version_id FROM participants p \
+         JOIN rounds r ON r.id = p.round_id WHERE p.round_id = $1 AND p.device_id = $2",
+    )
+    .bind(round_id)
+    .bind(device_id)
+    .fetch_optional(&db.pool)
+    .await
+}
+
+/// State, deadline, running sum and weight of a round under its lock.
+type LockedRound = (String, Option<i64>, Option<Vec<u8>>, i64);
+
+/// A decoded, checked update, ready to fold.
+pub struct AcceptedUpdate<'a> {
+    pub round_id: i64,
+    pub device_id: i64,
+    pub num_samples: u64,
+    pub values: &'a [f32],
+    pub bytes: u64,
+}
+
+/// Folds an update into the round's running weighted sum and records the
+/// participant as uploaded, in one transaction: after a crash, an update
+/// is either fully counted or not at all, and never twice.
+pub async fn accept_update(db: &Db, update: &AcceptedUpdate<'_>) -> Result<u64, UploadRejection> {
+    let now = now_ms();
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let round: Option<LockedRound> =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state, deadline_ms, update_sum, weight_total FROM rounds WHERE id = $1{}",
+            db.for_update()
+        )))
+        .bind(update.round_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let Some((round_state, deadline_ms, stored_sum, weight_total)) = round else {
+        return Err(UploadRejection::NotParticipant {
+            round_id: update.round_id,
+            device_id: update.device_id,
+        });
+    };
+    let late = deadline_ms.is_some_and(|deadline| now > deadline);
+    if round_state != "training" || late {
+        let state = if late && round_state == "training" {
+            "deadline passed".to_string()
+        } else {
+            round_state
+        };
+        return Err(UploadRejection::Closed {
+            round_id: update.round_id,
+            state,
+        });
+    }
+    let participant: Option<(String,)> =
+        sqlx::query_as("SELECT state FROM participants WHERE round_id = $1 AND device_id = $2")
+            .bind(update.round_id)
+            .bind(update.device_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    match participant.as_ref().map(|(state,)| state.as_str()) {
+        None => {
+            return Err(UploadRejection::NotParticipant {
+                round_id: update.round_id,
+                device_id: update.device_id,
+            });
+        }
+        Some("uploaded") => {
+            return Err(UploadRejection::Duplicate {
+                round_id: update.round_id,
+                device_id: update.device_id,
+            });
+        }
+        Some("dropped") => {
+            return Err(UploadRejection::Dropped {
+                round_id: update.round_id,
+                device_id: update.device_id,
+            });
+        }
+        Some(_) => {}
+    }
+    let mut sum = match stored_sum {
+        Some(bytes) => fedavg::decode_sum(&bytes),
+        None => vec![0.0; update.values.len()],
+    };
+    if sum.len() != update.values.len() {
+        return Err(UploadRejection::SumLength {
+            round_id: update.round_id,
+            stored: sum.len(),
+            got: update.values.len(),
+        });
+    }
+    fedavg::fold(&mut sum, update.num_samples, update.values);
+    let samples = i64::try_from(update.num_samples).unwrap_or(i64::MAX);
+    sqlx::query(
+        "UPDATE rounds SET update_sum = $1, weight_total = $2, updates_accepted = updates_accepted + 1, \
+         bytes_in = bytes_in + $3 WHERE id = $4",
+    )
+    .bind(fedavg::encode_sum(&sum))
+    .bind(weight_total.saturating_add(samples))
+    .bind(i64::try_from(update.bytes).unwrap_or(i64::MAX))
+    .bind(update.round_id)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "UPDATE participants SET state = 'uploaded', uploaded_ms = $1, num_samples = $2, \
+         update_bytes = $3 WHERE round_id = $4 AND device_id = $5",
+    )
+    .bind(now)
+    .bind(samples)
+    .bind(i64::try_from(update.bytes).unwrap_or(i64::MAX))
+    .bind(update.round_id)
+    .bind(update.device_id)
+    .execute(&mut *tx)
+    .await?;
+    let (accepted,): (i64,) = sqlx::query_as("SELECT updates_accepted FROM rounds WHERE id = $1")
+        .bind(update.round_id)
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(accepted as u64)
+}
+
+/// Stores what a participant reports about its training and evaluation.
+pub async fn record_metrics(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    metrics: &canopy_protocol::messages::RoundMetrics,
+) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let result = sqlx::query(
+        "UPDATE participants SET train_loss = COALESCE($1, train_loss), \
+         eval_loss = COALESCE($2, eval_loss), eval_accuracy = COALESCE($3, eval_accuracy), \
+         eval_samples = COALESCE($4, eval_samples), \
+         train_duration_ms = COALESCE($5, train_duration_ms) \
+         WHERE round_id = $6 AND device_id = $7",
+    )
+    .bind(metrics.train_loss)
+    .bind(metrics.eval_loss)
+    .bind(metrics.eval_accuracy)
+    .bind(
+        metrics
+            .eval_samples
+            .map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+    )
+    .bind(
+        metrics
+            .train_duration_ms
+            .map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+    )
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(result.rows_affected() == 1)
+}
+
+/// Counts bytes sent to a device against its open round on this version.
+pub async fn add_bytes_out(
+    db: &Db,
+    device_id: i64,
+    version_id: i64,
+    bytes: u64,
+) -> Result<(), sqlx::Error> {
+    let _writer = db.write_lock().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE rounds SET bytes_out = bytes_out + $1 WHERE base_version_id = $2 \
+         AND state IN {OPEN_STATES} AND id IN (SELECT round_id FROM participants WHERE device_id = $3)"
+    )))
+    .bind(i64::try_from(bytes).unwrap_or(i64::MAX))
+    .bind(version_id)
+    .bind(device_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}

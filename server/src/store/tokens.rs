@@ -1,0 +1,230 @@
+//! Admin API tokens and device enrollment tokens.
+
+use serde::{Deserialize, Serialize};
+use sqlx::FromRow;
+
+use super::{Page, new_secret, secret_hash};
+use crate::db::{Db, now_ms};
+
+pub const API_TOKEN_PREFIX: &str = "cnpa_";
+pub const ENROLLMENT_TOKEN_PREFIX: &str = "cnpe_";
+
+/// What a token may do; each role includes the ones below it.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, utoipa::ToSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Reads everything except tokens.
+    Viewer,
+    /// Also writes models, jobs, devices and enrollment tokens.
+    Operator,
+    /// Also manages API tokens.
+    Admin,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Viewer => "viewer",
+            Role::Operator => "operator",
+            Role::Admin => "admin",
+        }
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Role, String> {
+        match text {
+            "viewer" => Ok(Role::Viewer),
+            "operator" => Ok(Role::Operator),
+            "admin" => Ok(Role::Admin),
+            other => Err(format!(
+                "unknown role `{other}`; expected admin, operator or viewer"
+            )),
+        }
+    }
+}
+
+#[derive(Clone, Debug, FromRow)]
+pub struct ApiTokenRow {
+    pub id: i64,
+    pub role: String,
+    pub label: String,
+    pub created_ms: i64,
+    pub expires_ms: Option<i64>,
+    pub revoked_ms: Option<i64>,
+}
+
+/// A token that is valid now, as the auth layer sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Principal {
+    pub token_id: i64,
+    pub role: Role,
+}
+
+pub async fn create_api_token(
+    db: &Db,
+    role: Role,
+    label: &str,
+    expires_ms: Option<i64>,
+) -> Result<(ApiTokenRow, String), sqlx::Error> {
+    let secret = new_secret(API_TOKEN_PREFIX);
+    let row: ApiTokenRow = sqlx::query_as(
+        "INSERT INTO api_tokens (role, label, token_hash, created_ms, expires_ms) \
+         VALUES ($1, $2, $3, $4, $5) \
+         RETURNING id, role, label, created_ms, expires_ms, revoked_ms",
+    )
+    .bind(role.as_str())
+    .bind(label)
+    .bind(secret_hash(&secret))
+    .bind(now_ms())
+    .bind(expires_ms)
+    .fetch_one(&db.pool)
+    .await?;
+    Ok((row, secret))
+}
+
+/// The principal behind a bearer secret, if it is known, unexpired and
+/// unrevoked.
+pub async fn authenticate(db: &Db, secret: &str) -> Result<Option<Principal>, sqlx::Error> {
+    let row: Option<(i64, String)> = sqlx::query_as(
+        "SELECT id, role FROM api_tokens WHERE token_hash = $1 AND revoked_ms IS NULL \
+         AND (expires_ms IS NULL OR expires_ms > $2)",
+    )
+    .bind(secret_hash(secret))
+    .bind(now_ms())
+    .fetch_optional(&db.pool)
+    .await?;
+    Ok(row.and_then(|(token_id, role)| role.parse().ok().map(|role| Principal { token_id, role })))
+}
+
+pub async fn list_api_tokens(db: &Db, page: Page) -> Result<Vec<ApiTokenRow>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, role, label, created_ms, expires_ms, revoked_ms FROM api_tokens \
+         WHERE id > $1 ORDER BY id LIMIT $2",
+    )
+    .bind(page.after)
+    .bind(page.limit)
+    .fetch_all(&db.pool)
+    .await
+}
+
+/// Revokes a token; false when no such token exists.
+pub async fn revoke_api_token(db: &Db, id: i64) -> Result<bool, sqlx::Error> {
+    let result =
+        sqlx::query("UPDATE api_tokens SET revoked_ms = COALESCE(revoked_ms, $1) WHERE id = $2")
+            .bind(now_ms())
+            .bind(id)
+            .execute(&db.pool)
+            .await?;
+    Ok(result.rows_affected() == 1)
+}
+
+#[derive(Clone, Debug, FromRow)]
+pub struct EnrollmentTokenRow {
+    pub id: i64,
+    pub label: String,
+    pub created_ms: i64,
+    pub expires_ms: i64,
+    pub max_uses: i64,
+    pub uses: i64,
+    pub revoked_ms: Option<i64>,
+}
+
+const ENROLLMENT_COLUMNS: &str = "id, label, created_ms, expires_ms, max_uses, uses, revoked_ms";
+
+pub async fn create_enrollment_token(
+    db: &Db,
+    label: &str,
+    expires_ms: i64,
+    max_uses: i64,
+) -> Result<(EnrollmentTokenRow, String), sqlx::Error> {
+    let secret = new_secret(ENROLLMENT_TOKEN_PREFIX);
+    let row = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO enrollment_tokens (label, token_hash, created_ms, expires_ms, max_uses) \
+         VALUES ($1, $2, $3, $4, $5) RETURNING {ENROLLMENT_COLUMNS}"
+    )))
+    .bind(label)
+    .bind(secret_hash(&secret))
+    .bind(now_ms())
+    .bind(expires_ms)
+    .bind(max_uses)
+    .fetch_one(&db.pool)
+    .await?;
+    Ok((row, secret))
+}
+
+pub async fn list_enrollment_tokens(
+    db: &Db,
+    page: Page,
+) -> Result<Vec<EnrollmentTokenRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ENROLLMENT_COLUMNS} FROM enrollment_tokens WHERE id > $1 ORDER BY id LIMIT $2"
+    )))
+    .bind(page.after)
+    .bind(page.limit)
+    .fetch_all(&db.pool)
+    .await
+}
+
+pub async fn revoke_enrollment_token(db: &Db, id: i64) -> Result<bool, sqlx::Error> {
+    let result = sqlx::query(
+        "UPDATE enrollment_tokens SET revoked_ms = COALESCE(revoked_ms, $1) WHERE id = $2",
+    )
+    .bind(now_ms())
+    .bind(id)
+    .execute(&db.pool)
+    .await?;
+    Ok(result.rows_affected() == 1)
+}
+
+/// Why an enrollment token cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum EnrollmentTokenError {
+    #[error("the enrollment token is not known to this server")]
+    Unknown,
+    #[error("enrollment token {id} was revoked")]
+    Revoked { id: i64 },
+    #[error("enrollment token {id} expired")]
+    Expired { id: i64 },
+    #[error("enrollment token {id} has been used {uses} times, its limit")]
+    Exhausted { id: i64, uses: i64 },
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+}
+
+/// Spends one use of an enrollment token inside `tx`, checking it is valid.
+pub async fn spend_enrollment_token(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    secret: &str,
+) -> Result<i64, EnrollmentTokenError> {
+    let row: Option<EnrollmentTokenRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ENROLLMENT_COLUMNS} FROM enrollment_tokens WHERE token_hash = $1"
+    )))
+    .bind(secret_hash(secret))
+    .fetch_optional(&mut **tx)
+    .await?;
+    let token = row.ok_or(EnrollmentTokenError::Unknown)?;
+    if token.revoked_ms.is_some() {
+        return Err(EnrollmentTokenError::Revoked { id: token.id });
+    }
+    if token.expires_ms <= now_ms() {
+        return Err(EnrollmentTokenError::Expired { id: token.id });
+    }
+    // The guard in the WHERE clause keeps the limit under concurrent use.
+    let spent = sqlx::query(
+        "UPDATE enrollment_tokens SET uses = uses + 1 WHERE id = $1 AND uses < max_uses",
+    )
+    .bind(token.id)
+    .execute(&mut **tx)
+    .await?;
+    if spent.rows_affected() != 1 {
+        return Err(EnrollmentTokenError::Exhausted {
+            id: token.id,
+            uses: token.uses,
+        });
+    }
+    Ok(token.id)
+}
