@@ -197,7 +197,8 @@ pub struct Task {
     pub round_id: i64,
     pub round_number: u32,
     pub model_version_id: i64,
-    /// Lowercase hex SHA-256 of the model file.
+    /// The model's content digest (`canopy_ir::format::digest`), lowercase hex;
+    /// the server signs it.
     pub model_digest: String,
     pub model_size_bytes: u64,
     /// Server path to download the model from.

@@ -479,14 +479,13 @@ pub async fn accept_update(db: &Db, update: &AcceptedUpdate<'_>) -> Result<u64, 
     let now = now_ms();
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
-    let round: Option<LockedRound> =
-        sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT state, deadline_ms, update_sum, weight_total FROM rounds WHERE id = $1{}",
-            db.for_update()
-        )))
-        .bind(update.round_id)
-        .fetch_optional(&mut *tx)
-        .await?;
+    let round: Option<LockedRound> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT state, deadline_ms, update_sum, weight_total FROM rounds WHERE id = $1{}",
+        db.for_update()
+    )))
+    .bind(update.round_id)
+    .fetch_optional(&mut *tx)
+    .await?;
     let Some((round_state, deadline_ms, stored_sum, weight_total)) = round else {
         return Err(UploadRejection::NotParticipant {
             round_id: update.round_id,

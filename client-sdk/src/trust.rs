@@ -1,0 +1,134 @@
+//! How a device decides to trust the server's certificate.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
+use sha2::{Digest, Sha256};
+
+#[derive(Clone, Debug)]
+pub enum Trust {
+    /// The SHA-256 of the server's leaf certificate, as printed by
+    /// `canopy-server serve --tls self-signed` (`sha256:HEX` or `HEX`).
+    PinnedSha256(String),
+    /// A PEM file of CA certificates.
+    CaFile(PathBuf),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    #[error("fingerprint `{0}` is not 64 hex digits (optionally prefixed with `sha256:`)")]
+    BadFingerprint(String),
+    #[error("cannot read CA certificates from {path}: {reason}")]
+    CaFile { path: PathBuf, reason: String },
+    #[error("cannot build the TLS configuration: {0}")]
+    Config(String),
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+impl Trust {
+    pub fn client_config(&self) -> Result<rustls::ClientConfig, TrustError> {
+        let builder = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|error| TrustError::Config(error.to_string()))?;
+        let config = match self {
+            Trust::PinnedSha256(text) => {
+                let hex_digits = text
+                    .strip_prefix("sha256:")
+                    .unwrap_or(text)
+                    .to_ascii_lowercase();
+                let pinned: [u8; 32] = hex::decode(&hex_digits)
+                    .ok()
+                    .and_then(|bytes| bytes.try_into().ok())
+                    .ok_or_else(|| TrustError::BadFingerprint(text.clone()))?;
+                let verifier = PinnedVerifier {
+                    pinned,
+                    algorithms: provider().signature_verification_algorithms,
+                };
+                builder
+                    .dangerous()
+                    .with_custom_certificate_verifier(Arc::new(verifier))
+                    .with_no_client_auth()
+            }
+            Trust::CaFile(path) => {
+                let mut roots = RootCertStore::empty();
+                let certs =
+                    CertificateDer::pem_file_iter(path).map_err(|error| TrustError::CaFile {
+                        path: path.clone(),
+                        reason: error.to_string(),
+                    })?;
+                for cert in certs {
+                    let cert = cert.map_err(|error| TrustError::CaFile {
+                        path: path.clone(),
+                        reason: error.to_string(),
+                    })?;
+                    roots.add(cert).map_err(|error| TrustError::CaFile {
+                        path: path.clone(),
+                        reason: error.to_string(),
+                    })?;
+                }
+                builder.with_root_certificates(roots).with_no_client_auth()
+            }
+        };
+        Ok(config)
+    }
+}
+
+/// Accepts exactly one certificate, by its SHA-256; the handshake
+/// signature is still verified against that certificate's key.
+#[derive(Debug)]
+struct PinnedVerifier {
+    pinned: [u8; 32],
+    algorithms: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for PinnedVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let actual: [u8; 32] = Sha256::digest(end_entity.as_ref()).into();
+        if actual == self.pinned {
+            Ok(ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::General(format!(
+                "server certificate sha256:{} does not match the pinned sha256:{}",
+                hex::encode(actual),
+                hex::encode(self.pinned)
+            )))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algorithms.supported_schemes()
+    }
+}

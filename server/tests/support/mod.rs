@@ -1,0 +1,442 @@
+//! Test harness: real `canopy-server` processes over real HTTPS, on SQLite
+//! or the local PostgreSQL, with devices that hold real Ed25519 keys.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use bytes::Bytes;
+use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::messages::{Capabilities, Tier};
+use canopy_sdk::{DeviceClient, Transport, Trust};
+use serde_json::{Value, json};
+
+/// The PostgreSQL server tests use; CI sets it and fails if unreachable.
+pub const POSTGRES_URL_VAR: &str = "CANOPY_TEST_POSTGRES_URL";
+pub const DEFAULT_POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Database {
+    Sqlite,
+    Postgres,
+}
+
+pub fn postgres_admin_url() -> String {
+    std::env::var(POSTGRES_URL_VAR).unwrap_or_else(|_| DEFAULT_POSTGRES_URL.to_string())
+}
+
+/// A fresh PostgreSQL database for one test, dropped with the server.
+fn create_postgres_database() -> Result<(String, String)> {
+    static COUNTER: AtomicU32 = AtomicU32::new(0);
+    let admin = postgres_admin_url();
+    let name = format!(
+        "canopy_test_{}_{}_{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed),
+        Instant::now().elapsed().subsec_nanos() % 1000
+    );
+    psql(&admin, &format!("CREATE DATABASE {name}")).with_context(|| {
+        format!("PostgreSQL is unreachable at {admin}; start it or set {POSTGRES_URL_VAR}")
+    })?;
+    let base = admin
+        .rsplit_once('/')
+        .map(|(base, _)| base)
+        .unwrap_or(&admin);
+    Ok((format!("{base}/{name}"), name))
+}
+
+fn psql(url: &str, statement: &str) -> Result<()> {
+    let output = Command::new("psql")
+        .args([url, "-v", "ON_ERROR_STOP=1", "-q", "-c", statement])
+        .output()
+        .context("cannot run psql")?;
+    if !output.status.success() {
+        bail!(
+            "psql `{statement}` failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(())
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("a free loopback port")
+}
+
+pub struct TestServer {
+    child: Option<Child>,
+    pub base: String,
+    pub port: u16,
+    pub fingerprint: String,
+    pub admin_token: String,
+    pub database: Database,
+    pub database_url: String,
+    pub data_dir: tempfile::TempDir,
+    pg_name: Option<String>,
+    extra_args: Vec<String>,
+}
+
+impl TestServer {
+    pub fn start(database: Database) -> Result<TestServer> {
+        TestServer::start_with(database, &[])
+    }
+
+    /// `extra_args` go to `serve`, e.g. a `--config` file with limits.
+    pub fn start_with(database: Database, extra_args: &[&str]) -> Result<TestServer> {
+        let data_dir = tempfile::tempdir()?;
+        let (database_url, pg_name) = match database {
+            Database::Sqlite => (
+                format!(
+                    "sqlite://{}?mode=rwc",
+                    data_dir.path().join("canopy.db").display()
+                ),
+                None,
+            ),
+            Database::Postgres => {
+                let (url, name) = create_postgres_database()?;
+                (url, Some(name))
+            }
+        };
+        let mut server = TestServer {
+            child: None,
+            base: String::new(),
+            port: free_port(),
+            fingerprint: String::new(),
+            admin_token: String::new(),
+            database,
+            database_url,
+            data_dir,
+            pg_name,
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+        };
+        server.spawn()?;
+        if server.admin_token.is_empty() {
+            bail!("the first start printed no admin token");
+        }
+        Ok(server)
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.data_dir.path().join("server.log")
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())?;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_canopy-server"))
+            .arg("serve")
+            .arg("--data-dir")
+            .arg(self.data_dir.path())
+            .args(["--listen", &format!("127.0.0.1:{}", self.port)])
+            .args(["--database-url", &self.database_url])
+            .args(["--tls", "self-signed", "--log-format", "json"])
+            .args(&self.extra_args)
+            .env("RUST_LOG", "info,sqlx=warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .context("cannot start canopy-server")?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let started = Instant::now();
+        loop {
+            let remaining = STARTUP_TIMEOUT
+                .checked_sub(started.elapsed())
+                .unwrap_or_default();
+            let line = rx.recv_timeout(remaining).map_err(|_| {
+                let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+                anyhow!("canopy-server did not start within {STARTUP_TIMEOUT:?}; log:\n{log}")
+            })?;
+            if let Some(token) = line.strip_prefix("admin token: ") {
+                self.admin_token = token.to_string();
+            } else if let Some(fingerprint) = line.strip_prefix("tls fingerprint: ") {
+                self.fingerprint = fingerprint.to_string();
+            } else if let Some(url) = line.strip_prefix("listening on ") {
+                self.base = url.to_string();
+                break;
+            }
+        }
+        self.child = Some(child);
+        Ok(())
+    }
+
+    /// SIGKILL: no shutdown code runs, as in a power cut.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then waits for the process to exit.
+    pub fn terminate(&mut self) -> Result<std::process::ExitStatus> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| anyhow!("server not running"))?;
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM failed");
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                bail!("the server did not exit within 60 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill9();
+        self.spawn()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn trust(&self) -> Trust {
+        Trust::PinnedSha256(self.fingerprint.clone())
+    }
+
+    pub fn transport(&self) -> Transport {
+        Transport::new(&self.base, &self.trust()).expect("transport")
+    }
+
+    pub fn admin(&self) -> Admin {
+        self.admin_as(&self.admin_token)
+    }
+
+    pub fn admin_as(&self, token: &str) -> Admin {
+        Admin {
+            transport: self.transport(),
+            token: token.to_string(),
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.kill9();
+        if let Some(name) = &self.pg_name {
+            let _ = psql(
+                &postgres_admin_url(),
+                &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+            );
+        }
+    }
+}
+
+/// An admin API client with a bearer token.
+pub struct Admin {
+    pub transport: Transport,
+    pub token: String,
+}
+
+/// Status and parsed JSON body (Null when empty or not JSON).
+pub struct Reply {
+    pub status: u16,
+    pub body: Value,
+}
+
+impl Admin {
+    pub async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Reply> {
+        let mut request = self
+            .transport
+            .http()
+            .request(method, self.transport.url(path))
+            .bearer_auth(&self.token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await?;
+        reply(response).await
+    }
+
+    pub async fn get(&self, path: &str) -> Result<Reply> {
+        self.send(reqwest::Method::GET, path, None).await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> Result<Reply> {
+        self.send(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    pub async fn post_bytes(&self, path: &str, bytes: Vec<u8>) -> Result<Reply> {
+        let response = self
+            .transport
+            .http()
+            .post(self.transport.url(path))
+            .bearer_auth(&self.token)
+            .header("content-type", "application/octet-stream")
+            .body(bytes)
+            .send()
+            .await?;
+        reply(response).await
+    }
+
+    /// GET that must succeed; returns the JSON body.
+    pub async fn ok(&self, path: &str) -> Result<Value> {
+        let reply = self.get(path).await?;
+        if reply.status != 200 {
+            bail!("GET {path} answered {}: {}", reply.status, reply.body);
+        }
+        Ok(reply.body)
+    }
+
+    pub async fn upload_model(&self, name: &str, bytes: Vec<u8>) -> Result<Value> {
+        let reply = self
+            .post_bytes(&format!("/api/v1/models/{name}/versions"), bytes)
+            .await?;
+        if reply.status != 201 {
+            bail!("model upload answered {}: {}", reply.status, reply.body);
+        }
+        Ok(reply.body)
+    }
+
+    pub async fn enrollment_token(&self, max_uses: u32) -> Result<String> {
+        let reply = self
+            .post(
+                "/api/v1/enrollment-tokens",
+                json!({"expires_in": "1h", "max_uses": max_uses, "label": "test"}),
+            )
+            .await?;
+        if reply.status != 201 {
+            bail!("enrollment token answered {}: {}", reply.status, reply.body);
+        }
+        Ok(reply.body["secret"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    pub async fn create_job(&self, spec: Value) -> Result<i64> {
+        let reply = self.post("/api/v1/jobs", spec).await?;
+        if reply.status != 201 {
+            bail!("job creation answered {}: {}", reply.status, reply.body);
+        }
+        let id = reply.body["id"]
+            .as_i64()
+            .ok_or_else(|| anyhow!("no job id"))?;
+        let start = self
+            .post(&format!("/api/v1/jobs/{id}/start"), json!({}))
+            .await?;
+        if start.status != 200 {
+            bail!("job start answered {}: {}", start.status, start.body);
+        }
+        Ok(id)
+    }
+
+    /// Polls a job until it leaves `running`, or fails after `timeout`.
+    pub async fn wait_for_job(&self, id: i64, timeout: Duration) -> Result<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let job = self.ok(&format!("/api/v1/jobs/{id}")).await?;
+            let state = job["state"].as_str().unwrap_or_default();
+            if !matches!(state, "running" | "created" | "paused") {
+                return Ok(job);
+            }
+            if Instant::now() > deadline {
+                bail!("job {id} still {state} after {timeout:?}: {job}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+async fn reply(response: reqwest::Response) -> Result<Reply> {
+    let status = response.status().as_u16();
+    let bytes = response.bytes().await?;
+    let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    Ok(Reply { status, body })
+}
+
+pub fn capabilities() -> Capabilities {
+    Capabilities {
+        tier: Tier::Edge,
+        backends: vec!["cpu".to_string()],
+        memory_mb: 4096,
+        os: "linux".to_string(),
+        tags: Default::default(),
+    }
+}
+
+/// Enrolls a device with a fresh key.
+pub async fn enroll_device(server: &TestServer, token: &str) -> Result<DeviceClient> {
+    let transport = server.transport();
+    let key = DeviceKey::generate();
+    let enrolled = canopy_sdk::enroll(&transport, token, &key, capabilities()).await?;
+    Ok(DeviceClient::new(
+        transport,
+        enrolled.device_id,
+        key,
+        &enrolled.server_public_key,
+    )?)
+}
+
+/// A small trainable model: logistic regression on 64 features, 10 classes.
+pub fn logreg_model_bytes(seed: u64) -> Vec<u8> {
+    let config = canopy_engine::zoo::ModelConfig {
+        architecture: canopy_engine::zoo::Architecture::LogReg {
+            inputs: 64,
+            classes: 10,
+        },
+        seed,
+        optimizer: canopy_engine::optim::Optimizer::parse("sgd").expect("sgd"),
+        frozen_prefixes: Vec::new(),
+        producer: "canopy-server tests".to_string(),
+    };
+    let model = canopy_engine::zoo::build_model(&config).expect("model builds");
+    canopy_ir::format::write_model(&model).expect("model serialises")
+}
+
+/// Downloads a version's file through the admin API and parses it.
+pub async fn fetch_model(admin: &Admin, name: &str, version: i64) -> Result<canopy_ir::Model> {
+    let response = admin
+        .transport
+        .http()
+        .get(admin.transport.url(&format!(
+            "/api/v1/models/{name}/versions/{version}/download"
+        )))
+        .bearer_auth(&admin.token)
+        .send()
+        .await?;
+    if response.status() != 200 {
+        bail!("download answered {}", response.status());
+    }
+    let bytes: Bytes = response.bytes().await?;
+    Ok(canopy_ir::format::read_model(&bytes)?)
+}
