@@ -194,6 +194,11 @@ impl DeviceClient {
         })
     }
 
+    /// Swaps the connection, e.g. after the server restarted.
+    pub fn set_transport(&mut self, transport: Transport) {
+        self.transport = transport;
+    }
+
     pub fn key(&self) -> &DeviceKey {
         &self.key
     }

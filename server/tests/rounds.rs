@@ -1,0 +1,705 @@
+//! Federated rounds end to end, on SQLite and on PostgreSQL, over real
+//! HTTPS with real device keys: the aggregated models are checked against
+//! FedAvg computed here, independently, and every kind of bad request is
+//! refused without stopping the job.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Result, ensure};
+use bytes::Bytes;
+use canopy_ir::Buffer;
+use canopy_protocol::auth::{self, DeviceKey};
+use canopy_protocol::messages::{RoundMetrics, Task};
+use canopy_protocol::update::{UpdateLayout, encode_update};
+use canopy_sdk::{DeviceClient, SdkError};
+use reqwest::Method;
+use serde_json::{Value, json};
+use support::{Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes};
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A deterministic update: small values from a per-device, per-round seed.
+fn delta(layout: &UpdateLayout, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    (0..layout.num_elements())
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.02
+        })
+        .collect()
+}
+
+/// One accepted update, as the test remembers it.
+#[derive(Clone)]
+struct Sent {
+    samples: u64,
+    values: Vec<f32>,
+}
+
+/// FedAvg computed independently: θ + Σ nᵢΔᵢ / Σ nᵢ, per trainable tensor.
+fn expected_params(base: &canopy_ir::Model, sent: &[Sent]) -> BTreeMap<String, Vec<f32>> {
+    let total: f64 = sent.iter().map(|s| s.samples as f64).sum();
+    let mut offset = 0;
+    let mut out = BTreeMap::new();
+    for parameter in base.parameters.iter().filter(|p| p.trainable) {
+        let Buffer::F32(values) = &parameter.data.buffer else {
+            panic!("f32 parameter")
+        };
+        let averaged = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let weighted: f64 = sent
+                    .iter()
+                    .map(|s| s.samples as f64 * f64::from(s.values[offset + i]))
+                    .sum();
+                (f64::from(*v) + weighted / total) as f32
+            })
+            .collect();
+        offset += values.len();
+        out.insert(parameter.name.clone(), averaged);
+    }
+    out
+}
+
+fn assert_params(model: &canopy_ir::Model, expected: &BTreeMap<String, Vec<f32>>) {
+    for (name, want) in expected {
+        let Buffer::F32(got) = &model.parameter(name).expect("parameter").data.buffer else {
+            panic!("f32")
+        };
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+                "{name}[{i}]: server {g}, FedAvg {w}"
+            );
+        }
+    }
+}
+
+async fn poll(device: &DeviceClient) -> Result<Task> {
+    for _ in 0..20 {
+        if let Some(task) = device.next_task(3_000).await? {
+            return Ok(task);
+        }
+    }
+    anyhow::bail!("device {} got no task", device.device_id)
+}
+
+/// Downloads (verified), uploads a deterministic update, reports metrics.
+async fn train(device: &DeviceClient, task: &Task, samples: u64) -> Result<Sent> {
+    device.download_model(task).await?;
+    let values = delta(
+        &task.layout,
+        device.device_id as u64 * 1000 + task.round_number as u64,
+    );
+    let encoded = encode_update(&task.layout, samples, &values)?;
+    device.upload_update(task, Bytes::from(encoded)).await?;
+    device
+        .report_metrics(&RoundMetrics {
+            round_id: task.round_id,
+            train_loss: Some(0.5 + device.device_id as f64 / 100.0),
+            eval_loss: None,
+            eval_accuracy: Some(0.8),
+            eval_samples: Some(samples),
+            train_duration_ms: Some(12),
+        })
+        .await?;
+    Ok(Sent { samples, values })
+}
+
+fn job_spec(version_id: i64, rounds: u32, min: u32, target: u32, deadline_ms: u64) -> Value {
+    json!({
+        "name": "fedavg-test", "model_version_id": version_id, "rounds": rounds,
+        "min_devices": min, "target_devices": target, "over_selection": 0.0,
+        "round_deadline_ms": deadline_ms, "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1,
+        "strategy": "fedavg", "max_round_retries": 3,
+    })
+}
+
+fn status_of(result: Result<impl Sized, SdkError>) -> Option<u16> {
+    result.err().and_then(|error| error.status())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Every admin route in the OpenAPI document, with ids filled in.
+async fn admin_routes(admin: &Admin) -> Result<Vec<(Method, String)>> {
+    let doc = admin.ok("/api/v1/openapi.json").await?;
+    let mut routes = Vec::new();
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for method in item.as_object().expect("operations").keys() {
+            let concrete = path
+                .replace("{name}", "logreg")
+                .replace("{version}", "1")
+                .replace("{id}", "1");
+            routes.push((method.to_uppercase().parse()?, concrete));
+        }
+    }
+    ensure!(
+        routes.len() >= 20,
+        "the OpenAPI document lists only {} operations",
+        routes.len()
+    );
+    Ok(routes)
+}
+
+async fn refuses_unauthenticated_and_underprivileged(server: &TestServer) -> Result<()> {
+    let anonymous = server.admin_as("");
+    let forged =
+        server.admin_as("cnpa_0000000000000000000000000000000000000000000000000000000000000000");
+    for (method, path) in admin_routes(&server.admin()).await? {
+        for client in [&anonymous, &forged] {
+            let reply = client.send(method.clone(), &path, Some(json!({}))).await?;
+            assert_eq!(
+                reply.status, 401,
+                "{method} {path} without a valid token: {}",
+                reply.body
+            );
+            assert_eq!(
+                reply.body["error"]["code"], "unauthorized",
+                "{method} {path}"
+            );
+        }
+    }
+    let created = server
+        .admin()
+        .post(
+            "/api/v1/tokens",
+            json!({"role": "viewer", "label": "read-only"}),
+        )
+        .await?;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let viewer = server.admin_as(created.body["secret"].as_str().unwrap_or_default());
+    assert_eq!(viewer.get("/api/v1/jobs").await?.status, 200);
+    for (path, body) in [
+        ("/api/v1/jobs", job_spec(1, 1, 1, 1, 10_000)),
+        (
+            "/api/v1/enrollment-tokens",
+            json!({"expires_in": "1h", "max_uses": 1}),
+        ),
+        ("/api/v1/jobs/1/pause", json!({})),
+        ("/api/v1/tokens", json!({"role": "admin"})),
+    ] {
+        let reply = viewer.post(path, body).await?;
+        assert_eq!(reply.status, 403, "viewer POST {path}: {}", reply.body);
+    }
+    let operator = server
+        .admin()
+        .post("/api/v1/tokens", json!({"role": "operator"}))
+        .await?;
+    let operator = server.admin_as(operator.body["secret"].as_str().unwrap_or_default());
+    assert_eq!(
+        operator.get("/api/v1/tokens").await?.status,
+        403,
+        "operators cannot manage tokens"
+    );
+    Ok(())
+}
+
+/// Replay, forgery, oversize, wrong shape, NaN and duplicates, on a device
+/// that holds a live task; ends with the device's valid upload.
+async fn refuses_bad_device_requests(
+    server: &TestServer,
+    device: &DeviceClient,
+    task: &Task,
+    samples: u64,
+) -> Result<Sent> {
+    // A replayed request: the same signed headers, sent twice.
+    let body = Bytes::from_static(b"{}");
+    let signed = auth::sign_request(
+        device.key(),
+        device.device_id,
+        "POST",
+        "/device/v1/heartbeat",
+        &body,
+        now_ms(),
+    );
+    let first = device
+        .send_signed(Method::POST, "/device/v1/heartbeat", body.clone(), &signed)
+        .await?;
+    assert_eq!(first.status(), 200);
+    let replay = device
+        .send_signed(Method::POST, "/device/v1/heartbeat", body.clone(), &signed)
+        .await?;
+    assert_eq!(replay.status(), 401, "a replayed request must be refused");
+    assert!(replay.text().await?.contains("replayed"));
+
+    // A forged signature: another key claims this device's id.
+    let impostor = DeviceKey::generate();
+    let forged = auth::sign_request(
+        &impostor,
+        device.device_id,
+        "POST",
+        "/device/v1/heartbeat",
+        &body,
+        now_ms(),
+    );
+    let reply = device
+        .send_signed(Method::POST, "/device/v1/heartbeat", body.clone(), &forged)
+        .await?;
+    assert_eq!(reply.status(), 401, "a forged signature must be refused");
+
+    // A body that is not the signed one.
+    let signed = auth::sign_request(
+        device.key(),
+        device.device_id,
+        "POST",
+        "/device/v1/heartbeat",
+        &body,
+        now_ms(),
+    );
+    let swapped = device
+        .send_signed(
+            Method::POST,
+            "/device/v1/heartbeat",
+            Bytes::from_static(b"{ }"),
+            &signed,
+        )
+        .await?;
+    assert_eq!(
+        swapped.status(),
+        401,
+        "a body other than the signed one must be refused"
+    );
+
+    oversize_upload_is_refused_unread(server, device, task).await?;
+
+    // Wrong shape: the first tensor transposed, same byte count.
+    let mut tensors = task.layout.tensors.clone();
+    tensors[0].shape.reverse();
+    let transposed = UpdateLayout::new(tensors)?;
+    let values = delta(&task.layout, 7);
+    let encoded = encode_update(&transposed, samples, &values)?;
+    let reply = device.upload_update(task, Bytes::from(encoded)).await;
+    assert_eq!(status_of(reply), Some(422), "a wrong shape must answer 422");
+
+    // NaN: a valid encoding with one value overwritten.
+    let mut encoded = encode_update(&task.layout, samples, &values)?;
+    let at = encoded.len() - 4;
+    encoded[at..].copy_from_slice(&f32::NAN.to_le_bytes());
+    let reply = device.upload_update(task, Bytes::from(encoded)).await;
+    match reply {
+        Err(SdkError::Server {
+            status: 422,
+            message,
+            ..
+        }) => assert!(message.contains("NaN"), "{message}"),
+        other => panic!("NaN must answer 422, got {other:?}"),
+    }
+
+    let sent = train(device, task, samples).await?;
+    let again = encode_update(&task.layout, samples, &sent.values)?;
+    assert_eq!(
+        status_of(device.upload_update(task, Bytes::from(again)).await),
+        Some(409),
+        "a duplicate must answer 409"
+    );
+    Ok(sent)
+}
+
+/// Declares a body twice the model's update size and then never sends it:
+/// the server must answer 413 from the headers alone.
+async fn oversize_upload_is_refused_unread(
+    server: &TestServer,
+    device: &DeviceClient,
+    task: &Task,
+) -> Result<()> {
+    let declared = task.upload_size_bytes * 2;
+    let signed = auth::sign_request_with_digest(
+        device.key(),
+        device.device_id,
+        "PUT",
+        &task.upload_path,
+        &"0".repeat(64),
+        now_ms(),
+    );
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    let mut request = server
+        .transport()
+        .http()
+        .put(server.transport().url(&task.upload_path))
+        .header("content-length", declared.to_string())
+        .body(reqwest::Body::wrap_stream(stream));
+    for (name, value) in signed.headers() {
+        request = request.header(name, value);
+    }
+    let answered = tokio::time::timeout(Duration::from_secs(10), request.send()).await;
+    drop(tx);
+    let response = answered.map_err(|_| {
+        anyhow::anyhow!("the server waited for an oversize body instead of refusing it")
+    })??;
+    assert_eq!(response.status(), 413, "oversize upload");
+
+    // Without a length header, the server stops reading at the limit.
+    let chunk = Bytes::from(vec![0u8; 64 << 10]);
+    let chunks = (task.upload_size_bytes / chunk.len() as u64 + 4) as usize;
+    let stream = futures_util::stream::iter(
+        (0..chunks).map(move |_| Ok::<_, std::io::Error>(chunk.clone())),
+    );
+    let signed = auth::sign_request_with_digest(
+        device.key(),
+        device.device_id,
+        "PUT",
+        &task.upload_path,
+        &"0".repeat(64),
+        now_ms(),
+    );
+    let mut request = server
+        .transport()
+        .http()
+        .put(server.transport().url(&task.upload_path))
+        .body(reqwest::Body::wrap_stream(stream));
+    for (name, value) in signed.headers() {
+        request = request.header(name, value);
+    }
+    let status = match request.send().await {
+        Ok(response) => response.status().as_u16(),
+        // The server may close the connection once it has answered.
+        Err(error) => {
+            anyhow::ensure!(
+                error.is_request() || error.is_body(),
+                "unexpected error: {error}"
+            );
+            413
+        }
+    };
+    assert_eq!(status, 413, "oversize chunked upload");
+    Ok(())
+}
+
+async fn federated_job_matches_fedavg(database: Database) -> Result<()> {
+    let server = TestServer::start(database)?;
+    let admin = server.admin();
+    refuses_unauthenticated_and_underprivileged(&server).await?;
+
+    let invalid = admin
+        .post_bytes(
+            "/api/v1/models/logreg/versions",
+            b"CANOPYIR but not really".to_vec(),
+        )
+        .await?;
+    assert_eq!(invalid.status, 422, "an invalid IR file: {}", invalid.body);
+    assert!(
+        invalid.body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("invalid")
+    );
+
+    let version = admin.upload_model("logreg", logreg_model_bytes(7)).await?;
+    assert_eq!(version["version"], 1);
+    let token = admin.enrollment_token(4).await?;
+    let mut devices = Vec::new();
+    for _ in 0..4 {
+        devices.push(enroll_device(&server, &token).await?);
+    }
+    let exhausted = enroll_device(&server, &token).await;
+    assert!(
+        format!(
+            "{:#}",
+            exhausted.err().expect("a fifth enrollment must fail")
+        )
+        .contains("used 4 times")
+    );
+
+    let job = admin
+        .create_job(job_spec(
+            version["id"].as_i64().unwrap_or_default(),
+            2,
+            3,
+            4,
+            60_000,
+        ))
+        .await?;
+    let mut base = fetch_model(&admin, "logreg", 1).await?;
+    for round in 1..=2 {
+        let mut sent = Vec::new();
+        for (index, device) in devices.iter().enumerate() {
+            let task = poll(device).await?;
+            assert_eq!(task.round_number, round);
+            let samples = 10 * (index as u64 + 1);
+            if round == 1 && index == 0 {
+                sent.push(refuses_bad_device_requests(&server, device, &task, samples).await?);
+            } else {
+                sent.push(train(device, &task, samples).await?);
+            }
+        }
+        let expected = expected_params(&base, &sent);
+        let job_state = wait_for_rounds(&admin, job, round).await?;
+        let version_number = i64::from(round) + 1;
+        let produced = fetch_model(&admin, "logreg", version_number).await?;
+        assert_params(&produced, &expected);
+        assert_eq!(
+            produced.metadata.parent_digest.is_some(),
+            true,
+            "lineage in the file"
+        );
+        let lineage = admin
+            .ok(&format!(
+                "/api/v1/models/logreg/versions/{version_number}/lineage"
+            ))
+            .await?;
+        assert_eq!(lineage["chain"][0]["produced_by_job"], job);
+        assert_eq!(lineage["chain"][1]["version"], version_number - 1, "parent");
+        assert!(job_state["rounds_completed"].as_i64() >= Some(i64::from(round)));
+        base = produced;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    assert_eq!(finished["state"], "completed", "{finished}");
+    let rounds = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?;
+    let first = &rounds["items"][0];
+    assert_eq!(first["state"], "succeeded");
+    assert_eq!(first["metrics"]["updates_accepted"], 4);
+    assert_eq!(first["metrics"]["samples"], 100);
+    assert!(
+        (first["metrics"]["eval_accuracy"]
+            .as_f64()
+            .unwrap_or_default()
+            - 0.8)
+            .abs()
+            < 1e-9
+    );
+    assert!(
+        first["metrics"]["bytes_in"].as_i64() > Some(0)
+            && first["metrics"]["bytes_out"].as_i64() > Some(0)
+    );
+    let detail = admin.ok(&format!("/api/v1/rounds/{}", first["id"])).await?;
+    let participants = detail["participants"].as_array().map(Vec::len);
+    assert_eq!(participants, Some(4), "{detail}");
+    assert!(
+        detail["participants"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|p| p["state"] == "uploaded")
+    );
+
+    let late = devices[0].next_task(100).await?;
+    assert!(late.is_none(), "no task after the job completed");
+    let metrics = reqwest_text(&server, "/metrics").await?;
+    assert!(
+        metrics.contains("canopy_updates_accepted_total 8"),
+        "{metrics}"
+    );
+    Ok(())
+}
+
+async fn reqwest_text(server: &TestServer, path: &str) -> Result<String> {
+    Ok(server
+        .transport()
+        .http()
+        .get(server.transport().url(path))
+        .send()
+        .await?
+        .text()
+        .await?)
+}
+
+/// Waits until the job has completed `round` rounds; returns the job.
+async fn wait_for_rounds(admin: &Admin, job: i64, round: u32) -> Result<Value> {
+    let deadline = std::time::Instant::now() + JOB_TIMEOUT;
+    loop {
+        let state = admin.ok(&format!("/api/v1/jobs/{job}")).await?;
+        if state["rounds_completed"].as_i64() >= Some(i64::from(round)) {
+            return Ok(state);
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "round {round} did not finish: {state}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn federated_job_on_sqlite() -> Result<()> {
+    federated_job_matches_fedavg(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn federated_job_on_postgres() -> Result<()> {
+    federated_job_matches_fedavg(Database::Postgres).await
+}
+
+/// kill -9 mid-round, restart: accepted updates survive, none is counted
+/// twice, and the job completes with exactly FedAvg of the four updates.
+async fn survives_kill_9(database: Database) -> Result<()> {
+    let mut server = TestServer::start(database)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(3)).await?;
+    let token = admin.enrollment_token(4).await?;
+    let mut devices = Vec::new();
+    for _ in 0..4 {
+        devices.push(enroll_device(&server, &token).await?);
+    }
+    let job = admin
+        .create_job(job_spec(
+            version["id"].as_i64().unwrap_or_default(),
+            1,
+            4,
+            4,
+            120_000,
+        ))
+        .await?;
+    let base = fetch_model(&admin, "logreg", 1).await?;
+    let mut tasks = Vec::new();
+    for device in &devices {
+        tasks.push(poll(device).await?);
+    }
+    let mut sent = Vec::new();
+    for (device, task) in devices.iter().zip(&tasks).take(2) {
+        sent.push(train(device, task, 25).await?);
+    }
+
+    server.restart()?;
+    let admin = server.admin();
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", tasks[0].round_id))
+        .await?;
+    assert_eq!(
+        round["metrics"]["updates_accepted"], 2,
+        "accepted updates survive kill -9: {round}"
+    );
+    assert_eq!(round["state"], "training");
+    // Clients reconnect through a fresh transport (the old connections died).
+    let mut devices = devices;
+    for device in &mut devices {
+        device.set_transport(server.transport());
+    }
+    for (device, (task, earlier)) in devices.iter().zip(tasks.iter().zip(&sent)) {
+        let again = encode_update(&task.layout, earlier.samples, &earlier.values)?;
+        assert_eq!(
+            status_of(device.upload_update(task, Bytes::from(again)).await),
+            Some(409),
+            "re-sent after restart"
+        );
+    }
+    for device in devices.iter().skip(2) {
+        let task = poll(device).await?;
+        assert_eq!(
+            task.round_id, tasks[0].round_id,
+            "the same task is handed out again"
+        );
+        sent.push(train(device, &task, 40).await?);
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    assert_eq!(finished["state"], "completed", "{finished}");
+    assert_params(
+        &fetch_model(&admin, "logreg", 2).await?,
+        &expected_params(&base, &sent),
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_round_on_sqlite() -> Result<()> {
+    survives_kill_9(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_round_on_postgres() -> Result<()> {
+    survives_kill_9(Database::Postgres).await
+}
+
+/// A round that misses its minimum fails cleanly, writes no version, and
+/// is retried; late uploads answer 410.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_round_is_retried_without_a_version() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(5)).await?;
+    let token = admin.enrollment_token(2).await?;
+    let a = enroll_device(&server, &token).await?;
+    let b = enroll_device(&server, &token).await?;
+    let job = admin
+        .create_job(job_spec(
+            version["id"].as_i64().unwrap_or_default(),
+            1,
+            2,
+            2,
+            1_500,
+        ))
+        .await?;
+    let task_a = poll(&a).await?;
+    let task_b = poll(&b).await?;
+    train(&a, &task_a, 10).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let round = admin
+            .ok(&format!("/api/v1/rounds/{}", task_a.round_id))
+            .await?;
+        if round["state"] == "failed" {
+            assert!(
+                round["status_message"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains("only 1 of the 2"),
+                "{round}"
+            );
+            assert_eq!(round["metrics"]["dropouts"], 1);
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "round did not fail: {round}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let late = encode_update(&task_b.layout, 10, &delta(&task_b.layout, 1))?;
+    assert_eq!(
+        status_of(b.upload_update(&task_b, Bytes::from(late)).await),
+        Some(410),
+        "late upload"
+    );
+    let versions = admin.ok("/api/v1/models/logreg/versions").await?;
+    assert_eq!(
+        versions["items"].as_array().map(Vec::len),
+        Some(1),
+        "a failed round writes no version"
+    );
+
+    let retry_a = poll(&a).await?;
+    let retry_b = poll(&b).await?;
+    assert_ne!(retry_a.round_id, task_a.round_id, "a new attempt");
+    train(&a, &retry_a, 10).await?;
+    train(&b, &retry_b, 10).await?;
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    assert_eq!(finished["state"], "completed", "{finished}");
+    let rounds = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?;
+    let states: Vec<_> = rounds["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            (
+                r["number"].clone(),
+                r["attempt"].clone(),
+                r["state"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        states,
+        vec![
+            (json!(1), json!(1), json!("failed")),
+            (json!(1), json!(2), json!("succeeded"))
+        ]
+    );
+    Ok(())
+}
