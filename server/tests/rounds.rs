@@ -703,3 +703,55 @@ async fn failed_round_is_retried_without_a_version() -> Result<()> {
     );
     Ok(())
 }
+
+/// Two server processes on one PostgreSQL database, devices split between
+/// them: every round is aggregated exactly once, to exactly FedAvg.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_share_one_postgres() -> Result<()> {
+    let first = TestServer::start(Database::Postgres)?;
+    let second = first.second_process()?;
+    let admin = first.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(11)).await?;
+    let token = admin.enrollment_token(4).await?;
+    let mut devices = Vec::new();
+    for index in 0..4 {
+        let server = if index % 2 == 0 { &first } else { &second };
+        devices.push(enroll_device(server, &token).await?);
+    }
+    let job = admin
+        .create_job(job_spec(
+            version["id"].as_i64().unwrap_or_default(),
+            3,
+            4,
+            4,
+            60_000,
+        ))
+        .await?;
+    let mut base = fetch_model(&admin, "logreg", 1).await?;
+    for round in 1..=3 {
+        let mut sent = Vec::new();
+        for (index, device) in devices.iter().enumerate() {
+            let task = poll(device).await?;
+            sent.push(train(device, &task, 5 + index as u64).await?);
+        }
+        wait_for_rounds(&second.admin(), job, round).await?;
+        let produced = fetch_model(&second.admin(), "logreg", i64::from(round) + 1).await?;
+        assert_params(&produced, &expected_params(&base, &sent));
+        base = produced;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    assert_eq!(finished["state"], "completed");
+    let versions = admin.ok("/api/v1/models/logreg/versions").await?;
+    assert_eq!(
+        versions["items"].as_array().map(Vec::len),
+        Some(4),
+        "one version per round, no duplicates"
+    );
+    let rounds = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?;
+    assert_eq!(
+        rounds["items"].as_array().map(Vec::len),
+        Some(3),
+        "{rounds}"
+    );
+    Ok(())
+}

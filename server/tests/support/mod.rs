@@ -125,6 +125,28 @@ impl TestServer {
         Ok(server)
     }
 
+    /// A second server process on the same database and blob store, as
+    /// when one machine is not enough.
+    pub fn second_process(&self) -> Result<TestServer> {
+        let blobs = self.data_dir.path().join("blobs").display().to_string();
+        let mut extra_args = self.extra_args.clone();
+        extra_args.extend(["--blob-store".to_string(), blobs]);
+        let mut server = TestServer {
+            child: None,
+            base: String::new(),
+            port: free_port(),
+            fingerprint: String::new(),
+            admin_token: self.admin_token.clone(),
+            database: self.database,
+            database_url: self.database_url.clone(),
+            data_dir: tempfile::tempdir()?,
+            pg_name: None,
+            extra_args,
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
     pub fn log_path(&self) -> PathBuf {
         self.data_dir.path().join("server.log")
     }
@@ -206,6 +228,35 @@ impl TestServer {
             if Instant::now() > deadline {
                 let _ = child.kill();
                 bail!("the server did not exit within 60 s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Sends SIGTERM without waiting.
+    pub fn signal_term(&self) -> Result<()> {
+        let pid = self.pid().ok_or_else(|| anyhow!("server not running"))?;
+        let status = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()?;
+        anyhow::ensure!(status.success(), "kill -TERM {pid} failed");
+        Ok(())
+    }
+
+    /// Waits for the process to exit on its own.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| anyhow!("server not running"))?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                bail!("the server did not exit within {timeout:?}");
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -409,11 +460,19 @@ pub async fn enroll_device(server: &TestServer, token: &str) -> Result<DeviceCli
 
 /// A small trainable model: logistic regression on 64 features, 10 classes.
 pub fn logreg_model_bytes(seed: u64) -> Vec<u8> {
-    let config = canopy_engine::zoo::ModelConfig {
-        architecture: canopy_engine::zoo::Architecture::LogReg {
+    model_bytes(
+        canopy_engine::zoo::Architecture::LogReg {
             inputs: 64,
             classes: 10,
         },
+        seed,
+    )
+}
+
+/// A trainable model file of the given architecture, trained with SGD.
+pub fn model_bytes(architecture: canopy_engine::zoo::Architecture, seed: u64) -> Vec<u8> {
+    let config = canopy_engine::zoo::ModelConfig {
+        architecture,
         seed,
         optimizer: canopy_engine::optim::Optimizer::parse("sgd").expect("sgd"),
         frozen_prefixes: Vec::new(),
