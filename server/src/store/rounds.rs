@@ -396,13 +396,16 @@ pub struct TaskRow {
 
 /// The device's open task, marked delivered. A task already delivered is
 /// handed out again, so a device that restarts picks its work back up.
+/// A paused job hands out nothing; updates already under way are still
+/// accepted until the deadline.
 pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx::Error> {
     let now = now_ms();
     let task: Option<TaskRow> = sqlx::query_as(
         "SELECT r.id AS round_id, r.job_id, r.number, r.base_version_id, r.deadline_ms, j.config \
          FROM participants p JOIN rounds r ON r.id = p.round_id JOIN jobs j ON j.id = r.job_id \
          WHERE p.device_id = $1 AND p.state IN ('selected', 'delivered') \
-         AND r.state = 'training' AND r.deadline_ms > $2 ORDER BY r.id LIMIT 1",
+         AND r.state = 'training' AND r.deadline_ms > $2 AND j.state = 'running' \
+         ORDER BY r.id LIMIT 1",
     )
     .bind(device_id)
     .bind(now)

@@ -1,0 +1,172 @@
+//! Job control, selection and device filters.
+
+mod support;
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use bytes::Bytes;
+use canopy_protocol::update::encode_update;
+use serde_json::{Value, json};
+use support::{Database, TestServer, enroll_device, logreg_model_bytes};
+
+fn spec(version: &Value, min: u32, target: u32, over_selection: f64, filters: Value) -> Value {
+    json!({
+        "name": "control", "model_version_id": version["id"], "rounds": 1, "min_devices": min,
+        "target_devices": target, "over_selection": over_selection, "round_deadline_ms": 60_000,
+        "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1, "filters": filters,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_pause_resume_cancel() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(2)).await?;
+    let token = admin.enrollment_token(1).await?;
+    let device = enroll_device(&server, &token).await?;
+    let created = admin
+        .post("/api/v1/jobs", spec(&version, 1, 1, 0.0, json!({})))
+        .await?;
+    assert_eq!(created.status, 201, "{}", created.body);
+    let id = created.body["id"].as_i64().unwrap_or_default();
+    let act = |verb: &'static str| {
+        let admin = &admin;
+        async move {
+            admin
+                .post(&format!("/api/v1/jobs/{id}/{verb}"), json!({}))
+                .await
+        }
+    };
+    let refused = act("pause").await?;
+    assert_eq!(refused.status, 409, "a created job cannot be paused");
+    assert!(
+        refused.body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("it is created")
+    );
+    assert_eq!(act("start").await?.body["state"], "running");
+    assert_eq!(act("start").await?.status, 409, "already running");
+    assert_eq!(act("pause").await?.body["state"], "paused");
+    assert!(
+        device.next_task(1_000).await?.is_none(),
+        "a paused job selects no devices"
+    );
+    assert_eq!(act("resume").await?.body["state"], "running");
+    let task = loop {
+        if let Some(task) = device.next_task(2_000).await? {
+            break task;
+        }
+    };
+    assert_eq!(act("cancel").await?.body["state"], "cancelled");
+    assert_eq!(act("cancel").await?.status, 409);
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", task.round_id))
+        .await?;
+    assert_eq!(round["state"], "failed");
+    assert!(
+        round["status_message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("cancelled")
+    );
+    let update = encode_update(&task.layout, 5, &vec![0.0; task.layout.num_elements()])?;
+    let status = device
+        .upload_update(&task, Bytes::from(update))
+        .await
+        .err()
+        .and_then(|e| e.status());
+    assert_eq!(
+        status,
+        Some(410),
+        "uploads to a cancelled job's round are gone"
+    );
+    assert_eq!(
+        admin
+            .post("/api/v1/jobs/999/start", json!({}))
+            .await?
+            .status,
+        404
+    );
+    Ok(())
+}
+
+/// Over-selection picks extra devices; the round closes at the target and
+/// the extra device's upload is late (410). Filters keep other devices out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_selection_and_filters() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(4)).await?;
+    let token = admin.enrollment_token(4).await?;
+    let mut devices = Vec::new();
+    for _ in 0..4 {
+        devices.push(enroll_device(&server, &token).await?);
+    }
+    let outsider = devices.pop().expect("four devices");
+    for device in &devices {
+        let tagged = admin
+            .send(
+                reqwest::Method::PUT,
+                &format!("/api/v1/devices/{}/tags", device.device_id),
+                Some(json!({"tags": {"site": "lab"}})),
+            )
+            .await?;
+        assert_eq!(tagged.status, 200, "{}", tagged.body);
+        assert_eq!(tagged.body["tags"]["site"], "lab");
+    }
+    let filters = json!({"tier": "edge", "backends": ["cpu"], "tags": {"site": "lab"}});
+    let job = admin.create_job(spec(&version, 2, 2, 0.5, filters)).await?;
+    let mut tasks = Vec::new();
+    for device in &devices {
+        let task = device.next_task(10_000).await?;
+        ensure!(
+            task.is_some(),
+            "device {} was not selected",
+            device.device_id
+        );
+        tasks.push(task.unwrap_or_else(|| unreachable!()));
+    }
+    assert!(
+        outsider.next_task(500).await?.is_none(),
+        "an untagged device is filtered out"
+    );
+    for (device, task) in devices.iter().zip(&tasks).take(2) {
+        let update = encode_update(&task.layout, 3, &vec![0.01; task.layout.num_elements()])?;
+        device.upload_update(task, Bytes::from(update)).await?;
+    }
+    let finished = admin.wait_for_job(job, Duration::from_secs(60)).await?;
+    assert_eq!(finished["state"], "completed");
+    let late = encode_update(
+        &tasks[2].layout,
+        3,
+        &vec![0.01; tasks[2].layout.num_elements()],
+    )?;
+    let status = devices[2]
+        .upload_update(&tasks[2], Bytes::from(late))
+        .await
+        .err()
+        .and_then(|e| e.status());
+    assert_eq!(
+        status,
+        Some(410),
+        "the over-selected device's upload is late"
+    );
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", tasks[0].round_id))
+        .await?;
+    assert_eq!(round["selected"], 3, "target 2 with 50% over-selection");
+    assert_eq!(round["metrics"]["dropouts"], 1);
+    let rejected = admin
+        .post("/api/v1/jobs", spec(&version, 3, 2, 0.0, json!({})))
+        .await?;
+    assert_eq!(rejected.status, 422, "target below min: {}", rejected.body);
+    assert!(
+        rejected.body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("target_devices")
+    );
+    Ok(())
+}
