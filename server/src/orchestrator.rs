@@ -39,6 +39,9 @@ pub async fn run(state: AppState, mut shutdown: watch::Receiver<bool>) {
             if let Err(error) = devices::prune_nonces(&state.db).await {
                 tracing::warn!(error = %chain(&error), "cannot prune device nonces");
             }
+            // The limiter keeps a cell per client address; forget idle ones.
+            state.sensitive_limiter.retain_recent();
+            state.sensitive_limiter.shrink_to_fit();
         }
         tokio::select! {
             _ = tokio::time::sleep(tick) => {}
