@@ -8,7 +8,7 @@
 //! state (seen nonces), so it is the server's job; this module only bounds the
 //! timestamp ([`check_timestamp`]) so that the nonce memory can be bounded too.
 
-use ed25519_dalek::{Signer, SigningKey};
+use ed25519_dalek::Signer;
 use rand::RngCore;
 use sha2::{Digest, Sha256};
 
@@ -37,42 +37,10 @@ const SHA256_HEX_LEN: usize = 64;
 const MAX_DEVICE_ID_DIGITS: usize = 19;
 const MAX_TIMESTAMP_DIGITS: usize = 20;
 
-/// A device's Ed25519 secret key.
-#[derive(Clone)]
-pub struct DeviceKey(SigningKey);
-
-impl DeviceKey {
-    /// A fresh key from the operating system's random source.
-    pub fn generate() -> DeviceKey {
-        DeviceKey(keys::generate_signing_key())
-    }
-
-    pub fn from_bytes(secret: &[u8; 32]) -> DeviceKey {
-        DeviceKey(SigningKey::from_bytes(secret))
-    }
-
-    /// The secret key; store it only where the device keeps its credentials.
-    pub fn to_bytes(&self) -> [u8; 32] {
-        self.0.to_bytes()
-    }
-
-    pub fn public_key(&self) -> [u8; 32] {
-        self.0.verifying_key().to_bytes()
-    }
-
-    pub fn public_key_hex(&self) -> String {
-        hex::encode(self.public_key())
-    }
-}
-
-impl std::fmt::Debug for DeviceKey {
-    // Keys end up in logs via `{:?}`; only the public half may.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceKey")
-            .field("public_key", &self.public_key_hex())
-            .finish_non_exhaustive()
-    }
-}
+keys::signing_key_type!(
+    /// A device's Ed25519 secret key.
+    DeviceKey
+);
 
 /// The authentication data of one request, as carried in its headers.
 #[derive(Clone, Debug, PartialEq, Eq)]

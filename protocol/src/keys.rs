@@ -55,3 +55,47 @@ pub(crate) fn parse_signature_hex(s: &str) -> Result<Signature, String> {
     hex::decode_to_slice(s, &mut bytes).map_err(|e| format!("not hex: {e}"))?;
     Ok(Signature::from_bytes(&bytes))
 }
+
+/// Declares a newtype over an Ed25519 signing key with the accessors both
+/// key kinds share, and a `Debug` that shows only the public half (keys end
+/// up in logs via `{:?}`).
+macro_rules! signing_key_type {
+    ($(#[$meta:meta])* $name:ident) => {
+        $(#[$meta])*
+        #[derive(Clone)]
+        pub struct $name(ed25519_dalek::SigningKey);
+
+        impl $name {
+            /// A fresh key from the operating system's random source.
+            pub fn generate() -> $name {
+                $name($crate::keys::generate_signing_key())
+            }
+
+            pub fn from_bytes(secret: &[u8; 32]) -> $name {
+                $name(ed25519_dalek::SigningKey::from_bytes(secret))
+            }
+
+            /// The secret key; store it only where its owner keeps credentials.
+            pub fn to_bytes(&self) -> [u8; 32] {
+                self.0.to_bytes()
+            }
+
+            pub fn public_key(&self) -> [u8; 32] {
+                self.0.verifying_key().to_bytes()
+            }
+
+            pub fn public_key_hex(&self) -> String {
+                hex::encode(self.public_key())
+            }
+        }
+
+        impl std::fmt::Debug for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($name))
+                    .field("public_key", &self.public_key_hex())
+                    .finish_non_exhaustive()
+            }
+        }
+    };
+}
+pub(crate) use signing_key_type;

@@ -2,12 +2,12 @@
 //! that the model it downloaded was published by its own server even when
 //! the bytes came through a cache or CDN.
 
-use ed25519_dalek::{Signer, SigningKey};
+use ed25519_dalek::Signer;
 
 use crate::keys;
 
 pub const MODEL_SIGNATURE_DOMAIN: &str = "canopy-model-v1";
-/// 64 hex characters: the model file's SHA-256, as computed by
+/// 64 hex characters: the model's content digest (SHA-256), as computed by
 /// `canopy_ir::format::digest` and spelled by `canopy_ir::format::digest_hex`.
 pub const HEADER_MODEL_DIGEST: &str = "x-canopy-model-digest";
 /// 128 hex characters: [`ServerKey::sign_model`] of the digest.
@@ -15,47 +15,17 @@ pub const HEADER_MODEL_SIGNATURE: &str = "x-canopy-model-signature";
 
 const DIGEST_HEX_LEN: usize = 64;
 
-/// The server's Ed25519 secret key for signing models.
-#[derive(Clone)]
-pub struct ServerKey(SigningKey);
+keys::signing_key_type!(
+    /// The server's Ed25519 secret key for signing models.
+    ServerKey
+);
 
 impl ServerKey {
-    /// A fresh key from the operating system's random source.
-    pub fn generate() -> ServerKey {
-        ServerKey(keys::generate_signing_key())
-    }
-
-    pub fn from_bytes(secret: &[u8; 32]) -> ServerKey {
-        ServerKey(SigningKey::from_bytes(secret))
-    }
-
-    /// The secret key; store it only where the server keeps its credentials.
-    pub fn to_bytes(&self) -> [u8; 32] {
-        self.0.to_bytes()
-    }
-
-    pub fn public_key(&self) -> [u8; 32] {
-        self.0.verifying_key().to_bytes()
-    }
-
-    pub fn public_key_hex(&self) -> String {
-        hex::encode(self.public_key())
-    }
-
     /// Hex signature over `MODEL_SIGNATURE_DOMAIN + "\n" + digest_hex + "\n"`.
     /// The digest is lowercased first so that both ends sign and verify the
     /// same bytes whatever spelling they were handed.
     pub fn sign_model(&self, digest_hex: &str) -> String {
         hex::encode(self.0.sign(&model_message(digest_hex)).to_bytes())
-    }
-}
-
-impl std::fmt::Debug for ServerKey {
-    // Keys end up in logs via `{:?}`; only the public half may.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerKey")
-            .field("public_key", &self.public_key_hex())
-            .finish_non_exhaustive()
     }
 }
 
