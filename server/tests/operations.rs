@@ -387,3 +387,46 @@ async fn revoked_credentials_cannot_enroll_or_authenticate() -> Result<()> {
     assert_eq!(status, Some(401), "a revoked device cannot authenticate");
     Ok(())
 }
+
+/// `--tls-cert`/`--tls-key` serve the operator's certificate; a client
+/// pinning another certificate refuses the connection.
+#[tokio::test]
+async fn serves_certificate_files_and_pinning_is_enforced() -> Result<()> {
+    let first = TestServer::start(Database::Sqlite)?;
+    let cert = first.data_dir.path().join("tls/self-signed-cert.pem");
+    let key = first.data_dir.path().join("tls/self-signed-key.pem");
+    let dir = tempfile::tempdir()?;
+    let mut child = server_bin()
+        .args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
+        .arg(&cert)
+        .arg("--tls-key")
+        .arg(&key)
+        .env("CANOPY_DATA_DIR", dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().expect("stdout");
+    let base = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|line| line.strip_prefix("listening on ").map(str::to_string))
+    })
+    .await?
+    .unwrap_or_default();
+    assert!(base.starts_with("https://"), "{base}");
+    let pinned = canopy_sdk::Transport::new(&base, &first.trust())?;
+    let health = pinned.http().get(pinned.url("/healthz")).send().await;
+    let wrong =
+        canopy_sdk::Transport::new(&base, &canopy_sdk::Trust::PinnedSha256("00".repeat(32)))?;
+    let refused = wrong.http().get(wrong.url("/healthz")).send().await;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(health?.status(), 200);
+    assert!(
+        refused.is_err(),
+        "a client pinning another certificate must not connect"
+    );
+    Ok(())
+}
