@@ -12,11 +12,18 @@ use std::time::Duration;
 
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
-use tokio::sync::{Mutex, MutexGuard};
+use tokio::sync::{Mutex, MutexGuard, Semaphore, SemaphorePermit};
 
 /// Connections in the pool; SQLite readers share the one file.
 const MAX_CONNECTIONS: u32 = 16;
 const ACQUIRE_TIMEOUT_MS: u64 = 10_000;
+/// Pooled connections that writes to a round's row (folding an update,
+/// counting download bytes) may hold at once. On PostgreSQL such a write
+/// waits for the round's row lock, which every upload to that round holds
+/// while it folds; without this bound, a burst of uploads and downloads for
+/// one round parks every pooled connection on that lock and starves all
+/// other requests (polls, signature nonces) towards the acquire timeout.
+const ROUND_WRITE_CONNECTIONS: usize = 4;
 /// How long SQLite waits for another process's write lock (the `token`
 /// subcommand while `serve` runs) before it reports "database is locked".
 const SQLITE_BUSY_TIMEOUT_MS: u64 = 10_000;
@@ -52,6 +59,7 @@ pub struct Db {
     pub pool: AnyPool,
     pub backend: Backend,
     writer: Arc<Mutex<()>>,
+    round_writes: Arc<Semaphore>,
 }
 
 /// Held for the length of a write transaction on SQLite; empty on PostgreSQL.
@@ -96,6 +104,7 @@ impl Db {
             pool,
             backend,
             writer: Arc::new(Mutex::new(())),
+            round_writes: Arc::new(Semaphore::new(ROUND_WRITE_CONNECTIONS)),
         })
     }
 
@@ -114,6 +123,13 @@ impl Db {
             Backend::Sqlite => WriteGuard(Some(self.writer.lock().await)),
             Backend::Postgres => WriteGuard(None),
         }
+    }
+
+    /// Taken before a write to a round's row, so that writers queueing for
+    /// the row lock wait here, holding no pooled connection (see
+    /// [`ROUND_WRITE_CONNECTIONS`]).
+    pub async fn round_write_slot(&self) -> Option<SemaphorePermit<'_>> {
+        self.round_writes.acquire().await.ok()
     }
 
     /// `FOR UPDATE SKIP LOCKED` where the database has row locks.

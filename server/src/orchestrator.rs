@@ -138,7 +138,7 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
         notify_devices = select(state, &mut tx, &round, &spec).await?;
         round = reload(&mut tx, round.id).await?;
     }
-    if round.state == "training" && should_close(&mut tx, &round).await? {
+    if round.state == "training" && should_close(&round) {
         rounds::close(&mut tx, round.id).await?;
         tracing::info!(
             round = round.id,
@@ -248,24 +248,16 @@ fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<boo
 }
 
 /// A round closes at its target, at its deadline, or when every selected
-/// device has either uploaded or been dropped.
-async fn should_close(tx: &mut Tx<'_>, round: &RoundRow) -> Result<bool, sqlx::Error> {
-    if round.updates_accepted >= round.target_devices {
-        return Ok(true);
-    }
-    if round
-        .deadline_ms
-        .is_some_and(|deadline| now_ms() >= deadline)
-    {
-        return Ok(true);
-    }
-    let (pending,): (i64,) = sqlx::query_as(
-        "SELECT COUNT(*) FROM participants WHERE round_id = $1 AND state IN ('selected', 'delivered')",
-    )
-    .bind(round.id)
-    .fetch_one(&mut **tx)
-    .await?;
-    Ok(pending == 0)
+/// device has uploaded. While a round trains, participants leave
+/// `selected`/`delivered` only by uploading, so the count of those still
+/// working is arithmetic, not a scan (which would make each upload's check
+/// cost O(devices)).
+fn should_close(round: &RoundRow) -> bool {
+    round.updates_accepted >= round.target_devices
+        || round.updates_accepted >= round.selected_count
+        || round
+            .deadline_ms
+            .is_some_and(|deadline| now_ms() >= deadline)
 }
 
 /// Writes the averaged model as a new version, or fails the round when too

@@ -34,6 +34,8 @@ pub struct Inner {
     /// Woken when an update lands, so the orchestrator can close a full round.
     pub orchestrator_wake: Notify,
     pub upload_slots: Semaphore,
+    /// Uploads waiting to be folded, batched per round.
+    pub folds: crate::api::device::folds::FoldQueue,
     pub sensitive_limiter: DefaultKeyedRateLimiter<IpAddr>,
     pub shutting_down: AtomicBool,
     layouts: std::sync::Mutex<HashMap<i64, Arc<UpdateLayout>>>,
@@ -52,6 +54,7 @@ impl AppState {
             .unwrap_or(NonZeroU32::MIN);
         AppState(Arc::new(Inner {
             upload_slots: Semaphore::new(settings.limits.max_concurrent_uploads),
+            folds: Default::default(),
             sensitive_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
             db,
             blobs,

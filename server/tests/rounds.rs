@@ -409,14 +409,10 @@ async fn federated_job_matches_fedavg(database: Database) -> Result<()> {
     for _ in 0..4 {
         devices.push(enroll_device(&server, &token).await?);
     }
-    let exhausted = enroll_device(&server, &token).await;
-    assert!(
-        format!(
-            "{:#}",
-            exhausted.err().expect("a fifth enrollment must fail")
-        )
-        .contains("used 4 times")
-    );
+    let Err(exhausted) = enroll_device(&server, &token).await else {
+        panic!("a fifth enrollment must fail");
+    };
+    assert!(format!("{exhausted:#}").contains("used 4 times"));
 
     let job = admin
         .create_job(job_spec(
@@ -445,9 +441,8 @@ async fn federated_job_matches_fedavg(database: Database) -> Result<()> {
         let version_number = i64::from(round) + 1;
         let produced = fetch_model(&admin, "logreg", version_number).await?;
         assert_params(&produced, &expected);
-        assert_eq!(
+        assert!(
             produced.metadata.parent_digest.is_some(),
-            true,
             "lineage in the file"
         );
         let lineage = admin

@@ -467,18 +467,25 @@ pub async fn participant_state(
 type LockedRound = (String, Option<i64>, Option<Vec<u8>>, i64);
 
 /// A decoded, checked update, ready to fold.
-pub struct AcceptedUpdate<'a> {
-    pub round_id: i64,
+pub struct AcceptedUpdate {
     pub device_id: i64,
     pub num_samples: u64,
-    pub values: &'a [f32],
+    pub values: Vec<f32>,
     pub bytes: u64,
 }
 
-/// Folds an update into the round's running weighted sum and records the
-/// participant as uploaded, in one transaction: after a crash, an update
-/// is either fully counted or not at all, and never twice.
-pub async fn accept_update(db: &Db, update: &AcceptedUpdate<'_>) -> Result<u64, UploadRejection> {
+/// Folds a batch of updates to one round into its running weighted sum and
+/// records each accepted device as uploaded, in one transaction: after a
+/// crash, an update is either fully counted or not at all, and never twice.
+/// One transaction per batch, not per update, because each fold rewrites
+/// the whole model-sized sum. Returns, per update in order, the number of
+/// updates accepted so far or why it was refused.
+pub async fn accept_updates(
+    db: &Db,
+    round_id: i64,
+    updates: &[AcceptedUpdate],
+) -> Result<Vec<Result<u64, UploadRejection>>, sqlx::Error> {
+    let _slot = db.round_write_slot().await;
     let now = now_ms();
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
@@ -486,14 +493,17 @@ pub async fn accept_update(db: &Db, update: &AcceptedUpdate<'_>) -> Result<u64, 
         "SELECT state, deadline_ms, update_sum, weight_total FROM rounds WHERE id = $1{}",
         db.for_update()
     )))
-    .bind(update.round_id)
+    .bind(round_id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((round_state, deadline_ms, stored_sum, weight_total)) = round else {
-        return Err(UploadRejection::NotParticipant {
-            round_id: update.round_id,
-            device_id: update.device_id,
-        });
+    let Some((round_state, deadline_ms, stored_sum, mut weight_total)) = round else {
+        let refuse = |u: &AcceptedUpdate| {
+            Err(UploadRejection::NotParticipant {
+                round_id,
+                device_id: u.device_id,
+            })
+        };
+        return Ok(updates.iter().map(refuse).collect());
     };
     let late = deadline_ms.is_some_and(|deadline| now > deadline);
     if round_state != "training" || late {
@@ -502,78 +512,114 @@ pub async fn accept_update(db: &Db, update: &AcceptedUpdate<'_>) -> Result<u64, 
         } else {
             round_state
         };
-        return Err(UploadRejection::Closed {
-            round_id: update.round_id,
-            state,
-        });
+        let refuse = |_: &AcceptedUpdate| {
+            Err(UploadRejection::Closed {
+                round_id,
+                state: state.clone(),
+            })
+        };
+        return Ok(updates.iter().map(refuse).collect());
     }
+    let mut sum = stored_sum.map(|bytes| fedavg::decode_sum(&bytes));
+    let mut outcomes = Vec::with_capacity(updates.len());
+    let (mut accepted, mut bytes_in) = (0i64, 0i64);
+    for update in updates {
+        let outcome = fold_one(&mut tx, round_id, update, &mut sum, now).await?;
+        if outcome.is_ok() {
+            accepted += 1;
+            bytes_in = bytes_in.saturating_add(i64::try_from(update.bytes).unwrap_or(i64::MAX));
+            weight_total =
+                weight_total.saturating_add(i64::try_from(update.num_samples).unwrap_or(i64::MAX));
+        }
+        outcomes.push(outcome);
+    }
+    if accepted == 0 {
+        let refusals = outcomes.into_iter().map(|outcome| outcome.map(|()| 0));
+        return Ok(refusals.collect());
+    }
+    let (before,): (i64,) = sqlx::query_as(
+        "UPDATE rounds SET update_sum = $1, weight_total = $2, updates_accepted = updates_accepted + $3, \
+         bytes_in = bytes_in + $4 WHERE id = $5 RETURNING updates_accepted - $3",
+    )
+    .bind(sum.as_deref().map(fedavg::encode_sum))
+    .bind(weight_total)
+    .bind(accepted)
+    .bind(bytes_in)
+    .bind(round_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let mut count = before as u64;
+    Ok(outcomes
+        .into_iter()
+        .map(|outcome| {
+            outcome.map(|()| {
+                count += 1;
+                count
+            })
+        })
+        .collect())
+}
+
+/// Checks one participant and folds its update into `sum`; an error in
+/// the outer result aborts the whole batch, one in the inner refuses only
+/// this update.
+async fn fold_one(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    update: &AcceptedUpdate,
+    sum: &mut Option<Vec<f64>>,
+    now: i64,
+) -> Result<Result<(), UploadRejection>, sqlx::Error> {
+    let device_id = update.device_id;
     let participant: Option<(String,)> =
         sqlx::query_as("SELECT state FROM participants WHERE round_id = $1 AND device_id = $2")
-            .bind(update.round_id)
-            .bind(update.device_id)
-            .fetch_optional(&mut *tx)
+            .bind(round_id)
+            .bind(device_id)
+            .fetch_optional(&mut **tx)
             .await?;
     match participant.as_ref().map(|(state,)| state.as_str()) {
         None => {
-            return Err(UploadRejection::NotParticipant {
-                round_id: update.round_id,
-                device_id: update.device_id,
-            });
+            return Ok(Err(UploadRejection::NotParticipant {
+                round_id,
+                device_id,
+            }));
         }
         Some("uploaded") => {
-            return Err(UploadRejection::Duplicate {
-                round_id: update.round_id,
-                device_id: update.device_id,
-            });
+            return Ok(Err(UploadRejection::Duplicate {
+                round_id,
+                device_id,
+            }));
         }
         Some("dropped") => {
-            return Err(UploadRejection::Dropped {
-                round_id: update.round_id,
-                device_id: update.device_id,
-            });
+            return Ok(Err(UploadRejection::Dropped {
+                round_id,
+                device_id,
+            }));
         }
         Some(_) => {}
     }
-    let mut sum = match stored_sum {
-        Some(bytes) => fedavg::decode_sum(&bytes),
-        None => vec![0.0; update.values.len()],
-    };
+    let sum = sum.get_or_insert_with(|| vec![0.0; update.values.len()]);
     if sum.len() != update.values.len() {
-        return Err(UploadRejection::SumLength {
-            round_id: update.round_id,
+        return Ok(Err(UploadRejection::SumLength {
+            round_id,
             stored: sum.len(),
             got: update.values.len(),
-        });
+        }));
     }
-    fedavg::fold(&mut sum, update.num_samples, update.values);
-    let samples = i64::try_from(update.num_samples).unwrap_or(i64::MAX);
-    sqlx::query(
-        "UPDATE rounds SET update_sum = $1, weight_total = $2, updates_accepted = updates_accepted + 1, \
-         bytes_in = bytes_in + $3 WHERE id = $4",
-    )
-    .bind(fedavg::encode_sum(&sum))
-    .bind(weight_total.saturating_add(samples))
-    .bind(i64::try_from(update.bytes).unwrap_or(i64::MAX))
-    .bind(update.round_id)
-    .execute(&mut *tx)
-    .await?;
+    fedavg::fold(sum, update.num_samples, &update.values);
     sqlx::query(
         "UPDATE participants SET state = 'uploaded', uploaded_ms = $1, num_samples = $2, \
          update_bytes = $3 WHERE round_id = $4 AND device_id = $5",
     )
     .bind(now)
-    .bind(samples)
+    .bind(i64::try_from(update.num_samples).unwrap_or(i64::MAX))
     .bind(i64::try_from(update.bytes).unwrap_or(i64::MAX))
-    .bind(update.round_id)
-    .bind(update.device_id)
-    .execute(&mut *tx)
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&mut **tx)
     .await?;
-    let (accepted,): (i64,) = sqlx::query_as("SELECT updates_accepted FROM rounds WHERE id = $1")
-        .bind(update.round_id)
-        .fetch_one(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(accepted as u64)
+    Ok(Ok(()))
 }
 
 /// Stores what a participant reports about its training and evaluation.
@@ -618,6 +664,7 @@ pub async fn add_bytes_out(
     version_id: i64,
     bytes: u64,
 ) -> Result<(), sqlx::Error> {
+    let _round_write = db.round_write_slot().await;
     let _writer = db.write_lock().await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE rounds SET bytes_out = bytes_out + $1 WHERE base_version_id = $2 \

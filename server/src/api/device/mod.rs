@@ -1,6 +1,7 @@
 //! The device API, under `/device/v1`.
 
 pub mod auth;
+pub mod folds;
 mod tasks;
 mod upload;
 

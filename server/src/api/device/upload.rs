@@ -17,6 +17,7 @@ use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
 
 use super::auth::DeviceAuth;
+use super::folds::{self, FoldError};
 use super::tasks::layout;
 use crate::api::admin::models::content_length;
 use crate::db::now_ms;
@@ -57,23 +58,25 @@ pub async fn upload_update(
     .map_err(|error| {
         ApiError::unprocessable(format!("update for round {round_id} rejected: {error}"))
     })?;
+    let num_samples = decoded.num_samples;
     let update = AcceptedUpdate {
-        round_id,
         device_id: device.device_id,
-        num_samples: decoded.num_samples,
-        values: &decoded.values,
+        num_samples,
+        values: decoded.values,
         bytes: bytes.len() as u64,
     };
-    rounds::accept_update(&state.db, &update)
+    folds::submit(&state, round_id, update)
         .await
-        .map_err(rejection)?;
+        .map_err(|error| match error {
+            FoldError::Refused(rejection_reason) => rejection(rejection_reason),
+            FoldError::Failed(error) => error,
+        })?;
     state.metrics.updates_accepted.inc();
     state.metrics.bytes_received.inc_by(bytes.len() as u64);
-    state.orchestrator_wake.notify_one();
     tracing::debug!(
         round = round_id,
         device = device.device_id,
-        samples = decoded.num_samples,
+        samples = num_samples,
         "accepted update"
     );
     Ok((
@@ -81,7 +84,7 @@ pub async fn upload_update(
         Json(UploadReceipt {
             round_id,
             accepted: true,
-            num_samples: decoded.num_samples,
+            num_samples,
             bytes: bytes.len() as u64,
         }),
     ))
