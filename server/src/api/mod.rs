@@ -6,14 +6,20 @@ mod docs;
 pub mod pagination;
 
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::body::{Body, BodyDataStream};
 use axum::extract::{ConnectInfo, MatchedPath, Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use futures_util::StreamExt;
 use serde::Serialize;
 use tower::ServiceBuilder;
 use tower::limit::ConcurrencyLimitLayer;
@@ -68,6 +74,7 @@ pub fn app(state: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(
             ServiceBuilder::new()
+                .layer(middleware::from_fn(drain_unread_body))
                 .layer(CatchPanicLayer::custom(panic_response))
                 .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
                 .layer(TraceLayer::new_for_http().make_span_with(request_span))
@@ -89,6 +96,88 @@ pub fn app(state: AppState) -> Router {
                 .layer(ConcurrencyLimitLayer::new(limits.max_concurrent_requests)),
         )
         .with_state(state)
+}
+
+/// How much of a request body its handler left unread the server still
+/// reads and drops, and for how long, so the connection can be reused.
+const DRAIN_LIMIT_BYTES: usize = 1 << 20;
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// An HTTP/1 answer sent before the request body was read in full (a 401
+/// from the auth layer, a 415, a 429, a 404, a 413 part-way) leaves the rest
+/// of the body on the connection. hyper then closes the connection after the
+/// answer unless the rest has already arrived, and it does so without saying
+/// so: a client that reuses the connection loses its next request. So the
+/// rest is read here (up to [`DRAIN_LIMIT_BYTES`], for [`DRAIN_TIMEOUT`]),
+/// and when it cannot be, the answer says `Connection: close`.
+async fn drain_unread_body(request: Request, next: Next) -> Response {
+    let has_body = request.version() <= axum::http::Version::HTTP_11
+        && (request.headers().contains_key(header::TRANSFER_ENCODING)
+            || admin::models::content_length(request.headers()).is_some_and(|length| length > 0));
+    if !has_body {
+        return next.run(request).await;
+    }
+    // A body declared too large to drain is not waited for at all.
+    let too_large_to_drain = admin::models::content_length(request.headers())
+        .is_some_and(|length| length > DRAIN_LIMIT_BYTES as u64);
+    let (parts, body) = request.into_parts();
+    let shared = SharedBody {
+        stream: Arc::new(Mutex::new(body.into_data_stream())),
+        finished: Arc::new(AtomicBool::new(false)),
+    };
+    let rest = shared.clone();
+    let mut response = next
+        .run(Request::from_parts(parts, Body::from_stream(shared)))
+        .await;
+    if rest.finished.load(Ordering::Relaxed) {
+        return response;
+    }
+    if too_large_to_drain {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        return response;
+    }
+    let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
+        let mut rest = rest;
+        let mut read = 0usize;
+        while let Some(chunk) = rest.next().await {
+            match chunk {
+                Ok(chunk) if read + chunk.len() <= DRAIN_LIMIT_BYTES => read += chunk.len(),
+                _ => return false,
+            }
+        }
+        true
+    })
+    .await
+    .unwrap_or(false);
+    if !drained {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// A request body that the middleware can go on reading after the handler
+/// has dropped its copy; `finished` tells whether it was read to the end.
+#[derive(Clone)]
+struct SharedBody {
+    stream: Arc<Mutex<BodyDataStream>>,
+    finished: Arc<AtomicBool>,
+}
+
+impl futures_util::Stream for SharedBody {
+    type Item = Result<bytes::Bytes, axum::Error>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let mut stream = self.stream.lock().unwrap_or_else(PoisonError::into_inner);
+        let polled = stream.poll_next_unpin(cx);
+        if let Poll::Ready(None) = polled {
+            self.finished.store(true, Ordering::Relaxed);
+        }
+        polled
+    }
 }
 
 fn request_span(request: &Request) -> tracing::Span {
@@ -168,9 +257,13 @@ async fn record_latency(State(state): State<AppState>, request: Request, next: N
     // Clients choose methods freely; only standard ones become labels, so
     // the label set stays bounded.
     let method = match *request.method() {
-        Method::GET | Method::POST | Method::PUT | Method::DELETE | Method::PATCH | Method::HEAD | Method::OPTIONS => {
-            request.method().to_string()
-        }
+        Method::GET
+        | Method::POST
+        | Method::PUT
+        | Method::DELETE
+        | Method::PATCH
+        | Method::HEAD
+        | Method::OPTIONS => request.method().to_string(),
         _ => "OTHER".to_string(),
     };
     let route = request

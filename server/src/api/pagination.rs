@@ -7,6 +7,9 @@ use crate::error::{ApiError, ApiResult};
 use crate::store::Page;
 
 pub const DEFAULT_PAGE_SIZE: u32 = 50;
+/// Digits in an id cursor; the OpenAPI document states the cursor as
+/// `^[0-9]{1,18}$`, and [`PageQuery::page`] accepts exactly that.
+const ID_CURSOR_MAX_DIGITS: usize = 18;
 
 #[derive(Debug, Deserialize, IntoParams)]
 #[into_params(parameter_in = Query)]
@@ -15,6 +18,7 @@ pub struct PageQuery {
     #[param(minimum = 1, maximum = 500)]
     pub limit: Option<u32>,
     /// `next_cursor` of the previous page.
+    #[param(pattern = "^[0-9]{1,18}$")]
     pub cursor: Option<String>,
 }
 
@@ -24,10 +28,14 @@ impl PageQuery {
         let limit = self.limit(max_page_size)?;
         let after = match &self.cursor {
             None => 0,
-            Some(cursor) => cursor
-                .parse::<i64>()
-                .ok()
-                .filter(|id| *id >= 0)
+            // Up to 18 digits always fits an i64; `parse` alone would also
+            // take a sign, which the documented pattern does not.
+            Some(cursor) => Some(cursor)
+                .filter(|cursor| {
+                    (1..=ID_CURSOR_MAX_DIGITS).contains(&cursor.len())
+                        && cursor.bytes().all(|b| b.is_ascii_digit())
+                })
+                .and_then(|cursor| cursor.parse::<i64>().ok())
                 .ok_or_else(|| {
                     ApiError::bad_request(format!(
                         "cursor `{}` is not one this server issued",
@@ -71,4 +79,30 @@ pub fn finish<T>(
 
 fn truncate(text: &str) -> String {
     text.chars().take(64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn after(cursor: &str) -> Option<i64> {
+        PageQuery {
+            limit: None,
+            cursor: Some(cursor.to_string()),
+        }
+        .page(500)
+        .ok()
+        .map(|page| page.after)
+    }
+
+    #[test]
+    fn id_cursors_are_exactly_the_documented_pattern() {
+        assert_eq!(after("0"), Some(0));
+        assert_eq!(after("0042"), Some(42));
+        assert_eq!(after("999999999999999999"), Some(999_999_999_999_999_999));
+        // `^[0-9]{1,18}$` excludes these, so the server must too.
+        for cursor in ["", "+5", "-1", " 7", "7\n", "1e3", "9223372036854775807"] {
+            assert_eq!(after(cursor), None, "{cursor:?}");
+        }
+    }
 }

@@ -18,7 +18,7 @@ pub const MAX_ROUND_DEADLINE_MS: u64 = 7 * 24 * 3_600_000;
 pub const MAX_LOCAL_EPOCHS: u32 = 1_000;
 pub const MAX_BATCH_SIZE: u32 = 65_536;
 pub const MAX_ROUND_RETRIES: u32 = 100;
-pub const MAX_JOB_NAME_BYTES: usize = 128;
+pub const MAX_JOB_NAME_CHARS: usize = 128;
 
 /// How updates are combined. Only FedAvg for now; secure aggregation
 /// arrives as a property of the job, not a new strategy.
@@ -38,6 +38,7 @@ pub struct DeviceFilter {
     pub tier: Option<String>,
     /// The device must report every one of these backends.
     #[serde(default)]
+    #[schema(max_items = 8)]
     pub backends: Vec<String>,
     /// The device must carry every one of these tags with these values.
     #[serde(default)]
@@ -48,22 +49,36 @@ pub struct DeviceFilter {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct JobSpec {
+    // The `schema` bounds state `validate`'s limits in the OpenAPI document.
+    #[schema(
+        min_length = 1,
+        max_length = 128,
+        pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$"
+    )]
     pub name: String,
     /// The model version the job starts from (`id` of a version).
     pub model_version_id: i64,
     /// Successful rounds to run.
+    #[schema(minimum = 1, maximum = 100_000)]
     pub rounds: u32,
     /// Fewest updates that make a round succeed.
+    #[schema(minimum = 1, maximum = 100_000)]
     pub min_devices: u32,
-    /// Updates at which a round closes early.
+    /// Updates at which a round closes early; at least `min_devices`.
+    #[schema(minimum = 1, maximum = 100_000)]
     pub target_devices: u32,
     /// Extra devices to select, as a fraction of the target, to absorb dropouts.
     #[serde(default = "default_over_selection")]
+    #[schema(minimum = 0, maximum = 4)]
     pub over_selection: f64,
     /// How long devices have to upload, from the moment they are selected.
+    #[schema(minimum = 1_000, maximum = 604_800_000)]
     pub round_deadline_ms: u64,
+    #[schema(minimum = 1, maximum = 1_000)]
     pub local_epochs: u32,
+    #[schema(minimum = 1, maximum = 65_536)]
     pub batch_size: u32,
+    #[schema(exclusive_minimum = 0, maximum = 100)]
     pub learning_rate: f64,
     #[serde(default)]
     pub strategy: Strategy,
@@ -71,6 +86,7 @@ pub struct JobSpec {
     pub filters: DeviceFilter,
     /// Failed attempts of one round before the job fails.
     #[serde(default = "default_round_retries")]
+    #[schema(maximum = 100)]
     pub max_round_retries: u32,
 }
 
@@ -85,11 +101,16 @@ fn default_round_retries() -> u32 {
 impl JobSpec {
     /// Checks every bound; the message names the field and the limit.
     pub fn validate(&self) -> Result<(), String> {
-        let name_len = self.name.len();
-        if name_len == 0 || name_len > MAX_JOB_NAME_BYTES {
+        // Characters, as the OpenAPI document's `maxLength` counts them.
+        let name_len = self.name.chars().count();
+        if name_len == 0 || name_len > MAX_JOB_NAME_CHARS {
             return Err(format!(
-                "`name` must be 1 to {MAX_JOB_NAME_BYTES} bytes, got {name_len}"
+                "`name` must be 1 to {MAX_JOB_NAME_CHARS} characters, got {name_len}"
             ));
+        }
+        // They would let a name forge lines in logs, and PostgreSQL refuses NUL.
+        if self.name.chars().any(char::is_control) {
+            return Err("`name` contains control characters".to_string());
         }
         check_range("rounds", self.rounds, 1, MAX_ROUNDS)?;
         check_range("min_devices", self.min_devices, 1, MAX_DEVICES_PER_ROUND)?;

@@ -61,7 +61,31 @@ pub struct DeviceList {
 #[serde(deny_unknown_fields)]
 pub struct TagsUpdate {
     /// Replaces the device's tags.
+    #[schema(schema_with = tags_schema)]
     pub tags: BTreeMap<String, String>,
+}
+
+/// The rules of [`check_tags`] (`Capabilities::validate`), as JSON Schema.
+fn tags_schema() -> utoipa::openapi::schema::Object {
+    use canopy_protocol::messages::{MAX_TAG_KEY_CHARS, MAX_TAG_VALUE_CHARS, MAX_TAGS};
+    use utoipa::openapi::schema::{ObjectBuilder, Type};
+    ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .description(Some("Replaces the device's tags."))
+        .max_properties(Some(MAX_TAGS))
+        .property_names(Some(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .pattern(Some(format!("^[A-Za-z0-9_.-]{{1,{MAX_TAG_KEY_CHARS}}}$"))),
+        ))
+        .additional_properties(Some(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .max_length(Some(MAX_TAG_VALUE_CHARS))
+                // No control characters (Unicode category Cc).
+                .pattern(Some(r"^[^\u0000-\u001F\u007F-\u009F]*$")),
+        ))
+        .build()
 }
 
 fn online_since(state: &AppState) -> i64 {
@@ -113,7 +137,8 @@ pub async fn get(
 
 /// Replace a device's tags.
 #[utoipa::path(
-    put, path = "/api/v1/devices/{id}/tags", tag = "devices", params(("id" = i64, Path)), request_body = TagsUpdate,
+    put, path = "/api/v1/devices/{id}/tags", tag = "devices", params(("id" = i64, Path)),
+    request_body(content = TagsUpdate, example = json!({"tags": {"site": "lab-3", "rack": "b"}})),
     responses(
         (status = 200, body = DeviceView),
         (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),

@@ -15,6 +15,9 @@ use crate::store::rounds::{self, ParticipantRow, RoundRow};
 
 /// Participants included in a round's detail; page through the rest.
 pub const DETAIL_PARTICIPANTS: i64 = 200;
+/// Largest page of rounds (each carries its metrics); the OpenAPI document
+/// states it as `limit`'s maximum.
+pub const MAX_ROUNDS_PAGE: u32 = 100;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct JobView {
@@ -65,7 +68,12 @@ pub struct JobList {
 
 /// Create a job (in state `created`; start it with `/start`).
 #[utoipa::path(
-    post, path = "/api/v1/jobs", tag = "jobs", request_body = JobSpec,
+    post, path = "/api/v1/jobs", tag = "jobs",
+    request_body(content = JobSpec, example = json!({
+        "name": "mnist-fedavg", "model_version_id": 1, "rounds": 10, "min_devices": 1,
+        "target_devices": 2, "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 32,
+        "learning_rate": 0.05, "filters": {"tier": "edge"},
+    })),
     responses(
         (status = 201, body = JobView),
         (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
@@ -367,7 +375,12 @@ async fn detail(
 
 /// List a job's rounds with their metrics, oldest first.
 #[utoipa::path(
-    get, path = "/api/v1/jobs/{id}/rounds", tag = "jobs", params(("id" = i64, Path), PageQuery),
+    get, path = "/api/v1/jobs/{id}/rounds", tag = "jobs",
+    params(
+        ("id" = i64, Path),
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 100, description = "Rounds per page, 1 to 100 (each carries its metrics)"),
+        ("cursor" = Option<String>, Query, pattern = "^[0-9]{1,18}$", description = "`next_cursor` of the previous page"),
+    ),
     responses((status = 200, body = RoundDetailList), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)),
     security(("bearer" = []))
 )]
@@ -377,7 +390,7 @@ pub async fn list_rounds(
     Query(query): Query<PageQuery>,
 ) -> ApiResult<Json<RoundDetailList>> {
     find(&state, id).await?;
-    let page = query.page(state.settings.limits.max_page_size.min(100))?;
+    let page = query.page(state.settings.limits.max_page_size.min(MAX_ROUNDS_PAGE))?;
     let rows = rounds::list_for_job(&state.db, id, page).await?;
     let (rows, next_cursor) = finish(rows, page, |row| row.id.to_string());
     let mut items = Vec::with_capacity(rows.len());

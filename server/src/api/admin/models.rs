@@ -84,6 +84,8 @@ pub struct Lineage {
     pub truncated: bool,
 }
 
+/// The OpenAPI document states this rule as the `name` parameter's pattern,
+/// `^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$`; keep the two in step.
 pub fn check_model_name(name: &str) -> ApiResult<()> {
     let valid = !name.is_empty()
         && name.len() <= MAX_MODEL_NAME_BYTES
@@ -103,7 +105,7 @@ pub fn check_model_name(name: &str) -> ApiResult<()> {
 /// Upload a new version of a model (a Canopy IR file as the raw body).
 #[utoipa::path(
     post, path = "/api/v1/models/{name}/versions", tag = "models",
-    params(("name" = String, Path, description = "Model name")),
+    params(("name" = String, Path, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$", description = "Model name: letters, digits, `-`, `_`, `.`; not starting with `.`")),
     request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "A Canopy IR file"),
     responses(
         (status = 201, description = "Stored", body = ModelVersionView),
@@ -222,7 +224,7 @@ pub async fn store_version(
     get, path = "/api/v1/models", tag = "models",
     params(
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 500, description = "Items per page"),
-        ("cursor" = Option<String>, Query, description = "`next_cursor` of the previous page (a model name)"),
+        ("cursor" = Option<String>, Query, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$", description = "`next_cursor` of the previous page (a model name)"),
     ),
     responses((status = 200, body = ModelList), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse)),
     security(("bearer" = []))
@@ -232,6 +234,15 @@ pub async fn list_models(
     Query(query): Query<PageQuery>,
 ) -> ApiResult<Json<ModelList>> {
     let limit = query.limit(state.settings.limits.max_page_size)?;
+    // The cursor is the last model name of the previous page.
+    if let Some(cursor) = &query.cursor
+        && check_model_name(cursor).is_err()
+    {
+        return Err(ApiError::bad_request(format!(
+            "cursor `{}` is not one this server issued: it is not a model name",
+            cursor.chars().take(64).collect::<String>()
+        )));
+    }
     let after = query.cursor.clone().unwrap_or_default();
     let rows = models::list_models(&state.db, &after, i64::from(limit) + 1).await?;
     let page = crate::store::Page {
@@ -255,7 +266,7 @@ pub async fn list_models(
 /// List a model's versions, oldest first.
 #[utoipa::path(
     get, path = "/api/v1/models/{name}/versions", tag = "models",
-    params(("name" = String, Path), PageQuery),
+    params(("name" = String, Path, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"), PageQuery),
     responses((status = 200, body = ModelVersionList), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse)),
     security(("bearer" = []))
 )]
@@ -284,7 +295,7 @@ pub async fn find(state: &AppState, name: &str, version: i64) -> ApiResult<Versi
 /// Get one version.
 #[utoipa::path(
     get, path = "/api/v1/models/{name}/versions/{version}", tag = "models",
-    params(("name" = String, Path), ("version" = i64, Path)),
+    params(("name" = String, Path, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"), ("version" = i64, Path)),
     responses((status = 200, body = ModelVersionView), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse), (status = 404, body = crate::api::ErrorResponse)),
     security(("bearer" = []))
 )]
@@ -298,7 +309,7 @@ pub async fn get_version(
 /// Download a version's model file.
 #[utoipa::path(
     get, path = "/api/v1/models/{name}/versions/{version}/download", tag = "models",
-    params(("name" = String, Path), ("version" = i64, Path)),
+    params(("name" = String, Path, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"), ("version" = i64, Path)),
     responses(
         (status = 200, description = "The Canopy IR file", content_type = "application/octet-stream", body = Vec<u8>),
         (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse), (status = 404, body = crate::api::ErrorResponse)
@@ -340,7 +351,7 @@ pub async fn download_version(
 /// A version's ancestry: which round produced it from which parent.
 #[utoipa::path(
     get, path = "/api/v1/models/{name}/versions/{version}/lineage", tag = "models",
-    params(("name" = String, Path), ("version" = i64, Path)),
+    params(("name" = String, Path, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"), ("version" = i64, Path)),
     responses((status = 200, body = Lineage), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse), (status = 404, body = crate::api::ErrorResponse)),
     security(("bearer" = []))
 )]

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use axum::Extension;
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
@@ -12,9 +13,9 @@ use crate::api::pagination::{PageQuery, finish};
 use crate::db::now_ms;
 use crate::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::state::AppState;
-use crate::store::tokens::{self, ApiTokenRow, EnrollmentTokenRow, Role};
+use crate::store::tokens::{self, ApiTokenRow, EnrollmentTokenRow, Principal, Role};
 
-pub const MAX_LABEL_BYTES: usize = 128;
+pub const MAX_LABEL_CHARS: usize = 128;
 pub const MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(10 * 365 * 86_400);
 pub const MAX_ENROLLMENT_USES: u32 = 1_000_000;
 
@@ -35,11 +36,19 @@ fn expiry_ms(lifetime: Duration) -> i64 {
 }
 
 fn check_label(label: &str) -> ApiResult<()> {
-    if label.len() > MAX_LABEL_BYTES {
+    // Characters, not bytes: the limit the OpenAPI document states as
+    // `maxLength`, which JSON Schema counts in characters.
+    let chars = label.chars().count();
+    if chars > MAX_LABEL_CHARS {
         return Err(ApiError::unprocessable(format!(
-            "`label` is {} bytes, over the {MAX_LABEL_BYTES}-byte limit",
-            label.len()
+            "`label` is {chars} characters, over the {MAX_LABEL_CHARS}-character limit"
         )));
+    }
+    // They would let a label forge lines in logs, and PostgreSQL refuses NUL.
+    if label.chars().any(char::is_control) {
+        return Err(ApiError::unprocessable(
+            "`label` contains control characters",
+        ));
     }
     Ok(())
 }
@@ -48,9 +57,12 @@ fn check_label(label: &str) -> ApiResult<()> {
 #[serde(deny_unknown_fields)]
 pub struct CreateApiToken {
     pub role: Role,
+    /// Up to 128 characters, no control characters.
     #[serde(default)]
+    #[schema(max_length = 128, pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$")]
     pub label: String,
-    /// Lifetime such as `30d`; no expiry when absent.
+    /// Lifetime such as `30d` or `12h`, above zero and at most 10 years;
+    /// no expiry when absent.
     #[serde(default)]
     pub expires_in: Option<String>,
 }
@@ -94,7 +106,8 @@ pub struct ApiTokenList {
 
 /// Create an API token (admins only).
 #[utoipa::path(
-    post, path = "/api/v1/tokens", tag = "tokens", request_body = CreateApiToken,
+    post, path = "/api/v1/tokens", tag = "tokens",
+    request_body(content = CreateApiToken, example = json!({"role": "viewer", "label": "dashboard", "expires_in": "30d"})),
     responses(
         (status = 201, body = CreatedApiToken),
         (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
@@ -144,16 +157,28 @@ pub async fn list_api_tokens(
     }))
 }
 
-/// Revoke an API token (admins only).
+/// Revoke an API token (admins only). A token cannot revoke itself, so an
+/// admin cannot lock themselves out by mistake.
 #[utoipa::path(
     post, path = "/api/v1/tokens/{id}/revoke", tag = "tokens", params(("id" = i64, Path)),
-    responses((status = 204, description = "Revoked"), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse), (status = 404, body = ErrorResponse)),
+    responses(
+        (status = 204, description = "Revoked"), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse),
+        (status = 403, body = ErrorResponse), (status = 404, body = ErrorResponse),
+        (status = 409, description = "The token making the request", body = ErrorResponse),
+    ),
     security(("bearer" = []))
 )]
 pub async fn revoke_api_token(
     State(state): State<AppState>,
+    Extension(principal): Extension<Principal>,
     Path(id): Path<i64>,
 ) -> ApiResult<StatusCode> {
+    if id == principal.token_id {
+        return Err(ApiError::conflict(format!(
+            "API token {id} is the one making this request and cannot revoke itself; \
+             revoke it with another admin token or `canopy-server token revoke {id}`"
+        )));
+    }
     if !tokens::revoke_api_token(&state.db, id).await? {
         return Err(ApiError::not_found(format!(
             "API token {id} does not exist"
@@ -166,11 +191,14 @@ pub async fn revoke_api_token(
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateEnrollmentToken {
+    /// Up to 128 characters, no control characters.
     #[serde(default)]
+    #[schema(max_length = 128, pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$")]
     pub label: String,
-    /// Lifetime such as `7d`.
+    /// Lifetime such as `7d` or `12h`, above zero and at most 10 years.
     pub expires_in: String,
     /// Devices that may enroll with it.
+    #[schema(minimum = 1, maximum = 1_000_000)]
     pub max_uses: u32,
 }
 
@@ -215,7 +243,8 @@ pub struct EnrollmentTokenList {
 
 /// Create an enrollment token for devices.
 #[utoipa::path(
-    post, path = "/api/v1/enrollment-tokens", tag = "enrollment", request_body = CreateEnrollmentToken,
+    post, path = "/api/v1/enrollment-tokens", tag = "enrollment",
+    request_body(content = CreateEnrollmentToken, example = json!({"label": "lab fleet", "expires_in": "7d", "max_uses": 50})),
     responses(
         (status = 201, body = CreatedEnrollmentToken),
         (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
@@ -291,4 +320,18 @@ pub async fn revoke_enrollment_token(
         )));
     }
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_are_counted_in_characters_and_refuse_control_characters() {
+        assert!(check_label(&"é".repeat(MAX_LABEL_CHARS)).is_ok());
+        assert!(check_label(&"e".repeat(MAX_LABEL_CHARS + 1)).is_err());
+        for label in ["a\0b", "line\nforged", "\u{85}"] {
+            assert!(check_label(label).is_err(), "{label:?}");
+        }
+    }
 }
