@@ -2,10 +2,12 @@
 //! task polling, verified model download and update upload, over HTTPS
 //! with a pinned or CA-verified server certificate.
 //!
-//! This is the transport layer that the edge agent and mobile apps build
-//! on; training itself is `canopy-engine`'s job.
+//! `train` runs a task's shipped `train_step` in `canopy-engine` on local
+//! data and produces the update; the edge agent and mobile apps build on
+//! both.
 
 mod client;
+pub mod train;
 mod trust;
 
 pub use client::{DeviceClient, DownloadedModel, SdkError, Transport, enroll};
