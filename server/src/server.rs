@@ -60,66 +60,88 @@ fn announce(line: &str) {
     let _ = stdout.flush();
 }
 
-pub async fn serve(settings: Settings) -> Result<(), ServeError> {
+/// A server started in this process.
+pub struct Running {
+    pub addr: SocketAddr,
+    /// `https` or `http`.
+    pub scheme: &'static str,
+    /// The first admin token, on the very first start only.
+    pub admin_token: Option<String>,
+    /// `sha256:HEX` of the development certificate, with `--tls self-signed`.
+    pub fingerprint: Option<String>,
+    handle: axum_server::Handle<SocketAddr>,
+    state: AppState,
+    stop: watch::Sender<bool>,
+    grace: Duration,
+    served: tokio::task::JoinHandle<Result<(), ServeError>>,
+    orchestrator: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    pub fn base_url(&self) -> String {
+        format!("{}://{}", self.scheme, self.addr)
+    }
+
+    /// Stops as on SIGTERM: not ready, no new work, in-flight requests get
+    /// the grace period; returns when everything has stopped.
+    pub async fn shutdown(self) -> Result<(), ServeError> {
+        begin_shutdown(&self.handle, &self.state, &self.stop, self.grace);
+        self.wait().await
+    }
+
+    /// Waits until the server stops (after a signal or a failure).
+    pub async fn wait(self) -> Result<(), ServeError> {
+        let served = self.served.await.unwrap_or(Ok(()));
+        let _ = self.stop.send(true);
+        let _ = self.orchestrator.await;
+        tracing::info!("server stopped");
+        served
+    }
+}
+
+/// Opens everything, binds, and starts serving and orchestrating in the
+/// background; returns once the listener is bound.
+pub async fn start(settings: Settings) -> Result<Running, ServeError> {
     tls::install_crypto_provider();
     let db = open_database(&settings).await?;
     let blobs = BlobStore::open(&settings.blob_store)?;
     let server_key = settings::model_signing_key(&db)
         .await
         .map_err(ServeError::Keys)?;
-    if let Some(secret) = settings::bootstrap_admin_token(&db)
+    let admin_token = settings::bootstrap_admin_token(&db)
         .await
-        .map_err(ServeError::Keys)?
-    {
-        announce(&format!("admin token: {secret}"));
-        tracing::warn!(
-            "issued the first admin token; it was printed once and only its hash is kept"
-        );
-    }
+        .map_err(ServeError::Keys)?;
     let listen = settings.listen;
     let tls_setting = settings.tls.clone();
     let data_dir = settings.data_dir.clone();
     let grace = Duration::from_millis(settings.limits.shutdown_grace_ms);
     let state = AppState::new(db, blobs, server_key, settings);
     let app = api::app(state.clone()).into_make_service_with_connect_info::<SocketAddr>();
-
-    let (stop_tx, stop_rx) = watch::channel(false);
+    let (stop, stop_rx) = watch::channel(false);
     let orchestrator = tokio::spawn(orchestrator::run(state.clone(), stop_rx));
     let handle = axum_server::Handle::new();
-    tokio::spawn(shutdown_on_signal(
-        handle.clone(),
-        state.clone(),
-        stop_tx,
-        grace,
-    ));
-    let announce_handle = handle.clone();
-    let scheme = if matches!(tls_setting, TlsSetting::None { .. }) {
-        "http"
-    } else {
-        "https"
-    };
-    tokio::spawn(async move {
-        if let Some(addr) = announce_handle.listening().await {
-            announce(&format!("listening on {scheme}://{addr}"));
-            tracing::info!(%addr, "serving");
-        }
-    });
-
-    let served = match tls_setting {
+    let (scheme, fingerprint, served) = match tls_setting {
         TlsSetting::None { insecure } => {
             if insecure {
                 tracing::warn!(%listen, "serving plain HTTP on a non-loopback address (--insecure-http); tokens and updates cross the network unencrypted");
             }
-            axum_server::bind(listen).handle(handle).serve(app).await
+            let server = axum_server::bind(listen).handle(handle.clone());
+            let served = tokio::spawn(async move {
+                server
+                    .serve(app)
+                    .await
+                    .map_err(|source| ServeError::Bind { listen, source })
+            });
+            ("http", None, served)
         }
         tls_setting => {
-            let (cert, key) = match tls_setting {
-                TlsSetting::Files { cert, key } => (cert, key),
+            let (cert, key, fingerprint) = match tls_setting {
+                TlsSetting::Files { cert, key } => (cert, key, None),
                 _ => {
                     let extra = (!listen.ip().is_unspecified()).then(|| listen.ip().to_string());
                     let (cert, key) = tls::self_signed(&data_dir, extra)?;
-                    announce(&format!("tls fingerprint: {}", tls::fingerprint(&cert)?));
-                    (cert, key)
+                    let fingerprint = tls::fingerprint(&cert)?;
+                    (cert, key, Some(fingerprint))
                 }
             };
             let config = axum_server::tls_rustls::RustlsConfig::from_pem_file(&cert, &key)
@@ -129,28 +151,78 @@ pub async fn serve(settings: Settings) -> Result<(), ServeError> {
                     key: key.clone(),
                     source,
                 })?;
-            axum_server::bind_rustls(listen, config)
-                .handle(handle)
-                .serve(app)
-                .await
+            let server = axum_server::bind_rustls(listen, config).handle(handle.clone());
+            let served = tokio::spawn(async move {
+                server
+                    .serve(app)
+                    .await
+                    .map_err(|source| ServeError::Bind { listen, source })
+            });
+            ("https", fingerprint, served)
         }
     };
-    served.map_err(|source| ServeError::Bind { listen, source })?;
-    let _ = orchestrator.await;
-    tracing::info!("server stopped");
-    Ok(())
+    let Some(addr) = handle.listening().await else {
+        let _ = stop.send(true);
+        return Err(served
+            .await
+            .unwrap_or(Ok(()))
+            .err()
+            .unwrap_or(ServeError::Bind {
+                listen,
+                source: std::io::Error::other("the listener stopped before it was bound"),
+            }));
+    };
+    tracing::info!(%addr, "serving");
+    Ok(Running {
+        addr,
+        scheme,
+        admin_token,
+        fingerprint,
+        handle,
+        state,
+        stop,
+        grace,
+        served,
+        orchestrator,
+    })
 }
 
-/// SIGTERM or Ctrl-C: report not-ready, stop the orchestrator, stop
-/// accepting connections, and give in-flight requests (uploads included)
+/// `canopy-server serve`: starts, prints the lines tools read, and runs
+/// until SIGTERM or Ctrl-C.
+pub async fn serve(settings: Settings) -> Result<(), ServeError> {
+    let running = start(settings).await?;
+    if let Some(secret) = &running.admin_token {
+        announce(&format!("admin token: {secret}"));
+        tracing::warn!(
+            "issued the first admin token; it was printed once and only its hash is kept"
+        );
+    }
+    if let Some(fingerprint) = &running.fingerprint {
+        announce(&format!("tls fingerprint: {fingerprint}"));
+    }
+    announce(&format!("listening on {}", running.base_url()));
+    let (handle, state, stop, grace) = (
+        running.handle.clone(),
+        running.state.clone(),
+        running.stop.clone(),
+        running.grace,
+    );
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        begin_shutdown(&handle, &state, &stop, grace);
+    });
+    running.wait().await
+}
+
+/// Reports not-ready, stops the orchestrator and the long polls, stops
+/// accepting connections, and gives in-flight requests (uploads included)
 /// the grace period to finish.
-async fn shutdown_on_signal(
-    handle: axum_server::Handle<SocketAddr>,
-    state: AppState,
-    stop: watch::Sender<bool>,
+fn begin_shutdown(
+    handle: &axum_server::Handle<SocketAddr>,
+    state: &AppState,
+    stop: &watch::Sender<bool>,
     grace: Duration,
 ) {
-    wait_for_signal().await;
     tracing::info!(
         grace_ms = grace.as_millis() as u64,
         "shutting down: finishing in-flight requests"
