@@ -1,4 +1,6 @@
-//! `canopy-server`: serve, migrate, and manage API tokens.
+//! `canopy-server`: serve, migrate, manage API tokens, and run the demo.
+
+mod demo;
 
 use std::process::ExitCode;
 
@@ -26,6 +28,9 @@ enum Command {
     Serve(ServeArgs),
     /// Apply database migrations and exit.
     Migrate(ServeArgs),
+    /// Run a whole federated job on the bundled digits: a server, real
+    /// canopy-agent processes, a per-round table. Nothing to configure.
+    Demo(demo::DemoArgs),
     /// Manage admin API tokens, directly in the database.
     Token {
         #[command(subcommand)]
@@ -124,6 +129,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Command::Token { command } => token(command).await?,
+        Command::Demo(args) => {
+            let filter = if args.json { "error" } else { "warn" };
+            let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
+            tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .init();
+            demo::run(args).await?;
+        }
     }
     Ok(())
 }

@@ -1,0 +1,561 @@
+//! `canopy-server demo`: one command that shows the whole loop on real
+//! data. It starts a server on a free loopback port (SQLite in a temporary
+//! directory, HTTPS with a development certificate), plays the ML engineer
+//! (builds an MLP, uploads it, creates a job), spawns real `canopy-agent`
+//! processes that each enroll over HTTPS with a non-IID shard of the
+//! bundled UCI digits, and prints one row per round.
+//!
+//! The server library never runs a model; this subcommand does, as a user
+//! of the API would: it builds the model and evaluates each version on the
+//! held-out split with `canopy-engine`.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use canopy_engine::data::{Dataset, LabelColumn, load_csv, partition_dirichlet};
+use canopy_engine::optim::Optimizer;
+use canopy_engine::zoo::{Architecture, ModelConfig, build_model, fit_input_stats};
+use canopy_sdk::{Transport, Trust};
+use serde_json::{Value, json};
+
+use canopy_server::config::{Limits, LogFormat, Settings, TlsSetting, sqlite_url};
+
+/// The UCI digits, bundled so the demo runs from any directory.
+const DIGITS_CSV_GZ: &[u8] = include_bytes!("../../datasets/digits/digits.csv.gz");
+const MODEL_NAME: &str = "digits-mlp";
+const HIDDEN_UNITS: usize = 32;
+const TEST_FRACTION: f64 = 0.2;
+const MAX_DEVICES: usize = 200;
+const MAX_ROUNDS: u32 = 200;
+const ROUND_DEADLINE_MS: u64 = 30_000;
+const AGENT_STOP_GRACE: Duration = Duration::from_secs(10);
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct DemoArgs {
+    /// Agents (devices) to spawn.
+    #[arg(long, default_value_t = 10)]
+    pub devices: usize,
+    /// Federated rounds.
+    #[arg(long, default_value_t = 12)]
+    pub rounds: u32,
+    /// Dirichlet concentration of the label skew between devices; smaller
+    /// is more non-IID.
+    #[arg(long = "non-iid", default_value_t = 0.5)]
+    pub non_iid: f64,
+    /// End with one JSON line: final_accuracy, rounds, seconds, per-round rows.
+    #[arg(long)]
+    pub json: bool,
+    /// Keep the server running after the job, until Ctrl-C.
+    #[arg(long)]
+    pub keep: bool,
+    /// Seed for the data split, the shards and the model.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+}
+
+struct Agent {
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+struct RoundRow {
+    round: i64,
+    participants: i64,
+    selected: i64,
+    train_loss: Option<f64>,
+    held_out_accuracy: f64,
+    seconds: f64,
+    bytes_up: i64,
+    bytes_down: i64,
+}
+
+pub async fn run(args: DemoArgs) -> Result<()> {
+    ensure!(
+        (1..=MAX_DEVICES).contains(&args.devices),
+        "--devices must be between 1 and {MAX_DEVICES}, got {}",
+        args.devices
+    );
+    ensure!(
+        (1..=MAX_ROUNDS).contains(&args.rounds),
+        "--rounds must be between 1 and {MAX_ROUNDS}"
+    );
+    ensure!(
+        args.non_iid.is_finite() && args.non_iid > 0.0,
+        "--non-iid must be a positive number, got {}",
+        args.non_iid
+    );
+    let started = Instant::now();
+    let agent_bin = agent_binary()?;
+    let work = tempfile::Builder::new().prefix("canopy-demo-").tempdir()?;
+    let (train, test) = load_digits(work.path(), args.seed)?;
+    let shards = partition_dirichlet(&train, args.devices, args.non_iid, args.seed)?;
+
+    let running = canopy_server::server::start(demo_settings(work.path())).await?;
+    let base = running.base_url();
+    let fingerprint = running
+        .fingerprint
+        .clone()
+        .context("the demo server has no certificate fingerprint")?;
+    let token = running
+        .admin_token
+        .clone()
+        .context("the demo server issued no admin token")?;
+    let admin = Admin::new(&base, &fingerprint, &token)?;
+    say(
+        &args,
+        &format!("server: {base} (SQLite in {})", work.path().display()),
+    );
+
+    let model = build_digits_model(&train, args.seed)?;
+    let version = admin.upload_model(model).await?;
+    let enrollment = admin
+        .post(
+            "/api/v1/enrollment-tokens",
+            json!({"expires_in": "1h", "max_uses": args.devices, "label": "demo"}),
+        )
+        .await?;
+    let enrollment = enrollment["secret"]
+        .as_str()
+        .context("no enrollment secret")?
+        .to_string();
+    let mut agents = Vec::with_capacity(args.devices);
+    for (index, shard) in shards.iter().enumerate() {
+        agents.push(spawn_agent(
+            &agent_bin,
+            work.path(),
+            index,
+            shard,
+            &base,
+            &fingerprint,
+            &enrollment,
+        )?);
+    }
+    say(
+        &args,
+        &format!(
+            "{} agents enrolled over HTTPS, each with a non-IID shard (alpha {})",
+            args.devices, args.non_iid
+        ),
+    );
+
+    let job = admin.create_job(&args, version).await?;
+    let rows = watch_rounds(&admin, &args, job, &test).await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(error) => {
+            report_agent_logs(&agents);
+            return Err(error);
+        }
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let final_accuracy = rows.last().map(|row| row.held_out_accuracy).unwrap_or(0.0);
+    stop_agents(&mut agents);
+    if !args.json || args.keep {
+        println!();
+        println!(
+            "final held-out accuracy {final_accuracy:.3} after {} rounds in {seconds:.1} s",
+            rows.len()
+        );
+        println!(
+            "API:       {base}/api/v1   (reference: {base}/api/v1/docs, OpenAPI: {base}/api/v1/openapi.json)"
+        );
+        println!("dashboard: {base}/");
+        println!("admin token: {token}");
+        println!("certificate: {fingerprint}");
+    }
+    if args.keep {
+        println!("the server keeps running; press Ctrl-C to stop it");
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    running.shutdown().await?;
+    if args.json {
+        let summary = json!({
+            "final_accuracy": final_accuracy,
+            "rounds": rows.len(),
+            "seconds": seconds,
+            "devices": args.devices,
+            "non_iid": args.non_iid,
+            "per_round": rows,
+        });
+        println!("{summary}");
+    }
+    Ok(())
+}
+
+fn say(args: &DemoArgs, line: &str) {
+    if !args.json {
+        println!("{line}");
+    }
+}
+
+/// `canopy-agent` from the directory this binary runs from.
+fn agent_binary() -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("cannot find the canopy-server executable")?;
+    let agent = exe.with_file_name(format!("canopy-agent{}", std::env::consts::EXE_SUFFIX));
+    if !agent.exists() {
+        bail!(
+            "the demo spawns canopy-agent processes, but {} does not exist\n  hint: build it next to canopy-server: cargo build --release --bin canopy-agent --bin canopy-server",
+            agent.display()
+        );
+    }
+    Ok(agent)
+}
+
+fn demo_settings(dir: &Path) -> Settings {
+    let limits = Limits {
+        // Every agent enrolls from 127.0.0.1.
+        sensitive_requests_per_minute: 100_000,
+        orchestrator_tick_ms: 50,
+        ..Limits::default()
+    };
+    Settings {
+        data_dir: dir.join("server"),
+        listen: "127.0.0.1:0".parse().expect("a valid address"),
+        database_url: sqlite_url(&dir.join("server/canopy.db")),
+        blob_store: dir.join("server/blobs").display().to_string(),
+        tls: TlsSetting::SelfSigned,
+        log_format: LogFormat::Pretty,
+        limits,
+    }
+}
+
+fn load_digits(dir: &Path, seed: u64) -> Result<(Dataset, Dataset)> {
+    let path = dir.join("digits.csv.gz");
+    std::fs::write(&path, DIGITS_CSV_GZ)?;
+    let data = load_csv(&path, LabelColumn::Last).context("cannot load the bundled digits")?;
+    Ok(data.split(TEST_FRACTION, seed)?)
+}
+
+/// An MLP 64-32-10 with SGD; the input statistics are fitted once here,
+/// in the cloud, and travel as frozen parameters.
+fn build_digits_model(train: &Dataset, seed: u64) -> Result<Vec<u8>> {
+    let mut model = build_model(&ModelConfig {
+        architecture: Architecture::Mlp {
+            inputs: 64,
+            hidden: HIDDEN_UNITS,
+            classes: 10,
+        },
+        seed,
+        optimizer: Optimizer::parse("sgd")?,
+        frozen_prefixes: Vec::new(),
+        producer: format!("canopy-server demo {}", env!("CARGO_PKG_VERSION")),
+    })?;
+    model.metadata.model_name = MODEL_NAME.to_string();
+    fit_input_stats(&mut model, train)?;
+    Ok(canopy_ir::format::write_model(&model)?)
+}
+
+/// Writes a shard as CSV (pixels then label) for `canopy-agent data add`.
+fn write_shard(path: &Path, shard: &Dataset) -> Result<()> {
+    let mut text = String::with_capacity(shard.len() * 200);
+    for index in 0..shard.len() {
+        let (features, label) = shard.sample(index).context("shard sample")?;
+        for value in features {
+            let _ = write!(text, "{value},");
+        }
+        let _ = writeln!(text, "{label}");
+    }
+    std::fs::write(path, text)?;
+    Ok(())
+}
+
+fn agent_command(bin: &Path, dir: &Path) -> Command {
+    let mut command = Command::new(bin);
+    command.arg("--data-dir").arg(dir).env("RUST_LOG", "warn");
+    command
+}
+
+fn run_checked(mut command: Command, what: &str) -> Result<()> {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("cannot run {what}"))?;
+    if !output.status.success() {
+        bail!(
+            "{what} failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn spawn_agent(
+    bin: &Path,
+    work: &Path,
+    index: usize,
+    shard: &Dataset,
+    base: &str,
+    fingerprint: &str,
+    enrollment: &str,
+) -> Result<Agent> {
+    let dir = work.join(format!("agent-{index:03}"));
+    std::fs::create_dir_all(&dir)?;
+    let shard_path = dir.join("shard.csv");
+    write_shard(&shard_path, shard)?;
+    let mut enroll = agent_command(bin, &dir);
+    enroll.args([
+        "enroll",
+        "--server",
+        base,
+        "--token",
+        enrollment,
+        "--fingerprint",
+        fingerprint,
+    ]);
+    enroll.args(["--tag", &format!("demo-shard={index}")]);
+    run_checked(enroll, &format!("canopy-agent enroll (agent {index})"))?;
+    let mut add = agent_command(bin, &dir);
+    add.args(["data", "add", "shard", "--kind", "csv", "--path"])
+        .arg(&shard_path);
+    run_checked(add, &format!("canopy-agent data add (agent {index})"))?;
+    let log = std::fs::File::create(dir.join("agent.log"))?;
+    let mut run = agent_command(bin, &dir);
+    run.args(["run", "--max-threads", "1", "--poll-wait-ms", "5000"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log));
+    let child = run
+        .spawn()
+        .with_context(|| format!("cannot start canopy-agent run (agent {index})"))?;
+    Ok(Agent {
+        dir,
+        child: Some(child),
+    })
+}
+
+fn stop_agents(agents: &mut [Agent]) {
+    for agent in agents.iter() {
+        if let Some(child) = &agent.child {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+        }
+    }
+    let deadline = Instant::now() + AGENT_STOP_GRACE;
+    for agent in agents.iter_mut() {
+        if let Some(mut child) = agent.child.take() {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn report_agent_logs(agents: &[Agent]) {
+    for agent in agents {
+        let log = std::fs::read_to_string(agent.dir.join("agent.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(5).collect();
+        if !tail.is_empty() {
+            eprintln!("--- {} (last lines) ---", agent.dir.display());
+            for line in tail.into_iter().rev() {
+                eprintln!("{line}");
+            }
+        }
+    }
+}
+
+/// Prints a row as each round finishes; returns the rows.
+async fn watch_rounds(
+    admin: &Admin,
+    args: &DemoArgs,
+    job: i64,
+    test: &Dataset,
+) -> Result<Vec<RoundRow>> {
+    if !args.json {
+        println!();
+        println!("round  devices  train loss  held-out acc  seconds  up (KB)  down (KB)");
+    }
+    let mut rows: Vec<RoundRow> = Vec::new();
+    let deadline =
+        Instant::now() + Duration::from_millis(ROUND_DEADLINE_MS * u64::from(args.rounds) * 2);
+    loop {
+        let rounds = admin
+            .get(&format!("/api/v1/jobs/{job}/rounds?limit=100"))
+            .await?;
+        for round in rounds["items"].as_array().into_iter().flatten() {
+            let number = round["number"].as_i64().unwrap_or_default();
+            if round["state"] != "succeeded" || rows.iter().any(|row| row.round == number) {
+                continue;
+            }
+            let row = round_row(admin, round, test).await?;
+            if !args.json {
+                println!(
+                    "{:>5}  {:>7}  {:>10}  {:>12.3}  {:>7.2}  {:>7}  {:>9}",
+                    row.round,
+                    format!("{}/{}", row.participants, row.selected),
+                    row.train_loss
+                        .map(|loss| format!("{loss:.4}"))
+                        .unwrap_or_else(|| "-".to_string()),
+                    row.held_out_accuracy,
+                    row.seconds,
+                    row.bytes_up / 1000,
+                    row.bytes_down / 1000,
+                );
+                let _ = std::io::stdout().flush();
+            }
+            rows.push(row);
+        }
+        let state = admin.get(&format!("/api/v1/jobs/{job}")).await?;
+        match state["state"].as_str() {
+            Some("completed") if rows.len() as u32 >= args.rounds => return Ok(rows),
+            Some("failed" | "cancelled") => {
+                bail!("the demo job stopped: {}", state["status_message"])
+            }
+            _ => {}
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the demo job did not finish in time: {state}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn round_row(admin: &Admin, round: &Value, test: &Dataset) -> Result<RoundRow> {
+    let version_id = round["result_version_id"]
+        .as_i64()
+        .context("a succeeded round names its version")?;
+    let bytes = admin.download_version(version_id).await?;
+    let model = canopy_ir::format::read_model(&bytes)?;
+    let accuracy = canopy_sdk::train::evaluate_model(&model, test, 256)?.accuracy;
+    let metrics = &round["metrics"];
+    Ok(RoundRow {
+        round: round["number"].as_i64().unwrap_or_default(),
+        participants: metrics["updates_accepted"].as_i64().unwrap_or_default(),
+        selected: round["selected"].as_i64().unwrap_or_default(),
+        train_loss: metrics["train_loss"].as_f64(),
+        held_out_accuracy: accuracy,
+        seconds: round["durations"]["total_ms"].as_f64().unwrap_or_default() / 1000.0,
+        bytes_up: metrics["bytes_in"].as_i64().unwrap_or_default(),
+        bytes_down: metrics["bytes_out"].as_i64().unwrap_or_default(),
+    })
+}
+
+/// The admin API over the pinned development certificate.
+struct Admin {
+    transport: Transport,
+    token: String,
+}
+
+impl Admin {
+    fn new(base: &str, fingerprint: &str, token: &str) -> Result<Admin> {
+        Ok(Admin {
+            transport: Transport::new(base, &Trust::PinnedSha256(fingerprint.to_string()))?,
+            token: token.to_string(),
+        })
+    }
+
+    async fn check(response: reqwest::Response, what: &str) -> Result<Value> {
+        let status = response.status();
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        ensure!(status.is_success(), "{what} answered {status}: {body}");
+        Ok(body)
+    }
+
+    async fn get(&self, path: &str) -> Result<Value> {
+        let response = self
+            .transport
+            .http()
+            .get(self.transport.url(path))
+            .bearer_auth(&self.token)
+            .send()
+            .await?;
+        Admin::check(response, path).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> Result<Value> {
+        let response = self
+            .transport
+            .http()
+            .post(self.transport.url(path))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await?;
+        Admin::check(response, path).await
+    }
+
+    async fn upload_model(&self, bytes: Vec<u8>) -> Result<i64> {
+        let response = self
+            .transport
+            .http()
+            .post(
+                self.transport
+                    .url(&format!("/api/v1/models/{MODEL_NAME}/versions")),
+            )
+            .bearer_auth(&self.token)
+            .header("content-type", "application/octet-stream")
+            .body(bytes)
+            .send()
+            .await?;
+        let body = Admin::check(response, "model upload").await?;
+        body["id"]
+            .as_i64()
+            .context("the upload answer has no version id")
+    }
+
+    async fn create_job(&self, args: &DemoArgs, version_id: i64) -> Result<i64> {
+        let min_devices = (args.devices * 4).div_ceil(5).max(1);
+        let job = self
+            .post(
+                "/api/v1/jobs",
+                json!({
+                    "name": "demo: federated digits", "model_version_id": version_id, "rounds": args.rounds,
+                    "min_devices": min_devices, "target_devices": args.devices, "over_selection": 0.0,
+                    "round_deadline_ms": ROUND_DEADLINE_MS, "local_epochs": 2, "batch_size": 16,
+                    "learning_rate": 0.1, "max_round_retries": 3,
+                }),
+            )
+            .await?;
+        let id = job["id"].as_i64().context("the job answer has no id")?;
+        self.post(&format!("/api/v1/jobs/{id}/start"), json!({}))
+            .await?;
+        Ok(id)
+    }
+
+    async fn download_version(&self, version_id: i64) -> Result<bytes::Bytes> {
+        let versions = self
+            .get(&format!("/api/v1/models/{MODEL_NAME}/versions?limit=500"))
+            .await?;
+        let version = versions["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|v| v["id"].as_i64() == Some(version_id))
+            .and_then(|v| v["version"].as_i64())
+            .with_context(|| format!("model version id {version_id} is not listed"))?;
+        let path = format!("/api/v1/models/{MODEL_NAME}/versions/{version}/download");
+        let response = self
+            .transport
+            .http()
+            .get(self.transport.url(&path))
+            .bearer_auth(&self.token)
+            .send()
+            .await?;
+        ensure!(
+            response.status().is_success(),
+            "{path} answered {}",
+            response.status()
+        );
+        Ok(response.bytes().await?)
+    }
+}
