@@ -748,3 +748,17 @@ fn digits_federated_demo_partitions() {
             .all(|p| p.len() >= 10 && p.feature_shape() == [64])
     );
 }
+
+#[test]
+fn csv_written_reads_back_identically() {
+    let path = std::env::temp_dir().join(format!("canopy-write-csv-{}.csv", std::process::id()));
+    let data =
+        canopy_engine::data::Dataset::new(vec![0.5, -1.25, 3.0, 16.0], vec![2], vec![3, 7], 10)
+            .unwrap();
+    canopy_engine::data::write_csv(&path, &data).unwrap();
+    let back =
+        canopy_engine::data::load_csv(&path, canopy_engine::data::LabelColumn::Last).unwrap();
+    std::fs::remove_file(&path).ok();
+    assert_eq!(back.features(), data.features());
+    assert_eq!(back.labels(), data.labels());
+}

@@ -9,7 +9,6 @@
 //! of the API would: it builds the model and evaluates each version on the
 //! held-out split with `canopy-engine`.
 
-use std::fmt::Write as _;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -259,20 +258,6 @@ fn build_digits_model(train: &Dataset, seed: u64) -> Result<Vec<u8>> {
     Ok(canopy_ir::format::write_model(&model)?)
 }
 
-/// Writes a shard as CSV (pixels then label) for `canopy-agent data add`.
-fn write_shard(path: &Path, shard: &Dataset) -> Result<()> {
-    let mut text = String::with_capacity(shard.len() * 200);
-    for index in 0..shard.len() {
-        let (features, label) = shard.sample(index).context("shard sample")?;
-        for value in features {
-            let _ = write!(text, "{value},");
-        }
-        let _ = writeln!(text, "{label}");
-    }
-    std::fs::write(path, text)?;
-    Ok(())
-}
-
 fn agent_command(bin: &Path, dir: &Path) -> Command {
     let mut command = Command::new(bin);
     command.arg("--data-dir").arg(dir).env("RUST_LOG", "warn");
@@ -305,7 +290,7 @@ fn spawn_agent(
     let dir = work.join(format!("agent-{index:03}"));
     std::fs::create_dir_all(&dir)?;
     let shard_path = dir.join("shard.csv");
-    write_shard(&shard_path, shard)?;
+    canopy_engine::data::write_csv(&shard_path, shard)?;
     let mut enroll = agent_command(bin, &dir);
     enroll.args([
         "enroll",

@@ -213,3 +213,26 @@ fn parse_label(cell: &str) -> Result<i64, String> {
     }
     Ok(y)
 }
+
+/// Writes a dataset as CSV that [`load_csv`] reads back with
+/// [`LabelColumn::Last`]: the features of each sample, then its label, no
+/// header. For handing shards to devices and tools.
+pub fn write_csv(path: impl AsRef<Path>, data: &Dataset) -> EngineResult<()> {
+    use std::fmt::Write as _;
+    let path = path.as_ref();
+    let mut text = String::with_capacity(data.len() * (data.feature_len() * 4 + 4));
+    for (features, label) in data
+        .features()
+        .chunks(data.feature_len().max(1))
+        .zip(data.labels())
+    {
+        for value in features {
+            let _ = write!(text, "{value},");
+        }
+        let _ = writeln!(text, "{label}");
+    }
+    std::fs::write(path, text).map_err(|error| crate::EngineError::Data {
+        path: path.display().to_string(),
+        cause: format!("cannot write: {error}"),
+    })
+}

@@ -19,7 +19,7 @@ mod partition;
 mod read;
 
 pub use batch::{Batch, Batches};
-pub use csv::{CsvHeader, CsvOptions, LabelColumn, load_csv, load_csv_with};
+pub use csv::{CsvHeader, CsvOptions, LabelColumn, load_csv, load_csv_with, write_csv};
 pub use dataset::{Dataset, FeatureStats};
 pub use dir::{DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, load_dir};
 pub use idx::{load_idx, load_idx_labels};

@@ -65,6 +65,25 @@ fn psql(url: &str, statement: &str) -> Result<()> {
     Ok(())
 }
 
+/// The `canopy-server` binary: cargo names it for the server's own tests;
+/// elsewhere (workspace-level tests) it sits next to the test's `deps/`.
+pub fn server_binary() -> PathBuf {
+    if let Some(path) = option_env!("CARGO_BIN_EXE_canopy-server") {
+        return PathBuf::from(path);
+    }
+    sibling_binary("canopy-server")
+}
+
+/// A workspace binary in the target directory this test runs from.
+pub fn sibling_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps");
+    dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
@@ -156,7 +175,7 @@ impl TestServer {
             .create(true)
             .append(true)
             .open(self.log_path())?;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_canopy-server"))
+        let mut child = Command::new(server_binary())
             .arg("serve")
             .arg("--data-dir")
             .arg(self.data_dir.path())
