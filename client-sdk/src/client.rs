@@ -1,5 +1,8 @@
 //! The HTTPS device client.
 
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -11,6 +14,8 @@ use canopy_protocol::messages::{
 use canopy_protocol::model_sig::{self, HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE};
 use reqwest::{Method, StatusCode};
 
+use crate::cancel::CancelToken;
+use crate::retry::{self, MAX_DOWNLOAD_REQUESTS, RetryPolicy};
 use crate::trust::{Trust, TrustError};
 
 /// Largest model this client downloads.
@@ -41,6 +46,35 @@ pub enum SdkError {
     BadResponse { what: &'static str, reason: String },
     #[error("model version {version_id} failed verification: {reason}")]
     ModelVerification { version_id: i64, reason: String },
+    /// The operation's [`CancelToken`] fired.
+    #[error("the operation was cancelled")]
+    Cancelled,
+    /// A response body ended cleanly but short of its announced length.
+    /// Retryable: the download resumes from where it stopped.
+    #[error("the download from {url} stopped after {received} of {expected} bytes")]
+    Incomplete {
+        url: String,
+        received: u64,
+        expected: u64,
+    },
+    /// A [`crate::blocking`] call was made on a thread that runs a tokio
+    /// runtime, where blocking would stall (or panic) the runtime.
+    #[error(
+        "the blocking client was called from inside a tokio runtime; use the async \
+         canopy_sdk::DeviceClient there, or call from a thread that runs no runtime"
+    )]
+    InsideRuntime,
+    /// The blocking client could not start its runtime.
+    #[error("cannot start the blocking client's runtime")]
+    Runtime(#[source] std::io::Error),
+    /// Reading or writing a file of the SDK's own (a partial download).
+    #[error("cannot {action} {path}")]
+    LocalFile {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl SdkError {
@@ -54,10 +88,16 @@ impl SdkError {
 }
 
 /// A connection to one server, trusted one way.
+///
+/// Clones share one connection pool. Connections belong to the tokio
+/// runtime that opened them, so a transport used under one runtime should
+/// not be used under another; [`Transport::reconnect`] makes one with a
+/// fresh pool (the blocking client does so).
 #[derive(Clone, Debug)]
 pub struct Transport {
     base: String,
     http: reqwest::Client,
+    trust: Trust,
 }
 
 impl Transport {
@@ -75,7 +115,21 @@ impl Transport {
                 url: base.clone(),
                 source,
             })?;
-        Ok(Transport { base, http })
+        Ok(Transport {
+            base,
+            http,
+            trust: trust.clone(),
+        })
+    }
+
+    /// The same server and trust with a new, empty connection pool, e.g.
+    /// after the server restarted or to move to another runtime.
+    pub fn reconnect(&self) -> Result<Transport, SdkError> {
+        Transport::new(&self.base, &self.trust)
+    }
+
+    pub fn trust(&self) -> &Trust {
+        &self.trust
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -115,17 +169,17 @@ async fn check(response: reqwest::Response) -> Result<reqwest::Response, SdkErro
     })
 }
 
+/// Reads and parses a JSON answer. A body cut off in transit is a
+/// (retryable) transport error; one that does not parse is not.
 async fn json<T: serde::de::DeserializeOwned>(
     response: reqwest::Response,
     what: &'static str,
 ) -> Result<T, SdkError> {
+    let url = response.url().to_string();
     let bytes = response
         .bytes()
         .await
-        .map_err(|error| SdkError::BadResponse {
-            what,
-            reason: error.to_string(),
-        })?;
+        .map_err(|source| SdkError::Transport { url, source })?;
     serde_json::from_slice(&bytes).map_err(|error| SdkError::BadResponse {
         what,
         reason: error.to_string(),
@@ -155,6 +209,40 @@ pub async fn enroll(
     json(check(response).await?, "enrollment answer").await
 }
 
+/// [`enroll`] that retries under `policy`, but only failures that show the
+/// server did not act on the request: the connection could not be opened,
+/// or the server answered 429 or 503 before doing anything. Enrollment is
+/// not idempotent (a second try with the same key answers 409 and its
+/// device id is lost), so a request that may have been carried out is
+/// never repeated. Every attempt and wait races `cancel`.
+pub async fn enroll_with(
+    transport: &Transport,
+    enrollment_token: &str,
+    key: &DeviceKey,
+    capabilities: Capabilities,
+    policy: &RetryPolicy,
+    cancel: &CancelToken,
+) -> Result<EnrollResponse, SdkError> {
+    let policy = policy.normalized();
+    let mut failures = 0;
+    loop {
+        let attempt = enroll(transport, enrollment_token, key, capabilities.clone());
+        let error = match cancel.run(attempt).await {
+            None => return Err(SdkError::Cancelled),
+            Some(Ok(enrolled)) => return Ok(enrolled),
+            Some(Err(error)) => error,
+        };
+        failures += 1;
+        if !error.is_retryable()
+            || error.may_have_been_processed()
+            || failures >= policy.max_attempts
+        {
+            return Err(error);
+        }
+        retry::sleep(cancel, policy.backoff(failures - 1)).await?;
+    }
+}
+
 /// A verified model file.
 #[derive(Clone, Debug)]
 pub struct DownloadedModel {
@@ -164,12 +252,22 @@ pub struct DownloadedModel {
 }
 
 /// An enrolled device: signs every request with its key.
-#[derive(Debug)]
+///
+/// The client holds a [`RetryPolicy`] (none by default: one attempt) and a
+/// [`CancelToken`] (never cancelled by default) that `next_task`,
+/// `download_model`, `download_model_to`, `upload_update`, `heartbeat` and
+/// `report_metrics` observe; see [`crate::retry`] for what is retried.
+/// `signed` and `send_signed` are single raw requests and observe neither.
+/// Clones share the connection pool, the policy is copied, and the token
+/// is shared (cancelling it cancels every clone's work).
+#[derive(Clone, Debug)]
 pub struct DeviceClient {
     pub transport: Transport,
     pub device_id: i64,
     key: DeviceKey,
     server_public_key: [u8; 32],
+    retry: RetryPolicy,
+    cancel: CancelToken,
 }
 
 impl DeviceClient {
@@ -191,7 +289,45 @@ impl DeviceClient {
             device_id,
             key,
             server_public_key,
+            retry: RetryPolicy::none(),
+            cancel: CancelToken::new(),
         })
+    }
+
+    /// The client with this retry policy; e.g. `RetryPolicy::default()`.
+    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> DeviceClient {
+        self.retry = policy;
+        self
+    }
+
+    pub fn set_retry_policy(&mut self, policy: RetryPolicy) {
+        self.retry = policy;
+    }
+
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
+    /// The client observing `token`: cancelling it (or any clone of it)
+    /// makes the operation in progress, and every later one, return
+    /// [`SdkError::Cancelled`].
+    pub fn with_cancel_token(mut self, token: CancelToken) -> DeviceClient {
+        self.cancel = token;
+        self
+    }
+
+    /// Replaces the token, e.g. with a fresh one after a cancellation.
+    pub fn set_cancel_token(&mut self, token: CancelToken) {
+        self.cancel = token;
+    }
+
+    pub fn cancel_token(&self) -> &CancelToken {
+        &self.cancel
+    }
+
+    /// The server's model-signing key, as given at construction.
+    pub fn server_public_key(&self) -> [u8; 32] {
+        self.server_public_key
     }
 
     /// Swaps the connection, e.g. after the server restarted.
@@ -257,84 +393,518 @@ impl DeviceClient {
     }
 
     pub async fn heartbeat(&self, beat: &Heartbeat) -> Result<HeartbeatResponse, SdkError> {
-        json(
-            self.signed_json("/device/v1/heartbeat", beat).await?,
-            "heartbeat answer",
-        )
+        retry::retrying(&self.retry, &self.cancel, || async {
+            json(
+                self.signed_json("/device/v1/heartbeat", beat).await?,
+                "heartbeat answer",
+            )
+            .await
+        })
         .await
     }
 
     /// Waits up to `wait_ms` for a task; `None` when there is none.
+    /// Repeating a poll is safe: the server hands a device its task again
+    /// until the device uploads.
     pub async fn next_task(&self, wait_ms: u64) -> Result<Option<Task>, SdkError> {
         let path = format!("/device/v1/tasks/next?wait_ms={wait_ms}");
-        let response = check(self.signed(Method::GET, &path, Bytes::new()).await?).await?;
-        if response.status() == StatusCode::NO_CONTENT {
-            return Ok(None);
-        }
-        json(response, "task").await.map(Some)
+        retry::retrying(&self.retry, &self.cancel, || async {
+            let response = check(self.signed(Method::GET, &path, Bytes::new()).await?).await?;
+            if response.status() == StatusCode::NO_CONTENT {
+                return Ok(None);
+            }
+            json(response, "task").await.map(Some)
+        })
+        .await
     }
 
     /// Downloads a task's model and checks, in order: the size limit, that
     /// the server's signature covers the digest the task named, and that
     /// the file's content matches that digest.
+    ///
+    /// A transfer that breaks resumes with `Range: bytes=N-` under the
+    /// client's retry policy (see [`crate::retry`]); the server must answer
+    /// 206 with a `Content-Range` that starts at N and ends at the size it
+    /// announced, and carry the same digest. The whole file is verified at
+    /// the end as if it had come in one piece.
     pub async fn download_model(&self, task: &Task) -> Result<DownloadedModel, SdkError> {
+        let mut sink = MemorySink(Vec::new());
+        let digest = self.fetch_model(task, &mut sink).await?;
+        let bytes = Bytes::from(sink.0);
+        verify_content(&bytes, &digest).map_err(|reason| SdkError::ModelVerification {
+            version_id: task.model_version_id,
+            reason,
+        })?;
+        Ok(DownloadedModel {
+            version_id: task.model_version_id,
+            digest,
+            bytes,
+        })
+    }
+
+    /// [`DeviceClient::download_model`] that keeps the bytes received so
+    /// far in `<path>.<digest prefix>.part`, so that a download cut off by
+    /// a crash, a cancellation or exhausted retries goes on from there the
+    /// next time, for the same model. Once complete and verified, the file
+    /// is renamed to `path` (replacing it) and also returned in memory. A
+    /// partial file whose bytes turn out not to match the signed digest is
+    /// deleted, and the download starts over once.
+    pub async fn download_model_to(
+        &self,
+        task: &Task,
+        path: &Path,
+    ) -> Result<DownloadedModel, SdkError> {
+        let part = part_path(path, &task.model_digest);
+        let mut started_over = false;
+        loop {
+            let mut sink = FileSink::open(&part, task.model_size_bytes)?;
+            let resumed_from_disk = sink.len > 0;
+            let digest = self.fetch_model(task, &mut sink).await?;
+            sink.finish()?;
+            let bytes = read_file(&part, MAX_MODEL_BYTES)?;
+            if let Err(reason) = verify_content(&bytes, &digest) {
+                let _ = std::fs::remove_file(&part);
+                if resumed_from_disk && !started_over {
+                    started_over = true;
+                    continue;
+                }
+                return Err(SdkError::ModelVerification {
+                    version_id: task.model_version_id,
+                    reason,
+                });
+            }
+            std::fs::rename(&part, path).map_err(local_file("rename the download to", path))?;
+            sync_parent(path)?;
+            return Ok(DownloadedModel {
+                version_id: task.model_version_id,
+                digest,
+                bytes: Bytes::from(bytes),
+            });
+        }
+    }
+
+    /// Fetches the model into `sink`, resuming after breaks; returns the
+    /// digest whose server signature was verified. The content is checked
+    /// by the caller.
+    async fn fetch_model(&self, task: &Task, sink: &mut dyn Sink) -> Result<String, SdkError> {
+        let version_id = task.model_version_id;
+        if task.model_size_bytes > MAX_MODEL_BYTES {
+            return Err(SdkError::ModelVerification {
+                version_id,
+                reason: format!(
+                    "it is {} bytes, over the {MAX_MODEL_BYTES}-byte limit",
+                    task.model_size_bytes
+                ),
+            });
+        }
+        let policy = self.retry.normalized();
+        let (mut failures, mut requests) = (0u32, 0u32);
+        let mut verified = None;
+        loop {
+            requests += 1;
+            let before = sink.len();
+            let attempt = self.fetch_attempt(task, sink, &mut verified);
+            let error = match self.cancel.run(attempt).await {
+                None => return Err(SdkError::Cancelled),
+                Some(Ok(())) => {
+                    return verified.ok_or_else(|| SdkError::BadResponse {
+                        what: "model download",
+                        reason: "no response carried the model's digest".to_string(),
+                    });
+                }
+                Some(Err(error)) => error,
+            };
+            // An attempt that brought new bytes shows that the link works:
+            // only attempts in a row without progress use up the policy.
+            if sink.len() > before {
+                failures = 0;
+            }
+            failures += 1;
+            if !error.is_retryable()
+                || failures >= policy.max_attempts
+                || requests >= MAX_DOWNLOAD_REQUESTS
+            {
+                return Err(error);
+            }
+            retry::sleep(&self.cancel, policy.backoff(failures - 1)).await?;
+        }
+    }
+
+    /// One request of a download: from `sink.len()` on, to the end.
+    async fn fetch_attempt(
+        &self,
+        task: &Task,
+        sink: &mut dyn Sink,
+        verified: &mut Option<String>,
+    ) -> Result<(), SdkError> {
         let version_id = task.model_version_id;
         let fail = |reason: String| SdkError::ModelVerification { version_id, reason };
-        if task.model_size_bytes > MAX_MODEL_BYTES {
-            return Err(fail(format!(
-                "it is {} bytes, over the {MAX_MODEL_BYTES}-byte limit",
-                task.model_size_bytes
-            )));
+        let bad = |reason: String| SdkError::BadResponse {
+            what: "model download",
+            reason,
+        };
+        let size = task.model_size_bytes;
+        // A complete file on disk still needs the signed headers: fetch its
+        // last byte again. Anything longer than the model is not this model.
+        if sink.len() > size {
+            sink.truncate(0)?;
+        } else if size > 0 && sink.len() == size {
+            sink.truncate(size - 1)?;
         }
-        let response = check(
-            self.signed(Method::GET, &task.model_path, Bytes::new())
-                .await?,
-        )
-        .await?;
+        let offset = sink.len();
+        let path = task.model_path.as_str();
+        let signed = auth::sign_request(&self.key, self.device_id, "GET", path, &[], now_ms());
+        let url = self.transport.url(path);
+        let mut request = self.transport.http.get(&url);
+        for (name, value) in signed.headers() {
+            request = request.header(name, value);
+        }
+        if offset > 0 {
+            request = request.header(reqwest::header::RANGE, format!("bytes={offset}-"));
+        }
+        let response = request.send().await.map_err(|source| SdkError::Transport {
+            url: url.clone(),
+            source,
+        })?;
+        let mut response = check(response).await?;
         let header = |name: &str| {
             response
                 .headers()
                 .get(name)
                 .and_then(|value| value.to_str().ok())
                 .map(str::to_string)
-                .ok_or_else(|| fail(format!("the response has no `{name}` header")))
         };
-        let digest = header(HEADER_MODEL_DIGEST)?;
-        let signature = header(HEADER_MODEL_SIGNATURE)?;
-        if digest != task.model_digest {
+        let digest = header(HEADER_MODEL_DIGEST).ok_or_else(|| {
+            fail(format!(
+                "the response has no `{HEADER_MODEL_DIGEST}` header"
+            ))
+        })?;
+        match verified.as_deref() {
+            Some(known) if known == digest => {}
+            Some(known) => {
+                return Err(fail(format!(
+                    "the server sent digest {digest} after {known} for the same download"
+                )));
+            }
+            None => {
+                let signature = header(HEADER_MODEL_SIGNATURE).ok_or_else(|| {
+                    fail(format!(
+                        "the response has no `{HEADER_MODEL_SIGNATURE}` header"
+                    ))
+                })?;
+                if digest != task.model_digest {
+                    return Err(fail(format!(
+                        "the server sent digest {digest}, the task named {}",
+                        task.model_digest
+                    )));
+                }
+                model_sig::verify_model_signature(&self.server_public_key, &digest, &signature)
+                    .map_err(|error| fail(error.to_string()))?;
+                *verified = Some(digest);
+            }
+        }
+        let total = match response.status() {
+            StatusCode::PARTIAL_CONTENT if offset > 0 => {
+                let range = header(reqwest::header::CONTENT_RANGE.as_str())
+                    .ok_or_else(|| bad("a 206 answer has no Content-Range header".to_string()))?;
+                let (start, end, total) = parse_content_range(&range)
+                    .ok_or_else(|| bad(format!("Content-Range `{range}` is malformed")))?;
+                if start != offset || end.checked_add(1) != Some(total) {
+                    return Err(bad(format!(
+                        "asked for bytes {offset}- and got Content-Range `{range}`"
+                    )));
+                }
+                if let Some(length) = response.content_length() {
+                    if length != total - offset {
+                        return Err(bad(format!(
+                            "Content-Length {length} does not match Content-Range `{range}`"
+                        )));
+                    }
+                }
+                total
+            }
+            StatusCode::PARTIAL_CONTENT => {
+                return Err(bad(
+                    "a 206 answer to a request for the whole file".to_string()
+                ));
+            }
+            StatusCode::OK => {
+                // The server ignored the range: take the whole file again.
+                if offset > 0 {
+                    sink.truncate(0)?;
+                }
+                response.content_length().unwrap_or(size)
+            }
+            status => return Err(bad(format!("unexpected status {status}"))),
+        };
+        if total > MAX_MODEL_BYTES {
             return Err(fail(format!(
-                "the server sent digest {digest}, the task named {}",
-                task.model_digest
+                "it is {total} bytes, over the {MAX_MODEL_BYTES}-byte limit"
             )));
         }
-        model_sig::verify_model_signature(&self.server_public_key, &digest, &signature)
-            .map_err(|error| fail(error.to_string()))?;
-        let bytes = response
-            .bytes()
+        if size > 0 && total != size {
+            return Err(fail(format!(
+                "the server sends {total} bytes, the task announced {size}"
+            )));
+        }
+        sink.reserve(total);
+        while let Some(chunk) = response
+            .chunk()
             .await
-            .map_err(|error| fail(format!("the download was cut off: {error}")))?;
-        verify_content(&bytes, &digest).map_err(fail)?;
-        Ok(DownloadedModel {
-            version_id,
-            digest,
-            bytes,
-        })
+            .map_err(|source| SdkError::Transport {
+                url: url.clone(),
+                source,
+            })?
+        {
+            if sink.len() + chunk.len() as u64 > total {
+                return Err(fail(format!(
+                    "the server sent more than the {total} bytes it announced"
+                )));
+            }
+            sink.append(&chunk)?;
+        }
+        if sink.len() < total {
+            return Err(SdkError::Incomplete {
+                url,
+                received: sink.len(),
+                expected: total,
+            });
+        }
+        Ok(())
     }
 
+    /// Uploads an update, retrying under the client's policy.
+    ///
+    /// When a retry is answered 409 and an earlier attempt of this call may
+    /// have reached the server (see [`crate::retry`]), the earlier attempt
+    /// was folded in, and this returns a receipt built locally:
+    /// `accepted: true`, the task's round, `num_samples` from the update's
+    /// header and `bytes` its length. A 409 on the first attempt is an
+    /// error: the device had uploaded before this call. After
+    /// [`SdkError::Cancelled`] or another error the update may or may not
+    /// have been accepted; a later upload answering 409 says it was.
     pub async fn upload_update(
         &self,
         task: &Task,
         encoded: Bytes,
     ) -> Result<UploadReceipt, SdkError> {
-        let response = check(self.signed(Method::PUT, &task.upload_path, encoded).await?).await?;
-        json(response, "upload receipt").await
+        let policy = self.retry.normalized();
+        let mut failures = 0u32;
+        let mut maybe_delivered = false;
+        loop {
+            let attempt = async {
+                let response = check(
+                    self.signed(Method::PUT, &task.upload_path, encoded.clone())
+                        .await?,
+                )
+                .await?;
+                json::<UploadReceipt>(response, "upload receipt").await
+            };
+            let error = match self.cancel.run(attempt).await {
+                None => return Err(SdkError::Cancelled),
+                Some(Ok(receipt)) => return Ok(receipt),
+                Some(Err(error)) => error,
+            };
+            if maybe_delivered && error.status() == Some(409) {
+                return Ok(UploadReceipt {
+                    round_id: task.round_id,
+                    accepted: true,
+                    num_samples: encoded_samples(&encoded),
+                    bytes: encoded.len() as u64,
+                });
+            }
+            failures += 1;
+            maybe_delivered |= error.may_have_been_processed();
+            if !error.is_retryable() || failures >= policy.max_attempts {
+                return Err(error);
+            }
+            retry::sleep(&self.cancel, policy.backoff(failures - 1)).await?;
+        }
     }
 
     pub async fn report_metrics(&self, metrics: &RoundMetrics) -> Result<(), SdkError> {
         let path = format!("/device/v1/rounds/{}/metrics", metrics.round_id);
-        self.signed_json(&path, metrics).await?;
+        retry::retrying(&self.retry, &self.cancel, || async {
+            self.signed_json(&path, metrics).await?;
+            Ok(())
+        })
+        .await
+    }
+}
+
+/// `num_samples` from an encoded update's header (bytes 12..20, little
+/// endian; see `canopy_protocol::update`); 0 if it is too short.
+fn encoded_samples(encoded: &[u8]) -> u64 {
+    encoded
+        .get(12..20)
+        .and_then(|bytes| bytes.try_into().ok())
+        .map(u64::from_le_bytes)
+        .unwrap_or(0)
+}
+
+/// Parses `bytes START-END/TOTAL`.
+fn parse_content_range(value: &str) -> Option<(u64, u64, u64)> {
+    let rest = value.trim().strip_prefix("bytes ")?;
+    let (range, total) = rest.split_once('/')?;
+    let (start, end) = range.split_once('-')?;
+    let number = |text: &str| {
+        let text = text.trim();
+        if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        text.parse::<u64>().ok()
+    };
+    let (start, end, total) = (number(start)?, number(end)?, number(total)?);
+    (start <= end && end < total).then_some((start, end, total))
+}
+
+/// Where downloaded bytes go.
+trait Sink: Send {
+    fn len(&self) -> u64;
+    fn reserve(&mut self, _total: u64) {}
+    fn append(&mut self, chunk: &[u8]) -> Result<(), SdkError>;
+    fn truncate(&mut self, len: u64) -> Result<(), SdkError>;
+}
+
+struct MemorySink(Vec<u8>);
+
+impl Sink for MemorySink {
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+
+    fn reserve(&mut self, total: u64) {
+        // Up to 64 MiB ahead; beyond that the vector grows as bytes come.
+        let wanted = usize::try_from(total.min(64 << 20)).unwrap_or(0);
+        self.0.reserve(wanted.saturating_sub(self.0.len()));
+    }
+
+    fn append(&mut self, chunk: &[u8]) -> Result<(), SdkError> {
+        self.0.extend_from_slice(chunk);
         Ok(())
     }
+
+    fn truncate(&mut self, len: u64) -> Result<(), SdkError> {
+        self.0.truncate(usize::try_from(len).unwrap_or(usize::MAX));
+        Ok(())
+    }
+}
+
+fn local_file(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> SdkError {
+    let path = path.to_path_buf();
+    move |source| SdkError::LocalFile {
+        action,
+        path,
+        source,
+    }
+}
+
+/// `<path>.<first 16 hex digits of the digest>.part`, beside `path`.
+fn part_path(path: &Path, digest: &str) -> PathBuf {
+    let prefix: String = digest
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(16)
+        .collect();
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{prefix}.part"));
+    path.with_file_name(name)
+}
+
+/// A partial download on disk. Writes are plain blocking writes of one
+/// network chunk each; they are short next to the network time.
+struct FileSink {
+    file: File,
+    path: PathBuf,
+    len: u64,
+}
+
+impl FileSink {
+    fn open(path: &Path, size: u64) -> Result<FileSink, SdkError> {
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(local_file("open", path))?;
+        let mut len = file.metadata().map_err(local_file("inspect", path))?.len();
+        if len > size {
+            file.set_len(0).map_err(local_file("truncate", path))?;
+            len = 0;
+        }
+        file.seek(SeekFrom::Start(len))
+            .map_err(local_file("seek in", path))?;
+        Ok(FileSink {
+            file,
+            path: path.to_path_buf(),
+            len,
+        })
+    }
+
+    fn finish(&mut self) -> Result<(), SdkError> {
+        self.file.sync_all().map_err(local_file("sync", &self.path))
+    }
+}
+
+impl Sink for FileSink {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn append(&mut self, chunk: &[u8]) -> Result<(), SdkError> {
+        self.file
+            .write_all(chunk)
+            .map_err(local_file("write", &self.path))?;
+        self.len += chunk.len() as u64;
+        Ok(())
+    }
+
+    fn truncate(&mut self, len: u64) -> Result<(), SdkError> {
+        self.file
+            .set_len(len)
+            .map_err(local_file("truncate", &self.path))?;
+        self.file
+            .seek(SeekFrom::Start(len))
+            .map_err(local_file("seek in", &self.path))?;
+        self.len = len;
+        Ok(())
+    }
+}
+
+/// Makes a rename in `path`'s directory durable (Unix; elsewhere a no-op).
+fn sync_parent(path: &Path) -> Result<(), SdkError> {
+    #[cfg(unix)]
+    if let Some(parent) = path.parent() {
+        let parent = if parent.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            parent
+        };
+        File::open(parent)
+            .and_then(|directory| directory.sync_all())
+            .map_err(local_file("sync the directory of", path))?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
+}
+
+/// Reads a whole file of at most `limit` bytes.
+fn read_file(path: &Path, limit: u64) -> Result<Vec<u8>, SdkError> {
+    let file = File::open(path).map_err(local_file("open", path))?;
+    let mut bytes = Vec::new();
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(local_file("read", path))?;
+    if bytes.len() as u64 > limit {
+        return Err(SdkError::LocalFile {
+            action: "read",
+            path: path.to_path_buf(),
+            source: std::io::Error::other(format!("it is over the {limit}-byte limit")),
+        });
+    }
+    Ok(bytes)
 }
 
 /// Checks that a model file's stored digest is `digest` and that its
@@ -351,3 +921,7 @@ fn verify_content(bytes: &[u8], digest: &str) -> Result<(), String> {
         .map(|_| ())
         .map_err(|error| format!("the file does not match its digest or is invalid: {error}"))
 }
+
+#[cfg(test)]
+#[path = "client_tests.rs"]
+mod tests;

@@ -1,14 +1,37 @@
 //! The device side of the Canopy protocol: enrollment, signed requests,
-//! task polling, verified model download and update upload, over HTTPS
-//! with a pinned or CA-verified server certificate.
+//! task polling, verified and resumable model download and update upload,
+//! over HTTPS with a pinned, CA-verified or publicly rooted server
+//! certificate.
+//!
+//! - [`DeviceClient`] is async (tokio); [`blocking::DeviceClient`] is the
+//!   same client for callers without a runtime.
+//! - [`retry`]: retries with capped exponential backoff and full jitter;
+//!   what is retried, and why uploads are safe to repeat.
+//! - [`CancelToken`]: cancels a poll, a download, an upload, the waits
+//!   between retries and local training.
+//! - [`keystore`]: the device key in a file with mode 0600.
+//! - [`backend`]: which engine backend trains, chosen from the device's
+//!   reported capabilities (the CPU for now).
 //!
 //! `train` runs a task's shipped `train_step` in `canopy-engine` on local
 //! data and produces the update; the edge agent and mobile apps build on
 //! both.
 
+pub mod backend;
+pub mod blocking;
+mod cancel;
 mod client;
+pub mod keystore;
+pub mod retry;
 pub mod train;
 mod trust;
 
-pub use client::{DeviceClient, DownloadedModel, SdkError, Transport, enroll};
+pub use backend::{BackendChoice, BackendKind, choose_backend};
+pub use cancel::CancelToken;
+pub use client::{
+    CONNECT_TIMEOUT_MS, DeviceClient, DownloadedModel, MAX_MODEL_BYTES, REQUEST_TIMEOUT_MS,
+    SdkError, Transport, enroll, enroll_with,
+};
+pub use keystore::{KeyStoreError, load_device_key, save_device_key};
+pub use retry::RetryPolicy;
 pub use trust::{Trust, TrustError};

@@ -4,12 +4,14 @@
 
 use std::time::Instant;
 
-use canopy_engine::CpuBackend;
 use canopy_engine::data::Dataset;
 use canopy_engine::train::{Evaluator, Trainer};
 use canopy_ir::{Buffer, Model};
 use canopy_protocol::messages::Task;
 use canopy_protocol::update::{TensorSpec, UpdateLayout, encode_update};
+
+use crate::backend::BackendChoice;
+use crate::cancel::CancelToken;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -23,6 +25,20 @@ pub enum TrainError {
     Engine(#[from] canopy_engine::EngineError),
     #[error("the update cannot be encoded")]
     Encode(#[from] canopy_protocol::update::UpdateError),
+    #[error("training was cancelled")]
+    Cancelled,
+}
+
+/// How [`train_task_with`] runs.
+#[derive(Clone, Debug, Default)]
+pub struct TrainOptions {
+    /// The backend to compile `train_step` with; the CPU by default. Pick it
+    /// with [`crate::backend::choose_backend`] from the device's
+    /// capabilities.
+    pub backend: BackendChoice,
+    /// Checked before every batch; a cancelled token stops training with
+    /// [`TrainError::Cancelled`] (nothing is encoded or uploaded).
+    pub cancel: CancelToken,
 }
 
 /// The result of one task's local training.
@@ -68,13 +84,50 @@ fn trainable_values(model: &Model) -> Vec<f32> {
 }
 
 /// Trains a task's model on `data` for the task's epochs and returns the
-/// encoded change of its trainable parameters.
+/// encoded change of its trainable parameters. Runs on the CPU and cannot
+/// be cancelled; see [`train_task_cancellable`] and [`train_task_with`].
 pub fn train_task(
     model_bytes: &[u8],
     task: &Task,
     data: &Dataset,
     seed: u64,
 ) -> Result<LocalUpdate, TrainError> {
+    train_task_with(model_bytes, task, data, seed, &TrainOptions::default())
+}
+
+/// [`train_task`] that checks `cancel` between batches and returns
+/// [`TrainError::Cancelled`] once it fires. A batch in progress finishes
+/// first, so the delay is at most one training step.
+pub fn train_task_cancellable(
+    model_bytes: &[u8],
+    task: &Task,
+    data: &Dataset,
+    seed: u64,
+    cancel: &CancelToken,
+) -> Result<LocalUpdate, TrainError> {
+    let options = TrainOptions {
+        backend: BackendChoice::default(),
+        cancel: cancel.clone(),
+    };
+    train_task_with(model_bytes, task, data, seed, &options)
+}
+
+/// [`train_task`] on a chosen backend, cancellable between batches.
+pub fn train_task_with(
+    model_bytes: &[u8],
+    task: &Task,
+    data: &Dataset,
+    seed: u64,
+    options: &TrainOptions,
+) -> Result<LocalUpdate, TrainError> {
+    let cancelled = || {
+        if options.cancel.is_cancelled() {
+            Err(TrainError::Cancelled)
+        } else {
+            Ok(())
+        }
+    };
+    cancelled()?;
     if data.is_empty() {
         return Err(TrainError::NoData);
     }
@@ -93,7 +146,8 @@ pub fn train_task(
     let before = trainable_values(&model);
     let batch = (task.training.batch_size as usize).max(1);
     let lr = task.training.learning_rate as f32;
-    let mut trainer = Trainer::new(&model, &CpuBackend, seed)?;
+    let backend = options.backend.engine_backend();
+    let mut trainer = Trainer::new(&model, backend.as_ref(), seed)?;
     // As in `canopy model train`: a short final batch is one noisy step, so
     // it is dropped unless it is all the data there is.
     let drop_last = data.len() >= batch;
@@ -104,6 +158,7 @@ pub fn train_task(
             .wrapping_add(u64::from(epoch));
         let (mut loss_sum, mut seen) = (0.0f64, 0usize);
         for batch in data.batches(batch, Some(shuffle), drop_last)? {
+            cancelled()?;
             let size = batch.len();
             let stats = trainer.step(batch.x, batch.y, lr)?;
             loss_sum += f64::from(stats.loss) * size as f64;
@@ -145,7 +200,8 @@ pub fn evaluate_model(
     if data.is_empty() {
         return Err(TrainError::NoData);
     }
-    let mut evaluator = Evaluator::new(model, &CpuBackend)?;
+    let backend = BackendChoice::default().engine_backend();
+    let mut evaluator = Evaluator::new(model, backend.as_ref())?;
     let (mut loss, mut correct) = (0.0f64, 0i64);
     for batch in data.batches(batch.max(1), None, false)? {
         let (batch_loss, batch_correct) = evaluator.batch(batch.x, batch.y)?;
@@ -158,4 +214,104 @@ pub fn evaluate_model(
         accuracy: correct as f64 / samples,
         samples: data.len() as u64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use canopy_protocol::messages::TrainingConfig;
+
+    use super::*;
+    use crate::backend::choose_backend;
+
+    fn setup(epochs: u32) -> (Vec<u8>, Task, Dataset) {
+        let config = canopy_engine::zoo::ModelConfig {
+            architecture: canopy_engine::zoo::Architecture::LogReg {
+                inputs: 8,
+                classes: 3,
+            },
+            seed: 1,
+            optimizer: canopy_engine::optim::Optimizer::parse("sgd").expect("sgd"),
+            frozen_prefixes: Vec::new(),
+            producer: "sdk train tests".to_string(),
+        };
+        let model = canopy_engine::zoo::build_model(&config).expect("model");
+        let layout = trainable_layout(&model).expect("layout");
+        let bytes = canopy_ir::format::write_model(&model).expect("bytes");
+        let samples = 64;
+        let features = (0..samples * 8).map(|i| (i % 7) as f32 / 7.0).collect();
+        let labels = (0..samples).map(|i| (i % 3) as i64).collect();
+        let data = Dataset::new(features, vec![8], labels, 3).expect("dataset");
+        let task = Task {
+            job_id: 1,
+            round_id: 1,
+            round_number: 1,
+            model_version_id: 1,
+            model_digest: String::new(),
+            model_size_bytes: bytes.len() as u64,
+            model_path: String::new(),
+            upload_path: String::new(),
+            upload_size_bytes: layout.encoded_len(),
+            deadline_unix_ms: 0,
+            training: TrainingConfig {
+                epochs,
+                batch_size: 1,
+                learning_rate: 0.05,
+            },
+            layout,
+        };
+        (bytes, task, data)
+    }
+
+    #[test]
+    fn a_cancelled_token_stops_training_before_the_first_batch() {
+        let (bytes, task, data) = setup(1);
+        let token = CancelToken::new();
+        token.cancel();
+        assert!(matches!(
+            train_task_cancellable(&bytes, &task, &data, 1, &token),
+            Err(TrainError::Cancelled)
+        ));
+    }
+
+    #[test]
+    fn cancelling_from_another_thread_stops_training_between_batches() {
+        // 64 samples, batch 1, 100,000 epochs: minutes of work uncancelled.
+        let (bytes, task, data) = setup(100_000);
+        let token = CancelToken::new();
+        let canceller = token.clone();
+        let thread = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            canceller.cancel();
+        });
+        let started = Instant::now();
+        let outcome = train_task_cancellable(&bytes, &task, &data, 1, &token);
+        assert!(matches!(outcome, Err(TrainError::Cancelled)), "{outcome:?}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        thread.join().expect("canceller");
+    }
+
+    #[test]
+    fn the_chosen_backend_trains_like_the_default() {
+        let (bytes, task, data) = setup(2);
+        let plain = train_task(&bytes, &task, &data, 9).expect("train");
+        let capabilities = canopy_protocol::messages::Capabilities {
+            tier: canopy_protocol::messages::Tier::End,
+            backends: vec!["cpu".into(), "gpu".into()],
+            memory_mb: 512,
+            os: "test".into(),
+            tags: Default::default(),
+        };
+        let options = TrainOptions {
+            backend: choose_backend(&capabilities),
+            cancel: CancelToken::new(),
+        };
+        let chosen = train_task_with(&bytes, &task, &data, 9, &options).expect("train");
+        assert_eq!(
+            plain.encoded, chosen.encoded,
+            "GPU falls back to the same CPU"
+        );
+        assert_eq!(plain.num_samples, 64);
+    }
 }

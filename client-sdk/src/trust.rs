@@ -17,6 +17,21 @@ pub enum Trust {
     PinnedSha256(String),
     /// A PEM file of CA certificates.
     CaFile(PathBuf),
+    /// The public web PKI: Mozilla's root program, as compiled into the SDK
+    /// by the `webpki-roots` crate, for a server whose certificate comes
+    /// from a public CA.
+    ///
+    /// Compiled in rather than read from the operating system's store
+    /// (`rustls-native-certs`) because the SDK runs on phones:
+    /// `rustls-native-certs` reads Linux, macOS and Windows stores but not
+    /// Android's or iOS's, which only platform APIs reach. Compiled-in
+    /// roots behave the same on every device, need no file access at
+    /// startup and cannot be widened by a CA that malware or a captive
+    /// profile installed. The cost: the set changes with SDK releases, not
+    /// OS updates, and a CA that an organisation added to its devices is
+    /// not trusted; for a private CA use [`Trust::CaFile`], for a
+    /// self-signed server [`Trust::PinnedSha256`].
+    SystemRoots,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -76,6 +91,10 @@ impl Trust {
                 }
                 builder.with_root_certificates(roots).with_no_client_auth()
             }
+            Trust::SystemRoots => {
+                let roots: RootCertStore = webpki_roots::TLS_SERVER_ROOTS.iter().cloned().collect();
+                builder.with_root_certificates(roots).with_no_client_auth()
+            }
         };
         Ok(config)
     }
@@ -130,5 +149,31 @@ impl ServerCertVerifier for PinnedVerifier {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_of_trust_builds_a_configuration_on_ring() {
+        let pinned = Trust::PinnedSha256(format!("sha256:{}", "ab".repeat(32)));
+        for trust in [pinned, Trust::SystemRoots] {
+            let config = trust.client_config().expect("config");
+            assert!(
+                config.crypto_provider().cipher_suites.len() > 1,
+                "{trust:?}"
+            );
+        }
+        assert!(!webpki_roots::TLS_SERVER_ROOTS.is_empty());
+        assert!(matches!(
+            Trust::PinnedSha256("12".to_string()).client_config(),
+            Err(TrustError::BadFingerprint(_))
+        ));
+        assert!(matches!(
+            Trust::CaFile(PathBuf::from("/nonexistent/ca.pem")).client_config(),
+            Err(TrustError::CaFile { .. })
+        ));
     }
 }

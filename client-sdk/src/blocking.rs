@@ -1,0 +1,284 @@
+//! The blocking API: the same client, for callers without an async
+//! runtime (an Android or iOS app calling through FFI, a plain thread).
+//!
+//! [`DeviceClient`] wraps the async [`crate::DeviceClient`] with a tokio
+//! current-thread runtime of its own, so the caller needs none; its
+//! methods take the same arguments and return the same values and errors.
+//! Retries and cancellation work as in the async client: cancel from any
+//! thread with a clone of the client's [`CancelToken`].
+//!
+//! # Inside a tokio runtime
+//!
+//! A blocking call on a thread that runs a tokio runtime would stall that
+//! runtime (and tokio panics when a runtime is started from inside
+//! another). Every call here checks first and returns
+//! [`SdkError::InsideRuntime`] instead; use the async client there. This
+//! includes threads of `tokio::task::spawn_blocking`, which tokio does not
+//! tell apart from its worker threads. Dropping a blocking client inside a
+//! runtime is allowed: its runtime is then shut down in the background.
+
+use std::future::Future;
+use std::path::Path;
+
+use bytes::Bytes;
+use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::messages::{
+    Capabilities, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics, Task, UploadReceipt,
+};
+use tokio::runtime::Runtime;
+
+use crate::cancel::CancelToken;
+use crate::client::{DownloadedModel, SdkError, Transport};
+use crate::retry::RetryPolicy;
+
+fn outside_runtime() -> Result<(), SdkError> {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return Err(SdkError::InsideRuntime);
+    }
+    Ok(())
+}
+
+fn new_runtime() -> Result<Runtime, SdkError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(SdkError::Runtime)
+}
+
+/// Enrolls a device key with an enrollment token; see [`crate::enroll`].
+/// Uses a fresh connection for the call.
+pub fn enroll(
+    transport: &Transport,
+    enrollment_token: &str,
+    key: &DeviceKey,
+    capabilities: Capabilities,
+) -> Result<EnrollResponse, SdkError> {
+    outside_runtime()?;
+    let runtime = new_runtime()?;
+    let transport = transport.reconnect()?;
+    runtime.block_on(crate::enroll(
+        &transport,
+        enrollment_token,
+        key,
+        capabilities,
+    ))
+}
+
+/// [`enroll`] with the retries and cancellation of [`crate::enroll_with`].
+pub fn enroll_with(
+    transport: &Transport,
+    enrollment_token: &str,
+    key: &DeviceKey,
+    capabilities: Capabilities,
+    policy: &RetryPolicy,
+    cancel: &CancelToken,
+) -> Result<EnrollResponse, SdkError> {
+    outside_runtime()?;
+    let runtime = new_runtime()?;
+    let transport = transport.reconnect()?;
+    runtime.block_on(crate::enroll_with(
+        &transport,
+        enrollment_token,
+        key,
+        capabilities,
+        policy,
+        cancel,
+    ))
+}
+
+/// An enrolled device, blocking. Not `Clone` (it owns its runtime); share
+/// it behind an `Arc`, calls from several threads take turns.
+#[derive(Debug)]
+pub struct DeviceClient {
+    inner: crate::DeviceClient,
+    /// `None` only while dropping.
+    runtime: Option<Runtime>,
+}
+
+impl DeviceClient {
+    pub fn new(
+        transport: Transport,
+        device_id: i64,
+        key: DeviceKey,
+        server_public_key_hex: &str,
+    ) -> Result<DeviceClient, SdkError> {
+        let inner = crate::DeviceClient::new(transport, device_id, key, server_public_key_hex)?;
+        DeviceClient::from_async(inner)
+    }
+
+    /// Wraps an async client, keeping its retry policy and cancel token.
+    /// Its transport is replaced by one with a fresh connection pool, since
+    /// connections belong to the runtime that opened them.
+    pub fn from_async(mut inner: crate::DeviceClient) -> Result<DeviceClient, SdkError> {
+        outside_runtime()?;
+        let runtime = new_runtime()?;
+        inner.transport = inner.transport.reconnect()?;
+        Ok(DeviceClient {
+            inner,
+            runtime: Some(runtime),
+        })
+    }
+
+    fn block_on<F: Future>(&self, future: F) -> Result<F::Output, SdkError> {
+        outside_runtime()?;
+        let runtime = self
+            .runtime
+            .as_ref()
+            .ok_or_else(|| SdkError::Runtime(std::io::Error::other("the runtime was shut down")))?;
+        Ok(runtime.block_on(future))
+    }
+
+    /// The wrapped async client (its methods must not be awaited on another
+    /// runtime while this one holds its connections; see [`Transport`]).
+    pub fn as_async(&self) -> &crate::DeviceClient {
+        &self.inner
+    }
+
+    pub fn device_id(&self) -> i64 {
+        self.inner.device_id
+    }
+
+    pub fn key(&self) -> &DeviceKey {
+        self.inner.key()
+    }
+
+    pub fn transport(&self) -> &Transport {
+        &self.inner.transport
+    }
+
+    /// Swaps the connection (given a fresh pool, as in [`Self::from_async`]).
+    pub fn set_transport(&mut self, transport: Transport) -> Result<(), SdkError> {
+        self.inner.set_transport(transport.reconnect()?);
+        Ok(())
+    }
+
+    pub fn with_retry_policy(mut self, policy: RetryPolicy) -> DeviceClient {
+        self.inner.set_retry_policy(policy);
+        self
+    }
+
+    pub fn set_retry_policy(&mut self, policy: RetryPolicy) {
+        self.inner.set_retry_policy(policy);
+    }
+
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        self.inner.retry_policy()
+    }
+
+    pub fn with_cancel_token(mut self, token: CancelToken) -> DeviceClient {
+        self.inner.set_cancel_token(token);
+        self
+    }
+
+    pub fn set_cancel_token(&mut self, token: CancelToken) {
+        self.inner.set_cancel_token(token);
+    }
+
+    /// Clone it and call `cancel()` from another thread to stop the call in
+    /// progress.
+    pub fn cancel_token(&self) -> &CancelToken {
+        self.inner.cancel_token()
+    }
+
+    pub fn heartbeat(&self, beat: &Heartbeat) -> Result<HeartbeatResponse, SdkError> {
+        self.block_on(self.inner.heartbeat(beat))?
+    }
+
+    /// Waits up to `wait_ms` for a task; `None` when there is none.
+    pub fn next_task(&self, wait_ms: u64) -> Result<Option<Task>, SdkError> {
+        self.block_on(self.inner.next_task(wait_ms))?
+    }
+
+    /// See [`crate::DeviceClient::download_model`].
+    pub fn download_model(&self, task: &Task) -> Result<DownloadedModel, SdkError> {
+        self.block_on(self.inner.download_model(task))?
+    }
+
+    /// See [`crate::DeviceClient::download_model_to`].
+    pub fn download_model_to(&self, task: &Task, path: &Path) -> Result<DownloadedModel, SdkError> {
+        self.block_on(self.inner.download_model_to(task, path))?
+    }
+
+    /// See [`crate::DeviceClient::upload_update`].
+    pub fn upload_update(&self, task: &Task, encoded: Bytes) -> Result<UploadReceipt, SdkError> {
+        self.block_on(self.inner.upload_update(task, encoded))?
+    }
+
+    pub fn report_metrics(&self, metrics: &RoundMetrics) -> Result<(), SdkError> {
+        self.block_on(self.inner.report_metrics(metrics))?
+    }
+}
+
+impl Drop for DeviceClient {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            // Dropping a runtime blocks, which tokio forbids inside another.
+            if tokio::runtime::Handle::try_current().is_ok() {
+                runtime.shutdown_background();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Trust;
+
+    fn client() -> DeviceClient {
+        let transport =
+            Transport::new("https://127.0.0.1:9", &Trust::PinnedSha256("ab".repeat(32)))
+                .expect("transport");
+        let server_key = DeviceKey::generate().public_key_hex();
+        DeviceClient::new(transport, 1, DeviceKey::generate(), &server_key).expect("client")
+    }
+
+    #[test]
+    fn calls_inside_a_runtime_return_an_error_instead_of_panicking() {
+        let blocking = client();
+        let runtime = new_runtime().expect("runtime");
+        runtime.block_on(async {
+            assert!(matches!(
+                blocking.next_task(0),
+                Err(SdkError::InsideRuntime)
+            ));
+            assert!(matches!(
+                blocking.heartbeat(&Heartbeat::default()),
+                Err(SdkError::InsideRuntime)
+            ));
+            let transport = blocking.transport().clone();
+            let key = DeviceKey::generate();
+            let capabilities = Capabilities {
+                tier: canopy_protocol::messages::Tier::End,
+                backends: vec!["cpu".into()],
+                memory_mb: 1,
+                os: "test".into(),
+                tags: Default::default(),
+            };
+            assert!(matches!(
+                enroll(&transport, "token", &key, capabilities),
+                Err(SdkError::InsideRuntime)
+            ));
+            let inner = blocking.as_async().clone();
+            assert!(matches!(
+                DeviceClient::from_async(inner),
+                Err(SdkError::InsideRuntime)
+            ));
+            let message = SdkError::InsideRuntime.to_string();
+            assert!(message.contains("async"), "{message}");
+            // Dropping one inside a runtime does not panic either.
+            drop(blocking);
+        });
+    }
+
+    #[test]
+    fn a_cancelled_client_returns_cancelled_without_a_request() {
+        let token = CancelToken::new();
+        token.cancel();
+        let blocking = client()
+            .with_retry_policy(RetryPolicy::default())
+            .with_cancel_token(token);
+        assert!(matches!(blocking.next_task(0), Err(SdkError::Cancelled)));
+        assert!(blocking.cancel_token().is_cancelled());
+    }
+}
