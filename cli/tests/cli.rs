@@ -287,7 +287,7 @@ fn readme_opens_with_the_main_job_and_the_ci_test_command() {
         .take(2)
         .collect();
     assert!(
-        commands[0].contains("model train") && commands[0].contains("datasets/mnist-10k"),
+        commands[0].contains("--bin canopy-agent") && commands[0].contains("canopy-server -- demo"),
         "{commands:?}"
     );
     assert_eq!(commands[1], "cargo test --workspace --release");

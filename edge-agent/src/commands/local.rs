@@ -1,0 +1,299 @@
+//! `train --local` and `eval`: offline checks that this machine can train
+//! and evaluate a model on its registered data, on the same held-out 10%
+//! the daemon evaluates on.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use canopy_engine::CpuBackend;
+use canopy_engine::data::Dataset;
+use canopy_engine::train::Trainer;
+use canopy_engine::zoo::{fit_input_stats, needs_input_stats};
+use canopy_ir::Model;
+use canopy_sdk::train::{Evaluation, evaluate_model};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::datasets::{DataKind, DataSource, Registry, fit_to_model, holdout};
+use crate::files::{DataDir, MAX_MODEL_FILE_BYTES, hinted, read_bounded};
+
+/// Caps on the loop's size, so a typo cannot run for days.
+const MAX_EPOCHS: u32 = 1_000;
+const MAX_BATCH: usize = 1 << 16;
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Train on this machine only; nothing is sent anywhere (required: the
+    /// daemon, `run`, is how the agent trains for a server).
+    #[arg(long)]
+    local: bool,
+    /// The model file (with a `train_step` entry point).
+    #[arg(long)]
+    model: PathBuf,
+    /// A registered dataset; default: the default one.
+    #[arg(long)]
+    dataset: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    epochs: u32,
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    #[arg(long, default_value_t = 0.1)]
+    lr: f32,
+    /// Seed of the shuffling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+#[derive(Args)]
+#[command(group = clap::ArgGroup::new("source").required(true).args(["dataset", "kind"]))]
+pub struct EvalArgs {
+    /// The model file.
+    #[arg(long)]
+    model: PathBuf,
+    /// A registered dataset.
+    #[arg(long, conflicts_with_all = ["kind", "path", "labels"])]
+    dataset: Option<String>,
+    /// An unregistered dataset's kind (see `data add --help`).
+    #[arg(long, value_enum, requires = "path")]
+    kind: Option<DataKind>,
+    /// An unregistered dataset's file or folder.
+    #[arg(long, requires = "kind")]
+    path: Option<PathBuf>,
+    /// The labels file, for `idx` and `npy` when --path names the images file.
+    #[arg(long, requires = "kind")]
+    labels: Option<PathBuf>,
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Print one JSON object `{"accuracy", "loss", "samples"}` and nothing else.
+    #[arg(long)]
+    json: bool,
+}
+
+fn read_model(path: &Path) -> Result<Model> {
+    let bytes = read_bounded(path, MAX_MODEL_FILE_BYTES)
+        .with_context(|| format!("cannot read model file `{}`", path.display()))?
+        .ok_or_else(|| anyhow::anyhow!("model file `{}` does not exist", path.display()))?;
+    canopy_ir::format::read_model(&bytes)
+        .with_context(|| format!("`{}` is not a valid Canopy model file", path.display()))
+}
+
+fn check_batch(batch: usize) -> Result<()> {
+    if batch == 0 || batch > MAX_BATCH {
+        bail!("--batch {batch} is out of range (1..={MAX_BATCH})");
+    }
+    Ok(())
+}
+
+/// The held-out evaluation of `model`, on rayon's pool.
+fn evaluate(model: &Model, data: &Dataset, batch: usize) -> Result<Evaluation> {
+    rayon::scope(|_| evaluate_model(model, data, batch)).context("evaluation failed")
+}
+
+pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
+    if !args.local {
+        return Err(hinted(
+            "`train` only runs locally",
+            "pass --local for an offline run; `canopy-agent run` trains for a server",
+        ));
+    }
+    if args.epochs == 0 || args.epochs > MAX_EPOCHS {
+        bail!(
+            "--epochs {} is out of range (1..={MAX_EPOCHS})",
+            args.epochs
+        );
+    }
+    check_batch(args.batch)?;
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        bail!("--lr {} must be a positive finite number", args.lr);
+    }
+    let mut model = read_model(&args.model)?;
+    let registry = Registry::load(dir)?;
+    let entry = registry.resolve(dir, args.dataset.as_deref())?;
+    let data = entry
+        .source()
+        .load()
+        .with_context(|| format!("cannot load registered dataset `{}`", entry.name))?;
+    let (train, test) = holdout(&data)?;
+    let context = || {
+        format!(
+            "dataset `{}` does not fit model `{}`",
+            entry.name,
+            args.model.display()
+        )
+    };
+    let train = fit_to_model(&train, &model)
+        .with_context(context)?
+        .into_owned();
+    let test = fit_to_model(&test, &model)
+        .with_context(context)?
+        .into_owned();
+    if test.is_empty() {
+        bail!(
+            "dataset `{}` has too few samples ({}) to hold out 10% for evaluation",
+            entry.name,
+            data.len()
+        );
+    }
+    if needs_input_stats(&model) {
+        fit_input_stats(&mut model, &train).context("cannot fit the model's input statistics")?;
+        tracing::info!(
+            samples = train.len(),
+            "fitted the model's input statistics on the training split"
+        );
+    }
+    let before = evaluate(&model, &test, 256)?;
+    println!(
+        "dataset `{}`: {} training samples, {} held out",
+        entry.name,
+        train.len(),
+        test.len()
+    );
+    println!(
+        "held-out accuracy before: {:.4} (loss {:.4})",
+        before.accuracy, before.loss
+    );
+    let started = Instant::now();
+    let mut trainer = Trainer::new(&model, &CpuBackend, args.seed)
+        .with_context(|| format!("cannot prepare `{}` for training", args.model.display()))?;
+    for epoch in 1..=args.epochs {
+        let (loss, accuracy) = rayon::scope(|_| train_epoch(&mut trainer, &train, &args, epoch))
+            .with_context(|| format!("training epoch {epoch} of `{}`", args.model.display()))?;
+        println!(
+            "epoch {epoch:>3}/{}  train loss {loss:.4}  train accuracy {accuracy:.4}",
+            args.epochs
+        );
+        tracing::debug!(epoch, loss, accuracy, "epoch done");
+    }
+    trainer.write_back(&mut model)?;
+    let after = evaluate(&model, &test, 256)?;
+    println!(
+        "held-out accuracy after:  {:.4} (loss {:.4})",
+        after.accuracy, after.loss
+    );
+    println!(
+        "held-out accuracy {:.4} -> {:.4} in {:.1} s",
+        before.accuracy,
+        after.accuracy,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// One epoch, as a task's training runs it: reshuffled per epoch, a short
+/// final batch dropped unless it is all the data.
+fn train_epoch(
+    trainer: &mut Trainer,
+    train: &Dataset,
+    args: &TrainArgs,
+    epoch: u32,
+) -> Result<(f64, f64)> {
+    let drop_last = train.len() >= args.batch;
+    let batches = if drop_last {
+        train.len() / args.batch
+    } else {
+        1
+    } as u64;
+    let bar = progress_bar(batches, epoch, args.epochs);
+    let shuffle = args
+        .seed
+        .wrapping_mul(0x9E37_79B9)
+        .wrapping_add(u64::from(epoch));
+    let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0i64, 0usize);
+    for (index, batch) in train
+        .batches(args.batch, Some(shuffle), drop_last)?
+        .enumerate()
+    {
+        let size = batch.len();
+        let stats = trainer.step(batch.x, batch.y, args.lr)?;
+        loss_sum += f64::from(stats.loss) * size as f64;
+        correct += stats.correct;
+        seen += size;
+        match &bar {
+            Some(bar) => {
+                bar.inc(1);
+                bar.set_message(format!("loss {:.4}", loss_sum / seen as f64));
+            }
+            None if (index + 1) % 100 == 0 => tracing::info!(
+                epoch,
+                batch = index + 1,
+                batches,
+                loss = loss_sum / seen as f64,
+                "training"
+            ),
+            None => {}
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let seen = seen.max(1) as f64;
+    Ok((loss_sum / seen, correct as f64 / seen))
+}
+
+/// A bar on a terminal; `None` otherwise (tracing logs instead).
+fn progress_bar(batches: u64, epoch: u32, epochs: u32) -> Option<ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = ProgressBar::new(batches).with_prefix(format!("epoch {epoch}/{epochs}"));
+    let style = ProgressStyle::with_template(
+        "{prefix:>12} [{bar:30}] {pos}/{len} batches  {msg}  ({elapsed}, eta {eta})",
+    )
+    .expect("static template is valid")
+    .progress_chars("=> ");
+    bar.set_style(style);
+    Some(bar)
+}
+
+pub fn eval(dir: &DataDir, args: EvalArgs) -> Result<()> {
+    check_batch(args.batch)?;
+    let model = read_model(&args.model)?;
+    let (name, source) = match (&args.dataset, args.kind, &args.path) {
+        (Some(name), _, _) => {
+            let registry = Registry::load(dir)?;
+            let entry = registry.resolve(dir, Some(name))?;
+            (format!("`{}`", entry.name), entry.source())
+        }
+        (None, Some(kind), Some(path)) => (
+            format!("`{}`", path.display()),
+            DataSource {
+                kind,
+                path: path.clone(),
+                labels: args.labels.clone(),
+            },
+        ),
+        _ => bail!("give --dataset NAME, or --kind and --path"),
+    };
+    let data = source.load()?;
+    let (_, test) = holdout(&data)?;
+    let test = fit_to_model(&test, &model).with_context(|| {
+        format!(
+            "dataset {name} does not fit model `{}`",
+            args.model.display()
+        )
+    })?;
+    if test.is_empty() {
+        bail!(
+            "dataset {name} has too few samples ({}) to hold out 10% for evaluation",
+            data.len()
+        );
+    }
+    let stats = evaluate(&model, &test, args.batch)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"accuracy": stats.accuracy, "loss": stats.loss, "samples": stats.samples})
+        );
+    } else {
+        println!(
+            "{} on the held-out 10% of {name}: accuracy {:.4}, loss {:.4} over {} samples",
+            args.model.display(),
+            stats.accuracy,
+            stats.loss,
+            stats.samples
+        );
+    }
+    Ok(())
+}

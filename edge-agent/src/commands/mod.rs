@@ -1,0 +1,6 @@
+//! The one-shot subcommands; `run` lives in `daemon`, `status` in `status`.
+
+pub mod data;
+pub mod enroll;
+pub mod install;
+pub mod local;

@@ -1,0 +1,340 @@
+//! One task: limits, verified download, held-out evaluation of the global
+//! model, local training, upload and metrics, with bounded retries.
+
+use std::future::Future;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use canopy_protocol::messages::{RoundMetrics, Task};
+use canopy_sdk::SdkError;
+use canopy_sdk::train::{Evaluation, LocalUpdate, evaluate_model, train_task};
+
+use super::{Backoff, Daemon, LocalData, MEMORY_FACTOR, new_record, record_outcome};
+use crate::datasets::fit_to_model;
+use crate::files::now_ms;
+use crate::status::TaskResult;
+
+/// Device and server clocks differ; a deadline is treated as passed only
+/// this long after it, by the device's clock.
+const CLOCK_SKEW_MS: u64 = 60_000;
+const DOWNLOAD_ATTEMPTS: u32 = 5;
+const UPLOAD_ATTEMPTS: u32 = 8;
+const METRICS_ATTEMPTS: u32 = 3;
+const RETRY_BASE: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+/// Batch size of the held-out evaluation.
+const EVAL_BATCH: usize = 256;
+
+/// Why a task did not end in an accepted upload.
+struct Stop {
+    result: TaskResult,
+    detail: String,
+}
+
+impl Stop {
+    fn new(result: TaskResult, detail: impl Into<String>) -> Stop {
+        Stop {
+            result,
+            detail: detail.into(),
+        }
+    }
+}
+
+fn past_deadline(task: &Task) -> bool {
+    now_ms() > task.deadline_unix_ms.saturating_add(CLOCK_SKEW_MS)
+}
+
+/// Worth another try: no answer, a garbled or cut-off answer, or a server
+/// that is overloaded or failing. A model that fails verification is not:
+/// its digest or signature is wrong, not its transfer.
+fn retryable(error: &SdkError) -> bool {
+    match error {
+        SdkError::Transport { .. } | SdkError::BadResponse { .. } | SdkError::Incomplete { .. } => {
+            true
+        }
+        SdkError::Server { status, .. } => *status == 408 || *status == 429 || *status >= 500,
+        _ => false,
+    }
+}
+
+/// Deterministic per device and round, different across both.
+fn training_seed(device_id: i64, round_id: i64) -> u64 {
+    (device_id as u64)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(17)
+        ^ (round_id as u64)
+}
+
+impl Daemon {
+    /// Works on one task and records how it ended.
+    pub(super) async fn run_task(&self, task: &Task) -> TaskResult {
+        tracing::info!(
+            job_id = task.job_id,
+            round_id = task.round_id,
+            round = task.round_number,
+            model_version_id = task.model_version_id,
+            model_bytes = task.model_size_bytes,
+            epochs = task.training.epochs,
+            batch = task.training.batch_size,
+            lr = task.training.learning_rate,
+            "task received"
+        );
+        self.update_status(|s| {
+            s.last_task = Some(new_record(task));
+            s.state = "downloading".into();
+        });
+        let (result, detail) = match self.work(task).await {
+            Ok(()) => (TaskResult::Uploaded, None),
+            Err(stop) => (stop.result, Some(stop.detail)),
+        };
+        match (&result, &detail) {
+            (TaskResult::Uploaded, _) => {
+                tracing::info!(round_id = task.round_id, "task done: update uploaded");
+            }
+            (_, detail) => tracing::warn!(
+                round_id = task.round_id,
+                result = result.as_str(),
+                detail = detail.as_deref().unwrap_or(""),
+                "task not uploaded"
+            ),
+        }
+        self.update_status(|s| record_outcome(s, result, detail));
+        result
+    }
+
+    async fn work(&self, task: &Task) -> Result<(), Stop> {
+        if let Some(max_mb) = self.settings.max_memory_mb {
+            let need_mb = task
+                .model_size_bytes
+                .saturating_mul(MEMORY_FACTOR)
+                .div_ceil(1 << 20);
+            if need_mb > max_mb {
+                return Err(Stop::new(
+                    TaskResult::Refused,
+                    format!(
+                        "the model is {} bytes; training it needs about {need_mb} MiB ({MEMORY_FACTOR}x the file), over --max-memory-mb {max_mb}",
+                        task.model_size_bytes
+                    ),
+                ));
+            }
+        }
+        if past_deadline(task) {
+            return Err(Stop::new(
+                TaskResult::Expired,
+                "the round's deadline passed before work began",
+            ));
+        }
+        let model = self
+            .retry("model download", task, DOWNLOAD_ATTEMPTS, || {
+                self.client.download_model(task)
+            })
+            .await
+            .map_err(|error| {
+                Stop::new(
+                    TaskResult::Failed,
+                    format!("model download failed: {}", crate::chain_text(&error)),
+                )
+            })?;
+        tracing::info!(round_id = task.round_id, digest = %model.digest, "model downloaded and verified");
+        self.set_state("training");
+        let data = self.data.clone();
+        let owned_task = task.clone();
+        let seed = training_seed(self.client.device_id, task.round_id);
+        let trained = tokio::task::spawn_blocking(move || {
+            // Inside rayon's pool, as every training loop runs: the
+            // kernels fork and join there, sized by --max-threads.
+            rayon::scope(|_| train_and_evaluate(&model.bytes, &owned_task, &data, seed))
+        })
+        .await;
+        let (evaluation, update) = match trained {
+            Ok(Ok(done)) => done,
+            Ok(Err(error)) => {
+                return Err(Stop::new(
+                    TaskResult::Failed,
+                    crate::chain_text(error.as_ref()),
+                ));
+            }
+            Err(join) => {
+                return Err(Stop::new(
+                    TaskResult::Failed,
+                    format!("training stopped unexpectedly: {join}"),
+                ));
+            }
+        };
+        let metrics = RoundMetrics {
+            round_id: task.round_id,
+            train_loss: Some(update.train_loss).filter(|l| l.is_finite() && *l >= 0.0),
+            eval_loss: evaluation
+                .map(|e| e.loss)
+                .filter(|l| l.is_finite() && *l >= 0.0),
+            eval_accuracy: evaluation.map(|e| e.accuracy),
+            eval_samples: evaluation.map(|e| e.samples),
+            train_duration_ms: Some(update.train_duration_ms),
+        };
+        tracing::info!(
+            round_id = task.round_id,
+            samples = update.num_samples,
+            train_loss = update.train_loss,
+            train_ms = update.train_duration_ms,
+            eval_accuracy = metrics.eval_accuracy,
+            eval_loss = metrics.eval_loss,
+            "trained"
+        );
+        self.update_status(|s| {
+            s.state = "uploading".into();
+            if let Some(record) = s.last_task.as_mut() {
+                record.num_samples = Some(update.num_samples);
+                record.train_loss = metrics.train_loss;
+                record.train_duration_ms = metrics.train_duration_ms;
+                record.eval_accuracy = metrics.eval_accuracy;
+                record.eval_loss = metrics.eval_loss;
+                record.eval_samples = metrics.eval_samples;
+            }
+        });
+        let encoded = Bytes::from(update.encoded);
+        let uploaded = self
+            .retry("upload", task, UPLOAD_ATTEMPTS, || {
+                self.client.upload_update(task, encoded.clone())
+            })
+            .await;
+        match uploaded {
+            Ok(receipt) => tracing::info!(
+                round_id = receipt.round_id,
+                bytes = receipt.bytes,
+                "update accepted"
+            ),
+            // An earlier attempt got through and only its answer was lost.
+            Err(error) if error.status() == Some(409) => tracing::info!(
+                round_id = task.round_id,
+                "the server already holds this device's update"
+            ),
+            Err(error) => {
+                let result = match error.status() {
+                    Some(403 | 404 | 410) => TaskResult::Rejected,
+                    _ if past_deadline(task) => TaskResult::Expired,
+                    _ => TaskResult::Failed,
+                };
+                return Err(Stop::new(
+                    result,
+                    format!("upload failed: {}", crate::chain_text(&error)),
+                ));
+            }
+        }
+        match metrics.validate() {
+            Err(reason) => tracing::warn!(%reason, "not reporting invalid metrics"),
+            Ok(()) => {
+                if let Err(error) = self
+                    .retry("metrics report", task, METRICS_ATTEMPTS, || {
+                        self.client.report_metrics(&metrics)
+                    })
+                    .await
+                {
+                    // The update counts; the metrics are informational.
+                    tracing::warn!(error = %crate::chain_text(&error), "metrics were not reported");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `op` until it succeeds, fails for good, runs out of attempts
+    /// or the round's deadline passes; backs off between attempts.
+    async fn retry<T, F, Fut>(
+        &self,
+        what: &str,
+        task: &Task,
+        attempts: u32,
+        mut op: F,
+    ) -> Result<T, SdkError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, SdkError>>,
+    {
+        let mut backoff = Backoff::new(RETRY_BASE, RETRY_MAX);
+        let mut attempt = 1;
+        loop {
+            match op().await {
+                Ok(value) => return Ok(value),
+                Err(error) if retryable(&error) && attempt < attempts && !past_deadline(task) => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(
+                        round_id = task.round_id,
+                        attempt,
+                        retry_in_ms = delay.as_millis() as u64,
+                        error = %crate::chain_text(&error),
+                        "{what} failed; retrying"
+                    );
+                    tokio::time::sleep(delay).await;
+                    attempt += 1;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+}
+
+/// Evaluates the downloaded global model on the held-out split, then
+/// trains it on the training split; both shaped for the model.
+fn train_and_evaluate(
+    model_bytes: &[u8],
+    task: &Task,
+    data: &LocalData,
+    seed: u64,
+) -> Result<(Option<Evaluation>, LocalUpdate)> {
+    let model =
+        canopy_ir::format::read_model(model_bytes).context("the downloaded model does not load")?;
+    let context = || {
+        format!(
+            "local dataset `{}` does not fit the task's model",
+            data.name
+        )
+    };
+    let train = fit_to_model(&data.train, &model).with_context(context)?;
+    let held_out = fit_to_model(&data.holdout, &model).with_context(context)?;
+    let evaluation = if held_out.is_empty() {
+        None
+    } else {
+        Some(
+            evaluate_model(&model, &held_out, EVAL_BATCH)
+                .context("evaluating the global model on the held-out data failed")?,
+        )
+    };
+    drop(model);
+    let update = train_task(model_bytes, task, &train, seed).context("local training failed")?;
+    Ok((evaluation, update))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_transient_errors_are_retried() {
+        let server = |status| SdkError::Server {
+            status,
+            code: "x".into(),
+            message: "y".into(),
+        };
+        assert!(retryable(&server(503)));
+        assert!(retryable(&server(429)));
+        assert!(!retryable(&server(400)));
+        assert!(!retryable(&server(409)));
+        assert!(retryable(&SdkError::BadResponse {
+            what: "task",
+            reason: "cut off".into()
+        }));
+        assert!(!retryable(&SdkError::ModelVerification {
+            version_id: 1,
+            reason: "bad signature".into()
+        }));
+        assert!(!retryable(&SdkError::Cancelled));
+    }
+
+    #[test]
+    fn seeds_differ_by_device_and_round() {
+        assert_ne!(training_seed(1, 1), training_seed(2, 1));
+        assert_ne!(training_seed(1, 1), training_seed(1, 2));
+        assert_eq!(training_seed(3, 4), training_seed(3, 4));
+    }
+}

@@ -1,0 +1,390 @@
+//! Local datasets: how each kind is found and loaded, the registry in
+//! `datasets.toml`, the deterministic 10% held out for evaluation, and
+//! shaping a dataset for a model.
+
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use canopy_engine::data::{Dataset, LabelColumn, load_csv, load_idx, load_npy_dataset};
+use canopy_ir::Model;
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+use crate::files::{DataDir, MAX_DATASETS_BYTES, hinted, read_text, write_public};
+
+/// Share of every dataset held out for evaluation, never trained on.
+pub const HOLDOUT_FRACTION: f64 = 0.1;
+/// Seed of that stratified split, fixed so the held-out samples are the
+/// same in every run, task and command.
+pub const HOLDOUT_SEED: u64 = 0x00ca_9097_a9e7;
+/// Most datasets one agent registers.
+pub const MAX_DATASETS: usize = 256;
+pub const MAX_NAME_CHARS: usize = 64;
+/// Most entries listed when looking for IDX files in a folder.
+const MAX_DIR_ENTRIES: usize = 10_000;
+
+/// The file formats `data add` understands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    /// IDX (MNIST) images + labels: a folder holding one `train-images*`
+    /// and one `train-labels*` file (or one `*images*` and one `*labels*`
+    /// file), or the images file with `--labels FILE`. Gzipped or not.
+    Idx,
+    /// One CSV or CSV.gz file, the label in the last column; a header
+    /// line is detected.
+    Csv,
+    /// A folder holding `images.npy` and `labels.npy`, or the images
+    /// file with `--labels FILE`.
+    Npy,
+}
+
+impl DataKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DataKind::Idx => "idx",
+            DataKind::Csv => "csv",
+            DataKind::Npy => "npy",
+        }
+    }
+}
+
+/// Where a dataset's files are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DataSource {
+    pub kind: DataKind,
+    pub path: PathBuf,
+    /// The labels file, when given separately.
+    pub labels: Option<PathBuf>,
+}
+
+impl DataSource {
+    /// Loads the dataset, naming the dataset's path in every error.
+    pub fn load(&self) -> Result<Dataset> {
+        let loaded = match (self.kind, &self.labels) {
+            (DataKind::Csv, Some(_)) => bail!(
+                "--labels is for idx and npy data; a CSV file holds its labels in the last column"
+            ),
+            (DataKind::Csv, None) => {
+                if self.path.is_dir() {
+                    bail!(
+                        "`{}` is a folder; --kind csv takes one .csv or .csv.gz file",
+                        self.path.display()
+                    );
+                }
+                load_csv(&self.path, LabelColumn::Last)
+            }
+            (DataKind::Idx, Some(labels)) => load_idx(&self.path, labels),
+            (DataKind::Idx, None) => {
+                let (images, labels) = find_idx_pair(&self.path)?;
+                load_idx(images, labels)
+            }
+            (DataKind::Npy, Some(labels)) => load_npy_dataset(&self.path, labels),
+            (DataKind::Npy, None) => {
+                if !self.path.is_dir() {
+                    bail!(
+                        "`{}` is not a folder; --kind npy takes a folder holding images.npy and labels.npy, or the images file with --labels FILE",
+                        self.path.display()
+                    );
+                }
+                load_npy_dataset(self.path.join("images.npy"), self.path.join("labels.npy"))
+            }
+        };
+        let data = loaded.with_context(|| {
+            format!(
+                "cannot load {} dataset `{}`",
+                self.kind.as_str(),
+                self.path.display()
+            )
+        })?;
+        if data.is_empty() {
+            bail!("dataset `{}` has no samples", self.path.display());
+        }
+        Ok(data)
+    }
+}
+
+/// The images and labels IDX files in `dir`: `train-images*` and
+/// `train-labels*` when present (a `test-*` pair beside them is ignored:
+/// the agent holds out its own 10%), else the one `*images*` and the one
+/// `*labels*` file.
+fn find_idx_pair(dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    if !dir.is_dir() {
+        return Err(hinted(
+            format!("`{}` is not a folder", dir.display()),
+            "--kind idx takes a folder with train-images*/train-labels* files, or an images file with --labels FILE",
+        ));
+    }
+    let mut names = Vec::new();
+    let entries =
+        std::fs::read_dir(dir).with_context(|| format!("cannot list `{}`", dir.display()))?;
+    for entry in entries.take(MAX_DIR_ENTRIES + 1) {
+        let entry = entry.with_context(|| format!("cannot list `{}`", dir.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !name.starts_with('.') && entry.path().is_file() {
+            names.push(name);
+        }
+    }
+    if names.len() > MAX_DIR_ENTRIES {
+        bail!(
+            "`{}` holds more than {MAX_DIR_ENTRIES} files",
+            dir.display()
+        );
+    }
+    names.sort();
+    let pick = |what: &str| -> Result<PathBuf> {
+        let prefixed: Vec<&String> = names
+            .iter()
+            .filter(|n| n.starts_with(&format!("train-{what}")))
+            .collect();
+        let candidates = if prefixed.is_empty() {
+            names.iter().filter(|n| n.contains(what)).collect()
+        } else {
+            prefixed
+        };
+        match candidates.as_slice() {
+            [one] => Ok(dir.join(one)),
+            [] => Err(hinted(
+                format!("`{}` holds no IDX {what} file", dir.display()),
+                format!(
+                    "expected a file named train-{what}* (or one name containing `{what}`); found {names:?}"
+                ),
+            )),
+            many => Err(hinted(
+                format!("`{}` holds several {what} files: {many:?}", dir.display()),
+                "name the images file with --path and the labels file with --labels",
+            )),
+        }
+    };
+    Ok((pick("images")?, pick("labels")?))
+}
+
+/// One registered dataset, with what was learned when it was added.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetEntry {
+    pub name: String,
+    pub kind: DataKind,
+    /// Absolute path of the file or folder.
+    pub path: PathBuf,
+    /// Absolute path of the labels file, when given separately.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<PathBuf>,
+    pub samples: u64,
+    pub feature_shape: Vec<usize>,
+    pub classes: u64,
+    pub added_unix_ms: u64,
+}
+
+impl DatasetEntry {
+    pub fn source(&self) -> DataSource {
+        DataSource {
+            kind: self.kind,
+            path: self.path.clone(),
+            labels: self.labels.clone(),
+        }
+    }
+}
+
+/// `datasets.toml`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Registry {
+    /// The dataset `run`, `train` and `eval` use when none is named.
+    pub default: Option<String>,
+    #[serde(default, rename = "dataset")]
+    pub datasets: Vec<DatasetEntry>,
+}
+
+impl Registry {
+    pub fn load(dir: &DataDir) -> Result<Registry> {
+        let path = dir.datasets();
+        let Some(text) = read_text(&path, MAX_DATASETS_BYTES)? else {
+            return Ok(Registry::default());
+        };
+        let registry: Registry = toml::from_str(&text)
+            .with_context(|| format!("dataset registry `{}` is invalid", path.display()))?;
+        if registry.datasets.len() > MAX_DATASETS {
+            bail!(
+                "dataset registry `{}` has {} datasets, the limit is {MAX_DATASETS}",
+                path.display(),
+                registry.datasets.len()
+            );
+        }
+        Ok(registry)
+    }
+
+    pub fn save(&self, dir: &DataDir) -> Result<()> {
+        let path = dir.datasets();
+        let body = toml::to_string(self).context("cannot serialise the dataset registry")?;
+        let text = format!("# Written by `canopy-agent data add`.\n{body}");
+        write_public(&path, text.as_bytes())
+            .with_context(|| format!("cannot write dataset registry `{}`", path.display()))
+    }
+
+    pub fn get(&self, name: &str) -> Option<&DatasetEntry> {
+        self.datasets.iter().find(|d| d.name == name)
+    }
+
+    /// The named dataset, or the default one.
+    pub fn resolve(&self, dir: &DataDir, name: Option<&str>) -> Result<&DatasetEntry> {
+        let hint = "register one with `canopy-agent data add NAME --kind csv --path FILE`";
+        let name = match name.or(self.default.as_deref()) {
+            Some(name) => name,
+            None => {
+                return Err(hinted(
+                    format!("no dataset is registered in `{}`", dir.datasets().display()),
+                    hint,
+                ));
+            }
+        };
+        self.get(name).ok_or_else(|| {
+            let known: Vec<&str> = self.datasets.iter().map(|d| d.name.as_str()).collect();
+            hinted(
+                format!("dataset `{name}` is not registered (registered: {known:?})"),
+                hint,
+            )
+        })
+    }
+
+    /// Adds or replaces `entry`; returns whether it replaced one. The
+    /// first dataset added becomes the default.
+    pub fn upsert(&mut self, entry: DatasetEntry, make_default: bool) -> Result<bool> {
+        let name = entry.name.clone();
+        let replaced = if let Some(slot) = self.datasets.iter_mut().find(|d| d.name == name) {
+            *slot = entry;
+            true
+        } else {
+            if self.datasets.len() >= MAX_DATASETS {
+                bail!("{MAX_DATASETS} datasets are registered already, the limit");
+            }
+            self.datasets.push(entry);
+            false
+        };
+        if make_default || self.default.is_none() {
+            self.default = Some(name);
+        }
+        Ok(replaced)
+    }
+}
+
+/// Dataset names: 1..=64 characters of `[A-Za-z0-9_.-]`.
+pub fn check_name(name: &str) -> Result<()> {
+    let ok = (1..=MAX_NAME_CHARS).contains(&name.chars().count())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if !ok {
+        bail!(
+            "dataset name `{}` must be 1..={MAX_NAME_CHARS} characters of [A-Za-z0-9_.-]",
+            crate::files::truncate(name, MAX_NAME_CHARS)
+        );
+    }
+    Ok(())
+}
+
+/// Splits off the held-out evaluation set: `(train, holdout)`, stratified
+/// by class, the same every time for the same data.
+pub fn holdout(data: &Dataset) -> Result<(Dataset, Dataset)> {
+    data.split(HOLDOUT_FRACTION, HOLDOUT_SEED)
+        .context("cannot split off the held-out evaluation set")
+}
+
+/// `data` shaped for `model`'s input (e.g. IDX `[1, 28, 28]` images as
+/// the MLP's `[784]`), after checking every label is one of the model's
+/// classes. Borrows when the shape already fits.
+pub fn fit_to_model<'a>(data: &'a Dataset, model: &Model) -> Result<Cow<'a, Dataset>> {
+    let shape =
+        canopy_engine::zoo::sample_shape(model).context("cannot read the model's input shape")?;
+    let classes = model_classes(model)?;
+    if let Some(bad) = data
+        .labels()
+        .iter()
+        .find(|&&l| l < 0 || l as u64 >= classes as u64)
+    {
+        bail!(
+            "the dataset has label {bad}, but model `{}` has {classes} classes",
+            model.metadata.model_name
+        );
+    }
+    if data.feature_shape() == shape.as_slice() {
+        return Ok(Cow::Borrowed(data));
+    }
+    let from = data.feature_shape().to_vec();
+    let shaped = data.clone().with_feature_shape(&shape).map_err(|e| {
+        anyhow::Error::new(e).context(format!(
+            "the dataset's samples have shape {from:?}, but model `{}` expects {shape:?}",
+            model.metadata.model_name
+        ))
+    })?;
+    Ok(Cow::Owned(shaped))
+}
+
+/// The class count: the last dimension of `infer`'s first output.
+pub fn model_classes(model: &Model) -> Result<usize> {
+    let infer = model.entry(canopy_ir::model::ENTRY_INFER)?;
+    let logits = infer
+        .outputs()
+        .first()
+        .map(|(_, v)| infer.ty(*v).clone())
+        .context("entry point `infer` has no output")?;
+    logits
+        .shape
+        .dims()
+        .last()
+        .and_then(|d| d.fixed())
+        .with_context(|| format!("`infer` output {logits} has no static class dimension"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str) -> DatasetEntry {
+        DatasetEntry {
+            name: name.into(),
+            kind: DataKind::Csv,
+            path: PathBuf::from("/data/x.csv"),
+            labels: None,
+            samples: 10,
+            feature_shape: vec![4],
+            classes: 2,
+            added_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn the_first_dataset_is_the_default_and_names_are_unique() {
+        let mut registry = Registry::default();
+        assert!(!registry.upsert(entry("a"), false).unwrap());
+        assert!(!registry.upsert(entry("b"), false).unwrap());
+        assert_eq!(registry.default.as_deref(), Some("a"));
+        assert!(registry.upsert(entry("b"), true).unwrap(), "replaced");
+        assert_eq!(registry.datasets.len(), 2);
+        assert_eq!(registry.default.as_deref(), Some("b"));
+        let text = toml::to_string(&registry).unwrap();
+        assert_eq!(toml::from_str::<Registry>(&text).unwrap(), registry);
+    }
+
+    #[test]
+    fn names_are_checked() {
+        check_name("digits-v2.1_a").unwrap();
+        assert!(check_name("").is_err());
+        assert!(check_name("a b").is_err());
+        assert!(check_name(&"x".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn the_holdout_is_deterministic_and_a_tenth() {
+        let n = 200;
+        let features: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let labels: Vec<i64> = (0..n).map(|i| (i % 4) as i64).collect();
+        let data = Dataset::new(features, vec![1], labels, 4).unwrap();
+        let (train, test) = holdout(&data).unwrap();
+        assert_eq!(test.len(), 20);
+        assert_eq!(train.len(), 180);
+        let (_, again) = holdout(&data).unwrap();
+        assert_eq!(test, again);
+    }
+}

@@ -1,0 +1,161 @@
+//! `canopy-agent`: the daemon operators install on edge machines. It
+//! enrolls the machine with a Canopy server (an Ed25519 device key kept in
+//! its data directory), registers local datasets, and runs federated
+//! rounds: it heartbeats, long-polls for tasks, trains the shipped
+//! `train_step` on local data with `canopy-sdk`, uploads the update and
+//! reports held-out metrics. `install` writes a systemd unit; `status`,
+//! `train --local` and `eval` help an operator check a machine.
+//!
+//! Everything lives in one data directory (`--data-dir`, default
+//! `./canopy-agent`): `device.key` (mode 0600), `agent.toml` (the
+//! enrollment), `config.toml` (`run` settings), `datasets.toml` and
+//! `status.json`.
+//!
+//! Errors print as `error:` / `Caused by:` / `hint:` and exit 1. Logs are
+//! structured `tracing` events on stderr: `CANOPY_LOG` (else `RUST_LOG`)
+//! filters them, `CANOPY_LOG_FORMAT=json|text` picks the format, JSON
+//! when stderr is not a terminal.
+
+mod commands;
+mod config;
+mod daemon;
+mod datasets;
+mod files;
+mod status;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::files::{DataDir, Hint};
+
+#[derive(Parser)]
+#[command(
+    name = "canopy-agent",
+    version,
+    about = "Canopy's edge agent: enroll this machine, register local data, and train federated rounds",
+    after_help = "Files in the data directory: device.key (the device's private key, mode 0600), \
+                  agent.toml (the enrollment), config.toml (run settings), datasets.toml, status.json."
+)]
+struct Cli {
+    /// The agent's data directory.
+    #[arg(
+        long,
+        global = true,
+        env = "CANOPY_AGENT_DIR",
+        default_value = "./canopy-agent"
+    )]
+    data_dir: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create the data directory, a settings file and a systemd unit
+    /// (PREFIX/lib/systemd/system/canopy-agent.service), and print the
+    /// next steps.
+    Install(commands::install::InstallArgs),
+    /// Generate this device's key and enroll it with a server using a
+    /// one-time token. Nothing is written unless the server accepts.
+    Enroll(commands::enroll::EnrollArgs),
+    /// Register and list local datasets.
+    #[command(subcommand)]
+    Data(commands::data::DataCommand),
+    /// Run the daemon: heartbeat, poll for tasks, train, upload. Stops on
+    /// SIGTERM/SIGINT, letting a running task finish within 20 s.
+    Run(daemon::RunArgs),
+    /// Show the enrollment, whether the server answers, and the daemon's
+    /// last task. Exits 0 whenever it could look ("not enrolled" is an
+    /// answer; with --json, check `enrolled`).
+    Status(StatusArgs),
+    /// Train a model file on a registered dataset, offline, and print the
+    /// held-out accuracy before and after.
+    Train(commands::local::TrainArgs),
+    /// Evaluate a model file on the held-out 10% of a dataset.
+    Eval(commands::local::EvalArgs),
+}
+
+#[derive(Args)]
+struct StatusArgs {
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let dir = DataDir::new(cli.data_dir);
+    let result = match cli.command {
+        Command::Install(args) => commands::install::run(&dir, args),
+        Command::Enroll(args) => commands::enroll::run(&dir, args),
+        Command::Data(command) => commands::data::run(&dir, command),
+        Command::Run(args) => daemon::run(&dir, args),
+        Command::Status(args) => status::run(&dir, args.json),
+        Command::Train(args) => commands::local::train(&dir, args),
+        Command::Eval(args) => commands::local::eval(&dir, args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            report(&error);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CANOPY_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_env("RUST_LOG"))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let json = match std::env::var("CANOPY_LOG_FORMAT").as_deref() {
+        Ok("json") => true,
+        Ok("text") => false,
+        _ => !std::io::stderr().is_terminal(),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    let _ = if json {
+        builder.json().flatten_event(true).try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// Prints an error chain in the house style: `error:`, each cause as
+/// `Caused by:`, and a [`Hint`] anywhere in the chain last, as `hint:`.
+fn report(error: &anyhow::Error) {
+    let hint = error.downcast_ref::<Hint>().map(|h| h.0.clone());
+    eprintln!("error: {error}");
+    for cause in error.chain().skip(1) {
+        let text = cause.to_string();
+        if hint.as_deref() == Some(text.as_str()) {
+            continue;
+        }
+        eprintln!("  Caused by: {text}");
+    }
+    if let Some(hint) = hint {
+        eprintln!("  hint: {hint}");
+    }
+}
+
+/// An error and its causes on one line, for logs and the status file.
+pub fn chain_text(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let next = cause.to_string();
+        // Some errors repeat their source's message in their own.
+        if !text.ends_with(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = cause.source();
+    }
+    text
+}

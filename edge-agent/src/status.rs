@@ -1,0 +1,312 @@
+//! `status.json`, the daemon's record of what it is doing and how its last
+//! task went, and the `status` command that reports it together with the
+//! enrollment and whether the server answers.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::config::AgentConfig;
+use crate::datasets::Registry;
+use crate::files::{DataDir, MAX_STATUS_BYTES, mode_of, read_text, truncate, write_public};
+
+/// Longest error or detail text kept in the status file.
+pub const MAX_DETAIL_CHARS: usize = 1000;
+/// How long `status` waits for `/healthz`.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How a task ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskResult {
+    /// Still running (or the daemon died while it ran).
+    InProgress,
+    /// Trained and the update was accepted.
+    Uploaded,
+    /// Refused before download, e.g. over `--max-memory-mb`.
+    Refused,
+    /// The round's deadline passed before the work was done.
+    Expired,
+    /// The server turned the update down (round closed, not selected).
+    Rejected,
+    /// Download, training or upload failed.
+    Failed,
+    /// The daemon was stopped and the grace period ran out.
+    Abandoned,
+}
+
+impl TaskResult {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaskResult::InProgress => "in_progress",
+            TaskResult::Uploaded => "uploaded",
+            TaskResult::Refused => "refused",
+            TaskResult::Expired => "expired",
+            TaskResult::Rejected => "rejected",
+            TaskResult::Failed => "failed",
+            TaskResult::Abandoned => "abandoned",
+        }
+    }
+}
+
+/// One task, as the daemon saw it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    pub job_id: i64,
+    pub round_id: i64,
+    pub round_number: u32,
+    pub model_version_id: i64,
+    pub model_size_bytes: u64,
+    pub received_unix_ms: u64,
+    #[serde(default)]
+    pub finished_unix_ms: Option<u64>,
+    pub result: TaskResult,
+    /// Why it was refused, rejected or failed.
+    #[serde(default)]
+    pub detail: Option<String>,
+    #[serde(default)]
+    pub num_samples: Option<u64>,
+    #[serde(default)]
+    pub train_loss: Option<f64>,
+    #[serde(default)]
+    pub train_duration_ms: Option<u64>,
+    #[serde(default)]
+    pub eval_accuracy: Option<f64>,
+    #[serde(default)]
+    pub eval_loss: Option<f64>,
+    #[serde(default)]
+    pub eval_samples: Option<u64>,
+}
+
+impl TaskRecord {
+    pub fn finish(&mut self, result: TaskResult, detail: Option<String>) {
+        self.result = result;
+        self.detail = detail.map(|d| truncate(&d, MAX_DETAIL_CHARS));
+        self.finished_unix_ms = Some(crate::files::now_ms());
+    }
+}
+
+/// `status.json`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AgentStatus {
+    #[serde(default)]
+    pub pid: Option<u32>,
+    /// `starting`, `idle`, `deferred`, `downloading`, `training`,
+    /// `uploading` or `stopped`.
+    #[serde(default)]
+    pub state: String,
+    #[serde(default)]
+    pub updated_unix_ms: u64,
+    #[serde(default)]
+    pub started_unix_ms: Option<u64>,
+    #[serde(default)]
+    pub device_id: Option<i64>,
+    #[serde(default)]
+    pub dataset: Option<String>,
+    #[serde(default)]
+    pub tasks_uploaded: u64,
+    /// Tasks that ended any other way.
+    #[serde(default)]
+    pub tasks_not_uploaded: u64,
+    #[serde(default)]
+    pub last_error: Option<String>,
+    #[serde(default)]
+    pub last_error_unix_ms: Option<u64>,
+    #[serde(default)]
+    pub last_task: Option<TaskRecord>,
+}
+
+impl AgentStatus {
+    pub fn load(dir: &DataDir) -> Result<Option<AgentStatus>> {
+        let path = dir.status();
+        let Some(text) = read_text(&path, MAX_STATUS_BYTES)? else {
+            return Ok(None);
+        };
+        serde_json::from_str(&text)
+            .map(Some)
+            .with_context(|| format!("status file `{}` is invalid", path.display()))
+    }
+
+    /// Writes the file atomically, stamping the time.
+    pub fn save(&mut self, dir: &DataDir) -> Result<()> {
+        self.updated_unix_ms = crate::files::now_ms();
+        let path = dir.status();
+        let mut text = serde_json::to_string_pretty(self).context("cannot serialise the status")?;
+        text.push('\n');
+        write_public(&path, text.as_bytes())
+            .with_context(|| format!("cannot write status file `{}`", path.display()))
+    }
+
+    pub fn set_error(&mut self, error: &str) {
+        self.last_error = Some(truncate(error, MAX_DETAIL_CHARS));
+        self.last_error_unix_ms = Some(crate::files::now_ms());
+    }
+}
+
+/// Whether a process with this id exists (Linux: `/proc/PID`).
+fn process_alive(pid: u32) -> Option<bool> {
+    if cfg!(target_os = "linux") {
+        Some(std::path::Path::new(&format!("/proc/{pid}")).exists())
+    } else {
+        None
+    }
+}
+
+/// `GET /healthz` over the enrolled trust; `Err` says why it failed.
+fn check_server(agent: &AgentConfig) -> std::result::Result<(), String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}"))?;
+    runtime.block_on(async {
+        let transport = canopy_sdk::Transport::new(&agent.server, &agent.trust.to_trust())
+            .map_err(|e| crate::chain_text(&e))?;
+        let response = transport
+            .http()
+            .get(transport.url("/healthz"))
+            .timeout(HEALTH_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| crate::chain_text(&e))?;
+        if response.status().is_success() {
+            Ok(())
+        } else {
+            Err(format!("/healthz answered {}", response.status()))
+        }
+    })
+}
+
+/// `canopy-agent status`: always exits 0 when it could look; "not
+/// enrolled" and "unreachable" are answers, not failures.
+pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
+    let agent = AgentConfig::load(dir)?;
+    let status = AgentStatus::load(dir)?;
+    let registry = Registry::load(dir)?;
+    let reachable = agent.as_ref().map(check_server);
+    let key_mode = mode_of(&dir.key());
+    let running = status
+        .as_ref()
+        .and_then(|s| s.pid.filter(|_| s.state != "stopped"))
+        .and_then(process_alive);
+    if as_json {
+        let value = json!({
+            "data_dir": dir.root.display().to_string(),
+            "enrolled": agent.is_some(),
+            "device_id": agent.as_ref().map(|a| a.device_id),
+            "server": agent.as_ref().map(|a| a.server.clone()),
+            "trust": agent.as_ref().map(|a| a.trust.describe()),
+            "tags": agent.as_ref().map(|a| a.tags.clone()),
+            "key_mode": key_mode.map(|m| format!("{m:o}")),
+            "server_reachable": reachable.as_ref().map(|r| r.is_ok()),
+            "server_error": reachable.as_ref().and_then(|r| r.as_ref().err().cloned()),
+            "datasets": registry.datasets.len(),
+            "default_dataset": registry.default,
+            "daemon_running": running,
+            "daemon": status,
+        });
+        println!("{value}");
+        return Ok(());
+    }
+    println!("data dir:      {}", dir.root.display());
+    match &agent {
+        None => {
+            println!("enrolled:      no");
+            println!(
+                "               enroll with `canopy-agent enroll --server URL --token TOKEN --fingerprint SHA256`"
+            );
+        }
+        Some(agent) => {
+            println!("enrolled:      yes, device {}", agent.device_id);
+            println!("server:        {}", agent.server);
+            println!("trust:         {}", agent.trust.describe());
+            if let Some(mode) = key_mode {
+                let warning = if mode & 0o077 != 0 {
+                    " (too open: should be 600)"
+                } else {
+                    ""
+                };
+                println!("device key:    mode {mode:o}{warning}");
+            }
+            match reachable.as_ref() {
+                Some(Ok(())) => println!("reachable:     yes (/healthz ok)"),
+                Some(Err(error)) => println!("reachable:     no: {error}"),
+                None => {}
+            }
+        }
+    }
+    println!(
+        "datasets:      {} registered{}",
+        registry.datasets.len(),
+        registry
+            .default
+            .as_ref()
+            .map(|d| format!(", default `{d}`"))
+            .unwrap_or_default()
+    );
+    match &status {
+        None => println!("daemon:        has not run (no status.json)"),
+        Some(status) => {
+            let alive = match running {
+                Some(true) => " (running)",
+                Some(false) => " (not running)",
+                None => "",
+            };
+            println!(
+                "daemon:        {}{alive}, pid {}, updated {}",
+                status.state,
+                status.pid.map(|p| p.to_string()).unwrap_or("-".into()),
+                ago(status.updated_unix_ms)
+            );
+            println!(
+                "tasks:         {} uploaded, {} not uploaded",
+                status.tasks_uploaded, status.tasks_not_uploaded
+            );
+            if let Some(error) = &status.last_error {
+                println!(
+                    "last error:    {error} ({})",
+                    status.last_error_unix_ms.map(ago).unwrap_or_default()
+                );
+            }
+            match &status.last_task {
+                None => println!("last task:     none yet"),
+                Some(task) => {
+                    println!(
+                        "last task:     job {} round {} (#{}), model version {}: {}{}",
+                        task.job_id,
+                        task.round_id,
+                        task.round_number,
+                        task.model_version_id,
+                        task.result.as_str(),
+                        task.detail
+                            .as_ref()
+                            .map(|d| format!(": {d}"))
+                            .unwrap_or_default()
+                    );
+                    if let (Some(acc), Some(loss)) = (task.eval_accuracy, task.train_loss) {
+                        println!(
+                            "               held-out accuracy {acc:.4} before training, train loss {loss:.4}, {} samples, {} ms",
+                            task.num_samples.unwrap_or(0),
+                            task.train_duration_ms.unwrap_or(0)
+                        );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn ago(unix_ms: u64) -> String {
+    let now = crate::files::now_ms();
+    if unix_ms == 0 {
+        return "never".into();
+    }
+    let seconds = now.saturating_sub(unix_ms) / 1000;
+    match seconds {
+        0..=119 => format!("{seconds} s ago"),
+        120..=7199 => format!("{} min ago", seconds / 60),
+        _ => format!("{} h ago", seconds / 3600),
+    }
+}
