@@ -172,7 +172,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         println!(
             "API:       {base}/api/v1   (reference: {base}/api/v1/docs, OpenAPI: {base}/api/v1/openapi.json)"
         );
-        println!("dashboard: {base}/");
+        println!("dashboard: {base}/dashboard#token={token}");
         println!("admin token: {token}");
         println!("certificate: {fingerprint}");
     }

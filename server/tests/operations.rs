@@ -430,3 +430,48 @@ async fn serves_certificate_files_and_pinning_is_enforced() -> Result<()> {
     );
     Ok(())
 }
+
+/// The dashboard is served from this origin with a strict content security
+/// policy, and the API routes its script reads exist.
+#[tokio::test]
+async fn dashboard_is_served_locked_down() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let http = server.transport().http().clone();
+    let page = http
+        .get(server.transport().url("/dashboard"))
+        .send()
+        .await?;
+    assert_eq!(page.status(), 200);
+    let csp = page.headers()["content-security-policy"]
+        .to_str()?
+        .to_string();
+    assert!(csp.contains("default-src 'self'"), "{csp}");
+    assert!(
+        page.text()
+            .await?
+            .contains("<script src=\"/dashboard.js\">")
+    );
+    let script = http
+        .get(server.transport().url("/dashboard.js"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    assert!(
+        !script.contains("innerHTML"),
+        "API values must never become HTML"
+    );
+    let admin = server.admin();
+    for path in ["/api/v1/jobs?limit=100", "/api/v1/devices?limit=500"] {
+        assert!(script.contains(path.split('?').next().unwrap_or_default()));
+        assert_eq!(admin.get(path).await?.status, 200, "{path}");
+    }
+    assert_eq!(
+        http.get(server.transport().url("/dashboard.css"))
+            .send()
+            .await?
+            .status(),
+        200
+    );
+    Ok(())
+}

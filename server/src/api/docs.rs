@@ -68,6 +68,7 @@ pub async fn index() -> Html<&'static str> {
     Html(
         "<!doctype html><meta charset=utf-8><title>Canopy</title>\
          <h1>Canopy server</h1><ul>\
+         <li><a href=\"/dashboard\">Dashboard</a></li>\
          <li><a href=\"/api/v1/docs\">API reference</a></li>\
          <li><a href=\"/api/v1/openapi.json\">OpenAPI document</a></li>\
          <li><a href=\"/metrics\">Metrics</a></li></ul>",
@@ -156,4 +157,38 @@ fn render_reference() -> String {
         }
     }
     page
+}
+
+/// The dashboard (`web/`), compiled in: static files that read the admin
+/// API from the browser with the user's token. The content security policy
+/// allows only this origin, so nothing else can run in the page.
+const DASHBOARD_HTML: &str = include_str!("../../../web/dashboard.html");
+const DASHBOARD_JS: &str = include_str!("../../../web/dashboard.js");
+const DASHBOARD_CSS: &str = include_str!("../../../web/dashboard.css");
+const DASHBOARD_CSP: &str =
+    "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'";
+
+fn dashboard_file(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CONTENT_SECURITY_POLICY, DASHBOARD_CSP),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+pub async fn dashboard() -> Response {
+    dashboard_file("text/html; charset=utf-8", DASHBOARD_HTML)
+}
+
+pub async fn dashboard_js() -> Response {
+    dashboard_file("text/javascript; charset=utf-8", DASHBOARD_JS)
+}
+
+pub async fn dashboard_css() -> Response {
+    dashboard_file("text/css; charset=utf-8", DASHBOARD_CSS)
 }

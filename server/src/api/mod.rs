@@ -65,7 +65,10 @@ pub fn app(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .route("/api/v1/openapi.json", get(docs::openapi_json))
         .route("/api/v1/docs", get(docs::reference_page))
-        .route("/", get(docs::index));
+        .route("/", get(docs::index))
+        .route("/dashboard", get(docs::dashboard))
+        .route("/dashboard.js", get(docs::dashboard_js))
+        .route("/dashboard.css", get(docs::dashboard_css));
     Router::new()
         .merge(admin)
         .merge(device::router())
