@@ -207,6 +207,57 @@ impl DeviceClient {
     pub fn report_metrics(&self, metrics: &RoundMetrics) -> Result<(), SdkError> {
         self.block_on(self.inner.report_metrics(metrics))?
     }
+
+    /// One task, whole: downloads the model (verified), trains it on
+    /// `data` with the client's cancel token, uploads the update and
+    /// reports the training loss. What an app calls when `next_task` hands
+    /// it work.
+    pub fn run_task(
+        &self,
+        task: &Task,
+        data: &canopy_engine::data::Dataset,
+        seed: u64,
+    ) -> Result<RunTaskOutcome, RunTaskError> {
+        let model = self.download_model(task)?;
+        let update = crate::train::train_task_cancellable(
+            &model.bytes,
+            task,
+            data,
+            seed,
+            self.cancel_token(),
+        )?;
+        let receipt = self.upload_update(task, Bytes::from(update.encoded))?;
+        self.report_metrics(&RoundMetrics {
+            round_id: task.round_id,
+            train_loss: Some(update.train_loss),
+            eval_loss: None,
+            eval_accuracy: None,
+            eval_samples: None,
+            train_duration_ms: Some(update.train_duration_ms),
+        })?;
+        Ok(RunTaskOutcome {
+            receipt,
+            train_loss: update.train_loss,
+            train_duration_ms: update.train_duration_ms,
+        })
+    }
+}
+
+/// What [`DeviceClient::run_task`] did.
+#[derive(Clone, Debug)]
+pub struct RunTaskOutcome {
+    pub receipt: UploadReceipt,
+    pub train_loss: f64,
+    pub train_duration_ms: u64,
+}
+
+/// Why [`DeviceClient::run_task`] stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunTaskError {
+    #[error(transparent)]
+    Sdk(#[from] SdkError),
+    #[error("local training failed")]
+    Train(#[from] crate::train::TrainError),
 }
 
 impl Drop for DeviceClient {

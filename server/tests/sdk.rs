@@ -152,6 +152,23 @@ fn blocking_client_runs_a_round_from_a_thread_without_a_runtime() -> Result<()> 
     assert_eq!(finished["state"], "completed", "{finished}");
     let averaged = rt.block_on(fetch_model(&admin, "logreg", 2))?;
     assert!(!averaged.parameters.is_empty());
+
+    // The one-call form an app uses: download, train, upload, report.
+    let next_job = rt.block_on(admin.create_job(job_spec(&json!(2))))?;
+    let task = poll(&device)?;
+    assert_eq!(
+        task.model_version_id, 2,
+        "the second job starts from the first job's result"
+    );
+    let outcome = device.run_task(&task, &train, 6)?;
+    assert!(outcome.receipt.accepted && outcome.train_loss.is_finite());
+    let finished = rt.block_on(admin.wait_for_job(next_job, Duration::from_secs(60)))?;
+    assert_eq!(finished["state"], "completed", "{finished}");
+    let round = rt.block_on(admin.ok(&format!("/api/v1/rounds/{}", task.round_id)))?;
+    assert!(
+        round["metrics"]["train_loss"].as_f64().is_some(),
+        "run_task reports the loss: {round}"
+    );
     Ok(())
 }
 
