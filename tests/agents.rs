@@ -376,11 +376,25 @@ async fn corrupted_model_download_is_refused() -> Result<()> {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     eprintln!("agent status: {status}");
+    // The agent declines what it cannot use, so rounds fail at once rather
+    // than at their deadlines, and the job fails once its retries are spent.
+    let finished = admin.wait_for_job(id, Duration::from_secs(60)).await?;
+    assert_eq!(finished["state"], "failed", "{finished}");
     let rounds = admin.ok(&format!("/api/v1/jobs/{id}/rounds")).await?;
     let first = &rounds["items"][0];
     assert_eq!(
         first["metrics"]["updates_accepted"], 0,
         "nothing trained on a corrupt model: {first}"
+    );
+    assert_eq!(first["metrics"]["dropouts"], 1, "{first}");
+    let detail = admin.ok(&format!("/api/v1/rounds/{}", first["id"])).await?;
+    assert_eq!(detail["participants"][0]["state"], "dropped", "{detail}");
+    let closed_after_ms = first["durations"]["training_ms"]
+        .as_i64()
+        .unwrap_or(i64::MAX);
+    assert!(
+        closed_after_ms < 3_000,
+        "declined before the 3 s deadline: {first}"
     );
     Ok(())
 }

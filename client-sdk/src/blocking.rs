@@ -208,6 +208,11 @@ impl DeviceClient {
         self.block_on(self.inner.report_metrics(metrics))?
     }
 
+    /// See [`crate::DeviceClient::decline_task`].
+    pub fn decline_task(&self, task: &Task, reason: &str) -> Result<(), SdkError> {
+        self.block_on(self.inner.decline_task(task, reason))?
+    }
+
     /// One task, whole: downloads the model (verified), trains it on
     /// `data` with the client's cancel token, uploads the update and
     /// reports the training loss. What an app calls when `next_task` hands

@@ -730,6 +730,24 @@ impl DeviceClient {
         })
         .await
     }
+
+    /// Gives up a task this device cannot do, with a reason the server
+    /// logs; the server stops handing it out and counts a dropout at once.
+    pub async fn decline_task(&self, task: &Task, reason: &str) -> Result<(), SdkError> {
+        let decline = canopy_protocol::messages::DeclineTask {
+            round_id: task.round_id,
+            reason: reason
+                .chars()
+                .take(canopy_protocol::messages::MAX_DECLINE_REASON_CHARS)
+                .collect(),
+        };
+        let path = format!("/device/v1/rounds/{}/decline", task.round_id);
+        retry::retrying(&self.retry, &self.cancel, || async {
+            self.signed_json(&path, &decline).await?;
+            Ok(())
+        })
+        .await
+    }
 }
 
 /// `num_samples` from an encoded update's header (bytes 12..20, little

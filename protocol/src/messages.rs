@@ -310,6 +310,40 @@ impl RoundMetrics {
     }
 }
 
+/// Most characters a decline reason may have.
+pub const MAX_DECLINE_REASON_CHARS: usize = 512;
+
+/// A device gives up a task it cannot do (a model that fails verification,
+/// one over its memory limit), so the server stops handing it out and the
+/// round need not wait for the deadline on its account.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeclineTask {
+    pub round_id: i64,
+    pub reason: String,
+}
+
+impl DeclineTask {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.round_id <= 0 {
+            return Err(format!(
+                "`round_id` must be positive, got {}",
+                self.round_id
+            ));
+        }
+        let chars = self.reason.chars().count();
+        if chars > MAX_DECLINE_REASON_CHARS {
+            return Err(format!(
+                "`reason` has {chars} characters, over the limit of {MAX_DECLINE_REASON_CHARS}"
+            ));
+        }
+        if self.reason.chars().any(char::is_control) {
+            return Err("`reason` may not contain control characters".to_string());
+        }
+        Ok(())
+    }
+}
+
 /// The server's answer to an accepted upload.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UploadReceipt {

@@ -248,13 +248,13 @@ fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<boo
 }
 
 /// A round closes at its target, at its deadline, or when every selected
-/// device has uploaded. While a round trains, participants leave
-/// `selected`/`delivered` only by uploading, so the count of those still
-/// working is arithmetic, not a scan (which would make each upload's check
-/// cost O(devices)).
+/// device has uploaded or declined. While a round trains, participants
+/// leave `selected`/`delivered` only by uploading or declining (which
+/// counts a dropout), so the count of those still working is arithmetic,
+/// not a scan (which would make each upload's check cost O(devices)).
 fn should_close(round: &RoundRow) -> bool {
     round.updates_accepted >= round.target_devices
-        || round.updates_accepted >= round.selected_count
+        || round.updates_accepted + round.dropouts >= round.selected_count
         || round
             .deadline_ms
             .is_some_and(|deadline| now_ms() >= deadline)

@@ -99,6 +99,16 @@ impl Daemon {
                 "task not uploaded"
             ),
         }
+        if matches!(result, TaskResult::Refused | TaskResult::Failed) && !past_deadline(task) {
+            // Best effort: without it the server would keep handing out
+            // this task until the deadline.
+            let reason = detail
+                .as_deref()
+                .unwrap_or("the agent could not do this task");
+            if let Err(error) = self.client.decline_task(task, reason).await {
+                tracing::warn!(round_id = task.round_id, error = %crate::chain_text(&error), "cannot decline the task");
+            }
+        }
         self.update_status(|s| record_outcome(s, result, detail));
         result
     }

@@ -198,7 +198,7 @@ pub async fn close(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
     .execute(&mut **tx)
     .await?;
     sqlx::query(
-        "UPDATE rounds SET state = 'aggregating', closed_ms = $1, dropouts = $2 \
+        "UPDATE rounds SET state = 'aggregating', closed_ms = $1, dropouts = dropouts + $2 \
          WHERE id = $3 AND state = 'training'",
     )
     .bind(now_ms())
@@ -620,6 +620,31 @@ async fn fold_one(
     .execute(&mut **tx)
     .await?;
     Ok(Ok(()))
+}
+
+/// A participant gives up its task: it becomes a dropout at once instead
+/// of at the deadline. False when it has no pending task in that round.
+pub async fn decline(db: &Db, round_id: i64, device_id: i64) -> Result<bool, sqlx::Error> {
+    let _slot = db.round_write_slot().await;
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let declined = sqlx::query(
+        "UPDATE participants SET state = 'dropped' WHERE round_id = $1 AND device_id = $2 \
+         AND state IN ('selected', 'delivered')",
+    )
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&mut *tx)
+    .await?;
+    if declined.rows_affected() != 1 {
+        return Ok(false);
+    }
+    sqlx::query("UPDATE rounds SET dropouts = dropouts + 1 WHERE id = $1")
+        .bind(round_id)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(true)
 }
 
 /// Stores what a participant reports about its training and evaluation.

@@ -13,7 +13,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post, put};
 use canopy_protocol::messages::{
-    EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics,
+    DeclineTask, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics,
 };
 use serde::de::DeserializeOwned;
 
@@ -38,6 +38,7 @@ pub fn router() -> Router<AppState> {
             put(upload::upload_update),
         )
         .route("/device/v1/rounds/{round_id}/metrics", post(report_metrics))
+        .route("/device/v1/rounds/{round_id}/decline", post(decline_task))
 }
 
 /// Reads a small JSON body, checks it against the signed digest, parses it.
@@ -143,4 +144,30 @@ async fn report_metrics(
 /// How long a task poll waits, clamped to the server's limit.
 fn poll_wait(requested_ms: Option<u64>, max_ms: u64) -> Duration {
     Duration::from_millis(requested_ms.unwrap_or(max_ms).min(max_ms))
+}
+
+async fn decline_task(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path(round_id): Path<i64>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<StatusCode> {
+    let decline: DeclineTask = signed_json(&state, &device, &headers, body).await?;
+    decline.validate().map_err(ApiError::unprocessable)?;
+    if decline.round_id != round_id {
+        return Err(ApiError::unprocessable(format!(
+            "the body is about round {}, the path about round {round_id}",
+            decline.round_id
+        )));
+    }
+    if !rounds::decline(&state.db, round_id, device.device_id).await? {
+        return Err(ApiError::not_found(format!(
+            "device {} has no pending task in round {round_id}",
+            device.device_id
+        )));
+    }
+    tracing::warn!(round = round_id, device = device.device_id, reason = %decline.reason, "device declined its task");
+    state.orchestrator_wake.notify_one();
+    Ok(StatusCode::NO_CONTENT)
 }
