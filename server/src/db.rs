@@ -132,6 +132,14 @@ impl Db {
         self.round_writes.acquire().await.ok()
     }
 
+    /// One round trip, for readiness checks.
+    pub async fn ping(&self) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+    }
+
     /// `FOR UPDATE SKIP LOCKED` where the database has row locks.
     pub fn skip_locked(&self) -> &'static str {
         match self.backend {

@@ -67,18 +67,7 @@ pub async fn tick_once(state: &AppState) -> Result<(), ApiError> {
 
 /// Opens the next round of every running job that has none open.
 async fn open_rounds(state: &AppState) -> Result<(), ApiError> {
-    let waiting: Vec<JobRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {} FROM jobs j WHERE j.state = 'running' AND NOT EXISTS \
-         (SELECT 1 FROM rounds r WHERE r.job_id = j.id AND r.state IN {})",
-        jobs::JOB_COLUMNS
-            .split(", ")
-            .map(|column| format!("j.{column}"))
-            .collect::<Vec<_>>()
-            .join(", "),
-        rounds::OPEN_STATES
-    )))
-    .fetch_all(&state.db.pool)
-    .await?;
+    let waiting = jobs::waiting_for_round(&state.db).await?;
     for job in waiting {
         let spec = job.spec()?;
         let _writer = state.db.write_lock().await;
@@ -114,13 +103,14 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
     let Some(round) = rounds::claim(&state.db, &mut tx, round_id).await? else {
         return Ok(());
     };
-    let job: JobRow = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {} FROM jobs WHERE id = $1",
-        jobs::JOB_COLUMNS
-    )))
-    .bind(round.job_id)
-    .fetch_one(&mut *tx)
-    .await?;
+    let job = jobs::get_with(&mut *tx, round.job_id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::internal(format!(
+                "round {round_id}'s job {} is missing",
+                round.job_id
+            ))
+        })?;
     let spec = job.spec()?;
     match job.state() {
         JobState::Running => {}
@@ -161,14 +151,10 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
     Ok(())
 }
 
-async fn reload(tx: &mut Tx<'_>, id: i64) -> Result<RoundRow, sqlx::Error> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {} FROM rounds WHERE id = $1",
-        rounds::ROUND_COLUMNS
-    )))
-    .bind(id)
-    .fetch_one(&mut **tx)
-    .await
+async fn reload(tx: &mut Tx<'_>, id: i64) -> Result<RoundRow, ApiError> {
+    rounds::get_with(&mut **tx, id)
+        .await?
+        .ok_or_else(|| ApiError::internal(format!("round {id} vanished inside its transaction")))
 }
 
 /// Picks devices by reservoir sampling over the eligible ones, so memory

@@ -343,8 +343,9 @@ async fn readyz(State(state): State<AppState>) -> Result<axum::Json<Health>, Api
     if state.is_shutting_down() {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
-    sqlx::query("SELECT 1")
-        .execute(&state.db.pool)
+    state
+        .db
+        .ping()
         .await
         .map_err(|error| ApiError::unavailable(format!("the database does not answer: {error}")))?;
     Ok(axum::Json(Health { status: "ready" }))

@@ -295,11 +295,31 @@ pub async fn insert(db: &Db, spec: &JobSpec) -> Result<JobRow, sqlx::Error> {
 }
 
 pub async fn get(db: &Db, id: i64) -> Result<Option<JobRow>, sqlx::Error> {
+    get_with(&db.pool, id).await
+}
+
+/// [`get`] on any executor, e.g. inside a transaction.
+pub async fn get_with<'e, E>(executor: E, id: i64) -> Result<Option<JobRow>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {JOB_COLUMNS} FROM jobs WHERE id = $1"
     )))
     .bind(id)
-    .fetch_optional(&db.pool)
+    .fetch_optional(executor)
+    .await
+}
+
+/// Running jobs with no open round: the ones the orchestrator should open
+/// a round for. Column names are unambiguous here, so `JOB_COLUMNS` serves.
+pub async fn waiting_for_round(db: &Db) -> Result<Vec<JobRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {JOB_COLUMNS} FROM jobs WHERE state = 'running' AND NOT EXISTS \
+         (SELECT 1 FROM rounds r WHERE r.job_id = jobs.id AND r.state IN {})",
+        super::rounds::OPEN_STATES
+    )))
+    .fetch_all(&db.pool)
     .await
 }
 

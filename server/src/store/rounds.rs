@@ -77,11 +77,19 @@ pub async fn open_round(
 }
 
 pub async fn get(db: &Db, id: i64) -> Result<Option<RoundRow>, sqlx::Error> {
+    get_with(&db.pool, id).await
+}
+
+/// [`get`] on any executor, e.g. inside a transaction.
+pub async fn get_with<'e, E>(executor: E, id: i64) -> Result<Option<RoundRow>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {ROUND_COLUMNS} FROM rounds WHERE id = $1"
     )))
     .bind(id)
-    .fetch_optional(&db.pool)
+    .fetch_optional(executor)
     .await
 }
 
