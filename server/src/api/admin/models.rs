@@ -182,15 +182,13 @@ pub async fn store_version(
     let parsed = {
         let bytes = bytes.clone();
         tokio::task::spawn_blocking(move || {
-            canopy_ir::format::read_model_with_limits(&bytes, &limits).map(|model| {
-                let layout = fedavg::check_trainable(&model).ok();
-                (model.metadata.model_name.clone(), layout)
-            })
+            canopy_ir::format::read_model_with_limits(&bytes, &limits)
+                .map(|model| fedavg::check_trainable(&model).ok())
         })
         .await
         .map_err(|error| ApiError::internal(format!("model verification task failed: {error}")))?
     };
-    let (_, layout) = parsed.map_err(|error| {
+    let layout = parsed.map_err(|error| {
         ApiError::unprocessable(format!("the model file is invalid: {}", chain(&error)))
     })?;
     let digest = canopy_ir::format::digest(&bytes)

@@ -126,12 +126,7 @@ async fn report_metrics(
 ) -> ApiResult<StatusCode> {
     let metrics: RoundMetrics = signed_json(&state, &device, &headers, body).await?;
     metrics.validate().map_err(ApiError::unprocessable)?;
-    if metrics.round_id != round_id {
-        return Err(ApiError::unprocessable(format!(
-            "the body is about round {}, the path about round {round_id}",
-            metrics.round_id
-        )));
-    }
+    same_round(metrics.round_id, round_id)?;
     if !rounds::record_metrics(&state.db, round_id, device.device_id, &metrics).await? {
         return Err(ApiError::not_found(format!(
             "device {} is not a participant of round {round_id}",
@@ -139,6 +134,16 @@ async fn report_metrics(
         )));
     }
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// A body about one round posted to another round's path is refused.
+fn same_round(body_round_id: i64, path_round_id: i64) -> ApiResult<()> {
+    if body_round_id != path_round_id {
+        return Err(ApiError::unprocessable(format!(
+            "the body is about round {body_round_id}, the path about round {path_round_id}"
+        )));
+    }
+    Ok(())
 }
 
 /// How long a task poll waits, clamped to the server's limit.
@@ -155,12 +160,7 @@ async fn decline_task(
 ) -> ApiResult<StatusCode> {
     let decline: DeclineTask = signed_json(&state, &device, &headers, body).await?;
     decline.validate().map_err(ApiError::unprocessable)?;
-    if decline.round_id != round_id {
-        return Err(ApiError::unprocessable(format!(
-            "the body is about round {}, the path about round {round_id}",
-            decline.round_id
-        )));
-    }
+    same_round(decline.round_id, round_id)?;
     if !rounds::decline(&state.db, round_id, device.device_id).await? {
         return Err(ApiError::not_found(format!(
             "device {} has no pending task in round {round_id}",

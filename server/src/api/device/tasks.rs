@@ -61,8 +61,16 @@ pub async fn layout(state: &AppState, version_id: i64) -> ApiResult<Arc<UpdateLa
     let row = models::get_version(&state.db, version_id)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("model version {version_id} does not exist")))?;
+    layout_of_row(state, &row)
+}
+
+/// The layout of a version row already in hand, cached.
+fn layout_of_row(state: &AppState, row: &models::VersionRow) -> ApiResult<Arc<UpdateLayout>> {
+    if let Some(layout) = state.cached_layout(row.id) {
+        return Ok(layout);
+    }
     let layout = Arc::new(row.layout()?);
-    state.cache_layout(version_id, layout.clone());
+    state.cache_layout(row.id, layout.clone());
     Ok(layout)
 }
 
@@ -78,7 +86,7 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         .ok_or_else(|| {
             ApiError::internal(format!("model version {} vanished", task.base_version_id))
         })?;
-    let layout = layout(state, version.id).await?;
+    let layout = layout_of_row(state, &version)?;
     Ok(Task {
         job_id: task.job_id,
         round_id: task.round_id,
