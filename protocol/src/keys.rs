@@ -87,6 +87,12 @@ macro_rules! signing_key_type {
             pub fn public_key_hex(&self) -> String {
                 hex::encode(self.public_key())
             }
+
+            /// An Ed25519 signature over `message`.
+            pub fn sign_message(&self, message: &[u8]) -> [u8; 64] {
+                use ed25519_dalek::Signer;
+                self.0.sign(message).to_bytes()
+            }
         }
 
         impl std::fmt::Debug for $name {

@@ -8,6 +8,7 @@
 pub mod auth;
 pub mod messages;
 pub mod model_sig;
+pub mod secagg;
 pub mod update;
 
 mod keys;

@@ -1,0 +1,471 @@
+//! The device's side of a round, as a state machine that consumes the
+//! server's messages and produces its own, one stage at a time.
+//!
+//! The device keeps its secrets (two X25519 keys and the self-mask seed)
+//! for the round only; they are zeroized when the `Client` is dropped. It
+//! answers the unmask request once, and never reveals both kinds of share
+//! of the same neighbour: that is what keeps its neighbours' inputs hidden
+//! even from a server that lies about who dropped out.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use rand::RngCore;
+use sha2::{Digest, Sha256};
+use x25519_dalek::StaticSecret;
+use zeroize::Zeroize;
+
+use super::crypto::{self, public_key, random_secret};
+use super::mask::{self, Seed, Sign};
+use super::params::Plan;
+use super::shamir::{self, Share};
+use super::wire::{self, Reader, SHARE_CIPHERTEXT_BYTES, SHARE_PLAINTEXT_BYTES, Session, Stage};
+use super::{SecAggError, ShareKind, arith};
+use crate::auth::DeviceKey;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Advertised,
+    Shared,
+    Masked,
+    Unmasked,
+}
+
+struct PeerKeys {
+    channel: [u8; 32],
+    mask: [u8; 32],
+}
+
+pub struct Client {
+    session: Session,
+    device_id: u64,
+    plan: Plan,
+    channel_secret: StaticSecret,
+    mask_secret: StaticSecret,
+    self_seed: Seed,
+    step: Step,
+    neighbours: BTreeMap<u64, PeerKeys>,
+    /// Shares received from each neighbour that completed ShareKeys: the
+    /// neighbours whose pairwise masks this device adds.
+    received: BTreeMap<u64, (Share, Share)>,
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.self_seed.zeroize();
+        for (seed_share, key_share) in self.received.values_mut() {
+            seed_share.ys.zeroize();
+            key_share.ys.zeroize();
+        }
+    }
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("session", &self.session)
+            .field("device_id", &self.device_id)
+            .field("step", &self.step)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Binds a self-mask seed without revealing it, so the server can tell a
+/// correctly rebuilt seed from one rebuilt from bad shares.
+pub fn seed_commitment(session: Session, device_id: u64, seed: &Seed) -> [u8; 32] {
+    let mut hasher = Sha256::new();
+    hasher.update(b"canopy-secagg-v1 self-mask seed");
+    hasher.update(session.job_id.to_le_bytes());
+    hasher.update(session.round_id.to_le_bytes());
+    hasher.update(device_id.to_le_bytes());
+    hasher.update(seed);
+    hasher.finalize().into()
+}
+
+impl Client {
+    /// Starts a round: fresh keys, and the signed AdvertiseKeys message.
+    pub fn start(
+        session: Session,
+        device_id: u64,
+        plan: Plan,
+        device_key: &DeviceKey,
+    ) -> Result<(Client, Vec<u8>), SecAggError> {
+        plan.validate()?;
+        shamir::point_of(device_id)?;
+        let (channel_secret, mask_secret) = (random_secret(), random_secret());
+        let mut self_seed = [0u8; 16];
+        rand::rng().fill_bytes(&mut self_seed);
+        let (channel, mask) = (public_key(&channel_secret), public_key(&mask_secret));
+        let signed = wire::advertisement_signed_bytes(session, device_id, &channel, &mask);
+        let mut message = signed;
+        message.extend_from_slice(&device_key.sign_message(&message));
+        let client = Client {
+            session,
+            device_id,
+            plan,
+            channel_secret,
+            mask_secret,
+            self_seed,
+            step: Step::Advertised,
+            neighbours: BTreeMap::new(),
+            received: BTreeMap::new(),
+        };
+        Ok((client, message))
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    fn expect(&self, step: Step, doing: &str) -> Result<(), SecAggError> {
+        if self.step != step {
+            return Err(SecAggError::OutOfOrder(format!(
+                "device {} cannot {doing} now: it is past {:?}",
+                self.device_id, self.step
+            )));
+        }
+        Ok(())
+    }
+
+    /// ShareKeys: checks the neighbours' signed keys, splits the self-mask
+    /// seed and the mask key t-of-k among them, and seals each neighbour's
+    /// shares to it.
+    pub fn share_keys(&mut self, neighbour_keys: &[u8]) -> Result<Vec<u8>, SecAggError> {
+        self.expect(Step::Advertised, "share its keys")?;
+        let max = Stage::NeighbourKeys.max_bytes(0);
+        let mut reader = Reader::open(
+            neighbour_keys,
+            self.session,
+            Stage::NeighbourKeys,
+            self.device_id,
+            max,
+        )?;
+        let count = reader.count(self.plan.degree, "neighbours")?;
+        let mut neighbours = BTreeMap::new();
+        for _ in 0..count {
+            let id = reader.u64()?;
+            let device_key: [u8; 32] = reader.array()?;
+            let channel: [u8; 32] = reader.array()?;
+            let mask: [u8; 32] = reader.array()?;
+            let signature: [u8; 64] = reader.array()?;
+            if id == self.device_id {
+                return Err(SecAggError::rejected(
+                    "NeighbourKeys",
+                    format!("it lists device {id} as its own neighbour"),
+                ));
+            }
+            verify_advertisement(self.session, id, &device_key, &channel, &mask, &signature)?;
+            if neighbours.insert(id, PeerKeys { channel, mask }).is_some() {
+                return Err(SecAggError::rejected(
+                    "NeighbourKeys",
+                    format!("device {id} appears twice"),
+                ));
+            }
+        }
+        reader.finish()?;
+        if neighbours.len() < self.plan.threshold {
+            return Err(SecAggError::Unrecoverable(format!(
+                "only {} of device {}'s neighbours advertised keys; the round needs {}",
+                neighbours.len(),
+                self.device_id,
+                self.plan.threshold
+            )));
+        }
+        let message = self.seal_shares(&neighbours)?;
+        self.neighbours = neighbours;
+        self.step = Step::Shared;
+        Ok(message)
+    }
+
+    fn seal_shares(&self, neighbours: &BTreeMap<u64, PeerKeys>) -> Result<Vec<u8>, SecAggError> {
+        let points = neighbours
+            .keys()
+            .map(|&id| shamir::point_of(id))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut rng = rand::rng();
+        let t = self.plan.threshold;
+        let seed_shares = shamir::split(&self.self_seed, &points, t, &mut rng)?;
+        let mut key_bytes = self.mask_secret.to_bytes();
+        let key_shares = shamir::split(&key_bytes, &points, t, &mut rng);
+        key_bytes.zeroize();
+        let key_shares = key_shares?;
+        let mut message = wire::header(self.session, Stage::ShareKeys, self.device_id);
+        message.extend_from_slice(&seed_commitment(
+            self.session,
+            self.device_id,
+            &self.self_seed,
+        ));
+        message.extend_from_slice(&(neighbours.len() as u32).to_le_bytes());
+        let entries = neighbours.iter().zip(seed_shares.iter().zip(&key_shares));
+        for ((&to, keys), (seed_share, key_share)) in entries {
+            let mut plain = [0u8; SHARE_PLAINTEXT_BYTES];
+            let values = [self.device_id, to]
+                .into_iter()
+                .chain(seed_share.ys.iter().copied())
+                .chain(key_share.ys.iter().copied());
+            for (slot, value) in plain.chunks_exact_mut(8).zip(values) {
+                slot.copy_from_slice(&value.to_le_bytes());
+            }
+            let sealed = crypto::seal_share(
+                &self.channel_secret,
+                &keys.channel,
+                self.session,
+                self.device_id,
+                to,
+                &plain,
+            );
+            plain.zeroize();
+            message.extend_from_slice(&to.to_le_bytes());
+            message.extend_from_slice(&sealed?);
+        }
+        Ok(message)
+    }
+
+    /// MaskedInputCollection: opens the shares the neighbours sent, then
+    /// masks `input` (from [`arith::quantize`]) with the self mask and one
+    /// pairwise mask per neighbour that shared, and bit-packs the result.
+    pub fn masked_input(
+        &mut self,
+        incoming_shares: &[u8],
+        input: &[u32],
+    ) -> Result<Vec<u8>, SecAggError> {
+        self.expect(Step::Shared, "send its masked input")?;
+        if input.len() != self.plan.masked_len() {
+            return Err(SecAggError::invalid(format!(
+                "the input vector has {} values, the round expects {}",
+                input.len(),
+                self.plan.masked_len()
+            )));
+        }
+        let received = self.open_incoming(incoming_shares)?;
+        let modulus = self.plan.modulus_mask();
+        if let Some(index) = input.iter().position(|&v| v & !modulus != 0) {
+            return Err(SecAggError::invalid(format!(
+                "input element {index} does not fit in {} bits",
+                self.plan.bits
+            )));
+        }
+        let mut masked = input.to_vec();
+        mask::apply(&mut masked, &self.self_seed, Sign::Add);
+        for &peer in received.keys() {
+            let keys = &self.neighbours[&peer];
+            let seed = crypto::pairwise_seed(
+                &self.mask_secret,
+                &keys.mask,
+                self.session,
+                self.device_id,
+                peer,
+            )?;
+            mask::apply(&mut masked, &seed, pairwise_sign(self.device_id, peer));
+        }
+        self.received = received;
+        self.step = Step::Masked;
+        let mut message = wire::header(self.session, Stage::MaskedInput, self.device_id);
+        message.push(self.plan.bits as u8);
+        message.extend_from_slice(&(masked.len() as u64).to_le_bytes());
+        message.extend_from_slice(&arith::pack(&masked, self.plan.bits));
+        Ok(message)
+    }
+
+    fn open_incoming(&self, incoming: &[u8]) -> Result<BTreeMap<u64, (Share, Share)>, SecAggError> {
+        let max = Stage::IncomingShares.max_bytes(0);
+        let mut reader = Reader::open(
+            incoming,
+            self.session,
+            Stage::IncomingShares,
+            self.device_id,
+            max,
+        )?;
+        let count = reader.count(self.plan.degree, "shares")?;
+        let own_point = shamir::point_of(self.device_id)?;
+        let mut received = BTreeMap::new();
+        for _ in 0..count {
+            let from = reader.u64()?;
+            let ciphertext: [u8; SHARE_CIPHERTEXT_BYTES] = reader.array()?;
+            let Some(keys) = self.neighbours.get(&from) else {
+                return Err(SecAggError::rejected(
+                    "IncomingShares",
+                    format!(
+                        "device {from} is not one of device {}'s neighbours",
+                        self.device_id
+                    ),
+                ));
+            };
+            let mut plain = crypto::open_share(
+                &self.channel_secret,
+                &keys.channel,
+                self.session,
+                from,
+                self.device_id,
+                &ciphertext,
+            )?;
+            let words: Vec<u64> = plain
+                .chunks_exact(8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8-byte chunk")))
+                .collect();
+            plain.zeroize();
+            if words[0] != from || words[1] != self.device_id {
+                return Err(SecAggError::rejected(
+                    "IncomingShares",
+                    format!(
+                        "a share sealed by device {from} is addressed from device {} to device \
+                         {}, not to device {}",
+                        words[0], words[1], self.device_id
+                    ),
+                ));
+            }
+            let seed_share = Share {
+                x: own_point,
+                ys: words[2..5].to_vec(),
+            };
+            let key_share = Share {
+                x: own_point,
+                ys: words[5..10].to_vec(),
+            };
+            if received.insert(from, (seed_share, key_share)).is_some() {
+                return Err(SecAggError::rejected(
+                    "IncomingShares",
+                    format!("device {from}'s shares appear twice"),
+                ));
+            }
+        }
+        reader.finish()?;
+        if received.len() < self.plan.threshold {
+            return Err(SecAggError::Unrecoverable(format!(
+                "only {} of device {}'s neighbours shared keys; the round needs {}",
+                received.len(),
+                self.device_id,
+                self.plan.threshold
+            )));
+        }
+        Ok(received)
+    }
+
+    /// Unmasking: for each neighbour the server says survived, the share of
+    /// its self-mask seed; for each it says dropped, the share of its mask
+    /// key. Refuses a request that asks for both of one neighbour, names a
+    /// device that did not share with it, or leaves one out.
+    pub fn unmask(&mut self, request: &[u8]) -> Result<Vec<u8>, SecAggError> {
+        self.expect(Step::Masked, "answer an unmask request")?;
+        let max = Stage::UnmaskRequest.max_bytes(0);
+        let mut reader = Reader::open(
+            request,
+            self.session,
+            Stage::UnmaskRequest,
+            self.device_id,
+            max,
+        )?;
+        let survivors = read_ids(&mut reader, self.plan.degree, "survivors")?;
+        let dropped = read_ids(&mut reader, self.plan.degree, "dropouts")?;
+        reader.finish()?;
+        self.check_unmask_request(&survivors, &dropped)?;
+        // Past this point the device has answered; a second request for
+        // this round gets nothing.
+        self.step = Step::Unmasked;
+        let mut message = wire::header(self.session, Stage::UnmaskResponse, self.device_id);
+        message.extend_from_slice(&(self.received.len() as u32).to_le_bytes());
+        for (&peer, (seed_share, key_share)) in &self.received {
+            let (kind, share) = if survivors.contains(&peer) {
+                (ShareKind::SelfMaskSeed, seed_share)
+            } else {
+                (ShareKind::MaskKey, key_share)
+            };
+            message.extend_from_slice(&peer.to_le_bytes());
+            message.push(kind as u8);
+            for y in &share.ys {
+                message.extend_from_slice(&y.to_le_bytes());
+            }
+        }
+        Ok(message)
+    }
+
+    fn check_unmask_request(
+        &self,
+        survivors: &BTreeSet<u64>,
+        dropped: &BTreeSet<u64>,
+    ) -> Result<(), SecAggError> {
+        let reject = |cause: String| Err(SecAggError::rejected("UnmaskRequest", cause));
+        if let Some(both) = survivors.intersection(dropped).next() {
+            return reject(format!(
+                "it asks for both the self-mask share and the key share of device {both}, which \
+                 would reveal that device's input"
+            ));
+        }
+        let listed: BTreeSet<u64> = survivors.union(dropped).copied().collect();
+        let shared: BTreeSet<u64> = self.received.keys().copied().collect();
+        if let Some(stranger) = listed.difference(&shared).next() {
+            return reject(format!(
+                "it names device {stranger}, which did not share keys with device {}",
+                self.device_id
+            ));
+        }
+        if let Some(missing) = shared.difference(&listed).next() {
+            return reject(format!(
+                "it leaves out device {missing}, which shared keys with device {}",
+                self.device_id
+            ));
+        }
+        if survivors.len() < self.plan.threshold {
+            return Err(SecAggError::Unrecoverable(format!(
+                "only {} of device {}'s neighbours survived; unmasking needs {}",
+                survivors.len(),
+                self.device_id,
+                self.plan.threshold
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn read_ids(reader: &mut Reader<'_>, max: usize, of: &str) -> Result<BTreeSet<u64>, SecAggError> {
+    let count = reader.count(max, of)?;
+    let mut ids = BTreeSet::new();
+    for _ in 0..count {
+        let id = reader.u64()?;
+        if !ids.insert(id) {
+            return Err(SecAggError::rejected(
+                "UnmaskRequest",
+                format!("device {id} appears twice among the {of}"),
+            ));
+        }
+    }
+    Ok(ids)
+}
+
+/// The lower id adds the pair's mask and the higher subtracts it, so the
+/// two cancel in the sum.
+pub fn pairwise_sign(own_id: u64, peer_id: u64) -> Sign {
+    if own_id < peer_id {
+        Sign::Add
+    } else {
+        Sign::Subtract
+    }
+}
+
+/// Checks a neighbour's advertisement against its enrolled Ed25519 key.
+pub fn verify_advertisement(
+    session: Session,
+    device_id: u64,
+    device_key: &[u8; 32],
+    channel: &[u8; 32],
+    mask: &[u8; 32],
+    signature: &[u8; 64],
+) -> Result<(), SecAggError> {
+    let key = crate::keys::verifying_key(device_key).map_err(|cause| {
+        SecAggError::rejected(
+            "AdvertiseKeys",
+            format!("device {device_id}'s key: {cause}"),
+        )
+    })?;
+    let signed = wire::advertisement_signed_bytes(session, device_id, channel, mask);
+    key.verify_strict(&signed, &ed25519_dalek::Signature::from_bytes(signature))
+        .map_err(|_| {
+            SecAggError::rejected(
+                "AdvertiseKeys",
+                format!(
+                    "device {device_id}'s keys are not signed by its enrolled key for job {} \
+                     round {}",
+                    session.job_id, session.round_id
+                ),
+            )
+        })
+}

@@ -1,0 +1,656 @@
+//! The server's side: checking each device's message against the stage and
+//! what the device was sent, routing keys and shares, folding masked inputs
+//! into one running sum, and removing the masks at the end.
+//!
+//! These are functions over explicit inputs rather than one stateful
+//! object, because Canopy's server keeps a round's state in its database
+//! (so that any server process can carry a round on, and a restart loses
+//! nothing). [`Aggregator`] composes them in memory, for tests, benchmarks
+//! and as the reference of the order the server must follow.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use x25519_dalek::StaticSecret;
+use zeroize::Zeroize;
+
+use super::client::{pairwise_sign, seed_commitment, verify_advertisement};
+use super::crypto::{self, public_key};
+use super::graph::Graph;
+use super::mask::{self, Sign};
+use super::params::Plan;
+use super::shamir::{self, Share};
+use super::wire::{self, Reader, SHARE_CIPHERTEXT_BYTES, Session, Stage};
+use super::{SecAggError, ShareKind, arith};
+
+/// A device's signed round keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Advertisement {
+    pub channel_key: [u8; 32],
+    pub mask_key: [u8; 32],
+    pub signature: [u8; 64],
+}
+
+pub type Ciphertext = [u8; SHARE_CIPHERTEXT_BYTES];
+
+/// Checks an AdvertiseKeys message from `device_id` and its signature by the
+/// device's enrolled Ed25519 key.
+pub fn read_advertisement(
+    bytes: &[u8],
+    session: Session,
+    device_id: u64,
+    device_key: &[u8; 32],
+) -> Result<Advertisement, SecAggError> {
+    let max = Stage::AdvertiseKeys.max_bytes(0);
+    let mut reader = Reader::open(bytes, session, Stage::AdvertiseKeys, device_id, max)?;
+    let advertisement = Advertisement {
+        channel_key: reader.array()?,
+        mask_key: reader.array()?,
+        signature: reader.array()?,
+    };
+    reader.finish()?;
+    verify_advertisement(
+        session,
+        device_id,
+        device_key,
+        &advertisement.channel_key,
+        &advertisement.mask_key,
+        &advertisement.signature,
+    )?;
+    Ok(advertisement)
+}
+
+/// The keys of a device's neighbours that advertised, with the enrolled
+/// keys that signed them: (id, Ed25519 key, advertisement).
+pub fn neighbour_keys_message(
+    session: Session,
+    recipient: u64,
+    neighbours: &[(u64, [u8; 32], Advertisement)],
+) -> Vec<u8> {
+    let mut out = wire::header(session, Stage::NeighbourKeys, recipient);
+    out.extend_from_slice(&(neighbours.len() as u32).to_le_bytes());
+    for (id, device_key, advertisement) in neighbours {
+        out.extend_from_slice(&id.to_le_bytes());
+        out.extend_from_slice(device_key);
+        out.extend_from_slice(&advertisement.channel_key);
+        out.extend_from_slice(&advertisement.mask_key);
+        out.extend_from_slice(&advertisement.signature);
+    }
+    out
+}
+
+/// What a device sent in ShareKeys.
+#[derive(Clone, Debug)]
+pub struct ShareUpload {
+    pub seed_commitment: [u8; 32],
+    /// (recipient, ciphertext), one per neighbour it was sent keys of.
+    pub ciphertexts: Vec<(u64, Ciphertext)>,
+}
+
+/// Checks a ShareKeys message: exactly one ciphertext for each neighbour
+/// whose keys the device was sent, and nothing for anyone else.
+pub fn read_share_keys(
+    bytes: &[u8],
+    session: Session,
+    sender: u64,
+    recipients: &BTreeSet<u64>,
+) -> Result<ShareUpload, SecAggError> {
+    let max = Stage::ShareKeys.max_bytes(0);
+    let mut reader = Reader::open(bytes, session, Stage::ShareKeys, sender, max)?;
+    let seed_commitment = reader.array()?;
+    let count = reader.count(recipients.len(), "shares")?;
+    let mut ciphertexts = Vec::with_capacity(count);
+    let mut seen = BTreeSet::new();
+    for _ in 0..count {
+        let to = reader.u64()?;
+        let ciphertext: Ciphertext = reader.array()?;
+        if !recipients.contains(&to) {
+            return Err(SecAggError::rejected(
+                "ShareKeys",
+                format!(
+                    "device {sender} addressed a share to device {to}, which is not its neighbour"
+                ),
+            ));
+        }
+        if !seen.insert(to) {
+            return Err(SecAggError::rejected(
+                "ShareKeys",
+                format!("device {sender} sent device {to} two shares"),
+            ));
+        }
+        ciphertexts.push((to, ciphertext));
+    }
+    reader.finish()?;
+    if let Some(missing) = recipients.difference(&seen).next() {
+        return Err(SecAggError::rejected(
+            "ShareKeys",
+            format!("device {sender} sent no share to its neighbour {missing}"),
+        ));
+    }
+    Ok(ShareUpload {
+        seed_commitment,
+        ciphertexts,
+    })
+}
+
+/// The shares addressed to `recipient`, as (sender, ciphertext).
+pub fn incoming_shares_message(
+    session: Session,
+    recipient: u64,
+    shares: &[(u64, Ciphertext)],
+) -> Vec<u8> {
+    let mut out = wire::header(session, Stage::IncomingShares, recipient);
+    out.extend_from_slice(&(shares.len() as u32).to_le_bytes());
+    for (from, ciphertext) in shares {
+        out.extend_from_slice(&from.to_le_bytes());
+        out.extend_from_slice(ciphertext);
+    }
+    out
+}
+
+/// Checks a MaskedInput message and adds its vector into `sum`, modulo
+/// 2^b. The individual vector is never materialised: it is added as it is
+/// unpacked.
+pub fn fold_masked_input(
+    sum: &mut [u32],
+    bytes: &[u8],
+    session: Session,
+    sender: u64,
+    plan: &Plan,
+) -> Result<(), SecAggError> {
+    if sum.len() != plan.masked_len() {
+        return Err(SecAggError::invalid(format!(
+            "the running sum has {} values, the round's vectors {}",
+            sum.len(),
+            plan.masked_len()
+        )));
+    }
+    let max = Stage::MaskedInput.max_bytes(plan.packed_bytes());
+    let mut reader = Reader::open(bytes, session, Stage::MaskedInput, sender, max)?;
+    let (bits, len) = (reader.u8()?, reader.u64()?);
+    if u32::from(bits) != plan.bits || len != plan.masked_len() as u64 {
+        return Err(SecAggError::rejected(
+            "MaskedInput",
+            format!(
+                "device {sender} sent {len} values at {bits} bits; the round expects {} at {}",
+                plan.masked_len(),
+                plan.bits
+            ),
+        ));
+    }
+    let packed = reader.rest();
+    // Check before adding, so a refused vector leaves the sum untouched.
+    if packed.len() != plan.packed_bytes() {
+        return Err(SecAggError::rejected(
+            "MaskedInput",
+            format!(
+                "device {sender}'s vector is {} bytes, {} values at {} bits take {}",
+                packed.len(),
+                plan.masked_len(),
+                plan.bits,
+                plan.packed_bytes()
+            ),
+        ));
+    }
+    let mut scratch = sum.to_vec();
+    arith::add_packed(&mut scratch, packed, plan.bits)
+        .map_err(|e| SecAggError::rejected("MaskedInput", format!("device {sender}: {e}")))?;
+    sum.copy_from_slice(&scratch);
+    Ok(())
+}
+
+pub fn unmask_request_message(
+    session: Session,
+    recipient: u64,
+    survivors: &BTreeSet<u64>,
+    dropped: &BTreeSet<u64>,
+) -> Vec<u8> {
+    let mut out = wire::header(session, Stage::UnmaskRequest, recipient);
+    for ids in [survivors, dropped] {
+        out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+        for id in ids {
+            out.extend_from_slice(&id.to_le_bytes());
+        }
+    }
+    out
+}
+
+/// One share a device revealed, of a neighbour's secret.
+#[derive(Clone, Debug)]
+pub struct Reveal {
+    pub peer: u64,
+    pub kind: ShareKind,
+    pub share: Share,
+}
+
+/// Checks an UnmaskResponse: exactly the share kinds the device was asked
+/// for, one per listed neighbour, never both of one neighbour.
+pub fn read_unmask_response(
+    bytes: &[u8],
+    session: Session,
+    sender: u64,
+    survivors: &BTreeSet<u64>,
+    dropped: &BTreeSet<u64>,
+) -> Result<Vec<Reveal>, SecAggError> {
+    let max = Stage::UnmaskResponse.max_bytes(0);
+    let mut reader = Reader::open(bytes, session, Stage::UnmaskResponse, sender, max)?;
+    let count = reader.count(survivors.len() + dropped.len(), "shares")?;
+    let x = shamir::point_of(sender)?;
+    let mut reveals = Vec::with_capacity(count);
+    let mut seen = BTreeSet::new();
+    let reject = |cause: String| Err(SecAggError::rejected("UnmaskResponse", cause));
+    for _ in 0..count {
+        let peer = reader.u64()?;
+        let kind = match reader.u8()? {
+            1 => ShareKind::SelfMaskSeed,
+            2 => ShareKind::MaskKey,
+            other => {
+                return reject(format!(
+                    "device {sender} sent a share of unknown kind {other}"
+                ));
+            }
+        };
+        let expected = if survivors.contains(&peer) {
+            ShareKind::SelfMaskSeed
+        } else if dropped.contains(&peer) {
+            ShareKind::MaskKey
+        } else {
+            return reject(format!(
+                "device {sender} revealed a share of device {peer}, which it was not asked about"
+            ));
+        };
+        if !seen.insert(peer) {
+            return reject(format!(
+                "device {sender} revealed two shares of device {peer}; a device may reveal only one kind"
+            ));
+        }
+        if kind != expected {
+            return reject(format!(
+                "device {sender} revealed device {peer}'s {} share; it was asked for the {} share",
+                kind.name(),
+                expected.name()
+            ));
+        }
+        let ys = (0..kind.chunks())
+            .map(|_| reader.u64())
+            .collect::<Result<Vec<_>, _>>()?;
+        if ys.iter().any(|&y| y >= shamir::PRIME) {
+            return reject(format!(
+                "device {sender}'s share of device {peer} is not a field element"
+            ));
+        }
+        reveals.push(Reveal {
+            peer,
+            kind,
+            share: Share { x, ys },
+        });
+    }
+    reader.finish()?;
+    Ok(reveals)
+}
+
+/// What the server knows at the end of a round, for unmasking.
+#[derive(Default)]
+pub struct UnmaskBook {
+    /// Devices whose masked input is in the sum: their seed commitments.
+    pub survivors: BTreeMap<u64, [u8; 32]>,
+    /// Devices that shared keys but whose masked input is not in the sum:
+    /// their mask public key, and the surviving neighbours (with their mask
+    /// public keys) that added a pairwise mask with them.
+    pub dropped: BTreeMap<u64, DroppedPeer>,
+    pub seed_shares: BTreeMap<u64, Vec<Share>>,
+    pub key_shares: BTreeMap<u64, Vec<Share>>,
+}
+
+pub struct DroppedPeer {
+    pub mask_key: [u8; 32],
+    pub masked_with: Vec<(u64, [u8; 32])>,
+}
+
+impl UnmaskBook {
+    pub fn add(&mut self, reveals: Vec<Reveal>) {
+        for reveal in reveals {
+            let book = match reveal.kind {
+                ShareKind::SelfMaskSeed => &mut self.seed_shares,
+                ShareKind::MaskKey => &mut self.key_shares,
+            };
+            book.entry(reveal.peer).or_default().push(reveal.share);
+        }
+    }
+}
+
+/// How many different threshold-sized windows of shares to try before
+/// calling a device's shares inconsistent.
+const MAX_REBUILD_ATTEMPTS: usize = 8;
+
+/// Rebuilds each survivor's self-mask seed and each dropout's mask key from
+/// the revealed shares, and removes every mask from `sum`, leaving the sum
+/// of the survivors' inputs modulo 2^b.
+pub fn unmask(
+    sum: &mut [u32],
+    plan: &Plan,
+    session: Session,
+    book: &UnmaskBook,
+) -> Result<(), SecAggError> {
+    for (&device, commitment) in &book.survivors {
+        let shares = book.seed_shares.get(&device).map_or(&[][..], Vec::as_slice);
+        let mut seed = rebuild(
+            shares,
+            plan.threshold,
+            16,
+            device,
+            "self-mask seed",
+            |bytes| {
+                let seed: [u8; 16] = bytes.try_into().expect("16 bytes");
+                seed_commitment(session, device, &seed) == *commitment
+            },
+        )?;
+        let seed_array: [u8; 16] = seed.as_slice().try_into().expect("16 bytes");
+        mask::apply(sum, &seed_array, Sign::Subtract);
+        seed.zeroize();
+    }
+    for (&device, peer) in &book.dropped {
+        let shares = book.key_shares.get(&device).map_or(&[][..], Vec::as_slice);
+        let mut key = rebuild(shares, plan.threshold, 32, device, "mask key", |bytes| {
+            let secret: [u8; 32] = bytes.try_into().expect("32 bytes");
+            public_key(&StaticSecret::from(secret)) == peer.mask_key
+        })?;
+        let secret_bytes: [u8; 32] = key.as_slice().try_into().expect("32 bytes");
+        key.zeroize();
+        let secret = StaticSecret::from(secret_bytes);
+        for (survivor, survivor_key) in &peer.masked_with {
+            let seed = crypto::pairwise_seed(&secret, survivor_key, session, device, *survivor)?;
+            mask::apply(sum, &seed, pairwise_sign(*survivor, device).flip());
+        }
+    }
+    let modulus = plan.modulus_mask();
+    sum.iter_mut().for_each(|v| *v &= modulus);
+    Ok(())
+}
+
+fn rebuild(
+    shares: &[Share],
+    threshold: usize,
+    len: usize,
+    device: u64,
+    what: &str,
+    is_right: impl Fn(&[u8]) -> bool,
+) -> Result<Vec<u8>, SecAggError> {
+    if shares.len() < threshold {
+        return Err(SecAggError::Unrecoverable(format!(
+            "only {} shares of device {device}'s {what} arrived; rebuilding it needs {threshold}",
+            shares.len()
+        )));
+    }
+    let windows = (shares.len() - threshold + 1).min(MAX_REBUILD_ATTEMPTS);
+    for start in 0..windows {
+        if let Ok(secret) = shamir::reconstruct(&shares[start..], threshold, len) {
+            if is_right(&secret) {
+                return Ok(secret);
+            }
+        }
+    }
+    Err(SecAggError::Unrecoverable(format!(
+        "the {} shares of device {device}'s {what} are inconsistent: no {threshold} of them \
+         rebuild the committed value",
+        shares.len()
+    )))
+}
+
+/// Fails the round once more devices have dropped out than the plan
+/// tolerates: (k, t) were chosen for that many, and no more.
+pub fn check_dropouts(plan: &Plan, remaining: usize, stage: Stage) -> Result<(), SecAggError> {
+    let dropped = plan.participants.saturating_sub(remaining);
+    if dropped > plan.max_dropouts {
+        return Err(SecAggError::Unrecoverable(format!(
+            "{dropped} of {} devices dropped out by the end of {}; the round tolerates {}",
+            plan.participants,
+            stage.name(),
+            plan.max_dropouts
+        )));
+    }
+    Ok(())
+}
+
+/// A whole round in memory, in the order Canopy's server runs it.
+pub struct Aggregator {
+    session: Session,
+    plan: Plan,
+    graph: Graph,
+    device_keys: BTreeMap<u64, [u8; 32]>,
+    stage: Stage,
+    advertisements: BTreeMap<u64, Advertisement>,
+    sent_keys_of: BTreeMap<u64, BTreeSet<u64>>,
+    uploads: BTreeMap<u64, ShareUpload>,
+    sum: Vec<u32>,
+    masked: BTreeSet<u64>,
+    requests: BTreeMap<u64, (BTreeSet<u64>, BTreeSet<u64>)>,
+    book: UnmaskBook,
+    answered: BTreeSet<u64>,
+}
+
+impl Aggregator {
+    /// `device_keys`: each participant's enrolled Ed25519 public key.
+    pub fn new(
+        session: Session,
+        plan: Plan,
+        graph_seed: &[u8; 32],
+        device_keys: &[(u64, [u8; 32])],
+    ) -> Result<Aggregator, SecAggError> {
+        plan.validate()?;
+        let ids: Vec<u64> = device_keys.iter().map(|(id, _)| *id).collect();
+        if ids.len() != plan.participants {
+            return Err(SecAggError::invalid(format!(
+                "the plan is for {} devices, {} were given",
+                plan.participants,
+                ids.len()
+            )));
+        }
+        let graph = Graph::new(graph_seed, &ids, plan.degree)?;
+        Ok(Aggregator {
+            session,
+            sum: vec![0; plan.masked_len()],
+            plan,
+            graph,
+            device_keys: device_keys.iter().copied().collect(),
+            stage: Stage::AdvertiseKeys,
+            advertisements: BTreeMap::new(),
+            sent_keys_of: BTreeMap::new(),
+            uploads: BTreeMap::new(),
+            masked: BTreeSet::new(),
+            requests: BTreeMap::new(),
+            book: UnmaskBook::default(),
+            answered: BTreeSet::new(),
+        })
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    fn expect(&self, stage: Stage, device: u64) -> Result<(), SecAggError> {
+        if self.stage != stage {
+            return Err(SecAggError::OutOfOrder(format!(
+                "device {device}'s {} message arrived during {}",
+                stage.name(),
+                self.stage.name()
+            )));
+        }
+        if !self.graph.contains(device) {
+            return Err(SecAggError::rejected(
+                stage.name(),
+                format!("device {device} is not a participant of this round"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn duplicate(stage: Stage, device: u64) -> SecAggError {
+        SecAggError::rejected(stage.name(), format!("device {device} already sent one"))
+    }
+
+    pub fn receive_advertisement(&mut self, device: u64, bytes: &[u8]) -> Result<(), SecAggError> {
+        self.expect(Stage::AdvertiseKeys, device)?;
+        if self.advertisements.contains_key(&device) {
+            return Err(Self::duplicate(Stage::AdvertiseKeys, device));
+        }
+        let advertisement =
+            read_advertisement(bytes, self.session, device, &self.device_keys[&device])?;
+        self.advertisements.insert(device, advertisement);
+        Ok(())
+    }
+
+    /// Ends AdvertiseKeys and returns each advertised device's NeighbourKeys.
+    pub fn close_advertising(&mut self) -> Result<BTreeMap<u64, Vec<u8>>, SecAggError> {
+        check_dropouts(&self.plan, self.advertisements.len(), Stage::AdvertiseKeys)?;
+        self.stage = Stage::ShareKeys;
+        let mut out = BTreeMap::new();
+        for &device in self.advertisements.keys() {
+            let neighbours: Vec<(u64, [u8; 32], Advertisement)> = self
+                .graph
+                .neighbours(device)
+                .unwrap_or_default()
+                .into_iter()
+                .filter_map(|n| {
+                    let advertisement = self.advertisements.get(&n)?;
+                    Some((n, self.device_keys[&n], advertisement.clone()))
+                })
+                .collect();
+            self.sent_keys_of
+                .insert(device, neighbours.iter().map(|(n, _, _)| *n).collect());
+            out.insert(
+                device,
+                neighbour_keys_message(self.session, device, &neighbours),
+            );
+        }
+        Ok(out)
+    }
+
+    pub fn receive_shares(&mut self, device: u64, bytes: &[u8]) -> Result<(), SecAggError> {
+        self.expect(Stage::ShareKeys, device)?;
+        if self.uploads.contains_key(&device) {
+            return Err(Self::duplicate(Stage::ShareKeys, device));
+        }
+        let Some(recipients) = self.sent_keys_of.get(&device) else {
+            return Err(SecAggError::rejected(
+                "ShareKeys",
+                format!("device {device} did not advertise keys"),
+            ));
+        };
+        let upload = read_share_keys(bytes, self.session, device, recipients)?;
+        self.uploads.insert(device, upload);
+        Ok(())
+    }
+
+    /// Ends ShareKeys and returns each sharing device's IncomingShares.
+    pub fn close_sharing(&mut self) -> Result<BTreeMap<u64, Vec<u8>>, SecAggError> {
+        check_dropouts(&self.plan, self.uploads.len(), Stage::ShareKeys)?;
+        self.stage = Stage::MaskedInput;
+        let mut inbox: BTreeMap<u64, Vec<(u64, Ciphertext)>> = BTreeMap::new();
+        for (&from, upload) in &self.uploads {
+            for (to, ciphertext) in &upload.ciphertexts {
+                if self.uploads.contains_key(to) {
+                    inbox.entry(*to).or_default().push((from, *ciphertext));
+                }
+            }
+        }
+        Ok(self
+            .uploads
+            .keys()
+            .map(|&device| {
+                let shares = inbox.remove(&device).unwrap_or_default();
+                (
+                    device,
+                    incoming_shares_message(self.session, device, &shares),
+                )
+            })
+            .collect())
+    }
+
+    pub fn receive_masked_input(&mut self, device: u64, bytes: &[u8]) -> Result<(), SecAggError> {
+        self.expect(Stage::MaskedInput, device)?;
+        if !self.uploads.contains_key(&device) {
+            return Err(SecAggError::rejected(
+                "MaskedInput",
+                format!("device {device} did not share its keys"),
+            ));
+        }
+        if self.masked.contains(&device) {
+            return Err(Self::duplicate(Stage::MaskedInput, device));
+        }
+        fold_masked_input(&mut self.sum, bytes, self.session, device, &self.plan)?;
+        self.masked.insert(device);
+        Ok(())
+    }
+
+    /// Ends MaskedInputCollection and returns each survivor's UnmaskRequest.
+    pub fn close_collection(&mut self) -> Result<BTreeMap<u64, Vec<u8>>, SecAggError> {
+        check_dropouts(&self.plan, self.masked.len(), Stage::MaskedInput)?;
+        self.stage = Stage::UnmaskResponse;
+        let shared = |id: &u64| self.uploads.contains_key(id);
+        let mut out = BTreeMap::new();
+        for &device in &self.masked {
+            let neighbours = self.graph.neighbours(device).unwrap_or_default();
+            let (survivors, dropped): (BTreeSet<u64>, BTreeSet<u64>) = neighbours
+                .into_iter()
+                .filter(shared)
+                .partition(|id| self.masked.contains(id));
+            out.insert(
+                device,
+                unmask_request_message(self.session, device, &survivors, &dropped),
+            );
+            self.requests.insert(device, (survivors, dropped));
+        }
+        Ok(out)
+    }
+
+    pub fn receive_unmask_response(
+        &mut self,
+        device: u64,
+        bytes: &[u8],
+    ) -> Result<(), SecAggError> {
+        self.expect(Stage::UnmaskResponse, device)?;
+        let Some((survivors, dropped)) = self.requests.get(&device) else {
+            return Err(SecAggError::rejected(
+                "UnmaskResponse",
+                format!("device {device} was not asked to unmask"),
+            ));
+        };
+        if self.answered.contains(&device) {
+            return Err(Self::duplicate(Stage::UnmaskResponse, device));
+        }
+        let reveals = read_unmask_response(bytes, self.session, device, survivors, dropped)?;
+        self.book.add(reveals);
+        self.answered.insert(device);
+        Ok(())
+    }
+
+    /// Removes the masks; returns the sum of the survivors' inputs and
+    /// their ids.
+    pub fn finish(mut self) -> Result<(Vec<u32>, BTreeSet<u64>), SecAggError> {
+        check_dropouts(&self.plan, self.answered.len(), Stage::UnmaskResponse)?;
+        for &device in &self.masked {
+            self.book
+                .survivors
+                .insert(device, self.uploads[&device].seed_commitment);
+        }
+        for &device in self.uploads.keys().filter(|d| !self.masked.contains(d)) {
+            let masked_with = self
+                .graph
+                .neighbours(device)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|n| self.masked.contains(n))
+                .map(|n| (n, self.advertisements[&n].mask_key))
+                .collect();
+            self.book.dropped.insert(
+                device,
+                DroppedPeer {
+                    mask_key: self.advertisements[&device].mask_key,
+                    masked_with,
+                },
+            );
+        }
+        unmask(&mut self.sum, &self.plan, self.session, &self.book)?;
+        Ok((self.sum, self.masked))
+    }
+}

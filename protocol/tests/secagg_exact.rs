@@ -1,0 +1,260 @@
+//! Acceptance 1: for random n, k and dropout patterns at every stage, the
+//! unmasked aggregate equals exactly the sum of the surviving devices'
+//! quantized inputs. Runs the protocol crate alone, with no server.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::secagg::params::Plan;
+use canopy_protocol::secagg::{Aggregator, Client, SecAggConfig, SecAggError, Session, arith};
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+
+/// Which devices go silent before each of the four stages.
+#[derive(Clone, Debug, Default)]
+struct Dropouts {
+    before_advertise: BTreeSet<u64>,
+    before_share: BTreeSet<u64>,
+    before_masked_input: BTreeSet<u64>,
+    before_unmask: BTreeSet<u64>,
+}
+
+struct Outcome {
+    sum: Vec<u32>,
+    survivors: BTreeSet<u64>,
+    inputs: BTreeMap<u64, Vec<u32>>,
+}
+
+fn run_round(
+    plan: &Plan,
+    ids: &[u64],
+    dropouts: &Dropouts,
+    seed: u64,
+) -> Result<Outcome, SecAggError> {
+    let session = Session {
+        job_id: 3,
+        round_id: 77,
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let keys: BTreeMap<u64, DeviceKey> =
+        ids.iter().map(|&id| (id, DeviceKey::generate())).collect();
+    let public: Vec<(u64, [u8; 32])> = keys.iter().map(|(&id, k)| (id, k.public_key())).collect();
+    let mut server = Aggregator::new(session, plan.clone(), &rng.random(), &public)?;
+    let mut clients = BTreeMap::new();
+    for &id in ids {
+        if dropouts.before_advertise.contains(&id) {
+            continue;
+        }
+        let (client, advertisement) = Client::start(session, id, plan.clone(), &keys[&id])?;
+        server.receive_advertisement(id, &advertisement)?;
+        clients.insert(id, client);
+    }
+    for (id, neighbour_keys) in server.close_advertising()? {
+        if dropouts.before_share.contains(&id) {
+            continue;
+        }
+        let shares = clients.get_mut(&id).unwrap().share_keys(&neighbour_keys)?;
+        server.receive_shares(id, &shares)?;
+    }
+    let mut inputs = BTreeMap::new();
+    let mask = plan.modulus_mask();
+    for (id, incoming) in server.close_sharing()? {
+        if dropouts.before_masked_input.contains(&id) {
+            continue;
+        }
+        let input: Vec<u32> = (0..plan.masked_len())
+            .map(|_| rng.random::<u32>() & mask)
+            .collect();
+        let masked = clients
+            .get_mut(&id)
+            .unwrap()
+            .masked_input(&incoming, &input)?;
+        server.receive_masked_input(id, &masked)?;
+        inputs.insert(id, input);
+    }
+    for (id, request) in server.close_collection()? {
+        if dropouts.before_unmask.contains(&id) {
+            continue;
+        }
+        let response = clients.get_mut(&id).unwrap().unmask(&request)?;
+        server.receive_unmask_response(id, &response)?;
+    }
+    let (sum, survivors) = server.finish()?;
+    Ok(Outcome {
+        sum,
+        survivors,
+        inputs,
+    })
+}
+
+fn expected_sum(outcome: &Outcome, plan: &Plan) -> Vec<u32> {
+    let mut expected = vec![0u32; plan.masked_len()];
+    for id in &outcome.survivors {
+        for (e, v) in expected.iter_mut().zip(&outcome.inputs[id]) {
+            *e = e.wrapping_add(*v);
+        }
+    }
+    expected.iter().map(|v| v & plan.modulus_mask()).collect()
+}
+
+/// Spreads up to `budget` dropouts over the four stages at random.
+fn dropout_pattern(ids: &[u64], budget: usize, seed: u64) -> Dropouts {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut pool: Vec<u64> = ids.to_vec();
+    let mut dropouts = Dropouts::default();
+    let count = rng.random_range(0..=budget);
+    for _ in 0..count {
+        let id = pool.swap_remove(rng.random_range(0..pool.len()));
+        match rng.random_range(0..4) {
+            0 => dropouts.before_advertise.insert(id),
+            1 => dropouts.before_share.insert(id),
+            2 => dropouts.before_masked_input.insert(id),
+            _ => dropouts.before_unmask.insert(id),
+        };
+    }
+    dropouts
+}
+
+fn plan_for(n: usize, dropout: f64, bits: u32, len: usize) -> Plan {
+    let config = SecAggConfig {
+        enabled: true,
+        max_dropout_fraction: dropout,
+        bits,
+        max_weight: 1,
+        ..SecAggConfig::default()
+    };
+    config.plan(n, len).expect("a feasible plan")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_unmasked_sum_is_exactly_the_survivors_sum(
+        n in 3usize..40,
+        dropout in prop_oneof![Just(0.0), Just(0.1), Just(0.2), Just(0.3)],
+        bits in prop_oneof![Just(16u32), Just(20), Just(32)],
+        len in 1usize..200,
+        seed in any::<u64>(),
+    ) {
+        let config_ok = SecAggConfig { enabled: true, max_dropout_fraction: dropout, bits, max_weight: 1, ..SecAggConfig::default() }
+            .plan(n, len);
+        prop_assume!(config_ok.is_ok());
+        let plan = plan_for(n, dropout, bits, len);
+        // Ids need not be dense or ordered.
+        let ids: Vec<u64> = (0..n as u64).map(|i| 1 + i * 7919 % 100_003).collect();
+        let dropouts = dropout_pattern(&ids, plan.max_dropouts, seed);
+        let outcome = run_round(&plan, &ids, &dropouts, seed).expect("a round within tolerance completes");
+        let dropped: usize = [&dropouts.before_advertise, &dropouts.before_share, &dropouts.before_masked_input]
+            .iter().map(|s| s.len()).sum();
+        prop_assert_eq!(outcome.survivors.len(), n - dropped);
+        let expected = expected_sum(&outcome, &plan);
+        prop_assert_eq!(outcome.sum, expected);
+    }
+}
+
+#[test]
+fn graphs_sparser_than_complete_are_exercised() {
+    // 60 devices with 10% dropouts: k < n − 1, so the sparse Harary graph,
+    // not the complete one, carries the round.
+    let plan = plan_for(60, 0.1, 24, 50);
+    assert!(plan.degree < 59, "degree {}", plan.degree);
+    let ids: Vec<u64> = (1..=60).collect();
+    for seed in 0..4 {
+        let dropouts = dropout_pattern(&ids, plan.max_dropouts, seed);
+        let outcome = run_round(&plan, &ids, &dropouts, seed).unwrap();
+        assert_eq!(outcome.sum, expected_sum(&outcome, &plan));
+    }
+}
+
+#[test]
+fn past_the_tolerance_the_round_fails_with_a_reason() {
+    let plan = plan_for(20, 0.1, 24, 10);
+    let ids: Vec<u64> = (1..=20).collect();
+    let dropouts = Dropouts {
+        before_masked_input: ids[..plan.max_dropouts + 1].iter().copied().collect(),
+        ..Dropouts::default()
+    };
+    let Err(error) = run_round(&plan, &ids, &dropouts, 1) else {
+        panic!("a round past its dropout tolerance must fail");
+    };
+    let message = error.to_string();
+    assert!(
+        message.contains("dropped out by the end of MaskedInput"),
+        "{message}"
+    );
+    assert!(
+        message.contains(&format!("tolerates {}", plan.max_dropouts)),
+        "{message}"
+    );
+}
+
+#[test]
+fn quantized_updates_average_back_to_the_float_mean() {
+    let config = SecAggConfig {
+        enabled: true,
+        ..SecAggConfig::default()
+    };
+    let n = 12;
+    let plan = config.plan(n, 100).unwrap();
+    let ids: Vec<u64> = (1..=n as u64).collect();
+    let session = Session {
+        job_id: 1,
+        round_id: 1,
+    };
+    let keys: Vec<DeviceKey> = ids.iter().map(|_| DeviceKey::generate()).collect();
+    let public: Vec<(u64, [u8; 32])> = ids
+        .iter()
+        .zip(&keys)
+        .map(|(&id, k)| (id, k.public_key()))
+        .collect();
+    let mut server = Aggregator::new(session, plan.clone(), &[5; 32], &public).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let updates: Vec<(Vec<f32>, u64)> = (0..n)
+        .map(|_| {
+            (
+                (0..100).map(|_| rng.random_range(-0.5f32..0.5)).collect(),
+                rng.random_range(10..300),
+            )
+        })
+        .collect();
+    let mut clients = Vec::new();
+    for (i, &id) in ids.iter().enumerate() {
+        let (client, advert) = Client::start(session, id, plan.clone(), &keys[i]).unwrap();
+        server.receive_advertisement(id, &advert).unwrap();
+        clients.push(client);
+    }
+    for (id, message) in server.close_advertising().unwrap() {
+        let reply = clients[id as usize - 1].share_keys(&message).unwrap();
+        server.receive_shares(id, &reply).unwrap();
+    }
+    for (id, message) in server.close_sharing().unwrap() {
+        let (delta, samples) = &updates[id as usize - 1];
+        let input = arith::quantize(&plan, delta, *samples, &mut rng).unwrap();
+        let reply = clients[id as usize - 1]
+            .masked_input(&message, &input)
+            .unwrap();
+        server.receive_masked_input(id, &reply).unwrap();
+    }
+    for (id, message) in server.close_collection().unwrap() {
+        let reply = clients[id as usize - 1].unmask(&message).unwrap();
+        server.receive_unmask_response(id, &reply).unwrap();
+    }
+    let (sum, _) = server.finish().unwrap();
+    let (weighted, weight) = arith::decode_sum(&plan, &sum).unwrap();
+    let expected_weight: u64 = updates.iter().map(|(_, w)| *w).sum();
+    assert_eq!(weight, expected_weight);
+    for i in 0..100 {
+        let exact: f64 = updates
+            .iter()
+            .map(|(d, w)| f64::from(d[i]) * *w as f64)
+            .sum::<f64>()
+            / expected_weight as f64;
+        let got = weighted[i] / weight as f64;
+        // One fixed-point step per device at most, averaged.
+        assert!(
+            (got - exact).abs() <= plan.clip / plan.levels as f64,
+            "{i}: {got} vs {exact}"
+        );
+    }
+}
