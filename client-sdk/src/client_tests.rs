@@ -188,6 +188,7 @@ fn task(fixture: &Fixture) -> Task {
             shape: vec![2],
         }])
         .expect("layout"),
+        secure_aggregation: None,
     }
 }
 

@@ -260,6 +260,7 @@ mod tests {
                 learning_rate: 0.05,
             },
             layout,
+            secure_aggregation: None,
         };
         (bytes, task, data)
     }

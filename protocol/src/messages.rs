@@ -210,6 +210,45 @@ pub struct Task {
     pub deadline_unix_ms: u64,
     pub training: TrainingConfig,
     pub layout: UpdateLayout,
+    /// Present when the round runs secure aggregation: the device then sends
+    /// nothing to `upload_path` and runs the four SecAgg+ stages under
+    /// [`SecureTask::path`] instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_aggregation: Option<SecureTask>,
+}
+
+/// The secure-aggregation side of a task.
+///
+/// Stage endpoints, relative to `path`, all signed like every device call:
+/// - `POST advertise-keys`, `POST share-keys`, `POST masked-input`,
+///   `POST unmask-response`: the device's message as an
+///   `application/octet-stream` body; 204 when taken, 409 when the device
+///   already sent it, 422 when refused (the body says why), 410 when the
+///   stage is over or the round failed.
+/// - `GET neighbour-keys`, `GET incoming-shares`, `GET unmask-request`, with
+///   an optional `wait_ms` long-poll: 200 with the server's message once the
+///   previous stage has closed, 202 with an empty body while it is still
+///   open, 410 when the device was dropped from the round or it failed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecureTask {
+    pub plan: crate::secagg::Plan,
+    /// Base path of the stage endpoints, e.g. `/device/v1/rounds/12/secagg`.
+    pub path: String,
+    /// How long each key stage stays open; a device that has not heard back
+    /// within about this long after its deadline should give up.
+    pub stage_timeout_ms: u64,
+}
+
+/// The stage endpoints under [`SecureTask::path`].
+pub mod secagg_endpoints {
+    pub const ADVERTISE_KEYS: &str = "advertise-keys";
+    pub const NEIGHBOUR_KEYS: &str = "neighbour-keys";
+    pub const SHARE_KEYS: &str = "share-keys";
+    pub const INCOMING_SHARES: &str = "incoming-shares";
+    pub const MASKED_INPUT: &str = "masked-input";
+    pub const UNMASK_REQUEST: &str = "unmask-request";
+    pub const UNMASK_RESPONSE: &str = "unmask-response";
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

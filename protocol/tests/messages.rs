@@ -260,6 +260,7 @@ fn task_json_roundtrip_with_layout() {
             learning_rate: 0.01,
         },
         layout,
+        secure_aggregation: None,
     };
     let json = serde_json::to_string(&task).unwrap();
     let back: Task = serde_json::from_str(&json).unwrap();

@@ -104,6 +104,7 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
             learning_rate: spec.learning_rate,
         },
         layout: (*layout).clone(),
+        secure_aggregation: None,
     })
 }
 
