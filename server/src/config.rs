@@ -102,6 +102,9 @@ pub struct Limits {
     pub shutdown_grace_ms: u64,
     /// Largest page of a list.
     pub max_page_size: u32,
+    /// How long each key stage of a secure round (AdvertiseKeys, ShareKeys,
+    /// Unmasking) waits for devices before it closes without them.
+    pub secagg_stage_timeout_ms: u64,
 }
 
 impl Default for Limits {
@@ -119,6 +122,7 @@ impl Default for Limits {
             orchestrator_tick_ms: 200,
             shutdown_grace_ms: 30_000,
             max_page_size: 500,
+            secagg_stage_timeout_ms: 60_000,
         }
     }
 }

@@ -54,6 +54,16 @@ pub struct DemoArgs {
     /// Seed for the data split, the shards and the model.
     #[arg(long, default_value_t = 7)]
     pub seed: u64,
+    /// Run the job with secure aggregation (SecAgg+): the server sees only
+    /// the sum of the devices' updates.
+    #[arg(long)]
+    pub secure: bool,
+}
+
+/// The demo's secure-aggregation settings: the devices that must answer
+/// for a round to succeed (`min_devices`) fit inside the dropout tolerance.
+fn secure_aggregation(args: &DemoArgs) -> serde_json::Value {
+    json!({"enabled": args.secure, "max_dropout_fraction": 0.2, "clip": 1.0, "bits": 32})
 }
 
 struct Agent {
@@ -118,6 +128,12 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         &args,
         &format!("server: {base} (SQLite in {})", work.path().display()),
     );
+    if args.secure {
+        say(
+            &args,
+            "secure aggregation (SecAgg+): the server learns only the sum of each round's updates",
+        );
+    }
 
     let model = build_digits_model(&train, args.seed)?;
     let version = admin.upload_model(model).await?;
@@ -188,6 +204,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             "seconds": seconds,
             "devices": args.devices,
             "non_iid": args.non_iid,
+            "secure_aggregation": args.secure,
             "per_round": rows,
         });
         println!("{summary}");
@@ -508,6 +525,7 @@ impl Admin {
                     "min_devices": min_devices, "target_devices": args.devices, "over_selection": 0.0,
                     "round_deadline_ms": ROUND_DEADLINE_MS, "local_epochs": 2, "batch_size": 16,
                     "learning_rate": 0.1, "max_round_retries": 3,
+                    "secure_aggregation": secure_aggregation(args),
                 }),
             )
             .await?;

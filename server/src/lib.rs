@@ -16,6 +16,7 @@ pub mod error;
 pub mod fedavg;
 pub mod metrics;
 pub mod orchestrator;
+pub mod secure;
 pub mod server;
 pub mod state;
 pub mod store;

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use crate::db::now_ms;
 use crate::error::{ApiError, chain};
 use crate::fedavg;
+use crate::secure;
 use crate::state::AppState;
 use crate::store::jobs::{self, DeviceFilter, JobRow, JobSpec, JobState};
 use crate::store::models::{self, NewVersion};
@@ -123,12 +124,24 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
         }
     }
     let mut notify_devices = false;
+    let mut notify_secure = false;
     let mut round = round;
     if round.state == "selecting" {
         notify_devices = select(state, &mut tx, &round, &spec).await?;
         round = reload(&mut tx, round.id).await?;
     }
-    if round.state == "training" && should_close(&round) {
+    let mut secure_outcome = None;
+    if round.state == "training" && spec.secure_aggregation.enabled {
+        match secure::advance(state, &mut tx, &round, &spec).await? {
+            secure::Advanced::Waiting { stage_changed } => notify_secure |= stage_changed,
+            secure::Advanced::Failed => {
+                notify_secure = true;
+                secure_outcome = Some("failed");
+            }
+            secure::Advanced::Unmasked => notify_secure = true,
+        }
+        round = reload(&mut tx, round.id).await?;
+    } else if round.state == "training" && should_close(&round) {
         rounds::close(&mut tx, round.id).await?;
         tracing::info!(
             round = round.id,
@@ -145,7 +158,10 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
     if notify_devices {
         state.tasks_ready.notify_waiters();
     }
-    if let Some(outcome) = outcome {
+    if notify_secure || notify_devices {
+        state.secagg_progress.notify_waiters();
+    }
+    if let Some(outcome) = outcome.or(secure_outcome) {
         state.metrics.round_finished(outcome);
     }
     Ok(())
@@ -201,6 +217,21 @@ async fn select(
     }
     let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
     rounds::start_training(tx, round.id, &chosen, deadline).await?;
+    if spec.secure_aggregation.enabled {
+        let base = models::get_version(&state.db, round.base_version_id)
+            .await?
+            .ok_or_else(|| {
+                ApiError::internal(format!("base version {} is missing", round.base_version_id))
+            })?;
+        let update_len = usize::try_from(base.trainable_elements).unwrap_or(usize::MAX);
+        let begun = secure::begin(state, tx, round.id, spec, chosen.len(), update_len).await?;
+        if let Err(reason) = begun {
+            let round = reload(tx, round.id).await?;
+            rounds::fail(tx, &round, &reason, i64::from(spec.max_round_retries)).await?;
+            tracing::warn!(round = round.id, %reason, "secure round cannot start");
+            return Ok(false);
+        }
+    }
     tracing::info!(
         round = round.id,
         selected = chosen.len(),

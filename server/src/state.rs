@@ -33,6 +33,9 @@ pub struct Inner {
     pub tasks_ready: Notify,
     /// Woken when an update lands, so the orchestrator can close a full round.
     pub orchestrator_wake: Notify,
+    /// Woken when a secure round changes stage, so devices' long polls
+    /// answer at once.
+    pub secagg_progress: Notify,
     pub upload_slots: Semaphore,
     /// Uploads waiting to be folded, batched per round.
     pub folds: crate::api::device::folds::FoldQueue,
@@ -63,6 +66,7 @@ impl AppState {
             metrics: Metrics::new(),
             tasks_ready: Notify::new(),
             orchestrator_wake: Notify::new(),
+            secagg_progress: Notify::new(),
             shutting_down: AtomicBool::new(false),
             layouts: std::sync::Mutex::new(HashMap::new()),
         }))

@@ -204,11 +204,20 @@ impl SecAggConfig {
         let levels = positive_range / headroom;
         if levels < MIN_PRECISION_LEVELS as u128 {
             let needed = bits_needed(headroom);
+            let remedy = if needed <= MAX_BITS {
+                format!(
+                    "raise bits to {needed}, lower max_weight, or select fewer devices per round"
+                )
+            } else {
+                format!(
+                    "that is over the {MAX_BITS}-bit limit, so lower max_weight or select fewer \
+                     devices per round"
+                )
+            };
             return Err(SecAggError::Config(format!(
                 "bits = {} could overflow: the sum of {participants} updates, each weighted up \
                  to max_weight = {} at the minimum {MIN_PRECISION_LEVELS} fixed-point levels per \
-                 side, needs {needed} bits; raise bits to {needed} (at most {MAX_BITS}), lower \
-                 max_weight, or select fewer devices per round",
+                 side, needs {needed} bits; {remedy}",
                 self.bits, self.max_weight
             )));
         }

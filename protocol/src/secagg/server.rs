@@ -344,9 +344,10 @@ pub fn unmask(
                 seed_commitment(session, device, &seed) == *commitment
             },
         )?;
-        let seed_array: [u8; 16] = seed.as_slice().try_into().expect("16 bytes");
+        let mut seed_array: [u8; 16] = seed.as_slice().try_into().expect("16 bytes");
         mask::apply(sum, &seed_array, Sign::Subtract);
         seed.zeroize();
+        seed_array.zeroize();
     }
     for (&device, peer) in &book.dropped {
         let shares = book.key_shares.get(&device).map_or(&[][..], Vec::as_slice);
@@ -354,9 +355,10 @@ pub fn unmask(
             let secret: [u8; 32] = bytes.try_into().expect("32 bytes");
             public_key(&StaticSecret::from(secret)) == peer.mask_key
         })?;
-        let secret_bytes: [u8; 32] = key.as_slice().try_into().expect("32 bytes");
+        let mut secret_bytes: [u8; 32] = key.as_slice().try_into().expect("32 bytes");
         key.zeroize();
         let secret = StaticSecret::from(secret_bytes);
+        secret_bytes.zeroize();
         for (survivor, survivor_key) in &peer.masked_with {
             let seed = crypto::pairwise_seed(&secret, survivor_key, session, device, *survivor)?;
             mask::apply(sum, &seed, pairwise_sign(*survivor, device).flip());

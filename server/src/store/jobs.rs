@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 use sqlx::FromRow;
 use utoipa::ToSchema;
 
+use canopy_protocol::secagg::SecAggConfig;
+
 use super::{Page, from_json};
 use crate::db::{Db, now_ms};
 
@@ -88,6 +90,39 @@ pub struct JobSpec {
     #[serde(default = "default_round_retries")]
     #[schema(maximum = 100)]
     pub max_round_retries: u32,
+    /// SecAgg+: the server learns only the sum of the updates. See
+    /// `docs/secure-aggregation.md`.
+    #[serde(default, skip_serializing_if = "is_disabled")]
+    #[schema(value_type = SecureAggregationSchema)]
+    pub secure_aggregation: SecAggConfig,
+}
+
+fn is_disabled(config: &SecAggConfig) -> bool {
+    !config.enabled
+}
+
+/// The OpenAPI shape of [`SecAggConfig`], which lives in `canopy-protocol`
+/// (shared with devices, and free of the server's schema dependency).
+#[derive(ToSchema)]
+#[allow(dead_code)]
+pub struct SecureAggregationSchema {
+    #[schema(default = false)]
+    enabled: Option<bool>,
+    /// Fraction of a round's devices that may drop out at any stage.
+    #[schema(minimum = 0, maximum = 0.5, default = 0.1)]
+    max_dropout_fraction: Option<f64>,
+    /// Fraction of a round's devices that may collude with the server.
+    #[schema(minimum = 0, maximum = 0.3, default = 0.0)]
+    max_corrupt_fraction: Option<f64>,
+    /// Each coordinate of an update is clipped to [-clip, clip].
+    #[schema(exclusive_minimum = 0, maximum = 1_000_000, default = 1.0)]
+    clip: Option<f64>,
+    /// Ring width b: masking in Z_{2^b}, b bits per element on the wire.
+    #[schema(minimum = 8, maximum = 32, default = 32)]
+    bits: Option<u32>,
+    /// Sample-count weights are capped here.
+    #[schema(minimum = 1, maximum = 1_048_576, default = 1024)]
+    max_weight: Option<u64>,
 }
 
 fn default_over_selection() -> f64 {
@@ -156,6 +191,17 @@ impl JobSpec {
         }
         if self.filters.backends.len() > 8 || self.filters.tags.len() > 32 {
             return Err("`filters` may name at most 8 backends and 32 tags".to_string());
+        }
+        if self.secure_aggregation.enabled {
+            self.secure_aggregation
+                .validate(self.min_devices as usize, self.selection_size() as usize)
+                .map_err(|error| {
+                    format!(
+                        "{error} (rounds select {} to {} devices)",
+                        self.min_devices,
+                        self.selection_size()
+                    )
+                })?;
         }
         Ok(())
     }

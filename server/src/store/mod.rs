@@ -5,6 +5,7 @@ pub mod devices;
 pub mod jobs;
 pub mod models;
 pub mod rounds;
+pub mod secagg;
 pub mod settings;
 pub mod tokens;
 

@@ -234,6 +234,7 @@ pub async fn succeed(
     total_rounds: i64,
 ) -> Result<(), sqlx::Error> {
     let now = now_ms();
+    super::secagg::purge(tx, round.id).await?;
     sqlx::query(
         "UPDATE rounds SET state = 'succeeded', result_version_id = $1, finished_ms = $2, \
          update_sum = NULL, status_message = '' WHERE id = $3",
@@ -268,6 +269,7 @@ pub async fn fail(
     max_retries: i64,
 ) -> Result<(), sqlx::Error> {
     let now = now_ms();
+    super::secagg::purge(tx, round.id).await?;
     sqlx::query(
         "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
          AND state IN ('selected', 'delivered')",
@@ -310,6 +312,15 @@ pub async fn fail_open_round(
     reason: &str,
     now: i64,
 ) -> Result<(), sqlx::Error> {
+    let open: Vec<(i64,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES}"
+    )))
+    .bind(job_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    for (round_id,) in open {
+        super::secagg::purge(tx, round_id).await?;
+    }
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET state = 'dropped' WHERE state IN ('selected', 'delivered') \
          AND round_id IN (SELECT id FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES})"
@@ -400,6 +411,8 @@ pub struct TaskRow {
     pub base_version_id: i64,
     pub deadline_ms: i64,
     pub config: String,
+    /// The round's secure-aggregation plan (JSON), for secure jobs.
+    pub secagg_plan: Option<String>,
 }
 
 /// The device's open task, marked delivered. A task already delivered is
@@ -409,7 +422,8 @@ pub struct TaskRow {
 pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx::Error> {
     let now = now_ms();
     let task: Option<TaskRow> = sqlx::query_as(
-        "SELECT r.id AS round_id, r.job_id, r.number, r.base_version_id, r.deadline_ms, j.config \
+        "SELECT r.id AS round_id, r.job_id, r.number, r.base_version_id, r.deadline_ms, j.config, \
+         r.secagg_plan \
          FROM participants p JOIN rounds r ON r.id = p.round_id JOIN jobs j ON j.id = r.job_id \
          WHERE p.device_id = $1 AND p.state IN ('selected', 'delivered') \
          AND r.state = 'training' AND r.deadline_ms > $2 AND j.state = 'running' \

@@ -102,6 +102,8 @@ pub struct TestServer {
     pub data_dir: tempfile::TempDir,
     pg_name: Option<String>,
     extra_args: Vec<String>,
+    /// The server's `RUST_LOG`.
+    pub rust_log: String,
 }
 
 impl TestServer {
@@ -111,6 +113,15 @@ impl TestServer {
 
     /// `extra_args` go to `serve`, e.g. a `--config` file with limits.
     pub fn start_with(database: Database, extra_args: &[&str]) -> Result<TestServer> {
+        TestServer::start_logging(database, extra_args, "info,sqlx=warn")
+    }
+
+    /// [`TestServer::start_with`] with the server's `RUST_LOG` filter.
+    pub fn start_logging(
+        database: Database,
+        extra_args: &[&str],
+        rust_log: &str,
+    ) -> Result<TestServer> {
         let data_dir = tempfile::tempdir()?;
         let (database_url, pg_name) = match database {
             Database::Sqlite => (
@@ -136,6 +147,7 @@ impl TestServer {
             data_dir,
             pg_name,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            rust_log: rust_log.to_string(),
         };
         server.spawn()?;
         if server.admin_token.is_empty() {
@@ -161,6 +173,7 @@ impl TestServer {
             data_dir: tempfile::tempdir()?,
             pg_name: None,
             extra_args,
+            rust_log: self.rust_log.clone(),
         };
         server.spawn()?;
         Ok(server)
@@ -183,7 +196,7 @@ impl TestServer {
             .args(["--database-url", &self.database_url])
             .args(["--tls", "self-signed", "--log-format", "json"])
             .args(&self.extra_args)
-            .env("RUST_LOG", "info,sqlx=warn")
+            .env("RUST_LOG", &self.rust_log)
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log))
             .spawn()

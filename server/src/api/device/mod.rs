@@ -2,6 +2,7 @@
 
 pub mod auth;
 pub mod folds;
+mod secagg;
 mod tasks;
 mod upload;
 
@@ -39,6 +40,10 @@ pub fn router() -> Router<AppState> {
         )
         .route("/device/v1/rounds/{round_id}/metrics", post(report_metrics))
         .route("/device/v1/rounds/{round_id}/decline", post(decline_task))
+        .route(
+            "/device/v1/rounds/{round_id}/secagg/{endpoint}",
+            post(secagg::post_message).get(secagg::get_message),
+        )
 }
 
 /// Reads a small JSON body, checks it against the signed digest, parses it.

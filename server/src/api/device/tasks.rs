@@ -6,7 +6,7 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use canopy_protocol::messages::{Task, TrainingConfig};
+use canopy_protocol::messages::{SecureTask, Task, TrainingConfig};
 use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE};
 use canopy_protocol::update::UpdateLayout;
 use serde::Deserialize;
@@ -104,8 +104,20 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
             learning_rate: spec.learning_rate,
         },
         layout: (*layout).clone(),
-        secure_aggregation: None,
+        secure_aggregation: secure_task(state, &task)?,
     })
+}
+
+fn secure_task(state: &AppState, task: &rounds::TaskRow) -> ApiResult<Option<SecureTask>> {
+    let Some(plan) = &task.secagg_plan else {
+        return Ok(None);
+    };
+    let plan = crate::store::from_json("rounds.secagg_plan", plan)?;
+    Ok(Some(SecureTask {
+        plan,
+        path: format!("/device/v1/rounds/{}/secagg", task.round_id),
+        stage_timeout_ms: state.settings.limits.secagg_stage_timeout_ms,
+    }))
 }
 
 /// Parses `Range: bytes=N-`, the one form resumable downloads need.

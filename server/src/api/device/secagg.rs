@@ -1,0 +1,493 @@
+//! The device side of secure rounds: seven endpoints under
+//! `/device/v1/rounds/{round_id}/secagg/`, one per message of the four
+//! stages (see `canopy_protocol::messages::SecureTask`).
+//!
+//! Every message is checked by `canopy_protocol::secagg` before anything is
+//! stored: its header binds it to this job, round, stage and device, so a
+//! replay from another round is refused by name. What a device may post
+//! depends on the stage and on what it has already sent; what it may fetch
+//! is computed from the graph and the stored stage results, so any server
+//! process answers the same.
+
+use std::collections::BTreeSet;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use canopy_protocol::messages::secagg_endpoints as endpoints;
+use canopy_protocol::secagg::server as secagg_server;
+use canopy_protocol::secagg::wire::Stage;
+
+use super::auth::DeviceAuth;
+use super::poll_wait;
+use super::tasks::PollQuery;
+use crate::api::admin::models::read_limited;
+use crate::error::{ApiError, ApiResult, Path, Query};
+use crate::secure::{self, KEYS_BYTES};
+use crate::state::AppState;
+use crate::store::secagg::{
+    self, STAGE_ADVERTISE, STAGE_COLLECT, STAGE_SHARE, STAGE_UNMASK, SecureParticipant, SecureRound,
+};
+
+/// Between wake-ups, a long poll re-reads the round this often, so that it
+/// also sees stages closed by another server process.
+const POLL_RECHECK_MS: u64 = 500;
+
+const STAGE_ORDER: [&str; 4] = [STAGE_ADVERTISE, STAGE_SHARE, STAGE_COLLECT, STAGE_UNMASK];
+
+fn stage_index(stage: &str) -> usize {
+    STAGE_ORDER.iter().position(|s| *s == stage).unwrap_or(0)
+}
+
+/// The stage during which a device posts to `endpoint`, and its message.
+fn posted_stage(endpoint: &str) -> ApiResult<(&'static str, Stage)> {
+    Ok(match endpoint {
+        endpoints::ADVERTISE_KEYS => (STAGE_ADVERTISE, Stage::AdvertiseKeys),
+        endpoints::SHARE_KEYS => (STAGE_SHARE, Stage::ShareKeys),
+        endpoints::MASKED_INPUT => (STAGE_COLLECT, Stage::MaskedInput),
+        endpoints::UNMASK_RESPONSE => (STAGE_UNMASK, Stage::UnmaskResponse),
+        other => return Err(unknown_endpoint(other)),
+    })
+}
+
+/// The stage from which `endpoint` can be fetched (the one after the stage
+/// that produces it).
+fn fetched_stage(endpoint: &str) -> ApiResult<&'static str> {
+    Ok(match endpoint {
+        endpoints::NEIGHBOUR_KEYS => STAGE_SHARE,
+        endpoints::INCOMING_SHARES => STAGE_COLLECT,
+        endpoints::UNMASK_REQUEST => STAGE_UNMASK,
+        other => return Err(unknown_endpoint(other)),
+    })
+}
+
+fn unknown_endpoint(endpoint: &str) -> ApiError {
+    let shown: String = endpoint.chars().take(64).collect();
+    ApiError::not_found(format!("there is no secure-aggregation endpoint `{shown}`"))
+}
+
+async fn load(
+    state: &AppState,
+    round_id: i64,
+    device_id: i64,
+) -> ApiResult<(SecureRound, SecureParticipant)> {
+    let round = secagg::get(&state.db.pool, round_id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::not_found(format!("round {round_id} does not run secure aggregation"))
+        })?;
+    let participant = secagg::participant(&state.db.pool, round_id, device_id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::not_found(format!(
+                "device {device_id} was not selected for round {round_id}"
+            ))
+        })?;
+    Ok((round, participant))
+}
+
+/// 410 when the round is over or the device was dropped from it.
+fn check_live(round: &SecureRound, participant: &SecureParticipant) -> ApiResult<()> {
+    if round.state != "training" {
+        let reason = if round.status_message.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", round.status_message)
+        };
+        return Err(ApiError::gone(format!(
+            "round {} is {}{reason}",
+            round.id, round.state
+        )));
+    }
+    if participant.state == "dropped" {
+        return Err(ApiError::gone(format!(
+            "device {} was dropped from round {}: it missed a stage deadline or declined",
+            participant.device_id, round.id
+        )));
+    }
+    Ok(())
+}
+
+pub async fn post_message(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path((round_id, endpoint)): Path<(i64, String)>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<StatusCode> {
+    let (open_stage, message) = posted_stage(&endpoint)?;
+    let (round, participant) = load(&state, round_id, device.device_id).await?;
+    check_live(&round, &participant)?;
+    let limit = message.max_bytes(round.plan.packed_bytes()) as u64;
+    let what = format!("{} message", message.name());
+    let _slot = match message {
+        Stage::MaskedInput => Some(
+            state
+                .upload_slots
+                .acquire()
+                .await
+                .map_err(|_| ApiError::unavailable("the server is shutting down"))?,
+        ),
+        _ => None,
+    };
+    let bytes = read_limited(&headers, body, limit, &what).await?;
+    device.check_body(&bytes)?;
+    if round.stage != open_stage {
+        let (verb, code): (&str, fn(String) -> ApiError) =
+            if stage_index(&round.stage) > stage_index(open_stage) {
+                ("is over", |m| ApiError::gone(m))
+            } else {
+                ("has not started", |m| ApiError::conflict(m))
+            };
+        return Err(code(format!(
+            "{} for round {round_id} {verb}; the round is in stage `{}`",
+            message.name(),
+            round.stage
+        )));
+    }
+    let device_id = device.device_id;
+    match message {
+        Stage::AdvertiseKeys => advertise(&state, &round, &participant, &bytes).await?,
+        Stage::ShareKeys => share_keys(&state, &round, &participant, &bytes).await?,
+        Stage::MaskedInput => masked_input(&state, &round, device_id, bytes).await?,
+        _ => unmask_response(&state, &round, &participant, &bytes).await?,
+    }
+    tracing::debug!(
+        round = round_id,
+        device = device_id,
+        stage = message.name(),
+        "secure message taken"
+    );
+    state.orchestrator_wake.notify_one();
+    Ok(StatusCode::NO_CONTENT)
+}
+
+fn duplicate(message: Stage, round: &SecureRound, device_id: i64) -> ApiError {
+    ApiError::conflict(format!(
+        "device {device_id} already sent its {} message for round {}",
+        message.name(),
+        round.id
+    ))
+}
+
+async fn advertise(
+    state: &AppState,
+    round: &SecureRound,
+    participant: &SecureParticipant,
+    bytes: &[u8],
+) -> ApiResult<()> {
+    let device_id = participant.device_id;
+    if participant.secagg_keys.is_some() {
+        return Err(duplicate(Stage::AdvertiseKeys, round, device_id));
+    }
+    let device_key: [u8; 32] = participant.public_key.as_slice().try_into().map_err(|_| {
+        ApiError::internal(format!("device {device_id}'s stored key is not 32 bytes"))
+    })?;
+    let advertisement = secagg_server::read_advertisement(
+        bytes,
+        secure::session(round),
+        device_id as u64,
+        &device_key,
+    )
+    .map_err(secure::refusal)?;
+    let mut keys = Vec::with_capacity(KEYS_BYTES);
+    keys.extend_from_slice(&advertisement.channel_key);
+    keys.extend_from_slice(&advertisement.mask_key);
+    keys.extend_from_slice(&advertisement.signature);
+    if !secagg::save_keys(&state.db, round.id, device_id, &keys).await? {
+        return Err(ApiError::conflict(format!(
+            "device {device_id}'s AdvertiseKeys message for round {} was not taken: it already \
+             sent one, or the stage closed meanwhile",
+            round.id
+        )));
+    }
+    Ok(())
+}
+
+/// The neighbours of `device_id` that advertised keys: the set it was sent
+/// in NeighbourKeys and must address shares to.
+async fn advertised_neighbours(
+    state: &AppState,
+    round: &SecureRound,
+    device_id: i64,
+) -> ApiResult<Vec<SecureParticipant>> {
+    let all = secagg::participants(&state.db.pool, round.id).await?;
+    let ids: Vec<u64> = all.iter().map(|p| p.device_id as u64).collect();
+    let graph = secure::graph(round, &ids)?;
+    let neighbours: BTreeSet<u64> = graph
+        .neighbours(device_id as u64)
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    Ok(all
+        .into_iter()
+        .filter(|p| neighbours.contains(&(p.device_id as u64)) && p.secagg_keys.is_some())
+        .collect())
+}
+
+async fn share_keys(
+    state: &AppState,
+    round: &SecureRound,
+    participant: &SecureParticipant,
+    bytes: &[u8],
+) -> ApiResult<()> {
+    let device_id = participant.device_id;
+    if participant.secagg_commitment.is_some() {
+        return Err(duplicate(Stage::ShareKeys, round, device_id));
+    }
+    if participant.secagg_keys.is_none() {
+        return Err(ApiError::conflict(format!(
+            "device {device_id} did not advertise keys in round {}",
+            round.id
+        )));
+    }
+    let recipients: BTreeSet<u64> = advertised_neighbours(state, round, device_id)
+        .await?
+        .iter()
+        .map(|p| p.device_id as u64)
+        .collect();
+    let upload = secagg_server::read_share_keys(
+        bytes,
+        secure::session(round),
+        device_id as u64,
+        &recipients,
+    )
+    .map_err(secure::refusal)?;
+    let ciphertexts: Vec<(u64, Vec<u8>)> = upload
+        .ciphertexts
+        .iter()
+        .map(|(to, c)| (*to, c.to_vec()))
+        .collect();
+    let saved = secagg::save_shares(
+        &state.db,
+        round.id,
+        device_id,
+        &upload.seed_commitment,
+        &ciphertexts,
+    )
+    .await?;
+    if !saved {
+        return Err(ApiError::conflict(format!(
+            "device {device_id}'s ShareKeys message for round {} was not taken: it already sent \
+             one, or the stage closed meanwhile",
+            round.id
+        )));
+    }
+    Ok(())
+}
+
+async fn masked_input(
+    state: &AppState,
+    round: &SecureRound,
+    device_id: i64,
+    bytes: Bytes,
+) -> ApiResult<()> {
+    let session = secure::session(round);
+    let plan = round.plan.clone();
+    let size = bytes.len() as u64;
+    let outcome = secagg::fold_masked(&state.db, round.id, device_id, size, |stored| {
+        // Decoding and folding are a few milliseconds per million values;
+        // the round's lock is held for them, so folds are serial per round.
+        let mut sum = secure::decode_masked_sum(stored.as_deref().unwrap_or_default(), &plan)
+            .map_err(ApiError::internal)?;
+        secagg_server::fold_masked_input(&mut sum, &bytes, session, device_id as u64, &plan)
+            .map_err(secure::refusal)?;
+        Ok(secure::encode_masked_sum(&sum))
+    })
+    .await?;
+    match outcome {
+        Ok(accepted) => {
+            tracing::info!(
+                round = round.id,
+                device = device_id,
+                accepted,
+                "masked input folded"
+            );
+            Ok(())
+        }
+        Err(secagg::MaskedRejection::Refused(error)) => Err(error),
+        Err(secagg::MaskedRejection::Duplicate) => {
+            Err(duplicate(Stage::MaskedInput, round, device_id))
+        }
+        Err(secagg::MaskedRejection::Closed) => Err(ApiError::gone(format!(
+            "round {} no longer collects masked inputs",
+            round.id
+        ))),
+        Err(secagg::MaskedRejection::NotEligible) => Err(ApiError::conflict(format!(
+            "device {device_id} did not complete ShareKeys in round {}, or was dropped",
+            round.id
+        ))),
+    }
+}
+
+/// The survivors and dropouts a survivor is asked about.
+async fn unmask_sets(
+    state: &AppState,
+    round: &SecureRound,
+    device_id: i64,
+) -> ApiResult<(BTreeSet<u64>, BTreeSet<u64>)> {
+    let all = secagg::participants(&state.db.pool, round.id).await?;
+    let ids: Vec<u64> = all.iter().map(|p| p.device_id as u64).collect();
+    let graph = secure::graph(round, &ids)?;
+    let shared = all
+        .iter()
+        .filter(|p| p.secagg_commitment.is_some())
+        .map(|p| p.device_id as u64)
+        .collect();
+    let survivors = all
+        .iter()
+        .filter(|p| p.state == "uploaded")
+        .map(|p| p.device_id as u64)
+        .collect();
+    Ok(secure::unmask_sets(
+        &graph,
+        device_id as u64,
+        &shared,
+        &survivors,
+    ))
+}
+
+async fn unmask_response(
+    state: &AppState,
+    round: &SecureRound,
+    participant: &SecureParticipant,
+    bytes: &[u8],
+) -> ApiResult<()> {
+    let device_id = participant.device_id;
+    if participant.secagg_reveal.is_some() {
+        return Err(duplicate(Stage::UnmaskResponse, round, device_id));
+    }
+    if participant.state != "uploaded" {
+        return Err(ApiError::conflict(format!(
+            "device {device_id} sent no masked input in round {}, so it has nothing to unmask",
+            round.id
+        )));
+    }
+    let (survivors, dropped) = unmask_sets(state, round, device_id).await?;
+    secagg_server::read_unmask_response(
+        bytes,
+        secure::session(round),
+        device_id as u64,
+        &survivors,
+        &dropped,
+    )
+    .map_err(secure::refusal)?;
+    if !secagg::save_reveal(&state.db, round.id, device_id, bytes).await? {
+        return Err(ApiError::conflict(format!(
+            "device {device_id}'s UnmaskResponse for round {} was not taken: it already sent one, \
+             or the stage closed meanwhile",
+            round.id
+        )));
+    }
+    Ok(())
+}
+
+pub async fn get_message(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path((round_id, endpoint)): Path<(i64, String)>,
+    Query(query): Query<PollQuery>,
+) -> ApiResult<Response> {
+    let ready_stage = fetched_stage(&endpoint)?;
+    let wait = poll_wait(query.wait_ms, state.settings.limits.long_poll_max_ms);
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let woken = state.secagg_progress.notified();
+        let (round, participant) = load(&state, round_id, device.device_id).await?;
+        check_live(&round, &participant)?;
+        if stage_index(&round.stage) >= stage_index(ready_stage) {
+            let body = build_message(&state, &round, &participant, &endpoint).await?;
+            return Ok((
+                StatusCode::OK,
+                [(header::CONTENT_TYPE, "application/octet-stream")],
+                body,
+            )
+                .into_response());
+        }
+        let now = tokio::time::Instant::now();
+        if now >= deadline || state.is_shutting_down() {
+            return Ok(StatusCode::ACCEPTED.into_response());
+        }
+        let recheck = now + std::time::Duration::from_millis(POLL_RECHECK_MS);
+        tokio::select! {
+            _ = woken => {}
+            _ = tokio::time::sleep_until(recheck.min(deadline)) => {}
+        }
+    }
+}
+
+async fn build_message(
+    state: &AppState,
+    round: &SecureRound,
+    participant: &SecureParticipant,
+    endpoint: &str,
+) -> ApiResult<Vec<u8>> {
+    let device_id = participant.device_id;
+    let session = secure::session(round);
+    match endpoint {
+        endpoints::NEIGHBOUR_KEYS => {
+            let neighbours = advertised_neighbours(state, round, device_id).await?;
+            let entries = neighbours
+                .iter()
+                .map(|p| {
+                    let advertisement = p.secagg_keys.as_deref().and_then(secure::advertisement);
+                    let key: Option<[u8; 32]> = p.public_key.as_slice().try_into().ok();
+                    match (advertisement, key) {
+                        (Some(a), Some(k)) => Ok((p.device_id as u64, k, a)),
+                        _ => Err(ApiError::internal(format!(
+                            "device {}'s stored keys are malformed",
+                            p.device_id
+                        ))),
+                    }
+                })
+                .collect::<ApiResult<Vec<_>>>()?;
+            Ok(secagg_server::neighbour_keys_message(
+                session,
+                device_id as u64,
+                &entries,
+            ))
+        }
+        endpoints::INCOMING_SHARES => {
+            if participant.secagg_commitment.is_none() {
+                return Err(ApiError::gone(format!(
+                    "device {device_id} did not complete ShareKeys in round {}",
+                    round.id
+                )));
+            }
+            let rows = secagg::incoming_shares(&state.db, round.id, device_id).await?;
+            let shares = rows
+                .into_iter()
+                .map(|(from, c)| {
+                    let c: secagg_server::Ciphertext = c.as_slice().try_into().map_err(|_| {
+                        ApiError::internal(format!(
+                            "a stored share from device {from} is malformed"
+                        ))
+                    })?;
+                    Ok((from, c))
+                })
+                .collect::<ApiResult<Vec<_>>>()?;
+            Ok(secagg_server::incoming_shares_message(
+                session,
+                device_id as u64,
+                &shares,
+            ))
+        }
+        _ => {
+            if participant.state != "uploaded" {
+                return Err(ApiError::gone(format!(
+                    "device {device_id} sent no masked input in round {}",
+                    round.id
+                )));
+            }
+            let (survivors, dropped) = unmask_sets(state, round, device_id).await?;
+            Ok(secagg_server::unmask_request_message(
+                session,
+                device_id as u64,
+                &survivors,
+                &dropped,
+            ))
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! Secure rounds (SecAgg+), on top of the durable round state.
+//!
+//! A secure round is `training` while its `secagg_stage` walks through
+//! advertise → share → collect → unmask. Each stage closes when every live
+//! participant has answered or its deadline passes; whoever has not
+//! answered by then is dropped, and the round fails as soon as more devices
+//! have dropped out than the plan tolerates. Closing Unmasking rebuilds the
+//! survivors' self-mask seeds and the dropouts' mask keys, removes every
+//! mask from the running sum, and leaves the round `aggregating` with the
+//! same Σwᵢ·Δᵢ and Σwᵢ a plain round keeps, for [`crate::orchestrator`] to
+//! turn into the next model version.
+//!
+//! The protocol's messages are checked by `canopy_protocol::secagg`; this
+//! module decides when stages close and what each device is sent.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use canopy_protocol::secagg::graph::Graph;
+use canopy_protocol::secagg::server::{
+    self as secagg_server, Advertisement, DroppedPeer, UnmaskBook,
+};
+use canopy_protocol::secagg::wire::Stage;
+use canopy_protocol::secagg::{Plan, SecAggError, Session, arith};
+
+use crate::db::now_ms;
+use crate::error::ApiError;
+use crate::fedavg;
+use crate::state::AppState;
+use crate::store::jobs::JobSpec;
+use crate::store::rounds::{self, RoundRow, Tx};
+use crate::store::secagg::{
+    self, STAGE_ADVERTISE, STAGE_COLLECT, STAGE_SHARE, STAGE_UNMASK, SecureParticipant, SecureRound,
+};
+
+/// Bytes of a stored advertisement: channel key, mask key, signature.
+pub const KEYS_BYTES: usize = 32 + 32 + 64;
+
+pub fn session(round: &SecureRound) -> Session {
+    Session {
+        job_id: round.job_id as u64,
+        round_id: round.id as u64,
+    }
+}
+
+pub fn graph(round: &SecureRound, participant_ids: &[u64]) -> Result<Graph, ApiError> {
+    let seed = round.seed.ok_or_else(|| {
+        ApiError::gone(format!(
+            "round {} has ended; its graph is deleted",
+            round.id
+        ))
+    })?;
+    Graph::new(&seed, participant_ids, round.plan.degree).map_err(|error| {
+        ApiError::internal(format!(
+            "round {}'s graph cannot be built: {error}",
+            round.id
+        ))
+    })
+}
+
+pub fn advertisement(keys: &[u8]) -> Option<Advertisement> {
+    if keys.len() != KEYS_BYTES {
+        return None;
+    }
+    Some(Advertisement {
+        channel_key: keys[..32].try_into().ok()?,
+        mask_key: keys[32..64].try_into().ok()?,
+        signature: keys[64..].try_into().ok()?,
+    })
+}
+
+/// Makes a freshly selected round secure. An error is a reason to fail the
+/// round (the selected devices do not fit the job's tolerances).
+pub async fn begin(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    spec: &JobSpec,
+    participants: usize,
+    update_len: usize,
+) -> Result<Result<(), String>, ApiError> {
+    let plan = match spec.secure_aggregation.plan(participants, update_len) {
+        Ok(plan) => plan,
+        Err(error) => return Ok(Err(error.to_string())),
+    };
+    let mut seed = [0u8; 32];
+    rand::RngCore::fill_bytes(&mut rand::rng(), &mut seed);
+    let deadline = now_ms() + stage_timeout_ms(state);
+    secagg::begin(tx, round_id, &plan, &seed, deadline).await?;
+    tracing::info!(
+        round = round_id,
+        participants,
+        degree = plan.degree,
+        threshold = plan.threshold,
+        bits = plan.bits,
+        max_dropouts = plan.max_dropouts,
+        "secure round: AdvertiseKeys open"
+    );
+    Ok(Ok(()))
+}
+
+fn stage_timeout_ms(state: &AppState) -> i64 {
+    i64::try_from(state.settings.limits.secagg_stage_timeout_ms).unwrap_or(i64::MAX / 4)
+}
+
+/// What advancing a secure round did.
+pub enum Advanced {
+    /// Nothing to do yet, or a stage closed and the round goes on.
+    Waiting { stage_changed: bool },
+    /// The round failed, with the reason recorded.
+    Failed,
+    /// The aggregate is unmasked; the round is `aggregating`.
+    Unmasked,
+}
+
+/// Closes the current stage if it is complete or past its deadline.
+pub async fn advance(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    spec: &JobSpec,
+) -> Result<Advanced, ApiError> {
+    let Some(secure) = secagg::get(&mut **tx, round.id).await? else {
+        return Ok(Advanced::Waiting {
+            stage_changed: false,
+        });
+    };
+    let participants = secagg::participants(&mut **tx, round.id).await?;
+    let live = participants.iter().filter(|p| p.state != "dropped");
+    let answered = |p: &SecureParticipant| match secure.stage.as_str() {
+        STAGE_ADVERTISE => p.secagg_keys.is_some(),
+        STAGE_SHARE => p.secagg_commitment.is_some(),
+        STAGE_COLLECT => p.state == "uploaded",
+        _ => p.secagg_reveal.is_some(),
+    };
+    let all_answered = live.clone().all(answered);
+    let now = now_ms();
+    let deadline = if secure.stage == STAGE_COLLECT {
+        secure.deadline_ms
+    } else {
+        secure.stage_deadline_ms
+    };
+    if !all_answered && now < deadline {
+        return Ok(Advanced::Waiting {
+            stage_changed: false,
+        });
+    }
+    let max_retries = i64::from(spec.max_round_retries);
+    let closed = close_stage(state, tx, &secure, &participants).await?;
+    match closed {
+        Ok(Some(next)) => {
+            tracing::info!(round = round.id, stage = next, "secure round: stage open");
+            Ok(Advanced::Waiting {
+                stage_changed: true,
+            })
+        }
+        Ok(None) => Ok(Advanced::Unmasked),
+        Err(reason) => {
+            rounds::fail(tx, round, &reason, max_retries).await?;
+            tracing::warn!(round = round.id, stage = %secure.stage, %reason, "secure round failed");
+            Ok(Advanced::Failed)
+        }
+    }
+}
+
+/// Returns the next stage, `None` once unmasked, or why the round fails.
+async fn close_stage(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    secure: &SecureRound,
+    participants: &[SecureParticipant],
+) -> Result<Result<Option<&'static str>, String>, ApiError> {
+    let plan = &secure.plan;
+    let next_deadline = now_ms() + stage_timeout_ms(state);
+    let count =
+        |f: &dyn Fn(&SecureParticipant) -> bool| participants.iter().filter(|p| f(p)).count();
+    let (remaining, stage, next, missing) = match secure.stage.as_str() {
+        STAGE_ADVERTISE => (
+            count(&|p| p.state != "dropped" && p.secagg_keys.is_some()),
+            Stage::AdvertiseKeys,
+            STAGE_SHARE,
+            "secagg_keys",
+        ),
+        STAGE_SHARE => (
+            count(&|p| p.state != "dropped" && p.secagg_commitment.is_some()),
+            Stage::ShareKeys,
+            STAGE_COLLECT,
+            "secagg_commitment",
+        ),
+        STAGE_COLLECT => (
+            count(&|p| p.state == "uploaded"),
+            Stage::MaskedInput,
+            STAGE_UNMASK,
+            "uploaded_ms",
+        ),
+        _ => return unmask_round(tx, secure, participants).await,
+    };
+    if let Err(error) = secagg_server::check_dropouts(plan, remaining, stage) {
+        return Ok(Err(error.to_string()));
+    }
+    secagg::drop_laggards(tx, secure.id, missing).await?;
+    let deadline = if next == STAGE_COLLECT {
+        secure.deadline_ms
+    } else {
+        next_deadline
+    };
+    secagg::set_stage(tx, secure.id, next, deadline).await?;
+    Ok(Ok(Some(next)))
+}
+
+/// Rebuilds the secrets, removes the masks and stores the aggregate.
+async fn unmask_round(
+    tx: &mut Tx<'_>,
+    secure: &SecureRound,
+    participants: &[SecureParticipant],
+) -> Result<Result<Option<&'static str>, String>, ApiError> {
+    let answered = participants
+        .iter()
+        .filter(|p| p.state == "uploaded" && p.secagg_reveal.is_some())
+        .count();
+    if let Err(error) = secagg_server::check_dropouts(&secure.plan, answered, Stage::UnmaskResponse)
+    {
+        return Ok(Err(error.to_string()));
+    }
+    let sum = rounds::update_sum(tx, secure.id).await?.unwrap_or_default();
+    let secure_round = secure.clone();
+    let rows = participants.to_vec();
+    let unmasked = tokio::task::spawn_blocking(move || unmask_sum(&secure_round, &rows, &sum))
+        .await
+        .map_err(|error| ApiError::internal(format!("unmasking task failed: {error}")))?;
+    let (values, weight_total) = match unmasked {
+        Ok(done) => done,
+        Err(reason) => return Ok(Err(reason)),
+    };
+    secagg::store_aggregate(tx, secure.id, &fedavg::encode_sum(&values), weight_total).await?;
+    tracing::info!(
+        round = secure.id,
+        survivors = answered,
+        "secure round: unmasked"
+    );
+    Ok(Ok(None))
+}
+
+/// The CPU-bound part of unmasking. Errors are reasons to fail the round.
+fn unmask_sum(
+    secure: &SecureRound,
+    participants: &[SecureParticipant],
+    sum_bytes: &[u8],
+) -> Result<(Vec<f64>, u64), String> {
+    let plan = &secure.plan;
+    let ids: Vec<u64> = participants.iter().map(|p| p.device_id as u64).collect();
+    let seed = secure.seed.ok_or("the round's graph seed is missing")?;
+    let graph = Graph::new(&seed, &ids, plan.degree).map_err(|e| e.to_string())?;
+    let by_id: BTreeMap<u64, &SecureParticipant> = participants
+        .iter()
+        .map(|p| (p.device_id as u64, p))
+        .collect();
+    let shared: BTreeSet<u64> = by_id
+        .iter()
+        .filter(|(_, p)| p.secagg_commitment.is_some())
+        .map(|(id, _)| *id)
+        .collect();
+    let survivors: BTreeSet<u64> = by_id
+        .iter()
+        .filter(|(_, p)| p.state == "uploaded")
+        .map(|(id, _)| *id)
+        .collect();
+    let mask_key = |id: u64| {
+        by_id[&id]
+            .secagg_keys
+            .as_deref()
+            .and_then(advertisement)
+            .map(|a| a.mask_key)
+            .ok_or_else(|| format!("device {id}'s advertised keys are missing"))
+    };
+    let session = session(secure);
+    let mut book = UnmaskBook::default();
+    for &id in &survivors {
+        let commitment: [u8; 32] = by_id[&id]
+            .secagg_commitment
+            .as_deref()
+            .and_then(|c| c.try_into().ok())
+            .ok_or_else(|| format!("device {id}'s seed commitment is missing"))?;
+        book.survivors.insert(id, commitment);
+        if let Some(reveal) = &by_id[&id].secagg_reveal {
+            let (s, d) = unmask_sets(&graph, id, &shared, &survivors);
+            let reveals = secagg_server::read_unmask_response(reveal, session, id, &s, &d)
+                .map_err(|e| e.to_string())?;
+            book.add(reveals);
+        }
+    }
+    for &id in shared.difference(&survivors) {
+        let neighbours = graph.neighbours(id).unwrap_or_default();
+        let masked_with = neighbours
+            .into_iter()
+            .filter(|n| survivors.contains(n))
+            .map(|n| Ok((n, mask_key(n)?)))
+            .collect::<Result<Vec<_>, String>>()?;
+        book.dropped.insert(
+            id,
+            DroppedPeer {
+                mask_key: mask_key(id)?,
+                masked_with,
+            },
+        );
+    }
+    let mut sum = decode_masked_sum(sum_bytes, plan)?;
+    secagg_server::unmask(&mut sum, plan, session, &book).map_err(|e| e.to_string())?;
+    arith::decode_sum(plan, &sum).map_err(|e| e.to_string())
+}
+
+/// What a survivor is asked to reveal: the self-mask seed share of each
+/// neighbour that survived, the mask-key share of each that shared keys
+/// but sent no masked input.
+pub fn unmask_sets(
+    graph: &Graph,
+    device: u64,
+    shared: &BTreeSet<u64>,
+    survivors: &BTreeSet<u64>,
+) -> (BTreeSet<u64>, BTreeSet<u64>) {
+    graph
+        .neighbours(device)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|n| shared.contains(n))
+        .partition(|n| survivors.contains(n))
+}
+
+/// The stored masked sum: little-endian u32 words, or zeros before any.
+pub fn decode_masked_sum(bytes: &[u8], plan: &Plan) -> Result<Vec<u32>, String> {
+    if bytes.is_empty() {
+        return Ok(vec![0; plan.masked_len()]);
+    }
+    if bytes.len() != plan.masked_len() * 4 {
+        return Err(format!(
+            "the stored masked sum is {} bytes, the round's vectors take {}",
+            bytes.len(),
+            plan.masked_len() * 4
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+        .collect())
+}
+
+pub fn encode_masked_sum(sum: &[u32]) -> Vec<u8> {
+    sum.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Maps a refused protocol message to its HTTP answer.
+pub fn refusal(error: SecAggError) -> ApiError {
+    match error {
+        SecAggError::OutOfOrder(message) => ApiError::conflict(message),
+        other => ApiError::unprocessable(other.to_string()),
+    }
+}

@@ -1,0 +1,439 @@
+//! The durable state of secure-aggregation rounds: the round's stage, plan
+//! and graph seed, each participant's advertised keys, seed commitment and
+//! revealed shares, and the share ciphertexts in transit between devices.
+//! No individual plaintext update is ever stored: masked vectors are folded
+//! into `rounds.update_sum` as they arrive and not kept.
+
+use canopy_protocol::secagg::Plan;
+use sqlx::FromRow;
+
+use super::rounds::Tx;
+use crate::db::{Db, now_ms};
+
+/// Stages of a secure round while it is `training`.
+pub const STAGE_ADVERTISE: &str = "advertise";
+pub const STAGE_SHARE: &str = "share";
+pub const STAGE_COLLECT: &str = "collect";
+pub const STAGE_UNMASK: &str = "unmask";
+
+#[derive(Clone, Debug, FromRow)]
+struct SecureRoundRow {
+    id: i64,
+    job_id: i64,
+    state: String,
+    status_message: String,
+    secagg_stage: Option<String>,
+    secagg_plan: Option<String>,
+    secagg_seed: Option<Vec<u8>>,
+    stage_deadline_ms: Option<i64>,
+    deadline_ms: Option<i64>,
+}
+
+/// A secure round as the device API and the orchestrator see it.
+#[derive(Clone, Debug)]
+pub struct SecureRound {
+    pub id: i64,
+    pub job_id: i64,
+    /// The round's state (`training`, `aggregating`, `failed`, ...).
+    pub state: String,
+    pub status_message: String,
+    pub stage: String,
+    pub plan: Plan,
+    /// The graph's seed; deleted, with the rest, once the round ends.
+    pub seed: Option<[u8; 32]>,
+    pub stage_deadline_ms: i64,
+    pub deadline_ms: i64,
+}
+
+/// The round, if it runs secure aggregation and is past selection.
+pub async fn get<'e, E>(executor: E, round_id: i64) -> Result<Option<SecureRound>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    let row: Option<SecureRoundRow> = sqlx::query_as(
+        "SELECT id, job_id, state, status_message, secagg_stage, secagg_plan, secagg_seed, \
+         stage_deadline_ms, deadline_ms FROM rounds WHERE id = $1",
+    )
+    .bind(round_id)
+    .fetch_optional(executor)
+    .await?;
+    let Some(row) = row else { return Ok(None) };
+    let (Some(stage), Some(plan)) = (row.secagg_stage, row.secagg_plan) else {
+        return Ok(None);
+    };
+    let plan: Plan = super::from_json("rounds.secagg_plan", &plan)?;
+    let seed = row
+        .secagg_seed
+        .map(|seed| {
+            <[u8; 32]>::try_from(seed).map_err(|_| {
+                sqlx::Error::Decode(format!("round {}'s graph seed is not 32 bytes", row.id).into())
+            })
+        })
+        .transpose()?;
+    Ok(Some(SecureRound {
+        id: row.id,
+        job_id: row.job_id,
+        state: row.state,
+        status_message: row.status_message,
+        stage,
+        plan,
+        seed,
+        stage_deadline_ms: row.stage_deadline_ms.unwrap_or(0),
+        deadline_ms: row.deadline_ms.unwrap_or(0),
+    }))
+}
+
+/// Makes a freshly selected round secure: AdvertiseKeys opens.
+pub async fn begin(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    plan: &Plan,
+    seed: &[u8; 32],
+    stage_deadline_ms: i64,
+) -> Result<(), sqlx::Error> {
+    let plan = serde_json::to_string(plan).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
+    sqlx::query(
+        "UPDATE rounds SET secagg_stage = $1, secagg_plan = $2, secagg_seed = $3, \
+         stage_deadline_ms = $4 WHERE id = $5",
+    )
+    .bind(STAGE_ADVERTISE)
+    .bind(plan)
+    .bind(seed.to_vec())
+    .bind(stage_deadline_ms)
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+pub async fn set_stage(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    stage: &str,
+    stage_deadline_ms: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE rounds SET secagg_stage = $1, stage_deadline_ms = $2 WHERE id = $3")
+        .bind(stage)
+        .bind(stage_deadline_ms)
+        .bind(round_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Every device selected for the round, dropped or not: the graph's nodes.
+pub async fn participant_ids<'e, E>(executor: E, round_id: i64) -> Result<Vec<u64>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    let rows: Vec<(i64,)> =
+        sqlx::query_as("SELECT device_id FROM participants WHERE round_id = $1 ORDER BY device_id")
+            .bind(round_id)
+            .fetch_all(executor)
+            .await?;
+    Ok(rows.into_iter().map(|(id,)| id as u64).collect())
+}
+
+/// One participant's progress through the stages.
+#[derive(Clone, Debug, FromRow)]
+pub struct SecureParticipant {
+    pub device_id: i64,
+    pub state: String,
+    pub secagg_keys: Option<Vec<u8>>,
+    pub secagg_commitment: Option<Vec<u8>>,
+    pub secagg_reveal: Option<Vec<u8>>,
+    pub public_key: Vec<u8>,
+}
+
+const PARTICIPANT_SELECT: &str = "SELECT p.device_id, p.state, p.secagg_keys, \
+     p.secagg_commitment, p.secagg_reveal, d.public_key FROM participants p \
+     JOIN devices d ON d.id = p.device_id";
+
+pub async fn participant<'e, E>(
+    executor: E,
+    round_id: i64,
+    device_id: i64,
+) -> Result<Option<SecureParticipant>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "{PARTICIPANT_SELECT} WHERE p.round_id = $1 AND p.device_id = $2"
+    )))
+    .bind(round_id)
+    .bind(device_id)
+    .fetch_optional(executor)
+    .await
+}
+
+/// Every participant of the round, for the orchestrator's stage decisions
+/// and for unmasking: O(n) rows of a few hundred bytes.
+pub async fn participants<'e, E>(
+    executor: E,
+    round_id: i64,
+) -> Result<Vec<SecureParticipant>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "{PARTICIPANT_SELECT} WHERE p.round_id = $1 ORDER BY p.device_id"
+    )))
+    .bind(round_id)
+    .fetch_all(executor)
+    .await
+}
+
+/// Records a device's advertised keys, once, while AdvertiseKeys is open.
+/// False when the stage or the device's state no longer allow it.
+pub async fn save_keys(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    keys: &[u8],
+) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let saved = sqlx::query(
+        "UPDATE participants SET secagg_keys = $1, delivered_ms = COALESCE(delivered_ms, $2) \
+         WHERE round_id = $3 AND device_id = $4 AND secagg_keys IS NULL \
+         AND state IN ('selected', 'delivered') AND EXISTS (SELECT 1 FROM rounds r \
+           WHERE r.id = $3 AND r.state = 'training' AND r.secagg_stage = 'advertise')",
+    )
+    .bind(keys.to_vec())
+    .bind(now_ms())
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(saved.rows_affected() == 1)
+}
+
+/// Records a device's seed commitment and the ciphertexts it sealed for
+/// its neighbours, in one transaction, while ShareKeys is open.
+pub async fn save_shares(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    commitment: &[u8; 32],
+    ciphertexts: &[(u64, Vec<u8>)],
+) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let saved = sqlx::query(
+        "UPDATE participants SET secagg_commitment = $1 WHERE round_id = $2 AND device_id = $3 \
+         AND secagg_commitment IS NULL AND secagg_keys IS NOT NULL \
+         AND state IN ('selected', 'delivered') AND EXISTS (SELECT 1 FROM rounds r \
+           WHERE r.id = $2 AND r.state = 'training' AND r.secagg_stage = 'share')",
+    )
+    .bind(commitment.to_vec())
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&mut *tx)
+    .await?;
+    if saved.rows_affected() != 1 {
+        return Ok(false);
+    }
+    for (to, ciphertext) in ciphertexts {
+        sqlx::query(
+            "INSERT INTO secagg_shares (round_id, to_device, from_device, ciphertext) \
+             VALUES ($1, $2, $3, $4)",
+        )
+        .bind(round_id)
+        .bind(*to as i64)
+        .bind(device_id)
+        .bind(ciphertext.clone())
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// The ciphertexts sealed for `device_id`, as (sender, ciphertext).
+pub async fn incoming_shares(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+) -> Result<Vec<(u64, Vec<u8>)>, sqlx::Error> {
+    let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(
+        // Every sender that completed ShareKeys, even one that dropped out
+        // since: the server unmasks on the basis that each surviving
+        // neighbour of a sender received its shares and masked with it.
+        "SELECT from_device, ciphertext FROM secagg_shares \
+         WHERE round_id = $1 AND to_device = $2 ORDER BY from_device",
+    )
+    .bind(round_id)
+    .bind(device_id)
+    .fetch_all(&db.pool)
+    .await?;
+    Ok(rows.into_iter().map(|(from, c)| (from as u64, c)).collect())
+}
+
+/// Records a survivor's revealed shares, once, while Unmasking is open.
+pub async fn save_reveal(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    reveal: &[u8],
+) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let saved = sqlx::query(
+        "UPDATE participants SET secagg_reveal = $1 WHERE round_id = $2 AND device_id = $3 \
+         AND secagg_reveal IS NULL AND state = 'uploaded' AND EXISTS (SELECT 1 FROM rounds r \
+           WHERE r.id = $2 AND r.state = 'training' AND r.secagg_stage = 'unmask')",
+    )
+    .bind(reveal.to_vec())
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(saved.rows_affected() == 1)
+}
+
+/// Drops the live participants that did not reach `column` by the close of
+/// a stage; returns how many.
+pub async fn drop_laggards(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    missing_column: &str,
+) -> Result<u64, sqlx::Error> {
+    debug_assert!(matches!(
+        missing_column,
+        "secagg_keys" | "secagg_commitment" | "uploaded_ms"
+    ));
+    let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
+         AND state IN ('selected', 'delivered') AND {missing_column} IS NULL"
+    )))
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query("UPDATE rounds SET dropouts = dropouts + $1 WHERE id = $2")
+        .bind(dropped.rows_affected() as i64)
+        .bind(round_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(dropped.rows_affected())
+}
+
+/// Folds a checked masked vector into the round's running sum and marks the
+/// device uploaded, under the round's lock. `fold` returns an error to
+/// refuse the vector, which leaves everything unchanged.
+pub async fn fold_masked<F, E>(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    bytes_in: u64,
+    fold: F,
+) -> Result<Result<u64, MaskedRejection<E>>, sqlx::Error>
+where
+    F: FnOnce(Option<Vec<u8>>) -> Result<Vec<u8>, E>,
+{
+    let _slot = db.round_write_slot().await;
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let round: Option<(String, Option<String>, Option<Vec<u8>>)> =
+        sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT state, secagg_stage, update_sum FROM rounds WHERE id = $1{}",
+            db.for_update()
+        )))
+        .bind(round_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    let Some((state, stage, sum)) = round else {
+        return Ok(Err(MaskedRejection::Closed));
+    };
+    if state != "training" || stage.as_deref() != Some(STAGE_COLLECT) {
+        return Ok(Err(MaskedRejection::Closed));
+    }
+    let participant: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
+        "SELECT state, secagg_commitment FROM participants WHERE round_id = $1 AND device_id = $2",
+    )
+    .bind(round_id)
+    .bind(device_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    match participant {
+        Some((state, Some(_))) if state == "selected" || state == "delivered" => {}
+        Some((state, _)) if state == "uploaded" => return Ok(Err(MaskedRejection::Duplicate)),
+        _ => return Ok(Err(MaskedRejection::NotEligible)),
+    }
+    let folded = match fold(sum) {
+        Ok(folded) => folded,
+        Err(error) => return Ok(Err(MaskedRejection::Refused(error))),
+    };
+    sqlx::query(
+        "UPDATE participants SET state = 'uploaded', uploaded_ms = $1, update_bytes = $2 \
+         WHERE round_id = $3 AND device_id = $4",
+    )
+    .bind(now_ms())
+    .bind(i64::try_from(bytes_in).unwrap_or(i64::MAX))
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&mut *tx)
+    .await?;
+    let (accepted,): (i64,) = sqlx::query_as(
+        "UPDATE rounds SET update_sum = $1, updates_accepted = updates_accepted + 1, \
+         bytes_in = bytes_in + $2 WHERE id = $3 RETURNING updates_accepted",
+    )
+    .bind(folded)
+    .bind(i64::try_from(bytes_in).unwrap_or(i64::MAX))
+    .bind(round_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(Ok(accepted as u64))
+}
+
+/// Why a masked vector was not folded in.
+#[derive(Debug)]
+pub enum MaskedRejection<E> {
+    /// The round is not collecting masked inputs (any more).
+    Closed,
+    Duplicate,
+    /// The device did not complete ShareKeys, or was dropped.
+    NotEligible,
+    Refused(E),
+}
+
+/// Replaces the masked sum with the unmasked aggregate (Σwᵢ·Δᵢ as f64, and
+/// Σwᵢ), the same form plain rounds keep, and closes the round for
+/// aggregation.
+pub async fn store_aggregate(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    sum: &[u8],
+    weight_total: u64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE rounds SET update_sum = $1, weight_total = $2, state = 'aggregating', \
+         closed_ms = $3 WHERE id = $4 AND state = 'training'",
+    )
+    .bind(sum.to_vec())
+    .bind(i64::try_from(weight_total).unwrap_or(i64::MAX))
+    .bind(now_ms())
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Deletes everything secure aggregation kept for a round once it has
+/// ended: shares, keys, commitments and revealed shares.
+pub async fn purge(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM secagg_shares WHERE round_id = $1")
+        .bind(round_id)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(
+        "UPDATE participants SET secagg_keys = NULL, secagg_commitment = NULL, \
+         secagg_reveal = NULL WHERE round_id = $1",
+    )
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query("UPDATE rounds SET secagg_seed = NULL WHERE id = $1")
+        .bind(round_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,691 @@
+//! Secure aggregation through the real server, on SQLite and PostgreSQL:
+//! devices run the protocol crate's `Client` over signed HTTPS, drop out
+//! at different stages, and the aggregated model must equal FedAvg of
+//! exactly the survivors' quantized updates. The privacy test then looks
+//! for any survivor's plaintext update, as floats or as fixed point, in
+//! every byte the server wrote: database files, blob store and logs.
+
+mod support;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use bytes::Bytes;
+use canopy_ir::Buffer;
+use canopy_protocol::messages::{Task, secagg_endpoints as endpoints};
+use canopy_protocol::secagg::{Client, Plan, Session, arith, wire};
+use canopy_sdk::DeviceClient;
+use rand::SeedableRng;
+use reqwest::Method;
+use serde_json::{Value, json};
+use support::{Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes};
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(120);
+/// Short, so that tests see silent devices dropped quickly.
+const STAGE_TIMEOUT_MS: u64 = 1_500;
+
+fn secure_job(version_id: i64, devices: u32, min: u32, dropout: f64, retries: u32) -> Value {
+    json!({
+        "name": "secure-test", "model_version_id": version_id, "rounds": 1,
+        "min_devices": min, "target_devices": devices, "over_selection": 0.0,
+        "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1,
+        "max_round_retries": retries,
+        "secure_aggregation": {
+            "enabled": true, "max_dropout_fraction": dropout, "clip": 0.05, "bits": 32,
+            "max_weight": 64,
+        },
+    })
+}
+
+/// A server whose key stages close after `STAGE_TIMEOUT_MS` without news.
+fn start(database: Database, rust_log: &str) -> Result<(TestServer, tempfile::TempDir)> {
+    start_timed(database, rust_log, STAGE_TIMEOUT_MS)
+}
+
+fn start_timed(
+    database: Database,
+    rust_log: &str,
+    stage_timeout_ms: u64,
+) -> Result<(TestServer, tempfile::TempDir)> {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("server.toml");
+    std::fs::write(
+        &config,
+        format!("[limits]\nsecagg_stage_timeout_ms = {stage_timeout_ms}\n"),
+    )?;
+    let server = TestServer::start_logging(
+        database,
+        &["--config", config.to_str().context("utf-8 path")?],
+        rust_log,
+    )?;
+    Ok((server, dir))
+}
+
+async fn poll(device: &DeviceClient) -> Result<Task> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Some(task) = device.next_task(2_000).await? {
+            return Ok(task);
+        }
+    }
+    bail!("device {} got no task", device.device_id)
+}
+
+fn stage_path(task: &Task, endpoint: &str) -> Result<String> {
+    let secure = task
+        .secure_aggregation
+        .as_ref()
+        .context("not a secure task")?;
+    Ok(format!("{}/{endpoint}", secure.path))
+}
+
+/// Posts a stage message; returns the status and the error text.
+async fn post(
+    device: &DeviceClient,
+    task: &Task,
+    endpoint: &str,
+    body: Vec<u8>,
+) -> Result<(u16, String)> {
+    let response = device
+        .signed(
+            Method::POST,
+            &stage_path(task, endpoint)?,
+            Bytes::from(body),
+        )
+        .await?;
+    let status = response.status().as_u16();
+    Ok((status, response.text().await.unwrap_or_default()))
+}
+
+async fn post_ok(device: &DeviceClient, task: &Task, endpoint: &str, body: Vec<u8>) -> Result<()> {
+    let (status, text) = post(device, task, endpoint, body).await?;
+    ensure!(
+        status == 204,
+        "{endpoint} from device {} answered {status}: {text}",
+        device.device_id
+    );
+    Ok(())
+}
+
+/// Fetches a stage message, long-polling through 202s.
+async fn fetch(device: &DeviceClient, task: &Task, endpoint: &str) -> Result<Vec<u8>> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let path = format!("{}?wait_ms=2000", stage_path(task, endpoint)?);
+    while Instant::now() < deadline {
+        let response = device.signed(Method::GET, &path, Bytes::new()).await?;
+        match response.status().as_u16() {
+            200 => return Ok(response.bytes().await?.to_vec()),
+            202 => continue,
+            other => bail!(
+                "{endpoint} for device {} answered {other}: {}",
+                device.device_id,
+                response.text().await.unwrap_or_default()
+            ),
+        }
+    }
+    bail!(
+        "{endpoint} for device {} never became ready",
+        device.device_id
+    )
+}
+
+/// A device's update for the test: deterministic, within the clip.
+fn delta(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    (0..len)
+        .map(|_| rand::Rng::random_range(&mut rng, -0.03f32..0.03))
+        .collect()
+}
+
+struct Device {
+    client: DeviceClient,
+    task: Task,
+    protocol: Option<Client>,
+    delta: Vec<f32>,
+    samples: u64,
+    input: Vec<u32>,
+}
+
+impl Device {
+    fn plan(&self) -> Plan {
+        self.task
+            .secure_aggregation
+            .as_ref()
+            .map(|s| s.plan.clone())
+            .expect("secure task")
+    }
+
+    fn session(&self) -> Session {
+        Session {
+            job_id: self.task.job_id as u64,
+            round_id: self.task.round_id as u64,
+        }
+    }
+
+    async fn advertise(&mut self) -> Result<()> {
+        let (client, message) = Client::start(
+            self.session(),
+            self.client.device_id as u64,
+            self.plan(),
+            self.client.key(),
+        )?;
+        self.protocol = Some(client);
+        post_ok(&self.client, &self.task, endpoints::ADVERTISE_KEYS, message).await
+    }
+
+    async fn share(&mut self) -> Result<()> {
+        let keys = fetch(&self.client, &self.task, endpoints::NEIGHBOUR_KEYS).await?;
+        let message = self
+            .protocol
+            .as_mut()
+            .context("started")?
+            .share_keys(&keys)?;
+        post_ok(&self.client, &self.task, endpoints::SHARE_KEYS, message).await
+    }
+
+    async fn masked_input(&mut self, seed: u64) -> Result<()> {
+        let incoming = fetch(&self.client, &self.task, endpoints::INCOMING_SHARES).await?;
+        let plan = self.plan();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        self.input = arith::quantize(&plan, &self.delta, self.samples, &mut rng)?;
+        let message = self
+            .protocol
+            .as_mut()
+            .context("started")?
+            .masked_input(&incoming, &self.input)?;
+        post_ok(&self.client, &self.task, endpoints::MASKED_INPUT, message).await
+    }
+
+    async fn unmask(&mut self) -> Result<()> {
+        let request = fetch(&self.client, &self.task, endpoints::UNMASK_REQUEST).await?;
+        let message = self
+            .protocol
+            .as_mut()
+            .context("started")?
+            .unmask(&request)?;
+        post_ok(
+            &self.client,
+            &self.task,
+            endpoints::UNMASK_RESPONSE,
+            message,
+        )
+        .await
+    }
+
+    async fn decline(&self) -> Result<()> {
+        self.client.decline_task(&self.task, "test dropout").await?;
+        Ok(())
+    }
+}
+
+async fn enroll_all(server: &TestServer, admin: &Admin, n: usize) -> Result<Vec<DeviceClient>> {
+    let token = admin.enrollment_token(n as u32).await?;
+    let mut devices = Vec::new();
+    for _ in 0..n {
+        devices.push(enroll_device(server, &token).await?);
+    }
+    Ok(devices)
+}
+
+async fn start_devices(clients: Vec<DeviceClient>) -> Result<Vec<Device>> {
+    let mut devices = Vec::new();
+    for (i, client) in clients.into_iter().enumerate() {
+        let task = poll(&client).await?;
+        let len = task.layout.num_elements();
+        devices.push(Device {
+            client,
+            task,
+            protocol: None,
+            delta: delta(len, 100 + i as u64),
+            samples: 20 + 7 * i as u64,
+            input: Vec::new(),
+        });
+    }
+    Ok(devices)
+}
+
+/// θ + Σ qᵢ / Σ wᵢ, from the survivors' own quantized inputs.
+fn expected_params(
+    base: &canopy_ir::Model,
+    plan: &Plan,
+    survivors: &[&Device],
+) -> Result<Vec<f32>> {
+    let mut sum = vec![0u32; plan.masked_len()];
+    for device in survivors {
+        for (s, v) in sum.iter_mut().zip(&device.input) {
+            *s = s.wrapping_add(*v);
+        }
+    }
+    let (weighted, weight) = arith::decode_sum(plan, &sum)?;
+    let mut params = Vec::new();
+    for parameter in base.parameters.iter().filter(|p| p.trainable) {
+        let Buffer::F32(values) = &parameter.data.buffer else {
+            bail!("f32 parameter")
+        };
+        params.extend(values.iter().map(|v| *v as f64));
+    }
+    Ok(params
+        .iter()
+        .zip(&weighted)
+        .map(|(p, w)| (p + w / weight as f64) as f32)
+        .collect())
+}
+
+fn trainable(model: &canopy_ir::Model) -> Vec<f32> {
+    model
+        .parameters
+        .iter()
+        .filter(|p| p.trainable)
+        .flat_map(|p| match &p.data.buffer {
+            Buffer::F32(values) => values.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// Eight devices; one declines before AdvertiseKeys, one goes silent before
+/// ShareKeys (dropped at the stage timeout), one declines after fetching
+/// its shares. The other five finish, and the model equals FedAvg of
+/// exactly their quantized updates.
+async fn secure_round_matches_survivors(database: Database) -> Result<()> {
+    let (server, _config) = start(database, "info,sqlx=warn")?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(5)).await?;
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let clients = enroll_all(&server, &admin, 8).await?;
+    let job = admin
+        .create_job(secure_job(version_id, 8, 5, 0.375, 0))
+        .await?;
+    let base = fetch_model(&admin, "logreg", 1).await?;
+    let mut devices = start_devices(clients).await?;
+    let plan = devices[0].plan();
+    ensure!(
+        plan.participants == 8 && plan.max_dropouts == 3,
+        "plan: {plan:?}"
+    );
+
+    devices[7].decline().await?;
+    for device in &mut devices[..7] {
+        device.advertise().await?;
+    }
+    // A second advertisement is refused; the stage then closes at once.
+    let (status, text) = post(
+        &devices[0].client,
+        &devices[0].task,
+        endpoints::ADVERTISE_KEYS,
+        vec![0; 10],
+    )
+    .await?;
+    ensure!(
+        status == 409 || status == 410,
+        "duplicate advertisement: {status} {text}"
+    );
+    for device in &mut devices[..6] {
+        device.share().await?;
+    }
+    // Device 6 stays silent; ShareKeys closes at its timeout without it.
+    devices[5].masked_input_fetch_only().await?;
+    devices[5].decline().await?;
+    for (i, device) in devices[..5].iter_mut().enumerate() {
+        device.masked_input(900 + i as u64).await?;
+    }
+    for device in &mut devices[..5] {
+        device.unmask().await?;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "completed", "job: {finished}");
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", devices[0].task.round_id))
+        .await?;
+    ensure!(round["state"] == "succeeded", "round: {round}");
+    ensure!(round["metrics"]["updates_accepted"] == 5, "round: {round}");
+    ensure!(round["metrics"]["dropouts"] == 3, "round: {round}");
+
+    let next = fetch_model(&admin, "logreg", 2).await?;
+    let survivors: Vec<&Device> = devices[..5].iter().collect();
+    let expected = expected_params(&base, &plan, &survivors)?;
+    let got = trainable(&next);
+    ensure!(got.len() == expected.len());
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        ensure!((g - e).abs() <= 1e-6, "parameter {i}: {g} vs {e}");
+    }
+    // The quantized FedAvg is also close to the float one.
+    let total: f64 = survivors.iter().map(|d| d.samples as f64).sum();
+    let base_values = trainable(&base);
+    for i in 0..got.len() {
+        let float: f64 = survivors
+            .iter()
+            .map(|d| d.delta[i] as f64 * d.samples as f64)
+            .sum::<f64>()
+            / total;
+        let step = plan.clip / plan.levels as f64;
+        ensure!(
+            ((got[i] - base_values[i]) as f64 - float).abs() <= step + 1e-6,
+            "parameter {i}"
+        );
+    }
+    Ok(())
+}
+
+impl Device {
+    /// Fetches IncomingShares and stops there, as a device that crashes
+    /// before masking.
+    async fn masked_input_fetch_only(&mut self) -> Result<()> {
+        fetch(&self.client, &self.task, endpoints::INCOMING_SHARES).await?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secure_round_on_sqlite() -> Result<()> {
+    secure_round_matches_survivors(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secure_round_on_postgres() -> Result<()> {
+    secure_round_matches_survivors(Database::Postgres).await
+}
+
+/// Past the dropout tolerance the round fails with the reason in its
+/// status, and no model version is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_tolerance_the_round_fails_cleanly() -> Result<()> {
+    let (server, _config) = start(Database::Sqlite, "info,sqlx=warn")?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(6)).await?;
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let clients = enroll_all(&server, &admin, 6).await?;
+    let job = admin
+        .create_job(secure_job(version_id, 6, 3, 0.2, 0))
+        .await?;
+    let mut devices = start_devices(clients).await?;
+    ensure!(devices[0].plan().max_dropouts == 1);
+    for device in &mut devices {
+        device.advertise().await?;
+    }
+    for device in &mut devices {
+        device.share().await?;
+    }
+    devices[4].decline().await?;
+    devices[5].decline().await?;
+    for (i, device) in devices[..4].iter_mut().enumerate() {
+        device.masked_input(i as u64).await?;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "failed", "job: {finished}");
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", devices[0].task.round_id))
+        .await?;
+    let reason = round["status_message"].as_str().unwrap_or_default();
+    ensure!(round["state"] == "failed", "round: {round}");
+    ensure!(
+        reason.contains("2 of 6 devices dropped out by the end of MaskedInput")
+            && reason.contains("tolerates 1"),
+        "reason: {reason}"
+    );
+    let versions = admin.ok("/api/v1/models/logreg/versions").await?;
+    ensure!(
+        versions["items"].as_array().map(Vec::len) == Some(1),
+        "versions: {versions}"
+    );
+    // The survivors are told the round is over.
+    let response = devices[0]
+        .client
+        .signed(
+            Method::GET,
+            &stage_path(&devices[0].task, endpoints::UNMASK_REQUEST)?,
+            Bytes::new(),
+        )
+        .await?;
+    ensure!(
+        response.status().as_u16() == 410,
+        "unmask request after failure: {}",
+        response.status()
+    );
+    Ok(())
+}
+
+/// Job creation refuses settings whose sum could overflow, and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overflowing_configuration_is_refused_at_job_creation() -> Result<()> {
+    let (server, _config) = start(Database::Sqlite, "info,sqlx=warn")?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(7)).await?;
+    let mut spec = secure_job(
+        version["id"].as_i64().unwrap_or_default(),
+        1000,
+        900,
+        0.1,
+        0,
+    );
+    spec["secure_aggregation"]["bits"] = json!(16);
+    let reply = admin.post("/api/v1/jobs", spec).await?;
+    let message = reply.body["error"]["message"].as_str().unwrap_or_default();
+    ensure!(reply.status == 422, "{} {}", reply.status, reply.body);
+    ensure!(message.contains("bits = 16 could overflow"), "{message}");
+    Ok(())
+}
+
+/// Wrong stage, wrong round, wrong length and unknown endpoints are refused
+/// by name; the round still completes with the honest devices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_messages_are_refused_and_the_round_goes_on() -> Result<()> {
+    let (server, _config) = start(Database::Sqlite, "info,sqlx=warn")?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(8)).await?;
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let clients = enroll_all(&server, &admin, 4).await?;
+    let job = admin
+        .create_job(secure_job(version_id, 4, 4, 0.0, 0))
+        .await?;
+    let mut devices = start_devices(clients).await?;
+    let (status, _) = post(
+        &devices[0].client,
+        &devices[0].task,
+        endpoints::SHARE_KEYS,
+        vec![1],
+    )
+    .await?;
+    ensure!(status == 409, "ShareKeys during AdvertiseKeys: {status}");
+    let (status, _) = post(&devices[0].client, &devices[0].task, "bogus", vec![1]).await?;
+    ensure!(status == 404, "unknown endpoint: {status}");
+    // An advertisement for another round is refused by name.
+    let other = Session {
+        job_id: devices[0].task.job_id as u64,
+        round_id: 999,
+    };
+    let (_, foreign) = Client::start(
+        other,
+        devices[0].client.device_id as u64,
+        devices[0].plan(),
+        devices[0].client.key(),
+    )?;
+    let (status, text) = post(
+        &devices[0].client,
+        &devices[0].task,
+        endpoints::ADVERTISE_KEYS,
+        foreign,
+    )
+    .await?;
+    ensure!(
+        status == 422 && text.contains("round 999"),
+        "{status} {text}"
+    );
+    for device in &mut devices {
+        device.advertise().await?;
+    }
+    for device in &mut devices {
+        device.share().await?;
+    }
+    // A masked vector one value short.
+    let plan = devices[0].plan();
+    let mut short = wire::header(
+        devices[0].session(),
+        wire::Stage::MaskedInput,
+        devices[0].client.device_id as u64,
+    );
+    short.push(plan.bits as u8);
+    short.extend_from_slice(&(plan.masked_len() as u64 - 1).to_le_bytes());
+    short.extend_from_slice(&vec![0u8; (plan.masked_len() - 1) * 4]);
+    fetch(
+        &devices[0].client,
+        &devices[0].task,
+        endpoints::INCOMING_SHARES,
+    )
+    .await?;
+    let (status, text) = post(
+        &devices[0].client,
+        &devices[0].task,
+        endpoints::MASKED_INPUT,
+        short,
+    )
+    .await?;
+    ensure!(
+        status == 422 && text.contains("the round expects"),
+        "{status} {text}"
+    );
+    for (i, device) in devices.iter_mut().enumerate() {
+        device.masked_input(i as u64).await?;
+    }
+    for device in &mut devices {
+        device.unmask().await?;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "completed", "job: {finished}");
+    Ok(())
+}
+
+/// Acceptance 3: no individual plaintext update reaches the database, the
+/// blob store or the logs, even at the most verbose log level. Every
+/// stored byte is searched for every run of four consecutive values of
+/// each device's update, as float32 and as its quantized fixed point,
+/// mid-round (after the masked inputs are folded) and after the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_plaintext_update_reaches_the_database_blobs_or_logs() -> Result<()> {
+    // The search takes a while; the stages must not time out meanwhile.
+    let (server, _config) = start_timed(Database::Sqlite, "trace", 60_000)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(9)).await?;
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let clients = enroll_all(&server, &admin, 5).await?;
+    let job = admin
+        .create_job(secure_job(version_id, 5, 5, 0.0, 0))
+        .await?;
+    let mut devices = start_devices(clients).await?;
+    for device in &mut devices {
+        device.advertise().await?;
+    }
+    for device in &mut devices {
+        device.share().await?;
+    }
+    for (i, device) in devices.iter_mut().enumerate() {
+        device.masked_input(i as u64).await?;
+    }
+    let needles = plaintext_windows(&devices);
+    ensure!(
+        needles.len() > 500,
+        "too few windows to search: {}",
+        needles.len()
+    );
+    let mid_round = find_any(server.data_dir.path(), &needles)?;
+    ensure!(
+        mid_round.is_empty(),
+        "plaintext update bytes found mid-round in {mid_round:?}"
+    );
+    for device in &mut devices {
+        device.unmask().await?;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "completed", "job: {finished}");
+    let after = find_any(server.data_dir.path(), &needles)?;
+    ensure!(
+        after.is_empty(),
+        "plaintext update bytes found after the job in {after:?}"
+    );
+    // The search can fail: the same bytes, written into the data dir, are found.
+    let planted = server.data_dir.path().join("planted.bin");
+    std::fs::write(
+        &planted,
+        devices[2]
+            .delta
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    )?;
+    ensure!(
+        !find_any(server.data_dir.path(), &needles)?.is_empty(),
+        "the search finds planted bytes"
+    );
+    std::fs::remove_file(planted)?;
+    Ok(())
+}
+
+/// Every 16-byte run of four consecutive update values, as float32 bytes,
+/// as text (how a log would print them) and as quantized u32 bytes; runs
+/// that are mostly zeros are skipped, as they would match anything.
+fn plaintext_windows(devices: &[Device]) -> HashSet<Vec<u8>> {
+    let mut needles = HashSet::new();
+    for device in devices {
+        for run in device.delta.windows(4) {
+            needles.insert(run.iter().flat_map(|v| v.to_le_bytes()).collect());
+            needles.insert(format!("{}, {}, {}, {}", run[0], run[1], run[2], run[3]).into_bytes());
+        }
+        for run in device
+            .input
+            .windows(4)
+            .filter(|run| run.iter().all(|v| *v != 0))
+        {
+            needles.insert(run.iter().flat_map(|v| v.to_le_bytes()).collect());
+        }
+    }
+    needles
+}
+
+/// Files under `dir` (database, WAL, blobs, log) that contain any needle.
+/// A bitset over each needle's first eight bytes screens every offset
+/// cheaply, so gigabytes of trace logs are searched in seconds.
+fn find_any(dir: &Path, needles: &HashSet<Vec<u8>>) -> Result<BTreeMap<String, usize>> {
+    const PREFIX: usize = 8;
+    let slot = |bytes: &[u8]| {
+        let word = u64::from_le_bytes(bytes[..PREFIX].try_into().expect("8 bytes"));
+        (word.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize
+    };
+    let mut screen = vec![false; 1 << 24];
+    for needle in needles {
+        screen[slot(needle)] = true;
+    }
+    let mut hits = BTreeMap::new();
+    let mut files = 0;
+    for entry in walk(dir)? {
+        let bytes = std::fs::read(&entry)?;
+        files += 1;
+        let count = (0..bytes.len().saturating_sub(PREFIX - 1))
+            .filter(|&at| screen[slot(&bytes[at..])])
+            .filter(|&at| needles.iter().any(|n| bytes[at..].starts_with(n)))
+            .count();
+        if count > 0 {
+            hits.insert(entry.display().to_string(), count);
+        }
+    }
+    ensure!(
+        files >= 3,
+        "expected the database, blobs and log under {}",
+        dir.display()
+    );
+    Ok(hits)
+}
+
+fn walk(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            out.extend(walk(&path)?);
+        } else {
+            out.push(path);
+        }
+    }
+    Ok(out)
+}
