@@ -59,7 +59,8 @@ async function refresh() {
     if (selectedJob !== null) {
       const rounds = await api("/api/v1/jobs/" + selectedJob + "/rounds?limit=100");
       document.getElementById("rounds-title").textContent = "Rounds of job " + selectedJob;
-      fill("rounds", rounds.items, (r) => [r.number, r.attempt, r.state, r.metrics.updates_accepted + " / " + r.selected,
+      fill("rounds", rounds.items, (r) => [r.number, r.attempt,
+        r.secure_stage && r.state === "training" ? r.state + " (secure: " + r.secure_stage + ")" : r.state, r.metrics.updates_accepted + " / " + r.selected,
         fixed(r.metrics.train_loss, 4), fixed(r.metrics.eval_accuracy, 3), r.metrics.bytes_in, r.metrics.bytes_out,
         r.metrics.dropouts, r.durations.total_ms === null ? null : (r.durations.total_ms / 1000).toFixed(2)]);
     }

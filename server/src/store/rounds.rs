@@ -39,12 +39,14 @@ pub struct RoundRow {
     pub deadline_ms: Option<i64>,
     pub closed_ms: Option<i64>,
     pub finished_ms: Option<i64>,
+    /// A secure round's SecAgg+ stage; `None` for plain rounds.
+    pub secagg_stage: Option<String>,
 }
 
 pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_version_id, \
      result_version_id, target_devices, min_devices, selected_count, updates_accepted, \
      weight_total, bytes_in, bytes_out, dropouts, status_message, created_ms, \
-     training_started_ms, deadline_ms, closed_ms, finished_ms";
+     training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage";
 
 pub type Tx<'a> = sqlx::Transaction<'a, sqlx::Any>;
 

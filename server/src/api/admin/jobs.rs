@@ -246,6 +246,9 @@ pub struct RoundView {
     pub created_ms: i64,
     pub deadline_ms: Option<i64>,
     pub finished_ms: Option<i64>,
+    /// For secure rounds, the SecAgg+ stage reached: advertise, share,
+    /// collect or unmask.
+    pub secure_stage: Option<String>,
 }
 
 impl From<&RoundRow> for RoundView {
@@ -265,6 +268,7 @@ impl From<&RoundRow> for RoundView {
             created_ms: row.created_ms,
             deadline_ms: row.deadline_ms,
             finished_ms: row.finished_ms,
+            secure_stage: row.secagg_stage.clone(),
         }
     }
 }

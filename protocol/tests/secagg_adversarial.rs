@@ -1,0 +1,1655 @@
+//! Acceptance: adversarial inputs. Shares addressed to the wrong device,
+//! tampered ciphertexts, messages replayed from an earlier round, a request
+//! for both kinds of share of one peer, duplicate device ids and vectors of
+//! the wrong length are each refused with an error that names the message,
+//! the device and the cause. After every attempt the round goes on with the
+//! honest devices and unmasks to exactly their sum, and no device's masked
+//! vector (even stripped of every mask the server legitimately learns)
+//! gives its input away.
+//!
+//! Each test runs a real round of ten devices in memory (the same
+//! `Client`/`Aggregator` pair as `secagg_exact.rs`) up to the stage under
+//! test, injects the bad message, and then lets the round finish.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Debug;
+
+use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::secagg::client::{pairwise_sign, seed_commitment};
+use canopy_protocol::secagg::crypto::{self, public_key, random_secret};
+use canopy_protocol::secagg::params::Plan;
+use canopy_protocol::secagg::server::{self, DroppedPeer, UnmaskBook};
+use canopy_protocol::secagg::wire::{
+    self, HEADER_BYTES, SHARE_CIPHERTEXT_BYTES, SHARE_PLAINTEXT_BYTES, Stage,
+};
+use canopy_protocol::secagg::{
+    Aggregator, Client, SecAggConfig, SecAggError, Session, ShareKind, arith, mask, shamir,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use x25519_dalek::StaticSecret;
+
+const JOB: u64 = 7;
+const DEVICES: usize = 10;
+const UPDATE_LEN: usize = 64;
+/// Where the header keeps the round id: after magic, version, stage and job.
+const ROUND_ID_AT: usize = 4 + 1 + 1 + 8;
+/// NeighbourKeys entry: id, enrolled key, channel key, mask key, signature.
+const KEYS_ENTRY: usize = 8 + 32 + 32 + 32 + 64;
+/// ShareKeys and IncomingShares entry: the other device's id and a ciphertext.
+const SHARE_ENTRY: usize = 8 + SHARE_CIPHERTEXT_BYTES;
+/// ShareKeys starts with the seed commitment.
+const SHARE_KEYS_HEAD: usize = HEADER_BYTES + 32;
+/// MaskedInput: bits (1 byte) and length (8 bytes) precede the packed vector.
+const MASKED_BODY_AT: usize = HEADER_BYTES + 1 + 8;
+
+// ---------------------------------------------------------------------------
+// Error checks: the exact variant, the message refused, and what the cause
+// says.
+
+#[track_caller]
+fn rejected<T: Debug>(result: Result<T, SecAggError>, message: &str, says: &[&str]) {
+    let error = match result {
+        Err(error @ SecAggError::Rejected { .. }) => error,
+        other => panic!("expected {message} to be refused, got {other:?}"),
+    };
+    let text = error.to_string();
+    let SecAggError::Rejected {
+        message: refused,
+        cause,
+    } = error
+    else {
+        unreachable!("matched above")
+    };
+    assert_eq!(refused, message, "the wrong message was refused: {cause}");
+    assert_eq!(text, format!("{message} refused: {cause}"));
+    for needle in says {
+        assert!(cause.contains(needle), "{text}\n  should say: {needle}");
+    }
+}
+
+#[track_caller]
+fn invalid<T: Debug>(result: Result<T, SecAggError>, says: &[&str]) {
+    let text = match result {
+        Err(SecAggError::Invalid(text)) => text,
+        other => panic!("expected an Invalid error, got {other:?}"),
+    };
+    for needle in says {
+        assert!(text.contains(needle), "{text}\n  should say: {needle}");
+    }
+}
+
+#[track_caller]
+fn out_of_order<T: Debug>(result: Result<T, SecAggError>, says: &[&str]) {
+    let text = match result {
+        Err(SecAggError::OutOfOrder(text)) => text,
+        other => panic!("expected an OutOfOrder error, got {other:?}"),
+    };
+    for needle in says {
+        assert!(text.contains(needle), "{text}\n  should say: {needle}");
+    }
+}
+
+fn another_round(replayed: u64, current: u64) -> String {
+    format!("it belongs to job {JOB} round {replayed}, not job {JOB} round {current}")
+}
+
+fn not_signed(device: u64, round_id: u64) -> String {
+    format!(
+        "device {device}'s keys are not signed by its enrolled key for job {JOB} round {round_id}"
+    )
+}
+
+fn fails_authentication(from: u64, to: u64) -> String {
+    format!("the share ciphertext from device {from} to device {to} fails authentication")
+}
+
+// ---------------------------------------------------------------------------
+// Message surgery.
+
+fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn flip_bit(bytes: &[u8], at: usize) -> Vec<u8> {
+    let mut out = bytes.to_vec();
+    out[at] ^= 0x10;
+    out
+}
+
+/// The same message with another round id in its header.
+fn restamp(bytes: &[u8], round_id: u64) -> Vec<u8> {
+    let mut out = bytes.to_vec();
+    out[ROUND_ID_AT..ROUND_ID_AT + 8].copy_from_slice(&round_id.to_le_bytes());
+    out
+}
+
+/// A message that ends in a u32 count and that many fixed-size entries,
+/// each starting with a device id: NeighbourKeys, ShareKeys and
+/// IncomingShares.
+#[derive(Clone)]
+struct List {
+    head: Vec<u8>,
+    entries: Vec<Vec<u8>>,
+}
+
+impl List {
+    fn parse(bytes: &[u8], head: usize, entry: usize) -> List {
+        let count = u32::from_le_bytes(bytes[head..head + 4].try_into().expect("4 bytes"));
+        assert_eq!(
+            bytes.len(),
+            head + 4 + count as usize * entry,
+            "a whole list"
+        );
+        List {
+            head: bytes[..head].to_vec(),
+            entries: bytes[head + 4..]
+                .chunks(entry)
+                .map(<[u8]>::to_vec)
+                .collect(),
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let mut out = self.head.clone();
+        out.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        self.entries.iter().for_each(|e| out.extend_from_slice(e));
+        out
+    }
+
+    fn ids(&self) -> Vec<u64> {
+        self.entries.iter().map(|e| u64_at(e, 0)).collect()
+    }
+
+    fn index_of(&self, id: u64) -> usize {
+        self.ids()
+            .iter()
+            .position(|&e| e == id)
+            .unwrap_or_else(|| panic!("device {id} is not listed"))
+    }
+
+    fn entry(&self, id: u64) -> &[u8] {
+        &self.entries[self.index_of(id)]
+    }
+
+    fn entry_mut(&mut self, id: u64) -> &mut Vec<u8> {
+        let at = self.index_of(id);
+        &mut self.entries[at]
+    }
+}
+
+fn neighbour_keys(bytes: &[u8]) -> List {
+    List::parse(bytes, HEADER_BYTES, KEYS_ENTRY)
+}
+
+fn share_keys(bytes: &[u8]) -> List {
+    List::parse(bytes, SHARE_KEYS_HEAD, SHARE_ENTRY)
+}
+
+fn incoming_shares(bytes: &[u8]) -> List {
+    List::parse(bytes, HEADER_BYTES, SHARE_ENTRY)
+}
+
+/// One revealed share of an UnmaskResponse: peer, kind byte, field elements.
+type Revealed = (u64, u8, Vec<u64>);
+
+fn response_entries(bytes: &[u8]) -> Vec<Revealed> {
+    let count = u32::from_le_bytes(bytes[HEADER_BYTES..HEADER_BYTES + 4].try_into().unwrap());
+    let mut at = HEADER_BYTES + 4;
+    let mut out = Vec::new();
+    for _ in 0..count {
+        let (peer, kind) = (u64_at(bytes, at), bytes[at + 8]);
+        at += 9;
+        let chunks = if kind == ShareKind::SelfMaskSeed as u8 {
+            ShareKind::SelfMaskSeed.chunks()
+        } else {
+            ShareKind::MaskKey.chunks()
+        };
+        let ys = (0..chunks).map(|i| u64_at(bytes, at + 8 * i)).collect();
+        at += 8 * chunks;
+        out.push((peer, kind, ys));
+    }
+    assert_eq!(at, bytes.len(), "a whole response");
+    out
+}
+
+fn response_bytes(session: Session, device: u64, entries: &[Revealed]) -> Vec<u8> {
+    let mut out = wire::header(session, Stage::UnmaskResponse, device);
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    for (peer, kind, ys) in entries {
+        out.extend_from_slice(&peer.to_le_bytes());
+        out.push(*kind);
+        ys.iter()
+            .for_each(|y| out.extend_from_slice(&y.to_le_bytes()));
+    }
+    out
+}
+
+/// An UnmaskRequest with lists as given, repeats included.
+fn raw_unmask_request(
+    session: Session,
+    device: u64,
+    survivors: &[u64],
+    dropped: &[u64],
+) -> Vec<u8> {
+    let mut out = wire::header(session, Stage::UnmaskRequest, device);
+    for ids in [survivors, dropped] {
+        out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+        ids.iter()
+            .for_each(|id| out.extend_from_slice(&id.to_le_bytes()));
+    }
+    out
+}
+
+/// The vector a MaskedInput message carries, as the server would add it.
+fn unpack(plan: &Plan, bytes: &[u8]) -> Vec<u32> {
+    let mut values = vec![0u32; plan.masked_len()];
+    arith::add_packed(&mut values, &bytes[MASKED_BODY_AT..], plan.bits).expect("a packed vector");
+    values
+}
+
+/// Positions where two vectors agree modulo 2^b.
+fn agreeing(plan: &Plan, a: &[u32], b: &[u32]) -> usize {
+    let modulus = plan.modulus_mask();
+    a.iter()
+        .zip(b)
+        .filter(|&(x, y)| x & modulus == y & modulus)
+        .count()
+}
+
+/// "Nearly all positions differ": a uniformly random b-bit mask leaves a
+/// position unchanged with probability 2^-b.
+#[track_caller]
+fn assert_hidden(plan: &Plan, seen: &[u32], input: &[u32], what: &str) {
+    let same = agreeing(plan, seen, input);
+    assert!(
+        same * 20 <= plan.masked_len(),
+        "{what} agrees with the device's input in {same} of {} positions",
+        plan.masked_len()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// A round in memory, one step at a time, with every message kept.
+
+fn config(bits: u32) -> SecAggConfig {
+    SecAggConfig {
+        enabled: true,
+        max_dropout_fraction: 0.2,
+        bits,
+        max_weight: 1,
+        ..SecAggConfig::default()
+    }
+}
+
+fn plan(bits: u32) -> Plan {
+    let plan = config(bits)
+        .plan(DEVICES, UPDATE_LEN)
+        .expect("a feasible plan");
+    // The tests below rely on a sparse graph (some devices are not
+    // neighbours) and on two tolerated dropouts.
+    assert!(plan.degree < DEVICES - 1 && plan.degree < 2 * plan.threshold);
+    assert_eq!(plan.max_dropouts, 2);
+    plan
+}
+
+/// Three-digit ids, so that "device 101" never matches inside another id.
+fn device_ids() -> Vec<u64> {
+    (101..).take(DEVICES).collect()
+}
+
+fn enrol(ids: &[u64]) -> BTreeMap<u64, DeviceKey> {
+    ids.iter().map(|&id| (id, DeviceKey::generate())).collect()
+}
+
+type Messages = BTreeMap<u64, Vec<u8>>;
+
+#[derive(Clone, Default)]
+struct Transcript {
+    advertisements: Messages,
+    neighbour_keys: Messages,
+    share_keys: Messages,
+    incoming_shares: Messages,
+    masked_inputs: Messages,
+    unmask_requests: Messages,
+    unmask_responses: Messages,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Step {
+    Advertise,
+    DeliverAdvertisements,
+    CloseAdvertising,
+    Share,
+    DeliverShares,
+    CloseSharing,
+    Mask,
+    DeliverMaskedInputs,
+    CloseCollection,
+    Unmask,
+    DeliverResponses,
+    Finish,
+}
+
+struct Round {
+    session: Session,
+    plan: Plan,
+    keys: BTreeMap<u64, DeviceKey>,
+    server: Aggregator,
+    clients: BTreeMap<u64, Client>,
+    /// Devices the honest steps leave out: dropped, or driven by the test.
+    silent: BTreeSet<u64>,
+    inputs: BTreeMap<u64, Vec<u32>>,
+    rng: StdRng,
+    next: Step,
+    sent: Transcript,
+}
+
+impl Round {
+    fn new(round_id: u64) -> Round {
+        Round::with(
+            round_id,
+            plan(24),
+            enrol(&device_ids()),
+            [round_id as u8; 32],
+        )
+    }
+
+    fn with(
+        round_id: u64,
+        plan: Plan,
+        keys: BTreeMap<u64, DeviceKey>,
+        graph_seed: [u8; 32],
+    ) -> Round {
+        let session = Session {
+            job_id: JOB,
+            round_id,
+        };
+        let public: Vec<(u64, [u8; 32])> =
+            keys.iter().map(|(&id, k)| (id, k.public_key())).collect();
+        let server =
+            Aggregator::new(session, plan.clone(), &graph_seed, &public).expect("an aggregator");
+        Round {
+            session,
+            plan,
+            keys,
+            server,
+            clients: BTreeMap::new(),
+            silent: BTreeSet::new(),
+            inputs: BTreeMap::new(),
+            rng: StdRng::seed_from_u64(round_id),
+            next: Step::Advertise,
+            sent: Transcript::default(),
+        }
+    }
+
+    fn ids(&self) -> Vec<u64> {
+        self.keys.keys().copied().collect()
+    }
+
+    fn all(&self) -> BTreeSet<u64> {
+        self.keys.keys().copied().collect()
+    }
+
+    fn neighbours(&self, id: u64) -> Vec<u64> {
+        self.server.graph().neighbours(id).expect("a participant")
+    }
+
+    /// A participant that is neither `id` nor one of its neighbours.
+    fn stranger_to(&self, id: u64) -> u64 {
+        let neighbours = self.neighbours(id);
+        self.ids()
+            .into_iter()
+            .find(|&other| other != id && !neighbours.contains(&other))
+            .expect("a sparse graph")
+    }
+
+    fn client(&mut self, id: u64) -> &mut Client {
+        self.clients.get_mut(&id).expect("a started client")
+    }
+
+    fn silence(&mut self, id: u64) {
+        self.silent.insert(id);
+    }
+
+    fn random_input(&mut self) -> Vec<u32> {
+        let modulus = self.plan.modulus_mask();
+        (0..self.plan.masked_len())
+            .map(|_| self.rng.random::<u32>() & modulus)
+            .collect()
+    }
+
+    /// Runs the honest steps up to, not including, `step`.
+    fn run_until(&mut self, step: Step) {
+        while self.next < step {
+            self.step();
+        }
+        assert_eq!(self.next, step, "the round is already past {step:?}");
+    }
+
+    fn step(&mut self) {
+        let session = self.session;
+        let speaking = |messages: &Messages, silent: &BTreeSet<u64>| -> Messages {
+            messages
+                .iter()
+                .filter(|(id, _)| !silent.contains(id))
+                .map(|(&id, m)| (id, m.clone()))
+                .collect()
+        };
+        fn fail(id: u64, doing: &str, e: SecAggError) -> ! {
+            panic!("honest device {id} could not {doing}: {e}")
+        }
+        self.next = match self.next {
+            Step::Advertise => {
+                for id in self.ids() {
+                    if self.silent.contains(&id) {
+                        continue;
+                    }
+                    let (client, advertisement) =
+                        Client::start(session, id, self.plan.clone(), &self.keys[&id])
+                            .unwrap_or_else(|e| fail(id, "start", e));
+                    self.clients.insert(id, client);
+                    self.sent.advertisements.insert(id, advertisement);
+                }
+                Step::DeliverAdvertisements
+            }
+            Step::DeliverAdvertisements => {
+                for (id, m) in speaking(&self.sent.advertisements, &self.silent) {
+                    self.server
+                        .receive_advertisement(id, &m)
+                        .unwrap_or_else(|e| fail(id, "advertise", e));
+                }
+                Step::CloseAdvertising
+            }
+            Step::CloseAdvertising => {
+                self.sent.neighbour_keys = self.server.close_advertising().expect("advertising");
+                Step::Share
+            }
+            Step::Share => {
+                for (id, m) in speaking(&self.sent.neighbour_keys, &self.silent) {
+                    let Some(client) = self.clients.get_mut(&id) else {
+                        continue;
+                    };
+                    let reply = client
+                        .share_keys(&m)
+                        .unwrap_or_else(|e| fail(id, "share keys", e));
+                    self.sent.share_keys.insert(id, reply);
+                }
+                Step::DeliverShares
+            }
+            Step::DeliverShares => {
+                for (id, m) in speaking(&self.sent.share_keys, &self.silent) {
+                    self.server
+                        .receive_shares(id, &m)
+                        .unwrap_or_else(|e| fail(id, "upload shares", e));
+                }
+                Step::CloseSharing
+            }
+            Step::CloseSharing => {
+                self.sent.incoming_shares = self.server.close_sharing().expect("sharing");
+                Step::Mask
+            }
+            Step::Mask => {
+                for (id, m) in speaking(&self.sent.incoming_shares, &self.silent) {
+                    if !self.clients.contains_key(&id) {
+                        continue;
+                    }
+                    let input = self.random_input();
+                    let reply = self
+                        .client(id)
+                        .masked_input(&m, &input)
+                        .unwrap_or_else(|e| fail(id, "mask its input", e));
+                    self.inputs.insert(id, input);
+                    self.sent.masked_inputs.insert(id, reply);
+                }
+                Step::DeliverMaskedInputs
+            }
+            Step::DeliverMaskedInputs => {
+                for (id, m) in speaking(&self.sent.masked_inputs, &self.silent) {
+                    self.server
+                        .receive_masked_input(id, &m)
+                        .unwrap_or_else(|e| fail(id, "upload its masked input", e));
+                }
+                Step::CloseCollection
+            }
+            Step::CloseCollection => {
+                self.sent.unmask_requests = self.server.close_collection().expect("collection");
+                Step::Unmask
+            }
+            Step::Unmask => {
+                for (id, m) in speaking(&self.sent.unmask_requests, &self.silent) {
+                    let reply = self
+                        .client(id)
+                        .unmask(&m)
+                        .unwrap_or_else(|e| fail(id, "unmask", e));
+                    self.sent.unmask_responses.insert(id, reply);
+                }
+                Step::DeliverResponses
+            }
+            Step::DeliverResponses => {
+                for (id, m) in speaking(&self.sent.unmask_responses, &self.silent) {
+                    self.server
+                        .receive_unmask_response(id, &m)
+                        .unwrap_or_else(|e| fail(id, "upload its shares", e));
+                }
+                Step::Finish
+            }
+            Step::Finish => panic!("the round is over"),
+        };
+    }
+
+    /// Lets the honest devices finish the round and checks that the server
+    /// learns exactly the sum of `survivors`' inputs, and that each of
+    /// their masked vectors on its own hides its input.
+    fn finish_exactly(mut self, survivors: &BTreeSet<u64>) -> Transcript {
+        self.run_until(Step::Finish);
+        let (sum, unmasked) = self.server.finish().expect("the honest devices finish");
+        assert_eq!(&unmasked, survivors, "the devices whose inputs are summed");
+        let mut expected = vec![0u32; self.plan.masked_len()];
+        for id in survivors {
+            for (e, v) in expected.iter_mut().zip(&self.inputs[id]) {
+                *e = e.wrapping_add(*v);
+            }
+        }
+        expected
+            .iter_mut()
+            .for_each(|e| *e &= self.plan.modulus_mask());
+        assert_eq!(sum, expected, "the sum of the honest survivors' inputs");
+        for id in survivors {
+            let masked = unpack(&self.plan, &self.sent.masked_inputs[id]);
+            assert_hidden(
+                &self.plan,
+                &masked,
+                &self.inputs[id],
+                &format!("device {id}'s masked vector"),
+            );
+        }
+        self.sent
+    }
+}
+
+/// A device that follows the protocol's message formats with keys of its
+/// own making, so that it can seal what an honest client would not.
+struct Rogue {
+    id: u64,
+    key: DeviceKey,
+    channel: StaticSecret,
+    mask: StaticSecret,
+    seed: [u8; 16],
+}
+
+impl Rogue {
+    fn new(id: u64, key: DeviceKey) -> Rogue {
+        Rogue {
+            id,
+            key,
+            channel: random_secret(),
+            mask: random_secret(),
+            seed: rand::rng().random(),
+        }
+    }
+
+    fn advertisement(&self, session: Session) -> Vec<u8> {
+        let mut message = wire::advertisement_signed_bytes(
+            session,
+            self.id,
+            &public_key(&self.channel),
+            &public_key(&self.mask),
+        );
+        let signature = self.key.sign_message(&message);
+        message.extend_from_slice(&signature);
+        message
+    }
+
+    /// Real shares of its real secrets for every neighbour, each sealed to
+    /// that neighbour; but the plaintext sealed for `victim` says it is
+    /// addressed to `claimed`.
+    fn share_keys(
+        &self,
+        session: Session,
+        plan: &Plan,
+        neighbour_keys_message: &[u8],
+        victim: u64,
+        claimed: u64,
+    ) -> Vec<u8> {
+        let peers: Vec<(u64, [u8; 32])> = neighbour_keys(neighbour_keys_message)
+            .entries
+            .iter()
+            .map(|e| (u64_at(e, 0), e[40..72].try_into().unwrap()))
+            .collect();
+        let points: Vec<u64> = peers
+            .iter()
+            .map(|(id, _)| shamir::point_of(*id).unwrap())
+            .collect();
+        let mut rng = rand::rng();
+        let seeds = shamir::split(&self.seed, &points, plan.threshold, &mut rng).unwrap();
+        let keys = shamir::split(&self.mask.to_bytes(), &points, plan.threshold, &mut rng).unwrap();
+        let mut message = wire::header(session, Stage::ShareKeys, self.id);
+        message.extend_from_slice(&seed_commitment(session, self.id, &self.seed));
+        message.extend_from_slice(&(peers.len() as u32).to_le_bytes());
+        for ((to, channel), (seed, key)) in peers.iter().zip(seeds.iter().zip(&keys)) {
+            let addressee = if *to == victim { claimed } else { *to };
+            let words = [self.id, addressee]
+                .into_iter()
+                .chain(seed.ys.iter().copied())
+                .chain(key.ys.iter().copied());
+            let mut plain = [0u8; SHARE_PLAINTEXT_BYTES];
+            for (slot, word) in plain.chunks_exact_mut(8).zip(words) {
+                slot.copy_from_slice(&word.to_le_bytes());
+            }
+            let sealed =
+                crypto::seal_share(&self.channel, channel, session, self.id, *to, &plain).unwrap();
+            message.extend_from_slice(&to.to_le_bytes());
+            message.extend_from_slice(&sealed);
+        }
+        message
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Shares addressed to the wrong device.
+
+#[test]
+fn a_share_the_server_forwards_to_the_wrong_device_is_refused_by_that_device() {
+    let mut round = Round::new(1);
+    round.run_until(Step::Mask);
+    let b = round.ids()[0];
+    let a = round.neighbours(b)[0];
+    let c = round
+        .neighbours(a)
+        .into_iter()
+        .find(|&c| c != b)
+        .expect("another neighbour");
+    let input = round.random_input();
+
+    // The ciphertext A sealed for C, handed to B in place of A's share for B.
+    let a_to_c = share_keys(&round.sent.share_keys[&a]).entry(c)[8..].to_vec();
+    let mut incoming = incoming_shares(&round.sent.incoming_shares[&b]);
+    incoming.entry_mut(a)[8..].copy_from_slice(&a_to_c);
+    let result = round.client(b).masked_input(&incoming.bytes(), &input);
+    rejected(result, "IncomingShares", &[&fails_authentication(a, b)]);
+
+    // C's whole IncomingShares, delivered to B.
+    let for_c = round.sent.incoming_shares[&c].clone();
+    let result = round.client(b).masked_input(&for_c, &input);
+    rejected(
+        result,
+        "IncomingShares",
+        &[&format!("it names device {c}, not device {b}")],
+    );
+
+    // B refused without changing state: it goes on with its own shares.
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+#[test]
+fn a_share_sealed_for_one_device_but_addressed_to_another_is_refused() {
+    let mut round = Round::new(2);
+    let rogue_id = round.ids()[0];
+    let rogue = Rogue::new(rogue_id, round.keys[&rogue_id].clone());
+    round.silence(rogue_id);
+    round.run_until(Step::CloseAdvertising);
+    let advertisement = rogue.advertisement(round.session);
+    round
+        .server
+        .receive_advertisement(rogue_id, &advertisement)
+        .expect("a validly signed advertisement");
+    round.run_until(Step::DeliverShares);
+
+    // The rogue seals B's share to B, but writes C as its addressee inside.
+    let (b, c) = {
+        let neighbours = round.neighbours(rogue_id);
+        (neighbours[0], neighbours[1])
+    };
+    let upload = rogue.share_keys(
+        round.session,
+        &round.plan,
+        &round.sent.neighbour_keys[&rogue_id],
+        b,
+        c,
+    );
+    round
+        .server
+        .receive_shares(rogue_id, &upload)
+        .expect("the server cannot see inside the ciphertexts");
+    round.run_until(Step::Mask);
+
+    let input = round.random_input();
+    let incoming = round.sent.incoming_shares[&b].clone();
+    let result = round.client(b).masked_input(&incoming, &input);
+    rejected(
+        result,
+        "IncomingShares",
+        &[&format!(
+            "a share sealed by device {rogue_id} is addressed from device {rogue_id} to device \
+             {c}, not to device {b}"
+        )],
+    );
+
+    // B refuses to go on; the rogue never sends a masked input. Both drop
+    // out, and the other eight devices' sum comes out exactly (the rogue's
+    // honest shares to them let the server remove its pairwise masks).
+    round.silence(b);
+    let mut survivors = round.all();
+    survivors.remove(&rogue_id);
+    survivors.remove(&b);
+    round.finish_exactly(&survivors);
+}
+
+#[test]
+fn the_server_refuses_shares_addressed_to_a_device_that_was_not_sent_keys() {
+    let mut round = Round::new(3);
+    // X never advertises, so nobody is sent its keys.
+    let x = round.ids()[DEVICES - 1];
+    round.silence(x);
+    round.run_until(Step::DeliverShares);
+    let a = round.neighbours(x)[0];
+    let stranger = round.stranger_to(a);
+    let d = round.ids().into_iter().find(|&d| d != a && d != x).unwrap();
+    let honest = share_keys(&round.sent.share_keys[&a]);
+    assert!(!honest.ids().contains(&x), "A was not sent X's keys");
+    let r = honest.ids()[0];
+
+    let readdressed = |to: u64| {
+        let mut forged = honest.clone();
+        forged.entry_mut(r)[..8].copy_from_slice(&to.to_le_bytes());
+        forged.bytes()
+    };
+    for to in [stranger, x, 999] {
+        let result = round.server.receive_shares(a, &readdressed(to));
+        rejected(
+            result,
+            "ShareKeys",
+            &[&format!(
+                "device {a} addressed a share to device {to}, which is not its neighbour"
+            )],
+        );
+    }
+
+    // Two shares for one neighbour, and none for another.
+    let mut twice = honest.clone();
+    twice.entries[1] = twice.entries[0].clone();
+    let result = round.server.receive_shares(a, &twice.bytes());
+    rejected(
+        result,
+        "ShareKeys",
+        &[&format!("device {a} sent device {r} two shares")],
+    );
+    let mut missing = honest.clone();
+    missing.entries.remove(0);
+    let result = round.server.receive_shares(a, &missing.bytes());
+    rejected(
+        result,
+        "ShareKeys",
+        &[&format!("device {a} sent no share to its neighbour {r}")],
+    );
+
+    // A's upload passed off as D's, and an upload from X.
+    let result = round.server.receive_shares(d, &honest.bytes());
+    rejected(
+        result,
+        "ShareKeys",
+        &[&format!("it names device {a}, not device {d}")],
+    );
+    let mut from_x = wire::header(round.session, Stage::ShareKeys, x);
+    from_x.extend_from_slice(&honest.bytes()[HEADER_BYTES..]);
+    let result = round.server.receive_shares(x, &from_x);
+    rejected(
+        result,
+        "ShareKeys",
+        &[&format!("device {x} did not advertise keys")],
+    );
+
+    let mut survivors = round.all();
+    survivors.remove(&x);
+    round.finish_exactly(&survivors);
+}
+
+// ---------------------------------------------------------------------------
+// Tampered ciphertexts and signatures.
+
+#[test]
+fn a_tampered_share_ciphertext_fails_authentication() {
+    let mut round = Round::new(4);
+    round.run_until(Step::Mask);
+    let b = round.ids()[3];
+    let (a, other) = {
+        let neighbours = round.neighbours(b);
+        (neighbours[0], neighbours[1])
+    };
+    let input = round.random_input();
+    let honest = incoming_shares(&round.sent.incoming_shares[&b]);
+    // The first byte of the ciphertext, one in the middle, the last of the tag.
+    for at in [8, 8 + SHARE_PLAINTEXT_BYTES / 2, SHARE_ENTRY - 1] {
+        let mut tampered = honest.clone();
+        let entry = tampered.entry_mut(a);
+        entry[at] ^= 0x01;
+        let result = round.client(b).masked_input(&tampered.bytes(), &input);
+        rejected(
+            result,
+            "IncomingShares",
+            &[&fails_authentication(a, b), "tampered"],
+        );
+    }
+    // A's ciphertext relabelled as coming from another neighbour.
+    let mut relabelled = honest.clone();
+    let a_ciphertext = relabelled.entry(a)[8..].to_vec();
+    relabelled.entry_mut(other)[8..].copy_from_slice(&a_ciphertext);
+    let result = round.client(b).masked_input(&relabelled.bytes(), &input);
+    rejected(result, "IncomingShares", &[&fails_authentication(other, b)]);
+
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+#[test]
+fn a_tampered_or_forged_advertisement_is_refused_by_the_server() {
+    let mut round = Round::new(5);
+    round.run_until(Step::DeliverAdvertisements);
+    let (a, b) = (round.ids()[0], round.ids()[1]);
+    let honest = round.sent.advertisements[&a].clone();
+    let signed = HEADER_BYTES + 64;
+
+    // A bit flipped in the channel key, the mask key, the signature.
+    for at in [HEADER_BYTES, HEADER_BYTES + 32, signed] {
+        let result = round
+            .server
+            .receive_advertisement(a, &flip_bit(&honest, at));
+        rejected(result, "AdvertiseKeys", &[&not_signed(a, 5)]);
+    }
+    // Keys of an attacker's making, signed by another enrolled device.
+    let mut forged = wire::advertisement_signed_bytes(
+        round.session,
+        a,
+        &public_key(&random_secret()),
+        &public_key(&random_secret()),
+    );
+    let signature = round.keys[&b].sign_message(&forged);
+    forged.extend_from_slice(&signature);
+    let result = round.server.receive_advertisement(a, &forged);
+    rejected(result, "AdvertiseKeys", &[&not_signed(a, 5)]);
+    // A's genuine advertisement, presented as B's.
+    let result = round.server.receive_advertisement(b, &honest);
+    rejected(
+        result,
+        "AdvertiseKeys",
+        &[&format!("it names device {a}, not device {b}")],
+    );
+
+    // None of these took A's or B's place: their own keys go through.
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+#[test]
+fn neighbour_keys_with_a_swapped_advertisement_are_refused_by_the_device() {
+    let mut round = Round::new(6);
+    round.run_until(Step::Share);
+    let b = round.ids()[2];
+    let (a, c) = {
+        let neighbours = round.neighbours(b);
+        (neighbours[0], neighbours[1])
+    };
+    let honest = neighbour_keys(&round.sent.neighbour_keys[&b]);
+    let c_entry = honest.entry(c).to_vec();
+
+    let mut attempts: Vec<List> = Vec::new();
+    // An attacker's channel key, then mask key, in place of A's.
+    for range in [40..72, 72..104] {
+        let mut forged = honest.clone();
+        forged.entry_mut(a)[range].copy_from_slice(&public_key(&random_secret()));
+        attempts.push(forged);
+    }
+    // C's keys and signature under A's id and enrolled key.
+    let mut swapped = honest.clone();
+    swapped.entry_mut(a)[40..].copy_from_slice(&c_entry[40..]);
+    attempts.push(swapped);
+    // A's keys, vouched for by C's enrolled key.
+    let mut wrong_key = honest.clone();
+    wrong_key.entry_mut(a)[8..40].copy_from_slice(&c_entry[8..40]);
+    attempts.push(wrong_key);
+
+    for forged in attempts {
+        let result = round.client(b).share_keys(&forged.bytes());
+        rejected(result, "AdvertiseKeys", &[&not_signed(a, 6)]);
+    }
+
+    // B still trusts only the genuine keys and shares with them.
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+// ---------------------------------------------------------------------------
+// Replays.
+
+#[test]
+fn messages_replayed_from_an_earlier_round_are_refused() {
+    let ids = device_ids();
+    let keys = enrol(&ids);
+    let graph_seed = [9; 32];
+    let first = Round::with(1, plan(24), keys.clone(), graph_seed);
+    let all = first.all();
+    let old = first.finish_exactly(&all);
+
+    // Round 2: the same devices, keys and graph; fresh round keys.
+    let mut round = Round::with(2, plan(24), keys, graph_seed);
+    let a = ids[4];
+    let replay = another_round(1, 2);
+    let says: [&str; 2] = [&replay, "a replay from another round"];
+
+    round.run_until(Step::DeliverAdvertisements);
+    for &id in &ids {
+        let result = round
+            .server
+            .receive_advertisement(id, &old.advertisements[&id]);
+        rejected(result, "AdvertiseKeys", &says);
+    }
+    // Re-stamped with the new round, the old signature no longer verifies.
+    let restamped = restamp(&old.advertisements[&a], 2);
+    let result = round.server.receive_advertisement(a, &restamped);
+    rejected(result, "AdvertiseKeys", &[&not_signed(a, 2)]);
+
+    round.run_until(Step::Share);
+    let result = round.client(a).share_keys(&old.neighbour_keys[&a]);
+    rejected(result, "NeighbourKeys", &says);
+    // Round 1's keys, re-stamped: their signatures cover round 1.
+    let result = round
+        .client(a)
+        .share_keys(&restamp(&old.neighbour_keys[&a], 2));
+    let first_neighbour = neighbour_keys(&old.neighbour_keys[&a]).ids()[0];
+    rejected(result, "AdvertiseKeys", &[&not_signed(first_neighbour, 2)]);
+
+    round.run_until(Step::DeliverShares);
+    for &id in &ids {
+        let result = round.server.receive_shares(id, &old.share_keys[&id]);
+        rejected(result, "ShareKeys", &says);
+    }
+
+    round.run_until(Step::Mask);
+    let input = round.random_input();
+    let result = round
+        .client(a)
+        .masked_input(&old.incoming_shares[&a], &input);
+    rejected(result, "IncomingShares", &says);
+    // Re-stamped, round 1's ciphertexts fail authentication in round 2.
+    let restamped = restamp(&old.incoming_shares[&a], 2);
+    let first_sender = incoming_shares(&restamped).ids()[0];
+    let result = round.client(a).masked_input(&restamped, &input);
+    rejected(
+        result,
+        "IncomingShares",
+        &[&fails_authentication(first_sender, a)],
+    );
+
+    round.run_until(Step::DeliverMaskedInputs);
+    for &id in &ids {
+        let result = round
+            .server
+            .receive_masked_input(id, &old.masked_inputs[&id]);
+        rejected(result, "MaskedInput", &says);
+    }
+
+    round.run_until(Step::Unmask);
+    let result = round.client(a).unmask(&old.unmask_requests[&a]);
+    rejected(result, "UnmaskRequest", &says);
+
+    round.run_until(Step::DeliverResponses);
+    for &id in &ids {
+        let result = round
+            .server
+            .receive_unmask_response(id, &old.unmask_responses[&id]);
+        rejected(result, "UnmaskResponse", &says);
+    }
+
+    // Nothing from round 1 got into round 2's sum.
+    round.finish_exactly(&all);
+}
+
+#[test]
+fn a_second_copy_of_a_message_in_the_same_round_is_refused() {
+    let mut round = Round::new(7);
+    let a = round.ids()[5];
+    let again = format!("device {a} already sent one");
+
+    round.run_until(Step::CloseAdvertising);
+    let copy = round.sent.advertisements[&a].clone();
+    rejected(
+        round.server.receive_advertisement(a, &copy),
+        "AdvertiseKeys",
+        &[&again],
+    );
+
+    round.run_until(Step::DeliverShares);
+    let copy = round.sent.neighbour_keys[&a].clone();
+    out_of_order(
+        round.client(a).share_keys(&copy),
+        &[&format!("device {a} cannot share its keys now")],
+    );
+    round.run_until(Step::CloseSharing);
+    let copy = round.sent.share_keys[&a].clone();
+    rejected(
+        round.server.receive_shares(a, &copy),
+        "ShareKeys",
+        &[&again],
+    );
+
+    round.run_until(Step::DeliverMaskedInputs);
+    let (copy, input) = (
+        round.sent.incoming_shares[&a].clone(),
+        round.inputs[&a].clone(),
+    );
+    out_of_order(
+        round.client(a).masked_input(&copy, &input),
+        &[&format!("device {a} cannot send its masked input now")],
+    );
+    round.run_until(Step::CloseCollection);
+    let copy = round.sent.masked_inputs[&a].clone();
+    rejected(
+        round.server.receive_masked_input(a, &copy),
+        "MaskedInput",
+        &[&again],
+    );
+
+    round.run_until(Step::DeliverResponses);
+    let copy = round.sent.unmask_requests[&a].clone();
+    out_of_order(
+        round.client(a).unmask(&copy),
+        &[&format!("device {a} cannot answer an unmask request now")],
+    );
+    round.run_until(Step::Finish);
+    let copy = round.sent.unmask_responses[&a].clone();
+    rejected(
+        round.server.receive_unmask_response(a, &copy),
+        "UnmaskResponse",
+        &[&again],
+    );
+
+    // Had the second masked input been added, the sum would be off by A's.
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+// ---------------------------------------------------------------------------
+// Both kinds of share of one peer.
+
+#[test]
+fn an_unmask_request_for_both_shares_of_a_peer_is_refused() {
+    let mut round = Round::new(8);
+    round.run_until(Step::Unmask);
+    let session = round.session;
+    let b = round.ids()[1];
+    let neighbours: BTreeSet<u64> = round.neighbours(b).into_iter().collect();
+    let (p, q) = {
+        let mut it = neighbours.iter().copied();
+        (it.next().unwrap(), it.next().unwrap())
+    };
+    let stranger = round.stranger_to(b);
+
+    // P listed both as a survivor (self-mask share) and as dropped (key share).
+    let both = server::unmask_request_message(session, b, &neighbours, &BTreeSet::from([p]));
+    rejected(
+        round.client(b).unmask(&both),
+        "UnmaskRequest",
+        &[&format!(
+            "it asks for both the self-mask share and the key share of device {p}"
+        )],
+    );
+    // Every neighbour as a survivor, and every one as dropped.
+    let everything = server::unmask_request_message(session, b, &neighbours, &neighbours);
+    rejected(
+        round.client(b).unmask(&everything),
+        "UnmaskRequest",
+        &["both the self-mask share and the key share"],
+    );
+    // A device B holds no shares of, and one left out.
+    let mut with_stranger = neighbours.clone();
+    with_stranger.remove(&q);
+    let request =
+        server::unmask_request_message(session, b, &with_stranger, &BTreeSet::from([stranger]));
+    rejected(
+        round.client(b).unmask(&request),
+        "UnmaskRequest",
+        &[&format!(
+            "it names device {stranger}, which did not share keys with device {b}"
+        )],
+    );
+    let request = server::unmask_request_message(session, b, &with_stranger, &BTreeSet::new());
+    rejected(
+        round.client(b).unmask(&request),
+        "UnmaskRequest",
+        &[&format!(
+            "it leaves out device {q}, which shared keys with device {b}"
+        )],
+    );
+
+    // B answers the honest request once, and nothing after it: not even a
+    // request that now calls P dropped, to get P's key share.
+    round.run_until(Step::DeliverResponses);
+    let mut without_p = neighbours.clone();
+    without_p.remove(&p);
+    let second = server::unmask_request_message(session, b, &without_p, &BTreeSet::from([p]));
+    out_of_order(
+        round.client(b).unmask(&second),
+        &[&format!("device {b} cannot answer an unmask request now")],
+    );
+
+    // The server refuses a response that reveals the wrong kind, or both.
+    let honest = response_entries(&round.sent.unmask_responses[&b]);
+    let at_p = honest.iter().position(|(peer, ..)| *peer == p).unwrap();
+    let at_q = honest.iter().position(|(peer, ..)| *peer == q).unwrap();
+    let key_share_of_p: Revealed = (
+        p,
+        ShareKind::MaskKey as u8,
+        vec![1; ShareKind::MaskKey.chunks()],
+    );
+    let mut wrong_kind = honest.clone();
+    wrong_kind[at_p] = key_share_of_p.clone();
+    let forged = response_bytes(session, b, &wrong_kind);
+    let wrong_kind_says = format!(
+        "device {b} revealed device {p}'s mask key share; it was asked for the self-mask seed \
+         share"
+    );
+    rejected(
+        server::read_unmask_response(&forged, session, b, &neighbours, &BTreeSet::new()),
+        "UnmaskResponse",
+        &[&wrong_kind_says],
+    );
+    rejected(
+        round.server.receive_unmask_response(b, &forged),
+        "UnmaskResponse",
+        &[&wrong_kind_says],
+    );
+    // P's self-mask share, then its key share in place of Q's.
+    let mut both_kinds: Vec<Revealed> = honest
+        .iter()
+        .filter(|(peer, ..)| *peer != q)
+        .cloned()
+        .collect();
+    let after_p = both_kinds.iter().position(|(peer, ..)| *peer == p).unwrap() + 1;
+    both_kinds.insert(after_p, key_share_of_p);
+    rejected(
+        round
+            .server
+            .receive_unmask_response(b, &response_bytes(session, b, &both_kinds)),
+        "UnmaskResponse",
+        &[&format!(
+            "device {b} revealed two shares of device {p}; a device may reveal only one kind"
+        )],
+    );
+    let mut about_stranger = honest.clone();
+    about_stranger[at_q].0 = stranger;
+    rejected(
+        round
+            .server
+            .receive_unmask_response(b, &response_bytes(session, b, &about_stranger)),
+        "UnmaskResponse",
+        &[&format!(
+            "device {b} revealed a share of device {stranger}, which it was not asked about"
+        )],
+    );
+    let mut not_a_field_element = honest.clone();
+    not_a_field_element[at_p].2[0] = shamir::PRIME;
+    rejected(
+        round
+            .server
+            .receive_unmask_response(b, &response_bytes(session, b, &not_a_field_element)),
+        "UnmaskResponse",
+        &[&format!(
+            "device {b}'s share of device {p} is not a field element"
+        )],
+    );
+
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+/// The attack the refusal above prevents, tried the only way left to a
+/// server: it tells some of D's neighbours that D survived (to get D's
+/// self-mask seed shares) and the others that D dropped (to get its mask
+/// key shares). Each honest neighbour reveals one kind, and t > k/2, so the
+/// server gets at most one of the two secrets, and D's input stays hidden.
+#[test]
+fn a_server_that_splits_its_requests_still_cannot_unmask_one_device() {
+    let mut round = Round::new(9);
+    round.run_until(Step::Unmask);
+    let (session, plan) = (round.session, round.plan.clone());
+    let t = plan.threshold;
+    let d = round.ids()[0];
+    let d_neighbours = round.neighbours(d);
+    // Key shares from t neighbours, self-mask shares from the other k - t.
+    let told_dropped: BTreeSet<u64> = d_neighbours[..t].iter().copied().collect();
+    assert!(d_neighbours.len() - t < t);
+
+    let mut book = UnmaskBook::default();
+    for id in round.ids() {
+        let mut survivors: BTreeSet<u64> = round.neighbours(id).into_iter().collect();
+        let mut dropped = BTreeSet::new();
+        if told_dropped.contains(&id) {
+            survivors.remove(&d);
+            dropped.insert(d);
+            // Asking the same neighbour for both is refused outright.
+            let mut with_d = survivors.clone();
+            with_d.insert(d);
+            let both = server::unmask_request_message(session, id, &with_d, &dropped);
+            rejected(
+                round.client(id).unmask(&both),
+                "UnmaskRequest",
+                &[&format!(
+                    "both the self-mask share and the key share of device {d}"
+                )],
+            );
+        }
+        let request = server::unmask_request_message(session, id, &survivors, &dropped);
+        let response = round
+            .client(id)
+            .unmask(&request)
+            .expect("an honest device cannot tell the lie from a dropout");
+        let reveals = server::read_unmask_response(&response, session, id, &survivors, &dropped)
+            .expect("a well-formed response");
+        book.add(reveals);
+        // It will not answer again, whatever it is asked.
+        out_of_order(round.client(id).unmask(&request), &["cannot answer"]);
+    }
+
+    let d_mask_key: [u8; 32] = round.sent.advertisements[&d][HEADER_BYTES + 32..HEADER_BYTES + 64]
+        .try_into()
+        .unwrap();
+    let d_commitment: [u8; 32] = round.sent.share_keys[&d][HEADER_BYTES..SHARE_KEYS_HEAD]
+        .try_into()
+        .unwrap();
+
+    // The server does rebuild D's mask key from the t key shares...
+    let key_shares = &book.key_shares[&d];
+    assert_eq!(key_shares.len(), t);
+    let key: [u8; 32] = shamir::reconstruct(key_shares, t, 32)
+        .expect("t shares")
+        .try_into()
+        .unwrap();
+    let d_key = StaticSecret::from(key);
+    assert_eq!(
+        public_key(&d_key),
+        d_mask_key,
+        "the server has D's mask key"
+    );
+
+    // ...but holds fewer than t shares of D's self-mask seed, and those
+    // interpolate to something other than the committed seed.
+    let seed_shares = &book.seed_shares[&d];
+    assert_eq!(seed_shares.len(), d_neighbours.len() - t);
+    assert!(seed_shares.len() < t);
+    assert!(shamir::reconstruct(seed_shares, t, 16).is_err());
+    let guess = shamir::reconstruct(seed_shares, seed_shares.len(), 16)
+        .ok()
+        .and_then(|seed| <[u8; 16]>::try_from(seed).ok())
+        .map(|seed| seed_commitment(session, d, &seed));
+    assert_ne!(guess, Some(d_commitment), "the self-mask seed stays secret");
+
+    // The shares it got are genuine: treating D as dropped, they unmask the
+    // other nine devices' sum exactly (so the pairwise masks computed from
+    // D's rebuilt key are the right ones).
+    let mut others_sum = vec![0u32; plan.masked_len()];
+    let mut expected = vec![0u32; plan.masked_len()];
+    let mask_key_of = |id: u64| -> [u8; 32] {
+        round.sent.advertisements[&id][HEADER_BYTES + 32..HEADER_BYTES + 64]
+            .try_into()
+            .unwrap()
+    };
+    for id in round.ids().into_iter().filter(|&id| id != d) {
+        server::fold_masked_input(
+            &mut others_sum,
+            &round.sent.masked_inputs[&id],
+            session,
+            id,
+            &plan,
+        )
+        .unwrap();
+        for (e, v) in expected.iter_mut().zip(&round.inputs[&id]) {
+            *e = e.wrapping_add(*v);
+        }
+        let commitment = round.sent.share_keys[&id][HEADER_BYTES..SHARE_KEYS_HEAD]
+            .try_into()
+            .unwrap();
+        book.survivors.insert(id, commitment);
+    }
+    book.dropped.insert(
+        d,
+        DroppedPeer {
+            mask_key: d_mask_key,
+            masked_with: d_neighbours.iter().map(|&n| (n, mask_key_of(n))).collect(),
+        },
+    );
+    server::unmask(&mut others_sum, &plan, session, &book).expect("the others unmask");
+    expected.iter_mut().for_each(|e| *e &= plan.modulus_mask());
+    assert_eq!(others_sum, expected);
+
+    // D's own vector, stripped of every pairwise mask: the self mask still
+    // hides D's input in nearly every position.
+    let d_input = &round.inputs[&d];
+    let mut stripped = unpack(&plan, &round.sent.masked_inputs[&d]);
+    assert_hidden(&plan, &stripped, d_input, "D's masked vector");
+    for &n in &d_neighbours {
+        let seed = crypto::pairwise_seed(&d_key, &mask_key_of(n), session, d, n).unwrap();
+        mask::apply(&mut stripped, &seed, pairwise_sign(d, n).flip());
+    }
+    assert_hidden(
+        &plan,
+        &stripped,
+        d_input,
+        "D's vector without its pairwise masks",
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Duplicate device ids.
+
+#[test]
+fn duplicate_device_ids_are_refused() {
+    let ids = device_ids();
+    let keys = enrol(&ids);
+    let mut repeated: Vec<(u64, [u8; 32])> =
+        keys.iter().map(|(&id, k)| (id, k.public_key())).collect();
+    repeated[DEVICES - 1].0 = ids[0];
+    let session = Session {
+        job_id: JOB,
+        round_id: 10,
+    };
+    let result = Aggregator::new(session, plan(24), &[1; 32], &repeated).map(|_| ());
+    invalid(
+        result,
+        &[&format!(
+            "the participant list repeats a device id ({DEVICES} ids, {} distinct)",
+            DEVICES - 1
+        )],
+    );
+
+    let mut round = Round::with(10, plan(24), keys, [10; 32]);
+    let a = ids[0];
+    // A second advertisement from A, with fresh, validly signed keys.
+    round.run_until(Step::CloseAdvertising);
+    let (_impostor, second) =
+        Client::start(round.session, a, round.plan.clone(), &round.keys[&a]).unwrap();
+    rejected(
+        round.server.receive_advertisement(a, &second),
+        "AdvertiseKeys",
+        &[&format!("device {a} already sent one")],
+    );
+
+    // NeighbourKeys that list one neighbour twice, or the device itself.
+    round.run_until(Step::Share);
+    let b = ids[1];
+    let honest = neighbour_keys(&round.sent.neighbour_keys[&b]);
+    let first = honest.ids()[0];
+    let mut twice = honest.clone();
+    twice.entries[1] = twice.entries[0].clone();
+    rejected(
+        round.client(b).share_keys(&twice.bytes()),
+        "NeighbourKeys",
+        &[&format!("device {first} appears twice")],
+    );
+    let mut own = honest.clone();
+    let advertisement = &round.sent.advertisements[&b];
+    let mut own_entry = b.to_le_bytes().to_vec();
+    own_entry.extend_from_slice(&round.keys[&b].public_key());
+    own_entry.extend_from_slice(&advertisement[HEADER_BYTES..]);
+    own.entries[1] = own_entry;
+    rejected(
+        round.client(b).share_keys(&own.bytes()),
+        "NeighbourKeys",
+        &[&format!("it lists device {b} as its own neighbour")],
+    );
+
+    // IncomingShares with one sender's shares twice.
+    round.run_until(Step::Mask);
+    let input = round.random_input();
+    let honest = incoming_shares(&round.sent.incoming_shares[&b]);
+    let first = honest.ids()[0];
+    let mut twice = honest.clone();
+    twice.entries[1] = twice.entries[0].clone();
+    rejected(
+        round.client(b).masked_input(&twice.bytes(), &input),
+        "IncomingShares",
+        &[&format!("device {first}'s shares appear twice")],
+    );
+
+    // An UnmaskRequest that lists a device twice.
+    round.run_until(Step::Unmask);
+    let neighbours = round.neighbours(b);
+    let mut survivors = neighbours.clone();
+    survivors[1] = survivors[0];
+    let request = raw_unmask_request(round.session, b, &survivors, &[]);
+    rejected(
+        round.client(b).unmask(&request),
+        "UnmaskRequest",
+        &[&format!(
+            "device {} appears twice among the survivors",
+            neighbours[0]
+        )],
+    );
+    let request = raw_unmask_request(
+        round.session,
+        b,
+        &neighbours[1..],
+        &[neighbours[0], neighbours[0]],
+    );
+    rejected(
+        round.client(b).unmask(&request),
+        "UnmaskRequest",
+        &[&format!(
+            "device {} appears twice among the dropouts",
+            neighbours[0]
+        )],
+    );
+
+    // The round runs on A's first keys; the second client never joined.
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+// ---------------------------------------------------------------------------
+// Vectors and messages of the wrong length.
+
+#[test]
+fn an_input_vector_of_the_wrong_length_or_width_is_refused_by_the_device() {
+    let mut round = Round::new(11);
+    round.run_until(Step::Mask);
+    let b = round.ids()[7];
+    let expects = round.plan.masked_len();
+    let incoming = round.sent.incoming_shares[&b].clone();
+    for len in [0, expects - 1, expects + 1, 2 * expects] {
+        invalid(
+            round.client(b).masked_input(&incoming, &vec![0; len]),
+            &[&format!(
+                "the input vector has {len} values, the round expects {expects}"
+            )],
+        );
+    }
+    for (at, value) in [(3, 1u32 << 24), (0, u32::MAX), (expects - 1, 0x8000_0000)] {
+        let mut input = round.random_input();
+        input[at] = value;
+        invalid(
+            round.client(b).masked_input(&incoming, &input),
+            &[&format!("input element {at} does not fit in 24 bits")],
+        );
+    }
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+#[test]
+fn a_masked_input_of_the_wrong_length_is_refused_and_leaves_the_sum_unchanged() {
+    // 20-bit elements, 65 of them: 1300 bits, so the last byte has 4 bits
+    // of padding.
+    let plan20 = plan(20);
+    assert_ne!(plan20.masked_len() * 20 % 8, 0);
+    let mut round = Round::with(12, plan20.clone(), enrol(&device_ids()), [12; 32]);
+    round.run_until(Step::DeliverMaskedInputs);
+    let session = round.session;
+    let (a, b) = (round.ids()[0], round.ids()[1]);
+    let honest = round.sent.masked_inputs[&a].clone();
+    let packed = plan20.packed_bytes();
+    let len = plan20.masked_len();
+
+    let mut attempts: Vec<(Vec<u8>, String)> = Vec::new();
+    attempts.push((
+        honest[..honest.len() - 1].to_vec(),
+        format!(
+            "device {a}'s vector is {} bytes, {len} values at 20 bits take {packed}",
+            packed - 1
+        ),
+    ));
+    attempts.push((
+        honest[..MASKED_BODY_AT].to_vec(),
+        format!("device {a}'s vector is 0 bytes"),
+    ));
+    let mut longer = honest.clone();
+    longer.push(0);
+    attempts.push((
+        longer,
+        format!(
+            "the message is {} bytes, the limit is {}",
+            honest.len() + 1,
+            honest.len()
+        ),
+    ));
+    for declared in [len as u64 - 1, len as u64 + 1, 0, u64::MAX] {
+        let mut forged = honest.clone();
+        forged[HEADER_BYTES + 1..MASKED_BODY_AT].copy_from_slice(&declared.to_le_bytes());
+        attempts.push((
+            forged,
+            format!("device {a} sent {declared} values at 20 bits; the round expects {len} at 20"),
+        ));
+    }
+    // Values that do not fit in b bits: declared 32-bit, packed 32-bit.
+    let mut wide = honest.clone();
+    wide[HEADER_BYTES] = 32;
+    attempts.push((
+        wide,
+        format!("device {a} sent {len} values at 32 bits; the round expects {len} at 20"),
+    ));
+    let mut repacked = honest[..MASKED_BODY_AT].to_vec();
+    repacked[HEADER_BYTES] = 32;
+    repacked.extend_from_slice(&arith::pack(&vec![0xFFFF_FFFF; len], 32));
+    attempts.push((repacked, "the limit is".to_string()));
+    // A 21st bit smuggled into the padding.
+    let mut dirty = honest.clone();
+    *dirty.last_mut().unwrap() |= 0x80;
+    attempts.push((
+        dirty,
+        format!("device {a}: the packed vector's padding bits are not zero"),
+    ));
+
+    // A running sum that already holds B's vector.
+    let mut sum = vec![0u32; len];
+    server::fold_masked_input(&mut sum, &round.sent.masked_inputs[&b], session, b, &plan20)
+        .unwrap();
+    let before = sum.clone();
+    for (forged, says) in &attempts {
+        rejected(
+            server::fold_masked_input(&mut sum, forged, session, a, &plan20),
+            "MaskedInput",
+            &[says.as_str()],
+        );
+        assert_eq!(sum, before, "a refused vector left the sum as it was");
+        rejected(
+            round.server.receive_masked_input(a, forged),
+            "MaskedInput",
+            &[says.as_str()],
+        );
+    }
+    invalid(
+        server::fold_masked_input(&mut sum[1..], &honest, session, a, &plan20),
+        &[&format!("the running sum has {} values", len - 1)],
+    );
+    // The genuine vector does change it.
+    server::fold_masked_input(&mut sum, &honest, session, a, &plan20).unwrap();
+    assert_ne!(sum, before);
+
+    // Had any refused vector reached the aggregator's sum, this would fail.
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+#[test]
+fn truncated_or_overlong_messages_are_refused_at_every_stage() {
+    let mut round = Round::new(13);
+    let (a, b) = (round.ids()[0], round.ids()[1]);
+    let ends_early = |bytes: &[u8]| format!("it ends early, at byte {}", bytes.len());
+
+    round.run_until(Step::DeliverAdvertisements);
+    let advertisement = round.sent.advertisements[&a].clone();
+    let short = &advertisement[..advertisement.len() - 1];
+    rejected(
+        round.server.receive_advertisement(a, short),
+        "AdvertiseKeys",
+        &[&ends_early(short)],
+    );
+    rejected(
+        round
+            .server
+            .receive_advertisement(a, &advertisement[..HEADER_BYTES - 1]),
+        "AdvertiseKeys",
+        &["it is not a Canopy secure-aggregation message"],
+    );
+
+    round.run_until(Step::Share);
+    let keys = round.sent.neighbour_keys[&b].clone();
+    let short = &keys[..keys.len() - 10];
+    rejected(
+        round.client(b).share_keys(short),
+        "NeighbourKeys",
+        &[&ends_early(short)],
+    );
+    // A count above the degree is refused before anything is read.
+    let mut inflated = keys.clone();
+    let degree = round.plan.degree;
+    inflated[HEADER_BYTES..HEADER_BYTES + 4].copy_from_slice(&(degree as u32 + 1).to_le_bytes());
+    rejected(
+        round.client(b).share_keys(&inflated),
+        "NeighbourKeys",
+        &[&format!(
+            "it lists {} neighbours, the limit is {degree}",
+            degree + 1
+        )],
+    );
+
+    round.run_until(Step::DeliverShares);
+    let mut trailing = round.sent.share_keys[&a].clone();
+    trailing.extend_from_slice(&[0; 3]);
+    rejected(
+        round.server.receive_shares(a, &trailing),
+        "ShareKeys",
+        &["3 unexpected bytes follow its body"],
+    );
+
+    round.run_until(Step::Mask);
+    let input = round.random_input();
+    let incoming = round.sent.incoming_shares[&b].clone();
+    let short = &incoming[..incoming.len() - SHARE_ENTRY / 2];
+    rejected(
+        round.client(b).masked_input(short, &input),
+        "IncomingShares",
+        &[&ends_early(short)],
+    );
+
+    round.run_until(Step::Unmask);
+    let request = round.sent.unmask_requests[&b].clone();
+    let short = &request[..request.len() - 4];
+    rejected(
+        round.client(b).unmask(short),
+        "UnmaskRequest",
+        &[&ends_early(short)],
+    );
+
+    round.run_until(Step::DeliverResponses);
+    let mut trailing = round.sent.unmask_responses[&b].clone();
+    trailing.push(1);
+    rejected(
+        round.server.receive_unmask_response(b, &trailing),
+        "UnmaskResponse",
+        &["1 unexpected bytes follow its body"],
+    );
+
+    let all = round.all();
+    round.finish_exactly(&all);
+}
