@@ -25,11 +25,14 @@ use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::messages::{
     Capabilities, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics, Task, UploadReceipt,
 };
+use canopy_protocol::secagg::wire::Stage;
 use tokio::runtime::Runtime;
 
 use crate::cancel::CancelToken;
 use crate::client::{DownloadedModel, SdkError, Transport};
 use crate::retry::RetryPolicy;
+use crate::secure::{SecureReceipt, SecureRound, StageObserver};
+use crate::train::LocalUpdate;
 
 fn outside_runtime() -> Result<(), SdkError> {
     if tokio::runtime::Handle::try_current().is_ok() {
@@ -213,16 +216,101 @@ impl DeviceClient {
         self.block_on(self.inner.decline_task(task, reason))?
     }
 
+    /// See [`crate::DeviceClient::post_secure_message`].
+    pub fn post_secure_message(
+        &self,
+        task: &Task,
+        stage: Stage,
+        message: Bytes,
+    ) -> Result<(), SdkError> {
+        self.block_on(self.inner.post_secure_message(task, stage, message))?
+    }
+
+    /// See [`crate::DeviceClient::poll_secure_message`].
+    pub fn poll_secure_message(
+        &self,
+        task: &Task,
+        stage: Stage,
+        wait_ms: u64,
+    ) -> Result<Option<Bytes>, SdkError> {
+        self.block_on(self.inner.poll_secure_message(task, stage, wait_ms))?
+    }
+
+    /// See [`crate::DeviceClient::wait_secure_message`].
+    pub fn wait_secure_message(
+        &self,
+        task: &Task,
+        stage: Stage,
+        wait_limit_ms: u64,
+    ) -> Result<Bytes, SdkError> {
+        self.block_on(self.inner.wait_secure_message(task, stage, wait_limit_ms))?
+    }
+
+    /// See [`crate::DeviceClient::begin_secure_round`]. Finish the round
+    /// with [`Self::finish_secure_round`] on this client: the round uses
+    /// this client's connections, which belong to its runtime.
+    pub fn begin_secure_round(&self, task: &Task) -> Result<SecureRound, SdkError> {
+        self.block_on(self.inner.begin_secure_round(task))?
+    }
+
+    /// See [`crate::DeviceClient::begin_secure_round_observed`].
+    pub fn begin_secure_round_observed(
+        &self,
+        task: &Task,
+        observer: StageObserver,
+    ) -> Result<SecureRound, SdkError> {
+        self.block_on(self.inner.begin_secure_round_observed(task, observer))?
+    }
+
+    /// See [`SecureRound::finish`].
+    pub fn finish_secure_round(
+        &self,
+        round: SecureRound,
+        delta: &[f32],
+        num_samples: u64,
+    ) -> Result<SecureReceipt, SdkError> {
+        self.block_on(round.finish(delta, num_samples))?
+    }
+
+    /// See [`SecureRound::finish_update`].
+    pub fn finish_secure_round_update(
+        &self,
+        round: SecureRound,
+        update: &LocalUpdate,
+    ) -> Result<SecureReceipt, SdkError> {
+        self.block_on(round.finish_update(update))?
+    }
+
+    /// See [`crate::DeviceClient::run_secure_round`].
+    pub fn run_secure_round(
+        &self,
+        task: &Task,
+        delta: &[f32],
+        num_samples: u64,
+    ) -> Result<SecureReceipt, SdkError> {
+        self.block_on(self.inner.run_secure_round(task, delta, num_samples))?
+    }
+
     /// One task, whole: downloads the model (verified), trains it on
     /// `data` with the client's cancel token, uploads the update and
     /// reports the training loss. What an app calls when `next_task` hands
     /// it work.
+    ///
+    /// A secure task (`secure_aggregation` set) uploads nothing: the device
+    /// exchanges keys first (the key stages are short and wait for every
+    /// device, so they do not wait for this one's download and training),
+    /// then downloads and trains, then finishes the secure round with the
+    /// update; see [`crate::secure`].
     pub fn run_task(
         &self,
         task: &Task,
         data: &canopy_engine::data::Dataset,
         seed: u64,
     ) -> Result<RunTaskOutcome, RunTaskError> {
+        let secure_round = match task.secure_aggregation {
+            Some(_) => Some(self.begin_secure_round(task)?),
+            None => None,
+        };
         let model = self.download_model(task)?;
         let update = crate::train::train_task_cancellable(
             &model.bytes,
@@ -231,7 +319,19 @@ impl DeviceClient {
             seed,
             self.cancel_token(),
         )?;
-        let receipt = self.upload_update(task, Bytes::from(update.encoded))?;
+        let (receipt, secure) = match secure_round {
+            Some(round) => {
+                let secure = self.finish_secure_round_update(round, &update)?;
+                let receipt = UploadReceipt {
+                    round_id: task.round_id,
+                    accepted: true,
+                    num_samples: update.num_samples,
+                    bytes: secure.masked_input_bytes,
+                };
+                (receipt, Some(secure))
+            }
+            None => (self.upload_update(task, Bytes::from(update.encoded))?, None),
+        };
         self.report_metrics(&RoundMetrics {
             round_id: task.round_id,
             train_loss: Some(update.train_loss),
@@ -242,6 +342,7 @@ impl DeviceClient {
         })?;
         Ok(RunTaskOutcome {
             receipt,
+            secure,
             train_loss: update.train_loss,
             train_duration_ms: update.train_duration_ms,
         })
@@ -251,7 +352,13 @@ impl DeviceClient {
 /// What [`DeviceClient::run_task`] did.
 #[derive(Clone, Debug)]
 pub struct RunTaskOutcome {
+    /// The server's receipt of the upload. For a secure task, which
+    /// uploads nothing, one built locally once the device's part of the
+    /// round is done: `accepted`, the update's sample count, and the size
+    /// of the masked input as `bytes`.
     pub receipt: UploadReceipt,
+    /// For a secure task, what its round amounted to.
+    pub secure: Option<SecureReceipt>,
     pub train_loss: f64,
     pub train_duration_ms: u64,
 }

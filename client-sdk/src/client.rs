@@ -12,6 +12,8 @@ use canopy_protocol::messages::{
     RoundMetrics, Task, UploadReceipt,
 };
 use canopy_protocol::model_sig::{self, HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE};
+use canopy_protocol::secagg::SecAggError;
+use canopy_protocol::secagg::wire::Stage;
 use reqwest::{Method, StatusCode};
 
 use crate::cancel::CancelToken;
@@ -75,6 +77,59 @@ pub enum SdkError {
         #[source]
         source: std::io::Error,
     },
+    /// A secure-aggregation call (see [`crate::secure`]) was given a task
+    /// that has no `secure_aggregation`.
+    #[error("round {round_id}'s task does not run secure aggregation")]
+    NotSecure { round_id: i64 },
+    /// This device's side of the protocol refused a server message (a bad
+    /// signature, a replay, a request that would reveal a neighbour's
+    /// input) or could not make its own (an update that does not fit the
+    /// plan).
+    #[error("secure aggregation of round {round_id} failed at {}", .stage.name())]
+    SecureAggregation {
+        round_id: i64,
+        stage: Stage,
+        #[source]
+        source: SecAggError,
+    },
+    /// The server answered 410 to a stage call: the stage closed before
+    /// this device's message came, the device was dropped from the round,
+    /// or the round failed. `code` and `reason` are the server's.
+    #[error(
+        "the server ended this device's part in secure round {round_id} at {} ({code}): \
+         {reason}",
+        .stage.name()
+    )]
+    SecureRoundGone {
+        round_id: i64,
+        stage: Stage,
+        code: String,
+        reason: String,
+    },
+    /// The server answered 422 to a stage message: it refused the message
+    /// itself, for the reason it gives.
+    #[error(
+        "the server refused this device's {} message of round {round_id} ({code}): {reason}",
+        .stage.name()
+    )]
+    SecureMessageRefused {
+        round_id: i64,
+        stage: Stage,
+        code: String,
+        reason: String,
+    },
+    /// The server's message for a stage did not come within the stage's
+    /// time limit (see [`crate::secure`]).
+    #[error(
+        "no {} message of round {round_id} came within {waited_ms} ms; the device gives up on \
+         the secure round",
+        .stage.name()
+    )]
+    StageTimeout {
+        round_id: i64,
+        stage: Stage,
+        waited_ms: u64,
+    },
 }
 
 impl SdkError {
@@ -82,6 +137,8 @@ impl SdkError {
     pub fn status(&self) -> Option<u16> {
         match self {
             SdkError::Server { status, .. } => Some(*status),
+            SdkError::SecureRoundGone { .. } => Some(410),
+            SdkError::SecureMessageRefused { .. } => Some(422),
             _ => None,
         }
     }
@@ -141,20 +198,71 @@ impl Transport {
     }
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
 
+/// Most bytes of an error answer the client reads; the server's JSON error
+/// bodies are a few hundred.
+pub(crate) const MAX_ERROR_BODY_BYTES: usize = 64 << 10;
+
+/// A body read up to a limit.
+pub(crate) enum LimitedBody {
+    Complete(Vec<u8>),
+    /// The body is longer than the limit: announced as `announced_bytes`
+    /// by Content-Length, or found so while reading (`None`).
+    TooLong {
+        announced_bytes: Option<u64>,
+    },
+}
+
+/// Reads a body of at most `limit_bytes` without ever holding more: an
+/// announced length over the limit is refused before reading, and an
+/// unannounced one as soon as it passes the limit.
+pub(crate) async fn read_limited(
+    response: &mut reqwest::Response,
+    limit_bytes: usize,
+) -> Result<LimitedBody, reqwest::Error> {
+    if let Some(length) = response.content_length() {
+        if length > limit_bytes as u64 {
+            return Ok(LimitedBody::TooLong {
+                announced_bytes: Some(length),
+            });
+        }
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        if body.len() + chunk.len() > limit_bytes {
+            return Ok(LimitedBody::TooLong {
+                announced_bytes: None,
+            });
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(LimitedBody::Complete(body))
+}
+
 /// Turns a non-success answer into [`SdkError::Server`].
 async fn check(response: reqwest::Response) -> Result<reqwest::Response, SdkError> {
-    let status = response.status();
-    if status.is_success() {
+    if response.status().is_success() {
         return Ok(response);
     }
-    let body = response.bytes().await.unwrap_or_default();
+    Err(server_error(response).await)
+}
+
+/// [`SdkError::Server`] with the code and message of the answer's JSON
+/// error body, or the start of the body when it is not one.
+pub(crate) async fn server_error(mut response: reqwest::Response) -> SdkError {
+    let status = response.status();
+    // A body cut off in transit or over the limit still has a status worth
+    // reporting; what was read of it becomes the message.
+    let body = match read_limited(&mut response, MAX_ERROR_BODY_BYTES).await {
+        Ok(LimitedBody::Complete(body)) => body,
+        Ok(LimitedBody::TooLong { .. }) | Err(_) => Vec::new(),
+    };
     let (code, message) = match serde_json::from_slice::<ErrorBody>(&body) {
         Ok(error) => (error.error.code, error.error.message),
         Err(_) => (
@@ -162,11 +270,11 @@ async fn check(response: reqwest::Response) -> Result<reqwest::Response, SdkErro
             String::from_utf8_lossy(&body).chars().take(500).collect(),
         ),
     };
-    Err(SdkError::Server {
+    SdkError::Server {
         status: status.as_u16(),
         code,
         message,
-    })
+    }
 }
 
 /// Reads and parses a JSON answer. A body cut off in transit is a
@@ -255,8 +363,9 @@ pub struct DownloadedModel {
 ///
 /// The client holds a [`RetryPolicy`] (none by default: one attempt) and a
 /// [`CancelToken`] (never cancelled by default) that `next_task`,
-/// `download_model`, `download_model_to`, `upload_update`, `heartbeat` and
-/// `report_metrics` observe; see [`crate::retry`] for what is retried.
+/// `download_model`, `download_model_to`, `upload_update`, `heartbeat`,
+/// `report_metrics` and the secure-aggregation calls ([`crate::secure`])
+/// observe; see [`crate::retry`] for what is retried.
 /// `signed` and `send_signed` are single raw requests and observe neither.
 /// Clones share the connection pool, the policy is copied, and the token
 /// is shared (cancelling it cancels every clone's work).
@@ -942,4 +1051,4 @@ fn verify_content(bytes: &[u8], digest: &str) -> Result<(), String> {
 
 #[cfg(test)]
 #[path = "client_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -17,15 +17,16 @@ use super::*;
 
 /// One request as the scripted server read it.
 #[derive(Clone, Debug)]
-struct Seen {
-    method: String,
-    path: String,
-    headers: Vec<(String, String)>,
-    body_len: usize,
+pub(crate) struct Seen {
+    pub(crate) method: String,
+    pub(crate) path: String,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) body_len: usize,
+    pub(crate) body: Vec<u8>,
 }
 
 impl Seen {
-    fn header(&self, name: &str) -> Option<&str> {
+    pub(crate) fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
             .find(|(key, _)| key.eq_ignore_ascii_case(name))
@@ -35,14 +36,14 @@ impl Seen {
 
 /// What the server does with the n-th request: write these bytes, then
 /// close the connection.
-type Step = Box<dyn Fn(&Seen) -> Vec<u8> + Send>;
+pub(crate) type Step = Box<dyn Fn(&Seen) -> Vec<u8> + Send>;
 
-struct Scripted {
-    base: String,
-    seen: Arc<Mutex<Vec<Seen>>>,
+pub(crate) struct Scripted {
+    pub(crate) base: String,
+    pub(crate) seen: Arc<Mutex<Vec<Seen>>>,
 }
 
-fn read_request(stream: &mut TcpStream) -> Option<Seen> {
+pub(crate) fn read_request(stream: &mut TcpStream) -> Option<Seen> {
     let mut reader = BufReader::new(stream.try_clone().ok()?);
     let mut line = String::new();
     reader.read_line(&mut line).ok()?;
@@ -72,12 +73,13 @@ fn read_request(stream: &mut TcpStream) -> Option<Seen> {
         path,
         headers,
         body_len: length,
+        body,
     })
 }
 
 /// Serves `steps` in order, one connection per request; a request past
 /// the script answers 500.
-fn scripted(steps: Vec<Step>) -> Scripted {
+pub(crate) fn scripted(steps: Vec<Step>) -> Scripted {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("address"));
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -106,7 +108,7 @@ fn scripted(steps: Vec<Step>) -> Scripted {
     Scripted { base, seen }
 }
 
-fn respond(status: u16, headers: &[(&str, String)], body: &[u8]) -> Vec<u8> {
+pub(crate) fn respond(status: u16, headers: &[(&str, String)], body: &[u8]) -> Vec<u8> {
     respond_cut(status, headers, body, body.len(), body.len())
 }
 

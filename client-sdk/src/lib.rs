@@ -12,6 +12,8 @@
 //! - [`keystore`]: the device key in a file with mode 0600.
 //! - [`backend`]: which engine backend trains, chosen from the device's
 //!   reported capabilities (the CPU for now).
+//! - [`secure`]: the device's side of a secure-aggregation round, which
+//!   replaces the upload when a task asks for it.
 //!
 //! `train` runs a task's shipped `train_step` in `canopy-engine` on local
 //! data and produces the update; the edge agent and mobile apps build on
@@ -23,6 +25,7 @@ mod cancel;
 mod client;
 pub mod keystore;
 pub mod retry;
+pub mod secure;
 pub mod train;
 mod trust;
 
@@ -34,4 +37,5 @@ pub use client::{
 };
 pub use keystore::{KeyStoreError, load_device_key, save_device_key};
 pub use retry::RetryPolicy;
+pub use secure::{SecureReceipt, SecureRound, StageObserver, StageProgress};
 pub use trust::{Trust, TrustError};

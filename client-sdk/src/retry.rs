@@ -2,7 +2,9 @@
 //!
 //! A [`DeviceClient`](crate::DeviceClient) holds one [`RetryPolicy`] and
 //! applies it to `next_task`, `download_model`, `upload_update`,
-//! `heartbeat` and `report_metrics`. Every attempt is a new request with a
+//! `heartbeat`, `report_metrics` and each request of a secure round
+//! ([`crate::secure`], whose stage messages are repeated safely the way
+//! uploads are). Every attempt is a new request with a
 //! fresh signature (new nonce and timestamp), so the server's replay check
 //! never refuses a retry. The default client policy is
 //! [`RetryPolicy::none`], one attempt, which is how the client behaved

@@ -63,7 +63,7 @@ pub struct DemoArgs {
 /// The demo's secure-aggregation settings: the devices that must answer
 /// for a round to succeed (`min_devices`) fit inside the dropout tolerance.
 fn secure_aggregation(args: &DemoArgs) -> serde_json::Value {
-    json!({"enabled": args.secure, "max_dropout_fraction": 0.2, "clip": 1.0, "bits": 32})
+    json!({"enabled": args.secure, "max_dropout_fraction": 0.2, "clip": 1.0, "bits": 31})
 }
 
 struct Agent {

@@ -52,7 +52,8 @@ const MAX_HEARTBEAT: Duration = Duration::from_secs(3600);
 /// Backoff between failed polls.
 const POLL_BACKOFF_BASE: Duration = Duration::from_secs(1);
 const POLL_BACKOFF_MAX: Duration = Duration::from_secs(60);
-/// Rounds remembered as declined (refused, failed) at most.
+/// Rounds remembered as not to be worked on again (declined, or a secure
+/// round finished) at most.
 const MAX_DECLINED_ROUNDS: usize = 1024;
 
 #[derive(Args, Default)]
@@ -378,8 +379,9 @@ impl Daemon {
             let now = now_ms();
             declined.retain(|_, d| d.deadline_unix_ms > now);
             if declined.contains_key(&task.round_id) {
-                // The server hands a delivered task out until its deadline;
-                // there is no way to decline one, so wait instead of spinning.
+                // The server may hand a task out again until its deadline
+                // (one whose decline did not get through, or a finished
+                // secure round's), so wait instead of spinning.
                 let wait = task
                     .deadline_unix_ms
                     .saturating_sub(now)
@@ -397,7 +399,10 @@ impl Daemon {
             let result = self.run_task_until_stopped(&task, &mut stop).await;
             match result {
                 None => return,
-                Some(TaskResult::Uploaded) => {}
+                // A plain upload ends the task at the server; a secure
+                // round's task may still be handed out while the round
+                // finishes, and its keys are gone, so it is skipped too.
+                Some(TaskResult::Uploaded) if task.secure_aggregation.is_none() => {}
                 Some(_) => {
                     if declined.len() >= MAX_DECLINED_ROUNDS {
                         declined.clear();

@@ -1,14 +1,20 @@
 //! One task: limits, verified download, held-out evaluation of the global
 //! model, local training, upload and metrics, with bounded retries.
+//!
+//! A secure task (`secure_aggregation` set) uploads nothing: the agent
+//! exchanges round keys before it downloads and trains, since the key
+//! stages are short and wait for every device, then finishes the secure
+//! round with the trained update (see `canopy_sdk::secure`).
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use canopy_protocol::messages::{RoundMetrics, Task};
-use canopy_sdk::SdkError;
 use canopy_sdk::train::{Evaluation, LocalUpdate, evaluate_model, train_task};
+use canopy_sdk::{RetryPolicy, SdkError, SecureRound, StageObserver, StageProgress};
 
 use super::{Backoff, Daemon, LocalData, MEMORY_FACTOR, new_record, record_outcome};
 use crate::datasets::fit_to_model;
@@ -25,6 +31,15 @@ const RETRY_BASE: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 /// Batch size of the held-out evaluation.
 const EVAL_BATCH: usize = 256;
+/// Retries of each request of a secure round. A stage cannot be run again
+/// from the agent's side (the round's keys live in one `SecureRound`), so
+/// the SDK retries each request itself, as patiently as the upload.
+const SECURE_RETRY: RetryPolicy = RetryPolicy {
+    max_attempts: UPLOAD_ATTEMPTS,
+    initial_backoff_ms: RETRY_BASE.as_millis() as u64,
+    max_backoff_ms: RETRY_MAX.as_millis() as u64,
+    multiplier: 2.0,
+};
 
 /// Why a task did not end in an accepted upload.
 struct Stop {
@@ -58,6 +73,52 @@ fn retryable(error: &SdkError) -> bool {
     }
 }
 
+/// How a secure round that stopped with `error` ends: 410 means the server
+/// has already written this device off (dropped, or the round failed), so
+/// declining would tell it nothing; anything else is declined unless the
+/// round is over anyway.
+fn secure_failure(error: &SdkError, past_deadline: bool) -> TaskResult {
+    match error {
+        SdkError::SecureRoundGone { .. } => TaskResult::Rejected,
+        _ if past_deadline => TaskResult::Expired,
+        _ => TaskResult::Failed,
+    }
+}
+
+/// The stage a secure-round error names, for the logs.
+fn failed_stage(error: &SdkError) -> &'static str {
+    match error {
+        SdkError::SecureAggregation { stage, .. }
+        | SdkError::SecureRoundGone { stage, .. }
+        | SdkError::SecureMessageRefused { stage, .. }
+        | SdkError::StageTimeout { stage, .. } => stage.name(),
+        _ => "",
+    }
+}
+
+/// Logs every stage message of a secure round as it goes out or comes in.
+fn stage_logger() -> StageObserver {
+    Arc::new(|progress: &StageProgress| {
+        if progress.sent() {
+            tracing::info!(
+                round_id = progress.round_id,
+                stage = progress.stage.name(),
+                bytes = progress.bytes,
+                elapsed_ms = progress.elapsed_ms,
+                "secure round: message sent"
+            );
+        } else {
+            tracing::info!(
+                round_id = progress.round_id,
+                stage = progress.stage.name(),
+                bytes = progress.bytes,
+                waited_ms = progress.elapsed_ms,
+                "secure round: message received"
+            );
+        }
+    })
+}
+
 /// Deterministic per device and round, different across both.
 fn training_seed(device_id: i64, round_id: i64) -> u64 {
     (device_id as u64)
@@ -89,6 +150,12 @@ impl Daemon {
             Err(stop) => (stop.result, Some(stop.detail)),
         };
         match (&result, &detail) {
+            (TaskResult::Uploaded, _) if task.secure_aggregation.is_some() => {
+                tracing::info!(
+                    round_id = task.round_id,
+                    "task done: masked update sent and unmasking answered"
+                );
+            }
             (TaskResult::Uploaded, _) => {
                 tracing::info!(round_id = task.round_id, "task done: update uploaded");
             }
@@ -135,6 +202,11 @@ impl Daemon {
                 "the round's deadline passed before work began",
             ));
         }
+        let secure_round = match task.secure_aggregation {
+            Some(_) => Some(self.exchange_keys(task).await?),
+            None => None,
+        };
+        self.set_state("downloading");
         let model = self
             .retry("model download", task, DOWNLOAD_ATTEMPTS, || {
                 self.client.download_model(task)
@@ -192,7 +264,11 @@ impl Daemon {
             "trained"
         );
         self.update_status(|s| {
-            s.state = "uploading".into();
+            s.state = if secure_round.is_some() {
+                "secure-aggregation".into()
+            } else {
+                "uploading".into()
+            };
             if let Some(record) = s.last_task.as_mut() {
                 record.num_samples = Some(update.num_samples);
                 record.train_loss = metrics.train_loss;
@@ -202,6 +278,94 @@ impl Daemon {
                 record.eval_samples = metrics.eval_samples;
             }
         });
+        match secure_round {
+            Some(round) => self.finish_secure_round(task, round, &update).await?,
+            None => self.upload(task, update).await?,
+        }
+        match metrics.validate() {
+            Err(reason) => tracing::warn!(%reason, "not reporting invalid metrics"),
+            Ok(()) => {
+                if let Err(error) = self
+                    .retry("metrics report", task, METRICS_ATTEMPTS, || {
+                        self.client.report_metrics(&metrics)
+                    })
+                    .await
+                {
+                    // The update counts; the metrics are informational.
+                    tracing::warn!(error = %crate::chain_text(&error), "metrics were not reported");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// AdvertiseKeys and ShareKeys of a secure task, before training.
+    async fn exchange_keys(&self, task: &Task) -> Result<SecureRound, Stop> {
+        self.set_state("exchanging-keys");
+        if let Some(secure) = &task.secure_aggregation {
+            tracing::info!(
+                round_id = task.round_id,
+                stage = "AdvertiseKeys",
+                participants = secure.plan.participants,
+                degree = secure.plan.degree,
+                threshold = secure.plan.threshold,
+                bits = secure.plan.bits,
+                stage_timeout_ms = secure.stage_timeout_ms,
+                "secure round: exchanging keys"
+            );
+        }
+        let client = self.client.clone().with_retry_policy(SECURE_RETRY);
+        let round = client
+            .begin_secure_round_observed(task, stage_logger())
+            .await
+            .map_err(|error| self.secure_stop(task, "key exchange", &error))?;
+        tracing::info!(
+            round_id = task.round_id,
+            stage = "ShareKeys",
+            "secure round: keys exchanged; training while the other devices share theirs"
+        );
+        Ok(round)
+    }
+
+    /// The rest of a secure round, with the trained update: masked input,
+    /// then the answer to the unmask request.
+    async fn finish_secure_round(
+        &self,
+        task: &Task,
+        round: SecureRound,
+        update: &LocalUpdate,
+    ) -> Result<(), Stop> {
+        tracing::info!(
+            round_id = task.round_id,
+            stage = "MaskedInput",
+            "secure round: sending the masked update"
+        );
+        let receipt = round
+            .finish_update(update)
+            .await
+            .map_err(|error| self.secure_stop(task, "secure aggregation", &error))?;
+        tracing::info!(
+            round_id = receipt.round_id,
+            stage = "UnmaskResponse",
+            weight = receipt.weight,
+            masked_input_bytes = receipt.masked_input_bytes,
+            "secure round: done; the server can unmask the sum"
+        );
+        Ok(())
+    }
+
+    fn secure_stop(&self, task: &Task, what: &str, error: &SdkError) -> Stop {
+        let detail = format!("{what} failed: {}", crate::chain_text(error));
+        tracing::warn!(
+            round_id = task.round_id,
+            stage = failed_stage(error),
+            error = %crate::chain_text(error),
+            "secure round stopped"
+        );
+        Stop::new(secure_failure(error, past_deadline(task)), detail)
+    }
+
+    async fn upload(&self, task: &Task, update: LocalUpdate) -> Result<(), Stop> {
         let encoded = Bytes::from(update.encoded);
         let uploaded = self
             .retry("upload", task, UPLOAD_ATTEMPTS, || {
@@ -229,20 +393,6 @@ impl Daemon {
                     result,
                     format!("upload failed: {}", crate::chain_text(&error)),
                 ));
-            }
-        }
-        match metrics.validate() {
-            Err(reason) => tracing::warn!(%reason, "not reporting invalid metrics"),
-            Ok(()) => {
-                if let Err(error) = self
-                    .retry("metrics report", task, METRICS_ATTEMPTS, || {
-                        self.client.report_metrics(&metrics)
-                    })
-                    .await
-                {
-                    // The update counts; the metrics are informational.
-                    tracing::warn!(error = %crate::chain_text(&error), "metrics were not reported");
-                }
             }
         }
         Ok(())
@@ -339,6 +489,42 @@ mod tests {
             reason: "bad signature".into()
         }));
         assert!(!retryable(&SdkError::Cancelled));
+    }
+
+    #[test]
+    fn secure_failures_are_declined_unless_the_server_ended_the_round() {
+        use canopy_protocol::secagg::wire::Stage;
+        let gone = SdkError::SecureRoundGone {
+            round_id: 7,
+            stage: Stage::IncomingShares,
+            code: "dropped".into(),
+            reason: "device 5 missed ShareKeys".into(),
+        };
+        assert_eq!(secure_failure(&gone, false), TaskResult::Rejected);
+        assert_eq!(failed_stage(&gone), "IncomingShares");
+        let timeout = SdkError::StageTimeout {
+            round_id: 7,
+            stage: Stage::UnmaskRequest,
+            waited_ms: 1,
+        };
+        assert_eq!(secure_failure(&timeout, false), TaskResult::Failed);
+        assert_eq!(secure_failure(&timeout, true), TaskResult::Expired);
+        let refused = SdkError::SecureMessageRefused {
+            round_id: 7,
+            stage: Stage::ShareKeys,
+            code: "secagg_rejected".into(),
+            reason: "bad".into(),
+        };
+        assert_eq!(secure_failure(&refused, false), TaskResult::Failed);
+        assert_eq!(failed_stage(&refused), "ShareKeys");
+        assert_eq!(failed_stage(&SdkError::Cancelled), "");
+        assert!(!retryable(&gone) && !retryable(&timeout) && !retryable(&refused));
+    }
+
+    #[test]
+    fn the_secure_retry_policy_is_within_the_sdk_caps() {
+        assert_eq!(SECURE_RETRY, SECURE_RETRY.normalized());
+        const { assert!(SECURE_RETRY.max_attempts > 1) };
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! that weight itself, so the server learns Σwᵢ the same way it learns
 //! Σwᵢ·Δᵢ: only as a sum. Values live in Z_{2^b} as two's complement.
 
-use rand::Rng;
+use rand::rngs::SmallRng;
+use rand::{Rng, RngCore, SeedableRng};
 
 use super::SecAggError;
 use super::params::Plan;
@@ -32,25 +33,49 @@ pub fn quantize<R: Rng + ?Sized>(
             "an update trained on zero samples has no weight".to_string(),
         ));
     }
-    let weight = num_samples.min(plan.max_weight) as i64;
-    let scale = plan.levels as f64 / plan.clip;
-    let mask = plan.modulus_mask();
-    let mut out = Vec::with_capacity(plan.masked_len());
-    for (index, &value) in delta.iter().enumerate() {
-        if !value.is_finite() {
-            return Err(SecAggError::invalid(format!(
-                "update element {index} is {value}; only finite values can be aggregated"
-            )));
-        }
-        let scaled = f64::from(value).clamp(-plan.clip, plan.clip) * scale;
-        let floor = scaled.floor();
-        let up = rng.random::<f64>() < scaled - floor;
-        let level = (floor as i64 + i64::from(up)).clamp(-plan.levels, plan.levels);
-        out.push(((level * weight) as u32) & mask);
+    if let Some(index) = delta.iter().position(|v| !v.is_finite()) {
+        return Err(SecAggError::invalid(format!(
+            "update element {index} is {}; only finite values can be aggregated",
+            delta[index]
+        )));
     }
-    out.push(weight as u32 & mask);
+    let weight = num_samples.min(plan.max_weight) as i64;
+    let (clip, levels) = (plan.clip, plan.levels);
+    let scale = levels as f64 / clip;
+    let mask = plan.modulus_mask();
+    // The rounding needs unbiased coins, not secret ones (the masks hide
+    // the input, rounding included): 32 bits per element from a fast
+    // generator seeded from the caller's, two elements per draw.
+    let mut caller = &mut *rng;
+    let mut coins = SmallRng::from_rng(&mut caller);
+    let round = |value: f32, coin: u32| {
+        let scaled = f64::from(value).clamp(-clip, clip) * scale;
+        // floor(scaled) without a libm call: |scaled| ≤ levels < 2⁵³.
+        let truncated = scaled as i64;
+        let floor = truncated - i64::from(truncated as f64 > scaled);
+        let fraction = scaled - floor as f64;
+        // Up with probability ⌈fraction · 2³²⌉ / 2³², within 2⁻³² of it.
+        let up = f64::from(coin) < fraction * TWO_TO_32;
+        let level = (floor + i64::from(up)).clamp(-levels, levels);
+        ((level * weight) as u32) & mask
+    };
+    let mut out = vec![0u32; plan.masked_len()];
+    let (values, weight_slot) = out.split_at_mut(plan.update_len);
+    let mut value_pairs = values.chunks_exact_mut(2);
+    let mut delta_pairs = delta.chunks_exact(2);
+    for (slots, pair) in (&mut value_pairs).zip(&mut delta_pairs) {
+        let draw = coins.next_u64();
+        slots[0] = round(pair[0], draw as u32);
+        slots[1] = round(pair[1], (draw >> 32) as u32);
+    }
+    if let ([slot], [value]) = (value_pairs.into_remainder(), delta_pairs.remainder()) {
+        *slot = round(*value, coins.next_u32());
+    }
+    weight_slot[0] = weight as u32 & mask;
     Ok(out)
 }
+
+const TWO_TO_32: f64 = 4_294_967_296.0;
 
 /// Turns the unmasked sum back into Σwᵢ·Δᵢ (in the update's units) and Σwᵢ.
 pub fn decode_sum(plan: &Plan, sum: &[u32]) -> Result<(Vec<f64>, u64), SecAggError> {
@@ -105,7 +130,8 @@ pub fn pack(values: &[u32], bits: u32) -> Vec<u8> {
 }
 
 /// acc[i] += the i-th packed value, modulo 2³². `packed` must hold exactly
-/// `acc.len()` values, with zero padding bits.
+/// `acc.len()` values, with zero padding bits; both are checked before
+/// `acc` is touched, so a refused vector leaves it as it was.
 pub fn add_packed(acc: &mut [u32], packed: &[u8], bits: u32) -> Result<(), SecAggError> {
     let expected = (acc.len() * bits as usize).div_ceil(8);
     if packed.len() != expected {
@@ -121,23 +147,40 @@ pub fn add_packed(acc: &mut [u32], packed: &[u8], bits: u32) -> Result<(), SecAg
         }
         return Ok(());
     }
-    let mask = (1u64 << bits) - 1;
-    let (mut buffer, mut filled) = (0u64, 0u32);
-    let mut bytes = packed.iter();
-    for a in acc.iter_mut() {
-        while filled < bits {
-            // The length check above guarantees enough bytes.
-            buffer |= u64::from(*bytes.next().unwrap_or(&0)) << filled;
-            filled += 8;
-        }
-        *a = a.wrapping_add((buffer & mask) as u32);
-        buffer >>= bits;
-        filled -= bits;
-    }
-    if buffer != 0 {
+    // The bits after the last value, in the last byte, must be zero.
+    let padding = packed.len() * 8 - acc.len() * bits as usize;
+    if padding > 0 && packed[packed.len() - 1] >> (8 - padding) != 0 {
         return Err(SecAggError::invalid(
             "the packed vector's padding bits are not zero".to_string(),
         ));
+    }
+    let width = bits as usize;
+    let mask = (1u64 << bits) - 1;
+    // Value i starts at bit i·b; the 8 bytes from byte ⌊i·b/8⌋ hold all of
+    // it (b + 7 ≤ 64). Values whose window fits in `packed` read it whole.
+    let whole = if packed.len() >= 8 {
+        (((packed.len() - 7) * 8 - 1) / width + 1).min(acc.len())
+    } else {
+        0
+    };
+    let (head, tail) = acc.split_at_mut(whole);
+    for (i, a) in head.iter_mut().enumerate() {
+        let bit = i * width;
+        let start = bit / 8;
+        let window = u64::from_le_bytes(
+            packed[start..start + 8]
+                .try_into()
+                .expect("an 8-byte window"),
+        );
+        *a = a.wrapping_add(((window >> (bit % 8)) & mask) as u32);
+    }
+    for (i, a) in tail.iter_mut().enumerate() {
+        let bit = (whole + i) * width;
+        let start = bit / 8;
+        let mut window = [0u8; 8];
+        let available = &packed[start..packed.len().min(start + 8)];
+        window[..available.len()].copy_from_slice(available);
+        *a = a.wrapping_add(((u64::from_le_bytes(window) >> (bit % 8)) & mask) as u32);
     }
     Ok(())
 }
@@ -157,12 +200,20 @@ mod tests {
             } else {
                 (1 << bits) - 1
             };
-            let values: Vec<u32> = (0..37).map(|_| rng.random::<u32>() & mask).collect();
-            let packed = pack(&values, bits);
-            assert_eq!(packed.len(), (37 * bits as usize).div_ceil(8));
-            let mut acc = vec![0u32; 37];
-            add_packed(&mut acc, &packed, bits).unwrap();
-            assert_eq!(acc, values, "bits = {bits}");
+            for len in [0, 1, 7, 37, 1000] {
+                let values: Vec<u32> = (0..len).map(|_| rng.random::<u32>() & mask).collect();
+                let packed = pack(&values, bits);
+                assert_eq!(packed.len(), (len * bits as usize).div_ceil(8));
+                let start: Vec<u32> = (0..len).map(|_| rng.random::<u32>()).collect();
+                let mut acc = start.clone();
+                add_packed(&mut acc, &packed, bits).unwrap();
+                let expected: Vec<u32> = start
+                    .iter()
+                    .zip(&values)
+                    .map(|(s, v)| s.wrapping_add(*v))
+                    .collect();
+                assert_eq!(acc, expected, "bits = {bits}, len = {len}");
+            }
         }
     }
 
@@ -204,8 +255,9 @@ mod tests {
         let mut acc = vec![0u32; 3];
         assert!(add_packed(&mut acc, &[0u8; 4], 12).is_err(), "short");
         assert!(
-            add_packed(&mut acc, &[0, 0, 0, 0, 0xF0], 12).is_err(),
+            add_packed(&mut acc, &[1, 2, 3, 4, 0xF0], 12).is_err(),
             "dirty padding"
         );
+        assert_eq!(acc, [0; 3], "a refused vector adds nothing");
     }
 }

@@ -9,10 +9,15 @@
 //! most of the server's unmasking time.
 
 use aes::Aes128;
-use ctr::cipher::{KeyIvInit, StreamCipher};
+use ctr::CtrCore;
+use ctr::cipher::{Block, KeyIvInit, StreamCipherCore};
+use ctr::flavors::Ctr128LE;
+use zeroize::Zeroize;
 
-/// Words expanded per step; 16 KiB stays in the first-level cache.
-const CHUNK_WORDS: usize = 4096;
+/// AES blocks expanded per step: 2 KiB of keystream, which stays in the
+/// first-level cache between being written and being added.
+const CHUNK_BLOCKS: usize = 128;
+const WORDS_PER_BLOCK: usize = 4;
 
 pub type Seed = [u8; 16];
 
@@ -32,21 +37,51 @@ impl Sign {
 }
 
 /// acc ← acc ± PRG(seed), element-wise, modulo 2³².
+///
+/// PRG(seed) is the AES-128-CTR keystream under key `seed`, a zero nonce
+/// and a little-endian 128-bit block counter from zero, read as
+/// little-endian u32 words. The keystream blocks are written straight into
+/// a small buffer (no zero-fill and XOR) and added from there, and the
+/// buffer is wiped at the end.
 pub fn apply(acc: &mut [u32], seed: &Seed, sign: Sign) {
-    let mut cipher = ctr::Ctr128LE::<Aes128>::new(seed.into(), &[0u8; 16].into());
-    let mut keystream = [0u8; CHUNK_WORDS * 4];
-    for words in acc.chunks_mut(CHUNK_WORDS) {
-        let bytes = &mut keystream[..words.len() * 4];
-        bytes.fill(0);
-        cipher.apply_keystream(bytes);
-        let pairs = words.iter_mut().zip(bytes.chunks_exact(4));
+    let mut core = CtrCore::<Aes128, Ctr128LE>::new(seed.into(), &[0u8; 16].into());
+    let mut keystream = [Block::<Aes128>::default(); CHUNK_BLOCKS];
+    for words in acc.chunks_mut(CHUNK_BLOCKS * WORDS_PER_BLOCK) {
+        let blocks = &mut keystream[..words.len().div_ceil(WORDS_PER_BLOCK)];
+        // A 128-bit block counter cannot run out within one vector.
+        core.write_keystream_blocks(blocks);
         match sign {
-            Sign::Add => pairs.for_each(|(w, k)| {
-                *w = w.wrapping_add(u32::from_le_bytes([k[0], k[1], k[2], k[3]]));
-            }),
-            Sign::Subtract => pairs.for_each(|(w, k)| {
-                *w = w.wrapping_sub(u32::from_le_bytes([k[0], k[1], k[2], k[3]]));
-            }),
+            Sign::Add => combine(words, blocks, u32::wrapping_add),
+            Sign::Subtract => combine(words, blocks, u32::wrapping_sub),
+        }
+    }
+    // The keystream is the mask: leave none of it on the stack.
+    for block in keystream.iter_mut() {
+        block.as_mut_slice().zeroize();
+    }
+}
+
+#[inline(always)]
+fn combine(words: &mut [u32], blocks: &[Block<Aes128>], op: impl Fn(u32, u32) -> u32) {
+    let word = |block: &Block<Aes128>, i: usize| {
+        u32::from_le_bytes([
+            block[4 * i],
+            block[4 * i + 1],
+            block[4 * i + 2],
+            block[4 * i + 3],
+        ])
+    };
+    let full_blocks = words.len() / WORDS_PER_BLOCK;
+    let mut quads = words.chunks_exact_mut(WORDS_PER_BLOCK);
+    for (quad, block) in (&mut quads).zip(blocks) {
+        for (i, w) in quad.iter_mut().enumerate() {
+            *w = op(*w, word(block, i));
+        }
+    }
+    let tail = quads.into_remainder();
+    if let Some(block) = blocks.get(full_blocks) {
+        for (i, w) in tail.iter_mut().enumerate() {
+            *w = op(*w, word(block, i));
         }
     }
 }
@@ -65,6 +100,47 @@ mod tests {
         assert!(changed > 9_990, "the mask must touch nearly every element");
         apply(&mut v, &[9; 16], Sign::Subtract);
         assert_eq!(v, original);
+    }
+
+    #[test]
+    fn the_mask_is_the_aes_128_ctr_keystream() {
+        use ctr::cipher::StreamCipher;
+        // AES-128 under the zero key of the zero block (FIPS-197 style
+        // known answer): 66e94bd4 ef8a2c3b 884cfa59 ca342b2e.
+        let mut first = vec![0u32; 4];
+        apply(&mut first, &[0; 16], Sign::Add);
+        assert_eq!(first, [0xd44b_e966, 0x3b2c_8aef, 0x59fa_4c88, 0x2e2b_34ca]);
+        // Every length, chunk boundary and partial last block matches the
+        // byte keystream of the ctr crate's stream cipher.
+        for len in [0, 1, 3, 4, 5, 1023, 1024, 1025, 1027, 4096, 10_001] {
+            let seed = [len as u8 ^ 0x5a; 16];
+            let mut bytes = vec![0u8; len * 4];
+            ctr::Ctr128LE::<Aes128>::new(&seed.into(), &[0u8; 16].into())
+                .apply_keystream(&mut bytes);
+            let expected: Vec<u32> = bytes
+                .chunks_exact(4)
+                .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+                .collect();
+            let start: Vec<u32> = (0..len as u32)
+                .map(|i| i.wrapping_mul(2_654_435_761))
+                .collect();
+            let mut added = start.clone();
+            apply(&mut added, &seed, Sign::Add);
+            let mut subtracted = start.clone();
+            apply(&mut subtracted, &seed, Sign::Subtract);
+            for i in 0..len {
+                assert_eq!(
+                    added[i],
+                    start[i].wrapping_add(expected[i]),
+                    "len {len}, word {i}"
+                );
+                assert_eq!(
+                    subtracted[i],
+                    start[i].wrapping_sub(expected[i]),
+                    "len {len}, word {i}"
+                );
+            }
+        }
     }
 
     #[test]

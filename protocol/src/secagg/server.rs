@@ -178,7 +178,6 @@ pub fn fold_masked_input(
         ));
     }
     let packed = reader.rest();
-    // Check before adding, so a refused vector leaves the sum untouched.
     if packed.len() != plan.packed_bytes() {
         return Err(SecAggError::rejected(
             "MaskedInput",
@@ -191,11 +190,9 @@ pub fn fold_masked_input(
             ),
         ));
     }
-    let mut scratch = sum.to_vec();
-    arith::add_packed(&mut scratch, packed, plan.bits)
-        .map_err(|e| SecAggError::rejected("MaskedInput", format!("device {sender}: {e}")))?;
-    sum.copy_from_slice(&scratch);
-    Ok(())
+    // `add_packed` checks the whole vector before it adds anything.
+    arith::add_packed(sum, packed, plan.bits)
+        .map_err(|e| SecAggError::rejected("MaskedInput", format!("device {sender}: {e}")))
 }
 
 pub fn unmask_request_message(
