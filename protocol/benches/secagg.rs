@@ -364,11 +364,11 @@ fn hot_paths(params: usize) {
             ],
         ),
         (
-            "arith::pack (32 bits)".to_string(),
+            format!("arith::pack ({} bits)", plan.bits),
             vec![fmt_ms(pack), format!("{:.2}", per_m(pack)), String::new()],
         ),
         (
-            "arith::add_packed (32 bits)".to_string(),
+            format!("arith::add_packed ({} bits)", plan.bits),
             vec![
                 fmt_ms(add_packed),
                 format!("{:.2}", per_m(add_packed)),
@@ -734,7 +734,7 @@ fn device_side(args: &Args) {
     );
     let fold = median(rows.iter().map(|r| r.fold).collect());
     println!(
-        "  server fold of one masked input (fold_masked_input, 32 bits): {} ms; plain f64 \
+        "  server fold of one masked input (fold_masked_input, default bits): {} ms; plain f64 \
          FedAvg fold: {} ms ({}); plain decode_update + fold: {} ms ({})",
         fmt_ms(fold),
         fmt_ms(plain_fold_time),

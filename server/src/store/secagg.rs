@@ -289,6 +289,26 @@ pub async fn save_reveal(
     Ok(saved.rows_affected() == 1)
 }
 
+/// Counts a key-stage message against the round's traffic (masked inputs
+/// are counted as they are folded).
+pub async fn add_traffic(
+    db: &Db,
+    round_id: i64,
+    bytes_in: u64,
+    bytes_out: u64,
+) -> Result<(), sqlx::Error> {
+    let _writer = db.write_lock().await;
+    sqlx::query(
+        "UPDATE rounds SET bytes_in = bytes_in + $1, bytes_out = bytes_out + $2 WHERE id = $3",
+    )
+    .bind(i64::try_from(bytes_in).unwrap_or(i64::MAX))
+    .bind(i64::try_from(bytes_out).unwrap_or(i64::MAX))
+    .bind(round_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(())
+}
+
 /// Drops the live participants that did not reach `column` by the close of
 /// a stage; returns how many.
 pub async fn drop_laggards(

@@ -148,11 +148,15 @@ pub async fn post_message(
         )));
     }
     let device_id = device.device_id;
+    let size = bytes.len() as u64;
     match message {
         Stage::AdvertiseKeys => advertise(&state, &round, &participant, &bytes).await?,
         Stage::ShareKeys => share_keys(&state, &round, &participant, &bytes).await?,
         Stage::MaskedInput => masked_input(&state, &round, device_id, bytes).await?,
         _ => unmask_response(&state, &round, &participant, &bytes).await?,
+    }
+    if message != Stage::MaskedInput {
+        secagg::add_traffic(&state.db, round_id, size, 0).await?;
     }
     tracing::debug!(
         round = round_id,
@@ -399,6 +403,7 @@ pub async fn get_message(
         check_live(&round, &participant)?;
         if stage_index(&round.stage) >= stage_index(ready_stage) {
             let body = build_message(&state, &round, &participant, &endpoint).await?;
+            secagg::add_traffic(&state.db, round_id, 0, body.len() as u64).await?;
             return Ok((
                 StatusCode::OK,
                 [(header::CONTENT_TYPE, "application/octet-stream")],
