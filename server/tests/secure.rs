@@ -689,3 +689,85 @@ fn walk(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     }
     Ok(out)
 }
+
+/// kill -9 in the middle of MaskedInputCollection, then a restart: the
+/// masked sum, the keys and the shares survive, a re-sent masked input is
+/// refused as a duplicate rather than counted twice, and the round
+/// completes with exactly the five devices' sum.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secure_round_survives_kill_9() -> Result<()> {
+    let (mut server, _config) = start_timed(Database::Sqlite, "info,sqlx=warn", 60_000)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(10)).await?;
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let clients = enroll_all(&server, &admin, 5).await?;
+    let job = admin
+        .create_job(secure_job(version_id, 5, 4, 0.2, 0))
+        .await?;
+    let base = fetch_model(&admin, "logreg", 1).await?;
+    let mut devices = start_devices(clients).await?;
+    let plan = devices[0].plan();
+    for device in &mut devices {
+        device.advertise().await?;
+    }
+    for device in &mut devices {
+        device.share().await?;
+    }
+    for (i, device) in devices[..2].iter_mut().enumerate() {
+        device.masked_input(40 + i as u64).await?;
+    }
+    let resend = {
+        let device = &mut devices[0];
+        let incoming = fetch(&device.client, &device.task, endpoints::INCOMING_SHARES).await;
+        ensure!(
+            incoming.is_ok(),
+            "shares stay available to a device that already sent"
+        );
+        device.input.clone()
+    };
+
+    server.restart()?;
+    let admin = server.admin();
+    for device in &mut devices {
+        device.client.set_transport(server.transport());
+    }
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", devices[0].task.round_id))
+        .await?;
+    ensure!(
+        round["metrics"]["updates_accepted"] == 2,
+        "after restart: {round}"
+    );
+    ensure!(round["secure_stage"] == "collect", "after restart: {round}");
+    // The same device's second masked input is refused, not folded twice.
+    let mut again = wire::header(
+        devices[0].session(),
+        wire::Stage::MaskedInput,
+        devices[0].client.device_id as u64,
+    );
+    again.push(plan.bits as u8);
+    again.extend_from_slice(&(plan.masked_len() as u64).to_le_bytes());
+    again.extend_from_slice(&arith::pack(&resend, plan.bits));
+    let (status, text) = post(
+        &devices[0].client,
+        &devices[0].task,
+        endpoints::MASKED_INPUT,
+        again,
+    )
+    .await?;
+    ensure!(status == 409, "re-sent masked input: {status} {text}");
+    for (i, device) in devices[2..].iter_mut().enumerate() {
+        device.masked_input(42 + i as u64).await?;
+    }
+    for device in &mut devices {
+        device.unmask().await?;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "completed", "job: {finished}");
+    let next = fetch_model(&admin, "logreg", 2).await?;
+    let expected = expected_params(&base, &plan, &devices.iter().collect::<Vec<_>>())?;
+    for (i, (g, e)) in trainable(&next).iter().zip(&expected).enumerate() {
+        ensure!((g - e).abs() <= 1e-6, "parameter {i}: {g} vs {e}");
+    }
+    Ok(())
+}
