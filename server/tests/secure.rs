@@ -465,6 +465,17 @@ async fn an_overflowing_configuration_is_refused_at_job_creation() -> Result<()>
     let message = reply.body["error"]["message"].as_str().unwrap_or_default();
     ensure!(reply.status == 422, "{} {}", reply.status, reply.body);
     ensure!(message.contains("bits = 16 could overflow"), "{message}");
+    // Settings out of range are refused even with secure aggregation off.
+    let mut spec = secure_job(version["id"].as_i64().unwrap_or_default(), 4, 4, 0.1, 0);
+    spec["secure_aggregation"]["enabled"] = json!(false);
+    spec["secure_aggregation"]["max_weight"] = json!(0);
+    let reply = admin.post("/api/v1/jobs", spec).await?;
+    let message = reply.body["error"]["message"].as_str().unwrap_or_default();
+    ensure!(reply.status == 422, "{} {}", reply.status, reply.body);
+    ensure!(
+        message.contains("max_weight must be between 1"),
+        "{message}"
+    );
     Ok(())
 }
 

@@ -131,7 +131,9 @@ impl SecAggConfig {
         Ok(())
     }
 
-    fn check_fields(&self) -> Result<(), SecAggError> {
+    /// Checks each setting's own range, whether or not secure aggregation
+    /// is enabled, so that a job never stores a setting it would refuse.
+    pub fn check_fields(&self) -> Result<(), SecAggError> {
         let config = |message: String| Err(SecAggError::Config(message));
         if !(0.0..=MAX_DROPOUT_FRACTION).contains(&self.max_dropout_fraction) {
             return config(format!(

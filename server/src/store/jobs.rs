@@ -192,6 +192,9 @@ impl JobSpec {
         if self.filters.backends.len() > 8 || self.filters.tags.len() > 32 {
             return Err("`filters` may name at most 8 backends and 32 tags".to_string());
         }
+        self.secure_aggregation
+            .check_fields()
+            .map_err(|error| error.to_string())?;
         if self.secure_aggregation.enabled {
             self.secure_aggregation
                 .validate(self.min_devices as usize, self.selection_size() as usize)
