@@ -201,7 +201,7 @@ fn make_client(base: &str, server_key_hex: &str, policy: RetryPolicy) -> DeviceC
         .with_retry_policy(policy)
 }
 
-fn fast() -> RetryPolicy {
+pub(crate) fn fast() -> RetryPolicy {
     RetryPolicy {
         max_attempts: 4,
         initial_backoff_ms: 1,
@@ -210,7 +210,7 @@ fn fast() -> RetryPolicy {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -17,7 +17,7 @@ use canopy_protocol::update::{TensorSpec, UpdateLayout};
 use super::*;
 use crate::Trust;
 use crate::client::REQUEST_TIMEOUT_MS;
-use crate::client::tests::{Scripted, Seen, Step, read_request, respond, scripted};
+use crate::client::tests::{Scripted, Seen, Step, fast, read_request, respond, runtime, scripted};
 use crate::retry::RetryPolicy;
 
 const ROUND_ID: i64 = 7;
@@ -71,22 +71,6 @@ fn client(base: &str, device_id: i64, key: DeviceKey, policy: RetryPolicy) -> De
     DeviceClient::new(transport, device_id, key, &server_key)
         .expect("client")
         .with_retry_policy(policy)
-}
-
-fn fast() -> RetryPolicy {
-    RetryPolicy {
-        max_attempts: 4,
-        initial_backoff_ms: 1,
-        max_backoff_ms: 5,
-        multiplier: 2.0,
-    }
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 fn in_an_hour() -> u64 {

@@ -57,6 +57,16 @@ pub fn graph(round: &SecureRound, participant_ids: &[u64]) -> Result<Graph, ApiE
     })
 }
 
+/// How an advertisement is stored: channel key, mask key, signature.
+pub fn keys_bytes(advertisement: &Advertisement) -> Vec<u8> {
+    let mut keys = Vec::with_capacity(KEYS_BYTES);
+    keys.extend_from_slice(&advertisement.channel_key);
+    keys.extend_from_slice(&advertisement.mask_key);
+    keys.extend_from_slice(&advertisement.signature);
+    keys
+}
+
+/// The inverse of [`keys_bytes`].
 pub fn advertisement(keys: &[u8]) -> Option<Advertisement> {
     if keys.len() != KEYS_BYTES {
         return None;
@@ -66,6 +76,49 @@ pub fn advertisement(keys: &[u8]) -> Option<Advertisement> {
         mask_key: keys[32..64].try_into().ok()?,
         signature: keys[64..].try_into().ok()?,
     })
+}
+
+/// The round's graph and who got how far, from the participant rows: what
+/// both the device API and unmasking decide from.
+pub struct RoundGraph {
+    pub graph: Graph,
+    /// Devices that completed ShareKeys (dropped since or not).
+    pub shared: BTreeSet<u64>,
+    /// Devices whose masked input is in the sum.
+    pub survivors: BTreeSet<u64>,
+}
+
+impl RoundGraph {
+    pub fn build(
+        round: &SecureRound,
+        participants: &[SecureParticipant],
+    ) -> Result<RoundGraph, ApiError> {
+        let ids: Vec<u64> = participants.iter().map(|p| p.device_id as u64).collect();
+        let ids_where = |keep: fn(&SecureParticipant) -> bool| {
+            participants
+                .iter()
+                .filter(|p| keep(p))
+                .map(|p| p.device_id as u64)
+                .collect()
+        };
+        Ok(RoundGraph {
+            graph: graph(round, &ids)?,
+            shared: ids_where(|p| p.secagg_commitment.is_some()),
+            survivors: ids_where(|p| p.state == "uploaded"),
+        })
+    }
+
+    /// What a survivor is asked to reveal: the self-mask seed share of each
+    /// neighbour that survived, the mask-key share of each that shared keys
+    /// but sent no masked input.
+    pub fn unmask_sets(&self, device: u64) -> (BTreeSet<u64>, BTreeSet<u64>) {
+        self.graph
+            .neighbours(device)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|n| self.shared.contains(n))
+            .partition(|n| self.survivors.contains(n))
+    }
 }
 
 /// Makes a freshly selected round secure. An error is a reason to fail the
@@ -125,21 +178,18 @@ pub async fn advance(
         });
     };
     let participants = secagg::participants(&mut **tx, round.id).await?;
-    let live = participants.iter().filter(|p| p.state != "dropped");
-    let answered = |p: &SecureParticipant| match secure.stage.as_str() {
-        STAGE_ADVERTISE => p.secagg_keys.is_some(),
-        STAGE_SHARE => p.secagg_commitment.is_some(),
-        STAGE_COLLECT => p.state == "uploaded",
-        _ => p.secagg_reveal.is_some(),
-    };
-    let all_answered = live.clone().all(answered);
-    let now = now_ms();
+    let all_answered = participants
+        .iter()
+        .filter(|p| p.state != "dropped")
+        .all(|p| has_answered(&secure.stage, p));
+    // MaskedInputCollection includes training, so it runs to the round's
+    // deadline; the key stages have their own.
     let deadline = if secure.stage == STAGE_COLLECT {
         secure.deadline_ms
     } else {
         secure.stage_deadline_ms
     };
-    if !all_answered && now < deadline {
+    if !all_answered && now_ms() < deadline {
         return Ok(Advanced::Waiting {
             stage_changed: false,
         });
@@ -162,6 +212,16 @@ pub async fn advance(
     }
 }
 
+/// Whether a participant has sent what `stage` waits for.
+fn has_answered(stage: &str, participant: &SecureParticipant) -> bool {
+    match stage {
+        STAGE_ADVERTISE => participant.secagg_keys.is_some(),
+        STAGE_SHARE => participant.secagg_commitment.is_some(),
+        STAGE_COLLECT => participant.state == "uploaded",
+        _ => participant.secagg_reveal.is_some(),
+    }
+}
+
 /// Returns the next stage, `None` once unmasked, or why the round fails.
 async fn close_stage(
     state: &AppState,
@@ -169,39 +229,28 @@ async fn close_stage(
     secure: &SecureRound,
     participants: &[SecureParticipant],
 ) -> Result<Result<Option<&'static str>, String>, ApiError> {
-    let plan = &secure.plan;
-    let next_deadline = now_ms() + stage_timeout_ms(state);
-    let count =
-        |f: &dyn Fn(&SecureParticipant) -> bool| participants.iter().filter(|p| f(p)).count();
-    let (remaining, stage, next, missing) = match secure.stage.as_str() {
-        STAGE_ADVERTISE => (
-            count(&|p| p.state != "dropped" && p.secagg_keys.is_some()),
-            Stage::AdvertiseKeys,
-            STAGE_SHARE,
-            "secagg_keys",
-        ),
-        STAGE_SHARE => (
-            count(&|p| p.state != "dropped" && p.secagg_commitment.is_some()),
-            Stage::ShareKeys,
-            STAGE_COLLECT,
-            "secagg_commitment",
-        ),
-        STAGE_COLLECT => (
-            count(&|p| p.state == "uploaded"),
-            Stage::MaskedInput,
-            STAGE_UNMASK,
-            "uploaded_ms",
-        ),
-        _ => return unmask_round(tx, secure, participants).await,
+    let remaining = participants
+        .iter()
+        .filter(|p| p.state != "dropped" && has_answered(&secure.stage, p))
+        .count();
+    // The message the stage waited for, the stage after it, and the column
+    // left empty by whoever did not send it.
+    let (message, next, missing) = match secure.stage.as_str() {
+        STAGE_ADVERTISE => (Stage::AdvertiseKeys, STAGE_SHARE, "secagg_keys"),
+        STAGE_SHARE => (Stage::ShareKeys, STAGE_COLLECT, "secagg_commitment"),
+        STAGE_COLLECT => (Stage::MaskedInput, STAGE_UNMASK, "uploaded_ms"),
+        _ => (Stage::UnmaskResponse, "", ""),
     };
-    if let Err(error) = secagg_server::check_dropouts(plan, remaining, stage) {
+    if let Err(error) = secagg_server::check_dropouts(&secure.plan, remaining, message) {
         return Ok(Err(error.to_string()));
     }
+    if message == Stage::UnmaskResponse {
+        return unmask_round(tx, secure, participants, remaining).await;
+    }
     secagg::drop_laggards(tx, secure.id, missing).await?;
-    let deadline = if next == STAGE_COLLECT {
-        secure.deadline_ms
-    } else {
-        next_deadline
+    let deadline = match next {
+        STAGE_COLLECT => secure.deadline_ms,
+        _ => now_ms() + stage_timeout_ms(state),
     };
     secagg::set_stage(tx, secure.id, next, deadline).await?;
     Ok(Ok(Some(next)))
@@ -212,15 +261,8 @@ async fn unmask_round(
     tx: &mut Tx<'_>,
     secure: &SecureRound,
     participants: &[SecureParticipant],
+    answered: usize,
 ) -> Result<Result<Option<&'static str>, String>, ApiError> {
-    let answered = participants
-        .iter()
-        .filter(|p| p.state == "uploaded" && p.secagg_reveal.is_some())
-        .count();
-    if let Err(error) = secagg_server::check_dropouts(&secure.plan, answered, Stage::UnmaskResponse)
-    {
-        return Ok(Err(error.to_string()));
-    }
     let sum = rounds::update_sum(tx, secure.id).await?.unwrap_or_default();
     let secure_round = secure.clone();
     let rows = participants.to_vec();
@@ -247,22 +289,15 @@ fn unmask_sum(
     sum_bytes: &[u8],
 ) -> Result<(Vec<f64>, u64), String> {
     let plan = &secure.plan;
-    let ids: Vec<u64> = participants.iter().map(|p| p.device_id as u64).collect();
-    let seed = secure.seed.ok_or("the round's graph seed is missing")?;
-    let graph = Graph::new(&seed, &ids, plan.degree).map_err(|e| e.to_string())?;
+    let round_graph = RoundGraph::build(secure, participants).map_err(|error| error.message)?;
+    let (graph, shared, survivors) = (
+        &round_graph.graph,
+        &round_graph.shared,
+        &round_graph.survivors,
+    );
     let by_id: BTreeMap<u64, &SecureParticipant> = participants
         .iter()
         .map(|p| (p.device_id as u64, p))
-        .collect();
-    let shared: BTreeSet<u64> = by_id
-        .iter()
-        .filter(|(_, p)| p.secagg_commitment.is_some())
-        .map(|(id, _)| *id)
-        .collect();
-    let survivors: BTreeSet<u64> = by_id
-        .iter()
-        .filter(|(_, p)| p.state == "uploaded")
-        .map(|(id, _)| *id)
         .collect();
     let mask_key = |id: u64| {
         by_id[&id]
@@ -274,7 +309,7 @@ fn unmask_sum(
     };
     let session = session(secure);
     let mut book = UnmaskBook::default();
-    for &id in &survivors {
+    for &id in survivors {
         let commitment: [u8; 32] = by_id[&id]
             .secagg_commitment
             .as_deref()
@@ -282,13 +317,13 @@ fn unmask_sum(
             .ok_or_else(|| format!("device {id}'s seed commitment is missing"))?;
         book.survivors.insert(id, commitment);
         if let Some(reveal) = &by_id[&id].secagg_reveal {
-            let (s, d) = unmask_sets(&graph, id, &shared, &survivors);
+            let (s, d) = round_graph.unmask_sets(id);
             let reveals = secagg_server::read_unmask_response(reveal, session, id, &s, &d)
                 .map_err(|e| e.to_string())?;
             book.add(reveals);
         }
     }
-    for &id in shared.difference(&survivors) {
+    for &id in shared.difference(survivors) {
         let neighbours = graph.neighbours(id).unwrap_or_default();
         let masked_with = neighbours
             .into_iter()
@@ -308,43 +343,19 @@ fn unmask_sum(
     arith::decode_sum(plan, &sum).map_err(|e| e.to_string())
 }
 
-/// What a survivor is asked to reveal: the self-mask seed share of each
-/// neighbour that survived, the mask-key share of each that shared keys
-/// but sent no masked input.
-pub fn unmask_sets(
-    graph: &Graph,
-    device: u64,
-    shared: &BTreeSet<u64>,
-    survivors: &BTreeSet<u64>,
-) -> (BTreeSet<u64>, BTreeSet<u64>) {
-    graph
-        .neighbours(device)
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|n| shared.contains(n))
-        .partition(|n| survivors.contains(n))
-}
-
-/// The stored masked sum: little-endian u32 words, or zeros before any.
+/// The stored masked sum: the 32-bit packing (little-endian u32 words), or
+/// zeros before any.
 pub fn decode_masked_sum(bytes: &[u8], plan: &Plan) -> Result<Vec<u32>, String> {
-    if bytes.is_empty() {
-        return Ok(vec![0; plan.masked_len()]);
+    let mut sum = vec![0; plan.masked_len()];
+    if !bytes.is_empty() {
+        arith::add_packed(&mut sum, bytes, 32)
+            .map_err(|error| format!("the stored masked sum is unreadable: {error}"))?;
     }
-    if bytes.len() != plan.masked_len() * 4 {
-        return Err(format!(
-            "the stored masked sum is {} bytes, the round's vectors take {}",
-            bytes.len(),
-            plan.masked_len() * 4
-        ));
-    }
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-        .collect())
+    Ok(sum)
 }
 
 pub fn encode_masked_sum(sum: &[u32]) -> Vec<u8> {
-    sum.iter().flat_map(|v| v.to_le_bytes()).collect()
+    arith::pack(sum, 32)
 }
 
 /// Maps a refused protocol message to its HTTP answer.

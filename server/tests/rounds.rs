@@ -17,7 +17,9 @@ use canopy_protocol::update::{UpdateLayout, encode_update};
 use canopy_sdk::{DeviceClient, SdkError};
 use reqwest::Method;
 use serde_json::{Value, json};
-use support::{Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes};
+use support::{
+    Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task,
+};
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -82,15 +84,6 @@ fn assert_params(model: &canopy_ir::Model, expected: &BTreeMap<String, Vec<f32>>
             );
         }
     }
-}
-
-async fn poll(device: &DeviceClient) -> Result<Task> {
-    for _ in 0..20 {
-        if let Some(task) = device.next_task(3_000).await? {
-            return Ok(task);
-        }
-    }
-    anyhow::bail!("device {} got no task", device.device_id)
 }
 
 /// Downloads (verified), uploads a deterministic update, reports metrics.
@@ -427,7 +420,7 @@ async fn federated_job_matches_fedavg(database: Database) -> Result<()> {
     for round in 1..=2 {
         let mut sent = Vec::new();
         for (index, device) in devices.iter().enumerate() {
-            let task = poll(device).await?;
+            let task = poll_task(device).await?;
             assert_eq!(task.round_number, round);
             let samples = 10 * (index as u64 + 1);
             if round == 1 && index == 0 {
@@ -555,7 +548,7 @@ async fn survives_kill_9(database: Database) -> Result<()> {
     let base = fetch_model(&admin, "logreg", 1).await?;
     let mut tasks = Vec::new();
     for device in &devices {
-        tasks.push(poll(device).await?);
+        tasks.push(poll_task(device).await?);
     }
     let mut sent = Vec::new();
     for (device, task) in devices.iter().zip(&tasks).take(2) {
@@ -586,7 +579,7 @@ async fn survives_kill_9(database: Database) -> Result<()> {
         );
     }
     for device in devices.iter().skip(2) {
-        let task = poll(device).await?;
+        let task = poll_task(device).await?;
         assert_eq!(
             task.round_id, tasks[0].round_id,
             "the same task is handed out again"
@@ -631,8 +624,8 @@ async fn failed_round_is_retried_without_a_version() -> Result<()> {
             1_500,
         ))
         .await?;
-    let task_a = poll(&a).await?;
-    let task_b = poll(&b).await?;
+    let task_a = poll_task(&a).await?;
+    let task_b = poll_task(&b).await?;
     train(&a, &task_a, 10).await?;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -669,8 +662,8 @@ async fn failed_round_is_retried_without_a_version() -> Result<()> {
         "a failed round writes no version"
     );
 
-    let retry_a = poll(&a).await?;
-    let retry_b = poll(&b).await?;
+    let retry_a = poll_task(&a).await?;
+    let retry_b = poll_task(&b).await?;
     assert_ne!(retry_a.round_id, task_a.round_id, "a new attempt");
     train(&a, &retry_a, 10).await?;
     train(&b, &retry_b, 10).await?;
@@ -726,7 +719,7 @@ async fn two_processes_share_one_postgres() -> Result<()> {
     for round in 1..=3 {
         let mut sent = Vec::new();
         for (index, device) in devices.iter().enumerate() {
-            let task = poll(device).await?;
+            let task = poll_task(device).await?;
             sent.push(train(device, &task, 5 + index as u64).await?);
         }
         wait_for_rounds(&second.admin(), job, round).await?;

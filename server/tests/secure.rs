@@ -20,7 +20,9 @@ use canopy_sdk::DeviceClient;
 use rand::SeedableRng;
 use reqwest::Method;
 use serde_json::{Value, json};
-use support::{Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes};
+use support::{
+    Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task,
+};
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 /// Short, so that tests see silent devices dropped quickly.
@@ -61,16 +63,6 @@ fn start_timed(
         rust_log,
     )?;
     Ok((server, dir))
-}
-
-async fn poll(device: &DeviceClient) -> Result<Task> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if let Some(task) = device.next_task(2_000).await? {
-            return Ok(task);
-        }
-    }
-    bail!("device {} got no task", device.device_id)
 }
 
 fn stage_path(task: &Task, endpoint: &str) -> Result<String> {
@@ -232,7 +224,7 @@ async fn enroll_all(server: &TestServer, admin: &Admin, n: usize) -> Result<Vec<
 async fn start_devices(clients: Vec<DeviceClient>) -> Result<Vec<Device>> {
     let mut devices = Vec::new();
     for (i, client) in clients.into_iter().enumerate() {
-        let task = poll(&client).await?;
+        let task = poll_task(&client).await?;
         let len = task.layout.num_elements();
         devices.push(Device {
             client,

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use canopy_protocol::auth::DeviceKey;
-use canopy_protocol::messages::{Capabilities, Tier};
+use canopy_protocol::messages::{Capabilities, Task, Tier};
 use canopy_sdk::{DeviceClient, Transport, Trust};
 use serde_json::{Value, json};
 
@@ -475,6 +475,17 @@ pub fn capabilities() -> Capabilities {
         os: "linux".to_string(),
         tags: Default::default(),
     }
+}
+
+/// Long-polls until the device is handed a task, or fails after 20 polls
+/// of up to 3 s.
+pub async fn poll_task(device: &DeviceClient) -> Result<Task> {
+    for _ in 0..20 {
+        if let Some(task) = device.next_task(3_000).await? {
+            return Ok(task);
+        }
+    }
+    bail!("device {} got no task", device.device_id)
 }
 
 /// Enrolls a device with a fresh key.

@@ -25,7 +25,7 @@ use super::poll_wait;
 use super::tasks::PollQuery;
 use crate::api::admin::models::read_limited;
 use crate::error::{ApiError, ApiResult, Path, Query};
-use crate::secure::{self, KEYS_BYTES};
+use crate::secure::{self, RoundGraph};
 use crate::state::AppState;
 use crate::store::secagg::{
     self, STAGE_ADVERTISE, STAGE_COLLECT, STAGE_SHARE, STAGE_UNMASK, SecureParticipant, SecureRound,
@@ -176,6 +176,17 @@ fn duplicate(message: Stage, round: &SecureRound, device_id: i64) -> ApiError {
     ))
 }
 
+/// A conditional write that changed nothing: another request of the same
+/// device won the race, or the stage closed between the check and the write.
+fn not_taken(message: Stage, round: &SecureRound, device_id: i64) -> ApiError {
+    ApiError::conflict(format!(
+        "device {device_id}'s {} message for round {} was not taken: it already sent one, or \
+         the stage closed meanwhile",
+        message.name(),
+        round.id
+    ))
+}
+
 async fn advertise(
     state: &AppState,
     round: &SecureRound,
@@ -196,16 +207,9 @@ async fn advertise(
         &device_key,
     )
     .map_err(secure::refusal)?;
-    let mut keys = Vec::with_capacity(KEYS_BYTES);
-    keys.extend_from_slice(&advertisement.channel_key);
-    keys.extend_from_slice(&advertisement.mask_key);
-    keys.extend_from_slice(&advertisement.signature);
+    let keys = secure::keys_bytes(&advertisement);
     if !secagg::save_keys(&state.db, round.id, device_id, &keys).await? {
-        return Err(ApiError::conflict(format!(
-            "device {device_id}'s AdvertiseKeys message for round {} was not taken: it already \
-             sent one, or the stage closed meanwhile",
-            round.id
-        )));
+        return Err(not_taken(Stage::AdvertiseKeys, round, device_id));
     }
     Ok(())
 }
@@ -218,16 +222,12 @@ async fn advertised_neighbours(
     device_id: i64,
 ) -> ApiResult<Vec<SecureParticipant>> {
     let all = secagg::participants(&state.db.pool, round.id).await?;
-    let ids: Vec<u64> = all.iter().map(|p| p.device_id as u64).collect();
-    let graph = secure::graph(round, &ids)?;
-    let neighbours: BTreeSet<u64> = graph
-        .neighbours(device_id as u64)
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
+    let graph = RoundGraph::build(round, &all)?.graph;
     Ok(all
         .into_iter()
-        .filter(|p| neighbours.contains(&(p.device_id as u64)) && p.secagg_keys.is_some())
+        .filter(|p| {
+            p.secagg_keys.is_some() && graph.are_neighbours(device_id as u64, p.device_id as u64)
+        })
         .collect())
 }
 
@@ -273,11 +273,7 @@ async fn share_keys(
     )
     .await?;
     if !saved {
-        return Err(ApiError::conflict(format!(
-            "device {device_id}'s ShareKeys message for round {} was not taken: it already sent \
-             one, or the stage closed meanwhile",
-            round.id
-        )));
+        return Err(not_taken(Stage::ShareKeys, round, device_id));
     }
     Ok(())
 }
@@ -333,24 +329,7 @@ async fn unmask_sets(
     device_id: i64,
 ) -> ApiResult<(BTreeSet<u64>, BTreeSet<u64>)> {
     let all = secagg::participants(&state.db.pool, round.id).await?;
-    let ids: Vec<u64> = all.iter().map(|p| p.device_id as u64).collect();
-    let graph = secure::graph(round, &ids)?;
-    let shared = all
-        .iter()
-        .filter(|p| p.secagg_commitment.is_some())
-        .map(|p| p.device_id as u64)
-        .collect();
-    let survivors = all
-        .iter()
-        .filter(|p| p.state == "uploaded")
-        .map(|p| p.device_id as u64)
-        .collect();
-    Ok(secure::unmask_sets(
-        &graph,
-        device_id as u64,
-        &shared,
-        &survivors,
-    ))
+    Ok(RoundGraph::build(round, &all)?.unmask_sets(device_id as u64))
 }
 
 async fn unmask_response(
@@ -379,11 +358,7 @@ async fn unmask_response(
     )
     .map_err(secure::refusal)?;
     if !secagg::save_reveal(&state.db, round.id, device_id, bytes).await? {
-        return Err(ApiError::conflict(format!(
-            "device {device_id}'s UnmaskResponse for round {} was not taken: it already sent one, \
-             or the stage closed meanwhile",
-            round.id
-        )));
+        return Err(not_taken(Stage::UnmaskResponse, round, device_id));
     }
     Ok(())
 }
