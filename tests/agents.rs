@@ -403,6 +403,71 @@ async fn corrupted_model_download_is_refused() -> Result<()> {
     Ok(())
 }
 
+/// The server's model-signing key is rotated after the agent enrolled: the
+/// agent follows the endorsement on its first download, writes the new key
+/// to `agent.toml`, and after a restart starts from it (it does not follow
+/// the endorsement again) and keeps training.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_keeps_a_rotated_signing_key_across_a_restart() -> Result<()> {
+    const FOLLOWED: &str = "now trusting the server's rotated model-signing key";
+    let (train, _) = digits()?;
+    let config_dir = tempfile::tempdir()?;
+    let config = config_dir.path().join("server.toml");
+    std::fs::write(&config, "[limits]\nsigning_key_reload_ms = 100\n")?;
+    let server = TestServer::start_with(
+        Database::Sqlite,
+        &["--config", config.to_str().context("utf-8 path")?],
+    )?;
+    let admin = server.admin();
+    let version = admin.upload_model("digits", digits_model(&train)?).await?;
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let token = admin.enrollment_token(1).await?;
+    let mut agent = Agent::enroll(&server, &token)?;
+    agent.add_data(&train)?;
+    let enrollment = agent.dir.path().join("agent.toml");
+    let k1 = admin.ok("/device/v1/server-key").await?["server_public_key"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    ensure!(std::fs::read_to_string(&enrollment)?.contains(&k1));
+
+    let rotated = server.signing_key(&["rotate", "--overlap", "1h"])?;
+    let k2 = rotated
+        .lines()
+        .find_map(|line| line.strip_prefix("signing key: "))
+        .context("rotate printed no key")?
+        .to_string();
+    server.wait_until_signing_with(&k2).await?;
+
+    agent.start()?;
+    let first = admin.create_job(job(version_id, 1, 1, 1, 60_000)).await?;
+    let finished = admin.wait_for_job(first, JOB_TIMEOUT).await?;
+    ensure!(
+        finished["state"] == "completed",
+        "{finished}\n{}",
+        logs(std::slice::from_ref(&agent))
+    );
+    let written = std::fs::read_to_string(&enrollment)?;
+    ensure!(
+        written.contains(&format!("server_public_key = \"{k2}\""))
+            && written.contains(&format!("previous_server_key = \"{k1}\"")),
+        "{written}"
+    );
+
+    agent.kill9();
+    agent.start()?;
+    let second = admin.create_job(job(version_id, 1, 1, 1, 60_000)).await?;
+    let finished = admin.wait_for_job(second, JOB_TIMEOUT).await?;
+    let log = logs(std::slice::from_ref(&agent));
+    ensure!(finished["state"] == "completed", "{finished}\n{log}");
+    ensure!(
+        log.matches(FOLLOWED).count() == 1,
+        "the restarted agent followed the endorsement again:\n{log}"
+    );
+    ensure!(std::fs::read_to_string(&enrollment)? == written);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enrolling_with_a_revoked_token_fails_clearly() -> Result<()> {
     let server = TestServer::start(Database::Sqlite)?;

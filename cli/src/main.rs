@@ -1,16 +1,20 @@
 //! `canopy`: create, inspect, train, evaluate and benchmark Canopy models.
 //!
 //! Errors print as `error:` / `Caused by:` / `hint:` and exit non-zero;
-//! nothing a user types or a file contains makes this binary panic.
+//! nothing a user types or a file contains makes this binary panic, and
+//! a closed stdout stops a command quietly with 141 (see the `canopy-term` crate).
 
 mod commands;
 mod files;
+use canopy_term as output;
 mod progress;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+
+use crate::output::errln;
 
 #[derive(Parser)]
 #[command(
@@ -53,7 +57,10 @@ pub struct DataArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return output::clap_exit(&error),
+    };
     progress::init_logging();
     let result = match cli.command {
         Command::Model(ModelCommand::New(args)) => commands::new::run(args),
@@ -64,6 +71,9 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(error) if output::is_stdout_closed(&*error) => {
+            ExitCode::from(output::STDOUT_CLOSED_EXIT)
+        }
         Err(error) => {
             report(&error);
             ExitCode::FAILURE
@@ -74,12 +84,12 @@ fn main() -> ExitCode {
 /// Prints an error chain in the house style; a `Hint` anywhere in the
 /// chain is printed last.
 fn report(error: &anyhow::Error) {
-    eprintln!("error: {error}");
+    errln!("error: {error}");
     let mut hint = None;
     for cause in error.chain().skip(1) {
         match cause.downcast_ref::<files::Hint>() {
             Some(h) => hint = Some(h.0.clone()),
-            None => eprintln!("  Caused by: {cause}"),
+            None => errln!("  Caused by: {cause}"),
         }
     }
     if let Some(h) = error
@@ -87,6 +97,6 @@ fn report(error: &anyhow::Error) {
         .map(|h| h.0.clone())
         .or(hint)
     {
-        eprintln!("  hint: {h}");
+        errln!("  hint: {h}");
     }
 }

@@ -10,6 +10,9 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // With stderr closed the subscriber would report the failed write
+        // with `eprintln!`, which panics; a lost log line is not worth that.
+        .log_internal_errors(false)
         .with_target(false)
         .try_init();
 }

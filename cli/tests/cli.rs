@@ -297,3 +297,104 @@ fn readme_opens_with_the_main_job_and_the_ci_test_command() {
         ".ci/run runs the README's command"
     );
 }
+
+/// The write end of a pipe whose read end is already closed: every
+/// write to it fails with EPIPE, with no race against the reader.
+fn closed_pipe() -> std::process::Stdio {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    writer.into()
+}
+
+/// Runs `canopy` with stdout a pipe whose read end is closed before it
+/// writes anything, as a reader that quit (`| head -0`).
+fn canopy_with_closed_stdout(args: &[&str]) -> Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_canopy"))
+        .args(args)
+        .env("CANOPY_LOG", "warn")
+        .stdout(closed_pipe())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the canopy binary runs");
+    child.wait_with_output().expect("canopy exits")
+}
+
+#[test]
+fn a_closed_stdout_stops_every_command_quietly() {
+    let dir = scratch("closed-stdout");
+    let model = dir.join("m.canopy").display().to_string();
+    let trained = dir.join("t.canopy").display().to_string();
+    let data = repo().join("datasets/digits").display().to_string();
+    let logreg = [
+        "model",
+        "new",
+        "logreg",
+        "--inputs",
+        "64",
+        "--classes",
+        "10",
+        "-o",
+        &model,
+    ];
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["--help"],
+        vec!["--version"],
+        vec!["model", "--help"],
+        logreg.to_vec(),
+        vec!["model", "inspect", &model],
+        vec!["model", "inspect", &model, "--json"],
+        vec![
+            "model", "train", &model, "--data", &data, "--epochs", "1", "-o", &trained,
+        ],
+        vec!["model", "eval", &model, "--data", &data],
+        vec!["model", "eval", &model, "--data", &data, "--json"],
+    ];
+    for args in commands {
+        let out = canopy_with_closed_stdout(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked"),
+            "`{args:?}` panicked: {stderr}"
+        );
+        assert!(stderr.is_empty(), "`{args:?}` stops quietly: {stderr}");
+        // 128 + SIGPIPE, as a shell reports a C tool killed by SIGPIPE;
+        // see the `canopy-term` crate.
+        assert_eq!(out.status.code(), Some(141), "`{args:?}`: {stderr}");
+    }
+    assert!(
+        Path::new(&model).exists(),
+        "`model new` wrote before reporting"
+    );
+}
+
+/// Training logs to stderr as it goes: with stderr closed the logs are
+/// lost, not turned into a panic, and training completes.
+#[test]
+fn a_closed_stderr_does_not_stop_a_logging_command() {
+    let dir = scratch("closed-stderr");
+    let model = dir.join("m.canopy").display().to_string();
+    let trained = dir.join("t.canopy").display().to_string();
+    ok(canopy(&[
+        "model",
+        "new",
+        "logreg",
+        "--inputs",
+        "64",
+        "--classes",
+        "10",
+        "-o",
+        &model,
+    ]));
+    let data = repo().join("datasets/digits").display().to_string();
+    let status = Command::new(env!("CARGO_BIN_EXE_canopy"))
+        .args([
+            "model", "train", &model, "--data", &data, "--epochs", "2", "-o", &trained,
+        ])
+        .env("CANOPY_LOG", "debug")
+        .stdout(std::process::Stdio::null())
+        .stderr(closed_pipe())
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    assert!(Path::new(&trained).exists(), "the model was written");
+}

@@ -25,6 +25,7 @@ use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::messages::{
     Capabilities, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics, Task, UploadReceipt,
 };
+use canopy_protocol::model_sig::{SigningKeys, TrustedKeys};
 use canopy_protocol::secagg::wire::Stage;
 use tokio::runtime::Runtime;
 
@@ -107,6 +108,30 @@ impl DeviceClient {
     ) -> Result<DeviceClient, SdkError> {
         let inner = crate::DeviceClient::new(transport, device_id, key, server_public_key_hex)?;
         DeviceClient::from_async(inner)
+    }
+
+    /// A client that trusts `trusted` for model signatures, e.g. as
+    /// persisted from [`DeviceClient::trusted_keys`].
+    pub fn with_trusted_keys(
+        transport: Transport,
+        device_id: i64,
+        key: DeviceKey,
+        trusted: TrustedKeys,
+    ) -> Result<DeviceClient, SdkError> {
+        DeviceClient::from_async(crate::DeviceClient::with_trusted_keys(
+            transport, device_id, key, trusted,
+        ))
+    }
+
+    /// What the device trusts to sign models; it moves when a download is
+    /// signed by a key the server endorsed. Persist it when it changes.
+    pub fn trusted_keys(&self) -> TrustedKeys {
+        self.inner.trusted_keys()
+    }
+
+    /// The server's current model-signing key and its endorsement chain.
+    pub fn signing_keys(&self) -> Result<SigningKeys, SdkError> {
+        self.block_on(self.inner.signing_keys())?
     }
 
     /// Wraps an async client, keeping its retry policy and cancel token.

@@ -3,6 +3,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -11,7 +12,10 @@ use canopy_protocol::messages::{
     Capabilities, EnrollRequest, EnrollResponse, ErrorBody, Heartbeat, HeartbeatResponse,
     RoundMetrics, Task, UploadReceipt,
 };
-use canopy_protocol::model_sig::{self, HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE};
+use canopy_protocol::model_sig::{
+    self, HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE, KeyTrustError,
+    SigningKeys, TrustedKeys,
+};
 use canopy_protocol::secagg::SecAggError;
 use canopy_protocol::secagg::wire::Stage;
 use reqwest::{Method, StatusCode};
@@ -25,6 +29,9 @@ pub const MAX_MODEL_BYTES: u64 = 1 << 30;
 pub const CONNECT_TIMEOUT_MS: u64 = 10_000;
 /// Covers the longest task poll the server allows, plus transfer time.
 pub const REQUEST_TIMEOUT_MS: u64 = 120_000;
+/// Largest answer to `GET /device/v1/signing-keys`: a full chain of
+/// [`model_sig::MAX_KEY_CHAIN_LEN`] endorsements is about 5 KiB.
+pub const MAX_SIGNING_KEYS_BYTES: usize = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SdkError {
@@ -198,6 +205,18 @@ impl Transport {
     }
 }
 
+/// An error and its causes on one line.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -369,12 +388,21 @@ pub struct DownloadedModel {
 /// `signed` and `send_signed` are single raw requests and observe neither.
 /// Clones share the connection pool, the policy is copied, and the token
 /// is shared (cancelling it cancels every clone's work).
+///
+/// Models are verified under the client's [`TrustedKeys`]. A download
+/// signed by a key the device does not trust yet makes the client fetch
+/// the server's endorsement chain and follow it (see
+/// [`TrustedKeys::advance`]); the trust moves only along a valid chain from
+/// the key it held. Clones share the trust. Persist
+/// [`DeviceClient::trusted_keys`] after a task and construct with
+/// [`DeviceClient::with_trusted_keys`], or a restarted device falls back to
+/// its enrollment key.
 #[derive(Clone, Debug)]
 pub struct DeviceClient {
     pub transport: Transport,
     pub device_id: i64,
     key: DeviceKey,
-    server_public_key: [u8; 32],
+    trust: Arc<Mutex<TrustedKeys>>,
     retry: RetryPolicy,
     cancel: CancelToken,
 }
@@ -393,14 +421,30 @@ impl DeviceClient {
                     reason: error.to_string(),
                 }
             })?;
-        Ok(DeviceClient {
+        Ok(DeviceClient::with_trusted_keys(
             transport,
             device_id,
             key,
-            server_public_key,
+            TrustedKeys::new(server_public_key),
+        ))
+    }
+
+    /// A client that trusts `trusted` for model signatures, e.g. as
+    /// persisted from [`DeviceClient::trusted_keys`].
+    pub fn with_trusted_keys(
+        transport: Transport,
+        device_id: i64,
+        key: DeviceKey,
+        trusted: TrustedKeys,
+    ) -> DeviceClient {
+        DeviceClient {
+            transport,
+            device_id,
+            key,
+            trust: Arc::new(Mutex::new(trusted)),
             retry: RetryPolicy::none(),
             cancel: CancelToken::new(),
-        })
+        }
     }
 
     /// The client with this retry policy; e.g. `RetryPolicy::default()`.
@@ -434,9 +478,93 @@ impl DeviceClient {
         &self.cancel
     }
 
-    /// The server's model-signing key, as given at construction.
+    /// The model-signing key the device trusts now: the one given at
+    /// construction until a rotation was followed.
     pub fn server_public_key(&self) -> [u8; 32] {
-        self.server_public_key
+        self.trusted_keys().current()
+    }
+
+    /// What the device trusts to sign models; persist it when it changes.
+    pub fn trusted_keys(&self) -> TrustedKeys {
+        // The lock only guards a `Copy` value, so a poisoned one is whole.
+        *self
+            .trust
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Moves the trust from `from` to `to`, unless another call moved it
+    /// meanwhile (that call followed a valid chain too).
+    fn advance_trust(&self, from: TrustedKeys, to: TrustedKeys) {
+        let mut trust = self
+            .trust
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if *trust == from {
+            *trust = to;
+        }
+    }
+
+    /// The server's current model-signing key and the endorsements that
+    /// lead to it.
+    pub async fn signing_keys(&self) -> Result<SigningKeys, SdkError> {
+        let path = "/device/v1/signing-keys";
+        let mut response = check(self.signed(Method::GET, path, Bytes::new()).await?).await?;
+        let bad = |reason: String| SdkError::BadResponse {
+            what: "signing keys",
+            reason,
+        };
+        let body = match read_limited(&mut response, MAX_SIGNING_KEYS_BYTES).await {
+            Ok(LimitedBody::Complete(body)) => body,
+            Ok(LimitedBody::TooLong { .. }) => {
+                return Err(bad(format!(
+                    "the answer is over the {MAX_SIGNING_KEYS_BYTES}-byte limit"
+                )));
+            }
+            Err(source) => {
+                return Err(SdkError::Transport {
+                    url: self.transport.url(path),
+                    source,
+                });
+            }
+        };
+        serde_json::from_slice(&body).map_err(|error| bad(error.to_string()))
+    }
+
+    /// Checks a download's signature under the trusted keys. A signer the
+    /// device does not trust yet is looked up in the server's endorsement
+    /// chain; the trust moves to it only if the chain leads there from the
+    /// trusted key and the signature then verifies.
+    async fn verify_model_signature(
+        &self,
+        version_id: i64,
+        signer_hex: Option<&str>,
+        digest: &str,
+        signature: &str,
+    ) -> Result<(), SdkError> {
+        let fail = |error: KeyTrustError| SdkError::ModelVerification {
+            version_id,
+            reason: error_chain(&error),
+        };
+        let trust = self.trusted_keys();
+        let signer = match signer_hex {
+            Some(hex) => model_sig::parse_key_hex(hex).map_err(fail)?,
+            // A server from before key rotation names no signer: it signs
+            // with the key the device enrolled under.
+            None => trust.current(),
+        };
+        let now = now_ms();
+        match trust.verify_model(&signer, digest, signature, now) {
+            Err(KeyTrustError::UnknownSigner { .. }) => {}
+            verified => return verified.map_err(fail),
+        }
+        let chain = self.signing_keys().await?;
+        let advanced = trust.advance(&signer, &chain.endorsements).map_err(fail)?;
+        advanced
+            .verify_model(&signer, digest, signature, now)
+            .map_err(fail)?;
+        self.advance_trust(trust, advanced);
+        Ok(())
     }
 
     /// Swaps the connection, e.g. after the server restarted.
@@ -707,8 +835,9 @@ impl DeviceClient {
                         task.model_digest
                     )));
                 }
-                model_sig::verify_model_signature(&self.server_public_key, &digest, &signature)
-                    .map_err(|error| fail(error.to_string()))?;
+                let signer = header(HEADER_MODEL_KEY);
+                self.verify_model_signature(version_id, signer.as_deref(), &digest, &signature)
+                    .await?;
                 *verified = Some(digest);
             }
         }

@@ -31,9 +31,12 @@ mod trust;
 
 pub use backend::{BackendChoice, BackendKind, choose_backend};
 pub use cancel::CancelToken;
+/// What a device trusts to sign models, and the server's answer it
+/// advances along; see [`DeviceClient::trusted_keys`].
+pub use canopy_protocol::model_sig::{KeyEndorsement, SigningKeys, TrustedKeys};
 pub use client::{
-    CONNECT_TIMEOUT_MS, DeviceClient, DownloadedModel, MAX_MODEL_BYTES, REQUEST_TIMEOUT_MS,
-    SdkError, Transport, enroll, enroll_with,
+    CONNECT_TIMEOUT_MS, DeviceClient, DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES,
+    REQUEST_TIMEOUT_MS, SdkError, Transport, enroll, enroll_with,
 };
 pub use keystore::{KeyStoreError, load_device_key, save_device_key};
 pub use retry::RetryPolicy;

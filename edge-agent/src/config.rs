@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use canopy_protocol::auth::DeviceKey;
-use canopy_sdk::Trust;
+use canopy_sdk::{Trust, TrustedKeys};
 use serde::{Deserialize, Serialize};
 
 use crate::files::{DataDir, Hint, MAX_CONFIG_BYTES, hinted, read_text, write_public};
@@ -59,8 +59,16 @@ impl TrustConfig {
 pub struct AgentConfig {
     pub server: String,
     pub device_id: i64,
-    /// Hex Ed25519 key the server signs models with.
+    /// Hex Ed25519 key the server signs models with: the one given at
+    /// enrollment, until the daemon follows a rotation and rewrites it.
     pub server_public_key: String,
+    /// The key `server_public_key` replaced, accepted until
+    /// `previous_server_key_valid_until_ms` (Unix ms). Both are absent in
+    /// files written before key rotation, and until the first rotation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_server_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub previous_server_key_valid_until_ms: Option<u64>,
     /// The interval the server asked for at enrollment; heartbeats adopt
     /// whatever later answers say.
     pub heartbeat_interval_ms: u64,
@@ -105,8 +113,7 @@ impl AgentConfig {
         if self.device_id <= 0 {
             bail!("`device_id` {} is not a valid id", self.device_id);
         }
-        canopy_protocol::auth::parse_public_key_hex(&self.server_public_key)
-            .map_err(|e| anyhow::anyhow!("`server_public_key` is invalid: {e}"))?;
+        self.trusted_keys()?;
         if self.tags.len() > canopy_protocol::messages::MAX_TAGS {
             bail!(
                 "`tags` has {} entries, the limit is {}",
@@ -117,11 +124,28 @@ impl AgentConfig {
         Ok(())
     }
 
+    /// The model-signing keys this device trusts.
+    pub fn trusted_keys(&self) -> Result<TrustedKeys> {
+        TrustedKeys::from_hex(
+            &self.server_public_key,
+            self.previous_server_key.as_deref(),
+            self.previous_server_key_valid_until_ms,
+        )
+        .context("`server_public_key` or `previous_server_key` is invalid")
+    }
+
+    pub fn set_trusted_keys(&mut self, trusted: TrustedKeys) {
+        self.server_public_key = trusted.current_hex();
+        self.previous_server_key = trusted.previous().map(|p| hex::encode(p.key));
+        self.previous_server_key_valid_until_ms = trusted.previous().map(|p| p.valid_until_ms);
+    }
+
     pub fn save(&self, dir: &DataDir) -> Result<()> {
         let path = dir.agent();
         let body = toml::to_string(self).context("cannot serialise the enrollment")?;
-        let text =
-            format!("# Written by `canopy-agent enroll`; `enroll --force` replaces it.\n{body}");
+        let text = format!(
+            "# Written by `canopy-agent enroll` (and by `run` when the server's model-signing key\n# is rotated); `enroll --force` replaces it.\n{body}"
+        );
         write_public(&path, text.as_bytes())
             .with_context(|| format!("cannot write enrollment file `{}`", path.display()))
     }
@@ -176,10 +200,17 @@ pub fn config_template() -> String {
 /// Stores the device key in `device.key` through the SDK's key store:
 /// 64 hex digits and a newline, in a temporary file created with mode
 /// 0600, synced and renamed over the old key, so the key is never
-/// readable by others and a crash never leaves a torn key.
+/// readable by others and a crash never leaves a torn key. Written by
+/// root into the service user's data directory, it goes to that user.
 pub fn store_key(path: &Path, key: &DeviceKey) -> Result<()> {
     canopy_sdk::save_device_key(path, key)
-        .with_context(|| format!("cannot write device key `{}`", path.display()))
+        .with_context(|| format!("cannot write device key `{}`", path.display()))?;
+    crate::ownership::adopt_folder_owner_at(path).with_context(|| {
+        format!(
+            "cannot give device key `{}` to the data directory's owner",
+            path.display()
+        )
+    })
 }
 
 /// Reads `device.key`; refuses a key file that group or others can read
@@ -215,6 +246,8 @@ mod tests {
             server: "https://127.0.0.1:8443".into(),
             device_id: 7,
             server_public_key: DeviceKey::generate().public_key_hex(),
+            previous_server_key: Some(DeviceKey::generate().public_key_hex()),
+            previous_server_key_valid_until_ms: Some(1_700_000_000_000),
             heartbeat_interval_ms: 15_000,
             enrolled_unix_ms: 1,
             trust: TrustConfig::Fingerprint {
@@ -226,6 +259,35 @@ mod tests {
         let back: AgentConfig = toml::from_str(&text).unwrap();
         assert_eq!(back, config);
         back.check().unwrap();
+        let trusted = back.trusted_keys().unwrap();
+        assert_eq!(trusted.current_hex(), config.server_public_key);
+        assert_eq!(
+            trusted.previous().map(|p| p.valid_until_ms),
+            Some(1_700_000_000_000)
+        );
+    }
+
+    /// `agent.toml` from before key rotation has no previous key: it loads,
+    /// trusting its one key; a previous key without its window is refused.
+    #[test]
+    fn an_enrollment_without_a_previous_key_still_loads() {
+        let key = DeviceKey::generate().public_key_hex();
+        let old = format!(
+            "server = \"https://127.0.0.1:8443\"\ndevice_id = 3\nserver_public_key = \"{key}\"\n\
+             heartbeat_interval_ms = 15000\nenrolled_unix_ms = 1\n\
+             [trust]\nkind = \"system_roots\"\n"
+        );
+        let config: AgentConfig = toml::from_str(&old).unwrap();
+        config.check().unwrap();
+        let trusted = config.trusted_keys().unwrap();
+        assert_eq!(trusted.current_hex(), key);
+        assert!(trusted.previous().is_none());
+        let half = AgentConfig {
+            previous_server_key: Some(DeviceKey::generate().public_key_hex()),
+            ..config
+        };
+        let error = format!("{:#}", half.check().unwrap_err());
+        assert!(error.contains("previous"), "{error}");
     }
 
     #[test]

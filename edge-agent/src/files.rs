@@ -100,11 +100,7 @@ pub fn read_bounded(path: &Path, limit: u64) -> Result<Option<Vec<u8>>> {
     let file = match fs::File::open(path) {
         Ok(file) => file,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(error) => {
-            return Err(
-                anyhow::Error::new(error).context(format!("cannot open `{}`", path.display()))
-            );
-        }
+        Err(error) => return Err(open_error(path, error)),
     };
     let meta = file
         .metadata()
@@ -130,6 +126,20 @@ pub fn read_bounded(path: &Path, limit: u64) -> Result<Option<Vec<u8>>> {
     Ok(Some(bytes))
 }
 
+/// "cannot open", with a hint when permissions are the cause: an
+/// installed agent's data directory belongs to its service user.
+fn open_error(path: &Path, error: std::io::Error) -> anyhow::Error {
+    let context = format!("cannot open `{}`", path.display());
+    if error.kind() != std::io::ErrorKind::PermissionDenied {
+        return anyhow::Error::new(error).context(context);
+    }
+    anyhow::Error::new(Hint(
+        "an installed agent's data directory belongs to its service user (`canopy-agent` unless install was given --user): run this as root (sudo) or as that user".into(),
+    ))
+    .context(error.to_string())
+    .context(context)
+}
+
 /// Reads a UTF-8 text file of at most `limit` bytes; `Ok(None)` when absent.
 pub fn read_text(path: &Path, limit: u64) -> Result<Option<String>> {
     match read_bounded(path, limit)? {
@@ -144,11 +154,14 @@ pub fn read_text(path: &Path, limit: u64) -> Result<Option<String>> {
 /// data goes to a fresh temporary file in the same folder, created with
 /// that mode (never widened, never changed afterwards), is synced, and is
 /// renamed over `path`. A crash leaves the old file or the new one.
+/// Root writing into another user's folder gives the file to that user
+/// ([`crate::ownership`]).
 pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> std::io::Result<()> {
     let tmp = temporary_sibling(path);
     let _ = fs::remove_file(&tmp);
     let result = (|| {
         let mut file = create_new_with_mode(&tmp, mode)?;
+        crate::ownership::adopt_folder_owner(&file, &tmp)?;
         file.write_all(contents)?;
         file.sync_all()?;
         drop(file);
@@ -304,6 +317,25 @@ mod tests {
         assert_eq!(read_bounded(&path, 100).unwrap().unwrap().len(), 100);
         assert!(read_bounded(&dir.join("absent"), 10).unwrap().is_none());
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn permission_errors_say_who_owns_the_data_directory() {
+        let error = open_error(
+            Path::new("/var/lib/canopy-agent/agent.toml"),
+            std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        );
+        assert_eq!(
+            error.to_string(),
+            "cannot open `/var/lib/canopy-agent/agent.toml`"
+        );
+        let hint = error.downcast_ref::<Hint>().expect("a hint");
+        assert!(hint.0.contains("run this as root"), "{}", hint.0);
+        let missing = open_error(
+            Path::new("x"),
+            std::io::Error::from(std::io::ErrorKind::InvalidData),
+        );
+        assert!(missing.downcast_ref::<Hint>().is_none());
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //! enrollment), `config.toml` (`run` settings), `datasets.toml` and
 //! `status.json`.
 //!
-//! Errors print as `error:` / `Caused by:` / `hint:` and exit 1. Logs are
+//! Errors print as `error:` / `Caused by:` / `hint:` and exit 1; a
+//! closed stdout stops a command quietly with 141 (see the `canopy-term` crate). Logs are
 //! structured `tracing` events on stderr: `CANOPY_LOG` (else `RUST_LOG`)
 //! filters them, `CANOPY_LOG_FORMAT=json|text` picks the format, JSON
 //! when stderr is not a terminal.
@@ -21,6 +22,8 @@ mod config;
 mod daemon;
 mod datasets;
 mod files;
+use canopy_term as output;
+mod ownership;
 mod status;
 
 use std::io::IsTerminal;
@@ -30,6 +33,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 use crate::files::{DataDir, Hint};
+use crate::output::errln;
 
 #[derive(Parser)]
 #[command(
@@ -86,7 +90,10 @@ struct StatusArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return output::clap_exit(&error),
+    };
     init_logging();
     let dir = DataDir::new(cli.data_dir);
     let result = match cli.command {
@@ -100,6 +107,9 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(error) if output::is_stdout_closed(&*error) => {
+            ExitCode::from(output::STDOUT_CLOSED_EXIT)
+        }
         Err(error) => {
             report(&error);
             ExitCode::FAILURE
@@ -119,6 +129,10 @@ fn init_logging() {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // When stderr is gone (a closed pipe, a journal that went away) the
+        // subscriber would otherwise report the failed write with
+        // `eprintln!`, which panics: the daemon must outlive its logs.
+        .log_internal_errors(false)
         .with_target(false);
     let _ = if json {
         builder.json().flatten_event(true).try_init()
@@ -131,16 +145,16 @@ fn init_logging() {
 /// `Caused by:`, and a [`Hint`] anywhere in the chain last, as `hint:`.
 fn report(error: &anyhow::Error) {
     let hint = error.downcast_ref::<Hint>().map(|h| h.0.clone());
-    eprintln!("error: {error}");
+    errln!("error: {error}");
     for cause in error.chain().skip(1) {
         let text = cause.to_string();
         if hint.as_deref() == Some(text.as_str()) {
             continue;
         }
-        eprintln!("  Caused by: {text}");
+        errln!("  Caused by: {text}");
     }
     if let Some(hint) = hint {
-        eprintln!("  hint: {hint}");
+        errln!("  hint: {hint}");
     }
 }
 

@@ -11,6 +11,7 @@ use serde_json::json;
 use crate::config::AgentConfig;
 use crate::datasets::Registry;
 use crate::files::{DataDir, MAX_STATUS_BYTES, mode_of, read_text, truncate, write_public};
+use crate::output::outln;
 
 /// Longest error or detail text kept in the status file.
 pub const MAX_DETAIL_CHARS: usize = 1000;
@@ -206,37 +207,37 @@ pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
             "daemon_running": running,
             "daemon": status,
         });
-        println!("{value}");
+        outln!("{value}")?;
         return Ok(());
     }
-    println!("data dir:      {}", dir.root.display());
+    outln!("data dir:      {}", dir.root.display())?;
     match &agent {
         None => {
-            println!("enrolled:      no");
-            println!(
+            outln!("enrolled:      no")?;
+            outln!(
                 "               enroll with `canopy-agent enroll --server URL --token TOKEN --fingerprint SHA256`"
-            );
+            )?;
         }
         Some(agent) => {
-            println!("enrolled:      yes, device {}", agent.device_id);
-            println!("server:        {}", agent.server);
-            println!("trust:         {}", agent.trust.describe());
+            outln!("enrolled:      yes, device {}", agent.device_id)?;
+            outln!("server:        {}", agent.server)?;
+            outln!("trust:         {}", agent.trust.describe())?;
             if let Some(mode) = key_mode {
                 let warning = if mode & 0o077 != 0 {
                     " (too open: should be 600)"
                 } else {
                     ""
                 };
-                println!("device key:    mode {mode:o}{warning}");
+                outln!("device key:    mode {mode:o}{warning}")?;
             }
             match reachable.as_ref() {
-                Some(Ok(())) => println!("reachable:     yes (/healthz ok)"),
-                Some(Err(error)) => println!("reachable:     no: {error}"),
+                Some(Ok(())) => outln!("reachable:     yes (/healthz ok)")?,
+                Some(Err(error)) => outln!("reachable:     no: {error}")?,
                 None => {}
             }
         }
     }
-    println!(
+    outln!(
         "datasets:      {} registered{}",
         registry.datasets.len(),
         registry
@@ -244,35 +245,36 @@ pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
             .as_ref()
             .map(|d| format!(", default `{d}`"))
             .unwrap_or_default()
-    );
+    )?;
     match &status {
-        None => println!("daemon:        has not run (no status.json)"),
+        None => outln!("daemon:        has not run (no status.json)")?,
         Some(status) => {
             let alive = match running {
                 Some(true) => " (running)",
                 Some(false) => " (not running)",
                 None => "",
             };
-            println!(
+            outln!(
                 "daemon:        {}{alive}, pid {}, updated {}",
                 status.state,
                 status.pid.map(|p| p.to_string()).unwrap_or("-".into()),
                 ago(status.updated_unix_ms)
-            );
-            println!(
+            )?;
+            outln!(
                 "tasks:         {} uploaded, {} not uploaded",
-                status.tasks_uploaded, status.tasks_not_uploaded
-            );
+                status.tasks_uploaded,
+                status.tasks_not_uploaded
+            )?;
             if let Some(error) = &status.last_error {
-                println!(
+                outln!(
                     "last error:    {error} ({})",
                     status.last_error_unix_ms.map(ago).unwrap_or_default()
-                );
+                )?;
             }
             match &status.last_task {
-                None => println!("last task:     none yet"),
+                None => outln!("last task:     none yet")?,
                 Some(task) => {
-                    println!(
+                    outln!(
                         "last task:     job {} round {} (#{}), model version {}: {}{}",
                         task.job_id,
                         task.round_id,
@@ -283,13 +285,13 @@ pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
                             .as_ref()
                             .map(|d| format!(": {d}"))
                             .unwrap_or_default()
-                    );
+                    )?;
                     if let (Some(acc), Some(loss)) = (task.eval_accuracy, task.train_loss) {
-                        println!(
+                        outln!(
                             "               held-out accuracy {acc:.4} before training, train loss {loss:.4}, {} samples, {} ms",
                             task.num_samples.unwrap_or(0),
                             task.train_duration_ms.unwrap_or(0)
-                        );
+                        )?;
                     }
                 }
             }

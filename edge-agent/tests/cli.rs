@@ -96,6 +96,39 @@ fn number_after(stdout: &str, label: &str) -> f64 {
         .unwrap_or_else(|| panic!("no number after `{label}` in `{line}`"))
 }
 
+/// An existing user for `install --user`, so tests never create system
+/// users: `nobody` when the tests run as root (install refuses root
+/// itself), otherwise the current user, the only one an unprivileged
+/// process can give files to.
+struct ServiceUser {
+    name: String,
+    uid: u32,
+}
+
+#[cfg(unix)]
+fn service_user(tmp: &Path) -> ServiceUser {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let probe = tmp.join(".uid");
+    std::fs::write(&probe, b"").unwrap();
+    let my_uid = std::fs::metadata(&probe).unwrap().uid();
+    std::fs::remove_file(&probe).unwrap();
+    let name = if my_uid == 0 {
+        // nobody must be able to reach the data directory inside.
+        std::fs::set_permissions(tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+        "nobody".to_string()
+    } else {
+        let out = Command::new("id").arg("-un").output().unwrap();
+        String::from_utf8(out.stdout).unwrap().trim().to_string()
+    };
+    let entry = Command::new("getent")
+        .args(["passwd", &name])
+        .output()
+        .unwrap();
+    let entry = String::from_utf8(entry.stdout).unwrap();
+    let uid = entry.split(':').nth(2).unwrap().parse().unwrap();
+    ServiceUser { name, uid }
+}
+
 #[test]
 fn install_dry_run_writes_nothing_and_shows_the_unit() {
     let tmp = tempfile::tempdir().unwrap();
@@ -129,7 +162,11 @@ fn install_writes_the_unit_and_settings_and_keeps_edited_settings() {
     let data = tmp.path().join("agent");
     let prefix = tmp.path().join("prefix");
     let prefix_arg = prefix.to_str().unwrap();
-    let stdout = ok(agent(&data, &["install", "--prefix", prefix_arg]));
+    let user = service_user(tmp.path());
+    let stdout = ok(agent(
+        &data,
+        &["install", "--prefix", prefix_arg, "--user", &user.name],
+    ));
     let unit_path = prefix.join("lib/systemd/system/canopy-agent.service");
     let unit = std::fs::read_to_string(&unit_path).expect("unit written");
     assert!(unit.contains(&format!(
@@ -150,7 +187,10 @@ fn install_writes_the_unit_and_settings_and_keeps_edited_settings() {
         assert_eq!(mode & 0o077, 0, "the data dir is private: {mode:o}");
     }
     std::fs::write(&settings, "[run]\nmax_threads = 1\n").unwrap();
-    let again = ok(agent(&data, &["install", "--prefix", prefix_arg]));
+    let again = ok(agent(
+        &data,
+        &["install", "--prefix", prefix_arg, "--user", &user.name],
+    ));
     assert!(again.contains("kept existing settings"), "{again}");
     assert_eq!(
         std::fs::read_to_string(&settings).unwrap(),
@@ -677,4 +717,320 @@ fn enroll_refuses_to_replace_an_enrollment_without_force() {
     let status = ok(agent(&data, &["status"]));
     assert!(status.contains("enrolled:      yes, device 42"), "{status}");
     assert!(status.contains("reachable:     no"), "{status}");
+}
+
+/// The write end of a pipe whose read end is already closed: every
+/// write to it fails with EPIPE, with no race against the reader.
+fn closed_pipe() -> std::process::Stdio {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    writer.into()
+}
+
+/// Runs `canopy-agent` with stdout a pipe whose read end is closed before
+/// the agent writes anything, as `… | head -0` or a reader that quit.
+fn agent_with_closed_stdout(data_dir: &Path, args: &[&str]) -> Output {
+    let child = Command::new(env!("CARGO_BIN_EXE_canopy-agent"))
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(args)
+        .env("CANOPY_LOG", "warn")
+        .env_remove("CANOPY_AGENT_DIR")
+        .stdout(closed_pipe())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the canopy-agent binary runs");
+    child.wait_with_output().expect("canopy-agent exits")
+}
+
+/// The exit status a closed stdout gives (see the `canopy-term` crate).
+const STDOUT_CLOSED_EXIT: i32 = 141;
+
+#[test]
+fn a_closed_stdout_stops_every_command_quietly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("agent");
+    let model = logreg_model(tmp.path());
+    let prefix = tmp.path().join("prefix");
+    let digits = digits();
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["--help"],
+        vec!["--version"],
+        vec!["data", "--help"],
+        vec!["status"],
+        vec!["status", "--json"],
+        vec!["data", "list"],
+        vec!["install", "--dry-run", "--prefix", prefix.to_str().unwrap()],
+        vec!["data", "add", "digits", "--kind", "csv", "--path", &digits],
+        // Now with a dataset registered: a listing with rows.
+        vec!["data", "list"],
+        vec!["eval", "--model", &model, "--dataset", "digits", "--json"],
+        vec![
+            "train",
+            "--local",
+            "--model",
+            &model,
+            "--epochs",
+            "1",
+            "--dataset",
+            "digits",
+        ],
+    ];
+    for args in commands {
+        let out = agent_with_closed_stdout(&data, &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !stderr.contains("panicked"),
+            "`{args:?}` panicked: {stderr}"
+        );
+        assert!(stderr.is_empty(), "`{args:?}` stops quietly: {stderr}");
+        assert_eq!(
+            out.status.code(),
+            Some(STDOUT_CLOSED_EXIT),
+            "`{args:?}`: {stderr}"
+        );
+    }
+    // `data add` registers before it reports, so the dataset is there.
+    let list = ok(agent(&data, &["data", "list"]));
+    assert!(list.contains("digits"), "{list}");
+}
+
+/// Waits up to `limit` for `child` to exit.
+fn wait_for_exit(
+    child: &mut std::process::Child,
+    limit: std::time::Duration,
+) -> Option<std::process::ExitStatus> {
+    let start = std::time::Instant::now();
+    while start.elapsed() < limit {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    None
+}
+
+/// The daemon outlives its stdout and stderr (a journal that went away):
+/// it keeps retrying an unreachable server, logging into closed pipes,
+/// and still stops cleanly on SIGTERM.
+#[cfg(unix)]
+#[test]
+fn the_daemon_survives_closed_stdout_and_stderr() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("agent");
+    ok(agent(
+        &data,
+        &[
+            "data",
+            "add",
+            "digits",
+            "--kind",
+            "csv",
+            "--path",
+            &digits(),
+        ],
+    ));
+    let enrollment = format!(
+        "server = \"https://127.0.0.1:{}\"\ndevice_id = 7\nserver_public_key = \"{ED25519_BASEPOINT}\"\n\
+         heartbeat_interval_ms = 1000\nenrolled_unix_ms = 1\n\n[trust]\nkind = \"fingerprint\"\nsha256 = \"sha256:{}\"\n",
+        closed_port(),
+        "cd".repeat(32)
+    );
+    std::fs::write(data.join("agent.toml"), enrollment).unwrap();
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut key = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(data.join("device.key"))
+            .unwrap();
+        writeln!(key, "{}", "11".repeat(32)).unwrap();
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_canopy-agent"))
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["run", "--poll-wait-ms", "1000"])
+        .env("CANOPY_LOG", "debug")
+        .env_remove("CANOPY_AGENT_DIR")
+        .stdout(closed_pipe())
+        .stderr(closed_pipe())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while !data.join("status.json").exists() && start.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // Time for heartbeats and polls to fail and be logged.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the daemon died with its output closed: {:?}",
+        child.try_wait()
+    );
+    let status: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("status.json")).unwrap()).unwrap();
+    assert!(
+        status["last_error"].is_string(),
+        "it did try the server: {status}"
+    );
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let exit = wait_for_exit(&mut child, std::time::Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "stops cleanly on SIGTERM: {exit:?}"
+    );
+}
+
+/// With stderr closed too, an error still ends in exit status 1 (the
+/// report is lost, not turned into a panic's 101).
+#[test]
+fn an_error_with_stderr_closed_exits_1() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_canopy-agent"))
+        .arg("--data-dir")
+        .arg(tmp.path())
+        .args(["data", "add", "x", "--kind", "csv", "--path"])
+        .arg(tmp.path().join("missing.csv"))
+        .env("CANOPY_LOG", "debug")
+        .env_remove("CANOPY_AGENT_DIR")
+        .stdout(closed_pipe())
+        .stderr(closed_pipe())
+        .status()
+        .unwrap();
+    assert_eq!(out.code(), Some(1), "{out:?}");
+}
+
+#[cfg(unix)]
+#[test]
+fn install_gives_the_data_dir_to_a_dedicated_user_and_the_unit_runs_as_it() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let user = service_user(tmp.path());
+    let data = tmp.path().join("agent");
+    let prefix = tmp.path().join("prefix");
+    // Something written as the operator before install: install hands it
+    // over too.
+    ok(agent(
+        &data,
+        &[
+            "data",
+            "add",
+            "digits",
+            "--kind",
+            "csv",
+            "--path",
+            &digits(),
+        ],
+    ));
+    let stdout = ok(agent(
+        &data,
+        &[
+            "install",
+            "--prefix",
+            prefix.to_str().unwrap(),
+            "--user",
+            &user.name,
+        ],
+    ));
+    assert!(
+        stdout.contains(&format!("user {} exists", user.name)),
+        "{stdout}"
+    );
+    let unit_path = prefix.join("lib/systemd/system/canopy-agent.service");
+    let unit = std::fs::read_to_string(&unit_path).unwrap();
+    assert!(unit.contains(&format!("\nUser={}\n", user.name)), "{unit}");
+    for file in ["", "datasets.toml", "config.toml"] {
+        let uid = std::fs::metadata(data.join(file)).unwrap().uid();
+        assert_eq!(uid, user.uid, "`{file}` belongs to {}", user.name);
+    }
+    // What the operator writes afterwards (as root) goes to the user too.
+    ok(agent(
+        &data,
+        &["data", "add", "more", "--kind", "csv", "--path", &digits()],
+    ));
+    assert_eq!(
+        std::fs::metadata(data.join("datasets.toml")).unwrap().uid(),
+        user.uid
+    );
+    verify_unit(&prefix, &unit_path);
+}
+
+/// `systemd-analyze verify` on the written unit, when systemd's tools are
+/// installed; the binary the unit starts must exist for it.
+#[cfg(unix)]
+fn verify_unit(prefix: &Path, unit_path: &Path) {
+    let bin = prefix.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_canopy-agent"), bin.join("canopy-agent"))
+        .unwrap();
+    let out = match Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(unit_path)
+        .output()
+    {
+        Ok(out) => out,
+        Err(error) => {
+            println!("skipped `systemd-analyze verify`: cannot run systemd-analyze ({error})");
+            return;
+        }
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "systemd-analyze verify: {stderr}");
+    let unit_name = unit_path.display().to_string();
+    for line in stderr.lines().filter(|l| l.contains(&unit_name)) {
+        // `nobody` is a user systemd warns about by name; anything else
+        // about this unit (an unknown key, a bad value) is a defect.
+        assert!(
+            line.contains("Special user nobody configured"),
+            "systemd-analyze verify: {line}"
+        );
+    }
+}
+
+#[test]
+fn install_refuses_root_and_a_dry_run_creates_no_user() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("agent");
+    let prefix = tmp.path().join("prefix");
+    let prefix = prefix.to_str().unwrap();
+    let stderr = fails(agent(
+        &data,
+        &["install", "--prefix", prefix, "--user", "root"],
+    ));
+    assert!(stderr.contains("must not run as root"), "{stderr}");
+    assert!(stderr.contains("hint:"), "{stderr}");
+    let missing = "canopy-test-nouser";
+    let stdout = ok(agent(
+        &data,
+        &[
+            "install",
+            "--dry-run",
+            "--prefix",
+            prefix,
+            "--user",
+            missing,
+        ],
+    ));
+    assert!(
+        stdout.contains(&format!(
+            "would create system user {missing}: useradd --system --user-group"
+        )),
+        "{stdout}"
+    );
+    assert!(stdout.contains(&format!("User={missing}")), "{stdout}");
+    let looked_up = Command::new("getent")
+        .args(["passwd", missing])
+        .output()
+        .unwrap();
+    assert!(!looked_up.status.success(), "the dry run created the user");
+    assert!(
+        files_under(tmp.path()).is_empty(),
+        "the dry run wrote files"
+    );
 }

@@ -3,6 +3,7 @@
 //! the bytes came through a cache or CDN.
 
 use ed25519_dalek::Signer;
+use serde::{Deserialize, Serialize};
 
 use crate::keys;
 
@@ -77,4 +78,560 @@ pub enum ModelSignatureError {
         "model signature does not match digest {digest} under the server's public key; the model was altered or signed by a different server"
     )]
     Mismatch { digest: String },
+}
+
+/// 64 hex characters: the public key whose signature
+/// [`HEADER_MODEL_SIGNATURE`] is. A device that does not trust it yet asks
+/// the server for the endorsement chain that leads to it.
+pub const HEADER_MODEL_KEY: &str = "x-canopy-model-key";
+/// What a retiring key signs when it endorses its successor.
+pub const KEY_ROTATION_DOMAIN: &str = "canopy-model-key-rotation-v1";
+/// The most endorsements a device follows in one go, and the most the
+/// server sends. A device that slept through more rotations than this
+/// cannot follow them and has to enroll again.
+pub const MAX_KEY_CHAIN_LEN: usize = 16;
+
+/// A retiring key's statement that `next_key` replaces it, and that its own
+/// signatures stay acceptable until `previous_valid_until_ms` (Unix
+/// milliseconds), so that models signed just before the rotation (or by a
+/// server process that has not reloaded yet) still verify.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyEndorsement {
+    /// Hex public key of the retiring key, which made `signature`.
+    pub previous_key: String,
+    /// Hex public key of its successor.
+    pub next_key: String,
+    pub previous_valid_until_ms: u64,
+    /// 128 hex characters: Ed25519 over [`endorsement_message`].
+    pub signature: String,
+}
+
+/// The bytes a retiring key signs:
+/// `KEY_ROTATION_DOMAIN \n previous hex \n next hex \n valid_until_ms \n`.
+pub fn endorsement_message(
+    previous_key: &[u8; 32],
+    next_key: &[u8; 32],
+    previous_valid_until_ms: u64,
+) -> Vec<u8> {
+    format!(
+        "{KEY_ROTATION_DOMAIN}\n{}\n{}\n{previous_valid_until_ms}\n",
+        hex::encode(previous_key),
+        hex::encode(next_key)
+    )
+    .into_bytes()
+}
+
+impl ServerKey {
+    /// This key's endorsement of `next_key` as its successor.
+    pub fn endorse(&self, next_key: &[u8; 32], previous_valid_until_ms: u64) -> KeyEndorsement {
+        let previous_key = self.public_key();
+        let message = endorsement_message(&previous_key, next_key, previous_valid_until_ms);
+        KeyEndorsement {
+            previous_key: hex::encode(previous_key),
+            next_key: hex::encode(next_key),
+            previous_valid_until_ms,
+            signature: hex::encode(self.sign_message(&message)),
+        }
+    }
+}
+
+impl KeyEndorsement {
+    /// Checks the signature under `previous_key`; returns both keys.
+    pub fn verify(&self) -> Result<([u8; 32], [u8; 32]), KeyTrustError> {
+        let bad = |reason: String| KeyTrustError::BadEndorsement {
+            previous_key: self.previous_key.clone(),
+            next_key: self.next_key.clone(),
+            reason,
+        };
+        let previous = keys::parse_verifying_key_hex(&self.previous_key)
+            .map_err(|reason| bad(format!("previous key: {reason}")))?;
+        let next = keys::parse_verifying_key_hex(&self.next_key)
+            .map_err(|reason| bad(format!("next key: {reason}")))?;
+        if previous == next {
+            return Err(bad("a key cannot endorse itself".to_string()));
+        }
+        let signature = keys::parse_signature_hex(&self.signature)
+            .map_err(|reason| bad(format!("signature: {reason}")))?;
+        let message = endorsement_message(
+            &previous.to_bytes(),
+            &next.to_bytes(),
+            self.previous_valid_until_ms,
+        );
+        previous
+            .verify_strict(&message, &signature)
+            .map_err(|_| bad("the signature does not verify under the previous key".to_string()))?;
+        Ok((previous.to_bytes(), next.to_bytes()))
+    }
+}
+
+/// `GET /device/v1/signing-keys`: the key the server signs with now, and
+/// the endorsements that lead to it, oldest first (at most
+/// [`MAX_KEY_CHAIN_LEN`], the most recent ones).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SigningKeys {
+    pub current_key: String,
+    pub endorsements: Vec<KeyEndorsement>,
+}
+
+/// A key a device used to sign with, still accepted until `valid_until_ms`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PreviousKey {
+    pub key: [u8; 32],
+    pub valid_until_ms: u64,
+}
+
+/// What a device trusts to sign models: its current key, and the key that
+/// one replaced while the replaced key's window lasts. It moves only along
+/// endorsements verified by [`TrustedKeys::advance`].
+///
+/// Serialised as `{current_key, previous_key?, previous_valid_until_ms?}`
+/// in hex, so that an app can persist it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "TrustedKeysRecord", into = "TrustedKeysRecord")]
+pub struct TrustedKeys {
+    current: [u8; 32],
+    previous: Option<PreviousKey>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TrustedKeysRecord {
+    current_key: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    previous_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    previous_valid_until_ms: Option<u64>,
+}
+
+impl From<TrustedKeys> for TrustedKeysRecord {
+    fn from(trust: TrustedKeys) -> TrustedKeysRecord {
+        TrustedKeysRecord {
+            current_key: hex::encode(trust.current),
+            previous_key: trust.previous.map(|previous| hex::encode(previous.key)),
+            previous_valid_until_ms: trust.previous.map(|previous| previous.valid_until_ms),
+        }
+    }
+}
+
+impl TryFrom<TrustedKeysRecord> for TrustedKeys {
+    type Error = KeyTrustError;
+    fn try_from(record: TrustedKeysRecord) -> Result<TrustedKeys, KeyTrustError> {
+        TrustedKeys::from_hex(
+            &record.current_key,
+            record.previous_key.as_deref(),
+            record.previous_valid_until_ms,
+        )
+    }
+}
+
+/// Parses a hex public key, naming it in the error.
+pub fn parse_key_hex(key_hex: &str) -> Result<[u8; 32], KeyTrustError> {
+    keys::parse_verifying_key_hex(key_hex)
+        .map(|key| key.to_bytes())
+        .map_err(|reason| KeyTrustError::MalformedKey {
+            key: key_hex.chars().take(keys::PUBLIC_KEY_HEX_LEN).collect(),
+            reason,
+        })
+}
+
+impl TrustedKeys {
+    /// Trust in one key, as learned at enrollment.
+    pub fn new(current: [u8; 32]) -> TrustedKeys {
+        TrustedKeys {
+            current,
+            previous: None,
+        }
+    }
+
+    /// Trust as persisted: hex keys; the previous key and its window come
+    /// together or not at all.
+    pub fn from_hex(
+        current_key: &str,
+        previous_key: Option<&str>,
+        previous_valid_until_ms: Option<u64>,
+    ) -> Result<TrustedKeys, KeyTrustError> {
+        let current = parse_key_hex(current_key)?;
+        let previous = match (previous_key, previous_valid_until_ms) {
+            (None, None) => None,
+            (Some(key), Some(valid_until_ms)) => Some(PreviousKey {
+                key: parse_key_hex(key)?,
+                valid_until_ms,
+            }),
+            (Some(key), None) => {
+                return Err(KeyTrustError::MalformedKey {
+                    key: key.to_string(),
+                    reason: "a previous key needs the end of its window".to_string(),
+                });
+            }
+            (None, Some(_)) => {
+                return Err(KeyTrustError::MalformedKey {
+                    key: current_key.to_string(),
+                    reason: "a previous key's window was given without the previous key"
+                        .to_string(),
+                });
+            }
+        };
+        Ok(TrustedKeys { current, previous })
+    }
+
+    pub fn current(&self) -> [u8; 32] {
+        self.current
+    }
+
+    pub fn current_hex(&self) -> String {
+        hex::encode(self.current)
+    }
+
+    pub fn previous(&self) -> Option<PreviousKey> {
+        self.previous
+    }
+
+    /// Whether a signature by `signer` is acceptable at `now_ms` without
+    /// following any endorsement.
+    pub fn accepts(&self, signer: &[u8; 32], now_ms: u64) -> Result<(), KeyTrustError> {
+        if *signer == self.current {
+            return Ok(());
+        }
+        match self.previous {
+            Some(previous) if previous.key == *signer && now_ms <= previous.valid_until_ms => {
+                Ok(())
+            }
+            Some(previous) if previous.key == *signer => Err(KeyTrustError::PreviousKeyExpired {
+                key: hex::encode(signer),
+                valid_until_ms: previous.valid_until_ms,
+                now_ms,
+            }),
+            _ => Err(KeyTrustError::UnknownSigner {
+                signer: hex::encode(signer),
+                trusted: self.current_hex(),
+            }),
+        }
+    }
+
+    /// Checks a model signature by `signer` at `now_ms`: the signer must be
+    /// accepted (see [`TrustedKeys::accepts`]) and the signature valid.
+    pub fn verify_model(
+        &self,
+        signer: &[u8; 32],
+        digest_hex: &str,
+        signature_hex: &str,
+        now_ms: u64,
+    ) -> Result<(), KeyTrustError> {
+        self.accepts(signer, now_ms)?;
+        verify_model_signature(signer, digest_hex, signature_hex).map_err(|source| {
+            KeyTrustError::Signature {
+                signer: hex::encode(signer),
+                source,
+            }
+        })
+    }
+
+    /// Follows `endorsements` from the current key to `signer`: each link
+    /// must be signed by the key the previous link ended at. The result
+    /// trusts `signer`, and the key before it until that key's window ends.
+    /// Endorsements before the current key are skipped; ones after
+    /// `signer` are not followed.
+    pub fn advance(
+        &self,
+        signer: &[u8; 32],
+        endorsements: &[KeyEndorsement],
+    ) -> Result<TrustedKeys, KeyTrustError> {
+        if endorsements.len() > MAX_KEY_CHAIN_LEN {
+            return Err(KeyTrustError::ChainTooLong {
+                len: endorsements.len(),
+                max: MAX_KEY_CHAIN_LEN,
+            });
+        }
+        if *signer == self.current {
+            return Ok(*self);
+        }
+        let current_hex = self.current_hex();
+        let unknown = || KeyTrustError::UnknownSigner {
+            signer: hex::encode(signer),
+            trusted: current_hex.clone(),
+        };
+        let start = endorsements
+            .iter()
+            .position(|link| link.previous_key == current_hex)
+            .ok_or_else(unknown)?;
+        let mut reached = self.current;
+        for link in &endorsements[start..] {
+            let (previous, next) = link.verify()?;
+            if previous != reached {
+                return Err(KeyTrustError::BadEndorsement {
+                    previous_key: link.previous_key.clone(),
+                    next_key: link.next_key.clone(),
+                    reason: format!(
+                        "the chain is broken: this link follows key {}",
+                        hex::encode(reached)
+                    ),
+                });
+            }
+            if next == *signer {
+                return Ok(TrustedKeys {
+                    current: next,
+                    previous: Some(PreviousKey {
+                        key: previous,
+                        valid_until_ms: link.previous_valid_until_ms,
+                    }),
+                });
+            }
+            reached = next;
+        }
+        Err(unknown())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KeyTrustError {
+    #[error(
+        "model signing key {signer} is not trusted: no endorsement chain leads to it from the trusted key {trusted}"
+    )]
+    UnknownSigner { signer: String, trusted: String },
+    #[error(
+        "model signing key {key} was replaced, and its signatures were accepted only until {valid_until_ms} ms after the Unix epoch (now {now_ms})"
+    )]
+    PreviousKeyExpired {
+        key: String,
+        valid_until_ms: u64,
+        now_ms: u64,
+    },
+    #[error("the key endorsement chain has {len} links, over the limit of {max}")]
+    ChainTooLong { len: usize, max: usize },
+    #[error("the endorsement of key {next_key} by key {previous_key} is invalid: {reason}")]
+    BadEndorsement {
+        previous_key: String,
+        next_key: String,
+        reason: String,
+    },
+    #[error("model signing key `{key}` is malformed: {reason}")]
+    MalformedKey { key: String, reason: String },
+    #[error("the model signature by key {signer} is invalid")]
+    Signature {
+        signer: String,
+        #[source]
+        source: ModelSignatureError,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DIGEST: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+    /// K1 -> K2 -> K3, each window ending at 1_000 * its position.
+    fn chain() -> (Vec<ServerKey>, Vec<KeyEndorsement>) {
+        let keys: Vec<ServerKey> = (0..3).map(|_| ServerKey::generate()).collect();
+        let links = keys
+            .windows(2)
+            .enumerate()
+            .map(|(i, pair)| pair[0].endorse(&pair[1].public_key(), 1_000 * (i as u64 + 1)))
+            .collect();
+        (keys, links)
+    }
+
+    #[test]
+    fn the_current_key_verifies_and_a_tampered_signature_does_not() {
+        let key = ServerKey::generate();
+        let trust = TrustedKeys::new(key.public_key());
+        let signature = key.sign_model(DIGEST);
+        trust
+            .verify_model(&key.public_key(), DIGEST, &signature, 0)
+            .expect("the current key's signature");
+        let other = ServerKey::generate().sign_model(DIGEST);
+        let error = trust
+            .verify_model(&key.public_key(), DIGEST, &other, 0)
+            .unwrap_err();
+        assert!(matches!(error, KeyTrustError::Signature { .. }), "{error}");
+    }
+
+    #[test]
+    fn an_unknown_signer_is_refused_naming_it() {
+        let trusted = ServerKey::generate();
+        let stranger = ServerKey::generate();
+        let trust = TrustedKeys::new(trusted.public_key());
+        let error = trust
+            .verify_model(
+                &stranger.public_key(),
+                DIGEST,
+                &stranger.sign_model(DIGEST),
+                0,
+            )
+            .unwrap_err();
+        assert!(matches!(error, KeyTrustError::UnknownSigner { .. }));
+        assert!(
+            error.to_string().contains(&stranger.public_key_hex()),
+            "{error}"
+        );
+        let error = trust.advance(&stranger.public_key(), &[]).unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::UnknownSigner { .. }),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn one_endorsement_moves_trust_and_keeps_the_previous_key_for_its_window() {
+        let (keys, links) = chain();
+        let trust = TrustedKeys::new(keys[0].public_key());
+        let moved = trust
+            .advance(&keys[1].public_key(), &links)
+            .expect("K1 -> K2");
+        assert_eq!(moved.current(), keys[1].public_key());
+        assert_eq!(
+            moved.previous(),
+            Some(PreviousKey {
+                key: keys[0].public_key(),
+                valid_until_ms: 1_000
+            })
+        );
+        let old = keys[0].sign_model(DIGEST);
+        moved
+            .verify_model(&keys[0].public_key(), DIGEST, &old, 1_000)
+            .expect("the previous key inside its window");
+        let error = moved
+            .verify_model(&keys[0].public_key(), DIGEST, &old, 1_001)
+            .unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::PreviousKeyExpired { .. }),
+            "{error}"
+        );
+        assert!(error.to_string().contains(&keys[0].public_key_hex()));
+    }
+
+    #[test]
+    fn a_device_offline_through_two_rotations_follows_the_whole_chain() {
+        let (keys, links) = chain();
+        let trust = TrustedKeys::new(keys[0].public_key());
+        let moved = trust
+            .advance(&keys[2].public_key(), &links)
+            .expect("K1 -> K3");
+        assert_eq!(moved.current(), keys[2].public_key());
+        assert_eq!(moved.previous().map(|p| p.key), Some(keys[1].public_key()));
+        assert_eq!(moved.previous().map(|p| p.valid_until_ms), Some(2_000));
+        // K1 is no longer trusted at all.
+        let error = moved.accepts(&keys[0].public_key(), 0).unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::UnknownSigner { .. }),
+            "{error}"
+        );
+        // A device already at K2 starts in the middle of the chain.
+        let at_k2 = TrustedKeys::new(keys[1].public_key());
+        assert_eq!(
+            at_k2
+                .advance(&keys[2].public_key(), &links)
+                .unwrap()
+                .current(),
+            keys[2].public_key()
+        );
+    }
+
+    #[test]
+    fn a_forged_or_broken_link_is_refused() {
+        let (keys, mut links) = chain();
+        let trust = TrustedKeys::new(keys[0].public_key());
+        // K2's endorsement of K3 replaced by a stranger's endorsement claiming to be K2's.
+        let stranger = ServerKey::generate();
+        let mut forged = stranger.endorse(&keys[2].public_key(), 2_000);
+        forged.previous_key = keys[1].public_key_hex();
+        links[1] = forged;
+        let error = trust.advance(&keys[2].public_key(), &links).unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::BadEndorsement { .. }),
+            "{error}"
+        );
+        // A valid link that does not continue from the key reached.
+        let (other_keys, other_links) = chain();
+        let (keys, links) = chain();
+        let spliced = [links[0].clone(), other_links[0].clone()];
+        let error = TrustedKeys::new(keys[0].public_key())
+            .advance(&other_keys[1].public_key(), &spliced)
+            .unwrap_err();
+        assert!(
+            matches!(&error, KeyTrustError::BadEndorsement { reason, .. } if reason.contains("broken")),
+            "{error}"
+        );
+        // A stretched window is a different message: the signature breaks.
+        let (keys, mut links) = chain();
+        links[0].previous_valid_until_ms = u64::MAX;
+        let error = TrustedKeys::new(keys[0].public_key())
+            .advance(&keys[1].public_key(), &links)
+            .unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::BadEndorsement { .. }),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_chain_that_skips_the_trusted_key_or_stops_short_is_refused() {
+        let (keys, links) = chain();
+        // Trusting K1, offered only K2 -> K3.
+        let error = TrustedKeys::new(keys[0].public_key())
+            .advance(&keys[2].public_key(), &links[1..])
+            .unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::UnknownSigner { .. }),
+            "{error}"
+        );
+        // Trusting K1, signer K3, offered only K1 -> K2.
+        let error = TrustedKeys::new(keys[0].public_key())
+            .advance(&keys[2].public_key(), &links[..1])
+            .unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::UnknownSigner { .. }),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn chains_are_bounded() {
+        let keys: Vec<ServerKey> = (0..MAX_KEY_CHAIN_LEN + 2)
+            .map(|_| ServerKey::generate())
+            .collect();
+        let links: Vec<KeyEndorsement> = keys
+            .windows(2)
+            .map(|pair| pair[0].endorse(&pair[1].public_key(), 0))
+            .collect();
+        let trust = TrustedKeys::new(keys[0].public_key());
+        let last = keys.last().unwrap().public_key();
+        let error = trust.advance(&last, &links).unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::ChainTooLong { len, max } if len == MAX_KEY_CHAIN_LEN + 1 && max == MAX_KEY_CHAIN_LEN),
+            "{error}"
+        );
+        let within = &links[..MAX_KEY_CHAIN_LEN];
+        let reached = trust
+            .advance(&keys[MAX_KEY_CHAIN_LEN].public_key(), within)
+            .expect("a chain at the limit");
+        assert_eq!(reached.current(), keys[MAX_KEY_CHAIN_LEN].public_key());
+    }
+
+    #[test]
+    fn a_key_cannot_endorse_itself() {
+        let key = ServerKey::generate();
+        let link = key.endorse(&key.public_key(), 0);
+        assert!(matches!(
+            link.verify(),
+            Err(KeyTrustError::BadEndorsement { .. })
+        ));
+    }
+
+    #[test]
+    fn trust_round_trips_through_json_and_refuses_half_a_previous_key() {
+        let (keys, links) = chain();
+        let moved = TrustedKeys::new(keys[0].public_key())
+            .advance(&keys[1].public_key(), &links)
+            .unwrap();
+        let text = serde_json::to_string(&moved).unwrap();
+        assert_eq!(serde_json::from_str::<TrustedKeys>(&text).unwrap(), moved);
+        let half = format!(
+            r#"{{"current_key":"{}","previous_key":"{}"}}"#,
+            keys[1].public_key_hex(),
+            keys[0].public_key_hex()
+        );
+        assert!(serde_json::from_str::<TrustedKeys>(&half).is_err());
+        assert!(TrustedKeys::from_hex("zz", None, None).is_err());
+    }
 }

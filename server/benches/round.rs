@@ -31,7 +31,8 @@
 //! Limits raised in the server's `--config` (see [`SERVER_CONFIG`]):
 //! `sensitive_requests_per_minute`, because every simulated device enrolls
 //! from 127.0.0.1 and the default of 120 a minute per address would spend
-//! most of the run throttled; and `online_window_ms`, because the round
+//! most of the run throttled; `max_connections_per_address`, for the same
+//! reason; and `online_window_ms`, because the round
 //! only selects devices seen within that window and enrolling thousands of
 //! devices on a small machine can take longer than the default minute.
 //! Everything else, `max_concurrent_uploads` (32 bodies in memory) included,
@@ -94,6 +95,8 @@ const SERVER_CONFIG: &str = "\
 sensitive_requests_per_minute = 1000000
 # Devices enrolled early must still count as online when the job starts.
 online_window_ms = 3600000
+# All simulated devices connect from 127.0.0.1; the default is 256.
+max_connections_per_address = 10000
 ";
 
 struct Options {

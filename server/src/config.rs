@@ -77,7 +77,8 @@ pub struct FileConfig {
     pub limits: Limits,
 }
 
-/// Every bound the server enforces, in one place.
+/// Every bound the server enforces, in one place. `docs/limits.md` says
+/// what each protects against and how to size it.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
@@ -85,11 +86,56 @@ pub struct Limits {
     pub max_model_bytes: u64,
     /// Largest JSON request body.
     pub max_json_bytes: usize,
-    /// Uploads read at once; each holds one model-sized buffer.
+    /// Device uploads (updates, masked inputs) read at once; each holds one
+    /// update-sized buffer.
     pub max_concurrent_uploads: usize,
-    /// Requests served at once; more wait.
+    /// How long an upload waits for one of those slots before it is
+    /// answered 503 with `Retry-After`.
+    pub upload_slot_wait_ms: u64,
+    /// How long an upload may hold its slot while its body arrives; past it
+    /// the upload is answered 408 and the slot goes to the next device.
+    pub upload_timeout_ms: u64,
+    /// Model uploads (admin API) received at once. Each streams to a
+    /// staging file; they are verified one at a time, so a model upload
+    /// needs about twice the model's size in memory, once.
+    pub max_concurrent_model_uploads: usize,
+    /// Requests served at once, all routes together; more wait up to
+    /// `request_queue_timeout_ms`, then get 503.
     pub max_concurrent_requests: usize,
+    pub request_queue_timeout_ms: u64,
+    /// Requests one device may have in flight at once (429 past it).
+    pub max_requests_per_device: usize,
+    /// Task polls one device may have waiting at once (429 past it).
+    pub max_polls_per_device: usize,
+    /// Signed requests per second one device may make, with bursts of
+    /// twice this; past it 429. Checked before the replay nonce is stored,
+    /// so a flood from one device costs the database nothing.
+    pub device_requests_per_second: u32,
     pub request_timeout_ms: u64,
+    /// Open connections, all clients together; past it new connections are
+    /// closed at once.
+    pub max_connections: usize,
+    /// Open connections from one client address (for IPv6, one /64).
+    pub max_connections_per_address: usize,
+    /// A TLS handshake must finish within this.
+    pub tls_handshake_timeout_ms: u64,
+    /// A connection's first byte, and each HTTP/1 request head (request
+    /// line and headers), must arrive within this; an idle HTTP/1
+    /// keep-alive connection is closed after it.
+    pub header_read_timeout_ms: u64,
+    /// A connection on which no byte moves either way for this long is
+    /// closed (HTTP/2 too). Must exceed `long_poll_max_ms`.
+    pub idle_timeout_ms: u64,
+    /// Largest request head (request line and headers) answered normally;
+    /// up to twice this gets a JSON 431, past that the connection's parser
+    /// refuses it with a bare 431.
+    pub max_header_bytes: usize,
+    /// Largest request URI (path and query); longer gets a JSON 414.
+    pub max_uri_bytes: usize,
+    /// Most header fields in one request; more gets a JSON 431.
+    pub max_header_count: usize,
+    /// Concurrent streams on one HTTP/2 connection.
+    pub http2_max_concurrent_streams: u32,
     /// Longest a device's task poll may wait.
     pub long_poll_max_ms: u64,
     /// A device is online if it was seen this recently.
@@ -105,6 +151,9 @@ pub struct Limits {
     /// How long each key stage of a secure round (AdvertiseKeys, ShareKeys,
     /// Unmasking) waits for devices before it closes without them.
     pub secagg_stage_timeout_ms: u64,
+    /// How often each process rereads the model-signing keys, so that a
+    /// rotation reaches every process sharing the database.
+    pub signing_key_reload_ms: u64,
 }
 
 impl Default for Limits {
@@ -113,8 +162,24 @@ impl Default for Limits {
             max_model_bytes: 512 << 20,
             max_json_bytes: 64 << 10,
             max_concurrent_uploads: 32,
+            upload_slot_wait_ms: 10_000,
+            upload_timeout_ms: 60_000,
+            max_concurrent_model_uploads: 2,
             max_concurrent_requests: 4096,
+            request_queue_timeout_ms: 2_000,
+            max_requests_per_device: 8,
+            max_polls_per_device: 2,
+            device_requests_per_second: 20,
             request_timeout_ms: 120_000,
+            max_connections: 10_000,
+            max_connections_per_address: 256,
+            tls_handshake_timeout_ms: 10_000,
+            header_read_timeout_ms: 10_000,
+            idle_timeout_ms: 60_000,
+            max_header_bytes: 16 << 10,
+            max_uri_bytes: 8 << 10,
+            max_header_count: 100,
+            http2_max_concurrent_streams: 32,
             long_poll_max_ms: 30_000,
             online_window_ms: 60_000,
             heartbeat_interval_ms: 15_000,
@@ -123,8 +188,98 @@ impl Default for Limits {
             shutdown_grace_ms: 30_000,
             max_page_size: 500,
             secagg_stage_timeout_ms: 60_000,
+            signing_key_reload_ms: 5_000,
         }
     }
+}
+
+impl Limits {
+    /// The relations between limits that the server relies on; a file that
+    /// breaks one is refused at start, naming the setting.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let counts = [
+            ("max_concurrent_uploads", self.max_concurrent_uploads),
+            (
+                "max_concurrent_model_uploads",
+                self.max_concurrent_model_uploads,
+            ),
+            ("max_concurrent_requests", self.max_concurrent_requests),
+            ("max_requests_per_device", self.max_requests_per_device),
+            ("max_polls_per_device", self.max_polls_per_device),
+            (
+                "device_requests_per_second",
+                self.device_requests_per_second as usize,
+            ),
+            ("max_connections", self.max_connections),
+            (
+                "max_connections_per_address",
+                self.max_connections_per_address,
+            ),
+            ("max_header_count", self.max_header_count),
+            ("max_page_size", self.max_page_size as usize),
+            (
+                "http2_max_concurrent_streams",
+                self.http2_max_concurrent_streams as usize,
+            ),
+        ];
+        for (name, value) in counts {
+            if value == 0 {
+                return Err(invalid(format!("limits.{name} must be at least 1")));
+            }
+        }
+        let durations = [
+            ("upload_slot_wait_ms", self.upload_slot_wait_ms),
+            ("upload_timeout_ms", self.upload_timeout_ms),
+            ("request_queue_timeout_ms", self.request_queue_timeout_ms),
+            ("request_timeout_ms", self.request_timeout_ms),
+            ("tls_handshake_timeout_ms", self.tls_handshake_timeout_ms),
+            ("header_read_timeout_ms", self.header_read_timeout_ms),
+            ("idle_timeout_ms", self.idle_timeout_ms),
+        ];
+        for (name, value) in durations {
+            if value == 0 || value > MAX_TIMEOUT_MS {
+                return Err(invalid(format!(
+                    "limits.{name} is {value}; use 1 to {MAX_TIMEOUT_MS} ms"
+                )));
+            }
+        }
+        if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&self.max_header_bytes) {
+            return Err(invalid(format!(
+                "limits.max_header_bytes is {}; use {MIN_HEADER_BYTES} to {MAX_HEADER_BYTES}",
+                self.max_header_bytes
+            )));
+        }
+        if self.max_uri_bytes == 0 || self.max_uri_bytes > self.max_header_bytes {
+            return Err(invalid(format!(
+                "limits.max_uri_bytes is {}; use 1 to max_header_bytes ({})",
+                self.max_uri_bytes, self.max_header_bytes
+            )));
+        }
+        if self.idle_timeout_ms <= self.long_poll_max_ms {
+            return Err(invalid(format!(
+                "limits.idle_timeout_ms ({}) must exceed limits.long_poll_max_ms ({}), \
+                 or idle connections would be cut in the middle of a task poll",
+                self.idle_timeout_ms, self.long_poll_max_ms
+            )));
+        }
+        if self.max_connections_per_address > self.max_connections {
+            return Err(invalid(format!(
+                "limits.max_connections_per_address ({}) is over limits.max_connections ({})",
+                self.max_connections_per_address, self.max_connections
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Bounds on the limits themselves.
+const MAX_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
+/// hyper's HTTP/1 read buffer, twice `max_header_bytes`, must be at least 8 KiB.
+const MIN_HEADER_BYTES: usize = 4 << 10;
+const MAX_HEADER_BYTES: usize = 1 << 20;
+
+fn invalid(message: String) -> ConfigError {
+    ConfigError::Invalid(message)
 }
 
 /// Settings after merging flags, environment, file and defaults.
@@ -224,12 +379,7 @@ impl Settings {
             }
         };
         let limits = file.limits;
-        if limits.max_concurrent_uploads == 0 || limits.max_page_size == 0 {
-            return Err(ConfigError::Invalid(
-                "limits.max_concurrent_uploads and limits.max_page_size must be at least 1"
-                    .to_string(),
-            ));
-        }
+        limits.validate()?;
         Ok(Settings {
             data_dir,
             listen,

@@ -7,12 +7,17 @@
 //! LOCKED` on PostgreSQL; on SQLite, which has one writer, a process-wide
 //! writer lock).
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 use tokio::sync::{Mutex, MutexGuard, Semaphore, SemaphorePermit};
+
+use crate::config::Settings;
+use crate::server::{ServeError, open_database};
+use crate::sqlite_files::{self, SqliteFileError};
 
 /// Connections in the pool; SQLite readers share the one file.
 const MAX_CONNECTIONS: u32 = 16;
@@ -27,6 +32,8 @@ const ROUND_WRITE_CONNECTIONS: usize = 4;
 /// How long SQLite waits for another process's write lock (the `token`
 /// subcommand while `serve` runs) before it reports "database is locked".
 const SQLITE_BUSY_TIMEOUT_MS: u64 = 10_000;
+/// Problems `PRAGMA quick_check` lists before it stops.
+const INTEGRITY_PROBLEMS_SHOWN: u32 = 10;
 
 static SQLITE_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
 static POSTGRES_MIGRATIONS: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
@@ -50,7 +57,91 @@ pub enum DbError {
     #[error("cannot apply the database migrations")]
     Migrate(#[source] sqlx::migrate::MigrateError),
     #[error(transparent)]
+    Files(#[from] SqliteFileError),
+    #[error("the SQLite database {path} fails its integrity check: {}", problems.join("; "))]
+    Integrity {
+        path: PathBuf,
+        problems: Vec<String>,
+    },
+    #[error("the data directory {path} does not exist")]
+    MissingDirectory { path: PathBuf },
+    #[error("the SQLite database {path} does not exist")]
+    MissingDatabase { path: PathBuf },
+    #[error(transparent)]
     Sql(#[from] sqlx::Error),
+}
+
+impl DbError {
+    /// What the operator can do about it.
+    pub fn hint(&self) -> Option<String> {
+        match self {
+            DbError::Files(error) => error.hint(),
+            DbError::Integrity { path, .. } => Some(format!(
+                "stop the server and restore {0} from a backup, or salvage what is readable with \
+                 `sqlite3 {0} .recover | sqlite3 recovered.db` and point --database-url at the result",
+                path.display()
+            )),
+            DbError::MissingDirectory { .. } | DbError::MissingDatabase { .. } => Some(
+                "check --data-dir / --database-url; to start a new database there, run \
+                 `canopy-server serve` once, or pass --create"
+                    .to_string(),
+            ),
+            DbError::Connect { .. } => Some(
+                "check --database-url (or CANOPY_DATABASE_URL) and that the database is running"
+                    .to_string(),
+            ),
+            _ => None,
+        }
+    }
+}
+
+/// The file a `sqlite:` URL names; `None` for other databases and for
+/// in-memory SQLite.
+pub fn sqlite_path(url: &str) -> Option<PathBuf> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))?;
+    let path = rest.split_once('?').map_or(rest, |(path, _)| path);
+    if path.is_empty() || path == ":memory:" {
+        return None;
+    }
+    Some(PathBuf::from(path))
+}
+
+/// The settings for opening only a database that already exists: its
+/// directory and (SQLite) file must be there, and SQLite is opened
+/// `mode=rw` so that nothing can create it. PostgreSQL databases are not
+/// created by the server anyway, and its data directory plays no part in
+/// `token` and `migrate`.
+pub fn existing_only(settings: &Settings) -> Result<Settings, DbError> {
+    let Some(path) = sqlite_path(&settings.database_url) else {
+        return Ok(settings.clone());
+    };
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    if !directory.is_dir() {
+        return Err(DbError::MissingDirectory {
+            path: directory.to_path_buf(),
+        });
+    }
+    if !path.is_file() {
+        return Err(DbError::MissingDatabase { path });
+    }
+    let mut settings = settings.clone();
+    if let Some((base, query)) = settings.database_url.split_once('?') {
+        let query = query.replace("mode=rwc", "mode=rw");
+        settings.database_url = format!("{base}?{query}");
+    }
+    Ok(settings)
+}
+
+/// [`open_database`] for commands that manage an existing server's
+/// database (`token`, `migrate`): a mistyped `--data-dir` is an error
+/// naming the path, not a new empty database there.
+pub async fn open_existing_database(settings: &Settings) -> Result<Db, ServeError> {
+    open_database(&existing_only(settings)?).await
 }
 
 /// The pool plus what differs between the two databases.
@@ -75,6 +166,19 @@ impl Db {
         } else {
             return Err(DbError::UnsupportedUrl { url: redact(url) });
         };
+        if let Some(path) = sqlite_path(url) {
+            // Before SQLite touches the files: it would reject a non-database
+            // only query by query, and replay a damaged log without a word.
+            let checked = path.clone();
+            tokio::task::spawn_blocking(move || sqlite_files::check_files(&checked))
+                .await
+                .map_err(|error| {
+                    DbError::Files(SqliteFileError::Read {
+                        path: path.clone(),
+                        source: std::io::Error::other(error),
+                    })
+                })??;
+        }
         let options: AnyConnectOptions = url.parse().map_err(|source| DbError::Connect {
             url: redact(url),
             source,
@@ -100,11 +204,43 @@ impl Db {
                 url: redact(url),
                 source,
             })?;
-        Ok(Db {
+        let db = Db {
             pool,
             backend,
             writer: Arc::new(Mutex::new(())),
             round_writes: Arc::new(Semaphore::new(ROUND_WRITE_CONNECTIONS)),
+        };
+        if let Some(path) = sqlite_path(url) {
+            db.check_integrity(&path).await?;
+        }
+        Ok(db)
+    }
+
+    /// `PRAGMA quick_check`: every page and index entry is well formed
+    /// (it skips the index-to-table cross-check of `integrity_check`, so it
+    /// runs in about one read of the file).
+    async fn check_integrity(&self, path: &Path) -> Result<(), DbError> {
+        let query = format!("PRAGMA quick_check({INTEGRITY_PROBLEMS_SHOWN})");
+        let problems: Vec<String> =
+            match sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(query))
+                .fetch_all(&self.pool)
+                .await
+            {
+                Ok(rows) => rows,
+                // A page too damaged to walk fails the pragma itself.
+                Err(sqlx::Error::Database(error))
+                    if is_sqlite_corruption(error.code().as_deref()) =>
+                {
+                    vec![error.message().to_string()]
+                }
+                Err(error) => return Err(error.into()),
+            };
+        if problems.len() == 1 && problems[0] == "ok" {
+            return Ok(());
+        }
+        Err(DbError::Integrity {
+            path: path.to_path_buf(),
+            problems,
         })
     }
 
@@ -157,6 +293,14 @@ impl Db {
     }
 }
 
+/// SQLITE_CORRUPT (11) or SQLITE_NOTADB (26), in any extended form (the
+/// low byte is the primary code); "database is locked" and the like are
+/// not the file's fault.
+fn is_sqlite_corruption(code: Option<&str>) -> bool {
+    code.and_then(|code| code.parse::<u32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 11 | 26))
+}
+
 /// The URL with any password replaced, for messages and logs.
 pub fn redact(url: &str) -> String {
     match url::Url::parse(url) {
@@ -181,4 +325,61 @@ pub fn now_ms() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     i64::try_from(since_epoch.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlite_paths_come_from_the_url() {
+        assert_eq!(
+            sqlite_path("sqlite:///srv/canopy/canopy.db?mode=rwc"),
+            Some(PathBuf::from("/srv/canopy/canopy.db"))
+        );
+        assert_eq!(
+            sqlite_path("sqlite:data/canopy.db"),
+            Some(PathBuf::from("data/canopy.db"))
+        );
+        assert_eq!(sqlite_path("sqlite::memory:"), None);
+        assert_eq!(sqlite_path("postgres://u@h/db"), None);
+    }
+
+    #[test]
+    fn only_corruption_codes_count_as_a_damaged_file() {
+        assert!(is_sqlite_corruption(Some("11")));
+        assert!(is_sqlite_corruption(Some("779"))); // SQLITE_CORRUPT_INDEX
+        assert!(is_sqlite_corruption(Some("26")));
+        assert!(!is_sqlite_corruption(Some("5"))); // SQLITE_BUSY
+        assert!(!is_sqlite_corruption(Some("517"))); // SQLITE_BUSY_SNAPSHOT
+        assert!(!is_sqlite_corruption(None));
+    }
+
+    #[test]
+    fn existing_only_opens_sqlite_without_create() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let database = dir.path().join("canopy.db");
+        let mut settings = Settings::resolve(&crate::config::ServeArgs {
+            data_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        })
+        .expect("settings");
+        assert!(matches!(
+            existing_only(&settings),
+            Err(DbError::MissingDatabase { path }) if path == database
+        ));
+        std::fs::write(&database, b"").expect("touch");
+        let opened = existing_only(&settings).expect("exists");
+        assert!(
+            opened.database_url.ends_with("?mode=rw"),
+            "{}",
+            opened.database_url
+        );
+        settings.data_dir = dir.path().join("typo");
+        settings.database_url = crate::config::sqlite_url(&settings.data_dir.join("canopy.db"));
+        assert!(matches!(
+            existing_only(&settings),
+            Err(DbError::MissingDirectory { .. })
+        ));
+    }
 }

@@ -9,6 +9,7 @@
 //! of the API would: it builds the model and evaluates each version on the
 //! held-out split with `canopy-engine`.
 
+use canopy_term::outln;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -127,12 +128,12 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     say(
         &args,
         &format!("server: {base} (SQLite in {})", work.path().display()),
-    );
+    )?;
     if args.secure {
         say(
             &args,
             "secure aggregation (SecAgg+): the server learns only the sum of each round's updates",
-        );
+        )?;
     }
 
     let model = build_digits_model(&train, args.seed)?;
@@ -165,7 +166,7 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             "{} agents enrolled over HTTPS, each with a non-IID shard (alpha {})",
             args.devices, args.non_iid
         ),
-    );
+    )?;
 
     let job = admin.create_job(&args, version).await?;
     let rows = watch_rounds(&admin, &args, job, &test).await;
@@ -180,20 +181,20 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     let final_accuracy = rows.last().map(|row| row.held_out_accuracy).unwrap_or(0.0);
     stop_agents(&mut agents);
     if !args.json || args.keep {
-        println!();
-        println!(
+        outln!()?;
+        outln!(
             "final held-out accuracy {final_accuracy:.3} after {} rounds in {seconds:.1} s",
             rows.len()
-        );
-        println!(
+        )?;
+        outln!(
             "API:       {base}/api/v1   (reference: {base}/api/v1/docs, OpenAPI: {base}/api/v1/openapi.json)"
-        );
-        println!("dashboard: {base}/dashboard#token={token}");
-        println!("admin token: {token}");
-        println!("certificate: {fingerprint}");
+        )?;
+        outln!("dashboard: {base}/dashboard#token={token}")?;
+        outln!("admin token: {token}")?;
+        outln!("certificate: {fingerprint}")?;
     }
     if args.keep {
-        println!("the server keeps running; press Ctrl-C to stop it");
+        outln!("the server keeps running; press Ctrl-C to stop it")?;
         let _ = tokio::signal::ctrl_c().await;
     }
     running.shutdown().await?;
@@ -207,15 +208,16 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             "secure_aggregation": args.secure,
             "per_round": rows,
         });
-        println!("{summary}");
+        outln!("{summary}")?;
     }
     Ok(())
 }
 
-fn say(args: &DemoArgs, line: &str) {
+fn say(args: &DemoArgs, line: &str) -> Result<()> {
     if !args.json {
-        println!("{line}");
+        outln!("{line}")?;
     }
+    Ok(())
 }
 
 /// `canopy-agent` from the directory this binary runs from.
@@ -367,9 +369,9 @@ fn report_agent_logs(agents: &[Agent]) {
         let log = std::fs::read_to_string(agent.dir.join("agent.log")).unwrap_or_default();
         let tail: Vec<&str> = log.lines().rev().take(5).collect();
         if !tail.is_empty() {
-            eprintln!("--- {} (last lines) ---", agent.dir.display());
+            canopy_term::errln!("--- {} (last lines) ---", agent.dir.display());
             for line in tail.into_iter().rev() {
-                eprintln!("{line}");
+                canopy_term::errln!("{line}");
             }
         }
     }
@@ -383,8 +385,8 @@ async fn watch_rounds(
     test: &Dataset,
 ) -> Result<Vec<RoundRow>> {
     if !args.json {
-        println!();
-        println!("round  devices  train loss  held-out acc  seconds  up (KB)  down (KB)");
+        outln!()?;
+        outln!("round  devices  train loss  held-out acc  seconds  up (KB)  down (KB)")?;
     }
     let mut rows: Vec<RoundRow> = Vec::new();
     let deadline =
@@ -400,7 +402,7 @@ async fn watch_rounds(
             }
             let row = round_row(admin, round, test).await?;
             if !args.json {
-                println!(
+                outln!(
                     "{:>5}  {:>7}  {:>10}  {:>12.3}  {:>7.2}  {:>7}  {:>9}",
                     row.round,
                     format!("{}/{}", row.participants, row.selected),
@@ -411,7 +413,7 @@ async fn watch_rounds(
                     row.seconds,
                     row.bytes_up / 1000,
                     row.bytes_down / 1000,
-                );
+                )?;
                 let _ = std::io::stdout().flush();
             }
             rows.push(row);

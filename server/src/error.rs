@@ -12,6 +12,8 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// Sent as `Retry-After` (seconds) with 429 and 503 answers.
+    pub retry_after_s: Option<u64>,
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
@@ -22,7 +24,24 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            retry_after_s: None,
         }
+    }
+
+    /// A client at one of its own caps: it may try again after `retry_after_s`.
+    pub fn too_many(message: impl Into<String>, retry_after_s: u64) -> ApiError {
+        ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", message)
+            .retry_after(retry_after_s)
+    }
+
+    /// The server is at a shared limit: try again after `retry_after_s`.
+    pub fn busy(message: impl Into<String>, retry_after_s: u64) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "busy", message).retry_after(retry_after_s)
+    }
+
+    pub fn retry_after(mut self, seconds: u64) -> ApiError {
+        self.retry_after_s = Some(seconds.max(1));
+        self
     }
 
     pub fn bad_request(message: impl Into<String>) -> ApiError {
@@ -89,7 +108,14 @@ impl IntoResponse for ApiError {
                 message: self.message,
             },
         };
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(seconds) = self.retry_after_s {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(seconds),
+            );
+        }
+        response
     }
 }
 

@@ -6,9 +6,11 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use canopy_server::config::{LogFormat, ServeArgs, Settings};
-use canopy_server::server::{open_database, serve};
+use canopy_server::db::{DbError, open_existing_database};
+use canopy_server::server::{ServeError, open_database, serve};
 use canopy_server::store::Page;
 use canopy_server::store::tokens::{self, Role};
+use canopy_term::outln;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -27,7 +29,12 @@ enum Command {
     /// Run the server (applies migrations first).
     Serve(ServeArgs),
     /// Apply database migrations and exit.
-    Migrate(ServeArgs),
+    Migrate {
+        #[command(flatten)]
+        server: ServeArgs,
+        #[command(flatten)]
+        create: CreateFlag,
+    },
     /// Run a whole federated job on the bundled digits: a server, real
     /// canopy-agent processes, a per-round table. Nothing to configure.
     Demo(demo::DemoArgs),
@@ -36,6 +43,53 @@ enum Command {
         #[command(subcommand)]
         command: TokenCommand,
     },
+    /// Rotate or list the model-signing keys, directly in the database.
+    SigningKey {
+        #[command(subcommand)]
+        command: SigningKeyCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum SigningKeyCommand {
+    /// Replace the key models are signed with. The old key endorses the new
+    /// one, so enrolled devices follow; the old key's signatures stay valid
+    /// for the overlap, then its secret is erased. Running servers pick the
+    /// new key up within `limits.signing_key_reload_ms`.
+    Rotate {
+        /// How long the old key's signatures stay valid, e.g. 7d or 12h
+        /// (at most 90d).
+        #[arg(long, default_value = "7d")]
+        overlap: String,
+        #[command(flatten)]
+        server: ServeArgs,
+    },
+    /// List the keys (never their secrets).
+    List {
+        #[command(flatten)]
+        server: ServeArgs,
+    },
+}
+
+/// `token` and `migrate` manage an existing server's database: a missing
+/// data directory or SQLite file is an error (a mistyped `--data-dir`),
+/// unless the operator asks for a new database.
+#[derive(clap::Args)]
+struct CreateFlag {
+    /// Create the data directory and SQLite database if they do not exist.
+    #[arg(long)]
+    create: bool,
+}
+
+impl CreateFlag {
+    async fn open(&self, args: &ServeArgs) -> anyhow::Result<canopy_server::db::Db> {
+        let settings = Settings::resolve(args)?;
+        Ok(if self.create {
+            open_database(&settings).await?
+        } else {
+            open_existing_database(&settings).await?
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -51,17 +105,23 @@ enum TokenCommand {
         label: String,
         #[command(flatten)]
         server: ServeArgs,
+        #[command(flatten)]
+        create: CreateFlag,
     },
     /// List tokens (never their secrets).
     List {
         #[command(flatten)]
         server: ServeArgs,
+        #[command(flatten)]
+        create: CreateFlag,
     },
     /// Revoke a token by id.
     Revoke {
         id: i64,
         #[command(flatten)]
         server: ServeArgs,
+        #[command(flatten)]
+        create: CreateFlag,
     },
 }
 
@@ -78,35 +138,55 @@ fn init_logging(format: LogFormat) {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return canopy_term::clap_exit(&error),
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
-            eprintln!("error: cannot start the async runtime\n  Caused by: {error}");
+            canopy_term::errln!("error: cannot start the async runtime\n  Caused by: {error}");
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(error) if canopy_term::is_stdout_closed(&*error) => {
+            ExitCode::from(canopy_term::STDOUT_CLOSED_EXIT)
+        }
         Err(error) => {
-            eprintln!("error: {error}");
+            canopy_term::errln!("error: {error}");
             for cause in error.chain().skip(1) {
-                eprintln!("  Caused by: {cause}");
+                canopy_term::errln!("  Caused by: {cause}");
             }
-            if let Some(hint) = hint(&error) {
-                eprintln!("  hint: {hint}");
+            let own_hint = error
+                .downcast_ref::<canopy_server::server::ServeError>()
+                .and_then(canopy_server::server::ServeError::hint);
+            if let Some(hint) = own_hint {
+                canopy_term::errln!("  hint: {hint}");
+            } else if let Some(hint) = hint(&error) {
+                canopy_term::errln!("  hint: {hint}");
             }
             ExitCode::FAILURE
         }
     }
 }
 
-fn hint(error: &anyhow::Error) -> Option<&'static str> {
+fn hint(error: &anyhow::Error) -> Option<String> {
+    let database = error.chain().find_map(|cause| {
+        cause
+            .downcast_ref::<DbError>()
+            .or(match cause.downcast_ref::<ServeError>() {
+                Some(ServeError::Db(inner)) => Some(inner),
+                _ => None,
+            })
+    });
+    if let Some(hint) = database.and_then(DbError::hint) {
+        return Some(hint);
+    }
     let text = format!("{error:#}");
     if text.contains("Address already in use") {
-        Some("another process is listening there; pick another --listen address")
-    } else if text.contains("connect to the database") {
-        Some("check --database-url (or CANOPY_DATABASE_URL) and that the database is running")
+        Some("another process is listening there; pick another --listen address".to_string())
     } else {
         None
     }
@@ -119,16 +199,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             init_logging(settings.log_format);
             serve(settings).await?;
         }
-        Command::Migrate(args) => {
-            let settings = Settings::resolve(&args)?;
+        Command::Migrate { server, create } => {
+            let settings = Settings::resolve(&server)?;
             init_logging(settings.log_format);
-            open_database(&settings).await?;
-            println!(
+            create.open(&server).await?;
+            outln!(
                 "migrations applied to {}",
                 canopy_server::db::redact(&settings.database_url)
-            );
+            )?;
         }
         Command::Token { command } => token(command).await?,
+        Command::SigningKey { command } => signing_key(command).await?,
         Command::Demo(args) => {
             let filter = if args.json { "error" } else { "warn" };
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -150,8 +231,9 @@ async fn token(command: TokenCommand) -> anyhow::Result<()> {
             expires,
             label,
             server,
+            create,
         } => {
-            let db = open_database(&Settings::resolve(&server)?).await?;
+            let db = create.open(&server).await?;
             let expires_ms = match expires {
                 Some(text) => {
                     let lifetime = canopy_server::api::admin::tokens::parse_lifetime(&text)
@@ -163,11 +245,22 @@ async fn token(command: TokenCommand) -> anyhow::Result<()> {
             let (row, secret) = tokens::create_api_token(&db, role, &label, expires_ms)
                 .await
                 .context("cannot store the token")?;
-            println!("token id: {}", row.id);
-            println!("{} token: {secret}", row.role);
+            let shown = outln!("token id: {}", row.id)
+                .and_then(|()| outln!("{} token: {secret}", row.role));
+            if let Err(error) = shown {
+                // Only the hash is kept: a secret nobody saw is a token
+                // nobody can use, so it is not left active.
+                tokens::revoke_api_token(&db, row.id)
+                    .await
+                    .context("cannot revoke the token whose secret could not be printed")?;
+                return Err(anyhow::Error::new(error).context(format!(
+                    "token {} was revoked: its secret could not be printed",
+                    row.id
+                )));
+            }
         }
-        TokenCommand::List { server } => {
-            let db = open_database(&Settings::resolve(&server)?).await?;
+        TokenCommand::List { server, create } => {
+            let db = create.open(&server).await?;
             let mut after = 0;
             loop {
                 let rows = tokens::list_api_tokens(&db, Page { after, limit: 500 }).await?;
@@ -179,20 +272,78 @@ async fn token(command: TokenCommand) -> anyhow::Result<()> {
                     } else {
                         "active"
                     };
-                    println!(
+                    outln!(
                         "{:>6}  {:<8}  {:<7}  {}",
-                        row.id, row.role, state, row.label
-                    );
+                        row.id,
+                        row.role,
+                        state,
+                        row.label
+                    )?;
                 }
             }
         }
-        TokenCommand::Revoke { id, server } => {
-            let db = open_database(&Settings::resolve(&server)?).await?;
+        TokenCommand::Revoke { id, server, create } => {
+            let db = create.open(&server).await?;
             if !tokens::revoke_api_token(&db, id).await? {
                 anyhow::bail!("API token {id} does not exist");
             }
-            println!("revoked token {id}");
+            outln!("revoked token {id}")?;
         }
     }
     Ok(())
+}
+
+async fn signing_key(command: SigningKeyCommand) -> anyhow::Result<()> {
+    use canopy_server::store::signing_keys;
+    match command {
+        SigningKeyCommand::Rotate { overlap, server } => {
+            let overlap = humantime::parse_duration(&overlap).map_err(|error| {
+                anyhow::anyhow!("--overlap `{overlap}` is not a duration like 7d or 12h: {error}")
+            })?;
+            let db = open_database(&Settings::resolve(&server)?).await?;
+            let rotation = signing_keys::rotate(&db, overlap)
+                .await
+                .context("cannot rotate the model-signing key")?;
+            println!("signing key: {}", rotation.public_key_hex);
+            println!("previous key: {}", rotation.previous_public_key_hex);
+            println!(
+                "previous key valid until: {} ({} ms)",
+                utc(rotation.previous_valid_until_ms),
+                rotation.previous_valid_until_ms
+            );
+        }
+        SigningKeyCommand::List { server } => {
+            let db = open_database(&Settings::resolve(&server)?).await?;
+            let keys = signing_keys::list(&db).await?;
+            let now = canopy_server::db::now_ms();
+            let current = keys.last().map(|key| key.seq);
+            for key in &keys {
+                let state = match key.valid_until_ms {
+                    _ if Some(key.seq) == current => "in use".to_string(),
+                    Some(until) if until >= now => format!("accepted until {}", utc(until)),
+                    Some(until) => format!("retired {}", utc(until)),
+                    None => "replaced".to_string(),
+                };
+                let secret = if key.has_secret {
+                    "secret kept"
+                } else {
+                    "secret erased"
+                };
+                println!(
+                    "{:>4}  {}  created {}  {state}  {secret}",
+                    key.seq,
+                    key.public_key_hex,
+                    utc(key.created_ms)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// RFC 3339 in UTC, to the second.
+fn utc(ms: i64) -> String {
+    let at =
+        std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    humantime::format_rfc3339_seconds(at).to_string()
 }

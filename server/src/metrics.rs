@@ -17,6 +17,12 @@ pub struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LimitLabels {
+    /// The `Limits` setting that refused the work; a fixed set of names.
+    pub limit: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
 }
@@ -31,6 +37,8 @@ pub struct Metrics {
     pub bytes_received: Counter,
     pub bytes_sent: Counter,
     pub online_devices: Gauge,
+    pub open_connections: Gauge,
+    pub refusals: Family<LimitLabels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -73,8 +81,22 @@ impl Metrics {
             "Unrevoked devices seen within the online window",
             online_devices.clone(),
         );
+        let open_connections = Gauge::default();
+        registry.register(
+            "open_connections",
+            "Client connections admitted and not yet closed",
+            open_connections.clone(),
+        );
+        let refusals = Family::<LimitLabels, Counter>::default();
+        registry.register(
+            "limit_refusals",
+            "Connections and requests refused at a limit, by the limit's setting",
+            refusals.clone(),
+        );
         Metrics {
             registry,
+            open_connections,
+            refusals,
             request_seconds,
             rounds,
             updates_accepted,
@@ -90,6 +112,11 @@ impl Metrics {
                 outcome: outcome.to_string(),
             })
             .inc();
+    }
+
+    /// Counts a connection or request refused at `limit`.
+    pub fn refused(&self, limit: &'static str) {
+        self.refusals.get_or_create(&LimitLabels { limit }).inc();
     }
 
     pub fn encode(&self) -> String {

@@ -43,6 +43,8 @@ pub async fn run(state: AppState, mut shutdown: watch::Receiver<bool>) {
             // The limiter keeps a cell per client address; forget idle ones.
             state.sensitive_limiter.retain_recent();
             state.sensitive_limiter.shrink_to_fit();
+            state.device_limiter.retain_recent();
+            state.device_limiter.shrink_to_fit();
         }
         tokio::select! {
             _ = tokio::time::sleep(tick) => {}

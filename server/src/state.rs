@@ -6,15 +6,18 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use canopy_protocol::model_sig::ServerKey;
 use canopy_protocol::update::UpdateLayout;
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use tokio::sync::{Notify, Semaphore};
+
+use crate::inflight::InFlight;
+use crate::slots::UploadSlots;
 
 use crate::blobs::BlobStore;
 use crate::config::Settings;
 use crate::db::Db;
 use crate::metrics::Metrics;
+use crate::signing::SigningRing;
 
 /// Layouts are cached per model version; past this many the cache is
 /// cleared, which only costs a re-read.
@@ -26,9 +29,10 @@ pub struct AppState(pub Arc<Inner>);
 pub struct Inner {
     pub db: Db,
     pub blobs: BlobStore,
-    pub server_key: ServerKey,
+    /// The model-signing keys, reloaded from the database periodically.
+    pub signing: SigningRing,
     pub settings: Settings,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// Woken when rounds select devices, so long polls answer at once.
     pub tasks_ready: Notify,
     /// Woken when an update lands, so the orchestrator can close a full round.
@@ -36,12 +40,36 @@ pub struct Inner {
     /// Woken when a secure round changes stage, so devices' long polls
     /// answer at once.
     pub secagg_progress: Notify,
-    pub upload_slots: Semaphore,
+    /// Device uploads: updates and masked inputs (see `slots.rs`).
+    pub upload_slots: UploadSlots,
+    /// Operators' model uploads.
+    pub model_upload_slots: UploadSlots,
+    /// Model files verified at once: one, since verifying holds the file and
+    /// its parsed model in memory.
+    pub model_verification: Semaphore,
+    /// `max_concurrent_requests`, shared by every route.
+    pub request_slots: Semaphore,
+    /// Requests and task polls each device has in flight.
+    pub device_requests: Arc<InFlight<i64>>,
+    pub device_polls: Arc<InFlight<i64>>,
+    pub device_keys: crate::device_keys::DeviceKeys,
+    /// Devices refused at their rate or in-flight cap, until their
+    /// `Retry-After` has passed.
+    pub throttled_devices: crate::inflight::Throttle<i64>,
     /// Uploads waiting to be folded, batched per round.
     pub folds: crate::api::device::folds::FoldQueue,
     pub sensitive_limiter: DefaultKeyedRateLimiter<IpAddr>,
+    /// `device_requests_per_second`, per device.
+    pub device_limiter: DefaultKeyedRateLimiter<i64>,
     pub shutting_down: AtomicBool,
     layouts: std::sync::Mutex<HashMap<i64, Arc<UpdateLayout>>>,
+}
+
+/// `per_second` sustained, bursts of twice that.
+fn device_quota(per_second: u32) -> Quota {
+    let rate = NonZeroU32::new(per_second).unwrap_or(NonZeroU32::MIN);
+    let burst = NonZeroU32::new(per_second.saturating_mul(2)).unwrap_or(rate);
+    Quota::per_second(rate).allow_burst(burst)
 }
 
 impl std::ops::Deref for AppState {
@@ -52,18 +80,35 @@ impl std::ops::Deref for AppState {
 }
 
 impl AppState {
-    pub fn new(db: Db, blobs: BlobStore, server_key: ServerKey, settings: Settings) -> AppState {
+    pub fn new(db: Db, blobs: BlobStore, signing: SigningRing, settings: Settings) -> AppState {
         let per_minute = NonZeroU32::new(settings.limits.sensitive_requests_per_minute.max(1))
             .unwrap_or(NonZeroU32::MIN);
+        let limits = &settings.limits;
         AppState(Arc::new(Inner {
-            upload_slots: Semaphore::new(settings.limits.max_concurrent_uploads),
+            upload_slots: UploadSlots::new(
+                "max_concurrent_uploads",
+                limits.max_concurrent_uploads,
+                limits.upload_slot_wait_ms,
+            ),
+            model_upload_slots: UploadSlots::new(
+                "max_concurrent_model_uploads",
+                limits.max_concurrent_model_uploads,
+                limits.upload_slot_wait_ms,
+            ),
+            model_verification: Semaphore::new(1),
+            request_slots: Semaphore::new(limits.max_concurrent_requests),
+            device_requests: InFlight::new(limits.max_requests_per_device),
+            device_polls: InFlight::new(limits.max_polls_per_device),
+            device_keys: Default::default(),
+            throttled_devices: Default::default(),
             folds: Default::default(),
             sensitive_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
+            device_limiter: RateLimiter::keyed(device_quota(limits.device_requests_per_second)),
             db,
             blobs,
-            server_key,
+            signing,
             settings,
-            metrics: Metrics::new(),
+            metrics: Arc::new(Metrics::new()),
             tasks_ready: Notify::new(),
             orchestrator_wake: Notify::new(),
             secagg_progress: Notify::new(),

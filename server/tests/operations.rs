@@ -295,9 +295,9 @@ async fn token_cli_issues_and_revokes_tokens() -> Result<()> {
 
 #[test]
 fn migrate_and_configuration_errors_are_clear() -> Result<()> {
-    let dir = tempfile::tempdir()?;
+    let dir = support::private_tempdir()?;
     let output = server_bin()
-        .arg("migrate")
+        .args(["migrate", "--create"])
         .env("CANOPY_DATA_DIR", dir.path())
         .output()?;
     assert!(
@@ -395,7 +395,7 @@ async fn serves_certificate_files_and_pinning_is_enforced() -> Result<()> {
     let first = TestServer::start(Database::Sqlite)?;
     let cert = first.data_dir.path().join("tls/self-signed-cert.pem");
     let key = first.data_dir.path().join("tls/self-signed-key.pem");
-    let dir = tempfile::tempdir()?;
+    let dir = support::private_tempdir()?;
     let mut child = server_bin()
         .args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"])
         .arg(&cert)

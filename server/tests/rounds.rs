@@ -743,3 +743,118 @@ async fn two_processes_share_one_postgres() -> Result<()> {
     );
     Ok(())
 }
+
+/// A signed `GET /device/v1/models/{version}`, with an optional `Range`.
+async fn get_model(
+    server: &TestServer,
+    device: &DeviceClient,
+    version_id: i64,
+    range_from: Option<u64>,
+) -> Result<(u16, Bytes)> {
+    let path = format!("/device/v1/models/{version_id}");
+    let signed = auth::sign_request(device.key(), device.device_id, "GET", &path, b"", now_ms());
+    let mut request = server
+        .transport()
+        .http()
+        .get(format!("{}{path}", server.base));
+    for (name, value) in signed.headers() {
+        request = request.header(name, value);
+    }
+    if let Some(from) = range_from {
+        request = request.header("range", format!("bytes={from}-"));
+    }
+    let response = request.send().await?;
+    Ok((response.status().as_u16(), response.bytes().await?))
+}
+
+/// Asserts a 404 whose message names the device and the version, and
+/// that says nothing about whether the version exists.
+async fn assert_no_task(server: &TestServer, device: &DeviceClient, version_id: i64) -> Result<()> {
+    let (status, body) = get_model(server, device, version_id, None).await?;
+    let text = String::from_utf8_lossy(&body);
+    ensure!(
+        status == 404,
+        "device {} fetched model version {version_id} without a task: {status} {text}",
+        device.device_id
+    );
+    ensure!(
+        text.contains(&format!("device {}", device.device_id))
+            && text.contains(&format!("model version {version_id}")),
+        "the refusal names neither device nor version: {text}"
+    );
+    Ok(())
+}
+
+/// A device may download a model version only while it has a task on it:
+/// not before the job, not another model's version, not another device's
+/// task, not after the round; a resumed (Range) download of its open task
+/// works.
+async fn model_downloads_need_a_task(database: Database) -> Result<()> {
+    let server = TestServer::start(database)?;
+    let admin = server.admin();
+    let base = admin.upload_model("task", logreg_model_bytes(1)).await?;
+    let other = admin.upload_model("other", logreg_model_bytes(2)).await?;
+    let base_id = base["id"].as_i64().expect("version id");
+    let other_id = other["id"].as_i64().expect("version id");
+    let size = base["size_bytes"].as_u64().expect("size");
+    let token = admin.enrollment_token(2).await?;
+    let chosen = enroll_device(&server, &token).await?;
+    let bystander = enroll_device(&server, &token).await?;
+
+    assert_no_task(&server, &chosen, base_id).await?;
+    // A version that does not exist answers the same.
+    assert_no_task(&server, &chosen, base_id + 1000).await?;
+
+    let tags = admin
+        .send(
+            Method::PUT,
+            &format!("/api/v1/devices/{}/tags", chosen.device_id),
+            Some(json!({"tags": {"pick": "yes"}})),
+        )
+        .await?;
+    ensure!(
+        tags.status == 200,
+        "tagging answered {}: {}",
+        tags.status,
+        tags.body
+    );
+    let mut spec = job_spec(base_id, 1, 1, 1, 120_000);
+    spec["filters"] = json!({"tags": {"pick": "yes"}});
+    let job = admin.create_job(spec).await?;
+    let task = poll_task(&chosen).await?;
+    ensure!(
+        task.model_version_id == base_id,
+        "task on {}",
+        task.model_version_id
+    );
+
+    let (status, whole) = get_model(&server, &chosen, base_id, None).await?;
+    ensure!(
+        status == 200 && whole.len() as u64 == size,
+        "download answered {status}"
+    );
+    let (status, tail) = get_model(&server, &chosen, base_id, Some(size / 2)).await?;
+    ensure!(status == 206, "a resumed download answered {status}");
+    ensure!(
+        tail[..] == whole[(size / 2) as usize..],
+        "the resumed bytes differ"
+    );
+    assert_no_task(&server, &chosen, other_id).await?;
+    assert_no_task(&server, &bystander, base_id).await?;
+
+    train(&chosen, &task, 10).await?;
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "completed", "job ended {finished}");
+    assert_no_task(&server, &chosen, base_id).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_downloads_need_a_task_on_sqlite() -> Result<()> {
+    model_downloads_need_a_task(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_downloads_need_a_task_on_postgres() -> Result<()> {
+    model_downloads_need_a_task(Database::Postgres).await
+}

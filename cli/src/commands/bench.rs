@@ -16,6 +16,7 @@ use canopy_ir::{Graph, Model, TensorType, autodiff};
 use clap::Args;
 
 use super::load_for_model;
+use crate::output::outln;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -48,36 +49,36 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let (mlp_train, _) = load_for_model(&args.data, &mlp)?;
     let (lenet_train, _) = load_for_model(&args.data, &lenet)?;
     let mlp_rate = train_throughput(&mlp, &mlp_train, args.epochs)?;
-    println!(
+    outln!(
         "mlp 784-128-10 training: {mlp_rate:.0} samples/s ({} epochs, batch {BATCH}, SGD {LR})",
         args.epochs
-    );
+    )?;
     let lenet_rate = train_throughput(&lenet, &lenet_train, args.lenet_epochs)?;
-    println!(
+    outln!(
         "lenet5 training:         {lenet_rate:.0} samples/s ({} epochs)",
         args.lenet_epochs
-    );
+    )?;
     let mlp_ratio = backward_forward_ratio(&mlp, &mlp_train)?;
     let lenet_ratio = backward_forward_ratio(&lenet, &lenet_train)?;
-    println!("backward/forward time:   mlp {mlp_ratio:.2}, lenet5 {lenet_ratio:.2}");
+    outln!("backward/forward time:   mlp {mlp_ratio:.2}, lenet5 {lenet_ratio:.2}")?;
     let full_ms = step_millis(&lenet, &lenet_train)?;
     let frozen = model_frozen(Architecture::LeNet5 { classes: 10 }, &["conv", "fc1"])?;
     let frozen_ms = step_millis(&frozen, &lenet_train)?;
-    println!(
+    outln!(
         "lenet5 step, batch {BATCH}:  full {full_ms:.2} ms ({} nodes), frozen conv+fc1 {frozen_ms:.2} ms ({} nodes)",
         lenet.entry("train_step")?.len(),
         frozen.entry("train_step")?.len()
-    );
+    )?;
     let (nodes_before, nodes_after) = mlp_pass_report()?;
-    println!("mlp train_step nodes:    {nodes_before} before passes, {nodes_after} after");
+    outln!("mlp train_step nodes:    {nodes_before} before passes, {nodes_after} after")?;
     let mut gflops = serde_json::Map::new();
     for n in [256, 512, 1024] {
         let rate = matmul_gflops(n)?;
-        println!("matmul {n}x{n}:          {rate:.1} GFLOPS");
+        outln!("matmul {n}x{n}:          {rate:.1} GFLOPS")?;
         gflops.insert(n.to_string(), rate.into());
     }
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "mlp_train_samples_per_s": mlp_rate,
@@ -91,7 +92,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "mlp_train_step_nodes_after_passes": nodes_after,
                 "threads": rayon::current_num_threads(),
             })
-        );
+        )?;
     }
     Ok(())
 }

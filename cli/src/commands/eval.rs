@@ -7,6 +7,7 @@ use super::load_for_model;
 use super::train::evaluate;
 use crate::DataArgs;
 use crate::files::read_model_file;
+use crate::output::outln;
 
 #[derive(Args)]
 pub struct EvalArgs {
@@ -27,18 +28,18 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let (model, _) = read_model_file(&args.file)?;
     let (_, test) = load_for_model(&args.data.data, &model)?;
     let stats = evaluate(&model, &test, args.batch)?;
-    println!(
+    outln!(
         "{}: test loss {:.4}, accuracy {:.4} over {} samples",
         args.file.display(),
         stats.loss,
         stats.accuracy,
         stats.samples
-    );
+    )?;
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"loss": stats.loss, "accuracy": stats.accuracy, "samples": stats.samples})
-        );
+        )?;
     }
     Ok(())
 }

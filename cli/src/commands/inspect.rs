@@ -5,6 +5,7 @@ use canopy_ir::format::digest_hex;
 use clap::Args;
 
 use crate::files::read_model_file;
+use crate::output::outln;
 
 #[derive(Args)]
 pub struct InspectArgs {
@@ -17,30 +18,30 @@ pub struct InspectArgs {
 pub fn run(args: InspectArgs) -> Result<()> {
     let (model, digest) = read_model_file(&args.file)?;
     if args.json {
-        println!("{}", to_json(&model, &digest));
+        outln!("{}", to_json(&model, &digest))?;
         return Ok(());
     }
     let meta = &model.metadata;
-    println!("model:     {}", meta.model_name);
-    println!("digest:    sha256:{}", digest_hex(&digest));
-    println!("producer:  {}", meta.producer);
+    outln!("model:     {}", meta.model_name)?;
+    outln!("digest:    sha256:{}", digest_hex(&digest))?;
+    outln!("producer:  {}", meta.producer)?;
     if let Some(parent) = &meta.parent_digest {
-        println!("parent:    sha256:{}", digest_hex(parent));
+        outln!("parent:    sha256:{}", digest_hex(parent))?;
     }
     for (key, value) in &meta.properties {
-        println!("{key:<10} {value}");
+        outln!("{key:<10} {value}")?;
     }
-    println!("\nparameters:");
+    outln!("\nparameters:")?;
     for p in &model.parameters {
         let kind = if p.trainable { "trainable" } else { "frozen" };
-        println!(
+        outln!(
             "  {:<20} {:<5} {:<16} {kind}",
             p.name,
             p.data.dtype().name(),
             format!("{:?}", p.data.shape)
-        );
+        )?;
     }
-    println!(
+    outln!(
         "  total {} elements, {} trainable",
         model
             .parameters
@@ -48,8 +49,8 @@ pub fn run(args: InspectArgs) -> Result<()> {
             .map(|p| p.data.num_elements())
             .sum::<usize>(),
         model.trainable_elements()
-    );
-    println!("\nentry points:");
+    )?;
+    outln!("\nentry points:")?;
     for (name, graph) in &model.entry_points {
         let inputs: Vec<String> = graph
             .inputs()
@@ -63,16 +64,16 @@ pub fn run(args: InspectArgs) -> Result<()> {
             .filter(|(n, _)| !n.starts_with("params/") && !n.starts_with("state/"))
             .map(|(n, v)| format!("{n}: {}", graph.ty(*v)))
             .collect();
-        println!("  {name} ({} nodes)", graph.len());
-        println!("    inputs:  params/*, {}", inputs.join(", "));
-        println!("    outputs: {}", outputs.join(", "));
+        outln!("  {name} ({} nodes)", graph.len())?;
+        outln!("    inputs:  params/*, {}", inputs.join(", "))?;
+        outln!("    outputs: {}", outputs.join(", "))?;
         let counts: Vec<String> = graph
             .op_counts()
             .into_iter()
             .filter(|(op, _)| *op != "input")
             .map(|(op, n)| format!("{op}×{n}"))
             .collect();
-        println!("    ops:     {}", counts.join(" "));
+        outln!("    ops:     {}", counts.join(" "))?;
     }
     Ok(())
 }

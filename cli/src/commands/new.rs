@@ -6,6 +6,7 @@ use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
 use clap::{Args, ValueEnum};
 
 use crate::files::{short_digest, write_model_file};
+use crate::output::outln;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Arch {
@@ -78,7 +79,7 @@ pub fn run(args: NewArgs) -> Result<()> {
     };
     let model = build_model(&config)?;
     let digest = write_model_file(&args.output, &model)?;
-    println!(
+    outln!(
         "wrote {} ({} parameters, {} trainable, digest {})",
         args.output.display(),
         model
@@ -88,6 +89,6 @@ pub fn run(args: NewArgs) -> Result<()> {
             .sum::<usize>(),
         model.trainable_elements(),
         short_digest(&digest)
-    );
+    )?;
     Ok(())
 }

@@ -15,6 +15,7 @@ use clap::Args;
 use super::load_for_model;
 use crate::DataArgs;
 use crate::files::{read_model_file, short_digest, write_model_file};
+use crate::output::outln;
 use crate::progress;
 
 #[derive(Args)]
@@ -71,10 +72,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
             .with_context(|| format!("training epoch {epoch} of `{}`", args.file.display()))?;
         trainer.write_back(&mut model)?;
         let eval = evaluate(&model, &test, args.batch)?;
-        println!(
+        outln!(
             "epoch {epoch:>3}/{}  train loss {loss:.4}  train acc {accuracy:.4}  test loss {:.4}  test acc {:.4}",
-            args.epochs, eval.loss, eval.accuracy
-        );
+            args.epochs,
+            eval.loss,
+            eval.accuracy
+        )?;
         tracing::debug!(
             epoch,
             loss,
@@ -87,20 +90,20 @@ pub fn run(args: TrainArgs) -> Result<()> {
     model.metadata.parent_digest = Some(parent);
     let digest = write_model_file(&args.output, &model)?;
     let seconds = started.elapsed().as_secs_f64();
-    println!(
+    outln!(
         "wrote {} (digest {}, parent {}) in {seconds:.1} s",
         args.output.display(),
         short_digest(&digest),
         short_digest(&parent)
-    );
+    )?;
     if let (true, Some(eval)) = (args.json, last) {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({
                 "loss": eval.loss, "accuracy": eval.accuracy, "samples": eval.samples,
                 "epochs": args.epochs, "seconds": seconds,
             })
-        );
+        )?;
     }
     Ok(())
 }

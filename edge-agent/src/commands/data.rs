@@ -7,6 +7,8 @@ use clap::{Args, Subcommand};
 
 use crate::datasets::{DataKind, DataSource, DatasetEntry, Registry, check_name};
 use crate::files::{DataDir, absolute, now_ms};
+use crate::output::outln;
+use crate::ownership;
 
 #[derive(Subcommand)]
 pub enum DataCommand {
@@ -75,7 +77,7 @@ fn add(dir: &DataDir, args: AddArgs) -> Result<()> {
     dir.create()?;
     registry.save(dir)?;
     let counts = data.class_counts();
-    println!(
+    outln!(
         "{} dataset `{}`: {} samples, feature shape {:?}, {} classes (smallest class {} samples, largest {})",
         if replaced { "replaced" } else { "added" },
         args.name,
@@ -84,9 +86,14 @@ fn add(dir: &DataDir, args: AddArgs) -> Result<()> {
         data.num_classes(),
         counts.iter().min().copied().unwrap_or(0),
         counts.iter().max().copied().unwrap_or(0),
-    );
+    )?;
     if registry.default.as_deref() == Some(args.name.as_str()) {
-        println!("`{}` is the default dataset", args.name);
+        outln!("`{}` is the default dataset", args.name)?;
+    }
+    for path in std::iter::once(&source.path).chain(source.labels.as_ref()) {
+        if let Some(warning) = ownership::unreadable_by_service(&dir.root, path)? {
+            outln!("warning: {warning}")?;
+        }
     }
     Ok(())
 }
@@ -94,16 +101,20 @@ fn add(dir: &DataDir, args: AddArgs) -> Result<()> {
 fn list(dir: &DataDir) -> Result<()> {
     let registry = Registry::load(dir)?;
     if registry.datasets.is_empty() {
-        println!(
+        outln!(
             "no datasets registered in `{}`; add one with `canopy-agent data add NAME --kind csv --path FILE`",
             dir.datasets().display()
-        );
+        )?;
         return Ok(());
     }
-    println!(
+    outln!(
         "  {:<20} {:<4} {:>9} {:<14} {:>7}  PATH",
-        "NAME", "KIND", "SAMPLES", "SHAPE", "CLASSES"
-    );
+        "NAME",
+        "KIND",
+        "SAMPLES",
+        "SHAPE",
+        "CLASSES"
+    )?;
     for entry in &registry.datasets {
         let mark = if registry.default.as_deref() == Some(entry.name.as_str()) {
             '*'
@@ -114,14 +125,14 @@ fn list(dir: &DataDir) -> Result<()> {
             Some(labels) => format!("{} (labels {})", entry.path.display(), labels.display()),
             None => entry.path.display().to_string(),
         };
-        println!(
+        outln!(
             "{mark} {:<20} {:<4} {:>9} {:<14} {:>7}  {path}",
             entry.name,
             entry.kind.as_str(),
             entry.samples,
             format!("{:?}", entry.feature_shape),
             entry.classes
-        );
+        )?;
     }
     Ok(())
 }

@@ -11,6 +11,7 @@ use clap::Args;
 
 use crate::config::{AgentConfig, MAX_URL_CHARS, TrustConfig, store_key};
 use crate::files::{DataDir, absolute, hinted, now_ms};
+use crate::output::outln;
 
 /// Longest enrollment token accepted.
 const MAX_TOKEN_CHARS: usize = 1024;
@@ -109,6 +110,8 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
         server: server.clone(),
         device_id: response.device_id,
         server_public_key: response.server_public_key,
+        previous_server_key: None,
+        previous_server_key_valid_until_ms: None,
         heartbeat_interval_ms: response.heartbeat_interval_ms,
         enrolled_unix_ms: now_ms(),
         trust,
@@ -122,22 +125,22 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
         let _ = std::fs::remove_file(&key_path);
         return Err(error);
     }
-    println!(
+    outln!(
         "enrolled as device {} with {server}; key {} (mode 600), enrollment {}",
         config.device_id,
         key_path.display(),
         dir.agent().display()
-    );
+    )?;
     if config.trust == TrustConfig::PlainHttp {
-        println!(
+        outln!(
             "warning: plain HTTP; traffic to the server is not encrypted (use https outside a loopback test)"
-        );
+        )?;
     }
-    println!(
+    outln!(
         "next: `canopy-agent --data-dir {} data add NAME --kind csv --path FILE`, then `canopy-agent --data-dir {} run`",
         dir.root.display(),
         dir.root.display()
-    );
+    )?;
     Ok(())
 }
 

@@ -6,17 +6,23 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 
 use crate::config::config_template;
-use crate::files::{DataDir, absolute, write_public};
+use crate::files::{DataDir, absolute, hinted, write_public};
+use crate::output::outln;
+use crate::ownership::{self, Account, check_user_name};
 
 #[derive(Args)]
 pub struct InstallArgs {
-    /// Print what would be written, and write nothing.
+    /// Print what would be done, and do nothing.
     #[arg(long)]
     dry_run: bool,
     /// Installation prefix: the unit runs PREFIX/bin/canopy-agent and is
     /// written to PREFIX/lib/systemd/system/canopy-agent.service.
     #[arg(long, default_value = "/usr/local")]
     prefix: PathBuf,
+    /// The system user the daemon runs as, never root; created with
+    /// `useradd --system` if missing. It owns the data directory.
+    #[arg(long, default_value = "canopy-agent")]
+    user: String,
 }
 
 /// How long systemd waits after SIGTERM: the daemon's grace period for a
@@ -24,50 +30,130 @@ pub struct InstallArgs {
 const STOP_TIMEOUT_S: u64 = crate::daemon::SHUTDOWN_GRACE.as_secs() + 15;
 
 pub fn run(dir: &DataDir, args: InstallArgs) -> Result<()> {
+    check_user_name(&args.user)?;
     let data_dir = absolute(&dir.root)?;
     let prefix = absolute(&args.prefix)?;
     let binary = prefix.join("bin").join("canopy-agent");
     let unit_path = prefix.join("lib/systemd/system/canopy-agent.service");
-    let unit = unit_file(&binary, &data_dir)?;
+    let unit = unit_file(&binary, &data_dir, &args.user)?;
+    let existing = ownership::lookup(&args.user)?;
+    if let Some(account) = &existing {
+        refuse_root(account)?;
+    }
     let dir = DataDir::new(data_dir.clone());
-    let config_path = dir.config();
-    let keep_config = config_path.exists();
     if args.dry_run {
-        println!("dry run: nothing is written");
-        println!(
-            "would create data directory {} (mode 700)",
-            data_dir.display()
-        );
-        if keep_config {
-            println!(
-                "would keep existing settings file {}",
-                config_path.display()
-            );
-        } else {
-            println!("would write settings file {}:", config_path.display());
-            print_indented(&config_template());
+        return dry_run(&dir, existing.as_ref(), &args.user, &unit_path, &unit);
+    }
+    let account = match existing {
+        Some(account) => {
+            outln!("user {} exists (uid {})", account.name, account.uid)?;
+            account
         }
-        println!("would write systemd unit {}:", unit_path.display());
-        print_indented(&unit);
-        return Ok(());
-    }
-    dir.create()?;
-    if keep_config {
-        println!("kept existing settings file {}", config_path.display());
-    } else {
-        write_public(&config_path, config_template().as_bytes())
-            .with_context(|| format!("cannot write settings file `{}`", config_path.display()))?;
-        println!("wrote settings file {}", config_path.display());
-    }
+        None => {
+            let account = ownership::create_system_user(&args.user, &data_dir)?;
+            refuse_root(&account)?;
+            outln!("created system user {} (uid {})", account.name, account.uid)?;
+            account
+        }
+    };
+    create_data_dir(&dir, &account)?;
+    write_settings(&dir)?;
     if let Some(parent) = unit_path.parent() {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create folder `{}`", parent.display()))?;
     }
     write_public(&unit_path, unit.as_bytes())
         .with_context(|| format!("cannot write systemd unit `{}`", unit_path.display()))?;
-    println!("wrote systemd unit {}", unit_path.display());
-    println!();
-    println!("next steps:");
+    outln!("wrote systemd unit {}", unit_path.display())?;
+    next_steps(&dir, &binary, &unit_path)
+}
+
+fn refuse_root(account: &Account) -> Result<()> {
+    if account.uid == 0 {
+        return Err(hinted(
+            format!(
+                "user `{}` has uid 0; the daemon must not run as root",
+                account.name
+            ),
+            "name an unprivileged user with --user",
+        ));
+    }
+    Ok(())
+}
+
+fn dry_run(
+    dir: &DataDir,
+    existing: Option<&Account>,
+    user: &str,
+    unit_path: &Path,
+    unit: &str,
+) -> Result<()> {
+    outln!("dry run: nothing is done")?;
+    match existing {
+        Some(account) => outln!("user {user} exists (uid {})", account.uid)?,
+        None => outln!(
+            "would create system user {user}: useradd {}",
+            ownership::shell_words(&ownership::useradd_args(user, &dir.root))
+        )?,
+    }
+    outln!(
+        "would create data directory {} (mode 700) and give it, with everything in it, to {user}",
+        dir.root.display()
+    )?;
+    let config_path = dir.config();
+    if config_path.exists() {
+        outln!(
+            "would keep existing settings file {}",
+            config_path.display()
+        )?;
+    } else {
+        outln!("would write settings file {}:", config_path.display())?;
+        print_indented(&config_template())?;
+    }
+    outln!("would write systemd unit {}:", unit_path.display())?;
+    print_indented(unit)
+}
+
+/// Creates the data directory (0700; missing folders above it with the
+/// default mode), checks the service user can reach it, and gives it
+/// and everything already in it to that user, so that files written
+/// before install (an earlier `enroll` as root) are readable by the
+/// service.
+fn create_data_dir(dir: &DataDir, account: &Account) -> Result<()> {
+    if let Some(parent) = dir.root.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create folder `{}`", parent.display()))?;
+    }
+    dir.create()?;
+    // A data directory given as a link is the operator's choice: follow
+    // that one link, and no link inside it.
+    let real = std::fs::canonicalize(&dir.root)
+        .with_context(|| format!("cannot resolve `{}`", dir.root.display()))?;
+    ownership::check_reachable(account, &real)?;
+    ownership::give_tree(&real, account)?;
+    outln!(
+        "data directory {} (mode 700) belongs to {}, with everything in it",
+        dir.root.display(),
+        account.name
+    )?;
+    Ok(())
+}
+
+fn write_settings(dir: &DataDir) -> Result<()> {
+    let config_path = dir.config();
+    if config_path.exists() {
+        outln!("kept existing settings file {}", config_path.display())?;
+        return Ok(());
+    }
+    write_public(&config_path, config_template().as_bytes())
+        .with_context(|| format!("cannot write settings file `{}`", config_path.display()))?;
+    outln!("wrote settings file {}", config_path.display())?;
+    Ok(())
+}
+
+fn next_steps(dir: &DataDir, binary: &Path, unit_path: &Path) -> Result<()> {
+    outln!()?;
+    outln!("next steps (as root: the data directory belongs to the service user):")?;
     let mut step = 1;
     let current = std::env::current_exe().ok();
     if !binary.exists() {
@@ -75,34 +161,38 @@ pub fn run(dir: &DataDir, args: InstallArgs) -> Result<()> {
             .as_ref()
             .map(|p| p.display().to_string())
             .unwrap_or_else(|| "canopy-agent".into());
-        println!("  {step}. install -m 0755 {from} {}", binary.display());
+        outln!("  {step}. install -m 0755 {from} {}", binary.display())?;
         step += 1;
     }
-    let cli = format!("{} --data-dir {}", binary.display(), data_dir.display());
-    println!(
+    let cli = format!("{} --data-dir {}", binary.display(), dir.root.display());
+    outln!(
         "  {step}. {cli} enroll --server https://SERVER:8443 --token TOKEN --fingerprint sha256:HEX"
-    );
-    println!("  {}. {cli} data add NAME --kind csv --path FILE", step + 1);
-    println!(
+    )?;
+    outln!(
+        "  {}. {cli} data add NAME --kind csv --path FILE   (a file the service user can read)",
+        step + 1
+    )?;
+    outln!(
         "  {}. edit {} to set limits (threads, memory, idle-only)",
         step + 2,
-        config_path.display()
-    );
+        dir.config().display()
+    )?;
     // An absolute path works for any prefix, inside systemd's search path
     // or not.
-    println!(
+    outln!(
         "  {}. systemctl daemon-reload && systemctl enable --now {}",
         step + 3,
         unit_path.display()
-    );
-    println!("  {}. {cli} status", step + 4);
+    )?;
+    outln!("  {}. {cli} status", step + 4)?;
     Ok(())
 }
 
-fn print_indented(text: &str) {
+fn print_indented(text: &str) -> Result<()> {
     for line in text.lines() {
-        println!("    {line}");
+        outln!("    {line}")?;
     }
+    Ok(())
 }
 
 /// Quotes a path for a systemd command line; refuses what systemd could
@@ -128,9 +218,19 @@ fn unit_arg(path: &Path) -> Result<String> {
 }
 
 /// The systemd unit: restart on failure, SIGTERM with time for the grace
-/// period, and a read-only system apart from the data directory (datasets
-/// are only read). No `PrivateTmp`: datasets may live under /tmp.
-pub fn unit_file(binary: &Path, data_dir: &Path) -> Result<String> {
+/// period, and the daemon as `user`, never root, since it parses model
+/// files from the network. The sandbox: a read-only system apart from
+/// the data directory (datasets are only read; home directories stay
+/// readable, since datasets may live there), no capabilities, no new
+/// privileges, IP and Unix sockets only (Unix for the resolver), no
+/// devices, kernel or clock changes, no W+X memory, and the system calls
+/// of an ordinary service. No `PrivateTmp`: datasets may live under
+/// /tmp, and the daemon keeps its own temporary files in the data
+/// directory. No `MemoryMax`: the memory budget is `max_memory_mb` in
+/// config.toml, which operators edit after install and the daemon
+/// checks per task; the unit says how to add a hard cap.
+pub fn unit_file(binary: &Path, data_dir: &Path, user: &str) -> Result<String> {
+    check_user_name(user)?;
     let exe = unit_arg(binary)?;
     let data = unit_arg(data_dir)?;
     Ok(format!(
@@ -141,6 +241,7 @@ pub fn unit_file(binary: &Path, data_dir: &Path) -> Result<String> {
          \n\
          [Service]\n\
          Type=simple\n\
+         User={user}\n\
          ExecStart={exe} --data-dir {data} run\n\
          Restart=on-failure\n\
          RestartSec=10\n\
@@ -148,10 +249,33 @@ pub fn unit_file(binary: &Path, data_dir: &Path) -> Result<String> {
          TimeoutStopSec={STOP_TIMEOUT_S}\n\
          Nice=10\n\
          Environment=CANOPY_LOG=info\n\
+         UMask=0077\n\
+         # For a hard memory cap as well as max_memory_mb in config.toml:\n\
+         # systemctl edit canopy-agent, then MemoryMax=2G under [Service].\n\
          NoNewPrivileges=yes\n\
+         CapabilityBoundingSet=\n\
+         AmbientCapabilities=\n\
          ProtectSystem=strict\n\
          ProtectHome=read-only\n\
          ReadWritePaths={data}\n\
+         PrivateDevices=yes\n\
+         ProtectKernelTunables=yes\n\
+         ProtectKernelModules=yes\n\
+         ProtectKernelLogs=yes\n\
+         ProtectControlGroups=yes\n\
+         ProtectClock=yes\n\
+         ProtectHostname=yes\n\
+         ProtectProc=invisible\n\
+         RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX\n\
+         RestrictNamespaces=yes\n\
+         RestrictRealtime=yes\n\
+         RestrictSUIDSGID=yes\n\
+         LockPersonality=yes\n\
+         MemoryDenyWriteExecute=yes\n\
+         RemoveIPC=yes\n\
+         SystemCallArchitectures=native\n\
+         SystemCallFilter=@system-service\n\
+         SystemCallErrorNumber=EPERM\n\
          \n\
          [Install]\n\
          WantedBy=multi-user.target\n"
@@ -162,17 +286,77 @@ pub fn unit_file(binary: &Path, data_dir: &Path) -> Result<String> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_unit_runs_the_daemon_on_the_data_dir() {
-        let unit = unit_file(
+    fn unit() -> String {
+        unit_file(
             Path::new("/opt/canopy/bin/canopy-agent"),
             Path::new("/var/lib/canopy agent"),
+            "canopy-agent",
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    #[test]
+    fn the_unit_runs_the_daemon_on_the_data_dir() {
+        let unit = unit();
         assert!(unit.contains(
             "ExecStart=/opt/canopy/bin/canopy-agent --data-dir \"/var/lib/canopy agent\" run\n"
         ));
         assert!(unit.contains("TimeoutStopSec=35\n"));
-        assert!(unit_file(Path::new("/bin/x"), Path::new("/a%b")).is_err());
+        assert!(unit.contains("ReadWritePaths=\"/var/lib/canopy agent\"\n"));
+        assert!(unit_file(Path::new("/bin/x"), Path::new("/a%b"), "canopy-agent").is_err());
+    }
+
+    /// Each `Key=value` line of the `[Service]` section.
+    fn service_settings(unit: &str) -> Vec<(&str, &str)> {
+        unit.split("[Service]\n")
+            .nth(1)
+            .unwrap()
+            .split("\n[")
+            .next()
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split_once('='))
+            .collect()
+    }
+
+    #[test]
+    fn the_unit_runs_as_the_dedicated_user_in_a_sandbox() {
+        let unit = unit();
+        let settings = service_settings(&unit);
+        let value = |key: &str| {
+            settings
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| *v)
+                .unwrap_or_else(|| panic!("no {key}= in:\n{unit}"))
+        };
+        assert_eq!(value("User"), "canopy-agent");
+        assert!(
+            !settings
+                .iter()
+                .any(|(k, v)| *v == "root" || *v == "0" && *k == "User"),
+            "nothing runs as root:\n{unit}"
+        );
+        assert_eq!(value("NoNewPrivileges"), "yes");
+        assert_eq!(value("CapabilityBoundingSet"), "", "no capabilities");
+        assert_eq!(value("ProtectSystem"), "strict");
+        assert_eq!(value("ProtectHome"), "read-only");
+        assert_eq!(value("PrivateDevices"), "yes");
+        assert_eq!(value("RestrictAddressFamilies"), "AF_INET AF_INET6 AF_UNIX");
+        assert_eq!(value("SystemCallFilter"), "@system-service");
+        assert_eq!(value("UMask"), "0077");
+        let other = unit_file(Path::new("/bin/a"), Path::new("/var/lib/a"), "edge_ml").unwrap();
+        assert!(other.contains("\nUser=edge_ml\n"), "{other}");
+    }
+
+    #[test]
+    fn root_and_odd_user_names_are_refused() {
+        for bad in ["root", "", "Canopy", "a b", "x:y", "-x", &"a".repeat(33)] {
+            let error = unit_file(Path::new("/bin/a"), Path::new("/var/lib/a"), bad);
+            assert!(error.is_err(), "`{bad}` was accepted");
+        }
+        let error = format!("{:#}", check_user_name("root").unwrap_err());
+        assert!(error.contains("must not run as root"), "{error}");
     }
 }

@@ -18,6 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::datasets::{DataKind, DataSource, Registry, fit_to_model, holdout};
 use crate::files::{DataDir, MAX_MODEL_FILE_BYTES, hinted, read_bounded};
+use crate::output::outln;
 
 /// Caps on the loop's size, so a typo cannot run for days.
 const MAX_EPOCHS: u32 = 1_000;
@@ -144,40 +145,42 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
         );
     }
     let before = evaluate(&model, &test, 256)?;
-    println!(
+    outln!(
         "dataset `{}`: {} training samples, {} held out",
         entry.name,
         train.len(),
         test.len()
-    );
-    println!(
+    )?;
+    outln!(
         "held-out accuracy before: {:.4} (loss {:.4})",
-        before.accuracy, before.loss
-    );
+        before.accuracy,
+        before.loss
+    )?;
     let started = Instant::now();
     let mut trainer = Trainer::new(&model, &CpuBackend, args.seed)
         .with_context(|| format!("cannot prepare `{}` for training", args.model.display()))?;
     for epoch in 1..=args.epochs {
         let (loss, accuracy) = rayon::scope(|_| train_epoch(&mut trainer, &train, &args, epoch))
             .with_context(|| format!("training epoch {epoch} of `{}`", args.model.display()))?;
-        println!(
+        outln!(
             "epoch {epoch:>3}/{}  train loss {loss:.4}  train accuracy {accuracy:.4}",
             args.epochs
-        );
+        )?;
         tracing::debug!(epoch, loss, accuracy, "epoch done");
     }
     trainer.write_back(&mut model)?;
     let after = evaluate(&model, &test, 256)?;
-    println!(
+    outln!(
         "held-out accuracy after:  {:.4} (loss {:.4})",
-        after.accuracy, after.loss
-    );
-    println!(
+        after.accuracy,
+        after.loss
+    )?;
+    outln!(
         "held-out accuracy {:.4} -> {:.4} in {:.1} s",
         before.accuracy,
         after.accuracy,
         started.elapsed().as_secs_f64()
-    );
+    )?;
     Ok(())
 }
 
@@ -282,18 +285,18 @@ pub fn eval(dir: &DataDir, args: EvalArgs) -> Result<()> {
     }
     let stats = evaluate(&model, &test, args.batch)?;
     if args.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"accuracy": stats.accuracy, "loss": stats.loss, "samples": stats.samples})
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "{} on the held-out 10% of {name}: accuracy {:.4}, loss {:.4} over {} samples",
             args.model.display(),
             stats.accuracy,
             stats.loss,
             stats.samples
-        );
+        )?;
     }
     Ok(())
 }

@@ -163,8 +163,8 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
     }
     let transport = canopy_sdk::Transport::new(&agent.server, &agent.trust.to_trust())
         .with_context(|| format!("cannot set up a connection to `{}`", agent.server))?;
-    let client = DeviceClient::new(transport, agent.device_id, key, &agent.server_public_key)
-        .context("the enrollment's server key is invalid")?;
+    let client =
+        DeviceClient::with_trusted_keys(transport, agent.device_id, key, agent.trusted_keys()?);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(4)
@@ -178,6 +178,7 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
         data,
         settings,
         heartbeat_ms: agent.heartbeat_interval_ms,
+        agent: Mutex::new(agent),
         status: Mutex::new(AgentStatus::default()),
         reconnected: Notify::new(),
     });
@@ -194,6 +195,9 @@ struct Daemon {
     data: Arc<LocalData>,
     settings: Settings,
     heartbeat_ms: u64,
+    /// The enrollment as last written, rewritten when the trusted
+    /// model-signing keys move.
+    agent: Mutex<AgentConfig>,
     status: Mutex<AgentStatus>,
     /// Signalled when a heartbeat gets through after failures, so a poll
     /// loop backing off tries again at once.
@@ -213,6 +217,30 @@ impl Daemon {
         change(&mut status);
         if let Err(error) = status.save(&self.dir) {
             tracing::warn!(error = %crate::chain_text(error.as_ref()), "cannot record the status");
+        }
+    }
+
+    /// Writes `agent.toml` (atomically) when the client followed a
+    /// rotation of the server's model-signing key, so that a restart keeps
+    /// trusting the new key. A write failure is logged: the daemon goes on
+    /// with the trust it holds, and a restart can still follow the chain
+    /// from the old key while the server keeps it.
+    fn persist_trusted_keys(&self) {
+        let trusted = self.client.trusted_keys();
+        let mut agent = self.agent.lock().unwrap_or_else(|p| p.into_inner());
+        if agent.trusted_keys().ok() == Some(trusted) {
+            return;
+        }
+        let mut updated = agent.clone();
+        updated.set_trusted_keys(trusted);
+        match updated.save(&self.dir) {
+            Ok(()) => {
+                tracing::info!(key = %trusted.current_hex(), "now trusting the server's rotated model-signing key");
+                *agent = updated;
+            }
+            Err(error) => {
+                tracing::warn!(error = %crate::chain_text(error.as_ref()), "cannot record the server's rotated model-signing key");
+            }
         }
     }
 

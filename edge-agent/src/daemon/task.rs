@@ -218,6 +218,7 @@ impl Daemon {
                     format!("model download failed: {}", crate::chain_text(&error)),
                 )
             })?;
+        self.persist_trusted_keys();
         tracing::info!(round_id = task.round_id, digest = %model.digest, "model downloaded and verified");
         self.set_state("training");
         let data = self.data.clone();

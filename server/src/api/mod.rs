@@ -22,7 +22,6 @@ use axum::routing::get;
 use futures_util::StreamExt;
 use serde::Serialize;
 use tower::ServiceBuilder;
-use tower::limit::ConcurrencyLimitLayer;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::compression::CompressionLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
@@ -33,6 +32,7 @@ use utoipa::ToSchema;
 use crate::db::now_ms;
 use crate::error::ApiError;
 use crate::metrics::RequestLabels;
+use crate::slots::{SlotError, UploadOwner, UploadSlot, UploadSlots};
 use crate::state::AppState;
 use crate::store::devices;
 
@@ -78,6 +78,10 @@ pub fn app(state: AppState) -> Router {
         .layer(
             ServiceBuilder::new()
                 .layer(middleware::from_fn(drain_unread_body))
+                .layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    refuse_throttled_devices,
+                ))
                 .layer(CatchPanicLayer::custom(panic_response))
                 .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
                 .layer(TraceLayer::new_for_http().make_span_with(request_span))
@@ -96,9 +100,175 @@ pub fn app(state: AppState) -> Router {
                     StatusCode::REQUEST_TIMEOUT,
                     Duration::from_millis(limits.request_timeout_ms),
                 ))
-                .layer(ConcurrencyLimitLayer::new(limits.max_concurrent_requests)),
+                .layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    bound_request_head,
+                ))
+                .layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    limit_concurrency,
+                )),
         )
         .with_state(state)
+}
+
+/// Refuses, before any other work, a request claiming a device that is
+/// throttled (see `api::device::auth`): the cheapest possible answer to a
+/// flood, so that the server's time goes to other devices. Only a device's
+/// own verified requests can throttle it, so trusting the claimed id here
+/// lets nobody refuse another device's requests.
+async fn refuse_throttled_devices(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let claimed = request
+        .headers()
+        .get(canopy_protocol::auth::HEADER_DEVICE)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|text| text.parse::<i64>().ok());
+    if let Some(device_id) = claimed
+        && state.throttled_devices.is_throttled(&device_id)
+    {
+        state.metrics.refused("device_requests_per_second");
+        return device::auth::throttled(device_id).into_response();
+    }
+    next.run(request).await
+}
+
+/// `max_concurrent_requests` across every route. `Router::layer` wraps
+/// each route on its own, so a `ConcurrencyLimitLayer` there was a limit per
+/// route (one device's 4,096 polls filled the poll route for everyone); the
+/// semaphore lives in the state, so every route draws on the same one. A
+/// request waits for a place at most `request_queue_timeout_ms`, then gets
+/// 503: a queue without a bound only turns overload into timeouts.
+/// `/healthz` is exempt, so that an overloaded server is not also
+/// restarted by its liveness probe.
+async fn limit_concurrency(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if request.uri().path() == "/healthz" {
+        return next.run(request).await;
+    }
+    let limits = &state.settings.limits;
+    let wait = Duration::from_millis(limits.request_queue_timeout_ms);
+    let permit = match tokio::time::timeout(wait, state.request_slots.acquire()).await {
+        Ok(Ok(permit)) => permit,
+        Ok(Err(_)) => return ApiError::unavailable("the server is shutting down").into_response(),
+        Err(_) => {
+            state.metrics.refused("max_concurrent_requests");
+            return ApiError::busy(
+                format!(
+                    "the server is serving its limit of {} requests and none finished within {} ms",
+                    limits.max_concurrent_requests, limits.request_queue_timeout_ms
+                ),
+                1,
+            )
+            .into_response();
+        }
+    };
+    let response = next.run(request).await;
+    drop(permit);
+    response
+}
+
+/// Answers over-long URIs (414) and header sections (431) with the JSON
+/// error shape. hyper's parser refuses heads past twice these limits with
+/// bare answers of its own (see `conn::configure_http`); everything between
+/// reaches this check.
+async fn bound_request_head(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let limits = &state.settings.limits;
+    let uri_bytes = request
+        .uri()
+        .path_and_query()
+        .map_or(0, |path_and_query| path_and_query.as_str().len());
+    if uri_bytes > limits.max_uri_bytes {
+        state.metrics.refused("max_uri_bytes");
+        return ApiError::new(
+            StatusCode::URI_TOO_LONG,
+            "uri_too_long",
+            format!(
+                "the request URI is {uri_bytes} bytes, over the {}-byte limit",
+                limits.max_uri_bytes
+            ),
+        )
+        .into_response();
+    }
+    let headers = request.headers();
+    // As on the wire: `name: value\r\n`.
+    let header_bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    if headers.len() > limits.max_header_count || header_bytes + uri_bytes > limits.max_header_bytes
+    {
+        state.metrics.refused("max_header_bytes");
+        return ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "headers_too_large",
+            format!(
+                "the request has {} header fields in {header_bytes} bytes; the limits are {} fields \
+                 and {} bytes of request line and headers",
+                headers.len(),
+                limits.max_header_count,
+                limits.max_header_bytes
+            ),
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+/// Takes an upload slot (see `slots.rs`) and turns a refusal into its
+/// answer: 409 for a device that already has an upload to this round in
+/// flight, 503 with `Retry-After` when every slot stayed busy.
+pub(crate) async fn upload_slot<'a>(
+    state: &AppState,
+    slots: &'a UploadSlots,
+    owner: Option<UploadOwner>,
+) -> Result<UploadSlot<'a>, ApiError> {
+    slots.acquire(owner).await.map_err(|error| {
+        state.metrics.refused(slots.setting);
+        match error {
+            SlotError::OwnerBusy { .. } => ApiError::conflict(format!(
+                "{error}; wait for its answer instead of sending it again"
+            )),
+            SlotError::Busy { .. } => ApiError::busy(
+                format!("{error} (limits.{}); retry shortly", slots.setting),
+                1,
+            ),
+            SlotError::Closed => ApiError::unavailable(error.to_string()),
+        }
+    })
+}
+
+/// Reads a body within `limits.upload_timeout_ms`, so that a slot is never
+/// held by a client that stops sending.
+pub(crate) async fn within_upload_timeout<T>(
+    state: &AppState,
+    what: &str,
+    read: impl std::future::Future<Output = Result<T, ApiError>>,
+) -> Result<T, ApiError> {
+    let timeout_ms = state.settings.limits.upload_timeout_ms;
+    tokio::time::timeout(Duration::from_millis(timeout_ms), read)
+        .await
+        .unwrap_or_else(|_| {
+            state.metrics.refused("upload_timeout_ms");
+            Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                format!(
+                    "the {what} did not arrive within {timeout_ms} ms (limits.upload_timeout_ms); \
+                     its upload slot was given back"
+                ),
+            ))
+        })
 }
 
 /// How much of a request body its handler left unread the server still

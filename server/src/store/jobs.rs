@@ -103,26 +103,33 @@ fn is_disabled(config: &SecAggConfig) -> bool {
 
 /// The OpenAPI shape of [`SecAggConfig`], which lives in `canopy-protocol`
 /// (shared with devices, and free of the server's schema dependency).
+/// Every field may be left out (it then takes its default) but none may
+/// be `null`, which the protocol type refuses.
 #[derive(ToSchema)]
 #[allow(dead_code)]
 pub struct SecureAggregationSchema {
-    #[schema(default = false)]
-    enabled: Option<bool>,
+    #[schema(required = false, default = false)]
+    enabled: bool,
     /// Fraction of a round's devices that may drop out at any stage.
-    #[schema(minimum = 0, maximum = 0.5, default = 0.1)]
-    max_dropout_fraction: Option<f64>,
+    #[schema(required = false, minimum = 0, maximum = 0.5, default = 0.1)]
+    max_dropout_fraction: f64,
     /// Fraction of a round's devices that may collude with the server.
-    #[schema(minimum = 0, maximum = 0.3, default = 0.0)]
-    max_corrupt_fraction: Option<f64>,
+    #[schema(required = false, minimum = 0, maximum = 0.3, default = 0.0)]
+    max_corrupt_fraction: f64,
     /// Each coordinate of an update is clipped to [-clip, clip].
-    #[schema(exclusive_minimum = 0, maximum = 1_000_000, default = 1.0)]
-    clip: Option<f64>,
+    #[schema(
+        required = false,
+        exclusive_minimum = 0,
+        maximum = 1_000_000,
+        default = 1.0
+    )]
+    clip: f64,
     /// Ring width b: masking in Z_{2^b}, b bits per element on the wire.
-    #[schema(minimum = 8, maximum = 32, default = 32)]
-    bits: Option<u32>,
+    #[schema(required = false, minimum = 8, maximum = 32, default = 32)]
+    bits: u32,
     /// Sample-count weights are capped here.
-    #[schema(minimum = 1, maximum = 1_048_576, default = 1024)]
-    max_weight: Option<u64>,
+    #[schema(required = false, minimum = 1, maximum = 1_048_576, default = 1024)]
+    max_weight: u64,
 }
 
 fn default_over_selection() -> f64 {

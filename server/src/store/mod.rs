@@ -7,6 +7,7 @@ pub mod models;
 pub mod rounds;
 pub mod secagg;
 pub mod settings;
+pub mod signing_keys;
 pub mod tokens;
 
 use rand::RngCore;

@@ -706,6 +706,28 @@ pub async fn record_metrics(
     Ok(result.rows_affected() == 1)
 }
 
+/// True when the device has a task on this model version: it takes part
+/// (selected, or its task delivered) in a round that starts from the
+/// version and still accepts updates. Only then may it download the
+/// version; the same participant states decide whether its upload counts.
+pub async fn has_task_on_version(
+    db: &Db,
+    device_id: i64,
+    version_id: i64,
+) -> Result<bool, sqlx::Error> {
+    let found: Option<i64> = sqlx::query_scalar(
+        "SELECT r.id FROM participants p JOIN rounds r ON r.id = p.round_id \
+         WHERE p.device_id = $1 AND p.state IN ('selected', 'delivered') \
+         AND r.base_version_id = $2 AND r.state = 'training' AND r.deadline_ms > $3 LIMIT 1",
+    )
+    .bind(device_id)
+    .bind(version_id)
+    .bind(now_ms())
+    .fetch_optional(&db.pool)
+    .await?;
+    Ok(found.is_some())
+}
+
 /// Counts bytes sent to a device against its open round on this version.
 pub async fn add_bytes_out(
     db: &Db,

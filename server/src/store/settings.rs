@@ -1,6 +1,7 @@
 //! Server-wide values kept in the database, so that every server process
-//! on one database shares them: the model-signing key and the fact that
-//! the first admin token was issued.
+//! on one database shares them: the fact that the first admin token was
+//! issued, and the model-signing key of servers from before the key ring
+//! (`signing_keys`), which moves it into the ring on the first start.
 
 use canopy_protocol::model_sig::ServerKey;
 
@@ -24,8 +25,9 @@ async fn insert_once(db: &Db, name: &str, value: &[u8]) -> Result<bool, sqlx::Er
     Ok(result.rows_affected() == 1)
 }
 
-/// The server's Ed25519 model-signing key, created on first use. Whichever
-/// process inserts first wins; the others read its key.
+/// The pre-ring model-signing key, created if there is none, so that the
+/// ring's first key is the one devices enrolled under. Whichever process
+/// inserts first wins; the others read its key.
 pub async fn model_signing_key(db: &Db) -> Result<ServerKey, sqlx::Error> {
     insert_once(db, MODEL_SIGNING_KEY, &ServerKey::generate().to_bytes()).await?;
     let (value,): (Vec<u8>,) = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
@@ -41,10 +43,44 @@ pub async fn model_signing_key(db: &Db) -> Result<ServerKey, sqlx::Error> {
     Ok(ServerKey::from_bytes(&secret))
 }
 
+/// Deletes the pre-ring key once the ring holds it, so that its secret is
+/// kept in one place only (where the ring erases it when it retires).
+pub async fn delete_model_signing_key(db: &Db) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM settings WHERE name = $1")
+        .bind(MODEL_SIGNING_KEY)
+        .execute(&db.pool)
+        .await
+        .map(|_| ())
+}
+
+/// The bootstrap setting's values: the token exists, or it was also printed.
+const ISSUED: &[u8] = b"issued";
+const SHOWN: &[u8] = b"shown";
+
+/// Records that the first admin token reached the operator.
+pub async fn mark_admin_token_shown(db: &Db) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE settings SET value = $1 WHERE name = $2")
+        .bind(SHOWN.to_vec())
+        .bind(BOOTSTRAP_ADMIN_TOKEN)
+        .execute(&db.pool)
+        .await
+        .map(|_| ())
+}
+
+/// True when the first admin token was issued and never shown, so nobody
+/// holds its secret.
+pub async fn admin_token_unshown(db: &Db) -> Result<bool, sqlx::Error> {
+    let value: Option<(Vec<u8>,)> = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
+        .bind(BOOTSTRAP_ADMIN_TOKEN)
+        .fetch_optional(&db.pool)
+        .await?;
+    Ok(value.is_some_and(|(value,)| value == ISSUED))
+}
+
 /// On the very first start, issues an admin token and returns its secret
 /// (to print once). Later starts, and racing processes, get `None`.
 pub async fn bootstrap_admin_token(db: &Db) -> Result<Option<String>, sqlx::Error> {
-    if !insert_once(db, BOOTSTRAP_ADMIN_TOKEN, b"issued").await? {
+    if !insert_once(db, BOOTSTRAP_ADMIN_TOKEN, ISSUED).await? {
         return Ok(None);
     }
     let (_, secret) = tokens::create_api_token(db, Role::Admin, "first admin", None).await?;

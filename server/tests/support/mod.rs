@@ -84,6 +84,18 @@ pub fn sibling_binary(name: &str) -> PathBuf {
     dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX))
 }
 
+/// A temporary directory only its owner can read, as the server requires
+/// of its data directory.
+pub fn private_tempdir() -> Result<tempfile::TempDir> {
+    let mut builder = tempfile::Builder::new();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        builder.permissions(std::fs::Permissions::from_mode(0o700));
+    }
+    Ok(builder.tempdir()?)
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
@@ -122,7 +134,7 @@ impl TestServer {
         extra_args: &[&str],
         rust_log: &str,
     ) -> Result<TestServer> {
-        let data_dir = tempfile::tempdir()?;
+        let data_dir = private_tempdir()?;
         let (database_url, pg_name) = match database {
             Database::Sqlite => (
                 format!(
@@ -159,8 +171,15 @@ impl TestServer {
     /// A second server process on the same database and blob store, as
     /// when one machine is not enough.
     pub fn second_process(&self) -> Result<TestServer> {
+        let extra_args: Vec<&str> = self.extra_args.iter().map(String::as_str).collect();
+        self.second_process_with(&extra_args)
+    }
+
+    /// [`TestServer::second_process`] with its own `extra_args` (e.g. a
+    /// `--config` file with other limits) instead of this one's.
+    pub fn second_process_with(&self, extra_args: &[&str]) -> Result<TestServer> {
         let blobs = self.data_dir.path().join("blobs").display().to_string();
-        let mut extra_args = self.extra_args.clone();
+        let mut extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
         extra_args.extend(["--blob-store".to_string(), blobs]);
         let mut server = TestServer {
             child: None,
@@ -170,7 +189,7 @@ impl TestServer {
             admin_token: self.admin_token.clone(),
             database: self.database,
             database_url: self.database_url.clone(),
-            data_dir: tempfile::tempdir()?,
+            data_dir: private_tempdir()?,
             pg_name: None,
             extra_args,
             rust_log: self.rust_log.clone(),
@@ -319,6 +338,43 @@ impl TestServer {
         Admin {
             transport: self.transport(),
             token: token.to_string(),
+        }
+    }
+
+    /// Runs `canopy-server signing-key ARGS` against this server's
+    /// database, as an operator would; returns its stdout.
+    pub fn signing_key(&self, args: &[&str]) -> Result<String> {
+        let output = Command::new(server_binary())
+            .arg("signing-key")
+            .args(args)
+            .arg("--data-dir")
+            .arg(self.data_dir.path())
+            .args(["--database-url", &self.database_url])
+            .output()
+            .context("cannot run canopy-server signing-key")?;
+        let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+        if !output.status.success() {
+            bail!(
+                "signing-key {args:?} failed: {}{stdout}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(stdout)
+    }
+
+    /// Waits up to 10 s until the server signs models with `key_hex` (it
+    /// reloads its keys every `limits.signing_key_reload_ms`).
+    pub async fn wait_until_signing_with(&self, key_hex: &str) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let current = self.admin().ok("/device/v1/server-key").await?;
+            if current["server_public_key"] == key_hex {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the server did not pick up key {key_hex} within 10 s: {current}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 

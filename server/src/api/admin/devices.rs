@@ -179,7 +179,9 @@ pub async fn revoke(
     State(state): State<AppState>,
     Path(id): Path<i64>,
 ) -> ApiResult<Json<DeviceView>> {
-    if !devices::revoke(&state.db, id).await? {
+    let revoked = devices::revoke(&state.db, id).await?;
+    state.device_keys.forget(id);
+    if !revoked {
         return Err(ApiError::not_found(format!("device {id} does not exist")));
     }
     tracing::info!(device = id, "revoked device");

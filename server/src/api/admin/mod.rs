@@ -79,6 +79,15 @@ pub fn required_role(method: &Method, path: &str) -> Role {
     }
 }
 
+/// The token of an `Authorization: Bearer TOKEN` value. RFC 9110 §11.1:
+/// the scheme is case-insensitive, and white space separates it from the
+/// credentials (one space in the grammar; more, or a tab, is tolerated).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once([' ', '\t'])?;
+    let token = token.trim_matches([' ', '\t']);
+    (scheme.eq_ignore_ascii_case("Bearer") && !token.is_empty()).then_some(token)
+}
+
 /// Authenticates the bearer token and applies [`required_role`]; runs
 /// before any extractor, so an unauthenticated request learns nothing
 /// (not even whether its path parameters parse).
@@ -91,8 +100,7 @@ pub async fn require_role(
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "))
-        .map(str::trim)
+        .and_then(bearer_token)
         .ok_or_else(|| {
             ApiError::unauthorized("missing `Authorization: Bearer TOKEN`; create a token with `canopy-server token create`")
         })?;
@@ -116,6 +124,30 @@ pub async fn require_role(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive_and_spacing_tolerant() {
+        for value in [
+            "Bearer abc",
+            "bearer abc",
+            "BEARER abc",
+            "Bearer   abc ",
+            "bearer\tabc",
+        ] {
+            assert_eq!(bearer_token(value), Some("abc"), "{value:?}");
+        }
+        for value in [
+            "Basic abc",
+            "Bearerabc",
+            "Bearers abc",
+            "Bearer",
+            "Bearer   ",
+            "abc",
+            "",
+        ] {
+            assert_eq!(bearer_token(value), None, "{value:?}");
+        }
+    }
 
     #[test]
     fn policy_reserves_tokens_for_admins_and_writes_for_operators() {

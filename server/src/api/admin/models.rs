@@ -10,6 +10,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::api::pagination::{PageQuery, finish};
+use crate::api::upload_slot;
 use crate::error::{ApiError, ApiResult, Json, Path, Query, chain};
 use crate::fedavg;
 use crate::state::AppState;
@@ -124,9 +125,76 @@ pub async fn upload_version(
 ) -> ApiResult<(StatusCode, Json<ModelVersionView>)> {
     check_model_name(&name)?;
     let limit = state.settings.limits.max_model_bytes;
-    let bytes = read_limited(&headers, body, limit, "model file").await?;
-    let row = store_version(&state, &name, bytes, None, None, None).await?;
+    refuse_declared_over(&headers, limit, "model file")?;
+    let _slot = upload_slot(&state, &state.model_upload_slots, None).await?;
+    let staged = stage_body(&state, body, limit).await?;
+    // Verifying needs the file and its parsed model in memory at once, so
+    // uploads are verified one at a time: about twice the largest model,
+    // however many operators upload together.
+    let _verifying = state
+        .model_verification
+        .acquire()
+        .await
+        .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    let bytes = tokio::fs::read(staged.path()).await.map_err(|error| {
+        ApiError::internal(format!("cannot read the staged model file: {error}"))
+    })?;
+    drop(staged);
+    let row = store_version(&state, &name, bytes.into(), None, None, None).await?;
     Ok((StatusCode::CREATED, Json(row.into())))
+}
+
+/// Where model uploads are written while they arrive.
+pub fn staging_dir(state: &AppState) -> std::path::PathBuf {
+    state.settings.data_dir.join("staging")
+}
+
+/// Streams a body to a temporary file in [`staging_dir`], stopping at
+/// `limit`, so that a slow upload holds disk, not memory. The file is
+/// removed when the returned handle is dropped.
+async fn stage_body(
+    state: &AppState,
+    body: Body,
+    limit: u64,
+) -> ApiResult<tempfile::NamedTempFile> {
+    use futures_util::StreamExt;
+    use tokio::io::AsyncWriteExt;
+    let dir = staging_dir(state);
+    let io_error = |error: std::io::Error| {
+        ApiError::internal(format!(
+            "cannot stage the model upload in {}: {error}",
+            dir.display()
+        ))
+    };
+    tokio::fs::create_dir_all(&dir).await.map_err(io_error)?;
+    let staged = tempfile::NamedTempFile::new_in(&dir).map_err(io_error)?;
+    let mut file = tokio::fs::File::from_std(staged.reopen().map_err(io_error)?);
+    let mut stream = body.into_data_stream();
+    let mut written = 0u64;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|error| {
+            ApiError::bad_request(format!("cannot read the model file: {}", chain(&error)))
+        })?;
+        written += chunk.len() as u64;
+        if written > limit {
+            return Err(ApiError::too_large(format!(
+                "model file is over the {limit}-byte limit"
+            )));
+        }
+        file.write_all(&chunk).await.map_err(io_error)?;
+    }
+    file.flush().await.map_err(io_error)?;
+    Ok(staged)
+}
+
+/// 413 from the headers alone when the declared length is over `limit`.
+fn refuse_declared_over(headers: &HeaderMap, limit: u64, what: &str) -> ApiResult<()> {
+    match content_length(headers) {
+        Some(length) if length > limit => Err(ApiError::too_large(format!(
+            "{what} is {length} bytes, over the {limit}-byte limit"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Reads a body up to `limit` bytes; 413 as soon as it is known to be over.
@@ -136,13 +204,7 @@ pub async fn read_limited(
     limit: u64,
     what: &str,
 ) -> ApiResult<Bytes> {
-    if let Some(length) = content_length(headers)
-        && length > limit
-    {
-        return Err(ApiError::too_large(format!(
-            "{what} is {length} bytes, over the {limit}-byte limit"
-        )));
-    }
+    refuse_declared_over(headers, limit, what)?;
     let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
     axum::body::to_bytes(body, limit_usize)
         .await
@@ -321,7 +383,7 @@ pub async fn download_version(
     let row = find(&state, &name, version).await?;
     let blob = state.blobs.stream(&row.digest, 0).await?;
     state.metrics.bytes_sent.inc_by(blob.size);
-    let signature = state.server_key.sign_model(&row.digest);
+    let signed = state.signing.sign_model(&row.digest);
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),
@@ -338,8 +400,9 @@ pub async fn download_version(
             ),
             (
                 canopy_protocol::model_sig::HEADER_MODEL_SIGNATURE,
-                signature,
+                signed.signature_hex,
             ),
+            (canopy_protocol::model_sig::HEADER_MODEL_KEY, signed.key_hex),
         ],
         Body::from_stream(blob.stream),
     )

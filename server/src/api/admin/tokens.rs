@@ -19,6 +19,33 @@ pub const MAX_LABEL_CHARS: usize = 128;
 pub const MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(10 * 365 * 86_400);
 pub const MAX_ENROLLMENT_USES: u32 = 1_000_000;
 
+/// The OpenAPI shape of `expires_in`: a string of at least two characters
+/// that matches [`LIFETIME_PATTERN`].
+pub struct Lifetime;
+
+/// humantime's grammar, which [`parse_lifetime`] uses: one or more numbers
+/// (white space may fall inside; a fraction is allowed), each followed by
+/// one of its unit names. Every lifetime the server accepts matches, so no
+/// valid request breaks the document; the bounds (above zero, at most 10
+/// years), which no pattern can state, are in the description.
+pub const LIFETIME_PATTERN: &str = r"^[\s\u0085]*(?:[0-9][0-9\s\u0085]*(?:\.[0-9\s\u0085]*)?(?:nanos|nsec|ns|usec|us|\u00B5s|millis|msec|ms|seconds|second|secs|sec|s|minutes|minute|mins|min|m|hours|hour|hrs|hr|h|days|day|d|weeks|week|wks|wk|w|months|month|M|years|year|yrs|yr|y)[\s\u0085]*)+$";
+
+impl utoipa::PartialSchema for Lifetime {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::schema::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .min_length(Some(2))
+            .pattern(Some(LIFETIME_PATTERN))
+            .description(Some(
+                "A lifetime such as `30d`, `12h` or `1h 30m`: above zero and at most 10 years.",
+            ))
+            .examples(["30d"])
+            .into()
+    }
+}
+
+impl ToSchema for Lifetime {}
+
 /// Parses lifetimes such as `30d`, `12h` or `90m`.
 pub fn parse_lifetime(text: &str) -> Result<Duration, String> {
     let lifetime = humantime::parse_duration(text)
@@ -62,8 +89,9 @@ pub struct CreateApiToken {
     #[schema(max_length = 128, pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$")]
     pub label: String,
     /// Lifetime such as `30d` or `12h`, above zero and at most 10 years;
-    /// no expiry when absent.
+    /// no expiry when absent or null.
     #[serde(default)]
+    #[schema(value_type = Option<Lifetime>)]
     pub expires_in: Option<String>,
 }
 
@@ -196,6 +224,7 @@ pub struct CreateEnrollmentToken {
     #[schema(max_length = 128, pattern = "^[^\\u0000-\\u001F\\u007F-\\u009F]*$")]
     pub label: String,
     /// Lifetime such as `7d` or `12h`, above zero and at most 10 years.
+    #[schema(value_type = Lifetime)]
     pub expires_in: String,
     /// Devices that may enroll with it.
     #[schema(minimum = 1, maximum = 1_000_000)]

@@ -3,14 +3,29 @@
 //! nonce (see `canopy_protocol::auth`). The server checks the clock window,
 //! the signature against the key enrolled for the claimed device id, and
 //! records the nonce so that a replay within the window is refused.
+//!
+//! Between the signature and the nonce, the device's request rate
+//! (`device_requests_per_second`) and its requests in flight
+//! (`max_requests_per_device`) are capped. A device refused there is told
+//! to retry after a second, and until then its requests are refused before
+//! its key is looked up or its signature checked (by
+//! `api::refuse_throttled_devices`, in front of every route): a flood from one device
+//! costs the server a header parse per request. (Only the device's own
+//! verified requests can throttle it, so nobody can throttle another.) A device past its cap is refused
+//! before its nonce is written: a burst from one device then costs the
+//! database nothing, and other devices' requests do not queue behind it.
+//! (The refused request was not carried out, so its nonce stays unused.)
 
 use axum::extract::FromRequestParts;
 use axum::http::Method;
 use axum::http::request::Parts;
 use canopy_protocol::auth::{self, SignedRequest};
+use std::sync::Arc;
 
 use crate::db::now_ms;
+use crate::device_keys::DeviceKey;
 use crate::error::ApiError;
+use crate::inflight::InFlightGuard;
 use crate::state::AppState;
 use crate::store::devices;
 
@@ -22,6 +37,9 @@ pub const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934c
 pub struct DeviceAuth {
     pub device_id: i64,
     pub content_sha256: String,
+    /// This request's place under `max_requests_per_device`, held until the
+    /// handler returns.
+    _in_flight: Arc<InFlightGuard<i64>>,
 }
 
 impl FromRequestParts<AppState> for DeviceAuth {
@@ -46,20 +64,25 @@ impl FromRequestParts<AppState> for DeviceAuth {
                 "a GET request must declare the SHA-256 of an empty body",
             ));
         }
-        let device = devices::get(&state.db, request.device_id)
-            .await?
-            .ok_or_else(|| {
-                ApiError::unauthorized(format!("device {} is not enrolled", request.device_id))
-            })?;
-        if device.revoked_ms.is_some() {
-            return Err(ApiError::unauthorized(format!(
-                "device {} was revoked; enroll again with a new token",
-                device.id
-            )));
-        }
-        let public_key: [u8; 32] = device.public_key.as_slice().try_into().map_err(|_| {
-            ApiError::internal(format!("device {} has a malformed stored key", device.id))
-        })?;
+        let device_id = request.device_id;
+        let public_key = match state.device_keys.lookup(&state.db, device_id).await? {
+            None => {
+                return Err(ApiError::unauthorized(format!(
+                    "device {device_id} is not enrolled"
+                )));
+            }
+            Some(DeviceKey::Revoked) => {
+                return Err(ApiError::unauthorized(format!(
+                    "device {device_id} was revoked; enroll again with a new token"
+                )));
+            }
+            Some(DeviceKey::Malformed) => {
+                return Err(ApiError::internal(format!(
+                    "device {device_id} has a malformed stored key"
+                )));
+            }
+            Some(DeviceKey::Active(key)) => key,
+        };
         let path = parts
             .uri
             .path_and_query()
@@ -68,20 +91,64 @@ impl FromRequestParts<AppState> for DeviceAuth {
         auth::verify_signature(&public_key, &request, parts.method.as_str(), path).map_err(
             |error| ApiError::unauthorized(format!("device {}: {error}", request.device_id)),
         )?;
+        if state.device_limiter.check_key(&device_id).is_err() {
+            state.metrics.refused("device_requests_per_second");
+            state.throttled_devices.throttle(device_id, RETRY_AFTER);
+            return Err(over_cap(
+                device_id,
+                &format!(
+                    "is over its {} requests per second",
+                    state.settings.limits.device_requests_per_second
+                ),
+            ));
+        }
+        let Some(in_flight) = state.device_requests.try_enter(device_id) else {
+            state.metrics.refused("max_requests_per_device");
+            state.throttled_devices.throttle(device_id, RETRY_AFTER);
+            return Err(over_cap(
+                device_id,
+                &format!(
+                    "already has {} requests in flight, its limit; wait for their answers",
+                    state.device_requests.limit()
+                ),
+            ));
+        };
         // A nonce must outlive every timestamp that could still pass the
         // clock check, so it is kept for twice the allowed skew.
         let expires_ms = now_ms() + 2 * auth::MAX_CLOCK_SKEW_MS as i64;
-        if !devices::use_nonce(&state.db, device.id, &request.nonce, expires_ms).await? {
+        if !devices::use_nonce(&state.db, device_id, &request.nonce, expires_ms).await? {
             return Err(ApiError::unauthorized(format!(
                 "replayed request: device {} already used nonce {}",
-                device.id, request.nonce
+                device_id, request.nonce
             )));
         }
         Ok(DeviceAuth {
-            device_id: device.id,
+            device_id,
             content_sha256: request.content_sha256,
+            _in_flight: Arc::new(in_flight),
         })
     }
+}
+
+/// How long a device over one of its caps is refused.
+const RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The answer to a device still inside its `Retry-After`.
+pub fn throttled(device_id: i64) -> ApiError {
+    over_cap(
+        device_id,
+        "was refused at one of its caps less than a second ago",
+    )
+}
+
+fn over_cap(device_id: i64, cause: &str) -> ApiError {
+    ApiError::too_many(
+        format!(
+            "device {device_id} {cause}; retry after {} s",
+            RETRY_AFTER.as_secs()
+        ),
+        RETRY_AFTER.as_secs(),
+    )
 }
 
 impl DeviceAuth {

@@ -16,6 +16,7 @@ use axum::routing::{get, post, put};
 use canopy_protocol::messages::{
     DeclineTask, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics,
 };
+use canopy_protocol::model_sig::SigningKeys;
 use serde::de::DeserializeOwned;
 
 use crate::api::admin::models::read_limited;
@@ -31,6 +32,7 @@ pub fn router() -> Router<AppState> {
     Router::new()
         .route("/device/v1/enroll", post(enroll))
         .route("/device/v1/server-key", get(server_key))
+        .route("/device/v1/signing-keys", get(signing_keys))
         .route("/device/v1/heartbeat", post(heartbeat))
         .route("/device/v1/tasks/next", get(tasks::next_task))
         .route("/device/v1/models/{version_id}", get(tasks::download_model))
@@ -89,7 +91,7 @@ async fn enroll(
         StatusCode::CREATED,
         Json(EnrollResponse {
             device_id,
-            server_public_key: state.server_key.public_key_hex(),
+            server_public_key: state.signing.current_public_key_hex(),
             heartbeat_interval_ms: state.settings.limits.heartbeat_interval_ms,
         }),
     ))
@@ -104,8 +106,16 @@ struct ServerKeyView {
 /// over the pinned TLS channel; this route is for tooling.
 async fn server_key(State(state): State<AppState>) -> Json<ServerKeyView> {
     Json(ServerKeyView {
-        server_public_key: state.server_key.public_key_hex(),
+        server_public_key: state.signing.current_public_key_hex(),
     })
+}
+
+/// The key models are signed with now and the endorsements that lead to
+/// it, for a device whose trusted key was replaced (see
+/// `canopy_protocol::model_sig::TrustedKeys::advance`). Signed, like every
+/// call an enrolled device makes.
+async fn signing_keys(State(state): State<AppState>, _device: DeviceAuth) -> Json<SigningKeys> {
+    Json(state.signing.chain())
 }
 
 async fn heartbeat(

@@ -24,6 +24,7 @@ use super::auth::DeviceAuth;
 use super::poll_wait;
 use super::tasks::PollQuery;
 use crate::api::admin::models::read_limited;
+use crate::api::{upload_slot, within_upload_timeout};
 use crate::error::{ApiError, ApiResult, Path, Query};
 use crate::secure::{self, RoundGraph};
 use crate::state::AppState;
@@ -124,15 +125,17 @@ pub async fn post_message(
     let what = format!("{} message", message.name());
     let _slot = match message {
         Stage::MaskedInput => Some(
-            state
-                .upload_slots
-                .acquire()
-                .await
-                .map_err(|_| ApiError::unavailable("the server is shutting down"))?,
+            upload_slot(
+                &state,
+                &state.upload_slots,
+                Some((device.device_id, round_id)),
+            )
+            .await?,
         ),
         _ => None,
     };
-    let bytes = read_limited(&headers, body, limit, &what).await?;
+    let bytes =
+        within_upload_timeout(&state, &what, read_limited(&headers, body, limit, &what)).await?;
     device.check_body(&bytes)?;
     if round.stage != open_stage {
         let (verb, code): (&str, fn(String) -> ApiError) =

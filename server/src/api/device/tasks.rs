@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use canopy_protocol::messages::{SecureTask, Task, TrainingConfig};
-use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE};
+use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE};
 use canopy_protocol::update::UpdateLayout;
 use serde::Deserialize;
 
@@ -32,6 +32,21 @@ pub async fn next_task(
     device: DeviceAuth,
     Query(query): Query<PollQuery>,
 ) -> ApiResult<Response> {
+    let _poll = state
+        .device_polls
+        .try_enter(device.device_id)
+        .ok_or_else(|| {
+            state.metrics.refused("max_polls_per_device");
+            ApiError::too_many(
+                format!(
+                    "device {} already has {} task polls waiting, its limit; \
+                     poll again when one is answered",
+                    device.device_id,
+                    state.device_polls.limit()
+                ),
+                1,
+            )
+        })?;
     let wait = poll_wait(query.wait_ms, state.settings.limits.long_poll_max_ms);
     let deadline = tokio::time::Instant::now() + wait;
     loop {
@@ -156,6 +171,15 @@ pub async fn download_model(
     Path(version_id): Path<i64>,
     headers: HeaderMap,
 ) -> ApiResult<Response> {
+    // 404 whether the version is missing or only not this device's task:
+    // a device learns nothing about versions it was not sent.
+    if !rounds::has_task_on_version(&state.db, device.device_id, version_id).await? {
+        return Err(ApiError::not_found(format!(
+            "device {} has no open task on model version {version_id}; a device downloads \
+             only the version of a round it was selected for, until the round closes",
+            device.device_id
+        )));
+    }
     let version = models::get_version(&state.db, version_id)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("model version {version_id} does not exist")))?;
@@ -168,7 +192,7 @@ pub async fn download_model(
     let sent = blob.range.end - blob.range.start;
     state.metrics.bytes_sent.inc_by(sent);
     rounds::add_bytes_out(&state.db, device.device_id, version_id, sent).await?;
-    let signature = state.server_key.sign_model(&version.digest);
+    let signed = state.signing.sign_model(&version.digest);
     let status = if start.is_some() {
         StatusCode::PARTIAL_CONTENT
     } else {
@@ -183,7 +207,8 @@ pub async fn download_model(
         ],
         [
             (HEADER_MODEL_DIGEST, version.digest.clone()),
-            (HEADER_MODEL_SIGNATURE, signature),
+            (HEADER_MODEL_SIGNATURE, signed.signature_hex),
+            (HEADER_MODEL_KEY, signed.key_hex),
         ],
         Body::from_stream(blob.stream),
     )

@@ -3,9 +3,10 @@
 //! Order matters. The signature is checked from headers alone; the round
 //! and participant are checked before the body is touched; the declared
 //! length is checked against the exact encoded size of the model's
-//! trainable parameters; only then is the body read, chunk by chunk,
-//! stopping at the limit. Upload slots bound how many bodies are in
-//! memory at once.
+//! trainable parameters; only then is a slot taken (one per device and
+//! round, see `slots.rs`) and the body read, chunk by chunk, stopping at the
+//! limit and at the upload timeout. Upload slots bound how many bodies are
+//! in memory at once.
 
 use axum::body::Body;
 use axum::extract::State;
@@ -20,6 +21,7 @@ use super::auth::DeviceAuth;
 use super::folds::{self, FoldError};
 use super::tasks::layout;
 use crate::api::admin::models::content_length;
+use crate::api::{upload_slot, within_upload_timeout};
 use crate::db::now_ms;
 use crate::error::{ApiError, ApiResult, Json, Path};
 use crate::state::AppState;
@@ -42,12 +44,18 @@ pub async fn upload_update(
             "the update is {length} bytes, but an update of this model is exactly {limit} bytes"
         )));
     }
-    let _slot = state
-        .upload_slots
-        .acquire()
-        .await
-        .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
-    let bytes = read_hashed(body, limit, &device.content_sha256).await?;
+    let _slot = upload_slot(
+        &state,
+        &state.upload_slots,
+        Some((device.device_id, round_id)),
+    )
+    .await?;
+    let bytes = within_upload_timeout(
+        &state,
+        "update",
+        read_hashed(body, limit, &device.content_sha256),
+    )
+    .await?;
     let decoded = {
         let layout = layout.clone();
         let bytes = bytes.clone();

@@ -1,0 +1,458 @@
+//! Checks of a SQLite database's files before SQLite opens them, for the
+//! two failures SQLite itself reports badly or not at all:
+//!
+//! - a file that is not a database at all, which SQLite reports only when
+//!   a query first touches it (as "file is not a database" on every pooled
+//!   connection until the pool's acquire timeout);
+//! - a damaged write-ahead log. On opening, SQLite replays the `-wal` file
+//!   up to the first frame whose salts or checksum do not match and
+//!   silently discards everything after it, committed transactions
+//!   included (<https://www.sqlite.org/fileformat2.html#walformat>).
+//!
+//! Everything here is a pure function of the files' bytes, so each rule is
+//! unit-tested on bytes built by hand as well as on files SQLite wrote.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// Every SQLite 3 database file starts with these 16 bytes.
+const SQLITE_MAGIC: &[u8; 16] = b"SQLite format 3\0";
+/// WAL magic numbers: the low bit says in which byte order the checksum
+/// reads 32-bit words (0: little-endian, 1: big-endian).
+const WAL_MAGIC_LE: u32 = 0x377f_0682;
+const WAL_MAGIC_BE: u32 = 0x377f_0683;
+const WAL_FORMAT_VERSION: u32 = 3_007_000;
+const WAL_HEADER_BYTES: usize = 32;
+const WAL_FRAME_HEADER_BYTES: usize = 24;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SqliteFileError {
+    #[error("cannot read {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not a SQLite database (its first bytes are not the SQLite header)")]
+    NotADatabase { path: PathBuf },
+    #[error(
+        "the write-ahead log {path} is damaged at frame {frame}: SQLite would stop replaying \
+         there and silently drop the {lost_frames} frame(s) after it, {lost_commits} of them \
+         ending committed transactions"
+    )]
+    DamagedWal {
+        path: PathBuf,
+        /// 1-based, as SQLite counts frames.
+        frame: u64,
+        lost_frames: u64,
+        lost_commits: u64,
+    },
+}
+
+impl SqliteFileError {
+    /// What the operator can do about it.
+    pub fn hint(&self) -> Option<String> {
+        match self {
+            SqliteFileError::Read { .. } => None,
+            SqliteFileError::NotADatabase { path } => Some(format!(
+                "check --data-dir / --database-url; if {} was the server's database, restore it from a backup",
+                path.display()
+            )),
+            SqliteFileError::DamagedWal { path, frame, .. } => Some(format!(
+                "keep a copy of {0} before anything else; to start from the last intact \
+                 transaction instead, stop every process using the database and move {0} aside \
+                 (committed work from frame {frame} on is then lost), or restore from a backup",
+                path.display(),
+            )),
+        }
+    }
+}
+
+/// The `-wal` file next to a database file.
+pub fn wal_path(database: &Path) -> PathBuf {
+    let mut name = database.as_os_str().to_os_string();
+    name.push("-wal");
+    PathBuf::from(name)
+}
+
+/// Checks the database file and its write-ahead log, if they exist.
+/// Missing files are no error here (SQLite creates them, or the caller
+/// refuses a missing database itself).
+pub fn check_files(database: &Path) -> Result<(), SqliteFileError> {
+    if let Some(head) = read_prefix(database, SQLITE_MAGIC.len())? {
+        check_database_header(database, &head)?;
+    }
+    let wal = wal_path(database);
+    let Some(bytes) = read_all(&wal)? else {
+        return Ok(());
+    };
+    if check_wal(&wal, &bytes).is_ok() {
+        return Ok(());
+    }
+    // Another process may be appending to the log while we read it (a
+    // `token` command while `serve` runs): a frame read half-written
+    // followed by a complete one looks like damage. Damage on disk reads
+    // the same twice; a write in progress does not.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    match read_all(&wal)? {
+        Some(again) => check_wal(&wal, &again),
+        None => Ok(()),
+    }
+}
+
+/// An empty file is a valid empty database to SQLite.
+pub fn check_database_header(path: &Path, head: &[u8]) -> Result<(), SqliteFileError> {
+    if head.is_empty() || head.starts_with(SQLITE_MAGIC) {
+        Ok(())
+    } else {
+        Err(SqliteFileError::NotADatabase {
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+/// The WAL's header fields that frames are checked against.
+struct WalHeader {
+    big_endian_checksums: bool,
+    page_size: usize,
+    salts: [u8; 8],
+    checksum: (u32, u32),
+}
+
+fn be32(bytes: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// The WAL header, or `None` when SQLite would ignore the whole log
+/// (wrong magic, version or page size, or a header checksum mismatch):
+/// SQLite then treats the log as empty.
+fn parse_wal_header(bytes: &[u8]) -> Option<WalHeader> {
+    let header = bytes.get(..WAL_HEADER_BYTES)?;
+    let magic = be32(header, 0);
+    if magic != WAL_MAGIC_LE && magic != WAL_MAGIC_BE {
+        return None;
+    }
+    let big_endian_checksums = magic & 1 == 1;
+    let page_size = be32(header, 8) as usize;
+    if be32(header, 4) != WAL_FORMAT_VERSION
+        || !page_size.is_power_of_two()
+        || !(512..=65_536).contains(&page_size)
+    {
+        return None;
+    }
+    let checksum = wal_checksum(big_endian_checksums, (0, 0), &header[..24]);
+    if checksum != (be32(header, 24), be32(header, 28)) {
+        return None;
+    }
+    let mut salts = [0; 8];
+    salts.copy_from_slice(&header[16..24]);
+    Some(WalHeader {
+        big_endian_checksums,
+        page_size,
+        salts,
+        checksum,
+    })
+}
+
+/// SQLite's WAL checksum: a running pair over 32-bit words taken two at a
+/// time, `s0 += x[i] + s1; s1 += x[i+1] + s0`, wrapping, with the words
+/// read in the byte order the magic number names. `data.len()` is a
+/// multiple of 8 (headers and pages always are).
+pub fn wal_checksum(big_endian: bool, seed: (u32, u32), data: &[u8]) -> (u32, u32) {
+    let word = |chunk: &[u8]| {
+        let bytes = [chunk[0], chunk[1], chunk[2], chunk[3]];
+        if big_endian {
+            u32::from_be_bytes(bytes)
+        } else {
+            u32::from_le_bytes(bytes)
+        }
+    };
+    let (mut s0, mut s1) = seed;
+    for pair in data.chunks_exact(8) {
+        s0 = s0.wrapping_add(word(&pair[..4])).wrapping_add(s1);
+        s1 = s1.wrapping_add(word(&pair[4..])).wrapping_add(s0);
+    }
+    (s0, s1)
+}
+
+/// One frame as SQLite's recovery judges it.
+struct Frame<'a> {
+    header: &'a [u8],
+    page: &'a [u8],
+}
+
+impl Frame<'_> {
+    fn has_salts(&self, salts: &[u8; 8]) -> bool {
+        &self.header[8..16] == salts
+    }
+
+    fn is_commit(&self) -> bool {
+        be32(self.header, 4) != 0
+    }
+
+    fn stored_checksum(&self) -> (u32, u32) {
+        (be32(self.header, 16), be32(self.header, 20))
+    }
+
+    /// The running checksum through this frame, if the frame is intact
+    /// when chained from `seed` (the previous frame's checksum).
+    fn verify(&self, header: &WalHeader, seed: (u32, u32)) -> Option<(u32, u32)> {
+        if be32(self.header, 0) == 0 || !self.has_salts(&header.salts) {
+            return None;
+        }
+        let checksum = wal_checksum(header.big_endian_checksums, seed, &self.header[..8]);
+        let checksum = wal_checksum(header.big_endian_checksums, checksum, self.page);
+        (checksum == self.stored_checksum()).then_some(checksum)
+    }
+}
+
+/// Refuses a log in which SQLite's replay would stop at a damaged frame
+/// while later frames of the same log generation (same salts) exist, with
+/// at least one of them ending a transaction: committed data would be
+/// dropped without a word.
+///
+/// Normal logs pass: a torn last frame (a crash mid-write) has nothing of
+/// its generation after it, and frames left from before the last log reset
+/// carry older salts. A log whose header SQLite rejects is treated as
+/// empty by SQLite, and so here: its frames cannot be attributed.
+pub fn check_wal(path: &Path, bytes: &[u8]) -> Result<(), SqliteFileError> {
+    let Some(header) = parse_wal_header(bytes) else {
+        return Ok(());
+    };
+    let frame_bytes = WAL_FRAME_HEADER_BYTES + header.page_size;
+    let frames: Vec<Frame> = bytes[WAL_HEADER_BYTES..]
+        .chunks_exact(frame_bytes)
+        .map(|chunk| Frame {
+            header: &chunk[..WAL_FRAME_HEADER_BYTES],
+            page: &chunk[WAL_FRAME_HEADER_BYTES..],
+        })
+        .collect();
+    let mut running = header.checksum;
+    for (index, frame) in frames.iter().enumerate() {
+        if let Some(next) = frame.verify(&header, running) {
+            running = next;
+            continue;
+        }
+        // A frame of an older generation ends this log normally.
+        if !frame.has_salts(&header.salts) {
+            return Ok(());
+        }
+        let later: Vec<&Frame> = frames[index + 1..]
+            .iter()
+            .filter(|later| later.has_salts(&header.salts))
+            .collect();
+        let lost_commits = later.iter().filter(|later| later.is_commit()).count() as u64
+            + u64::from(frame.is_commit());
+        if later.is_empty() || lost_commits == 0 {
+            // A torn last frame, or an unfinished last transaction.
+            return Ok(());
+        }
+        return Err(SqliteFileError::DamagedWal {
+            path: path.to_path_buf(),
+            frame: index as u64 + 1,
+            lost_frames: later.len() as u64 + 1,
+            lost_commits,
+        });
+    }
+    Ok(())
+}
+
+/// The first `limit` bytes of a file, or `None` if it does not exist.
+fn read_prefix(path: &Path, limit: usize) -> Result<Option<Vec<u8>>, SqliteFileError> {
+    let file = match std::fs::File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(SqliteFileError::Read {
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    };
+    let mut head = Vec::with_capacity(limit);
+    file.take(limit as u64)
+        .read_to_end(&mut head)
+        .map_err(|source| SqliteFileError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    Ok(Some(head))
+}
+
+/// A whole file, or `None` if it does not exist. The WAL is bounded by
+/// the checkpoint interval (1,000 pages by default), so it fits in memory.
+fn read_all(path: &Path) -> Result<Option<Vec<u8>>, SqliteFileError> {
+    match std::fs::read(path) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(SqliteFileError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: usize = 512;
+
+    /// A log SQLite would accept: a header, then `frames` of
+    /// (page number, commit size, page fill byte), chained checksums.
+    fn build_wal(big_endian: bool, salts: [u8; 8], frames: &[(u32, u32, u8)]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        let magic = if big_endian {
+            WAL_MAGIC_BE
+        } else {
+            WAL_MAGIC_LE
+        };
+        bytes.extend(magic.to_be_bytes());
+        bytes.extend(WAL_FORMAT_VERSION.to_be_bytes());
+        bytes.extend((PAGE as u32).to_be_bytes());
+        bytes.extend(0u32.to_be_bytes());
+        bytes.extend(salts);
+        let mut running = wal_checksum(big_endian, (0, 0), &bytes);
+        bytes.extend(running.0.to_be_bytes());
+        bytes.extend(running.1.to_be_bytes());
+        for &(page_number, commit, fill) in frames {
+            let mut frame = Vec::new();
+            frame.extend(page_number.to_be_bytes());
+            frame.extend(commit.to_be_bytes());
+            frame.extend(salts);
+            let page: Vec<u8> = (0..PAGE).map(|i| fill.wrapping_add(i as u8)).collect();
+            running = wal_checksum(big_endian, running, &frame[..8]);
+            running = wal_checksum(big_endian, running, &page);
+            frame.extend(running.0.to_be_bytes());
+            frame.extend(running.1.to_be_bytes());
+            frame.extend(page);
+            bytes.extend(frame);
+        }
+        bytes
+    }
+
+    fn frame_at(index: usize) -> usize {
+        WAL_HEADER_BYTES + index * (WAL_FRAME_HEADER_BYTES + PAGE)
+    }
+
+    const SALTS: [u8; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+    /// Two transactions of two pages each.
+    const TWO_COMMITS: [(u32, u32, u8); 4] = [(1, 0, 10), (2, 2, 20), (1, 0, 30), (2, 2, 40)];
+
+    #[test]
+    fn checksum_follows_the_specification_on_known_words() {
+        // Two word pairs, little-endian words: s0 = 1 + 0, s1 = 2 + 1;
+        // then s0 = 1 + 3 + 3 = 7, s1 = 3 + 4 + 7 = 14.
+        let data = [1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0];
+        assert_eq!(wal_checksum(false, (0, 0), &data), (7, 14));
+        // The same bytes read big-endian are other words.
+        assert_eq!(
+            wal_checksum(true, (0, 0), &data[..8]),
+            (0x0100_0000, 0x0300_0000)
+        );
+        // Wrapping, not overflowing.
+        let max = [0xff; 8];
+        assert_eq!(
+            wal_checksum(false, (u32::MAX, u32::MAX), &max),
+            (u32::MAX.wrapping_mul(3), u32::MAX.wrapping_mul(5))
+        );
+    }
+
+    #[test]
+    fn an_intact_log_passes_in_both_byte_orders() {
+        for big_endian in [false, true] {
+            let wal = build_wal(big_endian, SALTS, &TWO_COMMITS);
+            check_wal(Path::new("x-wal"), &wal).expect("intact");
+        }
+    }
+
+    #[test]
+    fn a_damaged_early_frame_before_a_later_commit_is_refused() {
+        let mut wal = build_wal(false, SALTS, &TWO_COMMITS);
+        wal[frame_at(1) + WAL_FRAME_HEADER_BYTES + 100] ^= 0x01;
+        let error = check_wal(Path::new("/d/canopy.db-wal"), &wal).unwrap_err();
+        match &error {
+            SqliteFileError::DamagedWal {
+                frame,
+                lost_frames,
+                lost_commits,
+                ..
+            } => {
+                assert_eq!((*frame, *lost_frames, *lost_commits), (2, 3, 2));
+            }
+            other => panic!("{other:?}"),
+        }
+        let text = error.to_string();
+        assert!(
+            text.contains("/d/canopy.db-wal") && text.contains("frame 2"),
+            "{text}"
+        );
+        let hint = error.hint().unwrap();
+        assert!(hint.contains("move /d/canopy.db-wal aside"), "{hint}");
+    }
+
+    #[test]
+    fn a_damaged_checksum_field_is_damage_too() {
+        let mut wal = build_wal(true, SALTS, &TWO_COMMITS);
+        wal[frame_at(0) + 16] ^= 0x80;
+        assert!(matches!(
+            check_wal(Path::new("w"), &wal),
+            Err(SqliteFileError::DamagedWal { frame: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn a_torn_last_frame_is_a_normal_crash() {
+        let mut wal = build_wal(false, SALTS, &TWO_COMMITS);
+        // Damaged last frame, complete in length.
+        let last = frame_at(3) + WAL_FRAME_HEADER_BYTES + 7;
+        wal[last] ^= 0xff;
+        check_wal(Path::new("w"), &wal).expect("torn last frame");
+        // Cut short mid-frame.
+        let wal = build_wal(false, SALTS, &TWO_COMMITS);
+        check_wal(Path::new("w"), &wal[..frame_at(3) + 100]).expect("cut mid-frame");
+    }
+
+    #[test]
+    fn an_unfinished_last_transaction_loses_nothing_committed() {
+        // Frame 3 damaged, frame 4 of the same generation but no commit.
+        let frames = [(1, 0, 10), (2, 2, 20), (1, 0, 30), (2, 0, 40)];
+        let mut wal = build_wal(false, SALTS, &frames);
+        wal[frame_at(2) + WAL_FRAME_HEADER_BYTES] ^= 0x01;
+        check_wal(Path::new("w"), &wal).expect("nothing committed after the damage");
+    }
+
+    #[test]
+    fn frames_of_an_older_generation_are_ignored() {
+        // An older, longer log, overwritten from the start by a new
+        // generation with other salts: its tail is stale, not damage.
+        let old = build_wal(false, [9; 8], &TWO_COMMITS);
+        let new = build_wal(false, SALTS, &TWO_COMMITS[..2]);
+        let mut wal = old.clone();
+        wal[..new.len()].copy_from_slice(&new);
+        check_wal(Path::new("w"), &wal).expect("stale frames");
+    }
+
+    #[test]
+    fn a_log_with_a_bad_header_is_what_sqlite_ignores() {
+        for at in [0, 5, 9, 25] {
+            let mut wal = build_wal(false, SALTS, &TWO_COMMITS);
+            wal[at] ^= 0x01;
+            assert!(parse_wal_header(&wal).is_none(), "byte {at}");
+        }
+        assert!(parse_wal_header(&[]).is_none());
+    }
+
+    #[test]
+    fn garbage_is_not_a_database_but_empty_is() {
+        let path = Path::new("/d/canopy.db");
+        let error = check_database_header(path, b"\x8b\x13 random bytes..").unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("/d/canopy.db is not a SQLite database")
+        );
+        check_database_header(path, b"").expect("empty file");
+        check_database_header(path, SQLITE_MAGIC).expect("header");
+    }
+}

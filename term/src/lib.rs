@@ -1,0 +1,120 @@
+//! Standard output and standard error for every command of Canopy's
+//! binaries (`canopy-agent`, `canopy`, `canopy-server`): the one place that
+//! decides what a closed stdout means. A crate of its own so that the
+//! server shares the rule without linking device code. `println!` panics when the reader of a pipe has
+//! gone (`canopy-agent status | head -1`); commands write through
+//! [`outln!`] instead, and `main` passes clap's help through
+//! [`clap_exit`].
+//!
+//! A closed stdout stops the command where it is, quietly, with exit
+//! status [`STDOUT_CLOSED_EXIT`] = 141 = 128 + SIGPIPE. That is what a
+//! shell reports for `cat`, `grep` or any C tool killed by SIGPIPE at the
+//! same point, so scripts with `set -o pipefail` treat these binaries
+//! like them; and since the command did not finish (an `install` cut
+//! short has not written its unit), 0 would claim a success it did not
+//! have. Rust ignores SIGPIPE, and restoring its default would need
+//! `unsafe` and would let a closed journal kill the agent's daemon, so
+//! the status is chosen here instead. The daemon (`canopy-agent run`)
+//! never writes to stdout: its logs are `tracing` events on stderr, whose
+//! writer drops write errors.
+
+use std::fmt;
+use std::io::{ErrorKind, Write};
+use std::process::ExitCode;
+
+/// Exit status when stdout is closed under a command: 128 + SIGPIPE (13).
+pub const STDOUT_CLOSED_EXIT: u8 = 141;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OutputError {
+    /// Stdout's reader went away; `main` turns it into a quiet exit with
+    /// [`STDOUT_CLOSED_EXIT`].
+    #[error("standard output was closed")]
+    Closed,
+    /// Any other failure (a full disk behind `>`).
+    #[error("cannot write to standard output")]
+    Write(#[source] std::io::Error),
+}
+
+/// Writes one line to stdout.
+pub fn write_line(args: fmt::Arguments<'_>) -> Result<(), OutputError> {
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_fmt(args)
+        .and_then(|()| stdout.write_all(b"\n"))
+    {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == ErrorKind::BrokenPipe => Err(OutputError::Closed),
+        Err(error) => Err(OutputError::Write(error)),
+    }
+}
+
+/// Whether `error` is, or was caused by, a closed stdout. Takes any error
+/// (`&*anyhow_error` too) and walks its causes.
+pub fn is_stdout_closed(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut current = Some(error);
+    while let Some(cause) = current {
+        if matches!(
+            cause.downcast_ref::<OutputError>(),
+            Some(OutputError::Closed)
+        ) {
+            return true;
+        }
+        current = cause.source();
+    }
+    false
+}
+
+/// Prints clap's answer (help, version or a usage error) and gives the
+/// exit status: clap's own, or [`STDOUT_CLOSED_EXIT`] when stdout closed
+/// under `--help`.
+pub fn clap_exit(error: &clap::Error) -> ExitCode {
+    match error.print() {
+        Err(cause) if cause.kind() == ErrorKind::BrokenPipe => ExitCode::from(STDOUT_CLOSED_EXIT),
+        _ => ExitCode::from(u8::try_from(error.exit_code()).unwrap_or(2)),
+    }
+}
+
+/// Writes one line to stderr, dropping errors: with stderr gone there is
+/// nowhere left to report them, and a message must never become a panic.
+pub fn write_error_line(args: fmt::Arguments<'_>) {
+    let mut stderr = std::io::stderr().lock();
+    let _ = stderr
+        .write_fmt(args)
+        .and_then(|()| stderr.write_all(b"\n"));
+}
+
+/// `println!` that returns `Err(OutputError::Closed)` instead of panicking
+/// when stdout is a closed pipe: `outln!("{x}")?;`.
+#[macro_export]
+macro_rules! outln {
+    () => {
+        $crate::write_line(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::write_line(format_args!($($arg)*))
+    };
+}
+
+/// `eprintln!` that cannot panic.
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => {
+        $crate::write_error_line(format_args!($($arg)*))
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_closed_stdout_is_found_under_any_wrapping() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("listing tokens")]
+        struct Wrapper(#[source] OutputError);
+        assert!(is_stdout_closed(&Wrapper(OutputError::Closed)));
+        let other = Wrapper(OutputError::Write(std::io::Error::other("disk full")));
+        assert!(!is_stdout_closed(&other));
+    }
+}
