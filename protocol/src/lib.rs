@@ -6,6 +6,7 @@
 //! to one place, and the two ends cannot drift apart silently.
 
 pub mod auth;
+pub mod bounds;
 pub mod messages;
 pub mod model_sig;
 pub mod secagg;

@@ -1,0 +1,166 @@
+//! Bounds that every tier checks: the server when a job or model is created,
+//! devices when a task arrives, and the CLI and agent for local training.
+//!
+//! A device cannot trust the server's validation: a compromised or buggy
+//! server, or anyone able to forge a task, could otherwise ask it to train
+//! forever or download a model larger than its disk. So the bounds live
+//! here, in the contract both ends link, and a change to one is a change
+//! for all of them.
+
+use crate::messages::{Task, TrainingConfig};
+use crate::update::UpdateError;
+
+/// Most local epochs one task (or one local training run) may ask for.
+pub const MAX_EPOCHS: u32 = 1_000;
+/// Largest batch size; larger batches are a typo, not a plan.
+pub const MAX_BATCH_SIZE: u32 = 65_536;
+/// Largest learning rate; anything above diverges on every model we ship.
+pub const MAX_LEARNING_RATE: f64 = 100.0;
+/// Largest model file a device downloads or a tool reads (1 GiB). The
+/// server's configurable `max_model_bytes` may not exceed it, so it never
+/// accepts a model that devices would refuse.
+pub const MAX_MODEL_BYTES: u64 = 1 << 30;
+
+/// A task, or one of its fields, outside the shared bounds.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum BoundsError {
+    #[error("task field `{field}` is {value}, outside the allowed range {allowed}")]
+    OutOfRange {
+        field: &'static str,
+        value: String,
+        allowed: String,
+    },
+    #[error("task field `layout` is invalid")]
+    Layout(#[source] UpdateError),
+}
+
+impl BoundsError {
+    /// The field that broke a bound, as named in the task's JSON.
+    pub fn field(&self) -> &'static str {
+        match self {
+            BoundsError::OutOfRange { field, .. } => field,
+            BoundsError::Layout(_) => "layout",
+        }
+    }
+}
+
+fn check_u64(field: &'static str, value: u64, min: u64, max: u64) -> Result<(), BoundsError> {
+    if (min..=max).contains(&value) {
+        return Ok(());
+    }
+    Err(BoundsError::OutOfRange {
+        field,
+        value: value.to_string(),
+        allowed: format!("{min}..={max}"),
+    })
+}
+
+/// Checks the number of epochs, for tasks and for local training alike.
+pub fn check_epochs(field: &'static str, epochs: u64) -> Result<(), BoundsError> {
+    check_u64(field, epochs, 1, u64::from(MAX_EPOCHS))
+}
+
+/// Checks a batch size, for tasks and for local training alike.
+pub fn check_batch_size(field: &'static str, batch_size: u64) -> Result<(), BoundsError> {
+    check_u64(field, batch_size, 1, u64::from(MAX_BATCH_SIZE))
+}
+
+/// Checks a learning rate: finite, above zero, at most [`MAX_LEARNING_RATE`].
+pub fn check_learning_rate(field: &'static str, rate: f64) -> Result<(), BoundsError> {
+    if rate.is_finite() && rate > 0.0 && rate <= MAX_LEARNING_RATE {
+        return Ok(());
+    }
+    Err(BoundsError::OutOfRange {
+        field,
+        value: rate.to_string(),
+        allowed: format!("(0, {MAX_LEARNING_RATE}]"),
+    })
+}
+
+/// Checks a model file's size against [`MAX_MODEL_BYTES`].
+pub fn check_model_bytes(field: &'static str, bytes: u64) -> Result<(), BoundsError> {
+    check_u64(field, bytes, 0, MAX_MODEL_BYTES)
+}
+
+impl TrainingConfig {
+    /// Checks every field against the shared bounds, naming the field as
+    /// it appears in a task (`training.epochs`, …).
+    pub fn validate(&self) -> Result<(), BoundsError> {
+        check_epochs("training.epochs", u64::from(self.epochs))?;
+        check_batch_size("training.batch_size", u64::from(self.batch_size))?;
+        check_learning_rate("training.learning_rate", self.learning_rate)
+    }
+}
+
+impl Task {
+    /// What a device checks before it downloads or trains anything.
+    pub fn validate(&self) -> Result<(), BoundsError> {
+        self.training.validate()?;
+        check_model_bytes("model_size_bytes", self.model_size_bytes)?;
+        self.layout.validate().map_err(BoundsError::Layout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn training() -> TrainingConfig {
+        TrainingConfig {
+            epochs: 2,
+            batch_size: 32,
+            learning_rate: 0.05,
+        }
+    }
+
+    #[test]
+    fn training_within_bounds_passes() {
+        training().validate().unwrap();
+        let edge = TrainingConfig {
+            epochs: MAX_EPOCHS,
+            batch_size: MAX_BATCH_SIZE,
+            learning_rate: MAX_LEARNING_RATE,
+        };
+        edge.validate().unwrap();
+    }
+
+    #[test]
+    fn each_field_out_of_bounds_is_named() {
+        let cases = [
+            (TrainingConfig { epochs: 0, ..training() }, "training.epochs"),
+            (
+                TrainingConfig { epochs: MAX_EPOCHS + 1, ..training() },
+                "training.epochs",
+            ),
+            (TrainingConfig { batch_size: 0, ..training() }, "training.batch_size"),
+            (
+                TrainingConfig { batch_size: MAX_BATCH_SIZE + 1, ..training() },
+                "training.batch_size",
+            ),
+            (
+                TrainingConfig { learning_rate: f64::NAN, ..training() },
+                "training.learning_rate",
+            ),
+            (
+                TrainingConfig { learning_rate: 0.0, ..training() },
+                "training.learning_rate",
+            ),
+            (
+                TrainingConfig { learning_rate: 1e9, ..training() },
+                "training.learning_rate",
+            ),
+        ];
+        for (config, field) in cases {
+            let error = config.validate().unwrap_err();
+            assert_eq!(error.field(), field, "{config:?}");
+            assert!(error.to_string().contains(field), "{error}");
+        }
+    }
+
+    #[test]
+    fn model_size_is_bounded() {
+        check_model_bytes("model_size_bytes", MAX_MODEL_BYTES).unwrap();
+        let error = check_model_bytes("model_size_bytes", MAX_MODEL_BYTES + 1).unwrap_err();
+        assert!(error.to_string().contains("model_size_bytes"), "{error}");
+    }
+}
