@@ -127,26 +127,53 @@ mod tests {
     #[test]
     fn each_field_out_of_bounds_is_named() {
         let cases = [
-            (TrainingConfig { epochs: 0, ..training() }, "training.epochs"),
             (
-                TrainingConfig { epochs: MAX_EPOCHS + 1, ..training() },
+                TrainingConfig {
+                    epochs: 0,
+                    ..training()
+                },
                 "training.epochs",
             ),
-            (TrainingConfig { batch_size: 0, ..training() }, "training.batch_size"),
             (
-                TrainingConfig { batch_size: MAX_BATCH_SIZE + 1, ..training() },
+                TrainingConfig {
+                    epochs: MAX_EPOCHS + 1,
+                    ..training()
+                },
+                "training.epochs",
+            ),
+            (
+                TrainingConfig {
+                    batch_size: 0,
+                    ..training()
+                },
                 "training.batch_size",
             ),
             (
-                TrainingConfig { learning_rate: f64::NAN, ..training() },
+                TrainingConfig {
+                    batch_size: MAX_BATCH_SIZE + 1,
+                    ..training()
+                },
+                "training.batch_size",
+            ),
+            (
+                TrainingConfig {
+                    learning_rate: f64::NAN,
+                    ..training()
+                },
                 "training.learning_rate",
             ),
             (
-                TrainingConfig { learning_rate: 0.0, ..training() },
+                TrainingConfig {
+                    learning_rate: 0.0,
+                    ..training()
+                },
                 "training.learning_rate",
             ),
             (
-                TrainingConfig { learning_rate: 1e9, ..training() },
+                TrainingConfig {
+                    learning_rate: 1e9,
+                    ..training()
+                },
                 "training.learning_rate",
             ),
         ];
