@@ -34,12 +34,88 @@ pub struct Page {
     pub limit: i64,
 }
 
+/// A stored state that names no variant: the database holds a value this
+/// server never writes.
+#[derive(Debug, thiserror::Error)]
+#[error("`{text}` is not a {kind}; expected one of {}", expected.join(", "))]
+pub struct UnknownState {
+    pub kind: &'static str,
+    pub text: String,
+    pub expected: &'static [&'static str],
+}
+
+/// A state stored as text: the variant's lowercase name, the same in the
+/// database and in the API. Rows decode it with `#[sqlx(try_from =
+/// "String")]`, so an unknown value is an error at the store boundary, not a
+/// string compared further in.
+macro_rules! text_enum {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }
+    ) => {
+        $(#[$meta])*
+        #[derive(
+            Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize,
+            serde::Deserialize, utoipa::ToSchema,
+        )]
+        pub enum $name {
+            $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
+        }
+
+        impl $name {
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+
+            pub fn parse(text: &str) -> Option<$name> {
+                match text {
+                    $($text => Some($name::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = $crate::store::UnknownState;
+
+            fn try_from(text: String) -> Result<$name, Self::Error> {
+                $name::parse(&text).ok_or($crate::store::UnknownState {
+                    kind: stringify!($name),
+                    text,
+                    expected: &[$($text),+],
+                })
+            }
+        }
+    };
+}
+pub(crate) use text_enum;
+
 /// Unwraps a JSON column written by this server.
 pub(crate) fn from_json<T: serde::de::DeserializeOwned>(
     column: &str,
     text: &str,
 ) -> Result<T, sqlx::Error> {
     serde_json::from_str(text).map_err(|error| sqlx::Error::ColumnDecode {
+        index: column.to_string(),
+        source: Box::new(error),
+    })
+}
+
+/// Parses a state column read on its own; rows parse theirs with
+/// `#[sqlx(try_from = "String")]`, with the same error.
+pub(crate) fn parse_state<T>(column: &str, text: String) -> Result<T, sqlx::Error>
+where
+    T: TryFrom<String, Error = UnknownState>,
+{
+    T::try_from(text).map_err(|error| sqlx::Error::ColumnDecode {
         index: column.to_string(),
         source: Box::new(error),
     })
