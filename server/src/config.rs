@@ -238,6 +238,16 @@ impl Limits {
     /// The relations between limits that the server relies on; a file that
     /// breaks one is refused at start, naming the setting.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_counts()?;
+        self.check_durations()?;
+        self.check_request_heads()?;
+        self.check_connections()?;
+        self.check_database()?;
+        self.check_model_bytes()
+    }
+
+    /// Counts and sizes of zero would refuse everything.
+    fn check_counts(&self) -> Result<(), ConfigError> {
         let counts = [
             ("max_concurrent_uploads", self.max_concurrent_uploads),
             (
@@ -273,6 +283,10 @@ impl Limits {
                 return Err(invalid(format!("limits.{name} must be at least 1")));
             }
         }
+        Ok(())
+    }
+
+    fn check_durations(&self) -> Result<(), ConfigError> {
         let durations = [
             ("upload_slot_wait_ms", self.upload_slot_wait_ms),
             ("upload_timeout_ms", self.upload_timeout_ms),
@@ -295,6 +309,10 @@ impl Limits {
                 )));
             }
         }
+        Ok(())
+    }
+
+    fn check_request_heads(&self) -> Result<(), ConfigError> {
         if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&self.max_header_bytes) {
             return Err(invalid(format!(
                 "limits.max_header_bytes is {}; use {MIN_HEADER_BYTES} to {MAX_HEADER_BYTES}",
@@ -307,6 +325,10 @@ impl Limits {
                 self.max_uri_bytes, self.max_header_bytes
             )));
         }
+        Ok(())
+    }
+
+    fn check_connections(&self) -> Result<(), ConfigError> {
         if self.idle_timeout_ms <= self.long_poll_max_ms {
             return Err(invalid(format!(
                 "limits.idle_timeout_ms ({}) must exceed limits.long_poll_max_ms ({}), \
@@ -320,23 +342,27 @@ impl Limits {
                 self.max_connections_per_address, self.max_connections
             )));
         }
-        self.validate_database()?;
-        if self.max_model_bytes == 0 || self.max_model_bytes > MAX_MODEL_BYTES {
-            return Err(invalid(format!(
-                "limits.max_model_bytes is {}; use 1 to {MAX_MODEL_BYTES}, the largest model \
-                 devices download (canopy_protocol::bounds::MAX_MODEL_BYTES)",
-                self.max_model_bytes
-            )));
-        }
         Ok(())
     }
 
-    fn validate_database(&self) -> Result<(), ConfigError> {
+    fn check_database(&self) -> Result<(), ConfigError> {
         if self.round_write_connections >= self.database_connections as usize {
             return Err(invalid(format!(
                 "limits.round_write_connections ({}) must be below limits.database_connections \
                  ({}), or writes to one round could hold every pooled connection",
                 self.round_write_connections, self.database_connections
+            )));
+        }
+        Ok(())
+    }
+
+    /// A model devices would refuse to download must not be accepted.
+    fn check_model_bytes(&self) -> Result<(), ConfigError> {
+        if self.max_model_bytes == 0 || self.max_model_bytes > MAX_MODEL_BYTES {
+            return Err(invalid(format!(
+                "limits.max_model_bytes is {}; use 1 to {MAX_MODEL_BYTES}, the largest model \
+                 devices download (canopy_protocol::bounds::MAX_MODEL_BYTES)",
+                self.max_model_bytes
             )));
         }
         Ok(())
@@ -511,6 +537,32 @@ mod tests {
         std::fs::write(&path, "no_such_setting = 1\n").unwrap();
         let error = Settings::resolve(&args).unwrap_err();
         assert!(matches!(error, ConfigError::Parse { .. }), "{error}");
+    }
+
+    #[test]
+    fn limits_refuse_what_devices_or_the_pool_cannot_honour() {
+        Limits::default()
+            .validate()
+            .expect("the defaults are valid");
+        let over = Limits {
+            max_model_bytes: MAX_MODEL_BYTES + 1,
+            ..Limits::default()
+        };
+        let error = over.validate().unwrap_err().to_string();
+        assert!(error.contains("limits.max_model_bytes"), "{error}");
+        let at = Limits {
+            max_model_bytes: MAX_MODEL_BYTES,
+            ..Limits::default()
+        };
+        at.validate()
+            .expect("the protocol's bound itself is allowed");
+        let starved = Limits {
+            database_connections: 4,
+            round_write_connections: 4,
+            ..Limits::default()
+        };
+        let error = starved.validate().unwrap_err().to_string();
+        assert!(error.contains("limits.round_write_connections"), "{error}");
     }
 
     #[test]

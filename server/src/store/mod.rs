@@ -63,6 +63,8 @@ macro_rules! text_enum {
         }
 
         impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
             pub fn as_str(self) -> &'static str {
                 match self {
                     $($name::$variant => $text),+
@@ -119,4 +121,66 @@ where
         index: column.to_string(),
         source: Box::new(error),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::jobs::JobState;
+    use super::rounds::{ParticipantState, RoundState};
+    use super::secagg::SecureStage;
+
+    fn known(text: &str) -> bool {
+        JobState::parse(text).is_some()
+            || RoundState::parse(text).is_some()
+            || ParticipantState::parse(text).is_some()
+            || SecureStage::parse(text).is_some()
+    }
+
+    #[test]
+    fn states_round_trip_and_unknown_text_is_an_error() {
+        for state in RoundState::ALL {
+            assert_eq!(RoundState::try_from(state.to_string()).ok(), Some(*state));
+        }
+        for state in ParticipantState::ALL {
+            assert_eq!(ParticipantState::parse(state.as_str()), Some(*state));
+        }
+        let error = RoundState::try_from("trainig".to_string()).unwrap_err();
+        let message = error.to_string();
+        assert!(
+            message.contains("`trainig` is not a RoundState"),
+            "{message}"
+        );
+        assert!(
+            message.contains("selecting, training, aggregating"),
+            "{message}"
+        );
+    }
+
+    /// SQL writes states as literals; each must be a variant's text, or
+    /// rows would hold a state no decoder accepts.
+    #[test]
+    fn every_state_written_in_sql_is_a_variant() {
+        let sources = [
+            include_str!("rounds.rs"),
+            include_str!("secagg.rs"),
+            include_str!("jobs.rs"),
+        ];
+        let pattern = regex::Regex::new(
+            r"(?:state|stage) (?:=|IN) \(?'([a-z_]+)'|THEN '([a-z_]+)'|'([a-z_]+)', '([a-z_]+)'",
+        )
+        .expect("pattern");
+        let mut seen = 0;
+        for source in sources {
+            for captures in pattern.captures_iter(source) {
+                for text in captures.iter().skip(1).flatten() {
+                    seen += 1;
+                    assert!(known(text.as_str()), "`{}` is no state", text.as_str());
+                }
+            }
+        }
+        assert!(
+            seen > 20,
+            "only {seen} state literals found: the pattern is stale"
+        );
+    }
 }

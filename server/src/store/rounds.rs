@@ -38,6 +38,16 @@ text_enum! {
     }
 }
 
+impl RoundState {
+    /// Selecting, training or aggregating: not yet succeeded or failed.
+    pub fn is_open(self) -> bool {
+        matches!(
+            self,
+            RoundState::Selecting | RoundState::Training | RoundState::Aggregating
+        )
+    }
+}
+
 impl ParticipantState {
     /// Still expected to upload: selected, or its task delivered.
     pub fn is_pending(self) -> bool {
@@ -840,4 +850,74 @@ pub async fn add_bytes_out(
     .execute(&db.pool)
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sql_list(states: impl Iterator<Item = &'static str>) -> String {
+        let quoted: Vec<String> = states.map(|state| format!("'{state}'")).collect();
+        format!("({})", quoted.join(", "))
+    }
+
+    #[test]
+    fn the_sql_state_lists_are_the_enums() {
+        let open = RoundState::ALL.iter().filter(|s| s.is_open());
+        assert_eq!(OPEN_STATES, sql_list(open.map(|s| s.as_str())));
+        let pending = ParticipantState::ALL.iter().filter(|s| s.is_pending());
+        assert_eq!(PENDING_STATES, sql_list(pending.map(|s| s.as_str())));
+    }
+
+    fn decide(
+        participant: Option<ParticipantState>,
+        round: RoundState,
+        late: bool,
+    ) -> Result<(), UploadRejection> {
+        let gate = RoundGate {
+            round_id: 7,
+            state: round,
+            deadline_ms: Some(1_000),
+        };
+        admit(gate, 3, participant, if late { 2_000 } else { 500 })
+    }
+
+    #[test]
+    fn admit_decides_in_one_order() {
+        use ParticipantState::*;
+        use RoundState::*;
+        assert!(decide(Some(Selected), Training, false).is_ok());
+        assert!(decide(Some(Delivered), Training, false).is_ok());
+        let refused = |p, r, late| decide(p, r, late).unwrap_err();
+        assert!(matches!(
+            refused(None, Aggregating, true),
+            UploadRejection::NotParticipant { .. }
+        ));
+        // A counted update is reported as such even once the round closed.
+        assert!(matches!(
+            refused(Some(Uploaded), Succeeded, true),
+            UploadRejection::Duplicate { .. }
+        ));
+        // Closed comes before dropped: closing is what dropped the device.
+        let closed = refused(Some(Dropped), Aggregating, false);
+        assert!(matches!(
+            closed,
+            UploadRejection::Closed {
+                reason: "aggregating",
+                ..
+            }
+        ));
+        let late = refused(Some(Delivered), Training, true);
+        assert!(matches!(
+            late,
+            UploadRejection::Closed {
+                reason: "deadline passed",
+                ..
+            }
+        ));
+        assert!(matches!(
+            refused(Some(Dropped), Training, false),
+            UploadRejection::Dropped { .. }
+        ));
+    }
 }
