@@ -4,8 +4,11 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use canopy_protocol::bounds::MAX_MODEL_BYTES;
 use clap::{Args, ValueEnum};
 use serde::Deserialize;
+
+pub mod api_bounds;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -77,12 +80,16 @@ pub struct FileConfig {
     pub limits: Limits,
 }
 
-/// Every bound the server enforces, in one place. `docs/limits.md` says
-/// what each protects against and how to size it.
+/// Every bound the server enforces that an operator sizes to the machine,
+/// in one place. `docs/limits.md` says what each protects against and how
+/// to size it. Bounds the OpenAPI document states are [`api_bounds`];
+/// bounds devices check too are `canopy_protocol::bounds`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Limits {
-    /// Largest model file accepted by `POST /api/v1/models/{name}/versions`.
+    /// Largest model file accepted by `POST /api/v1/models/{name}/versions`;
+    /// at most `canopy_protocol::bounds::MAX_MODEL_BYTES`, which devices
+    /// refuse to download past.
     pub max_model_bytes: u64,
     /// Largest JSON request body.
     pub max_json_bytes: usize,
@@ -144,6 +151,32 @@ pub struct Limits {
     /// Enrollment and token-creation requests per minute, per client address.
     pub sensitive_requests_per_minute: u32,
     pub orchestrator_tick_ms: u64,
+    /// Open rounds the orchestrator advances per tick; the rest wait for
+    /// the next tick.
+    pub max_rounds_per_tick: u32,
+    /// How often expired replay nonces are deleted and idle rate-limiter
+    /// entries forgotten.
+    pub nonce_prune_interval_ms: u64,
+    /// Updates to one round folded in one transaction. The upload slots
+    /// bound the queue anyway; this bounds one transaction, which rewrites
+    /// the model-sized sum once however many it folds.
+    pub max_fold_batch: usize,
+    /// Model versions whose update layout is kept in memory; past this many
+    /// the cache is cleared, which only costs a re-read.
+    pub max_cached_layouts: usize,
+    /// Pooled database connections; SQLite readers share the one file.
+    pub database_connections: u32,
+    /// How long a request waits for a pooled connection before a 503.
+    pub database_acquire_timeout_ms: u64,
+    /// Pooled connections that writes to one round's row (folding updates,
+    /// counting download bytes) may hold at once; below
+    /// `database_connections`. On PostgreSQL such a write waits for the
+    /// round's row lock, and without this bound a burst for one round parks
+    /// every pooled connection on that lock and starves all other requests.
+    pub round_write_connections: usize,
+    /// How long SQLite waits for another process's write lock (the `token`
+    /// subcommand while `serve` runs) before it reports "database is locked".
+    pub sqlite_busy_timeout_ms: u64,
     /// How long shutdown waits for in-flight requests.
     pub shutdown_grace_ms: u64,
     /// Largest page of a list.
@@ -185,6 +218,14 @@ impl Default for Limits {
             heartbeat_interval_ms: 15_000,
             sensitive_requests_per_minute: 120,
             orchestrator_tick_ms: 200,
+            max_rounds_per_tick: 256,
+            nonce_prune_interval_ms: 60_000,
+            max_fold_batch: 64,
+            max_cached_layouts: 256,
+            database_connections: 16,
+            database_acquire_timeout_ms: 10_000,
+            round_write_connections: 4,
+            sqlite_busy_timeout_ms: 10_000,
             shutdown_grace_ms: 30_000,
             max_page_size: 500,
             secagg_stage_timeout_ms: 60_000,
@@ -197,6 +238,16 @@ impl Limits {
     /// The relations between limits that the server relies on; a file that
     /// breaks one is refused at start, naming the setting.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check_counts()?;
+        self.check_durations()?;
+        self.check_request_heads()?;
+        self.check_connections()?;
+        self.check_database()?;
+        self.check_model_bytes()
+    }
+
+    /// Counts and sizes of zero would refuse everything.
+    fn check_counts(&self) -> Result<(), ConfigError> {
         let counts = [
             ("max_concurrent_uploads", self.max_concurrent_uploads),
             (
@@ -217,6 +268,11 @@ impl Limits {
             ),
             ("max_header_count", self.max_header_count),
             ("max_page_size", self.max_page_size as usize),
+            ("max_rounds_per_tick", self.max_rounds_per_tick as usize),
+            ("max_fold_batch", self.max_fold_batch),
+            ("max_cached_layouts", self.max_cached_layouts),
+            ("database_connections", self.database_connections as usize),
+            ("round_write_connections", self.round_write_connections),
             (
                 "http2_max_concurrent_streams",
                 self.http2_max_concurrent_streams as usize,
@@ -227,6 +283,10 @@ impl Limits {
                 return Err(invalid(format!("limits.{name} must be at least 1")));
             }
         }
+        Ok(())
+    }
+
+    fn check_durations(&self) -> Result<(), ConfigError> {
         let durations = [
             ("upload_slot_wait_ms", self.upload_slot_wait_ms),
             ("upload_timeout_ms", self.upload_timeout_ms),
@@ -235,6 +295,12 @@ impl Limits {
             ("tls_handshake_timeout_ms", self.tls_handshake_timeout_ms),
             ("header_read_timeout_ms", self.header_read_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),
+            ("nonce_prune_interval_ms", self.nonce_prune_interval_ms),
+            (
+                "database_acquire_timeout_ms",
+                self.database_acquire_timeout_ms,
+            ),
+            ("sqlite_busy_timeout_ms", self.sqlite_busy_timeout_ms),
         ];
         for (name, value) in durations {
             if value == 0 || value > MAX_TIMEOUT_MS {
@@ -243,6 +309,10 @@ impl Limits {
                 )));
             }
         }
+        Ok(())
+    }
+
+    fn check_request_heads(&self) -> Result<(), ConfigError> {
         if !(MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&self.max_header_bytes) {
             return Err(invalid(format!(
                 "limits.max_header_bytes is {}; use {MIN_HEADER_BYTES} to {MAX_HEADER_BYTES}",
@@ -255,6 +325,10 @@ impl Limits {
                 self.max_uri_bytes, self.max_header_bytes
             )));
         }
+        Ok(())
+    }
+
+    fn check_connections(&self) -> Result<(), ConfigError> {
         if self.idle_timeout_ms <= self.long_poll_max_ms {
             return Err(invalid(format!(
                 "limits.idle_timeout_ms ({}) must exceed limits.long_poll_max_ms ({}), \
@@ -266,6 +340,29 @@ impl Limits {
             return Err(invalid(format!(
                 "limits.max_connections_per_address ({}) is over limits.max_connections ({})",
                 self.max_connections_per_address, self.max_connections
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_database(&self) -> Result<(), ConfigError> {
+        if self.round_write_connections >= self.database_connections as usize {
+            return Err(invalid(format!(
+                "limits.round_write_connections ({}) must be below limits.database_connections \
+                 ({}), or writes to one round could hold every pooled connection",
+                self.round_write_connections, self.database_connections
+            )));
+        }
+        Ok(())
+    }
+
+    /// A model devices would refuse to download must not be accepted.
+    fn check_model_bytes(&self) -> Result<(), ConfigError> {
+        if self.max_model_bytes == 0 || self.max_model_bytes > MAX_MODEL_BYTES {
+            return Err(invalid(format!(
+                "limits.max_model_bytes is {}; use 1 to {MAX_MODEL_BYTES}, the largest model \
+                 devices download (canopy_protocol::bounds::MAX_MODEL_BYTES)",
+                self.max_model_bytes
             )));
         }
         Ok(())
@@ -440,6 +537,32 @@ mod tests {
         std::fs::write(&path, "no_such_setting = 1\n").unwrap();
         let error = Settings::resolve(&args).unwrap_err();
         assert!(matches!(error, ConfigError::Parse { .. }), "{error}");
+    }
+
+    #[test]
+    fn limits_refuse_what_devices_or_the_pool_cannot_honour() {
+        Limits::default()
+            .validate()
+            .expect("the defaults are valid");
+        let over = Limits {
+            max_model_bytes: MAX_MODEL_BYTES + 1,
+            ..Limits::default()
+        };
+        let error = over.validate().unwrap_err().to_string();
+        assert!(error.contains("limits.max_model_bytes"), "{error}");
+        let at = Limits {
+            max_model_bytes: MAX_MODEL_BYTES,
+            ..Limits::default()
+        };
+        at.validate()
+            .expect("the protocol's bound itself is allowed");
+        let starved = Limits {
+            database_connections: 4,
+            round_write_connections: 4,
+            ..Limits::default()
+        };
+        let error = starved.validate().unwrap_err().to_string();
+        assert!(error.contains("limits.round_write_connections"), "{error}");
     }
 
     #[test]

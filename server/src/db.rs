@@ -15,23 +15,10 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, Executor};
 use tokio::sync::{Mutex, MutexGuard, Semaphore, SemaphorePermit};
 
-use crate::config::Settings;
+use crate::config::{Limits, Settings};
 use crate::server::{ServeError, open_database};
 use crate::sqlite_files::{self, SqliteFileError};
 
-/// Connections in the pool; SQLite readers share the one file.
-const MAX_CONNECTIONS: u32 = 16;
-const ACQUIRE_TIMEOUT_MS: u64 = 10_000;
-/// Pooled connections that writes to a round's row (folding an update,
-/// counting download bytes) may hold at once. On PostgreSQL such a write
-/// waits for the round's row lock, which every upload to that round holds
-/// while it folds; without this bound, a burst of uploads and downloads for
-/// one round parks every pooled connection on that lock and starves all
-/// other requests (polls, signature nonces) towards the acquire timeout.
-const ROUND_WRITE_CONNECTIONS: usize = 4;
-/// How long SQLite waits for another process's write lock (the `token`
-/// subcommand while `serve` runs) before it reports "database is locked".
-const SQLITE_BUSY_TIMEOUT_MS: u64 = 10_000;
 /// Problems `PRAGMA quick_check` lists before it stops.
 const INTEGRITY_PROBLEMS_SHOWN: u32 = 10;
 
@@ -157,7 +144,9 @@ pub struct Db {
 pub struct WriteGuard<'a>(#[allow(dead_code)] Option<MutexGuard<'a, ()>>);
 
 impl Db {
-    pub async fn connect(url: &str) -> Result<Db, DbError> {
+    /// Opens the pool, sized and timed by `limits` (`database_*`,
+    /// `round_write_connections`, `sqlite_busy_timeout_ms`).
+    pub async fn connect(url: &str, limits: &Limits) -> Result<Db, DbError> {
         sqlx::any::install_default_drivers();
         let backend = if url.starts_with("sqlite:") {
             Backend::Sqlite
@@ -183,15 +172,16 @@ impl Db {
             url: redact(url),
             source,
         })?;
+        let busy_timeout_ms = limits.sqlite_busy_timeout_ms;
         let pool = AnyPoolOptions::new()
-            .max_connections(MAX_CONNECTIONS)
-            .acquire_timeout(Duration::from_millis(ACQUIRE_TIMEOUT_MS))
+            .max_connections(limits.database_connections)
+            .acquire_timeout(Duration::from_millis(limits.database_acquire_timeout_ms))
             .after_connect(move |conn, _meta| {
                 Box::pin(async move {
                     if backend == Backend::Sqlite {
                         let pragmas = format!(
                             "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
-                             PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS};"
+                             PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {busy_timeout_ms};"
                         );
                         conn.execute(sqlx::AssertSqlSafe(pragmas)).await?;
                     }
@@ -208,7 +198,7 @@ impl Db {
             pool,
             backend,
             writer: Arc::new(Mutex::new(())),
-            round_writes: Arc::new(Semaphore::new(ROUND_WRITE_CONNECTIONS)),
+            round_writes: Arc::new(Semaphore::new(limits.round_write_connections)),
         };
         if let Some(path) = sqlite_path(url) {
             db.check_integrity(&path).await?;
@@ -263,7 +253,7 @@ impl Db {
 
     /// Taken before a write to a round's row, so that writers queueing for
     /// the row lock wait here, holding no pooled connection (see
-    /// [`ROUND_WRITE_CONNECTIONS`]).
+    /// `limits.round_write_connections`).
     pub async fn round_write_slot(&self) -> Option<SemaphorePermit<'_>> {
         self.round_writes.acquire().await.ok()
     }

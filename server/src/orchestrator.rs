@@ -14,28 +14,58 @@ use futures_util::StreamExt;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
 
+use crate::blobs::BlobError;
 use crate::db::now_ms;
-use crate::error::{ApiError, chain};
+use crate::error::chain;
 use crate::fedavg;
-use crate::secure;
+use crate::secure::{self, SecureError};
 use crate::state::AppState;
 use crate::store::jobs::{self, DeviceFilter, JobRow, JobSpec, JobState};
-use crate::store::models::{self, NewVersion};
-use crate::store::rounds::{self, CandidateRow, RoundRow, Tx};
+use crate::store::models::{self, NewVersion, VersionRow};
+use crate::store::rounds::{self, CandidateRow, RoundRow, RoundState, Tx};
 use crate::store::{devices, from_json};
 
-/// Open rounds advanced per tick; the rest wait for the next one.
-const MAX_ROUNDS_PER_TICK: i64 = 256;
-const NONCE_PRUNE_EVERY_MS: i64 = 60_000;
+/// Why the orchestrator could not advance a round this tick; it logs the
+/// error and tries again on the next. A reason for a round to fail is not
+/// one of these: it is recorded on the round.
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestratorError {
+    #[error("round {round}'s job {job} is missing")]
+    MissingJob { round: i64, job: i64 },
+    #[error("round {round} vanished inside its transaction")]
+    RoundVanished { round: i64 },
+    #[error("round {round}'s base model version {version} is missing")]
+    MissingVersion { round: i64, version: i64 },
+    #[error("the aggregation task of round {round} stopped before it finished")]
+    Task {
+        round: i64,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+    #[error("the averaged model of round {round} has no digest")]
+    Digest {
+        round: i64,
+        #[source]
+        source: canopy_ir::format::FormatError,
+    },
+    #[error("the blob store failed")]
+    Blob(#[from] BlobError),
+    #[error(transparent)]
+    Secure(#[from] SecureError),
+    #[error("the database failed")]
+    Database(#[from] sqlx::Error),
+}
 
 pub async fn run(state: AppState, mut shutdown: watch::Receiver<bool>) {
-    let tick = Duration::from_millis(state.settings.limits.orchestrator_tick_ms.max(10));
+    let limits = &state.settings.limits;
+    let tick = Duration::from_millis(limits.orchestrator_tick_ms.max(10));
+    let prune_every_ms = i64::try_from(limits.nonce_prune_interval_ms).unwrap_or(i64::MAX);
     let mut last_prune_ms = 0;
     loop {
         if let Err(error) = tick_once(&state).await {
-            tracing::warn!(error = %error, "orchestrator tick failed; retrying");
+            tracing::warn!(error = %chain(&error), "orchestrator tick failed; retrying");
         }
-        if now_ms() - last_prune_ms > NONCE_PRUNE_EVERY_MS {
+        if now_ms() - last_prune_ms > prune_every_ms {
             last_prune_ms = now_ms();
             if let Err(error) = devices::prune_nonces(&state.db).await {
                 tracing::warn!(error = %chain(&error), "cannot prune device nonces");
@@ -58,18 +88,19 @@ pub async fn run(state: AppState, mut shutdown: watch::Receiver<bool>) {
     }
 }
 
-pub async fn tick_once(state: &AppState) -> Result<(), ApiError> {
+pub async fn tick_once(state: &AppState) -> Result<(), OrchestratorError> {
     open_rounds(state).await?;
-    for round_id in rounds::open_round_ids(&state.db, MAX_ROUNDS_PER_TICK).await? {
+    let per_tick = i64::from(state.settings.limits.max_rounds_per_tick);
+    for round_id in rounds::open_round_ids(&state.db, per_tick).await? {
         if let Err(error) = advance(state, round_id).await {
-            tracing::warn!(round = round_id, error = %error, "cannot advance round");
+            tracing::warn!(round = round_id, error = %chain(&error), "cannot advance round");
         }
     }
     Ok(())
 }
 
 /// Opens the next round of every running job that has none open.
-async fn open_rounds(state: &AppState) -> Result<(), ApiError> {
+async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
     let waiting = jobs::waiting_for_round(&state.db).await?;
     for job in waiting {
         let spec = job.spec()?;
@@ -100,26 +131,25 @@ async fn open_rounds(state: &AppState) -> Result<(), ApiError> {
 }
 
 /// Advances one round by as many states as it can go now.
-async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
+async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorError> {
     let _writer = state.db.write_lock().await;
     let mut tx = state.db.pool.begin().await?;
     let Some(round) = rounds::claim(&state.db, &mut tx, round_id).await? else {
         return Ok(());
     };
-    let job = jobs::get_with(&mut *tx, round.job_id)
-        .await?
-        .ok_or_else(|| {
-            ApiError::internal(format!(
-                "round {round_id}'s job {} is missing",
-                round.job_id
-            ))
-        })?;
+    let job =
+        jobs::get_with(&mut *tx, round.job_id)
+            .await?
+            .ok_or(OrchestratorError::MissingJob {
+                round: round_id,
+                job: round.job_id,
+            })?;
     let spec = job.spec()?;
-    match job.state() {
+    match job.state {
         JobState::Running => {}
         JobState::Paused | JobState::Created => return Ok(()),
         other => {
-            let reason = format!("the job is {}", other.as_str());
+            let reason = format!("the job is {other}");
             rounds::fail(&mut tx, &round, &reason, i64::MAX).await?;
             tx.commit().await?;
             return Ok(());
@@ -128,22 +158,22 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
     let mut notify_devices = false;
     let mut notify_secure = false;
     let mut round = round;
-    if round.state == "selecting" {
+    if round.state == RoundState::Selecting {
         notify_devices = select(state, &mut tx, &round, &spec).await?;
         round = reload(&mut tx, round.id).await?;
     }
-    let mut secure_outcome = None;
-    if round.state == "training" && spec.secure_aggregation.enabled {
+    let mut outcome = None;
+    if round.state == RoundState::Training && spec.secure_aggregation.enabled {
         match secure::advance(state, &mut tx, &round, &spec).await? {
             secure::Advanced::Waiting { stage_changed } => notify_secure |= stage_changed,
             secure::Advanced::Failed => {
                 notify_secure = true;
-                secure_outcome = Some("failed");
+                outcome = Some(RoundState::Failed);
             }
             secure::Advanced::Unmasked => notify_secure = true,
         }
         round = reload(&mut tx, round.id).await?;
-    } else if round.state == "training" && should_close(&round) {
+    } else if round.state == RoundState::Training && should_close(&round) {
         rounds::close(&mut tx, round.id).await?;
         tracing::info!(
             round = round.id,
@@ -152,8 +182,7 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
         );
         round = reload(&mut tx, round.id).await?;
     }
-    let mut outcome = None;
-    if round.state == "aggregating" {
+    if round.state == RoundState::Aggregating {
         outcome = Some(aggregate(state, &mut tx, &round, &job, &spec).await?);
     }
     tx.commit().await?;
@@ -163,16 +192,26 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), ApiError> {
     if notify_secure || notify_devices {
         state.secagg_progress.notify_waiters();
     }
-    if let Some(outcome) = outcome.or(secure_outcome) {
-        state.metrics.round_finished(outcome);
+    if let Some(outcome) = outcome {
+        state.metrics.round_finished(outcome.as_str());
     }
     Ok(())
 }
 
-async fn reload(tx: &mut Tx<'_>, id: i64) -> Result<RoundRow, ApiError> {
+async fn reload(tx: &mut Tx<'_>, id: i64) -> Result<RoundRow, OrchestratorError> {
     rounds::get_with(&mut **tx, id)
         .await?
-        .ok_or_else(|| ApiError::internal(format!("round {id} vanished inside its transaction")))
+        .ok_or(OrchestratorError::RoundVanished { round: id })
+}
+
+/// The version a round starts from.
+async fn base_version(state: &AppState, round: &RoundRow) -> Result<VersionRow, OrchestratorError> {
+    models::get_version(&state.db, round.base_version_id)
+        .await?
+        .ok_or(OrchestratorError::MissingVersion {
+            round: round.id,
+            version: round.base_version_id,
+        })
 }
 
 /// Picks devices by reservoir sampling over the eligible ones, so memory
@@ -183,7 +222,7 @@ async fn select(
     tx: &mut Tx<'_>,
     round: &RoundRow,
     spec: &JobSpec,
-) -> Result<bool, ApiError> {
+) -> Result<bool, OrchestratorError> {
     let wanted = spec.selection_size() as usize;
     let window = i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX);
     let mut rng = rand::rngs::StdRng::from_os_rng();
@@ -220,14 +259,10 @@ async fn select(
     let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
     rounds::start_training(tx, round.id, &chosen, deadline).await?;
     if spec.secure_aggregation.enabled {
-        let base = models::get_version(&state.db, round.base_version_id)
-            .await?
-            .ok_or_else(|| {
-                ApiError::internal(format!("base version {} is missing", round.base_version_id))
-            })?;
+        let base = base_version(state, round).await?;
         let update_len = usize::try_from(base.trainable_elements).unwrap_or(usize::MAX);
         let begun = secure::begin(state, tx, round.id, spec, chosen.len(), update_len).await?;
-        if let Err(reason) = begun {
+        if let secure::Begun::Refused(reason) = begun {
             let round = reload(tx, round.id).await?;
             rounds::fail(tx, &round, &reason, i64::from(spec.max_round_retries)).await?;
             tracing::warn!(round = round.id, %reason, "secure round cannot start");
@@ -280,14 +315,14 @@ fn should_close(round: &RoundRow) -> bool {
 }
 
 /// Writes the averaged model as a new version, or fails the round when too
-/// few updates arrived. Returns the outcome for the metrics.
+/// few updates arrived. Returns the round's final state, for the metrics.
 async fn aggregate(
     state: &AppState,
     tx: &mut Tx<'_>,
     round: &RoundRow,
     job: &JobRow,
     spec: &JobSpec,
-) -> Result<&'static str, ApiError> {
+) -> Result<RoundState, OrchestratorError> {
     let max_retries = i64::from(spec.max_round_retries);
     if round.updates_accepted < round.min_devices {
         let reason = format!(
@@ -296,13 +331,9 @@ async fn aggregate(
         );
         rounds::fail(tx, round, &reason, max_retries).await?;
         tracing::warn!(round = round.id, job = job.id, %reason, "round failed");
-        return Ok("failed");
+        return Ok(RoundState::Failed);
     }
-    let base = models::get_version(&state.db, round.base_version_id)
-        .await?
-        .ok_or_else(|| {
-            ApiError::internal(format!("base version {} is missing", round.base_version_id))
-        })?;
+    let base = base_version(state, round).await?;
     let sum = rounds::update_sum(tx, round.id)
         .await?
         .map(|bytes| fedavg::decode_sum(&bytes))
@@ -314,18 +345,24 @@ async fn aggregate(
     let built =
         tokio::task::spawn_blocking(move || build_next_model(&bytes, &layout, &sum, weight_total))
             .await
-            .map_err(|error| ApiError::internal(format!("aggregation task failed: {error}")))?;
+            .map_err(|source| OrchestratorError::Task {
+                round: round.id,
+                source,
+            })?;
     let (file, layout) = match built {
         Ok(built) => built,
         Err(reason) => {
             rounds::fail(tx, round, &reason, max_retries).await?;
             tracing::warn!(round = round.id, %reason, "round failed in aggregation");
-            return Ok("failed");
+            return Ok(RoundState::Failed);
         }
     };
     let digest = canopy_ir::format::digest(&file)
         .map(|d| canopy_ir::format::digest_hex(&d))
-        .map_err(|error| ApiError::internal(chain(&error)))?;
+        .map_err(|source| OrchestratorError::Digest {
+            round: round.id,
+            source,
+        })?;
     state.blobs.put(&digest, Bytes::from(file.clone())).await?;
     let version = models::insert_version(
         tx,
@@ -334,7 +371,7 @@ async fn aggregate(
             digest: &digest,
             size_bytes: file.len() as u64,
             layout: &layout,
-            has_train_step: true,
+            untrainable_reason: None,
             parent_version_id: Some(base.id),
             job_id: Some(job.id),
             round_id: Some(round.id),
@@ -347,7 +384,7 @@ async fn aggregate(
         samples = round.weight_total, version = version.version, digest = %digest,
         "round succeeded"
     );
-    Ok("succeeded")
+    Ok(RoundState::Succeeded)
 }
 
 /// Parses the base model, applies the mean update, serialises the result

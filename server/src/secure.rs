@@ -23,14 +23,34 @@ use canopy_protocol::secagg::wire::Stage;
 use canopy_protocol::secagg::{Plan, SecAggError, Session, arith};
 
 use crate::db::now_ms;
-use crate::error::ApiError;
+use crate::error::chain;
 use crate::fedavg;
 use crate::state::AppState;
 use crate::store::jobs::JobSpec;
-use crate::store::rounds::{self, RoundRow, Tx};
-use crate::store::secagg::{
-    self, STAGE_ADVERTISE, STAGE_COLLECT, STAGE_SHARE, STAGE_UNMASK, SecureParticipant, SecureRound,
-};
+use crate::store::rounds::{self, ParticipantState, RoundRow, Tx};
+use crate::store::secagg::{self, SecureParticipant, SecureRound, SecureStage};
+
+/// Why a secure round's state could not be read or advanced. A reason to
+/// fail the round is not one of these: it is recorded on the round.
+#[derive(Debug, thiserror::Error)]
+pub enum SecureError {
+    #[error("round {round} has ended; its graph is deleted")]
+    Ended { round: i64 },
+    #[error("round {round}'s graph cannot be built from its stored seed and participants")]
+    Graph {
+        round: i64,
+        #[source]
+        source: SecAggError,
+    },
+    #[error("the unmasking task of round {round} stopped before it finished")]
+    Task {
+        round: i64,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+    #[error("the database failed while advancing a secure round")]
+    Database(#[from] sqlx::Error),
+}
 
 /// Bytes of a stored advertisement: channel key, mask key, signature.
 pub const KEYS_BYTES: usize = 32 + 32 + 64;
@@ -42,18 +62,11 @@ pub fn session(round: &SecureRound) -> Session {
     }
 }
 
-pub fn graph(round: &SecureRound, participant_ids: &[u64]) -> Result<Graph, ApiError> {
-    let seed = round.seed.ok_or_else(|| {
-        ApiError::gone(format!(
-            "round {} has ended; its graph is deleted",
-            round.id
-        ))
-    })?;
-    Graph::new(&seed, participant_ids, round.plan.degree).map_err(|error| {
-        ApiError::internal(format!(
-            "round {}'s graph cannot be built: {error}",
-            round.id
-        ))
+pub fn graph(round: &SecureRound, participant_ids: &[u64]) -> Result<Graph, SecureError> {
+    let seed = round.seed.ok_or(SecureError::Ended { round: round.id })?;
+    Graph::new(&seed, participant_ids, round.plan.degree).map_err(|source| SecureError::Graph {
+        round: round.id,
+        source,
     })
 }
 
@@ -92,7 +105,7 @@ impl RoundGraph {
     pub fn build(
         round: &SecureRound,
         participants: &[SecureParticipant],
-    ) -> Result<RoundGraph, ApiError> {
+    ) -> Result<RoundGraph, SecureError> {
         let ids: Vec<u64> = participants.iter().map(|p| p.device_id as u64).collect();
         let ids_where = |keep: fn(&SecureParticipant) -> bool| {
             participants
@@ -104,7 +117,7 @@ impl RoundGraph {
         Ok(RoundGraph {
             graph: graph(round, &ids)?,
             shared: ids_where(|p| p.secagg_commitment.is_some()),
-            survivors: ids_where(|p| p.state == "uploaded"),
+            survivors: ids_where(|p| p.state == ParticipantState::Uploaded),
         })
     }
 
@@ -121,8 +134,15 @@ impl RoundGraph {
     }
 }
 
-/// Makes a freshly selected round secure. An error is a reason to fail the
-/// round (the selected devices do not fit the job's tolerances).
+/// Whether a selected round could be made secure.
+pub enum Begun {
+    Started,
+    /// The selected devices do not fit the job's tolerances: the reason to
+    /// fail the round with.
+    Refused(String),
+}
+
+/// Makes a freshly selected round secure: AdvertiseKeys opens.
 pub async fn begin(
     state: &AppState,
     tx: &mut Tx<'_>,
@@ -130,10 +150,10 @@ pub async fn begin(
     spec: &JobSpec,
     participants: usize,
     update_len: usize,
-) -> Result<Result<(), String>, ApiError> {
+) -> Result<Begun, SecureError> {
     let plan = match spec.secure_aggregation.plan(participants, update_len) {
         Ok(plan) => plan,
-        Err(error) => return Ok(Err(error.to_string())),
+        Err(error) => return Ok(Begun::Refused(error.to_string())),
     };
     let mut seed = [0u8; 32];
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut seed);
@@ -148,7 +168,7 @@ pub async fn begin(
         max_dropouts = plan.max_dropouts,
         "secure round: AdvertiseKeys open"
     );
-    Ok(Ok(()))
+    Ok(Begun::Started)
 }
 
 fn stage_timeout_ms(state: &AppState) -> i64 {
@@ -171,7 +191,7 @@ pub async fn advance(
     tx: &mut Tx<'_>,
     round: &RoundRow,
     spec: &JobSpec,
-) -> Result<Advanced, ApiError> {
+) -> Result<Advanced, SecureError> {
     let Some(secure) = secagg::get(&mut **tx, round.id).await? else {
         return Ok(Advanced::Waiting {
             stage_changed: false,
@@ -180,11 +200,11 @@ pub async fn advance(
     let participants = secagg::participants(&mut **tx, round.id).await?;
     let all_answered = participants
         .iter()
-        .filter(|p| p.state != "dropped")
-        .all(|p| has_answered(&secure.stage, p));
+        .filter(|p| p.state != ParticipantState::Dropped)
+        .all(|p| has_answered(secure.stage, p));
     // MaskedInputCollection includes training, so it runs to the round's
     // deadline; the key stages have their own.
-    let deadline = if secure.stage == STAGE_COLLECT {
+    let deadline = if secure.stage == SecureStage::Collect {
         secure.deadline_ms
     } else {
         secure.stage_deadline_ms
@@ -194,17 +214,16 @@ pub async fn advance(
             stage_changed: false,
         });
     }
-    let max_retries = i64::from(spec.max_round_retries);
-    let closed = close_stage(state, tx, &secure, &participants).await?;
-    match closed {
-        Ok(Some(next)) => {
-            tracing::info!(round = round.id, stage = next, "secure round: stage open");
+    match close_stage(state, tx, &secure, &participants).await? {
+        StageClosed::Next(next) => {
+            tracing::info!(round = round.id, stage = %next, "secure round: stage open");
             Ok(Advanced::Waiting {
                 stage_changed: true,
             })
         }
-        Ok(None) => Ok(Advanced::Unmasked),
-        Err(reason) => {
+        StageClosed::Unmasked => Ok(Advanced::Unmasked),
+        StageClosed::Failed(reason) => {
+            let max_retries = i64::from(spec.max_round_retries);
             rounds::fail(tx, round, &reason, max_retries).await?;
             tracing::warn!(round = round.id, stage = %secure.stage, %reason, "secure round failed");
             Ok(Advanced::Failed)
@@ -213,47 +232,59 @@ pub async fn advance(
 }
 
 /// Whether a participant has sent what `stage` waits for.
-fn has_answered(stage: &str, participant: &SecureParticipant) -> bool {
+fn has_answered(stage: SecureStage, participant: &SecureParticipant) -> bool {
     match stage {
-        STAGE_ADVERTISE => participant.secagg_keys.is_some(),
-        STAGE_SHARE => participant.secagg_commitment.is_some(),
-        STAGE_COLLECT => participant.state == "uploaded",
-        _ => participant.secagg_reveal.is_some(),
+        SecureStage::Advertise => participant.secagg_keys.is_some(),
+        SecureStage::Share => participant.secagg_commitment.is_some(),
+        SecureStage::Collect => participant.state == ParticipantState::Uploaded,
+        SecureStage::Unmask => participant.secagg_reveal.is_some(),
     }
 }
 
-/// Returns the next stage, `None` once unmasked, or why the round fails.
+/// What closing a stage did.
+enum StageClosed {
+    /// The next stage is open.
+    Next(SecureStage),
+    /// Unmasking closed: the aggregate is stored.
+    Unmasked,
+    /// The round fails, for this reason.
+    Failed(String),
+}
+
+/// The message a stage waits for, and the stage after it.
+fn stage_message(stage: SecureStage) -> (Stage, Option<SecureStage>) {
+    match stage {
+        SecureStage::Advertise => (Stage::AdvertiseKeys, Some(SecureStage::Share)),
+        SecureStage::Share => (Stage::ShareKeys, Some(SecureStage::Collect)),
+        SecureStage::Collect => (Stage::MaskedInput, Some(SecureStage::Unmask)),
+        SecureStage::Unmask => (Stage::UnmaskResponse, None),
+    }
+}
+
 async fn close_stage(
     state: &AppState,
     tx: &mut Tx<'_>,
     secure: &SecureRound,
     participants: &[SecureParticipant],
-) -> Result<Result<Option<&'static str>, String>, ApiError> {
+) -> Result<StageClosed, SecureError> {
     let remaining = participants
         .iter()
-        .filter(|p| p.state != "dropped" && has_answered(&secure.stage, p))
+        .filter(|p| p.state != ParticipantState::Dropped && has_answered(secure.stage, p))
         .count();
-    // The message the stage waited for, the stage after it, and the column
-    // left empty by whoever did not send it.
-    let (message, next, missing) = match secure.stage.as_str() {
-        STAGE_ADVERTISE => (Stage::AdvertiseKeys, STAGE_SHARE, "secagg_keys"),
-        STAGE_SHARE => (Stage::ShareKeys, STAGE_COLLECT, "secagg_commitment"),
-        STAGE_COLLECT => (Stage::MaskedInput, STAGE_UNMASK, "uploaded_ms"),
-        _ => (Stage::UnmaskResponse, "", ""),
-    };
+    let (message, next) = stage_message(secure.stage);
     if let Err(error) = secagg_server::check_dropouts(&secure.plan, remaining, message) {
-        return Ok(Err(error.to_string()));
+        return Ok(StageClosed::Failed(error.to_string()));
     }
-    if message == Stage::UnmaskResponse {
+    let Some(next) = next else {
         return unmask_round(tx, secure, participants, remaining).await;
-    }
-    secagg::drop_laggards(tx, secure.id, missing).await?;
+    };
+    secagg::drop_laggards(tx, secure.id, secure.stage).await?;
     let deadline = match next {
-        STAGE_COLLECT => secure.deadline_ms,
+        SecureStage::Collect => secure.deadline_ms,
         _ => now_ms() + stage_timeout_ms(state),
     };
     secagg::set_stage(tx, secure.id, next, deadline).await?;
-    Ok(Ok(Some(next)))
+    Ok(StageClosed::Next(next))
 }
 
 /// Rebuilds the secrets, removes the masks and stores the aggregate.
@@ -262,16 +293,19 @@ async fn unmask_round(
     secure: &SecureRound,
     participants: &[SecureParticipant],
     answered: usize,
-) -> Result<Result<Option<&'static str>, String>, ApiError> {
+) -> Result<StageClosed, SecureError> {
     let sum = rounds::update_sum(tx, secure.id).await?.unwrap_or_default();
     let secure_round = secure.clone();
     let rows = participants.to_vec();
     let unmasked = tokio::task::spawn_blocking(move || unmask_sum(&secure_round, &rows, &sum))
         .await
-        .map_err(|error| ApiError::internal(format!("unmasking task failed: {error}")))?;
+        .map_err(|source| SecureError::Task {
+            round: secure.id,
+            source,
+        })?;
     let (values, weight_total) = match unmasked {
         Ok(done) => done,
-        Err(reason) => return Ok(Err(reason)),
+        Err(reason) => return Ok(StageClosed::Failed(reason)),
     };
     secagg::store_aggregate(tx, secure.id, &fedavg::encode_sum(&values), weight_total).await?;
     tracing::info!(
@@ -279,7 +313,7 @@ async fn unmask_round(
         survivors = answered,
         "secure round: unmasked"
     );
-    Ok(Ok(None))
+    Ok(StageClosed::Unmasked)
 }
 
 /// The CPU-bound part of unmasking. Errors are reasons to fail the round.
@@ -289,7 +323,7 @@ fn unmask_sum(
     sum_bytes: &[u8],
 ) -> Result<(Vec<f64>, u64), String> {
     let plan = &secure.plan;
-    let round_graph = RoundGraph::build(secure, participants).map_err(|error| error.message)?;
+    let round_graph = RoundGraph::build(secure, participants).map_err(|error| chain(&error))?;
     let (graph, shared, survivors) = (
         &round_graph.graph,
         &round_graph.shared,
@@ -356,12 +390,4 @@ pub fn decode_masked_sum(bytes: &[u8], plan: &Plan) -> Result<Vec<u32>, String> 
 
 pub fn encode_masked_sum(sum: &[u32]) -> Vec<u8> {
     arith::pack(sum, 32)
-}
-
-/// Maps a refused protocol message to its HTTP answer.
-pub fn refusal(error: SecAggError) -> ApiError {
-    match error {
-        SecAggError::OutOfOrder(message) => ApiError::conflict(message),
-        other => ApiError::unprocessable(other.to_string()),
-    }
 }

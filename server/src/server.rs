@@ -90,7 +90,7 @@ pub async fn open_database(settings: &Settings) -> Result<Db, ServeError> {
         }
         private_files::prepare_file(&path)?;
     }
-    let db = Db::connect(&settings.database_url).await?;
+    let db = Db::connect(&settings.database_url, &settings.limits).await?;
     db.migrate().await?;
     Ok(db)
 }

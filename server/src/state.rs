@@ -19,10 +19,6 @@ use crate::db::Db;
 use crate::metrics::Metrics;
 use crate::signing::SigningRing;
 
-/// Layouts are cached per model version; past this many the cache is
-/// cleared, which only costs a re-read.
-const MAX_CACHED_LAYOUTS: usize = 256;
-
 #[derive(Clone)]
 pub struct AppState(pub Arc<Inner>);
 
@@ -127,7 +123,7 @@ impl AppState {
 
     pub fn cache_layout(&self, version_id: i64, layout: Arc<UpdateLayout>) {
         if let Ok(mut layouts) = self.layouts.lock() {
-            if layouts.len() >= MAX_CACHED_LAYOUTS {
+            if layouts.len() >= self.settings.limits.max_cached_layouts {
                 layouts.clear();
             }
             layouts.insert(version_id, layout);

@@ -170,3 +170,51 @@ async fn over_selection_and_filters() -> Result<()> {
     );
     Ok(())
 }
+
+/// A model devices cannot train is stored, but a job on it is refused with
+/// the reason found when it was uploaded, not a guess.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn untrainable_models_say_why() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let trainable = canopy_ir::format::read_model(&logreg_model_bytes(5))?;
+    let mut no_step = trainable.clone();
+    no_step
+        .entry_points
+        .remove(canopy_ir::model::ENTRY_TRAIN_STEP);
+    let mut frozen = trainable;
+    for parameter in &mut frozen.parameters {
+        parameter.trainable = false;
+    }
+    let cases = [
+        ("no-step", no_step, "no `train_step` entry point"),
+        ("frozen", frozen, "no trainable parameters"),
+    ];
+    for (name, model, reason) in cases {
+        let version = admin
+            .upload_model(name, canopy_ir::format::write_model(&model)?)
+            .await?;
+        assert_eq!(version["trainable"], false, "{version}");
+        let stored = version["untrainable_reason"].as_str().unwrap_or_default();
+        ensure!(stored.contains(reason), "{name}: stored reason `{stored}`");
+        let refused = admin
+            .post("/api/v1/jobs", spec(&version, 1, 1, 0.0, json!({})))
+            .await?;
+        assert_eq!(refused.status, 422, "{}", refused.body);
+        let message = refused.body["error"]["message"]
+            .as_str()
+            .unwrap_or_default();
+        ensure!(
+            message.contains(reason) && message.contains(&format!("model `{name}` version 1")),
+            "{name}: {message}"
+        );
+    }
+    let fetched = admin.ok("/api/v1/models/frozen/versions/1").await?;
+    ensure!(
+        fetched["untrainable_reason"]
+            .as_str()
+            .is_some_and(|stored| stored.contains("no trainable parameters")),
+        "the reason is kept with the version: {fetched}"
+    );
+    Ok(())
+}

@@ -192,3 +192,70 @@ pub async fn dashboard_js() -> Response {
 pub async fn dashboard_css() -> Response {
     dashboard_file("text/css; charset=utf-8", DASHBOARD_CSS)
 }
+
+#[cfg(test)]
+mod tests {
+    use canopy_protocol::bounds;
+    use serde_json::Value;
+    use utoipa::OpenApi;
+
+    use crate::config::api_bounds::*;
+
+    fn schema_property<'a>(document: &'a Value, schema: &str, name: &str) -> &'a Value {
+        &document["components"]["schemas"][schema]["properties"][name]
+    }
+
+    /// Every parameter named `name` of every operation.
+    fn parameters<'a>(document: &'a Value, name: &str) -> Vec<&'a Value> {
+        let operations = document["paths"].as_object().into_iter().flatten();
+        operations
+            .flat_map(|(_, path)| path.as_object().into_iter().flatten())
+            .flat_map(|(_, operation)| operation["parameters"].as_array().into_iter().flatten())
+            .filter(|parameter| parameter["name"] == name)
+            .collect()
+    }
+
+    /// The document's bounds are literals (utoipa takes no constants), so
+    /// this is what keeps them and the checks the server runs the same.
+    #[test]
+    fn the_document_states_the_bounds_the_server_checks() {
+        let document: Value =
+            serde_json::from_str(&super::ApiDoc::openapi().to_json().expect("renders"))
+                .expect("JSON");
+        let job = |name: &str| schema_property(&document, "JobSpec", name);
+        assert_eq!(job("name")["maxLength"], MAX_JOB_NAME_CHARS);
+        assert_eq!(job("rounds")["maximum"], MAX_ROUNDS);
+        assert_eq!(job("min_devices")["maximum"], MAX_DEVICES_PER_ROUND);
+        assert_eq!(job("target_devices")["maximum"], MAX_DEVICES_PER_ROUND);
+        assert_eq!(job("over_selection")["maximum"], MAX_OVER_SELECTION);
+        assert_eq!(job("round_deadline_ms")["minimum"], MIN_ROUND_DEADLINE_MS);
+        assert_eq!(job("round_deadline_ms")["maximum"], MAX_ROUND_DEADLINE_MS);
+        assert_eq!(job("max_round_retries")["maximum"], MAX_ROUND_RETRIES);
+        assert_eq!(job("local_epochs")["maximum"], bounds::MAX_EPOCHS);
+        assert_eq!(job("batch_size")["maximum"], bounds::MAX_BATCH_SIZE);
+        assert_eq!(job("learning_rate")["maximum"], bounds::MAX_LEARNING_RATE);
+        let backends = schema_property(&document, "DeviceFilter", "backends");
+        assert_eq!(backends["maxItems"], MAX_FILTER_BACKENDS);
+        for schema in ["CreateApiToken", "CreateEnrollmentToken"] {
+            let label = schema_property(&document, schema, "label");
+            assert_eq!(label["maxLength"], MAX_LABEL_CHARS, "{schema}");
+        }
+        let uses = schema_property(&document, "CreateEnrollmentToken", "max_uses");
+        assert_eq!(uses["maximum"], MAX_ENROLLMENT_USES);
+        let rounds_page = &document["paths"]["/api/v1/jobs/{id}/rounds"]["get"]["parameters"];
+        let limit = rounds_page
+            .as_array()
+            .and_then(|all| all.iter().find(|p| p["name"] == "limit"))
+            .expect("the rounds list takes `limit`");
+        assert_eq!(limit["schema"]["maximum"], MAX_ROUNDS_PAGE);
+        let model_name = format!(
+            "^[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{}}}$",
+            MAX_MODEL_NAME_BYTES - 1
+        );
+        let names = parameters(&document, "name");
+        assert!(!names.is_empty(), "model routes take `name`");
+        for name in names {
+            assert_eq!(name["schema"]["pattern"], model_name.as_str(), "{name}");
+        }
+    }
+}

@@ -3,6 +3,7 @@
 pub mod admin;
 pub mod device;
 mod docs;
+pub mod error;
 pub mod pagination;
 
 use std::net::SocketAddr;
@@ -30,11 +31,12 @@ use tower_http::trace::TraceLayer;
 use utoipa::ToSchema;
 
 use crate::db::now_ms;
-use crate::error::ApiError;
+use crate::error::chain;
 use crate::metrics::RequestLabels;
 use crate::slots::{SlotError, UploadOwner, UploadSlot, UploadSlots};
 use crate::state::AppState;
 use crate::store::devices;
+use error::ApiError;
 
 pub use docs::ApiDoc;
 
@@ -86,6 +88,7 @@ pub fn app(state: AppState) -> Router {
                 .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
                 .layer(TraceLayer::new_for_http().make_span_with(request_span))
                 .layer(PropagateRequestIdLayer::x_request_id())
+                .layer(middleware::from_fn(error::with_request_id))
                 .layer(middleware::from_fn_with_state(
                     state.clone(),
                     record_latency,
@@ -513,11 +516,9 @@ async fn readyz(State(state): State<AppState>) -> Result<axum::Json<Health>, Api
     if state.is_shutting_down() {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
-    state
-        .db
-        .ping()
-        .await
-        .map_err(|error| ApiError::unavailable(format!("the database does not answer: {error}")))?;
+    state.db.ping().await.map_err(|error| {
+        ApiError::unavailable("the database does not answer").logging(chain(&error))
+    })?;
     Ok(axum::Json(Health { status: "ready" }))
 }
 

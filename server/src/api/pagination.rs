@@ -3,7 +3,7 @@
 use serde::Deserialize;
 use utoipa::IntoParams;
 
-use crate::error::{ApiError, ApiResult};
+use crate::api::error::{ApiError, ApiResult};
 use crate::store::Page;
 
 pub const DEFAULT_PAGE_SIZE: u32 = 50;

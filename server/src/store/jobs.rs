@@ -7,20 +7,16 @@ use serde::{Deserialize, Serialize};
 use sqlx::FromRow;
 use utoipa::ToSchema;
 
+use canopy_protocol::bounds::{self, MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE};
 use canopy_protocol::secagg::SecAggConfig;
 
-use super::{Page, from_json};
+use super::{Page, from_json, text_enum};
+use crate::config::api_bounds::{
+    MAX_DEVICES_PER_ROUND, MAX_FILTER_BACKENDS, MAX_FILTER_TAGS, MAX_JOB_NAME_CHARS,
+    MAX_OVER_SELECTION, MAX_ROUND_DEADLINE_MS, MAX_ROUND_RETRIES, MAX_ROUNDS,
+    MIN_ROUND_DEADLINE_MS,
+};
 use crate::db::{Db, now_ms};
-
-pub const MAX_ROUNDS: u32 = 100_000;
-pub const MAX_DEVICES_PER_ROUND: u32 = 100_000;
-pub const MAX_OVER_SELECTION: f64 = 4.0;
-pub const MIN_ROUND_DEADLINE_MS: u64 = 1_000;
-pub const MAX_ROUND_DEADLINE_MS: u64 = 7 * 24 * 3_600_000;
-pub const MAX_LOCAL_EPOCHS: u32 = 1_000;
-pub const MAX_BATCH_SIZE: u32 = 65_536;
-pub const MAX_ROUND_RETRIES: u32 = 100;
-pub const MAX_JOB_NAME_CHARS: usize = 128;
 
 /// How updates are combined. Only FedAvg for now; secure aggregation
 /// arrives as a property of the job, not a new strategy.
@@ -143,6 +139,14 @@ fn default_round_retries() -> u32 {
 impl JobSpec {
     /// Checks every bound; the message names the field and the limit.
     pub fn validate(&self) -> Result<(), String> {
+        self.check_name()?;
+        self.check_rounds()?;
+        self.check_training()?;
+        self.check_filters()?;
+        self.check_secure_aggregation()
+    }
+
+    fn check_name(&self) -> Result<(), String> {
         // Characters, as the OpenAPI document's `maxLength` counts them.
         let name_len = self.name.chars().count();
         if name_len == 0 || name_len > MAX_JOB_NAME_CHARS {
@@ -154,6 +158,10 @@ impl JobSpec {
         if self.name.chars().any(char::is_control) {
             return Err("`name` contains control characters".to_string());
         }
+        Ok(())
+    }
+
+    fn check_rounds(&self) -> Result<(), String> {
         check_range("rounds", self.rounds, 1, MAX_ROUNDS)?;
         check_range("min_devices", self.min_devices, 1, MAX_DEVICES_PER_ROUND)?;
         check_range(
@@ -175,30 +183,47 @@ impl JobSpec {
             MIN_ROUND_DEADLINE_MS,
             MAX_ROUND_DEADLINE_MS,
         )?;
-        check_range("local_epochs", self.local_epochs, 1, MAX_LOCAL_EPOCHS)?;
-        check_range("batch_size", self.batch_size, 1, MAX_BATCH_SIZE)?;
-        if !(self.learning_rate.is_finite()
-            && self.learning_rate > 0.0
-            && self.learning_rate <= 100.0)
-        {
-            return Err(format!(
-                "`learning_rate` must be finite, above 0 and at most 100, got {}",
-                self.learning_rate
-            ));
-        }
         check_range(
             "max_round_retries",
             self.max_round_retries,
             0,
             MAX_ROUND_RETRIES,
-        )?;
+        )
+    }
+
+    /// Devices refuse a task outside the protocol's bounds, so a job may not
+    /// ask for one: the checks are the protocol's, worded as the server's
+    /// own bounds are.
+    fn check_training(&self) -> Result<(), String> {
+        let (epochs, batch_size) = (self.local_epochs, self.batch_size);
+        bounds::check_epochs("local_epochs", epochs.into())
+            .map_err(|_| out_of_range("local_epochs", epochs, 1, MAX_EPOCHS))?;
+        bounds::check_batch_size("batch_size", batch_size.into())
+            .map_err(|_| out_of_range("batch_size", batch_size, 1, MAX_BATCH_SIZE))?;
+        bounds::check_learning_rate("learning_rate", self.learning_rate).map_err(|_| {
+            format!(
+                "`learning_rate` must be finite, above 0 and at most {MAX_LEARNING_RATE}, got {}",
+                self.learning_rate
+            )
+        })
+    }
+
+    fn check_filters(&self) -> Result<(), String> {
         if let Some(tier) = &self.filters.tier {
             tier.parse::<canopy_protocol::messages::Tier>()
                 .map_err(|_| format!("`filters.tier` must be `end` or `edge`, got `{tier}`"))?;
         }
-        if self.filters.backends.len() > 8 || self.filters.tags.len() > 32 {
-            return Err("`filters` may name at most 8 backends and 32 tags".to_string());
+        if self.filters.backends.len() > MAX_FILTER_BACKENDS
+            || self.filters.tags.len() > MAX_FILTER_TAGS
+        {
+            return Err(format!(
+                "`filters` may name at most {MAX_FILTER_BACKENDS} backends and {MAX_FILTER_TAGS} tags"
+            ));
         }
+        Ok(())
+    }
+
+    fn check_secure_aggregation(&self) -> Result<(), String> {
         self.secure_aggregation
             .check_fields()
             .map_err(|error| error.to_string())?;
@@ -230,47 +255,24 @@ fn check_range<T: PartialOrd + std::fmt::Display>(
     high: T,
 ) -> Result<(), String> {
     if value < low || value > high {
-        return Err(format!(
-            "`{field}` must be between {low} and {high}, got {value}"
-        ));
+        return Err(out_of_range(field, value, low, high));
     }
     Ok(())
 }
 
-/// The states of a job. Rounds run only while it is `running`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum JobState {
-    Created,
-    Running,
-    Paused,
-    Completed,
-    Failed,
-    Cancelled,
+fn out_of_range<T: std::fmt::Display>(field: &str, value: T, low: T, high: T) -> String {
+    format!("`{field}` must be between {low} and {high}, got {value}")
 }
 
-impl JobState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Created => "created",
-            JobState::Running => "running",
-            JobState::Paused => "paused",
-            JobState::Completed => "completed",
-            JobState::Failed => "failed",
-            JobState::Cancelled => "cancelled",
-        }
-    }
-
-    pub fn parse(text: &str) -> Option<JobState> {
-        Some(match text {
-            "created" => JobState::Created,
-            "running" => JobState::Running,
-            "paused" => JobState::Paused,
-            "completed" => JobState::Completed,
-            "failed" => JobState::Failed,
-            "cancelled" => JobState::Cancelled,
-            _ => return None,
-        })
+text_enum! {
+    /// The states of a job. Rounds run only while it is `running`.
+    pub enum JobState {
+        Created = "created",
+        Running = "running",
+        Paused = "paused",
+        Completed = "completed",
+        Failed = "failed",
+        Cancelled = "cancelled",
     }
 }
 
@@ -312,7 +314,8 @@ pub struct JobRow {
     pub model_version_id: i64,
     pub current_version_id: i64,
     pub config: String,
-    pub state: String,
+    #[sqlx(try_from = "String")]
+    pub state: JobState,
     pub rounds_completed: i64,
     pub round_failures: i64,
     pub status_message: String,
@@ -328,10 +331,6 @@ pub const JOB_COLUMNS: &str = "id, name, model_version_id, current_version_id, c
 impl JobRow {
     pub fn spec(&self) -> Result<JobSpec, sqlx::Error> {
         from_json("jobs.config", &self.config)
-    }
-
-    pub fn state(&self) -> JobState {
-        JobState::parse(&self.state).unwrap_or(JobState::Failed)
     }
 }
 
@@ -397,7 +396,7 @@ pub enum ActionError {
     WrongState {
         id: i64,
         verb: &'static str,
-        state: String,
+        state: JobState,
     },
     #[error(transparent)]
     Sql(#[from] sqlx::Error),
@@ -419,11 +418,11 @@ pub async fn apply_action(db: &Db, id: i64, action: JobAction) -> Result<JobRow,
     .fetch_optional(&mut *tx)
     .await?;
     let job = job.ok_or(ActionError::NotFound { id })?;
-    if !from.contains(&job.state()) {
+    if !from.contains(&job.state) {
         return Err(ActionError::WrongState {
             id,
             verb: action.verb(),
-            state: job.state.clone(),
+            state: job.state,
         });
     }
     let finished = matches!(to, JobState::Cancelled).then_some(now);

@@ -34,6 +34,72 @@ pub struct Page {
     pub limit: i64,
 }
 
+/// A stored state that names no variant: the database holds a value this
+/// server never writes.
+#[derive(Debug, thiserror::Error)]
+#[error("`{text}` is not a {kind}; expected one of {}", expected.join(", "))]
+pub struct UnknownState {
+    pub kind: &'static str,
+    pub text: String,
+    pub expected: &'static [&'static str],
+}
+
+/// A state stored as text: the variant's lowercase name, the same in the
+/// database and in the API. Rows decode it with `#[sqlx(try_from =
+/// "String")]`, so an unknown value is an error at the store boundary, not a
+/// string compared further in.
+macro_rules! text_enum {
+    (
+        $(#[$meta:meta])*
+        pub enum $name:ident { $($(#[$vmeta:meta])* $variant:ident = $text:literal),+ $(,)? }
+    ) => {
+        $(#[$meta])*
+        #[derive(
+            Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize,
+            serde::Deserialize, utoipa::ToSchema,
+        )]
+        pub enum $name {
+            $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
+        }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+
+            pub fn parse(text: &str) -> Option<$name> {
+                match text {
+                    $($text => Some($name::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = $crate::store::UnknownState;
+
+            fn try_from(text: String) -> Result<$name, Self::Error> {
+                $name::parse(&text).ok_or($crate::store::UnknownState {
+                    kind: stringify!($name),
+                    text,
+                    expected: &[$($text),+],
+                })
+            }
+        }
+    };
+}
+pub(crate) use text_enum;
+
 /// Unwraps a JSON column written by this server.
 pub(crate) fn from_json<T: serde::de::DeserializeOwned>(
     column: &str,
@@ -43,4 +109,78 @@ pub(crate) fn from_json<T: serde::de::DeserializeOwned>(
         index: column.to_string(),
         source: Box::new(error),
     })
+}
+
+/// Parses a state column read on its own; rows parse theirs with
+/// `#[sqlx(try_from = "String")]`, with the same error.
+pub(crate) fn parse_state<T>(column: &str, text: String) -> Result<T, sqlx::Error>
+where
+    T: TryFrom<String, Error = UnknownState>,
+{
+    T::try_from(text).map_err(|error| sqlx::Error::ColumnDecode {
+        index: column.to_string(),
+        source: Box::new(error),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::jobs::JobState;
+    use super::rounds::{ParticipantState, RoundState};
+    use super::secagg::SecureStage;
+
+    fn known(text: &str) -> bool {
+        JobState::parse(text).is_some()
+            || RoundState::parse(text).is_some()
+            || ParticipantState::parse(text).is_some()
+            || SecureStage::parse(text).is_some()
+    }
+
+    #[test]
+    fn states_round_trip_and_unknown_text_is_an_error() {
+        for state in RoundState::ALL {
+            assert_eq!(RoundState::try_from(state.to_string()).ok(), Some(*state));
+        }
+        for state in ParticipantState::ALL {
+            assert_eq!(ParticipantState::parse(state.as_str()), Some(*state));
+        }
+        let error = RoundState::try_from("trainig".to_string()).unwrap_err();
+        let message = error.to_string();
+        assert!(
+            message.contains("`trainig` is not a RoundState"),
+            "{message}"
+        );
+        assert!(
+            message.contains("selecting, training, aggregating"),
+            "{message}"
+        );
+    }
+
+    /// SQL writes states as literals; each must be a variant's text, or
+    /// rows would hold a state no decoder accepts.
+    #[test]
+    fn every_state_written_in_sql_is_a_variant() {
+        let sources = [
+            include_str!("rounds.rs"),
+            include_str!("secagg.rs"),
+            include_str!("jobs.rs"),
+        ];
+        let pattern = regex::Regex::new(
+            r"(?:state|stage) (?:=|IN) \(?'([a-z_]+)'|THEN '([a-z_]+)'|'([a-z_]+)', '([a-z_]+)'",
+        )
+        .expect("pattern");
+        let mut seen = 0;
+        for source in sources {
+            for captures in pattern.captures_iter(source) {
+                for text in captures.iter().skip(1).flatten() {
+                    seen += 1;
+                    assert!(known(text.as_str()), "`{}` is no state", text.as_str());
+                }
+            }
+        }
+        assert!(
+            seen > 20,
+            "only {seen} state literals found: the pattern is stale"
+        );
+    }
 }

@@ -17,6 +17,8 @@ pub struct VersionRow {
     pub size_bytes: i64,
     pub trainable_elements: i64,
     pub has_train_step: i64,
+    /// Why devices cannot train it, when they cannot (and it was kept).
+    pub untrainable_reason: Option<String>,
     pub layout: String,
     pub parent_version_id: Option<i64>,
     pub job_id: Option<i64>,
@@ -25,7 +27,7 @@ pub struct VersionRow {
 }
 
 const VERSION_COLUMNS: &str = "id, model_name, version, digest, size_bytes, trainable_elements, \
-     has_train_step, layout, parent_version_id, job_id, round_id, created_ms";
+     has_train_step, untrainable_reason, layout, parent_version_id, job_id, round_id, created_ms";
 
 impl VersionRow {
     pub fn layout(&self) -> Result<UpdateLayout, sqlx::Error> {
@@ -39,7 +41,8 @@ pub struct NewVersion<'a> {
     pub digest: &'a str,
     pub size_bytes: u64,
     pub layout: &'a UpdateLayout,
-    pub has_train_step: bool,
+    /// `None` when devices can train it.
+    pub untrainable_reason: Option<&'a str>,
     pub parent_version_id: Option<i64>,
     pub job_id: Option<i64>,
     pub round_id: Option<i64>,
@@ -72,15 +75,17 @@ pub async fn insert_version(
     .await?;
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO model_versions (model_name, version, digest, size_bytes, trainable_elements, \
-         has_train_step, layout, parent_version_id, job_id, round_id, created_ms) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) RETURNING {VERSION_COLUMNS}"
+         has_train_step, untrainable_reason, layout, parent_version_id, job_id, round_id, \
+         created_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+         RETURNING {VERSION_COLUMNS}"
     )))
     .bind(new.model_name)
     .bind(latest + 1)
     .bind(new.digest)
     .bind(i64::try_from(new.size_bytes).unwrap_or(i64::MAX))
     .bind(i64::try_from(new.layout.num_elements()).unwrap_or(i64::MAX))
-    .bind(i64::from(new.has_train_step))
+    .bind(i64::from(new.untrainable_reason.is_none()))
+    .bind(new.untrainable_reason)
     .bind(serde_json::to_string(new.layout).unwrap_or_default())
     .bind(new.parent_version_id)
     .bind(new.job_id)

@@ -10,11 +10,58 @@
 
 use sqlx::FromRow;
 
-use super::Page;
+use super::{Page, parse_state, text_enum};
 use crate::db::{Db, now_ms};
 use crate::fedavg;
 
+text_enum! {
+    /// A round's state: `selecting` → `training` → `aggregating` →
+    /// `succeeded` or `failed`.
+    pub enum RoundState {
+        Selecting = "selecting",
+        Training = "training",
+        Aggregating = "aggregating",
+        Succeeded = "succeeded",
+        Failed = "failed",
+    }
+}
+
+text_enum! {
+    /// A participant's state: `selected` → `delivered` (task fetched) →
+    /// `uploaded`, or `dropped` when the round closes without its update or
+    /// it declines.
+    pub enum ParticipantState {
+        Selected = "selected",
+        Delivered = "delivered",
+        Uploaded = "uploaded",
+        Dropped = "dropped",
+    }
+}
+
+impl RoundState {
+    /// Selecting, training or aggregating: not yet succeeded or failed.
+    pub fn is_open(self) -> bool {
+        matches!(
+            self,
+            RoundState::Selecting | RoundState::Training | RoundState::Aggregating
+        )
+    }
+}
+
+impl ParticipantState {
+    /// Still expected to upload: selected, or its task delivered.
+    pub fn is_pending(self) -> bool {
+        matches!(
+            self,
+            ParticipantState::Selected | ParticipantState::Delivered
+        )
+    }
+}
+
+/// The open round states, as SQL; the text of [`RoundState`]'s open variants.
 pub const OPEN_STATES: &str = "('selecting', 'training', 'aggregating')";
+/// The pending participant states ([`ParticipantState::is_pending`]), as SQL.
+pub const PENDING_STATES: &str = "('selected', 'delivered')";
 
 #[derive(Clone, Debug, FromRow)]
 pub struct RoundRow {
@@ -22,7 +69,8 @@ pub struct RoundRow {
     pub job_id: i64,
     pub number: i64,
     pub attempt: i64,
-    pub state: String,
+    #[sqlx(try_from = "String")]
+    pub state: RoundState,
     pub base_version_id: i64,
     pub result_version_id: Option<i64>,
     pub target_devices: i64,
@@ -153,14 +201,14 @@ pub fn candidates<'a>(
     tx: &'a mut Tx<'_>,
     online_since_ms: i64,
 ) -> futures_util::stream::BoxStream<'a, Result<CandidateRow, sqlx::Error>> {
-    sqlx::query_as(
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT d.id, d.tier, d.backends, d.tags FROM devices d \
          WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $1 AND NOT EXISTS ( \
            SELECT 1 FROM participants p JOIN rounds r ON r.id = p.round_id \
-           WHERE p.device_id = d.id AND p.state IN ('selected', 'delivered') \
-           AND r.state IN ('selecting', 'training', 'aggregating')) \
-         ORDER BY d.id",
-    )
+           WHERE p.device_id = d.id AND p.state IN {PENDING_STATES} \
+           AND r.state IN {OPEN_STATES}) \
+         ORDER BY d.id"
+    )))
     .bind(online_since_ms)
     .fetch(&mut **tx)
 }
@@ -200,10 +248,10 @@ pub async fn start_training(
 /// Stops accepting updates: `training` → `aggregating`; devices that did
 /// not upload become dropouts.
 pub async fn close(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
-    let dropped = sqlx::query(
+    let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
-         AND state IN ('selected', 'delivered')",
-    )
+         AND state IN {PENDING_STATES}"
+    )))
     .bind(round_id)
     .execute(&mut **tx)
     .await?;
@@ -272,10 +320,10 @@ pub async fn fail(
 ) -> Result<(), sqlx::Error> {
     let now = now_ms();
     super::secagg::purge(tx, round.id).await?;
-    sqlx::query(
+    sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
-         AND state IN ('selected', 'delivered')",
-    )
+         AND state IN {PENDING_STATES}"
+    )))
     .bind(round.id)
     .execute(&mut **tx)
     .await?;
@@ -324,7 +372,7 @@ pub async fn fail_open_round(
         super::secagg::purge(tx, round_id).await?;
     }
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'dropped' WHERE state IN ('selected', 'delivered') \
+        "UPDATE participants SET state = 'dropped' WHERE state IN {PENDING_STATES} \
          AND round_id IN (SELECT id FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES})"
     )))
     .bind(job_id)
@@ -346,7 +394,8 @@ pub async fn fail_open_round(
 pub struct ParticipantRow {
     pub round_id: i64,
     pub device_id: i64,
-    pub state: String,
+    #[sqlx(try_from = "String")]
+    pub state: ParticipantState,
     pub selected_ms: i64,
     pub delivered_ms: Option<i64>,
     pub uploaded_ms: Option<i64>,
@@ -423,14 +472,14 @@ pub struct TaskRow {
 /// accepted until the deadline.
 pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx::Error> {
     let now = now_ms();
-    let task: Option<TaskRow> = sqlx::query_as(
+    let task: Option<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT r.id AS round_id, r.job_id, r.number, r.base_version_id, r.deadline_ms, j.config, \
          r.secagg_plan \
          FROM participants p JOIN rounds r ON r.id = p.round_id JOIN jobs j ON j.id = r.job_id \
-         WHERE p.device_id = $1 AND p.state IN ('selected', 'delivered') \
+         WHERE p.device_id = $1 AND p.state IN {PENDING_STATES} \
          AND r.state = 'training' AND r.deadline_ms > $2 AND j.state = 'running' \
-         ORDER BY r.id LIMIT 1",
-    )
+         ORDER BY r.id LIMIT 1"
+    )))
     .bind(device_id)
     .bind(now)
     .fetch_optional(&db.pool)
@@ -457,8 +506,12 @@ pub enum UploadRejection {
     NotParticipant { round_id: i64, device_id: i64 },
     #[error("device {device_id} already uploaded its update for round {round_id}")]
     Duplicate { round_id: i64, device_id: i64 },
-    #[error("round {round_id} is closed ({state}); the update arrived too late")]
-    Closed { round_id: i64, state: String },
+    #[error("round {round_id} is closed ({reason}); the update arrived too late")]
+    Closed {
+        round_id: i64,
+        /// The round's state, or `deadline passed` while it still trains.
+        reason: &'static str,
+    },
     #[error("device {device_id} was dropped from round {round_id} before its update arrived")]
     Dropped { round_id: i64, device_id: i64 },
     #[error("round {round_id}'s stored sum has {stored} values, the update {got}")]
@@ -467,19 +520,86 @@ pub enum UploadRejection {
         stored: usize,
         got: usize,
     },
-    #[error(transparent)]
-    Sql(#[from] sqlx::Error),
+}
+
+/// What decides whether a round takes an update: its state and deadline.
+#[derive(Clone, Copy, Debug)]
+pub struct RoundGate {
+    pub round_id: i64,
+    pub state: RoundState,
+    pub deadline_ms: Option<i64>,
+}
+
+/// The one decision on an upload, for the check before its body is read
+/// and for the fold under the round's lock: not a participant, duplicate,
+/// closed, dropped, or admitted, in that order. A duplicate comes before
+/// closed so that a device whose update was counted hears so (409) even
+/// after the round closed.
+pub fn admit(
+    round: RoundGate,
+    device_id: i64,
+    participant: Option<ParticipantState>,
+    now_ms: i64,
+) -> Result<(), UploadRejection> {
+    let round_id = round.round_id;
+    let late = round.deadline_ms.is_some_and(|deadline| now_ms > deadline);
+    match participant {
+        None => Err(UploadRejection::NotParticipant {
+            round_id,
+            device_id,
+        }),
+        Some(ParticipantState::Uploaded) => Err(UploadRejection::Duplicate {
+            round_id,
+            device_id,
+        }),
+        Some(_) if round.state != RoundState::Training => Err(UploadRejection::Closed {
+            round_id,
+            reason: round.state.as_str(),
+        }),
+        Some(_) if late => Err(UploadRejection::Closed {
+            round_id,
+            reason: "deadline passed",
+        }),
+        Some(ParticipantState::Dropped) => Err(UploadRejection::Dropped {
+            round_id,
+            device_id,
+        }),
+        Some(ParticipantState::Selected | ParticipantState::Delivered) => Ok(()),
+    }
+}
+
+/// A participant's standing in its round, as the upload handler reads it
+/// before the body.
+#[derive(Clone, Debug, FromRow)]
+pub struct Standing {
+    #[sqlx(try_from = "String")]
+    pub participant: ParticipantState,
+    #[sqlx(try_from = "String")]
+    pub round: RoundState,
+    pub deadline_ms: Option<i64>,
+    pub base_version_id: i64,
+}
+
+impl Standing {
+    pub fn gate(&self, round_id: i64) -> RoundGate {
+        RoundGate {
+            round_id,
+            state: self.round,
+            deadline_ms: self.deadline_ms,
+        }
+    }
 }
 
 /// What the upload handler knows about the round before reading the body.
-pub async fn participant_state(
+pub async fn standing(
     db: &Db,
     round_id: i64,
     device_id: i64,
-) -> Result<Option<(String, String, Option<i64>, i64)>, sqlx::Error> {
+) -> Result<Option<Standing>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT p.state, r.state, r.deadline_ms, r.base_version_id FROM participants p \
-         JOIN rounds r ON r.id = p.round_id WHERE p.round_id = $1 AND p.device_id = $2",
+        "SELECT p.state AS participant, r.state AS round, r.deadline_ms, r.base_version_id \
+         FROM participants p JOIN rounds r ON r.id = p.round_id \
+         WHERE p.round_id = $1 AND p.device_id = $2",
     )
     .bind(round_id)
     .bind(device_id)
@@ -487,8 +607,15 @@ pub async fn participant_state(
     .await
 }
 
-/// State, deadline, running sum and weight of a round under its lock.
-type LockedRound = (String, Option<i64>, Option<Vec<u8>>, i64);
+/// A round under its lock: what [`admit`] needs, and the running sum.
+#[derive(FromRow)]
+struct LockedRound {
+    #[sqlx(try_from = "String")]
+    state: RoundState,
+    deadline_ms: Option<i64>,
+    update_sum: Option<Vec<u8>>,
+    weight_total: i64,
+}
 
 /// A decoded, checked update, ready to fold.
 pub struct AcceptedUpdate {
@@ -520,7 +647,7 @@ pub async fn accept_updates(
     .bind(round_id)
     .fetch_optional(&mut *tx)
     .await?;
-    let Some((round_state, deadline_ms, stored_sum, mut weight_total)) = round else {
+    let Some(round) = round else {
         let refuse = |u: &AcceptedUpdate| {
             Err(UploadRejection::NotParticipant {
                 round_id,
@@ -529,26 +656,17 @@ pub async fn accept_updates(
         };
         return Ok(updates.iter().map(refuse).collect());
     };
-    let late = deadline_ms.is_some_and(|deadline| now > deadline);
-    if round_state != "training" || late {
-        let state = if late && round_state == "training" {
-            "deadline passed".to_string()
-        } else {
-            round_state
-        };
-        let refuse = |_: &AcceptedUpdate| {
-            Err(UploadRejection::Closed {
-                round_id,
-                state: state.clone(),
-            })
-        };
-        return Ok(updates.iter().map(refuse).collect());
-    }
-    let mut sum = stored_sum.map(|bytes| fedavg::decode_sum(&bytes));
+    let gate = RoundGate {
+        round_id,
+        state: round.state,
+        deadline_ms: round.deadline_ms,
+    };
+    let mut weight_total = round.weight_total;
+    let mut sum = round.update_sum.map(|bytes| fedavg::decode_sum(&bytes));
     let mut outcomes = Vec::with_capacity(updates.len());
     let (mut accepted, mut bytes_in) = (0i64, 0i64);
     for update in updates {
-        let outcome = fold_one(&mut tx, round_id, update, &mut sum, now).await?;
+        let outcome = fold_one(&mut tx, gate, update, &mut sum, now).await?;
         if outcome.is_ok() {
             accepted += 1;
             bytes_in = bytes_in.saturating_add(i64::try_from(update.bytes).unwrap_or(i64::MAX));
@@ -590,38 +708,23 @@ pub async fn accept_updates(
 /// this update.
 async fn fold_one(
     tx: &mut Tx<'_>,
-    round_id: i64,
+    gate: RoundGate,
     update: &AcceptedUpdate,
     sum: &mut Option<Vec<f64>>,
     now: i64,
 ) -> Result<Result<(), UploadRejection>, sqlx::Error> {
-    let device_id = update.device_id;
-    let participant: Option<(String,)> =
-        sqlx::query_as("SELECT state FROM participants WHERE round_id = $1 AND device_id = $2")
+    let (round_id, device_id) = (gate.round_id, update.device_id);
+    let participant: Option<String> =
+        sqlx::query_scalar("SELECT state FROM participants WHERE round_id = $1 AND device_id = $2")
             .bind(round_id)
             .bind(device_id)
             .fetch_optional(&mut **tx)
             .await?;
-    match participant.as_ref().map(|(state,)| state.as_str()) {
-        None => {
-            return Ok(Err(UploadRejection::NotParticipant {
-                round_id,
-                device_id,
-            }));
-        }
-        Some("uploaded") => {
-            return Ok(Err(UploadRejection::Duplicate {
-                round_id,
-                device_id,
-            }));
-        }
-        Some("dropped") => {
-            return Ok(Err(UploadRejection::Dropped {
-                round_id,
-                device_id,
-            }));
-        }
-        Some(_) => {}
+    let participant = participant
+        .map(|text| parse_state("participants.state", text))
+        .transpose()?;
+    if let Err(rejection) = admit(gate, device_id, participant, now) {
+        return Ok(Err(rejection));
     }
     let sum = sum.get_or_insert_with(|| vec![0.0; update.values.len()]);
     if sum.len() != update.values.len() {
@@ -652,10 +755,10 @@ pub async fn decline(db: &Db, round_id: i64, device_id: i64) -> Result<bool, sql
     let _slot = db.round_write_slot().await;
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
-    let declined = sqlx::query(
+    let declined = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET state = 'dropped' WHERE round_id = $1 AND device_id = $2 \
-         AND state IN ('selected', 'delivered')",
-    )
+         AND state IN {PENDING_STATES}"
+    )))
     .bind(round_id)
     .bind(device_id)
     .execute(&mut *tx)
@@ -715,11 +818,11 @@ pub async fn has_task_on_version(
     device_id: i64,
     version_id: i64,
 ) -> Result<bool, sqlx::Error> {
-    let found: Option<i64> = sqlx::query_scalar(
+    let found: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT r.id FROM participants p JOIN rounds r ON r.id = p.round_id \
-         WHERE p.device_id = $1 AND p.state IN ('selected', 'delivered') \
-         AND r.base_version_id = $2 AND r.state = 'training' AND r.deadline_ms > $3 LIMIT 1",
-    )
+         WHERE p.device_id = $1 AND p.state IN {PENDING_STATES} \
+         AND r.base_version_id = $2 AND r.state = 'training' AND r.deadline_ms > $3 LIMIT 1"
+    )))
     .bind(device_id)
     .bind(version_id)
     .bind(now_ms())
@@ -747,4 +850,74 @@ pub async fn add_bytes_out(
     .execute(&db.pool)
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sql_list(states: impl Iterator<Item = &'static str>) -> String {
+        let quoted: Vec<String> = states.map(|state| format!("'{state}'")).collect();
+        format!("({})", quoted.join(", "))
+    }
+
+    #[test]
+    fn the_sql_state_lists_are_the_enums() {
+        let open = RoundState::ALL.iter().filter(|s| s.is_open());
+        assert_eq!(OPEN_STATES, sql_list(open.map(|s| s.as_str())));
+        let pending = ParticipantState::ALL.iter().filter(|s| s.is_pending());
+        assert_eq!(PENDING_STATES, sql_list(pending.map(|s| s.as_str())));
+    }
+
+    fn decide(
+        participant: Option<ParticipantState>,
+        round: RoundState,
+        late: bool,
+    ) -> Result<(), UploadRejection> {
+        let gate = RoundGate {
+            round_id: 7,
+            state: round,
+            deadline_ms: Some(1_000),
+        };
+        admit(gate, 3, participant, if late { 2_000 } else { 500 })
+    }
+
+    #[test]
+    fn admit_decides_in_one_order() {
+        use ParticipantState::*;
+        use RoundState::*;
+        assert!(decide(Some(Selected), Training, false).is_ok());
+        assert!(decide(Some(Delivered), Training, false).is_ok());
+        let refused = |p, r, late| decide(p, r, late).unwrap_err();
+        assert!(matches!(
+            refused(None, Aggregating, true),
+            UploadRejection::NotParticipant { .. }
+        ));
+        // A counted update is reported as such even once the round closed.
+        assert!(matches!(
+            refused(Some(Uploaded), Succeeded, true),
+            UploadRejection::Duplicate { .. }
+        ));
+        // Closed comes before dropped: closing is what dropped the device.
+        let closed = refused(Some(Dropped), Aggregating, false);
+        assert!(matches!(
+            closed,
+            UploadRejection::Closed {
+                reason: "aggregating",
+                ..
+            }
+        ));
+        let late = refused(Some(Delivered), Training, true);
+        assert!(matches!(
+            late,
+            UploadRejection::Closed {
+                reason: "deadline passed",
+                ..
+            }
+        ));
+        assert!(matches!(
+            refused(Some(Dropped), Training, false),
+            UploadRejection::Dropped { .. }
+        ));
+    }
 }

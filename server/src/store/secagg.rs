@@ -7,20 +7,31 @@
 use canopy_protocol::secagg::Plan;
 use sqlx::FromRow;
 
-use super::rounds::Tx;
+use super::rounds::{PENDING_STATES, ParticipantState, RoundState, Tx};
+use super::{parse_state, text_enum};
 use crate::db::{Db, now_ms};
 
-/// Stages of a secure round while it is `training`.
-pub const STAGE_ADVERTISE: &str = "advertise";
-pub const STAGE_SHARE: &str = "share";
-pub const STAGE_COLLECT: &str = "collect";
-pub const STAGE_UNMASK: &str = "unmask";
+text_enum! {
+    /// The stages of a secure round while it is `training`, in order
+    /// (variants compare by it).
+    pub enum SecureStage {
+        /// AdvertiseKeys.
+        Advertise = "advertise",
+        /// ShareKeys.
+        Share = "share",
+        /// MaskedInputCollection, which includes training.
+        Collect = "collect",
+        /// Unmasking.
+        Unmask = "unmask",
+    }
+}
 
 #[derive(Clone, Debug, FromRow)]
 struct SecureRoundRow {
     id: i64,
     job_id: i64,
-    state: String,
+    #[sqlx(try_from = "String")]
+    state: RoundState,
     status_message: String,
     secagg_stage: Option<String>,
     secagg_plan: Option<String>,
@@ -34,10 +45,9 @@ struct SecureRoundRow {
 pub struct SecureRound {
     pub id: i64,
     pub job_id: i64,
-    /// The round's state (`training`, `aggregating`, `failed`, ...).
-    pub state: String,
+    pub state: RoundState,
     pub status_message: String,
-    pub stage: String,
+    pub stage: SecureStage,
     pub plan: Plan,
     /// The graph's seed; deleted, with the rest, once the round ends.
     pub seed: Option<[u8; 32]>,
@@ -61,6 +71,7 @@ where
     let (Some(stage), Some(plan)) = (row.secagg_stage, row.secagg_plan) else {
         return Ok(None);
     };
+    let stage = parse_state("rounds.secagg_stage", stage)?;
     let plan: Plan = super::from_json("rounds.secagg_plan", &plan)?;
     let seed = row
         .secagg_seed
@@ -96,7 +107,7 @@ pub async fn begin(
         "UPDATE rounds SET secagg_stage = $1, secagg_plan = $2, secagg_seed = $3, \
          stage_deadline_ms = $4 WHERE id = $5",
     )
-    .bind(STAGE_ADVERTISE)
+    .bind(SecureStage::Advertise.as_str())
     .bind(plan)
     .bind(seed.to_vec())
     .bind(stage_deadline_ms)
@@ -109,11 +120,11 @@ pub async fn begin(
 pub async fn set_stage(
     tx: &mut Tx<'_>,
     round_id: i64,
-    stage: &str,
+    stage: SecureStage,
     stage_deadline_ms: i64,
 ) -> Result<(), sqlx::Error> {
     sqlx::query("UPDATE rounds SET secagg_stage = $1, stage_deadline_ms = $2 WHERE id = $3")
-        .bind(stage)
+        .bind(stage.as_str())
         .bind(stage_deadline_ms)
         .bind(round_id)
         .execute(&mut **tx)
@@ -138,7 +149,8 @@ where
 #[derive(Clone, Debug, FromRow)]
 pub struct SecureParticipant {
     pub device_id: i64,
-    pub state: String,
+    #[sqlx(try_from = "String")]
+    pub state: ParticipantState,
     pub secagg_keys: Option<Vec<u8>>,
     pub secagg_commitment: Option<Vec<u8>>,
     pub secagg_reveal: Option<Vec<u8>>,
@@ -192,12 +204,12 @@ pub async fn save_keys(
     keys: &[u8],
 ) -> Result<bool, sqlx::Error> {
     let _writer = db.write_lock().await;
-    let saved = sqlx::query(
+    let saved = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET secagg_keys = $1, delivered_ms = COALESCE(delivered_ms, $2) \
          WHERE round_id = $3 AND device_id = $4 AND secagg_keys IS NULL \
-         AND state IN ('selected', 'delivered') AND EXISTS (SELECT 1 FROM rounds r \
-           WHERE r.id = $3 AND r.state = 'training' AND r.secagg_stage = 'advertise')",
-    )
+         AND state IN {PENDING_STATES} AND EXISTS (SELECT 1 FROM rounds r \
+           WHERE r.id = $3 AND r.state = 'training' AND r.secagg_stage = 'advertise')"
+    )))
     .bind(keys.to_vec())
     .bind(now_ms())
     .bind(round_id)
@@ -218,12 +230,12 @@ pub async fn save_shares(
 ) -> Result<bool, sqlx::Error> {
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
-    let saved = sqlx::query(
+    let saved = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET secagg_commitment = $1 WHERE round_id = $2 AND device_id = $3 \
          AND secagg_commitment IS NULL AND secagg_keys IS NOT NULL \
-         AND state IN ('selected', 'delivered') AND EXISTS (SELECT 1 FROM rounds r \
-           WHERE r.id = $2 AND r.state = 'training' AND r.secagg_stage = 'share')",
-    )
+         AND state IN {PENDING_STATES} AND EXISTS (SELECT 1 FROM rounds r \
+           WHERE r.id = $2 AND r.state = 'training' AND r.secagg_stage = 'share')"
+    )))
     .bind(commitment.to_vec())
     .bind(round_id)
     .bind(device_id)
@@ -309,20 +321,23 @@ pub async fn add_traffic(
     Ok(())
 }
 
-/// Drops the live participants that did not reach `column` by the close of
-/// a stage; returns how many.
+/// Drops the live participants that did not send what `stage` waits for
+/// by its close; returns how many.
 pub async fn drop_laggards(
     tx: &mut Tx<'_>,
     round_id: i64,
-    missing_column: &str,
+    stage: SecureStage,
 ) -> Result<u64, sqlx::Error> {
-    debug_assert!(matches!(
-        missing_column,
-        "secagg_keys" | "secagg_commitment" | "uploaded_ms"
-    ));
+    // The column left empty by whoever did not send the stage's message.
+    let missing_column = match stage {
+        SecureStage::Advertise => "secagg_keys",
+        SecureStage::Share => "secagg_commitment",
+        SecureStage::Collect => "uploaded_ms",
+        SecureStage::Unmask => "secagg_reveal",
+    };
     let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
-         AND state IN ('selected', 'delivered') AND {missing_column} IS NULL"
+         AND state IN {PENDING_STATES} AND {missing_column} IS NULL"
     )))
     .bind(round_id)
     .execute(&mut **tx)
@@ -362,7 +377,11 @@ where
     let Some((state, stage, sum)) = round else {
         return Ok(Err(MaskedRejection::Closed));
     };
-    if state != "training" || stage.as_deref() != Some(STAGE_COLLECT) {
+    let state: RoundState = parse_state("rounds.state", state)?;
+    let stage = stage
+        .map(|stage| parse_state("rounds.secagg_stage", stage))
+        .transpose()?;
+    if state != RoundState::Training || stage != Some(SecureStage::Collect) {
         return Ok(Err(MaskedRejection::Closed));
     }
     let participant: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
@@ -372,9 +391,12 @@ where
     .bind(device_id)
     .fetch_optional(&mut *tx)
     .await?;
-    match participant {
-        Some((state, Some(_))) if state == "selected" || state == "delivered" => {}
-        Some((state, _)) if state == "uploaded" => return Ok(Err(MaskedRejection::Duplicate)),
+    let Some((participant, commitment)) = participant else {
+        return Ok(Err(MaskedRejection::NotEligible));
+    };
+    match parse_state("participants.state", participant)? {
+        ParticipantState::Uploaded => return Ok(Err(MaskedRejection::Duplicate)),
+        state if state.is_pending() && commitment.is_some() => {}
         _ => return Ok(Err(MaskedRejection::NotEligible)),
     }
     let folded = match fold(sum) {

@@ -7,13 +7,11 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::api::ErrorResponse;
+use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
 use crate::db::now_ms;
-use crate::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::state::AppState;
 use crate::store::devices::{self, DeviceRow};
-
-pub const MAX_TAGS: usize = 32;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct DeviceView {

@@ -6,18 +6,13 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::api::ErrorResponse;
+use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
-use crate::error::{ApiError, ApiResult, Json, Path, Query};
+use crate::config::api_bounds::{DETAIL_PARTICIPANTS, MAX_ROUNDS_PAGE};
 use crate::state::AppState;
 use crate::store::jobs::{self, ActionError, JobAction, JobRow, JobSpec, JobState};
 use crate::store::models;
-use crate::store::rounds::{self, ParticipantRow, RoundRow};
-
-/// Participants included in a round's detail; page through the rest.
-pub const DETAIL_PARTICIPANTS: i64 = 200;
-/// Largest page of rounds (each carries its metrics); the OpenAPI document
-/// states it as `limit`'s maximum.
-pub const MAX_ROUNDS_PAGE: u32 = 100;
+use crate::store::rounds::{self, ParticipantRow, ParticipantState, RoundRow, RoundState};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct JobView {
@@ -44,7 +39,7 @@ impl JobView {
     fn from_row(row: JobRow) -> ApiResult<JobView> {
         Ok(JobView {
             spec: row.spec()?,
-            state: row.state(),
+            state: row.state,
             id: row.id,
             name: row.name,
             model_version_id: row.model_version_id,
@@ -97,8 +92,12 @@ pub async fn create(
             ))
         })?;
     if version.has_train_step == 0 {
+        let reason = version
+            .untrainable_reason
+            .as_deref()
+            .unwrap_or("it needs a `train_step` entry point and f32 trainable parameters");
         return Err(ApiError::unprocessable(format!(
-            "model `{}` version {} cannot be trained on devices: it needs a `train_step` entry point and f32 trainable parameters",
+            "model `{}` version {} cannot be trained on devices: {reason}",
             version.model_name, version.version
         )));
     }
@@ -235,8 +234,7 @@ pub struct RoundView {
     pub job_id: i64,
     pub number: i64,
     pub attempt: i64,
-    /// selecting, training, aggregating, succeeded or failed.
-    pub state: String,
+    pub state: RoundState,
     pub base_version_id: i64,
     pub result_version_id: Option<i64>,
     pub target_devices: i64,
@@ -258,7 +256,7 @@ impl From<&RoundRow> for RoundView {
             job_id: row.job_id,
             number: row.number,
             attempt: row.attempt,
-            state: row.state.clone(),
+            state: row.state,
             base_version_id: row.base_version_id,
             result_version_id: row.result_version_id,
             target_devices: row.target_devices,
@@ -276,8 +274,7 @@ impl From<&RoundRow> for RoundView {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ParticipantView {
     pub device_id: i64,
-    /// selected, delivered, uploaded or dropped.
-    pub state: String,
+    pub state: ParticipantState,
     pub num_samples: Option<i64>,
     pub update_bytes: Option<i64>,
     pub train_loss: Option<f64>,

@@ -12,7 +12,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 use axum::routing::{get, post, put};
 
-use crate::error::ApiError;
+use crate::api::error::ApiError;
 use crate::state::AppState;
 use crate::store::tokens::{Principal, Role, authenticate};
 

@@ -9,16 +9,14 @@ use canopy_protocol::update::UpdateLayout;
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
 use crate::api::upload_slot;
-use crate::error::{ApiError, ApiResult, Json, Path, Query, chain};
+use crate::config::api_bounds::{MAX_LINEAGE, MAX_MODEL_NAME_BYTES};
+use crate::error::chain;
 use crate::fedavg;
 use crate::state::AppState;
 use crate::store::models::{self, NewVersion, VersionRow};
-
-pub const MAX_MODEL_NAME_BYTES: usize = 64;
-/// Parents followed by the lineage route.
-pub const MAX_LINEAGE: usize = 1_000;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ModelVersionView {
@@ -33,6 +31,9 @@ pub struct ModelVersionView {
     pub trainable_elements: i64,
     /// Whether devices can train it: a `train_step` and f32 trainable parameters.
     pub trainable: bool,
+    /// Why devices cannot train it; `null` when they can (or, for versions
+    /// stored by older servers, when the reason was not kept).
+    pub untrainable_reason: Option<String>,
     pub parent_version_id: Option<i64>,
     /// The job and round that produced it, for versions made by training.
     pub produced_by_job: Option<i64>,
@@ -50,6 +51,7 @@ impl From<VersionRow> for ModelVersionView {
             size_bytes: row.size_bytes,
             trainable_elements: row.trainable_elements,
             trainable: row.has_train_step != 0,
+            untrainable_reason: row.untrainable_reason,
             parent_version_id: row.parent_version_id,
             produced_by_job: row.job_id,
             produced_by_round: row.round_id,
@@ -245,28 +247,35 @@ pub async fn store_version(
         let bytes = bytes.clone();
         tokio::task::spawn_blocking(move || {
             canopy_ir::format::read_model_with_limits(&bytes, &limits)
-                .map(|model| fedavg::check_trainable(&model).ok())
+                .map(|model| fedavg::check_trainable(&model))
         })
         .await
         .map_err(|error| ApiError::internal(format!("model verification task failed: {error}")))?
     };
-    let layout = parsed.map_err(|error| {
+    let trainable = parsed.map_err(|error| {
         ApiError::unprocessable(format!("the model file is invalid: {}", chain(&error)))
     })?;
+    // An untrainable model is still stored (it can be downloaded and
+    // evaluated); the reason is kept for the job that would train it.
+    let (layout, untrainable_reason) = match trainable {
+        Ok(layout) => (layout, None),
+        Err(error) => (
+            UpdateLayout {
+                tensors: Vec::new(),
+            },
+            Some(chain(&error)),
+        ),
+    };
     let digest = canopy_ir::format::digest(&bytes)
         .map(|d| canopy_ir::format::digest_hex(&d))
         .map_err(|error| ApiError::unprocessable(chain(&error)))?;
     state.blobs.put(&digest, bytes.clone()).await?;
-    let has_train_step = layout.is_some();
-    let layout = layout.unwrap_or(UpdateLayout {
-        tensors: Vec::new(),
-    });
     let new = NewVersion {
         model_name: name,
         digest: &digest,
         size_bytes: bytes.len() as u64,
         layout: &layout,
-        has_train_step,
+        untrainable_reason: untrainable_reason.as_deref(),
         parent_version_id,
         job_id,
         round_id,

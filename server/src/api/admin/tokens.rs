@@ -9,15 +9,12 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::api::ErrorResponse;
+use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
+use crate::config::api_bounds::{MAX_ENROLLMENT_USES, MAX_LABEL_CHARS, MAX_TOKEN_LIFETIME};
 use crate::db::now_ms;
-use crate::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::state::AppState;
 use crate::store::tokens::{self, ApiTokenRow, EnrollmentTokenRow, Principal, Role};
-
-pub const MAX_LABEL_CHARS: usize = 128;
-pub const MAX_TOKEN_LIFETIME: Duration = Duration::from_secs(10 * 365 * 86_400);
-pub const MAX_ENROLLMENT_USES: u32 = 1_000_000;
 
 /// The OpenAPI shape of `expires_in`: a string of at least two characters
 /// that matches [`LIFETIME_PATTERN`].

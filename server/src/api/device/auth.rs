@@ -22,9 +22,9 @@ use axum::http::request::Parts;
 use canopy_protocol::auth::{self, SignedRequest};
 use std::sync::Arc;
 
+use crate::api::error::ApiError;
 use crate::db::now_ms;
 use crate::device_keys::DeviceKey;
-use crate::error::ApiError;
 use crate::inflight::InFlightGuard;
 use crate::state::AppState;
 use crate::store::devices;

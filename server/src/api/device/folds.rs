@@ -11,13 +11,10 @@ use std::sync::Mutex;
 
 use tokio::sync::oneshot;
 
-use crate::error::{ApiError, chain};
+use crate::api::error::ApiError;
+use crate::error::chain;
 use crate::state::AppState;
 use crate::store::rounds::{self, AcceptedUpdate, UploadRejection};
-
-/// Updates folded per transaction at most; the rest wait for the next one.
-/// The upload slots bound the queue anyway; this bounds one transaction.
-const MAX_BATCH: usize = 64;
 
 type Reply = oneshot::Sender<Result<u64, FoldError>>;
 
@@ -86,7 +83,7 @@ async fn drain(state: AppState, round_id: i64) {
                 queues.active.remove(&round_id);
                 return;
             }
-            let take = queue.len().min(MAX_BATCH);
+            let take = queue.len().min(state.settings.limits.max_fold_batch);
             queue.drain(..take).collect::<Vec<_>>()
         };
         let (updates, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();

@@ -20,8 +20,8 @@ use canopy_protocol::model_sig::SigningKeys;
 use serde::de::DeserializeOwned;
 
 use crate::api::admin::models::read_limited;
+use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::db::now_ms;
-use crate::error::{ApiError, ApiResult, Json, Path};
 use crate::state::AppState;
 use crate::store::devices::{self, EnrollError};
 use crate::store::rounds;
@@ -160,6 +160,11 @@ fn same_round(body_round_id: i64, path_round_id: i64) -> ApiResult<()> {
     }
     Ok(())
 }
+
+/// Between wake-ups, a long poll (for a task or a secure-round message)
+/// re-reads the database this often, so that it also sees rounds opened and
+/// stages closed by another server process.
+const POLL_RECHECK_MS: u64 = 500;
 
 /// How long a task poll waits, clamped to the server's limit.
 fn poll_wait(requested_ms: Option<u64>, max_ms: u64) -> Duration {

@@ -17,51 +17,50 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use canopy_protocol::messages::secagg_endpoints as endpoints;
+use canopy_protocol::secagg::SecAggError;
 use canopy_protocol::secagg::server as secagg_server;
 use canopy_protocol::secagg::wire::Stage;
 
+use super::POLL_RECHECK_MS;
 use super::auth::DeviceAuth;
 use super::poll_wait;
 use super::tasks::PollQuery;
 use crate::api::admin::models::read_limited;
+use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::api::{upload_slot, within_upload_timeout};
-use crate::error::{ApiError, ApiResult, Path, Query};
 use crate::secure::{self, RoundGraph};
 use crate::state::AppState;
-use crate::store::secagg::{
-    self, STAGE_ADVERTISE, STAGE_COLLECT, STAGE_SHARE, STAGE_UNMASK, SecureParticipant, SecureRound,
-};
-
-/// Between wake-ups, a long poll re-reads the round this often, so that it
-/// also sees stages closed by another server process.
-const POLL_RECHECK_MS: u64 = 500;
-
-const STAGE_ORDER: [&str; 4] = [STAGE_ADVERTISE, STAGE_SHARE, STAGE_COLLECT, STAGE_UNMASK];
-
-fn stage_index(stage: &str) -> usize {
-    STAGE_ORDER.iter().position(|s| *s == stage).unwrap_or(0)
-}
+use crate::store::rounds::{ParticipantState, RoundState};
+use crate::store::secagg::{self, SecureParticipant, SecureRound, SecureStage};
 
 /// The stage during which a device posts to `endpoint`, and its message.
-fn posted_stage(endpoint: &str) -> ApiResult<(&'static str, Stage)> {
+fn posted_stage(endpoint: &str) -> ApiResult<(SecureStage, Stage)> {
     Ok(match endpoint {
-        endpoints::ADVERTISE_KEYS => (STAGE_ADVERTISE, Stage::AdvertiseKeys),
-        endpoints::SHARE_KEYS => (STAGE_SHARE, Stage::ShareKeys),
-        endpoints::MASKED_INPUT => (STAGE_COLLECT, Stage::MaskedInput),
-        endpoints::UNMASK_RESPONSE => (STAGE_UNMASK, Stage::UnmaskResponse),
+        endpoints::ADVERTISE_KEYS => (SecureStage::Advertise, Stage::AdvertiseKeys),
+        endpoints::SHARE_KEYS => (SecureStage::Share, Stage::ShareKeys),
+        endpoints::MASKED_INPUT => (SecureStage::Collect, Stage::MaskedInput),
+        endpoints::UNMASK_RESPONSE => (SecureStage::Unmask, Stage::UnmaskResponse),
         other => return Err(unknown_endpoint(other)),
     })
 }
 
 /// The stage from which `endpoint` can be fetched (the one after the stage
 /// that produces it).
-fn fetched_stage(endpoint: &str) -> ApiResult<&'static str> {
+fn fetched_stage(endpoint: &str) -> ApiResult<SecureStage> {
     Ok(match endpoint {
-        endpoints::NEIGHBOUR_KEYS => STAGE_SHARE,
-        endpoints::INCOMING_SHARES => STAGE_COLLECT,
-        endpoints::UNMASK_REQUEST => STAGE_UNMASK,
+        endpoints::NEIGHBOUR_KEYS => SecureStage::Share,
+        endpoints::INCOMING_SHARES => SecureStage::Collect,
+        endpoints::UNMASK_REQUEST => SecureStage::Unmask,
         other => return Err(unknown_endpoint(other)),
     })
+}
+
+/// Maps a refused protocol message to its HTTP answer.
+fn refusal(error: SecAggError) -> ApiError {
+    match error {
+        SecAggError::OutOfOrder(message) => ApiError::conflict(message),
+        other => ApiError::unprocessable(other.to_string()),
+    }
 }
 
 fn unknown_endpoint(endpoint: &str) -> ApiError {
@@ -91,7 +90,7 @@ async fn load(
 
 /// 410 when the round is over or the device was dropped from it.
 fn check_live(round: &SecureRound, participant: &SecureParticipant) -> ApiResult<()> {
-    if round.state != "training" {
+    if round.state != RoundState::Training {
         let reason = if round.status_message.is_empty() {
             String::new()
         } else {
@@ -102,7 +101,7 @@ fn check_live(round: &SecureRound, participant: &SecureParticipant) -> ApiResult
             round.id, round.state
         )));
     }
-    if participant.state == "dropped" {
+    if participant.state == ParticipantState::Dropped {
         return Err(ApiError::gone(format!(
             "device {} was dropped from round {}: it missed a stage deadline or declined",
             participant.device_id, round.id
@@ -138,12 +137,11 @@ pub async fn post_message(
         within_upload_timeout(&state, &what, read_limited(&headers, body, limit, &what)).await?;
     device.check_body(&bytes)?;
     if round.stage != open_stage {
-        let (verb, code): (&str, fn(String) -> ApiError) =
-            if stage_index(&round.stage) > stage_index(open_stage) {
-                ("is over", |m| ApiError::gone(m))
-            } else {
-                ("has not started", |m| ApiError::conflict(m))
-            };
+        let (verb, code): (&str, fn(String) -> ApiError) = if round.stage > open_stage {
+            ("is over", |m| ApiError::gone(m))
+        } else {
+            ("has not started", |m| ApiError::conflict(m))
+        };
         return Err(code(format!(
             "{} for round {round_id} {verb}; the round is in stage `{}`",
             message.name(),
@@ -209,7 +207,7 @@ async fn advertise(
         device_id as u64,
         &device_key,
     )
-    .map_err(secure::refusal)?;
+    .map_err(refusal)?;
     let keys = secure::keys_bytes(&advertisement);
     if !secagg::save_keys(&state.db, round.id, device_id, &keys).await? {
         return Err(not_taken(Stage::AdvertiseKeys, round, device_id));
@@ -261,7 +259,7 @@ async fn share_keys(
         device_id as u64,
         &recipients,
     )
-    .map_err(secure::refusal)?;
+    .map_err(refusal)?;
     let ciphertexts: Vec<(u64, Vec<u8>)> = upload
         .ciphertexts
         .iter()
@@ -296,7 +294,7 @@ async fn masked_input(
         let mut sum = secure::decode_masked_sum(stored.as_deref().unwrap_or_default(), &plan)
             .map_err(ApiError::internal)?;
         secagg_server::fold_masked_input(&mut sum, &bytes, session, device_id as u64, &plan)
-            .map_err(secure::refusal)?;
+            .map_err(refusal)?;
         Ok(secure::encode_masked_sum(&sum))
     })
     .await?;
@@ -345,7 +343,7 @@ async fn unmask_response(
     if participant.secagg_reveal.is_some() {
         return Err(duplicate(Stage::UnmaskResponse, round, device_id));
     }
-    if participant.state != "uploaded" {
+    if participant.state != ParticipantState::Uploaded {
         return Err(ApiError::conflict(format!(
             "device {device_id} sent no masked input in round {}, so it has nothing to unmask",
             round.id
@@ -359,7 +357,7 @@ async fn unmask_response(
         &survivors,
         &dropped,
     )
-    .map_err(secure::refusal)?;
+    .map_err(refusal)?;
     if !secagg::save_reveal(&state.db, round.id, device_id, bytes).await? {
         return Err(not_taken(Stage::UnmaskResponse, round, device_id));
     }
@@ -379,7 +377,7 @@ pub async fn get_message(
         let woken = state.secagg_progress.notified();
         let (round, participant) = load(&state, round_id, device.device_id).await?;
         check_live(&round, &participant)?;
-        if stage_index(&round.stage) >= stage_index(ready_stage) {
+        if round.stage >= ready_stage {
             let body = build_message(&state, &round, &participant, &endpoint).await?;
             secagg::add_traffic(&state.db, round_id, 0, body.len() as u64).await?;
             return Ok((
@@ -458,7 +456,7 @@ async fn build_message(
             ))
         }
         _ => {
-            if participant.state != "uploaded" {
+            if participant.state != ParticipantState::Uploaded {
                 return Err(ApiError::gone(format!(
                     "device {device_id} sent no masked input in round {}",
                     round.id

@@ -12,15 +12,11 @@ use canopy_protocol::update::UpdateLayout;
 use serde::Deserialize;
 
 use super::auth::DeviceAuth;
-use super::poll_wait;
-use crate::error::{ApiError, ApiResult, Path, Query};
+use super::{POLL_RECHECK_MS, poll_wait};
+use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::state::AppState;
 use crate::store::jobs::JobSpec;
 use crate::store::{models, rounds};
-
-/// Between wake-ups, a poll re-reads the database this often, so that it
-/// also sees rounds opened by another server process.
-const POLL_RECHECK_MS: u64 = 500;
 
 #[derive(Debug, Deserialize)]
 pub struct PollQuery {

@@ -21,9 +21,9 @@ use super::auth::DeviceAuth;
 use super::folds::{self, FoldError};
 use super::tasks::layout;
 use crate::api::admin::models::content_length;
+use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::api::{upload_slot, within_upload_timeout};
 use crate::db::now_ms;
-use crate::error::{ApiError, ApiResult, Json, Path};
 use crate::state::AppState;
 use crate::store::rounds::{self, AcceptedUpdate, UploadRejection};
 
@@ -106,43 +106,22 @@ fn rejection(error: UploadRejection) -> ApiError {
             ApiError::gone(error.to_string())
         }
         UploadRejection::SumLength { .. } => ApiError::internal(error.to_string()),
-        UploadRejection::Sql(error) => error.into(),
     }
 }
 
-/// Fails fast, before reading the body, on uploads that cannot be accepted.
+/// Fails fast, before reading the body, on uploads that cannot be accepted,
+/// with the same decision the fold makes under the round's lock.
 async fn check_participant(state: &AppState, round_id: i64, device_id: i64) -> ApiResult<i64> {
-    let Some((participant, round, deadline_ms, base_version_id)) =
-        rounds::participant_state(&state.db, round_id, device_id).await?
-    else {
+    let standing = rounds::standing(&state.db, round_id, device_id).await?;
+    let Some(standing) = standing else {
         return Err(rejection(UploadRejection::NotParticipant {
             round_id,
             device_id,
         }));
     };
-    if participant == "uploaded" {
-        return Err(rejection(UploadRejection::Duplicate {
-            round_id,
-            device_id,
-        }));
-    }
-    if round != "training" || deadline_ms.is_some_and(|deadline| now_ms() > deadline) {
-        return Err(rejection(UploadRejection::Closed {
-            round_id,
-            state: if round == "training" {
-                "deadline passed".to_string()
-            } else {
-                round
-            },
-        }));
-    }
-    if participant == "dropped" {
-        return Err(rejection(UploadRejection::Dropped {
-            round_id,
-            device_id,
-        }));
-    }
-    Ok(base_version_id)
+    let participant = Some(standing.participant);
+    rounds::admit(standing.gate(round_id), device_id, participant, now_ms()).map_err(rejection)?;
+    Ok(standing.base_version_id)
 }
 
 /// Reads at most `limit` bytes, hashing as it goes, and checks the digest
