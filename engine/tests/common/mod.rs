@@ -26,6 +26,15 @@ pub fn run(graph: &Graph, inputs: Vec<Value>) -> Vec<Value> {
         .unwrap_or_else(|e| panic!("run failed: {e}"))
 }
 
+/// Cases per property test: 32, or `PROPTEST_CASES` for a soak run (the
+/// suites set their own config, which would otherwise ignore it).
+pub fn proptest_cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(32)
+}
+
 /// Finite-difference step and tolerances.
 #[derive(Clone, Copy, Debug)]
 pub struct Tolerance {
