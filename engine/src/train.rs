@@ -63,7 +63,8 @@ pub struct Trainer {
     correct_output: usize,
     steps: u64,
     seed: i64,
-    /// (step, carried trainable values) to roll back to on divergence.
+    /// (step, the values the step replaces) to roll back to when a step
+    /// fails or diverges.
     checkpoint: Option<(u64, Vec<(usize, Value)>)>,
 }
 
