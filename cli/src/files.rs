@@ -6,10 +6,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use canopy_ir::Model;
 use canopy_ir::format::{digest_hex, read_model, write_model};
-
-/// Largest model file the CLI reads: bigger files are refused before they
-/// are loaded into memory.
-pub const MAX_MODEL_FILE_BYTES: u64 = 2 << 30;
+use canopy_protocol::bounds::MAX_MODEL_BYTES;
 
 /// A hint attached to an error chain; printed as `hint:`.
 #[derive(Debug)]
@@ -23,8 +20,10 @@ impl std::fmt::Display for Hint {
 
 impl std::error::Error for Hint {}
 
+/// Reads and parses a model file. Files over the size every tier shares
+/// ([`MAX_MODEL_BYTES`]) are refused before they are loaded into memory.
 pub fn read_model_file(path: &Path) -> Result<(Model, [u8; 32])> {
-    let bytes = read_bounded(path, MAX_MODEL_FILE_BYTES)
+    let bytes = read_bounded(path, MAX_MODEL_BYTES)
         .with_context(|| format!("cannot read model file `{}`", path.display()))?;
     let digest = canopy_ir::format::digest(&bytes)
         .with_context(|| format!("`{}` is not a valid Canopy model file", path.display()))?;

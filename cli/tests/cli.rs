@@ -277,6 +277,60 @@ fn bad_input_is_a_clean_error_naming_the_cause() {
     assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"));
 }
 
+/// The CLI trains and reads within the bounds every tier shares
+/// (`canopy_protocol::bounds`), and its errors name the flag or the file.
+#[test]
+fn training_settings_and_model_files_obey_the_shared_bounds() {
+    use canopy_protocol::bounds::{MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_MODEL_BYTES};
+    let dir = scratch("bounds");
+    let model = dir.join("m.canopy").display().to_string();
+    let out_path = dir.join("o.canopy").display().to_string();
+    let data = mnist();
+    ok(canopy(&[
+        "model", "new", "mlp", "--hidden", "8", "-o", &model,
+    ]));
+    let over = [
+        (
+            "--epochs",
+            (MAX_EPOCHS + 1).to_string(),
+            format!("1..={MAX_EPOCHS}"),
+        ),
+        (
+            "--batch",
+            (MAX_BATCH_SIZE + 1).to_string(),
+            format!("1..={MAX_BATCH_SIZE}"),
+        ),
+        (
+            "--lr",
+            (MAX_LEARNING_RATE * 2.0).to_string(),
+            format!("(0, {MAX_LEARNING_RATE}]"),
+        ),
+    ];
+    for (flag, value, allowed) in over {
+        let e = fails(canopy(&[
+            "model", "train", &model, "--data", &data, flag, &value, "-o", &out_path,
+        ]));
+        assert!(
+            e.contains(&format!("{flag} {value} is out of range {allowed}")),
+            "{e}"
+        );
+    }
+    assert!(!Path::new(&out_path).exists());
+
+    // A sparse file one byte over the cap: refused before it is read.
+    let huge = dir.join("huge.canopy");
+    std::fs::File::create(&huge)
+        .unwrap()
+        .set_len(MAX_MODEL_BYTES + 1)
+        .unwrap();
+    let e = fails(canopy(&["model", "inspect", huge.to_str().unwrap()]));
+    assert!(
+        e.contains("huge.canopy") && e.contains(&format!("over the limit of {MAX_MODEL_BYTES}")),
+        "{e}"
+    );
+    let _ = std::fs::remove_file(&huge);
+}
+
 #[test]
 fn readme_opens_with_the_main_job_and_the_ci_test_command() {
     let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();

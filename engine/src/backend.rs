@@ -1,8 +1,9 @@
 //! The backend seam: a backend compiles a verified graph into an
 //! executable. The IR never changes for a backend; a GPU (wgpu) or an
-//! NPU-delegate backend implements these two traits and may reject ops it
-//! does not support at compile time (`EngineError::Unsupported`), so the
-//! caller can fall back to the CPU.
+//! NPU-delegate backend implements these two traits and rejects ops it
+//! does not support from `compile`, so the caller can fall back to the
+//! CPU. (The CPU runs every op; the error variant for that rejection comes
+//! with the first backend that needs it.)
 
 use canopy_ir::Graph;
 

@@ -13,7 +13,7 @@ use canopy_ir::{Conv2dAttrs, DType, Dim, Pool2dAttrs, TensorData};
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use rand_distr::{Distribution, Normal};
 
-use crate::error::{EngineError, EngineResult};
+use crate::error::{EngineError, EngineResult, Part};
 use crate::tensor::Tensor;
 
 /// How a parameter is initialised.
@@ -79,9 +79,11 @@ pub struct Params(pub BTreeMap<String, Tensor>);
 
 impl Params {
     pub fn get(&self, name: &str) -> EngineResult<&Tensor> {
-        self.0
-            .get(name)
-            .ok_or_else(|| EngineError::Other(format!("parameter `{name}` is missing")))
+        self.0.get(name).ok_or_else(|| EngineError::Missing {
+            owner: "the model".to_string(),
+            part: Part::Parameter,
+            name: name.to_string(),
+        })
     }
 }
 
@@ -112,10 +114,11 @@ impl ForwardCtx {
 
     /// A seed distinct for each dropout layer of one forward pass.
     fn next_dropout_seed(&self) -> EngineResult<Tensor> {
-        let seed = self
-            .seed
-            .as_ref()
-            .ok_or_else(|| EngineError::Other("dropout in training needs a seed input".into()))?;
+        let seed = self.seed.as_ref().ok_or_else(|| EngineError::Missing {
+            owner: "a training pass with dropout".to_string(),
+            part: Part::Input,
+            name: "seed".to_string(),
+        })?;
         let call = self.dropout_calls.get();
         self.dropout_calls.set(call + 1);
         // A large odd stride keeps the per-layer streams apart.
@@ -383,7 +386,7 @@ impl Layer for Dropout {
             return Ok(x.clone());
         }
         if !(0.0..1.0).contains(&self.p) {
-            return Err(EngineError::Other(format!(
+            return Err(EngineError::Setting(format!(
                 "dropout probability {} is outside [0, 1)",
                 self.p
             )));

@@ -13,7 +13,7 @@ use std::fmt;
 use canopy_ir::model::{PARAM_PREFIX, STATE_PREFIX};
 use canopy_ir::{BinaryOp, DType, Graph, IrResult, TensorType, UnaryOp, ValueId, autodiff};
 
-use crate::error::{EngineError, EngineResult};
+use crate::error::{EngineError, EngineResult, Part};
 
 /// An optimizer and its hyperparameters (the learning rate is a graph input).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -80,14 +80,14 @@ impl Optimizer {
             "adam" => Optimizer::adam(),
             "adamw" => Optimizer::adamw(0.01),
             other => {
-                return Err(EngineError::Other(format!(
+                return Err(EngineError::Optimizer(format!(
                     "unknown optimizer `{other}` (expected sgd, adam or adamw)"
                 )));
             }
         };
         for pair in args.split(',').filter(|s| !s.is_empty()) {
             let (key, value) = pair.split_once('=').ok_or_else(|| {
-                EngineError::Other(format!("optimizer option `{pair}` is not key=value"))
+                EngineError::Optimizer(format!("optimizer option `{pair}` is not key=value"))
             })?;
             opt.set(key.trim(), value.trim())?;
         }
@@ -96,7 +96,7 @@ impl Optimizer {
     }
 
     fn set(&mut self, key: &str, value: &str) -> EngineResult<()> {
-        let bad = || EngineError::Other(format!("optimizer option `{key}={value}` is invalid"));
+        let bad = || EngineError::Optimizer(format!("optimizer option `{key}={value}` is invalid"));
         let number = || value.parse::<f32>().map_err(|_| bad());
         match (self, key) {
             (Optimizer::Sgd { momentum, .. }, "momentum") => *momentum = number()?,
@@ -142,7 +142,7 @@ impl Optimizer {
         if ok {
             Ok(())
         } else {
-            Err(EngineError::Other(format!(
+            Err(EngineError::Optimizer(format!(
                 "optimizer `{self}` has out-of-range hyperparameters (momentum and betas in [0, 1), \
                  nesterov needs momentum > 0, eps > 0, weight decay >= 0)"
             )))
@@ -219,7 +219,11 @@ pub fn build_train_step_unoptimized(
         let ty = with_grads
             .find_input(wrt_name)
             .map(|i| with_grads.ty(i).clone())
-            .ok_or_else(|| EngineError::Other(format!("loss graph has no input `{wrt_name}`")))?;
+            .ok_or_else(|| EngineError::Missing {
+                owner: "the loss graph".to_string(),
+                part: Part::Input,
+                name: wrt_name.clone(),
+            })?;
         for slot in optimizer.slots() {
             let name = state_name(param, slot);
             state.insert(name.clone(), g.input(name, ty.clone())?);
@@ -246,9 +250,11 @@ pub fn build_train_step_unoptimized(
         }
     }
     for name in ["loss", "correct"] {
-        let value = by_name
-            .get(name)
-            .ok_or_else(|| EngineError::Other(format!("loss graph must output `{name}`")))?;
+        let value = by_name.get(name).ok_or_else(|| EngineError::Missing {
+            owner: "the loss graph".to_string(),
+            part: Part::Output,
+            name: name.to_string(),
+        })?;
         outputs.push((name.to_string(), *value));
     }
     g.set_outputs(outputs)?;

@@ -16,7 +16,7 @@ use canopy_ir::{
 };
 
 use crate::cpu::kernels::{self, Arg};
-use crate::error::{EngineError, EngineResult};
+use crate::error::{EngineError, EngineResult, TraceError};
 use crate::value::Value;
 
 /// How [`crate::Function`]s run: op by op, or traced and compiled.
@@ -107,9 +107,7 @@ impl Tensor {
     pub fn value(&self) -> EngineResult<&Value> {
         match &self.repr {
             Repr::Eager(v) => Ok(v),
-            Repr::Traced { .. } => Err(EngineError::Other(
-                "a traced tensor has no value until its graph runs".into(),
-            )),
+            Repr::Traced { .. } => Err(EngineError::Trace(TraceError::NoValue)),
         }
     }
 
@@ -180,7 +178,7 @@ where
 fn with_graph<T>(f: impl FnOnce(&mut Graph) -> EngineResult<T>) -> EngineResult<T> {
     TRACE.with(|t| match t.borrow_mut().as_mut() {
         Some(state) => f(&mut state.graph),
-        None => Err(EngineError::Other("no trace is active".into())),
+        None => Err(EngineError::Trace(TraceError::NotTracing)),
     })
 }
 
@@ -191,12 +189,10 @@ fn tracing() -> Option<u64> {
 /// The graph value for `t` in the active trace; eager tensors become
 /// constants (captured, as in graph mode closures).
 fn graph_value(t: &Tensor) -> EngineResult<ValueId> {
-    let active = tracing().ok_or_else(|| EngineError::Other("no trace is active".into()))?;
+    let active = tracing().ok_or(EngineError::Trace(TraceError::NotTracing))?;
     match &t.repr {
         Repr::Traced { id, trace, .. } if *trace == active => Ok(*id),
-        Repr::Traced { .. } => Err(EngineError::Other(
-            "a tensor from another trace was used in this one".into(),
-        )),
+        Repr::Traced { .. } => Err(EngineError::Trace(TraceError::ForeignTensor)),
         Repr::Eager(v) => with_graph(|g| Ok(g.constant(v.to_data())?)),
     }
 }
@@ -230,10 +226,11 @@ fn run_eager(op: Op, inputs: &[&Tensor]) -> EngineResult<Tensor> {
     let out_ty = canopy_ir::infer::infer_type(&op, &type_refs)
         .map_err(|cause| EngineError::Shape(format!("eager {}: {cause}", op.name())))?;
     let args = values.into_iter().map(Arg::Shared).collect();
-    let value = kernels::eval(&op, args, &out_ty, 1).map_err(|cause| EngineError::Kernel {
-        node: 0,
+    let value = kernels::eval(&op, args, &out_ty, 1).map_err(|source| EngineError::Kernel {
+        node: None,
         op: op.name(),
-        cause,
+        operands: types.iter().map(|t| t.shape.resolve(1)).collect(),
+        source,
     })?;
     Ok(Tensor::from_value(value))
 }

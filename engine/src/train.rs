@@ -10,7 +10,7 @@ use canopy_ir::Model;
 use canopy_ir::model::{ENTRY_EVAL, ENTRY_TRAIN_STEP, PARAM_PREFIX, STATE_PREFIX};
 
 use crate::backend::{Backend, Executable};
-use crate::error::{EngineError, EngineResult};
+use crate::error::{EngineError, EngineResult, NonFinite, Part};
 use crate::optim::{INPUT_LR, INPUT_SEED, INPUT_STEP};
 use crate::value::Value;
 
@@ -29,12 +29,17 @@ pub struct EvalStats {
     pub samples: usize,
 }
 
+/// What feeds one input of an entry point.
 #[derive(Clone, Debug, PartialEq)]
 enum Slot {
-    /// A parameter or optimizer-state value carried between steps.
-    Carried {
+    /// A model parameter, carried between steps; `trainable` as the model
+    /// file marks it. Only trainable parameters are written back.
+    Param {
         trainable: bool,
     },
+    /// Optimizer state (`state/NAME/SLOT`), carried between steps from
+    /// zeros; it is the trainer's, never written to the model.
+    State,
     X,
     Y,
     Seed,
@@ -50,11 +55,16 @@ pub struct Trainer {
     /// For each output, the input position it replaces (or None for
     /// `loss` / `correct`).
     output_targets: Vec<Option<usize>>,
+    /// By input position: whether the step outputs the input's next value.
+    /// Such a value is handed to the step by ownership (so the update runs
+    /// in place) and checkpointed for rollback; the rest are cloned.
+    replaced: Vec<bool>,
     loss_output: usize,
     correct_output: usize,
     steps: u64,
     seed: i64,
-    /// (step, carried trainable values) to roll back to on divergence.
+    /// (step, the values the step replaces) to roll back to when a step
+    /// fails or diverges.
     checkpoint: Option<(u64, Vec<(usize, Value)>)>,
 }
 
@@ -80,23 +90,22 @@ impl Trainer {
             .enumerate()
             .map(|(i, &id)| (graph.input_name(id), i))
             .collect();
-        let output_targets = graph
+        let output_targets: Vec<Option<usize>> = graph
             .outputs()
             .iter()
             .map(|(name, _)| position.get(name.as_str()).copied())
             .collect();
-        let find = |name: &str| {
-            graph
-                .outputs()
-                .iter()
-                .position(|(n, _)| n == name)
-                .ok_or_else(|| EngineError::Other(format!("train_step has no output `{name}`")))
-        };
+        let mut replaced = vec![false; slots.len()];
+        for &target in output_targets.iter().flatten() {
+            replaced[target] = matches!(slots[target], Slot::Param { .. } | Slot::State);
+        }
+        let find = |name: &str| output_position(graph, ENTRY_TRAIN_STEP, name);
         Ok(Trainer {
             executable,
             slots,
             carried,
             output_targets,
+            replaced,
             loss_output: find("loss")?,
             correct_output: find("correct")?,
             steps: 0,
@@ -114,9 +123,7 @@ impl Trainer {
     /// checkpoint, so a diverging run never leaves NaN weights behind.
     pub fn step(&mut self, x: Value, y: Value, lr: f32) -> EngineResult<StepStats> {
         if !(lr.is_finite() && lr > 0.0) {
-            return Err(EngineError::Other(format!(
-                "learning rate {lr} must be a positive finite number"
-            )));
+            return Err(EngineError::LearningRate(lr));
         }
         if self.checkpoint.is_none() || self.steps.is_multiple_of(CHECKPOINT_EVERY_STEPS) {
             self.take_checkpoint();
@@ -125,21 +132,22 @@ impl Trainer {
         let inputs = self.step_inputs(x, y, lr, step_number)?;
         let outputs = match self.executable.run(inputs) {
             Ok(outputs) => outputs,
-            Err(e) => {
-                let rolled_back = self.roll_back();
-                return Err(EngineError::Other(format!(
-                    "step {step_number} failed (rolled back to step {rolled_back}): {e}"
-                )));
+            Err(source) => {
+                return Err(EngineError::Step {
+                    step: step_number,
+                    rolled_back_to: self.roll_back(),
+                    source: Box::new(source),
+                });
             }
         };
         let loss = outputs[self.loss_output].to_scalar_f32()?;
         let correct = count_of(&outputs[self.correct_output])?;
         if let Some(problem) = self.non_finite(loss, &outputs) {
-            let rolled_back = self.roll_back();
-            return Err(EngineError::Other(format!(
-                "training diverged at step {step_number}: {problem}; rolled back to the \
-                 parameters of step {rolled_back} (try a lower learning rate)"
-            )));
+            return Err(EngineError::Diverged {
+                step: step_number,
+                problem,
+                rolled_back_to: self.roll_back(),
+            });
         }
         for (value, target) in outputs.into_iter().zip(&self.output_targets) {
             if let Some(position) = target {
@@ -154,10 +162,11 @@ impl Trainer {
         let mut x = Some(x);
         let mut y = Some(y);
         let mut inputs = Vec::with_capacity(self.slots.len());
-        for (slot, carried) in self.slots.iter().zip(&mut self.carried) {
+        let feeds = self.slots.iter().zip(&self.replaced).zip(&mut self.carried);
+        for ((slot, &replaced), carried) in feeds {
             let value = match slot {
-                Slot::Carried { trainable: true } => carried.take(),
-                Slot::Carried { trainable: false } => carried.clone(),
+                Slot::Param { .. } | Slot::State if replaced => carried.take(),
+                Slot::Param { .. } | Slot::State => carried.clone(),
                 Slot::X => x.take(),
                 Slot::Y => y.take(),
                 Slot::Seed => Some(Value::scalar_i64(
@@ -167,16 +176,16 @@ impl Trainer {
                 Slot::Step => Some(Value::scalar_f32(step as f32)),
             };
             inputs.push(value.ok_or_else(|| {
-                EngineError::Other("trainer state is missing a carried value".into())
+                EngineError::Internal("trainer state is missing a carried value".into())
             })?);
         }
         Ok(inputs)
     }
 
-    /// Describes the first non-finite loss or carried output, if any.
-    fn non_finite(&self, loss: f32, outputs: &[Value]) -> Option<String> {
+    /// The first non-finite loss or carried output, if any.
+    fn non_finite(&self, loss: f32, outputs: &[Value]) -> Option<NonFinite> {
         if !loss.is_finite() {
-            return Some(format!("loss is {loss}"));
+            return Some(NonFinite::Loss(loss));
         }
         let names = self.executable.output_names();
         outputs
@@ -191,18 +200,19 @@ impl Trainer {
                 },
                 _ => false,
             })
-            .map(|(_, name)| format!("`{name}` is not finite"))
+            .map(|(_, name)| NonFinite::Output(name.clone()))
     }
 
-    /// Copies every carried trainable value. Costs one model (plus optimizer
-    /// state) of memory traffic, hence only every `CHECKPOINT_EVERY_STEPS`.
+    /// Copies every value the step replaces (parameters and optimizer
+    /// state). Costs one model (plus optimizer state) of memory traffic,
+    /// hence only every `CHECKPOINT_EVERY_STEPS`.
     fn take_checkpoint(&mut self) {
         let values = self
-            .slots
+            .replaced
             .iter()
             .zip(&self.carried)
             .enumerate()
-            .filter(|(_, (slot, _))| matches!(slot, Slot::Carried { trainable: true }))
+            .filter(|(_, (replaced, _))| **replaced)
             .filter_map(|(i, (_, value))| value.clone().map(|v| (i, v)))
             .collect();
         self.checkpoint = Some((self.steps, values));
@@ -220,22 +230,25 @@ impl Trainer {
         *step
     }
 
-    /// Writes the current parameter values back into `model`.
+    /// Writes the current values of the trainable parameters back into
+    /// `model`; frozen parameters and optimizer state stay as they are.
     pub fn write_back(&self, model: &mut Model) -> EngineResult<()> {
         for (i, slot) in self.slots.iter().enumerate() {
-            if *slot != (Slot::Carried { trainable: true }) {
+            if *slot != (Slot::Param { trainable: true }) {
                 continue;
             }
             let name = self.executable.input_names()[i].as_str();
-            let Some(param) = name.strip_prefix(PARAM_PREFIX) else {
-                continue;
-            };
+            let param = name.strip_prefix(PARAM_PREFIX).unwrap_or(name);
             let value = self.carried[i].as_ref().ok_or_else(|| {
-                EngineError::Other(format!("trainer holds no value for parameter `{param}`"))
+                EngineError::Internal(format!("trainer holds no value for parameter `{param}`"))
             })?;
             let target = model
                 .parameter_mut(param)
-                .ok_or_else(|| EngineError::Other(format!("model has no parameter `{param}`")))?;
+                .ok_or_else(|| EngineError::Missing {
+                    owner: "the model".to_string(),
+                    part: Part::Parameter,
+                    name: param.to_string(),
+                })?;
             target.data = value.to_data();
         }
         Ok(())
@@ -263,20 +276,22 @@ fn classify_input(
     ty: &canopy_ir::TensorType,
 ) -> EngineResult<(Slot, Option<Value>)> {
     if let Some(param) = name.strip_prefix(PARAM_PREFIX) {
-        let p = model.parameter(param).ok_or_else(|| {
-            EngineError::Other(format!("{entry} reads `{name}`, which the model lacks"))
+        let p = model.parameter(param).ok_or_else(|| EngineError::Missing {
+            owner: format!("the model read by `{entry}`"),
+            part: Part::Parameter,
+            name: param.to_string(),
         })?;
-        let slot = Slot::Carried {
+        let slot = Slot::Param {
             trainable: p.trainable,
         };
         return Ok((slot, Some(Value::from_data(&p.data))));
     }
     if name.starts_with(STATE_PREFIX) {
         let dims = ty.shape.as_fixed().ok_or_else(|| {
-            EngineError::Other(format!("state `{name}` must have a static shape"))
+            EngineError::Shape(format!("state `{name}` must have a static shape"))
         })?;
         let zeros = Value::zeros(ty.dtype, &dims);
-        return Ok((Slot::Carried { trainable: true }, Some(zeros)));
+        return Ok((Slot::State, Some(zeros)));
     }
     let slot = match name {
         "x" => Slot::X,
@@ -285,12 +300,26 @@ fn classify_input(
         INPUT_LR => Slot::Lr,
         INPUT_STEP => Slot::Step,
         other => {
-            return Err(EngineError::Other(format!(
-                "{entry} has an input `{other}` that no runner knows how to feed"
-            )));
+            return Err(EngineError::Unfeedable {
+                entry: entry.to_string(),
+                name: other.to_string(),
+            });
         }
     };
     Ok((slot, None))
+}
+
+/// The position of output `name` of entry point `entry`.
+fn output_position(graph: &canopy_ir::Graph, entry: &str, name: &str) -> EngineResult<usize> {
+    graph
+        .outputs()
+        .iter()
+        .position(|(n, _)| n == name)
+        .ok_or_else(|| EngineError::Missing {
+            owner: entry.to_string(),
+            part: Part::Output,
+            name: name.to_string(),
+        })
 }
 
 /// The single value of a `correct` output (i64, or f32 from older graphs).
@@ -319,24 +348,18 @@ impl Evaluator {
             let name = graph.input_name(input);
             let slot = classify_input(model, ENTRY_EVAL, name, graph.ty(input))?;
             let feedable = match slot.0 {
-                Slot::Carried { .. } => name.starts_with(PARAM_PREFIX),
-                Slot::X | Slot::Y => true,
-                Slot::Seed | Slot::Lr | Slot::Step => false,
+                Slot::Param { .. } | Slot::X | Slot::Y => true,
+                Slot::State | Slot::Seed | Slot::Lr | Slot::Step => false,
             };
             if !feedable {
-                return Err(EngineError::Other(format!(
-                    "eval has an input `{name}` that no runner knows how to feed"
-                )));
+                return Err(EngineError::Unfeedable {
+                    entry: ENTRY_EVAL.to_string(),
+                    name: name.to_string(),
+                });
             }
             slots.push(slot);
         }
-        let position = |name: &str| {
-            graph
-                .outputs()
-                .iter()
-                .position(|(n, _)| n == name)
-                .ok_or_else(|| EngineError::Other(format!("eval has no output `{name}`")))
-        };
+        let position = |name: &str| output_position(graph, ENTRY_EVAL, name);
         Ok(Evaluator {
             loss_output: position("loss")?,
             correct_output: position("correct")?,
@@ -359,9 +382,53 @@ impl Evaluator {
                 _ => value.clone(),
             })
             .collect::<Option<Vec<Value>>>()
-            .ok_or_else(|| EngineError::Other("eval reads `x` or `y` twice".into()))?;
+            .ok_or_else(|| EngineError::Internal("eval reads `x` or `y` twice".into()))?;
         let out = self.executable.run(inputs)?;
         let loss = out[self.loss_output].to_scalar_f32()? as f64 * batch as f64;
         Ok((loss, count_of(&out[self.correct_output])?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CpuBackend;
+    use crate::optim::Optimizer;
+    use crate::zoo::{Architecture, ModelConfig, build_model};
+
+    /// Parameters keep the model's `trainable` flag; optimizer state is
+    /// the trainer's own slot kind, never a trainable parameter.
+    #[test]
+    fn only_parameters_are_trainable() {
+        let model = build_model(&ModelConfig {
+            architecture: Architecture::Mlp {
+                inputs: 4,
+                hidden: 3,
+                classes: 2,
+            },
+            seed: 1,
+            optimizer: Optimizer::adam(),
+            frozen_prefixes: vec!["fc1".into()],
+            producer: "test".into(),
+        })
+        .unwrap();
+        let trainer = Trainer::new(&model, &CpuBackend, 0).unwrap();
+        let names = trainer.executable.input_names();
+        let mut seen = [0usize; 3];
+        for (slot, name) in trainer.slots.iter().zip(names) {
+            if let Some(param) = name.strip_prefix(PARAM_PREFIX) {
+                let trainable = model.parameter(param).unwrap().trainable;
+                assert_eq!(*slot, Slot::Param { trainable }, "{name}");
+                seen[usize::from(trainable)] += 1;
+            } else if name.starts_with(STATE_PREFIX) {
+                assert_eq!(*slot, Slot::State, "{name}");
+                seen[2] += 1;
+            } else {
+                assert!(!matches!(slot, Slot::Param { .. } | Slot::State), "{name}");
+            }
+        }
+        // Frozen: fc1 and the input statistics; trainable: fc2; two Adam
+        // slots per trainable parameter.
+        assert_eq!(seen, [4, 2, 4], "[frozen, trainable, state]");
     }
 }

@@ -14,7 +14,7 @@ use canopy_ir::model::{ENTRY_EVAL, ENTRY_INFER, ENTRY_TRAIN_STEP, PARAM_PREFIX};
 use canopy_ir::{DType, Dim, Graph, Metadata, Model, Parameter, Shape, TensorType};
 
 use crate::data::Dataset;
-use crate::error::{EngineError, EngineResult};
+use crate::error::{EngineError, EngineResult, Part};
 use crate::nn::{
     Conv2d, Flatten, ForwardCtx, INPUT_MEAN, INPUT_STATS_PREFIX, INPUT_STD, Layer, Linear,
     MaxPool2d, Params, ReLU, Sequential, Standardize, correct_count, init_params,
@@ -212,7 +212,7 @@ pub fn traced_train_loss(config: &ModelConfig) -> EngineResult<(Graph, Vec<Strin
     let mut entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?;
     let graph = entries
         .remove(ENTRY_TRAIN_LOSS)
-        .ok_or_else(|| EngineError::Other("no train_loss traced".into()))?;
+        .ok_or_else(|| EngineError::Internal("no train_loss traced".into()))?;
     let trainable = parameters
         .into_iter()
         .filter(|p| p.trainable)
@@ -293,9 +293,7 @@ pub fn rebuild_train_step(model: &mut Model, optimizer: &Optimizer) -> EngineRes
     let train_loss = model.entry(ENTRY_TRAIN_LOSS)?.clone();
     let trainable: Vec<String> = model.trainable_names();
     if trainable.is_empty() {
-        return Err(EngineError::Other(
-            "every parameter is frozen: nothing to train".into(),
-        ));
+        return Err(EngineError::NothingToTrain);
     }
     let step = build_train_step(&train_loss, &trainable, optimizer)?;
     model.entry_points.insert(ENTRY_TRAIN_STEP.into(), step);
@@ -316,7 +314,7 @@ pub fn set_frozen(model: &mut Model, prefixes: &[String]) -> EngineResult<()> {
             .any(|p| p.name.starts_with(prefix.as_str()))
         {
             let names: Vec<&str> = model.parameters.iter().map(|p| p.name.as_str()).collect();
-            return Err(EngineError::Other(format!(
+            return Err(EngineError::Setting(format!(
                 "freeze prefix `{prefix}` matches no parameter (parameters: {})",
                 names.join(", ")
             )));
@@ -343,14 +341,18 @@ pub fn needs_input_stats(model: &Model) -> bool {
 pub fn fit_input_stats(model: &mut Model, train: &Dataset) -> EngineResult<()> {
     let (mean, std) = train.global_stats();
     if !(mean.is_finite() && std.is_finite() && std > 0.0) {
-        return Err(EngineError::Other(format!(
+        return Err(EngineError::Setting(format!(
             "cannot standardise inputs: training features have mean {mean} and std {std}"
         )));
     }
     for (name, value) in [(INPUT_MEAN, mean), (INPUT_STD, std)] {
         let param = model
             .parameter_mut(name)
-            .ok_or_else(|| EngineError::Other(format!("model has no parameter `{name}` to fit")))?;
+            .ok_or_else(|| EngineError::Missing {
+                owner: "the model".to_string(),
+                part: Part::Parameter,
+                name: name.to_string(),
+            })?;
         param.data = canopy_ir::TensorData::scalar_f32(value);
     }
     model
@@ -363,15 +365,17 @@ pub fn fit_input_stats(model: &mut Model, train: &Dataset) -> EngineResult<()> {
 /// The sample shape a model's `x` input expects.
 pub fn sample_shape(model: &Model) -> EngineResult<Vec<usize>> {
     let infer = model.entry(ENTRY_INFER)?;
-    let x = infer
-        .find_input("x")
-        .ok_or_else(|| EngineError::Other("entry point `infer` has no input `x`".into()))?;
+    let x = infer.find_input("x").ok_or_else(|| EngineError::Missing {
+        owner: format!("entry point `{ENTRY_INFER}`"),
+        part: Part::Input,
+        name: "x".to_string(),
+    })?;
     let dims = &infer.ty(x).shape.0;
     dims.iter()
         .skip(1)
         .map(|d| {
             d.fixed().ok_or_else(|| {
-                EngineError::Other("only the leading dimension of `x` may be the batch".into())
+                EngineError::Shape("only the leading dimension of `x` may be the batch".into())
             })
         })
         .collect()

@@ -15,13 +15,13 @@ use canopy_ir::{
     BinaryOp, Conv2dAttrs, DType, Dim, Graph, Op, Pool2dAttrs, ReduceKind, Shape, TensorType,
     UnaryOp,
 };
-use common::Case;
+use common::{Case, Tolerance};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 
 fn config() -> Config {
     Config {
-        cases: 32,
+        cases: common::proptest_cases(),
         max_shrink_iters: 64,
         failure_persistence: None,
         ..Config::default()
@@ -96,27 +96,38 @@ fn len(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
-const UNARY: [UnaryOp; 13] = [
-    UnaryOp::Neg,
-    UnaryOp::Abs,
-    UnaryOp::Sign,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Rsqrt,
-    UnaryOp::Reciprocal,
-    UnaryOp::Square,
-    UnaryOp::Relu,
-    UnaryOp::Gelu,
-    UnaryOp::Sigmoid,
-    UnaryOp::Tanh,
-];
+/// Every differentiable unary op: all of `UnaryOp::ALL` but bool `not`, so
+/// a new op is checked here as soon as it exists.
+fn differentiable_unary() -> Vec<UnaryOp> {
+    UnaryOp::ALL
+        .into_iter()
+        .filter(|&u| u != UnaryOp::Not)
+        .collect()
+}
 
 fn unary_domain(op: UnaryOp) -> Domain {
     match op {
         UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt => Domain::Positive,
         UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu | UnaryOp::Reciprocal => Domain::AwayFromZero,
         _ => Domain::Any,
+    }
+}
+
+/// A finer step for `div`; the tolerances stay the default ones.
+///
+/// The second-order check differentiates the first-order VJP along `b`:
+/// `−Σw₁·a/b² − Σw₂·u/b² + 2w₃·Σu·a/b³`, whose terms often nearly cancel.
+/// A central difference is off by about `ε²·f‴/6`, for the last term
+/// `4ε²·w₃·Σu·a/b⁵`: with `ε = 1e-2` and `|b|` near 0.3 that is ~0.2% of the
+/// term but several percent of the small sum (CI saw 2.3035 vs 2.3665). The
+/// rule is exact: on the shrunk case the difference converges to it as ε²
+/// (off by 0.0099, 0.0025, 0.0006 at ε = 1e-2, 5e-3, 2.5e-3). `2.5e-3` cuts
+/// the truncation 16-fold, while f32 rounding, which grows as 1/ε, stays
+/// well under `atol`.
+fn div_tolerance() -> Tolerance {
+    Tolerance {
+        eps: 2.5e-3,
+        ..Tolerance::default()
     }
 }
 
@@ -127,7 +138,7 @@ proptest! {
 
     #[test]
     fn unary(
-        (op, (s, x)) in prop::sample::select(UNARY.to_vec())
+        (op, (s, x)) in prop::sample::select(differentiable_unary())
             .prop_flat_map(|op| (Just(op), tensor(shape(0, 3), unary_domain(op))))
     ) {
         let mut c = Case::new();
@@ -144,16 +155,16 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let (sa, sb) = if swap { (small, full) } else { (full, small) };
-        let (da, db) = match op {
-            BinaryOp::Div => (Domain::Any, Domain::AwayFromZero),
-            BinaryOp::Pow => (Domain::Positive, Domain::Any),
-            _ => (Domain::Any, Domain::Any),
+        let (da, db, tol) = match op {
+            BinaryOp::Div => (Domain::Any, Domain::AwayFromZero, div_tolerance()),
+            BinaryOp::Pow => (Domain::Positive, Domain::Any, Tolerance::default()),
+            _ => (Domain::Any, Domain::Any, Tolerance::default()),
         };
         let mut c = Case::new();
         let a = c.f32("a", &sa, sample(len(&sa), da, seed));
         let b = c.f32("b", &sb, sample(len(&sb), db, seed ^ 1));
         let y = c.g.binary(op, a, b).unwrap();
-        c.check(y);
+        c.check_with(y, tol);
     }
 
     /// Maximum and minimum: operands on interleaved grids, so they never

@@ -20,7 +20,7 @@ fn cube() -> Graph {
 }
 
 proptest! {
-    #![proptest_config(proptest::test_runner::Config { cases: 32, failure_persistence: None, ..Default::default() })]
+    #![proptest_config(proptest::test_runner::Config { cases: common::proptest_cases(), failure_persistence: None, ..Default::default() })]
 
     #[test]
     fn second_derivative_of_cube_is_6x(x in -3.0f32..3.0) {

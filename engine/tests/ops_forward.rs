@@ -4,7 +4,8 @@
 //! and runtime errors that must be reported rather than panic.
 
 use anyhow::Result;
-use canopy_engine::{Backend, CpuBackend, Value};
+use canopy_engine::error::KernelError;
+use canopy_engine::{Backend, CpuBackend, EngineError, Value};
 use canopy_ir::{
     BinaryOp, Conv2dAttrs, DType, Dim, Graph, Op, Pool2dAttrs, ReduceKind, Shape, TensorType,
     UnaryOp,
@@ -76,11 +77,27 @@ fn eval(op: Op, inputs: &[Value]) -> Value {
     owned
 }
 
-/// The error message of running `op`, which must fail.
-fn eval_err(op: Op, inputs: &[Value]) -> String {
-    match run_op(&op, inputs, false) {
+/// The kernel error of running `op`, which must fail in its kernel. The
+/// engine error around it must name the node, the op and the operand
+/// shapes.
+fn eval_err(op: Op, inputs: &[Value]) -> KernelError {
+    let error = match run_op(&op, inputs, false) {
         Ok(v) => panic!("{op:?} should fail, got {v:?}"),
-        Err(e) => e.to_string(),
+        Err(e) => e,
+    };
+    match error.downcast::<EngineError>() {
+        Ok(EngineError::Kernel {
+            node: Some(_),
+            op: name,
+            operands,
+            source,
+        }) => {
+            assert_eq!(name, op.name());
+            let shapes: Vec<Vec<usize>> = inputs.iter().map(|v| v.shape().to_vec()).collect();
+            assert_eq!(operands, shapes, "operand shapes of {op:?}");
+            source
+        }
+        other => panic!("{op:?}: expected a kernel error, got {other:?}"),
     }
 }
 
@@ -346,7 +363,7 @@ fn integer_division_by_zero_is_an_error() {
         Op::Binary(BinaryOp::Div),
         &[i32s(&[2], &[1, 2]), i32s(&[2], &[1, 0])],
     );
-    assert!(err.contains("division by zero"), "{err}");
+    assert_eq!(err, KernelError::DivisionByZero);
 }
 
 #[test]
@@ -730,7 +747,10 @@ fn large_reductions_match_small_ones() {
 #[test]
 fn max_over_an_empty_axis_is_an_error() {
     let err = eval_err(reduce(ReduceKind::Max, &[1], false), &[f32s(&[2, 0], &[])]);
-    assert!(err.contains("empty axis"), "{err}");
+    assert!(
+        matches!(&err, KernelError::Shape(cause) if cause.contains("empty axis")),
+        "{err:?}"
+    );
 }
 
 // ---- layout ops --------------------------------------------------------------
@@ -1249,15 +1269,19 @@ fn gather_along_axis_0_and_1() {
 fn gather_out_of_range_is_an_error() {
     let data = range(&[2, 3], 0.0);
     let err = eval_err(Op::Gather { axis: 1 }, &[data.clone(), i64s(&[2], &[0, 3])]);
-    assert!(
-        err.contains("index 3 is out of range for axis 1 of length 3"),
-        "{err}"
-    );
+    let out_of_range = KernelError::IndexOutOfRange {
+        index: 3,
+        axis: 1,
+        len: 3,
+    };
+    assert_eq!(err, out_of_range);
     let err = eval_err(Op::Gather { axis: 0 }, &[data, i32s(&[1], &[-1])]);
-    assert!(
-        err.contains("index -1 is out of range for axis 0 of length 2"),
-        "{err}"
-    );
+    let out_of_range = KernelError::IndexOutOfRange {
+        index: -1,
+        axis: 0,
+        len: 2,
+    };
+    assert_eq!(err, out_of_range);
 }
 
 #[test]
@@ -1298,10 +1322,12 @@ fn scatter_add_out_of_range_is_an_error() {
         },
         &[i64s(&[2], &[0, 2]), range(&[1, 2], 0.0)],
     );
-    assert!(
-        err.contains("index 2 is out of range for axis 1 of length 2"),
-        "{err}"
-    );
+    let out_of_range = KernelError::IndexOutOfRange {
+        index: 2,
+        axis: 1,
+        len: 2,
+    };
+    assert_eq!(err, out_of_range);
 }
 
 #[test]

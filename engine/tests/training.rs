@@ -4,16 +4,17 @@
 use anyhow::Result;
 use canopy_engine::data::load_dir;
 use canopy_engine::optim::Optimizer;
+use canopy_engine::train::Trainer;
 use canopy_engine::zoo::{Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_model};
-use canopy_engine::{Backend, CpuBackend, Value};
+use canopy_engine::{Backend, CpuBackend, EngineError, Value};
 use canopy_ir::{Model, autodiff};
 
 fn datasets() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets")
 }
 
-fn mlp() -> Result<Model> {
-    Ok(build_model(&ModelConfig {
+fn mlp_config() -> ModelConfig {
+    ModelConfig {
         architecture: Architecture::Mlp {
             inputs: 784,
             hidden: 32,
@@ -23,7 +24,11 @@ fn mlp() -> Result<Model> {
         optimizer: Optimizer::sgd(),
         frozen_prefixes: vec![],
         producer: "test".into(),
-    })?)
+    }
+}
+
+fn mlp() -> Result<Model> {
+    Ok(build_model(&mlp_config())?)
 }
 
 fn inputs_for(model: &Model, graph: &canopy_ir::Graph, x: &Value, y: &Value) -> Vec<Value> {
@@ -115,7 +120,7 @@ fn sgd_train_step_equals_parameter_minus_lr_times_gradient() -> Result<()> {
         .compile(&vg)?
         .run(inputs_for(&model, &vg, &batch.x, &batch.y))?;
     let before = model.clone();
-    let mut trainer = canopy_engine::train::Trainer::new(&model, &CpuBackend, 0)?;
+    let mut trainer = Trainer::new(&model, &CpuBackend, 0)?;
     let lr = 0.1f32;
     let stats = trainer.step(batch.x.clone(), batch.y.clone(), lr)?;
     assert!(
@@ -192,7 +197,7 @@ fn training_a_head_leaves_the_frozen_backbone_untouched() -> Result<()> {
     let mut model = lenet(&["conv", "fc1"], Optimizer::sgd())?;
     let before = model.clone();
     let (train, _) = load_dir(datasets().join("mnist-10k"))?;
-    let mut trainer = canopy_engine::train::Trainer::new(&model, &CpuBackend, 0)?;
+    let mut trainer = Trainer::new(&model, &CpuBackend, 0)?;
     for batch in train.batches(32, Some(3), true)?.take(5) {
         trainer.step(batch.x, batch.y, 0.05)?;
     }
@@ -234,25 +239,38 @@ fn divergence_is_an_error_that_keeps_the_parameters() -> Result<()> {
     let before = model.clone();
     let (train, _) = load_dir(datasets().join("mnist-10k"))?;
     let train = train.with_feature_shape(&[784])?;
-    let mut trainer = canopy_engine::train::Trainer::new(&model, &CpuBackend, 0)?;
+    let mut trainer = Trainer::new(&model, &CpuBackend, 0)?;
     let batch = train.batches(64, None, true)?.next().unwrap();
     let err = trainer
         .step(batch.x.clone(), batch.y.clone(), f32::NAN)
         .unwrap_err();
-    assert!(err.to_string().contains("learning rate NaN"), "{err}");
+    assert!(
+        matches!(err, EngineError::LearningRate(lr) if lr.is_nan()),
+        "{err:?}"
+    );
     // An absurd learning rate overflows the weights within a few steps.
     let mut failure = None;
     for _ in 0..20 {
         if let Err(e) = trainer.step(batch.x.clone(), batch.y.clone(), 1e30) {
-            failure = Some(e.to_string());
+            failure = Some(e);
             break;
         }
     }
     let failure = failure.expect("a learning rate of 1e30 diverges");
+    let EngineError::Diverged {
+        step,
+        rolled_back_to: 0,
+        ..
+    } = failure
+    else {
+        panic!("expected a divergence rolled back to step 0, got {failure:?}");
+    };
+    assert!((1..=20).contains(&step), "diverged at step {step}");
+    let message = failure.to_string();
     assert!(
-        failure.contains("diverged at step")
-            && failure.contains("rolled back to the parameters of step 0"),
-        "{failure}"
+        message.contains(&format!("diverged at step {step}"))
+            && message.contains("rolled back to the parameters of step 0"),
+        "{message}"
     );
     trainer.write_back(&mut model)?;
     assert_eq!(
@@ -261,6 +279,52 @@ fn divergence_is_an_error_that_keeps_the_parameters() -> Result<()> {
     );
     // The trainer is still usable after the rollback.
     assert!(trainer.step(batch.x, batch.y, 0.1)?.loss.is_finite());
+    Ok(())
+}
+
+/// A step whose graph fails to run says which step, where it rolled back
+/// to and why (as its source), and restores both the parameters and the
+/// optimizer state it had handed to the step.
+#[test]
+fn a_failed_step_keeps_its_cause_and_rolls_back_parameters_and_state() -> Result<()> {
+    let model = build_model(&ModelConfig {
+        optimizer: Optimizer::adam(),
+        ..mlp_config()
+    })?;
+    let (train, _) = load_dir(datasets().join("mnist-10k"))?;
+    let train = train.with_feature_shape(&[784])?;
+    let batch = train.batches(16, None, true)?.next().unwrap();
+    let mut trainer = Trainer::new(&model, &CpuBackend, 0)?;
+    trainer.step(batch.x.clone(), batch.y.clone(), 0.01)?;
+
+    let wrong_x = Value::f32(&[16, 783], vec![0.0; 16 * 783])?;
+    let err = trainer.step(wrong_x, batch.y.clone(), 0.01).unwrap_err();
+    let EngineError::Step {
+        step: 2,
+        rolled_back_to: 0,
+        source,
+    } = &err
+    else {
+        panic!("expected step 2 to fail and roll back to 0, got {err:?}");
+    };
+    assert!(
+        matches!(&**source, EngineError::Input { name, .. } if name == "x"),
+        "{source:?}"
+    );
+    let cause = std::error::Error::source(&err).map(ToString::to_string);
+    assert_eq!(cause, Some(source.to_string()), "the cause is the source");
+    assert_eq!(trainer.steps(), 0);
+
+    // Back at step 0, Adam's state included: the next step is a fresh
+    // trainer's first step, bit for bit.
+    let mut fresh = Trainer::new(&model, &CpuBackend, 0)?;
+    let again = trainer.step(batch.x.clone(), batch.y.clone(), 0.01)?;
+    let first = fresh.step(batch.x, batch.y, 0.01)?;
+    assert_eq!(again, first);
+    let (mut a, mut b) = (model.clone(), model.clone());
+    trainer.write_back(&mut a)?;
+    fresh.write_back(&mut b)?;
+    assert_eq!(a.parameters, b.parameters);
     Ok(())
 }
 
@@ -360,7 +424,7 @@ fn every_optimizer_matches_its_reference_update_over_three_steps() -> Result<()>
             &["params/linear.weight", "params/linear.bias"],
         )?;
         let mut grad_exec = CpuBackend.compile(&grads)?;
-        let mut trainer = canopy_engine::train::Trainer::new(&model, &CpuBackend, 0)?;
+        let mut trainer = Trainer::new(&model, &CpuBackend, 0)?;
         let names = ["linear.weight", "linear.bias"];
         let mut reference: Vec<Reference> = names
             .iter()

@@ -55,6 +55,50 @@ pub enum BinaryOp {
     Or,
 }
 
+/// Declares `$enum::ALL`, every variant in the order listed, and
+/// `$enum::position`, a `match` over the same list with no wildcard. A
+/// variant left out of the list makes that match non-exhaustive, a compile
+/// error; one listed twice is an unreachable pattern (denied by clippy's
+/// `-D warnings`). So `ALL`, which the file reader and its tests use,
+/// cannot fall behind the enum.
+macro_rules! all_variants {
+    ($(#[$doc:meta])* $enum:ident [$($variant:ident),+ $(,)?]) => {
+        impl $enum {
+            $(#[$doc])*
+            pub const ALL: [$enum; [$(stringify!($variant)),+].len()] = [$($enum::$variant),+];
+
+            /// This variant's index in `ALL`.
+            pub const fn position(self) -> usize {
+                match self {
+                    $($enum::$variant => {
+                        // Found while compiling, once per variant.
+                        const POSITION: usize = {
+                            let mut i = 0;
+                            while $enum::ALL[i] as u8 != $enum::$variant as u8 {
+                                i += 1;
+                            }
+                            i
+                        };
+                        POSITION
+                    })+
+                }
+            }
+        }
+    };
+}
+
+all_variants! {
+    /// Every unary op.
+    UnaryOp [
+        Neg, Abs, Sign, Exp, Log, Sqrt, Rsqrt, Reciprocal, Square, Relu, Gelu, Sigmoid, Tanh, Not,
+    ]
+}
+
+all_variants! {
+    /// Every binary op.
+    BinaryOp [Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge, And, Or]
+}
+
 impl BinaryOp {
     pub fn is_comparison(self) -> bool {
         matches!(
@@ -73,6 +117,11 @@ pub enum ReduceKind {
     Sum,
     Mean,
     Max,
+}
+
+all_variants! {
+    /// Every reduction.
+    ReduceKind [Sum, Mean, Max]
 }
 
 /// Convolution geometry; each pair is (height, width).

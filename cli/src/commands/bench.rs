@@ -12,6 +12,7 @@ use canopy_engine::optim::Optimizer;
 use canopy_engine::train::Trainer;
 use canopy_engine::zoo::{Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_model};
 use canopy_engine::{Backend, CpuBackend, Executable, Value};
+use canopy_ir::model::PARAM_PREFIX;
 use canopy_ir::{Graph, Model, TensorType, autodiff};
 use clap::Args;
 
@@ -176,7 +177,7 @@ fn backward_forward_ratio(model: &Model, train: &Dataset) -> Result<f64> {
         .parameters
         .iter()
         .filter(|p| p.trainable)
-        .map(|p| format!("params/{}", p.name))
+        .map(|p| format!("{PARAM_PREFIX}{}", p.name))
         .collect();
     let wrt: Vec<&str> = wrt.iter().map(String::as_str).collect();
     let both = canopy_engine::optimize_graph(&autodiff::value_and_grad(&forward, "loss", &wrt)?)?;
@@ -203,7 +204,7 @@ fn time_graph(graph: &Graph, model: &Model, x: &Value, y: &Value) -> Result<f64>
                     "seed" => Value::scalar_i64(1),
                     _ => Value::from_data(
                         &model
-                            .parameter(name.trim_start_matches("params/"))
+                            .parameter(name.strip_prefix(PARAM_PREFIX).unwrap_or(name))
                             .with_context(|| format!("no parameter for input `{name}`"))?
                             .data,
                     ),

@@ -2,6 +2,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use canopy_ir::format::digest_hex;
+use canopy_ir::model::{PARAM_PREFIX, STATE_PREFIX};
 use clap::Args;
 
 use crate::files::read_model_file;
@@ -55,17 +56,17 @@ pub fn run(args: InspectArgs) -> Result<()> {
         let inputs: Vec<String> = graph
             .inputs()
             .iter()
-            .filter(|&&i| !graph.input_name(i).starts_with("params/"))
+            .filter(|&&i| !graph.input_name(i).starts_with(PARAM_PREFIX))
             .map(|&i| format!("{}: {}", graph.input_name(i), graph.ty(i)))
             .collect();
         let outputs: Vec<String> = graph
             .outputs()
             .iter()
-            .filter(|(n, _)| !n.starts_with("params/") && !n.starts_with("state/"))
+            .filter(|(n, _)| !n.starts_with(PARAM_PREFIX) && !n.starts_with(STATE_PREFIX))
             .map(|(n, v)| format!("{n}: {}", graph.ty(*v)))
             .collect();
         outln!("  {name} ({} nodes)", graph.len())?;
-        outln!("    inputs:  params/*, {}", inputs.join(", "))?;
+        outln!("    inputs:  {PARAM_PREFIX}*, {}", inputs.join(", "))?;
         outln!("    outputs: {}", outputs.join(", "))?;
         let counts: Vec<String> = graph
             .op_counts()

@@ -1,7 +1,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow};
 use canopy_engine::CpuBackend;
 use canopy_engine::data::Dataset;
 use canopy_engine::optim::Optimizer;
@@ -10,6 +10,7 @@ use canopy_engine::zoo::{
     PROP_OPTIMIZER, fit_input_stats, needs_input_stats, rebuild_train_step, set_frozen,
 };
 use canopy_ir::Model;
+use canopy_protocol::bounds::{self, BoundsError};
 use clap::Args;
 
 use super::load_for_model;
@@ -47,10 +48,6 @@ pub struct TrainArgs {
     #[arg(long)]
     json: bool,
 }
-
-/// Caps on the loop's size, so a typo cannot run for days.
-const MAX_EPOCHS: usize = 10_000;
-const MAX_BATCH: usize = 1 << 16;
 
 pub fn run(args: TrainArgs) -> Result<()> {
     check_args(&args)?;
@@ -108,20 +105,28 @@ pub fn run(args: TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// Refuses settings outside the training bounds every tier shares
+/// (`canopy_protocol::bounds`), so a typo cannot run for days and a run
+/// here is one a device would accept.
 fn check_args(args: &TrainArgs) -> Result<()> {
-    if args.epochs == 0 || args.epochs > MAX_EPOCHS {
-        bail!(
-            "--epochs {} is out of range (1..={MAX_EPOCHS})",
-            args.epochs
-        );
-    }
-    if args.batch == 0 || args.batch > MAX_BATCH {
-        bail!("--batch {} is out of range (1..={MAX_BATCH})", args.batch);
-    }
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        bail!("--lr {} must be a positive finite number", args.lr);
-    }
+    let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+    bounds::check_epochs("--epochs", count(args.epochs)).map_err(flag_error)?;
+    bounds::check_batch_size("--batch", count(args.batch)).map_err(flag_error)?;
+    bounds::check_learning_rate("--lr", f64::from(args.lr)).map_err(flag_error)?;
     Ok(())
+}
+
+/// A broken bound in the CLI's words, naming the flag:
+/// `--epochs 0 is out of range 1..=1000`.
+fn flag_error(error: BoundsError) -> anyhow::Error {
+    match error {
+        BoundsError::OutOfRange {
+            field,
+            value,
+            allowed,
+        } => anyhow!("{field} {value} is out of range {allowed}"),
+        other => other.into(),
+    }
 }
 
 /// Applies `--freeze` and `--optimizer` by deriving a new `train_step` from

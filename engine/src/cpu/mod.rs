@@ -13,8 +13,10 @@ use crate::error::{EngineError, EngineResult};
 use crate::value::Value;
 pub use kernels::Arg;
 
-/// The CPU backend. Matmul runs on `matrixmultiply` (threaded), large
-/// elementwise and reduction kernels on rayon.
+/// The CPU backend. Everything runs on rayon's pool: a large matmul is
+/// split in halves under `rayon::join`, each a single-threaded
+/// `matrixmultiply` call, and large elementwise and reduction kernels fork
+/// there too.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend;
 
@@ -188,11 +190,10 @@ impl CpuExecutable {
     fn run_here(&mut self, inputs: Vec<Value>) -> EngineResult<Vec<Value>> {
         let expected = self.graph.inputs().len();
         if inputs.len() != expected {
-            return Err(EngineError::Other(format!(
-                "graph takes {expected} inputs ({}), got {}",
-                self.input_names.join(", "),
-                inputs.len()
-            )));
+            return Err(EngineError::InputCount {
+                expected: self.input_names.clone(),
+                got: inputs.len(),
+            });
         }
         let batch = self.bind_batch(&inputs)?;
         let mut values: Vec<Option<Value>> = vec![None; self.graph.len()];
@@ -270,10 +271,15 @@ impl CpuExecutable {
                 None => Arg::Shared(self.lookup(values, id)),
             })
             .collect();
-        kernels::eval(&node.op, args, &node.ty, batch).map_err(|cause| EngineError::Kernel {
-            node: index,
+        kernels::eval(&node.op, args, &node.ty, batch).map_err(|source| EngineError::Kernel {
+            node: Some(index),
             op: node.op.name(),
-            cause,
+            operands: node
+                .inputs
+                .iter()
+                .map(|&id| self.graph.ty(id).shape.resolve(batch))
+                .collect(),
+            source,
         })
     }
 }

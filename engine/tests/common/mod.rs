@@ -17,13 +17,22 @@ type Objective<'a> = dyn Fn(&mut Box<dyn Executable>, Vec<Value>) -> f64 + 'a;
 pub fn compile(graph: &Graph) -> Box<dyn Executable> {
     CpuBackend
         .compile(graph)
-        .unwrap_or_else(|e| panic!("compile failed: {e}\n{graph:#?}"))
+        .unwrap_or_else(|e| panic!("compile failed: {e:?}\n{graph:#?}"))
 }
 
 pub fn run(graph: &Graph, inputs: Vec<Value>) -> Vec<Value> {
     compile(graph)
         .run(inputs)
-        .unwrap_or_else(|e| panic!("run failed: {e}"))
+        .unwrap_or_else(|e| panic!("run failed: {e:?}"))
+}
+
+/// Cases per property test: 32, or `PROPTEST_CASES` for a soak run (the
+/// suites set their own config, which would otherwise ignore it).
+pub fn proptest_cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(32)
 }
 
 /// Finite-difference step and tolerances.

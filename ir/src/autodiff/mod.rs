@@ -13,12 +13,14 @@
 //!
 //! Only *active* nodes are differentiated: those that depend on a `wrt`
 //! input and lead to a differentiated output (see `activity.rs`). A frozen
-//! backbone therefore gets no derivative nodes at all.
+//! backbone therefore gets no derivative nodes at all. Rules still emit a
+//! contribution for every operand, so each transform ends with the
+//! dead-code pass ([`crate::passes::eliminate_dead_code`]), which drops
+//! the ones no output reads.
 
 mod activity;
 mod backward;
 mod custom;
-mod dce;
 mod forward;
 mod util;
 
@@ -26,6 +28,7 @@ pub use custom::{call_custom, custom_grad};
 
 use crate::error::{IrError, IrResult};
 use crate::graph::{Graph, ValueId};
+use crate::passes::eliminate_dead_code;
 use crate::types::DType;
 
 /// Prefix of the cotangent inputs of a [`vjp`] graph.
@@ -86,7 +89,7 @@ pub fn jvp(graph: &Graph, wrt: &[&str]) -> IrResult<Graph> {
         outputs.push((format!("{TANGENT_PREFIX}{name}"), t));
     }
     g.set_outputs(outputs)?;
-    dce::sweep(&g)
+    eliminate_dead_code(&g)
 }
 
 /// Shared front half of [`grad`] and [`value_and_grad`]: seeds the scalar
@@ -119,7 +122,7 @@ fn finish(
         outputs.push((format!("{GRAD_PREFIX}{name}"), grad));
     }
     g.set_outputs(outputs)?;
-    dce::sweep(&g)
+    eliminate_dead_code(&g)
 }
 
 /// Looks up the `wrt` inputs; each must exist, be f32 and appear once.

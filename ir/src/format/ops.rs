@@ -13,43 +13,6 @@ use super::schema::{DimRec, NodeRec};
 use super::write::{DataWriter, check_tensor, dim_value, encode_graph};
 use super::{INLINE_MAX_ELEMENTS, hex};
 
-const UNARY: [UnaryOp; 14] = [
-    UnaryOp::Neg,
-    UnaryOp::Abs,
-    UnaryOp::Sign,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Rsqrt,
-    UnaryOp::Reciprocal,
-    UnaryOp::Square,
-    UnaryOp::Relu,
-    UnaryOp::Gelu,
-    UnaryOp::Sigmoid,
-    UnaryOp::Tanh,
-    UnaryOp::Not,
-];
-
-const BINARY: [BinaryOp; 15] = [
-    BinaryOp::Add,
-    BinaryOp::Sub,
-    BinaryOp::Mul,
-    BinaryOp::Div,
-    BinaryOp::Pow,
-    BinaryOp::Maximum,
-    BinaryOp::Minimum,
-    BinaryOp::Eq,
-    BinaryOp::Ne,
-    BinaryOp::Lt,
-    BinaryOp::Le,
-    BinaryOp::Gt,
-    BinaryOp::Ge,
-    BinaryOp::And,
-    BinaryOp::Or,
-];
-
-const REDUCE: [ReduceKind; 3] = [ReduceKind::Sum, ReduceKind::Mean, ReduceKind::Max];
-
 const CONV: &[&str] = &["stride", "padding", "dilation"];
 const POOL: &[&str] = &["kernel", "stride", "padding"];
 
@@ -81,11 +44,15 @@ fn attrs_of(op: &str) -> Option<&'static [&'static str]> {
 }
 
 fn find_unary(name: &str) -> Option<UnaryOp> {
-    UNARY.into_iter().find(|&u| Op::Unary(u).name() == name)
+    UnaryOp::ALL
+        .into_iter()
+        .find(|&u| Op::Unary(u).name() == name)
 }
 
 fn find_binary(name: &str) -> Option<BinaryOp> {
-    BINARY.into_iter().find(|&b| Op::Binary(b).name() == name)
+    BinaryOp::ALL
+        .into_iter()
+        .find(|&b| Op::Binary(b).name() == name)
 }
 
 fn find_reduce(name: &str) -> Option<ReduceKind> {
@@ -97,7 +64,7 @@ fn find_reduce(name: &str) -> Option<ReduceKind> {
         };
         op.name() == name
     };
-    REDUCE.into_iter().find(|&k| named(k))
+    ReduceKind::ALL.into_iter().find(|&k| named(k))
 }
 
 // ---- encoding ----------------------------------------------------------

@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use super::Arg;
 use super::tensor::{Tensor, as_slice, checked_len, from_vec, standard, tensor};
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// Multiply-adds from which a convolution is split across threads.
@@ -36,7 +37,7 @@ impl Geometry {
         [channels, filters]: [usize; 2],
         in_hw: [usize; 2],
         kernel: [usize; 2],
-    ) -> Result<Geometry, String> {
+    ) -> Result<Geometry, KernelError> {
         let mut out_hw = [0; 2];
         for i in 0..2 {
             out_hw[i] = window_output_size(
@@ -48,7 +49,9 @@ impl Geometry {
             )
             .filter(|&o| o > 0 && attrs.dilation[i] > 0)
             .ok_or_else(|| {
-                format!("kernel {kernel:?} with {attrs:?} does not fit input {in_hw:?}")
+                KernelError::Attribute(format!(
+                    "kernel {kernel:?} with {attrs:?} does not fit input {in_hw:?}"
+                ))
             })?;
         }
         let g = Geometry {
@@ -174,7 +177,7 @@ impl Geometry {
         &self,
         image: &'a [f32],
         scratch: &'a mut Vec<f32>,
-    ) -> Result<ArrayView2<'a, f32>, String> {
+    ) -> Result<ArrayView2<'a, f32>, KernelError> {
         let shape = (self.patch(), self.out_plane());
         if self.is_pointwise() {
             return matrix(shape, image);
@@ -185,29 +188,36 @@ impl Geometry {
     }
 }
 
-fn matrix(shape: (usize, usize), data: &[f32]) -> Result<ArrayView2<'_, f32>, String> {
-    ArrayView2::from_shape(shape, data).map_err(|e| format!("internal error: {e}"))
+fn matrix(shape: (usize, usize), data: &[f32]) -> Result<ArrayView2<'_, f32>, KernelError> {
+    ArrayView2::from_shape(shape, data).map_err(|e| KernelError::Internal(e.to_string()))
 }
 
-fn matrix_mut(shape: (usize, usize), data: &mut [f32]) -> Result<ArrayViewMut2<'_, f32>, String> {
-    ArrayViewMut2::from_shape(shape, data).map_err(|e| format!("internal error: {e}"))
+fn matrix_mut(
+    shape: (usize, usize),
+    data: &mut [f32],
+) -> Result<ArrayViewMut2<'_, f32>, KernelError> {
+    ArrayViewMut2::from_shape(shape, data).map_err(|e| KernelError::Internal(e.to_string()))
 }
 
 /// An NCHW (or OIHW) f32 operand and its four dimensions.
-fn rank4<'a>(arg: Arg<'a>, role: &str) -> Result<(Tensor<'a, f32>, [usize; 4]), String> {
+fn rank4<'a>(arg: Arg<'a>, role: &str) -> Result<(Tensor<'a, f32>, [usize; 4]), KernelError> {
     let x = tensor::<f32>(arg, role)?;
     match *x.shape() {
         [a, b, c, d] => Ok((x, [a, b, c, d])),
-        ref other => Err(format!("{role} must have rank 4, got shape {other:?}")),
+        ref other => Err(KernelError::Rank {
+            role: role.to_string(),
+            expected: "4",
+            got: other.to_vec(),
+        }),
     }
 }
 
 /// Runs `f(image, out_chunk, scratch)` for each of `images` equal chunks of
 /// `out`, in parallel when `work` is large; each thread owns a scratch
 /// buffer for its patch matrices.
-fn per_image<F>(out: &mut [f32], images: usize, work: usize, f: F) -> Result<(), String>
+fn per_image<F>(out: &mut [f32], images: usize, work: usize, f: F) -> Result<(), KernelError>
 where
-    F: Fn(usize, &mut [f32], &mut Vec<f32>) -> Result<(), String> + Sync + Send,
+    F: Fn(usize, &mut [f32], &mut Vec<f32>) -> Result<(), KernelError> + Sync + Send,
 {
     if out.is_empty() || images == 0 {
         return Ok(());
@@ -226,13 +236,13 @@ where
 }
 
 /// conv2d(x: [N, C, H, W], w: [O, C, KH, KW]) → [N, O, OH, OW].
-pub fn conv2d(x: Arg<'_>, w: Arg<'_>, attrs: &Conv2dAttrs) -> Result<Value, String> {
+pub fn conv2d(x: Arg<'_>, w: Arg<'_>, attrs: &Conv2dAttrs) -> Result<Value, KernelError> {
     let (x, [n, c, h, width]) = rank4(x, "input")?;
     let (w, [o, wc, kh, kw]) = rank4(w, "filter")?;
     if wc != c {
-        return Err(format!(
+        return Err(KernelError::Shape(format!(
             "input has {c} channels but the filter expects {wc}"
-        ));
+        )));
     }
     let g = Geometry::new(attrs, [c, o], [h, width], [kh, kw])?;
     let (xv, wv) = (x.view(), w.view());
@@ -256,16 +266,16 @@ pub fn conv2d_backward_input(
     w: Arg<'_>,
     attrs: &Conv2dAttrs,
     input_hw: [usize; 2],
-) -> Result<Value, String> {
+) -> Result<Value, KernelError> {
     let (dy, [n, o, oh, ow]) = rank4(dy, "gradient")?;
     let (w, [wo, c, kh, kw]) = rank4(w, "filter")?;
     let g = Geometry::new(attrs, [c, wo], input_hw, [kh, kw])?;
     if o != wo || [oh, ow] != g.out_hw {
-        return Err(format!(
+        return Err(KernelError::Shape(format!(
             "gradient {:?} does not match the output of filter {:?} on input {input_hw:?}",
             dy.shape(),
             w.shape()
-        ));
+        )));
     }
     let (dv, wv) = (dy.view(), w.view());
     let (dd, wd) = (standard(&dv), standard(&wv));
@@ -298,16 +308,16 @@ pub fn conv2d_backward_filter(
     dy: Arg<'_>,
     attrs: &Conv2dAttrs,
     kernel_hw: [usize; 2],
-) -> Result<Value, String> {
+) -> Result<Value, KernelError> {
     let (x, [n, c, h, w]) = rank4(x, "input")?;
     let (dy, [dn, o, oh, ow]) = rank4(dy, "gradient")?;
     let g = Geometry::new(attrs, [c, o], [h, w], kernel_hw)?;
     if dn != n || [oh, ow] != g.out_hw {
-        return Err(format!(
+        return Err(KernelError::Shape(format!(
             "gradient {:?} does not match the output of a {kernel_hw:?} filter on input {:?}",
             dy.shape(),
             x.shape()
-        ));
+        )));
     }
     let (xv, dv) = (x.view(), dy.view());
     let (xd, dd) = (standard(&xv), standard(&dv));
@@ -317,7 +327,7 @@ pub fn conv2d_backward_filter(
     let grad = filter_gradient(&g, n, xs, ds)?;
     let grad = grad
         .into_shape_with_order(IxDyn(&shape))
-        .map_err(|e| format!("internal error: {e}"))?;
+        .map_err(|e| KernelError::Internal(e.to_string()))?;
     Ok(Value::F32(grad))
 }
 
@@ -328,8 +338,8 @@ fn filter_gradient(
     images: usize,
     xs: &[f32],
     ds: &[f32],
-) -> Result<Array2<f32>, String> {
-    let accumulate = |range: Range<usize>| -> Result<Array2<f32>, String> {
+) -> Result<Array2<f32>, KernelError> {
+    let accumulate = |range: Range<usize>| -> Result<Array2<f32>, KernelError> {
         let mut grad = Array2::<f32>::zeros((g.filters, g.patch()));
         let mut scratch = Vec::new();
         for i in range {
@@ -352,7 +362,7 @@ fn filter_gradient(
         .collect::<Vec<_>>()
         .into_par_iter()
         .map(|start| accumulate(start..(start + per_task).min(images)))
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect::<Result<Vec<_>, KernelError>>()?;
     let mut parts = partials.into_iter();
     let mut total = parts
         .next()

@@ -13,12 +13,13 @@ use super::Arg;
 use super::tensor::{
     Element, Number, PAR_THRESHOLD, Tensor, broadcast_shapes, broadcast_to, tensor, to_standard,
 };
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// √(2/π), the constant of the tanh approximation of GELU.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 
-pub fn unary(op: UnaryOp, arg: Arg<'_>) -> Result<Value, String> {
+pub fn unary(op: UnaryOp, arg: Arg<'_>) -> Result<Value, KernelError> {
     if op == UnaryOp::Not {
         let x = tensor::<bool>(arg, "operand")?;
         return Ok(Value::Bool(map(x, |v| !v)));
@@ -39,7 +40,11 @@ pub fn unary(op: UnaryOp, arg: Arg<'_>) -> Result<Value, String> {
         UnaryOp::Gelu => map(x, gelu),
         UnaryOp::Sigmoid => map(x, |v| 1.0 / (1.0 + (-v).exp())),
         UnaryOp::Tanh => map(x, f32::tanh),
-        UnaryOp::Not => return Err("internal error: `not` reached the f32 kernels".to_string()),
+        UnaryOp::Not => {
+            return Err(KernelError::Internal(
+                "`not` reached the f32 kernels".to_string(),
+            ));
+        }
     };
     Ok(Value::F32(out))
 }
@@ -75,7 +80,7 @@ fn map<T: Element>(x: Tensor<'_, T>, f: impl Fn(T) -> T + Sync + Send) -> ArrayD
     }
 }
 
-pub fn binary(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<Value, String> {
+pub fn binary(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<Value, KernelError> {
     let dtype = a.value().dtype();
     if op.is_comparison() {
         return for_each_dtype!(dtype, T => compare::<T>(op, a, b));
@@ -95,15 +100,20 @@ pub fn binary(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<Value, String> {
         DType::F32 => arithmetic::<f32>(op, a, b).map(Value::F32),
         DType::I64 => arithmetic::<i64>(op, a, b).map(Value::I64),
         DType::I32 => arithmetic::<i32>(op, a, b).map(Value::I32),
-        DType::Bool => Err(format!("`{op:?}` needs numeric operands, got bool")),
+        DType::Bool => Err(KernelError::DType {
+            role: "left operand".to_string(),
+            expected: "numeric",
+            got: DType::Bool,
+        }),
     }
 }
 
-fn arithmetic<T: Number>(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<ArrayD<T>, String> {
+fn arithmetic<T: Number>(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<ArrayD<T>, KernelError> {
     if op == BinaryOp::Pow {
         let (x, y) = (tensor::<f32>(a, "base")?, tensor::<f32>(b, "exponent")?);
         let out = combine(x, y, f32::powf)?;
-        return T::from_value(Value::F32(out)).ok_or_else(|| "pow needs f32 operands".to_string());
+        return T::from_value(Value::F32(out))
+            .ok_or_else(|| KernelError::Internal("pow reached a non-f32 kernel".to_string()));
     }
     let (x, y) = (
         tensor::<T>(a, "left operand")?,
@@ -115,19 +125,21 @@ fn arithmetic<T: Number>(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<ArrayD<
         BinaryOp::Mul => combine(x, y, T::times),
         BinaryOp::Div => {
             if T::DIVISION_BY_ZERO_IS_ERROR && y.view().iter().any(|&d| d == T::ZERO) {
-                return Err("integer division by zero".to_string());
+                return Err(KernelError::DivisionByZero);
             }
             combine(x, y, T::divide)
         }
         BinaryOp::Maximum => combine(x, y, T::maximum),
         BinaryOp::Minimum => combine(x, y, T::minimum),
-        other => Err(format!("`{other:?}` is not an arithmetic op")),
+        other => Err(KernelError::Internal(format!(
+            "`{other:?}` is not an arithmetic op"
+        ))),
     }
 }
 
 /// `f(a, b)` elementwise with NumPy broadcasting, into an owned operand of
 /// the output shape when there is one.
-fn combine<T, F>(a: Tensor<'_, T>, b: Tensor<'_, T>, f: F) -> Result<ArrayD<T>, String>
+fn combine<T, F>(a: Tensor<'_, T>, b: Tensor<'_, T>, f: F) -> Result<ArrayD<T>, KernelError>
 where
     T: Element,
     F: Fn(T, T) -> T + Sync + Send,
@@ -150,7 +162,7 @@ where
 }
 
 /// `acc[i] = f(acc[i], other[i])`, with `other` broadcast to `acc`'s shape.
-fn update<T, F>(acc: &mut ArrayD<T>, other: &ArrayViewD<'_, T>, f: F) -> Result<(), String>
+fn update<T, F>(acc: &mut ArrayD<T>, other: &ArrayViewD<'_, T>, f: F) -> Result<(), KernelError>
 where
     T: Element,
     F: Fn(T, T) -> T + Sync + Send,
@@ -284,7 +296,7 @@ fn trim_leading_ones(shape: &[usize]) -> &[usize] {
     &shape[ones..]
 }
 
-fn compare<T: Element>(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<Value, String> {
+fn compare<T: Element>(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<Value, KernelError> {
     let (x, y) = (
         tensor::<T>(a, "left operand")?,
         tensor::<T>(b, "right operand")?,
@@ -297,7 +309,9 @@ fn compare<T: Element>(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<Value, St
         BinaryOp::Le => compare_with(&x, &y, |p, q| p <= q),
         BinaryOp::Gt => compare_with(&x, &y, |p, q| p > q),
         BinaryOp::Ge => compare_with(&x, &y, |p, q| p >= q),
-        other => Err(format!("`{other:?}` is not a comparison")),
+        other => Err(KernelError::Internal(format!(
+            "`{other:?}` is not a comparison"
+        ))),
     }?;
     Ok(Value::Bool(out))
 }
@@ -306,7 +320,7 @@ fn compare_with<T, F>(
     a: &ArrayViewD<'_, T>,
     b: &ArrayViewD<'_, T>,
     f: F,
-) -> Result<ArrayD<bool>, String>
+) -> Result<ArrayD<bool>, KernelError>
 where
     T: Element,
     F: Fn(T, T) -> bool + Sync + Send,
@@ -323,7 +337,7 @@ where
 
 /// where(cond, a, b) with broadcasting, into an owned branch of the output
 /// shape when there is one.
-pub fn select(cond: Arg<'_>, a: Arg<'_>, b: Arg<'_>) -> Result<Value, String> {
+pub fn select(cond: Arg<'_>, a: Arg<'_>, b: Arg<'_>) -> Result<Value, KernelError> {
     let cond = tensor::<bool>(cond, "condition")?;
     let dtype = a.value().dtype();
     for_each_dtype!(dtype, T => {
@@ -336,7 +350,7 @@ fn select_typed<T: Element>(
     cond: &ArrayViewD<'_, bool>,
     a: Tensor<'_, T>,
     b: Tensor<'_, T>,
-) -> Result<ArrayD<T>, String> {
+) -> Result<ArrayD<T>, KernelError> {
     let shape = broadcast_shapes(&broadcast_shapes(cond.shape(), a.shape())?, b.shape())?;
     let cond = broadcast_to(cond, &shape)?;
     let (mut acc, other, keep_when) = match (a, b) {

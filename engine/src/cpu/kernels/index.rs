@@ -7,36 +7,45 @@ use ndarray::ArrayD;
 
 use super::Arg;
 use super::tensor::{Element, as_slice, check_axis, checked_len, from_vec, standard, tensor};
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// Index tensor contents in row-major order, widened to i64, with its shape.
-fn index_values(arg: &Arg<'_>) -> Result<(Vec<i64>, Vec<usize>), String> {
+fn index_values(arg: &Arg<'_>) -> Result<(Vec<i64>, Vec<usize>), KernelError> {
     match arg.value() {
         Value::I64(a) => Ok((a.iter().copied().collect(), a.shape().to_vec())),
         Value::I32(a) => Ok((
             a.iter().map(|&i| i64::from(i)).collect(),
             a.shape().to_vec(),
         )),
-        other => Err(format!("indices must be i64 or i32, got {}", other.dtype())),
+        other => Err(KernelError::DType {
+            role: "indices".to_string(),
+            expected: "i64 or i32",
+            got: other.dtype(),
+        }),
     }
 }
 
 /// The indices as positions along an axis of `len`; any outside `0..len`
 /// is an error.
-fn positions(indices: &[i64], axis: usize, len: usize) -> Result<Vec<usize>, String> {
+fn positions(indices: &[i64], axis: usize, len: usize) -> Result<Vec<usize>, KernelError> {
     indices
         .iter()
         .map(|&i| {
             usize::try_from(i)
                 .ok()
                 .filter(|&p| p < len)
-                .ok_or_else(|| format!("index {i} is out of range for axis {axis} of length {len}"))
+                .ok_or(KernelError::IndexOutOfRange {
+                    index: i,
+                    axis,
+                    len,
+                })
         })
         .collect()
 }
 
 /// out.shape = data.shape[..axis] ++ indices.shape ++ data.shape[axis+1..].
-pub fn gather(data: Arg<'_>, indices: Arg<'_>, axis: usize) -> Result<Value, String> {
+pub fn gather(data: Arg<'_>, indices: Arg<'_>, axis: usize) -> Result<Value, KernelError> {
     let (indices, index_shape) = index_values(&indices)?;
     let shape = data.value().shape().to_vec();
     check_axis(axis, shape.len())?;
@@ -78,16 +87,16 @@ pub fn scatter_add(
     updates: Arg<'_>,
     axis: usize,
     dim_size: usize,
-) -> Result<Value, String> {
+) -> Result<Value, KernelError> {
     let (indices, index_shape) = index_values(&indices)?;
     let positions = positions(&indices, axis, dim_size)?;
     let updates = tensor::<f32>(updates, "updates")?;
     let shape = updates.shape().to_vec();
     let index_end = axis + index_shape.len();
     if shape.len() < index_end || shape[axis..index_end] != index_shape[..] {
-        return Err(format!(
+        return Err(KernelError::Shape(format!(
             "updates {shape:?} do not fit indices {index_shape:?} at axis {axis}"
-        ));
+        )));
     }
     let out_shape = [&shape[..axis], &[dim_size], &shape[index_end..]].concat();
     let blocks = Blocks {
@@ -127,7 +136,7 @@ fn scatter_rows(updates: &[f32], positions: &[usize], blocks: Blocks, out: &mut 
 }
 
 /// f32 [..., depth] with a 1 at each index; out-of-range rows stay zero.
-pub fn one_hot(indices: Arg<'_>, depth: usize) -> Result<Value, String> {
+pub fn one_hot(indices: Arg<'_>, depth: usize) -> Result<Value, KernelError> {
     let (indices, index_shape) = index_values(&indices)?;
     let out_shape = [&index_shape[..], &[depth]].concat();
     let mut out = vec![0.0f32; checked_len(&out_shape)?];

@@ -6,11 +6,12 @@ use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewD, ArrayViewMut2, Axis, Ix2, 
 
 use super::Arg;
 use super::tensor::{broadcast_shapes, broadcast_to, checked_len, filled, tensor};
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// [..., m, k] × [..., k, n] → [..., m, n]; `transpose` swaps the last two
 /// axes of the left and right operand first.
-pub fn matmul(a: Arg<'_>, b: Arg<'_>, transpose: [bool; 2]) -> Result<Value, String> {
+pub fn matmul(a: Arg<'_>, b: Arg<'_>, transpose: [bool; 2]) -> Result<Value, KernelError> {
     let (a, b) = (
         tensor::<f32>(a, "left operand")?,
         tensor::<f32>(b, "right operand")?,
@@ -25,11 +26,11 @@ pub fn matmul(a: Arg<'_>, b: Arg<'_>, transpose: [bool; 2]) -> Result<Value, Str
         b.shape()[rb - 1],
     );
     if k != k2 {
-        return Err(format!(
+        return Err(KernelError::Shape(format!(
             "inner dimensions differ: {:?} × {:?} (after transposes)",
             a.shape(),
             b.shape()
-        ));
+        )));
     }
     if ra == 2 && rb == 2 {
         return Ok(Value::F32(matmul_2d(&as_2d(a)?, &as_2d(b)?)?.into_dyn()));
@@ -46,13 +47,14 @@ fn matrix_view<'a>(
     mut view: ArrayViewD<'a, f32>,
     transpose: bool,
     side: &str,
-) -> Result<ArrayViewD<'a, f32>, String> {
+) -> Result<ArrayViewD<'a, f32>, KernelError> {
     let rank = view.ndim();
     if rank < 2 {
-        return Err(format!(
-            "{side} operand must have rank >= 2, got {:?}",
-            view.shape()
-        ));
+        return Err(KernelError::Rank {
+            role: format!("{side} operand"),
+            expected: ">= 2",
+            got: view.shape().to_vec(),
+        });
     }
     if transpose {
         view.swap_axes(rank - 2, rank - 1);
@@ -60,12 +62,12 @@ fn matrix_view<'a>(
     Ok(view)
 }
 
-fn as_2d(view: ArrayViewD<'_, f32>) -> Result<ArrayView2<'_, f32>, String> {
+fn as_2d(view: ArrayViewD<'_, f32>) -> Result<ArrayView2<'_, f32>, KernelError> {
     view.into_dimensionality::<Ix2>()
-        .map_err(|e| format!("internal error: {e}"))
+        .map_err(|e| KernelError::Internal(e.to_string()))
 }
 
-fn matmul_2d(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<Array2<f32>, String> {
+fn matmul_2d(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<Array2<f32>, KernelError> {
     let shape = [a.nrows(), b.ncols()];
     checked_len(&shape)?;
     let mut out = Array2::zeros(shape);
@@ -116,7 +118,10 @@ fn gemm(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>, c: &mut ArrayViewMut2<
 
 /// A contiguous [..., m, k] left operand times a plain matrix is one
 /// [(... m), k] × [k, n] product: one large gemm instead of many small ones.
-fn matmul_folded(a: &ArrayViewD<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<ArrayD<f32>, String> {
+fn matmul_folded(
+    a: &ArrayViewD<'_, f32>,
+    b: &ArrayView2<'_, f32>,
+) -> Result<ArrayD<f32>, KernelError> {
     let k = a.shape()[a.ndim() - 1];
     let mut out_shape = a.shape().to_vec();
     let last = out_shape.len() - 1;
@@ -128,10 +133,10 @@ fn matmul_folded(a: &ArrayViewD<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<Arr
     let a2 = a
         .view()
         .into_shape_with_order((a.len() / k, k))
-        .map_err(|e| format!("internal error: {e}"))?;
+        .map_err(|e| KernelError::Internal(e.to_string()))?;
     let out = matmul_2d(&a2, b)?;
     out.into_shape_with_order(IxDyn(&out_shape))
-        .map_err(|e| format!("internal error: {e}"))
+        .map_err(|e| KernelError::Internal(e.to_string()))
 }
 
 /// One gemm per element of the broadcast batch dimensions.
@@ -140,7 +145,7 @@ fn matmul_batched(
     b: &ArrayViewD<'_, f32>,
     batch: &[usize],
     [m, k, n]: [usize; 3],
-) -> Result<ArrayD<f32>, String> {
+) -> Result<ArrayD<f32>, KernelError> {
     let a = broadcast_to(a, &[batch, &[m, k]].concat())?;
     let b = broadcast_to(b, &[batch, &[k, n]].concat())?;
     let out_shape = [batch, &[m, n]].concat();
@@ -152,7 +157,7 @@ fn matmul_batched(
     let mut out3 = out
         .view_mut()
         .into_shape_with_order((count, m, n))
-        .map_err(|e| format!("internal error: {e}"))?;
+        .map_err(|e| KernelError::Internal(e.to_string()))?;
     for (flat, mut c) in out3.outer_iter_mut().enumerate() {
         let index = unravel(flat, batch);
         let (a2, b2) = (as_2d(select(&a, &index))?, as_2d(select(&b, &index))?);

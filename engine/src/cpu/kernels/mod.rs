@@ -4,6 +4,7 @@
 
 use canopy_ir::{Op, TensorType};
 
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// Expands `$body` once per dtype with `$T` bound to that dtype's element
@@ -67,19 +68,22 @@ impl Arg<'_> {
 }
 
 /// Evaluates `op` on `args`. `out_ty` is the node's declared type and
-/// `batch` the bound batch size; errors are plain causes.
+/// `batch` the bound batch size. Errors say what is wrong with the
+/// operands; the caller adds the node, the op and the operand shapes.
 pub fn eval(
     op: &Op,
     args: Vec<Arg<'_>>,
     out_ty: &TensorType,
     batch: usize,
-) -> Result<Value, String> {
+) -> Result<Value, KernelError> {
     let out_shape = out_ty.shape.resolve(batch);
     match op {
-        Op::Input { .. } | Op::Constant(_) | Op::CustomGrad(_) => Err(format!(
-            "op `{}` is handled by the executor, not by a kernel",
-            op.name()
-        )),
+        Op::Input { .. } | Op::Constant(_) | Op::CustomGrad(_) => {
+            Err(KernelError::Internal(format!(
+                "op `{}` is handled by the executor, not by a kernel",
+                op.name()
+            )))
+        }
         Op::Unary(u) => {
             let [x] = operands(args)?;
             elementwise::unary(*u, x)
@@ -196,8 +200,10 @@ pub fn eval(
 }
 
 /// The arguments as a fixed-size array, or an error naming the mismatch.
-fn operands<const N: usize>(args: Vec<Arg<'_>>) -> Result<[Arg<'_>; N], String> {
+fn operands<const N: usize>(args: Vec<Arg<'_>>) -> Result<[Arg<'_>; N], KernelError> {
     let count = args.len();
-    args.try_into()
-        .map_err(|_| format!("expects {N} operands, got {count}"))
+    args.try_into().map_err(|_| KernelError::Operands {
+        expected: N,
+        got: count,
+    })
 }

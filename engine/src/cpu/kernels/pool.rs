@@ -12,6 +12,7 @@ use rayon::prelude::*;
 
 use super::Arg;
 use super::tensor::{PAR_THRESHOLD, Tensor, as_slice, from_vec, standard, tensor};
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// Pooling geometry for one input size, with each output row's and
@@ -27,7 +28,7 @@ struct Geometry {
 }
 
 impl Geometry {
-    fn new(attrs: &Pool2dAttrs, in_hw: [usize; 2]) -> Result<Geometry, String> {
+    fn new(attrs: &Pool2dAttrs, in_hw: [usize; 2]) -> Result<Geometry, KernelError> {
         let mut out_hw = [0; 2];
         for i in 0..2 {
             out_hw[i] = window_output_size(
@@ -38,7 +39,9 @@ impl Geometry {
                 1,
             )
             .filter(|&o| o > 0 && attrs.kernel[i] > 0)
-            .ok_or_else(|| format!("window {attrs:?} does not fit input {in_hw:?}"))?;
+            .ok_or_else(|| {
+                KernelError::Attribute(format!("window {attrs:?} does not fit input {in_hw:?}"))
+            })?;
         }
         let windows = |i: usize| -> Vec<Range<usize>> {
             (0..out_hw[i])
@@ -124,21 +127,28 @@ impl Geometry {
 }
 
 /// An NCHW f32 operand with its (N·C) plane count and (H, W).
-fn image<'a>(arg: Arg<'a>, role: &str) -> Result<(Tensor<'a, f32>, usize, [usize; 2]), String> {
+fn image<'a>(
+    arg: Arg<'a>,
+    role: &str,
+) -> Result<(Tensor<'a, f32>, usize, [usize; 2]), KernelError> {
     let x = tensor::<f32>(arg, role)?;
     match *x.shape() {
         [n, c, h, w] => Ok((x, n * c, [h, w])),
-        ref other => Err(format!("{role} must be NCHW (rank 4), got shape {other:?}")),
+        ref other => Err(KernelError::Rank {
+            role: format!("{role} (NCHW)"),
+            expected: "4",
+            got: other.to_vec(),
+        }),
     }
 }
 
 /// Checks that `arg`'s shape is `expected`.
-fn expect_shape(x: &Tensor<'_, f32>, expected: &[usize], role: &str) -> Result<(), String> {
+fn expect_shape(x: &Tensor<'_, f32>, expected: &[usize], role: &str) -> Result<(), KernelError> {
     if x.shape() != expected {
-        return Err(format!(
+        return Err(KernelError::Shape(format!(
             "{role} has shape {:?}, expected {expected:?}",
             x.shape()
-        ));
+        )));
     }
     Ok(())
 }
@@ -169,7 +179,7 @@ fn pooled_shape(x: &Tensor<'_, f32>, g: &Geometry) -> Vec<usize> {
     vec![s[0], s[1], g.out_hw[0], g.out_hw[1]]
 }
 
-pub fn max_pool2d(x: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
+pub fn max_pool2d(x: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, KernelError> {
     let (x, planes, in_hw) = image(x, "input")?;
     let g = Geometry::new(attrs, in_hw)?;
     let view = x.view();
@@ -184,7 +194,11 @@ pub fn max_pool2d(x: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
 }
 
 /// (x, v) → pooled: v at the first maximum of x in each window.
-pub fn max_pool2d_select(x: Arg<'_>, v: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
+pub fn max_pool2d_select(
+    x: Arg<'_>,
+    v: Arg<'_>,
+    attrs: &Pool2dAttrs,
+) -> Result<Value, KernelError> {
     let (x, planes, in_hw) = image(x, "input")?;
     let v = tensor::<f32>(v, "values")?;
     expect_shape(&v, x.shape(), "values")?;
@@ -206,7 +220,7 @@ fn select_into(
     planes: usize,
     g: &Geometry,
     shape: Vec<usize>,
-) -> Result<Value, String> {
+) -> Result<Value, KernelError> {
     let mut out = vec![0.0f32; planes * g.out_plane()];
     per_plane(&mut out, planes, x.len(), |p, out| {
         let xp = &x[p * g.in_plane()..][..g.in_plane()];
@@ -219,7 +233,11 @@ fn select_into(
 }
 
 /// (x, dy) → x-shaped: each dy added at its window's first maximum of x.
-pub fn max_pool2d_backward(x: Arg<'_>, dy: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
+pub fn max_pool2d_backward(
+    x: Arg<'_>,
+    dy: Arg<'_>,
+    attrs: &Pool2dAttrs,
+) -> Result<Value, KernelError> {
     let (x, planes, in_hw) = image(x, "input")?;
     let g = Geometry::new(attrs, in_hw)?;
     let dy = tensor::<f32>(dy, "gradient")?;
@@ -240,7 +258,7 @@ pub fn max_pool2d_backward(x: Arg<'_>, dy: Arg<'_>, attrs: &Pool2dAttrs) -> Resu
     from_vec(x.shape(), out).map(Value::F32)
 }
 
-pub fn avg_pool2d(x: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, String> {
+pub fn avg_pool2d(x: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, KernelError> {
     let (x, planes, in_hw) = image(x, "input")?;
     let g = Geometry::new(attrs, in_hw)?;
     let view = x.view();
@@ -261,7 +279,7 @@ pub fn avg_pool2d_backward(
     dy: Arg<'_>,
     attrs: &Pool2dAttrs,
     input_hw: [usize; 2],
-) -> Result<Value, String> {
+) -> Result<Value, KernelError> {
     let (dy, planes, _) = image(dy, "gradient")?;
     let g = Geometry::new(attrs, input_hw)?;
     let shape = dy.shape();

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use super::Arg;
 use super::tensor::{PAR_THRESHOLD, checked_len, from_vec, tensor};
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// The golden-ratio increment of splitmix64.
@@ -14,16 +15,16 @@ const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 const TWO_POW_24: f32 = 16_777_216.0;
 
 /// f32 values in [0, 1) of `shape` from an i64 scalar seed.
-pub fn random_uniform(seed: Arg<'_>, shape: &[usize]) -> Result<Value, String> {
+pub fn random_uniform(seed: Arg<'_>, shape: &[usize]) -> Result<Value, KernelError> {
     let seed = tensor::<i64>(seed, "seed")?;
     let seed = match (seed.len(), seed.view().first()) {
         // The bits of the seed, reinterpreted: negative seeds are valid.
         (1, Some(&s)) => s as u64,
         _ => {
-            return Err(format!(
+            return Err(KernelError::Shape(format!(
                 "seed must be a scalar, got shape {:?}",
                 seed.shape()
-            ));
+            )));
         }
     };
     let len = checked_len(shape)?;

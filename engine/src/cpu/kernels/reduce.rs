@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 use super::Arg;
 use super::tensor::{Number, PAR_THRESHOLD, as_slice, check_axis, from_vec, tensor, to_standard};
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// Columns handled by one parallel task when a single row of output is
@@ -22,7 +23,7 @@ pub fn reduce(
     axes: &[usize],
     arg: Arg<'_>,
     out_shape: &[usize],
-) -> Result<Value, String> {
+) -> Result<Value, KernelError> {
     match (arg.value().dtype(), kind) {
         (DType::F32, ReduceKind::Mean) => {
             let x = tensor::<f32>(arg, "operand")?;
@@ -38,7 +39,15 @@ pub fn reduce(
         (DType::I32, ReduceKind::Sum | ReduceKind::Max) => {
             reduce_value::<i32>(kind, axes, arg, out_shape)
         }
-        (dtype, kind) => Err(format!("cannot take the {kind:?} of a {dtype} tensor")),
+        (dtype, kind) => Err(KernelError::DType {
+            role: format!("operand of {kind:?}"),
+            expected: if kind == ReduceKind::Mean {
+                "f32"
+            } else {
+                "numeric"
+            },
+            got: dtype,
+        }),
     }
 }
 
@@ -47,7 +56,7 @@ fn reduce_value<T: Number>(
     axes: &[usize],
     arg: Arg<'_>,
     out_shape: &[usize],
-) -> Result<Value, String> {
+) -> Result<Value, KernelError> {
     let x = tensor::<T>(arg, "operand")?;
     let (out, _) = reduce_typed(kind, axes, &x.view(), out_shape)?;
     Ok(T::into_value(out))
@@ -59,18 +68,22 @@ fn reduce_typed<T: Number>(
     axes: &[usize],
     x: &ndarray::ArrayViewD<'_, T>,
     out_shape: &[usize],
-) -> Result<(ArrayD<T>, usize), String> {
+) -> Result<(ArrayD<T>, usize), KernelError> {
     for &axis in axes {
         check_axis(axis, x.ndim())?;
     }
     if axes.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(format!("axes {axes:?} must be sorted and distinct"));
+        return Err(KernelError::Attribute(format!(
+            "axes {axes:?} must be sorted and distinct"
+        )));
     }
     let (data, [outer, reduced, inner]) = arrange(x, axes);
     let data = as_slice(&data)?;
     let out = match kind {
         ReduceKind::Max if reduced == 0 && outer * inner > 0 => {
-            return Err("cannot take the max over an empty axis".to_string());
+            return Err(KernelError::Shape(
+                "cannot take the max over an empty axis".to_string(),
+            ));
         }
         ReduceKind::Max => fold(data, [outer, reduced, inner], max_slice::<T>, T::maximum),
         ReduceKind::Sum | ReduceKind::Mean => {

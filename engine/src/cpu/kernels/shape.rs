@@ -10,30 +10,31 @@ use super::Arg;
 use super::tensor::{
     Element, Tensor, broadcast_to, check_axis, checked_len, filled, from_vec, tensor, to_standard,
 };
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// Same elements in row-major order, new shape (from the node's type).
-pub fn reshape(arg: Arg<'_>, shape: &[usize]) -> Result<Value, String> {
+pub fn reshape(arg: Arg<'_>, shape: &[usize]) -> Result<Value, KernelError> {
     for_each_dtype!(arg.value().dtype(), T => {
         let x = tensor::<T>(arg, "operand")?;
         reshape_typed(x, shape).map(T::into_value)
     })
 }
 
-fn reshape_typed<T: Element>(x: Tensor<'_, T>, shape: &[usize]) -> Result<ArrayD<T>, String> {
+fn reshape_typed<T: Element>(x: Tensor<'_, T>, shape: &[usize]) -> Result<ArrayD<T>, KernelError> {
     if checked_len(shape)? != x.len() {
-        return Err(format!(
+        return Err(KernelError::Shape(format!(
             "cannot reshape {:?} to {shape:?} (element counts differ)",
             x.shape()
-        ));
+        )));
     }
     x.into_standard()
         .into_shape_with_order(IxDyn(shape))
-        .map_err(|e| format!("internal error: {e}"))
+        .map_err(|e| KernelError::Internal(e.to_string()))
 }
 
 /// out.shape[i] = in.shape[perm[i]], materialised row-major.
-pub fn transpose(arg: Arg<'_>, perm: &[usize]) -> Result<Value, String> {
+pub fn transpose(arg: Arg<'_>, perm: &[usize]) -> Result<Value, KernelError> {
     let rank = arg.value().shape().len();
     let mut seen = vec![false; rank];
     let valid = perm.len() == rank
@@ -41,7 +42,9 @@ pub fn transpose(arg: Arg<'_>, perm: &[usize]) -> Result<Value, String> {
             .iter()
             .all(|&p| p < rank && !std::mem::replace(&mut seen[p], true));
     if !valid {
-        return Err(format!("{perm:?} is not a permutation of 0..{rank}"));
+        return Err(KernelError::Attribute(format!(
+            "{perm:?} is not a permutation of 0..{rank}"
+        )));
     }
     for_each_dtype!(arg.value().dtype(), T => {
         let x = tensor::<T>(arg, "operand")?;
@@ -65,7 +68,7 @@ const TILE: usize = 32;
 fn swapped_matrices<T: Element>(
     x: &ArrayViewD<'_, T>,
     perm: &[usize],
-) -> Option<Result<ArrayD<T>, String>> {
+) -> Option<Result<ArrayD<T>, KernelError>> {
     let rank = perm.len();
     let swaps_last_two = rank >= 2
         && perm[..rank - 2].iter().enumerate().all(|(i, &p)| i == p)
@@ -99,7 +102,7 @@ fn transpose_tiled<T: Copy>(src: &[T], dst: &mut [T], rows: usize, cols: usize) 
 }
 
 /// NumPy broadcast_to, materialised.
-pub fn broadcast(arg: Arg<'_>, shape: &[usize]) -> Result<Value, String> {
+pub fn broadcast(arg: Arg<'_>, shape: &[usize]) -> Result<Value, KernelError> {
     checked_len(shape)?;
     for_each_dtype!(arg.value().dtype(), T => {
         let x = tensor::<T>(arg, "operand")?;
@@ -109,15 +112,15 @@ pub fn broadcast(arg: Arg<'_>, shape: &[usize]) -> Result<Value, String> {
 }
 
 /// Elements `range` along `axis`.
-pub fn slice(arg: Arg<'_>, axis: usize, range: Range<usize>) -> Result<Value, String> {
+pub fn slice(arg: Arg<'_>, axis: usize, range: Range<usize>) -> Result<Value, KernelError> {
     let shape = arg.value().shape();
     check_axis(axis, shape.len())?;
     let len = shape[axis];
     if range.start > range.end || range.end > len {
-        return Err(format!(
+        return Err(KernelError::Attribute(format!(
             "range {}..{} is out of bounds for axis {axis} of length {len}",
             range.start, range.end
-        ));
+        )));
     }
     for_each_dtype!(arg.value().dtype(), T => {
         let x = tensor::<T>(arg, "operand")?;
@@ -127,14 +130,16 @@ pub fn slice(arg: Arg<'_>, axis: usize, range: Range<usize>) -> Result<Value, St
 }
 
 /// Zero padding (false for bool) of `before` and `after` along `axis`.
-pub fn pad(arg: Arg<'_>, axis: usize, [before, after]: [usize; 2]) -> Result<Value, String> {
+pub fn pad(arg: Arg<'_>, axis: usize, [before, after]: [usize; 2]) -> Result<Value, KernelError> {
     let mut shape = arg.value().shape().to_vec();
     check_axis(axis, shape.len())?;
     let len = shape[axis];
     shape[axis] = len
         .checked_add(before)
         .and_then(|n| n.checked_add(after))
-        .ok_or_else(|| format!("padding {before} + {after} overflows axis {axis}"))?;
+        .ok_or_else(|| {
+            KernelError::Attribute(format!("padding {before} + {after} overflows axis {axis}"))
+        })?;
     for_each_dtype!(arg.value().dtype(), T => {
         let x = tensor::<T>(arg, "operand")?;
         let mut out = filled(&shape, T::default())?;
@@ -144,9 +149,12 @@ pub fn pad(arg: Arg<'_>, axis: usize, [before, after]: [usize; 2]) -> Result<Val
 }
 
 /// Joins the operands (at least one, all of one dtype) along `axis`.
-pub fn concat(args: Vec<Arg<'_>>, axis: usize) -> Result<Value, String> {
+pub fn concat(args: Vec<Arg<'_>>, axis: usize) -> Result<Value, KernelError> {
     let Some(first) = args.first() else {
-        return Err("concat needs at least one operand".to_string());
+        return Err(KernelError::Operands {
+            expected: 1,
+            got: 0,
+        });
     };
     check_axis(axis, first.value().shape().len())?;
     for_each_dtype!(first.value().dtype(), T => {
@@ -159,10 +167,13 @@ pub fn concat(args: Vec<Arg<'_>>, axis: usize) -> Result<Value, String> {
     })
 }
 
-fn concat_typed<T: Element>(parts: &[Tensor<'_, T>], axis: usize) -> Result<ArrayD<T>, String> {
+fn concat_typed<T: Element>(
+    parts: &[Tensor<'_, T>],
+    axis: usize,
+) -> Result<ArrayD<T>, KernelError> {
     let views: Vec<ArrayViewD<'_, T>> = parts.iter().map(Tensor::view).collect();
-    let joined =
-        ndarray::concatenate(Axis(axis), &views).map_err(|e| format!("cannot concatenate: {e}"))?;
+    let joined = ndarray::concatenate(Axis(axis), &views)
+        .map_err(|e| KernelError::Shape(format!("cannot concatenate: {e}")))?;
     Ok(if joined.is_standard_layout() {
         joined
     } else {

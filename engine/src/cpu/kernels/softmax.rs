@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use super::Arg;
 use super::tensor::{PAR_THRESHOLD, check_axis, tensor};
+use crate::error::KernelError;
 use crate::value::Value;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -14,7 +15,7 @@ pub enum Output {
     LogProbabilities,
 }
 
-pub fn softmax(arg: Arg<'_>, axis: usize, output: Output) -> Result<Value, String> {
+pub fn softmax(arg: Arg<'_>, axis: usize, output: Output) -> Result<Value, KernelError> {
     let x = tensor::<f32>(arg, "input")?;
     let rank = x.shape().len();
     check_axis(axis, rank)?;
@@ -28,7 +29,7 @@ pub fn softmax(arg: Arg<'_>, axis: usize, output: Output) -> Result<Value, Strin
         // The lanes are contiguous rows of the row-major buffer.
         let data = out
             .as_slice_mut()
-            .ok_or_else(|| "internal error: expected a contiguous array".to_string())?;
+            .ok_or_else(|| KernelError::Internal("expected a contiguous array".to_string()))?;
         if parallel {
             data.par_chunks_exact_mut(lane)
                 .for_each(|row| normalise(row, output));

@@ -5,6 +5,7 @@ use canopy_ir::DType;
 use ndarray::{ArrayD, ArrayViewD, CowArray, IxDyn};
 
 use super::Arg;
+use crate::error::KernelError;
 use crate::value::Value;
 
 /// Element count from which a kernel spreads its work over rayon's threads;
@@ -193,13 +194,17 @@ impl<T: Element> Tensor<'_, T> {
 }
 
 /// The operand `arg` as a tensor of `T`, or an error naming `role`.
-pub fn tensor<'a, T: Element>(arg: Arg<'a>, role: &str) -> Result<Tensor<'a, T>, String> {
+pub fn tensor<'a, T: Element>(arg: Arg<'a>, role: &str) -> Result<Tensor<'a, T>, KernelError> {
     let dtype = arg.value().dtype();
     let typed = match arg {
         Arg::Owned(v) => T::from_value(v).map(Tensor::Owned),
         Arg::Shared(v) => T::from_ref(v).map(Tensor::Shared),
     };
-    typed.ok_or_else(|| format!("{role} must be {}, got {dtype}", T::DTYPE))
+    typed.ok_or_else(|| KernelError::DType {
+        role: role.to_string(),
+        expected: T::DTYPE.name(),
+        got: dtype,
+    })
 }
 
 /// A row-major copy of `view`.
@@ -213,36 +218,36 @@ pub fn standard<'b, T: Clone>(array: &'b ArrayViewD<'_, T>) -> CowArray<'b, T, I
 }
 
 /// The elements of a standard-layout array as a slice.
-pub fn as_slice<'a, T>(array: &'a CowArray<'_, T, IxDyn>) -> Result<&'a [T], String> {
+pub fn as_slice<'a, T>(array: &'a CowArray<'_, T, IxDyn>) -> Result<&'a [T], KernelError> {
     array
         .as_slice()
-        .ok_or_else(|| "internal error: expected a contiguous array".to_string())
+        .ok_or_else(|| KernelError::Internal("expected a contiguous array".to_string()))
 }
 
 /// The element count of `shape`, or an error when it overflows.
-pub fn checked_len(shape: &[usize]) -> Result<usize, String> {
+pub fn checked_len(shape: &[usize]) -> Result<usize, KernelError> {
     shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .filter(|&n| n <= isize::MAX as usize / 8)
-        .ok_or_else(|| format!("shape {shape:?} has too many elements"))
+        .ok_or_else(|| KernelError::TooLarge(shape.to_vec()))
 }
 
 /// A tensor of `shape` filled with `value`, after checking its size.
-pub fn filled<T: Clone>(shape: &[usize], value: T) -> Result<ArrayD<T>, String> {
+pub fn filled<T: Clone>(shape: &[usize], value: T) -> Result<ArrayD<T>, KernelError> {
     checked_len(shape)?;
     Ok(ArrayD::from_elem(IxDyn(shape), value))
 }
 
 /// An array of `shape` from row-major elements.
-pub fn from_vec<T>(shape: &[usize], data: Vec<T>) -> Result<ArrayD<T>, String> {
+pub fn from_vec<T>(shape: &[usize], data: Vec<T>) -> Result<ArrayD<T>, KernelError> {
     let len = data.len();
     ArrayD::from_shape_vec(IxDyn(shape), data)
-        .map_err(|e| format!("internal error: {len} elements for shape {shape:?}: {e}"))
+        .map_err(|e| KernelError::Internal(format!("{len} elements for shape {shape:?}: {e}")))
 }
 
 /// NumPy broadcasting of two concrete shapes.
-pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, String> {
+pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, KernelError> {
     let rank = a.len().max(b.len());
     let from_right = |s: &[usize], i: usize| if i < s.len() { s[s.len() - 1 - i] } else { 1 };
     let mut dims = vec![0; rank];
@@ -252,7 +257,12 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, String> 
             _ if x == y => x,
             (1, _) => y,
             (_, 1) => x,
-            _ => return Err(format!("shapes {a:?} and {b:?} do not broadcast")),
+            _ => {
+                return Err(KernelError::Broadcast {
+                    a: a.to_vec(),
+                    b: b.to_vec(),
+                });
+            }
         };
     }
     Ok(dims)
@@ -262,15 +272,20 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Result<Vec<usize>, String> 
 pub fn broadcast_to<'b, T>(
     view: &'b ArrayViewD<'_, T>,
     shape: &[usize],
-) -> Result<ArrayViewD<'b, T>, String> {
+) -> Result<ArrayViewD<'b, T>, KernelError> {
     view.broadcast(IxDyn(shape))
-        .ok_or_else(|| format!("cannot broadcast {:?} to {shape:?}", view.shape()))
+        .ok_or_else(|| KernelError::Broadcast {
+            a: view.shape().to_vec(),
+            b: shape.to_vec(),
+        })
 }
 
 /// Checks that `axis` exists in a tensor of `rank`.
-pub fn check_axis(axis: usize, rank: usize) -> Result<(), String> {
+pub fn check_axis(axis: usize, rank: usize) -> Result<(), KernelError> {
     if axis >= rank {
-        return Err(format!("axis {axis} is out of range for rank {rank}"));
+        return Err(KernelError::Attribute(format!(
+            "axis {axis} is out of range for rank {rank}"
+        )));
     }
     Ok(())
 }
