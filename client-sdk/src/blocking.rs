@@ -30,7 +30,9 @@ use canopy_protocol::secagg::wire::Stage;
 use tokio::runtime::Runtime;
 
 use crate::cancel::CancelToken;
-use crate::client::{DownloadedModel, SdkError, Transport};
+use crate::client::DownloadedModel;
+use crate::error::SdkError;
+use crate::transport::Transport;
 use crate::retry::RetryPolicy;
 use crate::secure::{SecureReceipt, SecureRound, StageObserver};
 use crate::train::LocalUpdate;

@@ -13,7 +13,10 @@ use canopy_protocol::messages::{Task, TrainingConfig};
 use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE, ServerKey};
 use canopy_protocol::update::{TensorSpec, UpdateLayout, encode_update};
 
+use super::download::parse_content_range;
 use super::*;
+use crate::trust::Trust;
+use std::path::Path;
 
 /// One request as the scripted server read it.
 #[derive(Clone, Debug)]

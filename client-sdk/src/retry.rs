@@ -63,7 +63,7 @@
 use std::time::Duration;
 
 use crate::cancel::CancelToken;
-use crate::client::SdkError;
+use crate::error::SdkError;
 
 /// Upper bound on [`RetryPolicy::max_attempts`].
 pub const MAX_ATTEMPTS_CAP: u32 = 20;

@@ -67,7 +67,9 @@ use canopy_protocol::secagg::{Client, Plan, SecAggError, arith};
 use reqwest::{Method, StatusCode};
 use tokio::time::Instant;
 
-use crate::client::{DeviceClient, LimitedBody, SdkError, now_ms, read_limited, server_error};
+use crate::client::{DeviceClient, validate_task};
+use crate::error::SdkError;
+use crate::transport::{LimitedBody, now_ms, read_limited, server_error};
 use crate::retry;
 use crate::train::LocalUpdate;
 
@@ -496,6 +498,7 @@ impl SecureRound {
         observer: Option<StageObserver>,
     ) -> Result<SecureRound, SdkError> {
         let secure = secure_task(task)?;
+        validate_task(task)?;
         let start_error = |source| protocol_error(task, Stage::AdvertiseKeys, source);
         let id = |what: &str, value: i64| {
             u64::try_from(value).map_err(|_| {

@@ -16,7 +16,7 @@ use canopy_protocol::update::{TensorSpec, UpdateLayout};
 
 use super::*;
 use crate::Trust;
-use crate::client::REQUEST_TIMEOUT_MS;
+use crate::transport::REQUEST_TIMEOUT_MS;
 use crate::client::tests::{Scripted, Seen, Step, fast, read_request, respond, runtime, scripted};
 use crate::retry::RetryPolicy;
 

@@ -52,6 +52,81 @@ impl TaskResult {
     }
 }
 
+/// What the daemon is doing: `status.json`'s `state`, and the heartbeat's
+/// `state` on the wire, both as [`AgentState::as_str`] names it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "&'static str", try_from = "String")]
+pub enum AgentState {
+    /// Before the daemon has written its first status.
+    #[default]
+    Starting,
+    /// Polling for a task.
+    Idle,
+    /// Not polling: `--only-when-idle` and the machine is busy.
+    Deferred,
+    /// A secure task's key stages, before the download.
+    ExchangingKeys,
+    Downloading,
+    Training,
+    /// A secure task's masked input and unmasking, after training.
+    SecureAggregation,
+    Uploading,
+    Stopped,
+}
+
+impl AgentState {
+    pub const ALL: [AgentState; 9] = [
+        AgentState::Starting,
+        AgentState::Idle,
+        AgentState::Deferred,
+        AgentState::ExchangingKeys,
+        AgentState::Downloading,
+        AgentState::Training,
+        AgentState::SecureAggregation,
+        AgentState::Uploading,
+        AgentState::Stopped,
+    ];
+
+    /// The state's one name, in `status.json`, the `status` command and
+    /// heartbeats.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentState::Starting => "starting",
+            AgentState::Idle => "idle",
+            AgentState::Deferred => "deferred",
+            AgentState::ExchangingKeys => "exchanging-keys",
+            AgentState::Downloading => "downloading",
+            AgentState::Training => "training",
+            AgentState::SecureAggregation => "secure-aggregation",
+            AgentState::Uploading => "uploading",
+            AgentState::Stopped => "stopped",
+        }
+    }
+}
+
+impl std::fmt::Display for AgentState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<AgentState> for &'static str {
+    fn from(state: AgentState) -> &'static str {
+        state.as_str()
+    }
+}
+
+impl TryFrom<String> for AgentState {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<AgentState, String> {
+        AgentState::ALL
+            .into_iter()
+            .find(|state| state.as_str() == name)
+            .ok_or_else(|| format!("unknown agent state `{name}`"))
+    }
+}
+
 /// One task, as the daemon saw it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TaskRecord {
@@ -94,10 +169,8 @@ impl TaskRecord {
 pub struct AgentStatus {
     #[serde(default)]
     pub pid: Option<u32>,
-    /// `starting`, `idle`, `deferred`, `downloading`, `training`,
-    /// `uploading` or `stopped`.
     #[serde(default)]
-    pub state: String,
+    pub state: AgentState,
     #[serde(default)]
     pub updated_unix_ms: u64,
     #[serde(default)]
@@ -189,7 +262,7 @@ pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
     let key_mode = mode_of(&dir.key());
     let running = status
         .as_ref()
-        .and_then(|s| s.pid.filter(|_| s.state != "stopped"))
+        .and_then(|s| s.pid.filter(|_| s.state != AgentState::Stopped))
         .and_then(process_alive);
     if as_json {
         let value = json!({
