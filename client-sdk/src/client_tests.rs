@@ -13,7 +13,7 @@ use canopy_protocol::messages::{Task, TrainingConfig};
 use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE, ServerKey};
 use canopy_protocol::update::{TensorSpec, UpdateLayout, encode_update};
 
-use super::download::parse_content_range;
+use super::download::{parse_content_range, part_path};
 use super::*;
 use crate::trust::Trust;
 use std::path::Path;

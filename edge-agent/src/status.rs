@@ -385,3 +385,56 @@ fn ago(unix_ms: u64) -> String {
         _ => format!("{} h ago", seconds / 3600),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Fails to compile when a state is added, until it is added to
+    /// [`AgentState::ALL`] too (and so to parsing).
+    fn listed(state: AgentState) -> bool {
+        match state {
+            AgentState::Starting
+            | AgentState::Idle
+            | AgentState::Deferred
+            | AgentState::ExchangingKeys
+            | AgentState::Downloading
+            | AgentState::Training
+            | AgentState::SecureAggregation
+            | AgentState::Uploading
+            | AgentState::Stopped => AgentState::ALL.contains(&state),
+        }
+    }
+
+    #[test]
+    fn every_state_has_one_name_that_round_trips() {
+        let mut names = std::collections::HashSet::new();
+        for state in AgentState::ALL {
+            assert!(listed(state));
+            assert!(names.insert(state.as_str()), "{state} named twice");
+            let json = serde_json::to_string(&state).expect("serialise");
+            assert_eq!(json, format!("\"{}\"", state.as_str()));
+            let back: AgentState = serde_json::from_str(&json).expect("parse");
+            assert_eq!(back, state);
+            assert_eq!(state.to_string(), state.as_str());
+        }
+        // The names status files and heartbeats have always carried.
+        assert_eq!(AgentState::ExchangingKeys.as_str(), "exchanging-keys");
+        assert_eq!(AgentState::SecureAggregation.as_str(), "secure-aggregation");
+        assert!(serde_json::from_str::<AgentState>("\"napping\"").is_err());
+    }
+
+    #[test]
+    fn a_status_file_keeps_its_state_by_name() {
+        let status = AgentStatus {
+            state: AgentState::Training,
+            ..AgentStatus::default()
+        };
+        let text = serde_json::to_string(&status).expect("serialise");
+        assert!(text.contains("\"state\":\"training\""), "{text}");
+        let back: AgentStatus = serde_json::from_str(&text).expect("parse");
+        assert_eq!(back.state, AgentState::Training);
+        let without: AgentStatus = serde_json::from_str("{}").expect("parse");
+        assert_eq!(without.state, AgentState::Starting);
+    }
+}

@@ -401,7 +401,7 @@ fn local_file(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) 
 }
 
 /// `<path>.<first 16 hex digits of the digest>.part`, beside `path`.
-fn part_path(path: &Path, digest: &str) -> PathBuf {
+pub(super) fn part_path(path: &Path, digest: &str) -> PathBuf {
     let prefix: String = digest
         .chars()
         .filter(char::is_ascii_hexdigit)
