@@ -434,7 +434,10 @@ async fn an_agent_declines_a_task_beyond_the_shared_bounds() -> Result<()> {
     assert!(detail.contains("training.epochs"), "{status}");
     let rounds = admin.ok(&format!("/api/v1/jobs/{id}/rounds")).await?;
     let first = &rounds["items"][0];
-    assert_eq!(first["metrics"]["bytes_out"], 0, "nothing downloaded: {first}");
+    assert_eq!(
+        first["metrics"]["bytes_out"], 0,
+        "nothing downloaded: {first}"
+    );
     assert_eq!(first["metrics"]["dropouts"], 1, "{first}");
     let round = admin.ok(&format!("/api/v1/rounds/{}", first["id"])).await?;
     assert_eq!(round["participants"][0]["state"], "dropped", "{round}");

@@ -51,7 +51,12 @@ async fn a_device_refuses_a_task_beyond_the_shared_bounds() -> Result<()> {
     let device = enroll_device(&server, &token).await?;
     let job = admin.create_job(job_spec(&version["id"])).await?;
     let epochs = MAX_EPOCHS * 5;
-    canopy_e2e::tamper_job_setting(&server.database_url, job, "local_epochs", &epochs.to_string())?;
+    canopy_e2e::tamper_job_setting(
+        &server.database_url,
+        job,
+        "local_epochs",
+        &epochs.to_string(),
+    )?;
 
     let task = poll_task(&device).await?;
     ensure!(
@@ -70,7 +75,9 @@ async fn a_device_refuses_a_task_beyond_the_shared_bounds() -> Result<()> {
     assert_eq!(source.field(), "training.epochs");
     assert!(error.to_string().contains("training.epochs"), "{error}");
     let dir = tempfile::tempdir()?;
-    let to_file = device.download_model_to(&task, &dir.path().join("model")).await;
+    let to_file = device
+        .download_model_to(&task, &dir.path().join("model"))
+        .await;
     assert!(
         matches!(to_file, Err(SdkError::InvalidTask { .. })),
         "{to_file:?}"

@@ -22,7 +22,16 @@ pub fn tamper_job_setting(
          WHERE id = {job_id} RETURNING id"
     );
     let output = Command::new("psql")
-        .args([database_url, "-v", "ON_ERROR_STOP=1", "-q", "-t", "-A", "-c", &statement])
+        .args([
+            database_url,
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-q",
+            "-t",
+            "-A",
+            "-c",
+            &statement,
+        ])
         .output()?;
     let changed = String::from_utf8_lossy(&output.stdout);
     if !output.status.success() || changed.trim() != job_id.to_string() {

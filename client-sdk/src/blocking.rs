@@ -32,10 +32,10 @@ use tokio::runtime::Runtime;
 use crate::cancel::CancelToken;
 use crate::client::DownloadedModel;
 use crate::error::SdkError;
-use crate::transport::Transport;
 use crate::retry::RetryPolicy;
 use crate::secure::{SecureReceipt, SecureRound, StageObserver};
 use crate::train::LocalUpdate;
+use crate::transport::Transport;
 
 fn outside_runtime() -> Result<(), SdkError> {
     if tokio::runtime::Handle::try_current().is_ok() {

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use canopy_protocol::auth::{self, DeviceKey};
 use canopy_protocol::messages::{
-    Capabilities, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics,
-    Task, UploadReceipt,
+    Capabilities, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics, Task,
+    UploadReceipt,
 };
 use canopy_protocol::model_sig::TrustedKeys;
 use reqwest::{Method, StatusCode};
@@ -208,7 +208,6 @@ impl DeviceClient {
         }
     }
 
-
     /// Swaps the connection, e.g. after the server restarted.
     pub fn set_transport(&mut self, transport: Transport) {
         self.transport = transport;
@@ -221,7 +220,8 @@ impl DeviceClient {
     pub async fn heartbeat(&self, beat: &Heartbeat) -> Result<HeartbeatResponse, SdkError> {
         retry::retrying(&self.retry, &self.cancel, || async {
             json(
-                self.signed_json("/device/v1/heartbeat", "heartbeat", beat).await?,
+                self.signed_json("/device/v1/heartbeat", "heartbeat", beat)
+                    .await?,
                 "heartbeat answer",
             )
             .await

@@ -643,3 +643,30 @@ fn content_ranges_parse_strictly() {
     assert_eq!(encoded_samples(&update()), 42);
     assert_eq!(encoded_samples(b"short"), 0);
 }
+
+#[test]
+fn a_body_that_cannot_be_serialised_is_our_error_and_sends_nothing() {
+    let server = scripted(Vec::new());
+    let client = make_client(&server.base, &fixture().server_key_hex, fast());
+    // JSON object keys must be strings: serde_json refuses this map.
+    let body: std::collections::BTreeMap<(u8, u8), u8> = [((1, 2), 3)].into();
+    let error = runtime()
+        .block_on(client.signed_json("/device/v1/heartbeat", "heartbeat", &body))
+        .expect_err("unserialisable");
+    assert!(
+        matches!(
+            error,
+            SdkError::Encode {
+                what: "heartbeat",
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().contains("cannot encode the heartbeat"),
+        "{error}"
+    );
+    assert!(!error.is_retryable());
+    assert!(server.seen.lock().expect("log").is_empty(), "no request");
+}

@@ -69,9 +69,9 @@ use tokio::time::Instant;
 
 use crate::client::{DeviceClient, validate_task};
 use crate::error::SdkError;
-use crate::transport::{LimitedBody, now_ms, read_limited, server_error};
 use crate::retry;
 use crate::train::LocalUpdate;
+use crate::transport::{LimitedBody, now_ms, read_limited, server_error};
 
 /// Longest `wait_ms` of one poll: well under the client's request timeout
 /// and the idle timeouts of common proxies.

@@ -131,7 +131,14 @@ pub fn train_task_with(
     options: &TrainOptions,
 ) -> Result<LocalUpdate, TrainError> {
     let backend = options.backend.engine_backend();
-    train_on(model_bytes, task, data, seed, backend.as_ref(), &options.cancel)
+    train_on(
+        model_bytes,
+        task,
+        data,
+        seed,
+        backend.as_ref(),
+        &options.cancel,
+    )
 }
 
 /// The training loop on `backend`, which compiles and runs `train_step`.
@@ -337,7 +344,11 @@ mod tests {
         assert_eq!(bounds.field(), "training.epochs");
         let error = outcome.unwrap_err();
         assert!(error.to_string().contains("training.epochs"), "{error}");
-        assert_eq!(backend.compiled.load(Ordering::SeqCst), 0, "nothing compiled");
+        assert_eq!(
+            backend.compiled.load(Ordering::SeqCst),
+            0,
+            "nothing compiled"
+        );
         task.training = TrainingConfig {
             epochs: 1,
             batch_size: 0,
@@ -413,7 +424,11 @@ mod tests {
         let recording = Recording::default();
         let cancel = CancelToken::new();
         let recorded = train_on(&bytes, &task, &data, 9, &recording, &cancel).expect("train");
-        assert_eq!(recording.compiled.load(Ordering::SeqCst), 1, "one train_step");
+        assert_eq!(
+            recording.compiled.load(Ordering::SeqCst),
+            1,
+            "one train_step"
+        );
         // Batch 1: one step per sample and epoch, each a run of this backend.
         assert_eq!(recording.runs.load(Ordering::SeqCst), 2 * 64);
         // It wraps the CPU, so the update is the default path's, bit for bit.

@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use canopy_protocol::messages::Task;
 use canopy_protocol::model_sig::{
-    self, HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE, KeyTrustError,
-    SigningKeys,
+    self, HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE, KeyTrustError, SigningKeys,
 };
 use reqwest::{Method, StatusCode};
 
@@ -98,7 +97,6 @@ impl DeviceClient {
         self.advance_trust(trust, advanced);
         Ok(())
     }
-
 
     /// Downloads a task's model and checks, in order: that the task is
     /// within the shared bounds ([`SdkError::InvalidTask`] before any
@@ -340,7 +338,6 @@ impl DeviceClient {
         }
         Ok(())
     }
-
 }
 
 /// Parses `bytes START-END/TOTAL`.

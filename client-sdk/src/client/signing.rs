@@ -107,8 +107,7 @@ impl DeviceClient {
         what: &'static str,
         value: &T,
     ) -> Result<reqwest::Response, SdkError> {
-        let body =
-            serde_json::to_vec(value).map_err(|source| SdkError::Encode { what, source })?;
+        let body = serde_json::to_vec(value).map_err(|source| SdkError::Encode { what, source })?;
         check(self.signed(Method::POST, path, Bytes::from(body)).await?).await
     }
 }

@@ -13,8 +13,8 @@ use canopy_engine::train::Trainer;
 use canopy_engine::zoo::{fit_input_stats, needs_input_stats};
 use canopy_ir::Model;
 use canopy_protocol::bounds::{
-    MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_MODEL_BYTES, check_batch_size,
-    check_epochs, check_learning_rate,
+    MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_MODEL_BYTES, check_batch_size, check_epochs,
+    check_learning_rate,
 };
 use canopy_sdk::train::{Evaluation, evaluate_model};
 use clap::Args;
