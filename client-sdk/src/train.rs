@@ -152,14 +152,7 @@ fn train_on(
     backend: &dyn Backend,
     cancel: &CancelToken,
 ) -> Result<LocalUpdate, TrainError> {
-    let cancelled = || {
-        if cancel.is_cancelled() {
-            Err(TrainError::Cancelled)
-        } else {
-            Ok(())
-        }
-    };
-    cancelled()?;
+    check_cancelled(cancel)?;
     task.validate().map_err(TrainError::InvalidTask)?;
     if data.is_empty() {
         return Err(TrainError::NoData);
@@ -177,27 +170,8 @@ fn train_on(
         )));
     }
     let before = trainable_values(&model);
-    let batch = task.training.batch_size as usize;
-    let lr = task.training.learning_rate as f32;
     let mut trainer = Trainer::new(&model, backend, seed)?;
-    // As in `canopy model train`: a short final batch is one noisy step, so
-    // it is dropped unless it is all the data there is.
-    let drop_last = data.len() >= batch;
-    let mut train_loss = 0.0;
-    for epoch in 0..task.training.epochs {
-        let shuffle = seed
-            .wrapping_mul(0x9E37_79B9)
-            .wrapping_add(u64::from(epoch));
-        let (mut loss_sum, mut seen) = (0.0f64, 0usize);
-        for batch in data.batches(batch, Some(shuffle), drop_last)? {
-            cancelled()?;
-            let size = batch.len();
-            let stats = trainer.step(batch.x, batch.y, lr)?;
-            loss_sum += f64::from(stats.loss) * size as f64;
-            seen += size;
-        }
-        train_loss = loss_sum / seen.max(1) as f64;
-    }
+    let train_loss = run_epochs(&mut trainer, task, data, seed, cancel)?;
     trainer.write_back(&mut model)?;
     let delta: Vec<f32> = trainable_values(&model)
         .iter()
@@ -212,6 +186,46 @@ fn train_on(
         train_loss,
         train_duration_ms: started.elapsed().as_millis() as u64,
     })
+}
+
+fn check_cancelled(cancel: &CancelToken) -> Result<(), TrainError> {
+    if cancel.is_cancelled() {
+        return Err(TrainError::Cancelled);
+    }
+    Ok(())
+}
+
+/// The task's epochs over `data` (validated, so bounded), checking
+/// `cancel` before every batch; returns the last epoch's sample-weighted
+/// mean loss.
+fn run_epochs(
+    trainer: &mut Trainer,
+    task: &Task,
+    data: &Dataset,
+    seed: u64,
+    cancel: &CancelToken,
+) -> Result<f64, TrainError> {
+    let batch = task.training.batch_size as usize;
+    let lr = task.training.learning_rate as f32;
+    // As in `canopy model train`: a short final batch is one noisy step, so
+    // it is dropped unless it is all the data there is.
+    let drop_last = data.len() >= batch;
+    let mut train_loss = 0.0;
+    for epoch in 0..task.training.epochs {
+        let shuffle = seed
+            .wrapping_mul(0x9E37_79B9)
+            .wrapping_add(u64::from(epoch));
+        let (mut loss_sum, mut seen) = (0.0f64, 0usize);
+        for batch in data.batches(batch, Some(shuffle), drop_last)? {
+            check_cancelled(cancel)?;
+            let size = batch.len();
+            let stats = trainer.step(batch.x, batch.y, lr)?;
+            loss_sum += f64::from(stats.loss) * size as f64;
+            seen += size;
+        }
+        train_loss = loss_sum / seen.max(1) as f64;
+    }
+    Ok(train_loss)
 }
 
 /// Evaluates a model file on local data.
