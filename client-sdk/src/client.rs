@@ -21,7 +21,7 @@ pub use download::{DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES};
 
 use crate::cancel::CancelToken;
 use crate::error::SdkError;
-use crate::retry::{self, RetryPolicy};
+use crate::retry::{self, RetryObserver, RetryPolicy};
 use crate::transport::{Transport, check, json};
 
 /// Enrolls a device key with an enrollment token.
@@ -108,6 +108,21 @@ pub struct DeviceClient {
     trust: Arc<Mutex<TrustedKeys>>,
     retry: RetryPolicy,
     cancel: CancelToken,
+    observer: Observer,
+}
+
+/// The client's [`RetryObserver`], if any; printed as whether there is one.
+#[derive(Clone, Default)]
+struct Observer(Option<RetryObserver>);
+
+impl std::fmt::Debug for Observer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Observer({})",
+            if self.0.is_some() { "set" } else { "none" }
+        )
+    }
 }
 
 impl DeviceClient {
@@ -147,6 +162,7 @@ impl DeviceClient {
             trust: Arc::new(Mutex::new(trusted)),
             retry: RetryPolicy::none(),
             cancel: CancelToken::new(),
+            observer: Observer::default(),
         }
     }
 
@@ -162,6 +178,40 @@ impl DeviceClient {
 
     pub fn retry_policy(&self) -> &RetryPolicy {
         &self.retry
+    }
+
+    /// The client telling `observer` of every retry of its calls, before
+    /// the wait (e.g. to log it). Clones share it.
+    pub fn with_retry_observer(mut self, observer: RetryObserver) -> DeviceClient {
+        self.observer = Observer(Some(observer));
+        self
+    }
+
+    /// Runs `attempt` under the client's policy, token and observer.
+    pub(crate) async fn retrying<T, F, Fut>(&self, attempt: F) -> Result<T, SdkError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, SdkError>>,
+    {
+        retry::retrying_observed(&self.retry, &self.cancel, self.observer.0.as_ref(), attempt).await
+    }
+
+    /// Waits before the retry that follows `failures` failed attempts of a
+    /// call of this client's own loop, telling the observer first.
+    pub(crate) async fn wait_to_retry(
+        &self,
+        policy: &RetryPolicy,
+        failures: u32,
+        error: &SdkError,
+    ) -> Result<(), SdkError> {
+        retry::wait_to_retry(
+            policy,
+            &self.cancel,
+            self.observer.0.as_ref(),
+            failures,
+            error,
+        )
+        .await
     }
 
     /// The client observing `token`: cancelling it (or any clone of it)
@@ -218,7 +268,7 @@ impl DeviceClient {
     }
 
     pub async fn heartbeat(&self, beat: &Heartbeat) -> Result<HeartbeatResponse, SdkError> {
-        retry::retrying(&self.retry, &self.cancel, || async {
+        self.retrying(|| async {
             json(
                 self.signed_json("/device/v1/heartbeat", "heartbeat", beat)
                     .await?,
@@ -234,7 +284,7 @@ impl DeviceClient {
     /// until the device uploads.
     pub async fn next_task(&self, wait_ms: u64) -> Result<Option<Task>, SdkError> {
         let path = format!("/device/v1/tasks/next?wait_ms={wait_ms}");
-        retry::retrying(&self.retry, &self.cancel, || async {
+        self.retrying(|| async {
             let response = check(self.signed(Method::GET, &path, Bytes::new()).await?).await?;
             if response.status() == StatusCode::NO_CONTENT {
                 return Ok(None);
@@ -289,13 +339,13 @@ impl DeviceClient {
             if !error.is_retryable() || failures >= policy.max_attempts {
                 return Err(error);
             }
-            retry::sleep(&self.cancel, policy.backoff(failures - 1)).await?;
+            self.wait_to_retry(&policy, failures, &error).await?;
         }
     }
 
     pub async fn report_metrics(&self, metrics: &RoundMetrics) -> Result<(), SdkError> {
         let path = format!("/device/v1/rounds/{}/metrics", metrics.round_id);
-        retry::retrying(&self.retry, &self.cancel, || async {
+        self.retrying(|| async {
             self.signed_json(&path, "round metrics", metrics).await?;
             Ok(())
         })
@@ -313,7 +363,7 @@ impl DeviceClient {
                 .collect(),
         };
         let path = format!("/device/v1/rounds/{}/decline", task.round_id);
-        retry::retrying(&self.retry, &self.cancel, || async {
+        self.retrying(|| async {
             self.signed_json(&path, "decline", &decline).await?;
             Ok(())
         })

@@ -41,7 +41,7 @@ pub use client::{
 };
 pub use error::SdkError;
 pub use keystore::{KeyStoreError, load_device_key, save_device_key};
-pub use retry::RetryPolicy;
+pub use retry::{RetryNotice, RetryObserver, RetryPolicy};
 pub use secure::{SecureReceipt, SecureRound, StageObserver, StageProgress};
 pub use transport::{CONNECT_TIMEOUT_MS, REQUEST_TIMEOUT_MS, Transport};
 pub use trust::{Trust, TrustError};

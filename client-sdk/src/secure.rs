@@ -347,7 +347,7 @@ impl DeviceClient {
             if !error.is_retryable() || failures >= policy.max_attempts {
                 return Err(error);
             }
-            retry::sleep(cancel, policy.backoff(failures - 1)).await?;
+            self.wait_to_retry(&policy, failures, &error).await?;
         }
     }
 
@@ -367,7 +367,7 @@ impl DeviceClient {
         }
         let path = format!("{}?wait_ms={wait_ms}", stage_path(task, secure, stage)?);
         let limit_bytes = stage.max_bytes(secure.plan.packed_bytes());
-        retry::retrying(self.retry_policy(), self.cancel_token(), || async {
+        self.retrying(|| async {
             let mut response = self.signed(Method::GET, &path, Bytes::new()).await?;
             match response.status() {
                 StatusCode::OK => {

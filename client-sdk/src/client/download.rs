@@ -17,7 +17,7 @@ use reqwest::{Method, StatusCode};
 
 use super::DeviceClient;
 use crate::error::{SdkError, error_chain};
-use crate::retry::{self, MAX_DOWNLOAD_REQUESTS};
+use crate::retry::MAX_DOWNLOAD_REQUESTS;
 use crate::transport::{LimitedBody, check, now_ms, read_limited};
 
 /// Largest model a device downloads: the bound every tier shares.
@@ -199,7 +199,7 @@ impl DeviceClient {
             {
                 return Err(error);
             }
-            retry::sleep(&self.cancel, policy.backoff(failures - 1)).await?;
+            self.wait_to_retry(&policy, failures, &error).await?;
         }
     }
 

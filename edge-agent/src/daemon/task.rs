@@ -4,7 +4,8 @@
 //! Every request of a task goes through the SDK's retry policy
 //! ([`TASK_RETRY`], set on the daemon's client; `canopy_sdk::retry` says
 //! what is retried), under a cancel token that fires once the round's
-//! deadline has passed, so no retry or wait outlives the round. Training
+//! deadline has passed, so no retry or wait outlives the round; each
+//! retry is logged. Training
 //! observes the token the daemon cancels when it abandons the task.
 //!
 //! A secure task (`secure_aggregation` set) uploads nothing: the agent
@@ -20,7 +21,8 @@ use bytes::Bytes;
 use canopy_protocol::messages::{RoundMetrics, Task};
 use canopy_sdk::train::{Evaluation, LocalUpdate, evaluate_model, train_task_cancellable};
 use canopy_sdk::{
-    CancelToken, DeviceClient, RetryPolicy, SdkError, SecureRound, StageObserver, StageProgress,
+    CancelToken, DeviceClient, RetryNotice, RetryObserver, RetryPolicy, SdkError, SecureRound,
+    StageObserver, StageProgress,
 };
 
 use super::{Daemon, LocalData, MEMORY_FACTOR, new_record, record_outcome};
@@ -164,6 +166,19 @@ fn stage_logger() -> StageObserver {
     })
 }
 
+/// Logs every retry of a task's requests before its wait.
+fn retry_logger(round_id: i64) -> RetryObserver {
+    Arc::new(move |notice: &RetryNotice<'_>| {
+        tracing::warn!(
+            round_id,
+            attempt = notice.failures,
+            retry_in_ms = notice.wait.as_millis() as u64,
+            error = %crate::chain_text(notice.error),
+            "request failed; retrying"
+        );
+    })
+}
+
 /// Deterministic per device and round, different across both.
 fn training_seed(device_id: i64, round_id: i64) -> u64 {
     (device_id as u64)
@@ -204,7 +219,11 @@ impl Daemon {
         let (deadline, _timer) = deadline_token(task);
         let run = Run {
             task,
-            client: self.client.clone().with_cancel_token(deadline),
+            client: self
+                .client
+                .clone()
+                .with_cancel_token(deadline)
+                .with_retry_observer(retry_logger(task.round_id)),
             training,
         };
         let (result, detail) = match self.work(&run).await {
