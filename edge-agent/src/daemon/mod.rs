@@ -7,9 +7,9 @@
 //! Network errors are retried with the SDK's backoff and jitter (a task's
 //! requests under [`task::TASK_RETRY`], failed polls by the poll loop under
 //! [`POLL_BACKOFF`]); nothing the server or the network does ends the
-//! daemon. SIGTERM or SIGINT lets
-//! a running task finish within [`SHUTDOWN_GRACE`] (a second signal ends
-//! it at once), then the daemon exits 0.
+//! daemon. SIGTERM or SIGINT lets a running task finish within
+//! [`SHUTDOWN_GRACE`] (a second signal ends it at once, and stops its
+//! training), then the daemon exits 0.
 
 mod task;
 
