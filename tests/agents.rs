@@ -1,6 +1,7 @@
 //! Real `canopy-agent` processes against a real `canopy-server` over HTTPS:
 //! learning, an agent killed mid-round, a server restarted mid-job, a
-//! corrupted model download and a revoked enrollment token.
+//! corrupted model download, a task beyond the shared bounds and a revoked
+//! enrollment token.
 
 #[path = "../server/tests/support/mod.rs"]
 mod support;
@@ -399,6 +400,53 @@ async fn corrupted_model_download_is_refused() -> Result<()> {
     assert!(
         closed_after_ms < 3_000,
         "declined before the 3 s deadline: {first}"
+    );
+    Ok(())
+}
+
+/// A server made to send a task beyond the bounds every device checks (the
+/// job's stored settings edited in its database after the API validated
+/// them): the agent declines it before downloading anything, its status
+/// names the field, and the round fails at once rather than at its
+/// deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_declines_a_task_beyond_the_shared_bounds() -> Result<()> {
+    let (train, _) = digits()?;
+    let server = TestServer::start(Database::Postgres)?;
+    let admin = server.admin();
+    let version = admin.upload_model("digits", digits_model(&train)?).await?;
+    let token = admin.enrollment_token(1).await?;
+    // Enrolled is online: the round selects the agent before it runs.
+    let mut agent = Agent::enroll(&server, &token)?;
+    agent.add_data(&train)?;
+    let mut spec = job(version["id"].as_i64().unwrap_or_default(), 1, 1, 1, 30_000);
+    spec["max_round_retries"] = json!(0);
+    let id = admin.create_job(spec).await?;
+    canopy_e2e::tamper_job_setting(&server.database_url, id, "local_epochs", "5000")?;
+    agent.start()?;
+    let finished = admin.wait_for_job(id, Duration::from_secs(60)).await?;
+    let log = logs(std::slice::from_ref(&agent));
+    assert_eq!(finished["state"], "failed", "{finished}\n{log}");
+    let status = agent.status()?;
+    let last = &status["daemon"]["last_task"];
+    assert_eq!(last["result"], "refused", "{status}");
+    let detail = last["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("training.epochs"), "{status}");
+    let rounds = admin.ok(&format!("/api/v1/jobs/{id}/rounds")).await?;
+    let first = &rounds["items"][0];
+    assert_eq!(
+        first["metrics"]["bytes_out"], 0,
+        "nothing downloaded: {first}"
+    );
+    assert_eq!(first["metrics"]["dropouts"], 1, "{first}");
+    let round = admin.ok(&format!("/api/v1/rounds/{}", first["id"])).await?;
+    assert_eq!(round["participants"][0]["state"], "dropped", "{round}");
+    let closed_after_ms = first["durations"]["training_ms"]
+        .as_i64()
+        .unwrap_or(i64::MAX);
+    assert!(
+        closed_after_ms < 30_000,
+        "declined before the 30 s deadline: {first}"
     );
     Ok(())
 }

@@ -30,10 +30,12 @@ use canopy_protocol::secagg::wire::Stage;
 use tokio::runtime::Runtime;
 
 use crate::cancel::CancelToken;
-use crate::client::{DownloadedModel, SdkError, Transport};
-use crate::retry::RetryPolicy;
+use crate::client::DownloadedModel;
+use crate::error::SdkError;
+use crate::retry::{RetryObserver, RetryPolicy};
 use crate::secure::{SecureReceipt, SecureRound, StageObserver};
 use crate::train::LocalUpdate;
+use crate::transport::Transport;
 
 fn outside_runtime() -> Result<(), SdkError> {
     if tokio::runtime::Handle::try_current().is_ok() {
@@ -191,6 +193,12 @@ impl DeviceClient {
 
     pub fn retry_policy(&self) -> &RetryPolicy {
         self.inner.retry_policy()
+    }
+
+    /// See [`crate::DeviceClient::with_retry_observer`].
+    pub fn with_retry_observer(mut self, observer: RetryObserver) -> DeviceClient {
+        self.inner = self.inner.clone().with_retry_observer(observer);
+        self
     }
 
     pub fn with_cancel_token(mut self, token: CancelToken) -> DeviceClient {

@@ -13,7 +13,10 @@ use canopy_protocol::messages::{Task, TrainingConfig};
 use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_SIGNATURE, ServerKey};
 use canopy_protocol::update::{TensorSpec, UpdateLayout, encode_update};
 
+use super::download::{parse_content_range, part_path};
 use super::*;
+use crate::trust::Trust;
+use std::path::Path;
 
 /// One request as the scripted server read it.
 #[derive(Clone, Debug)]
@@ -639,4 +642,64 @@ fn content_ranges_parse_strictly() {
     }
     assert_eq!(encoded_samples(&update()), 42);
     assert_eq!(encoded_samples(b"short"), 0);
+}
+
+#[test]
+fn a_body_that_cannot_be_serialised_is_our_error_and_sends_nothing() {
+    let server = scripted(Vec::new());
+    let client = make_client(&server.base, &fixture().server_key_hex, fast());
+    // JSON object keys must be strings: serde_json refuses this map.
+    let body: std::collections::BTreeMap<(u8, u8), u8> = [((1, 2), 3)].into();
+    let error = runtime()
+        .block_on(client.signed_json("/device/v1/heartbeat", "heartbeat", &body))
+        .expect_err("unserialisable");
+    assert!(
+        matches!(
+            error,
+            SdkError::Encode {
+                what: "heartbeat",
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().contains("cannot encode the heartbeat"),
+        "{error}"
+    );
+    assert!(!error.is_retryable());
+    assert!(server.seen.lock().expect("log").is_empty(), "no request");
+}
+
+#[test]
+fn the_retry_observer_hears_every_retry_before_its_wait() {
+    let fixture = fixture();
+    let server = scripted(vec![
+        answer(503, "unavailable"),
+        answer(502, "bad_gateway"),
+        Box::new(|_| respond(204, &[], b"")),
+        hang_up(),
+        receipt(200),
+    ]);
+    let heard = Arc::new(Mutex::new(Vec::new()));
+    let log = heard.clone();
+    let observer: crate::RetryObserver = Arc::new(move |notice: &crate::RetryNotice<'_>| {
+        let entry = (notice.failures, notice.error.status(), notice.wait);
+        log.lock().expect("log").push(entry);
+    });
+    let client =
+        make_client(&server.base, &fixture.server_key_hex, fast()).with_retry_observer(observer);
+    let rt = runtime();
+    assert_eq!(rt.block_on(client.next_task(0)).expect("polled"), None);
+    let uploaded = rt.block_on(client.upload_update(&task(&fixture), Bytes::from(update())));
+    assert!(uploaded.expect("uploaded").accepted);
+    let heard = heard.lock().expect("log");
+    let outline: Vec<(u32, Option<u16>)> = heard.iter().map(|(n, s, _)| (*n, *s)).collect();
+    // Two retries of the poll, then one of the upload (a lost answer).
+    assert_eq!(outline, [(1, Some(503)), (2, Some(502)), (1, None)]);
+    let ceiling = Duration::from_millis(fast().max_backoff_ms);
+    assert!(
+        heard.iter().all(|(_, _, wait)| *wait <= ceiling),
+        "{heard:?}"
+    );
 }

@@ -23,10 +23,12 @@ pub mod backend;
 pub mod blocking;
 mod cancel;
 mod client;
+mod error;
 pub mod keystore;
 pub mod retry;
 pub mod secure;
 pub mod train;
+mod transport;
 mod trust;
 
 pub use backend::{BackendChoice, BackendKind, choose_backend};
@@ -35,10 +37,11 @@ pub use cancel::CancelToken;
 /// advances along; see [`DeviceClient::trusted_keys`].
 pub use canopy_protocol::model_sig::{KeyEndorsement, SigningKeys, TrustedKeys};
 pub use client::{
-    CONNECT_TIMEOUT_MS, DeviceClient, DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES,
-    REQUEST_TIMEOUT_MS, SdkError, Transport, enroll, enroll_with,
+    DeviceClient, DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES, enroll, enroll_with,
 };
+pub use error::SdkError;
 pub use keystore::{KeyStoreError, load_device_key, save_device_key};
-pub use retry::RetryPolicy;
+pub use retry::{RetryNotice, RetryObserver, RetryPolicy};
 pub use secure::{SecureReceipt, SecureRound, StageObserver, StageProgress};
+pub use transport::{CONNECT_TIMEOUT_MS, REQUEST_TIMEOUT_MS, Transport};
 pub use trust::{Trust, TrustError};

@@ -32,6 +32,11 @@
 //!   the request itself, and repeating it cannot change them. Nor are model
 //!   verification failures or unreadable answers retried.
 //!
+//! A client may carry a [`RetryObserver`]
+//! ([`DeviceClient::with_retry_observer`](crate::DeviceClient::with_retry_observer)),
+//! told of every failed attempt before the wait that follows it, e.g. to
+//! log it; the SDK itself logs nothing.
+//!
 //! The server's `Retry-After` header is not read: the backoff is capped by
 //! [`RetryPolicy::max_backoff_ms`] either way, and the only route that sends
 //! it (enrollment's rate limit) is not retried.
@@ -60,10 +65,11 @@
 //! the count, since the link works; [`MAX_DOWNLOAD_REQUESTS`] bounds the
 //! total.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::cancel::CancelToken;
-use crate::client::SdkError;
+use crate::error::SdkError;
 
 /// Upper bound on [`RetryPolicy::max_attempts`].
 pub const MAX_ATTEMPTS_CAP: u32 = 20;
@@ -167,6 +173,40 @@ impl RetryPolicy {
     }
 }
 
+/// A failed attempt that is about to be repeated.
+#[derive(Debug)]
+pub struct RetryNotice<'a> {
+    /// Attempts that failed so far in this call (1 after the first).
+    pub failures: u32,
+    /// The wait before the next attempt.
+    pub wait: Duration,
+    pub error: &'a SdkError,
+}
+
+/// Told of every retry of a client's calls, before its wait; see
+/// [`DeviceClient::with_retry_observer`](crate::DeviceClient::with_retry_observer).
+pub type RetryObserver = Arc<dyn Fn(&RetryNotice<'_>) + Send + Sync>;
+
+/// Waits the backoff before the retry that follows `failures` failed
+/// attempts, after telling `observer`; cancelled by `cancel`.
+pub(crate) async fn wait_to_retry(
+    policy: &RetryPolicy,
+    cancel: &CancelToken,
+    observer: Option<&RetryObserver>,
+    failures: u32,
+    error: &SdkError,
+) -> Result<(), SdkError> {
+    let wait = policy.backoff(failures.saturating_sub(1));
+    if let Some(observer) = observer {
+        observer(&RetryNotice {
+            failures,
+            wait,
+            error,
+        });
+    }
+    sleep(cancel, wait).await
+}
+
 /// Sleeps unless cancelled first.
 pub(crate) async fn sleep(cancel: &CancelToken, wait: Duration) -> Result<(), SdkError> {
     if wait.is_zero() {
@@ -193,6 +233,20 @@ pub(crate) async fn sleep(cancel: &CancelToken, wait: Duration) -> Result<(), Sd
 pub async fn retrying<T, F, Fut>(
     policy: &RetryPolicy,
     cancel: &CancelToken,
+    attempt: F,
+) -> Result<T, SdkError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, SdkError>>,
+{
+    retrying_observed(policy, cancel, None, attempt).await
+}
+
+/// [`retrying`] that tells `observer` of every retry.
+pub(crate) async fn retrying_observed<T, F, Fut>(
+    policy: &RetryPolicy,
+    cancel: &CancelToken,
+    observer: Option<&RetryObserver>,
     mut attempt: F,
 ) -> Result<T, SdkError>
 where
@@ -211,7 +265,7 @@ where
         if !error.is_retryable() || failures >= policy.max_attempts {
             return Err(error);
         }
-        sleep(cancel, policy.backoff(failures - 1)).await?;
+        wait_to_retry(&policy, cancel, observer, failures, &error).await?;
     }
 }
 

@@ -67,9 +67,11 @@ use canopy_protocol::secagg::{Client, Plan, SecAggError, arith};
 use reqwest::{Method, StatusCode};
 use tokio::time::Instant;
 
-use crate::client::{DeviceClient, LimitedBody, SdkError, now_ms, read_limited, server_error};
+use crate::client::{DeviceClient, validate_task};
+use crate::error::SdkError;
 use crate::retry;
 use crate::train::LocalUpdate;
+use crate::transport::{LimitedBody, now_ms, read_limited, server_error};
 
 /// Longest `wait_ms` of one poll: well under the client's request timeout
 /// and the idle timeouts of common proxies.
@@ -345,7 +347,7 @@ impl DeviceClient {
             if !error.is_retryable() || failures >= policy.max_attempts {
                 return Err(error);
             }
-            retry::sleep(cancel, policy.backoff(failures - 1)).await?;
+            self.wait_to_retry(&policy, failures, &error).await?;
         }
     }
 
@@ -365,7 +367,7 @@ impl DeviceClient {
         }
         let path = format!("{}?wait_ms={wait_ms}", stage_path(task, secure, stage)?);
         let limit_bytes = stage.max_bytes(secure.plan.packed_bytes());
-        retry::retrying(self.retry_policy(), self.cancel_token(), || async {
+        self.retrying(|| async {
             let mut response = self.signed(Method::GET, &path, Bytes::new()).await?;
             match response.status() {
                 StatusCode::OK => {
@@ -496,6 +498,7 @@ impl SecureRound {
         observer: Option<StageObserver>,
     ) -> Result<SecureRound, SdkError> {
         let secure = secure_task(task)?;
+        validate_task(task)?;
         let start_error = |source| protocol_error(task, Stage::AdvertiseKeys, source);
         let id = |what: &str, value: i64| {
             u64::try_from(value).map_err(|_| {

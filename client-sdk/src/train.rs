@@ -4,9 +4,11 @@
 
 use std::time::Instant;
 
+use canopy_engine::Backend;
 use canopy_engine::data::Dataset;
 use canopy_engine::train::{Evaluator, Trainer};
 use canopy_ir::{Buffer, Model};
+use canopy_protocol::bounds::BoundsError;
 use canopy_protocol::messages::Task;
 use canopy_protocol::update::{TensorSpec, UpdateLayout, encode_update};
 
@@ -15,6 +17,14 @@ use crate::cancel::CancelToken;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
+    /// The task asks for more than the shared bounds allow
+    /// ([`canopy_protocol::bounds`]); nothing was trained.
+    #[error(
+        "the task's `{}` is outside the bounds devices accept; the job's settings must be fixed \
+         on the server",
+        .0.field()
+    )]
+    InvalidTask(#[source] BoundsError),
     #[error("the model file does not load")]
     Model(#[source] canopy_ir::format::FormatError),
     #[error("the model's trainable parameters do not match the task's layout: {0}")]
@@ -120,14 +130,30 @@ pub fn train_task_with(
     seed: u64,
     options: &TrainOptions,
 ) -> Result<LocalUpdate, TrainError> {
-    let cancelled = || {
-        if options.cancel.is_cancelled() {
-            Err(TrainError::Cancelled)
-        } else {
-            Ok(())
-        }
-    };
-    cancelled()?;
+    let backend = options.backend.engine_backend();
+    train_on(
+        model_bytes,
+        task,
+        data,
+        seed,
+        backend.as_ref(),
+        &options.cancel,
+    )
+}
+
+/// The training loop on `backend`, which compiles and runs `train_step`.
+/// The task is checked against the shared bounds first, so that its epochs
+/// and batch size bound the loop.
+fn train_on(
+    model_bytes: &[u8],
+    task: &Task,
+    data: &Dataset,
+    seed: u64,
+    backend: &dyn Backend,
+    cancel: &CancelToken,
+) -> Result<LocalUpdate, TrainError> {
+    check_cancelled(cancel)?;
+    task.validate().map_err(TrainError::InvalidTask)?;
     if data.is_empty() {
         return Err(TrainError::NoData);
     }
@@ -144,28 +170,8 @@ pub fn train_task_with(
         )));
     }
     let before = trainable_values(&model);
-    let batch = (task.training.batch_size as usize).max(1);
-    let lr = task.training.learning_rate as f32;
-    let backend = options.backend.engine_backend();
-    let mut trainer = Trainer::new(&model, backend.as_ref(), seed)?;
-    // As in `canopy model train`: a short final batch is one noisy step, so
-    // it is dropped unless it is all the data there is.
-    let drop_last = data.len() >= batch;
-    let mut train_loss = 0.0;
-    for epoch in 0..task.training.epochs.max(1) {
-        let shuffle = seed
-            .wrapping_mul(0x9E37_79B9)
-            .wrapping_add(u64::from(epoch));
-        let (mut loss_sum, mut seen) = (0.0f64, 0usize);
-        for batch in data.batches(batch, Some(shuffle), drop_last)? {
-            cancelled()?;
-            let size = batch.len();
-            let stats = trainer.step(batch.x, batch.y, lr)?;
-            loss_sum += f64::from(stats.loss) * size as f64;
-            seen += size;
-        }
-        train_loss = loss_sum / seen.max(1) as f64;
-    }
+    let mut trainer = Trainer::new(&model, backend, seed)?;
+    let train_loss = run_epochs(&mut trainer, task, data, seed, cancel)?;
     trainer.write_back(&mut model)?;
     let delta: Vec<f32> = trainable_values(&model)
         .iter()
@@ -180,6 +186,46 @@ pub fn train_task_with(
         train_loss,
         train_duration_ms: started.elapsed().as_millis() as u64,
     })
+}
+
+fn check_cancelled(cancel: &CancelToken) -> Result<(), TrainError> {
+    if cancel.is_cancelled() {
+        return Err(TrainError::Cancelled);
+    }
+    Ok(())
+}
+
+/// The task's epochs over `data` (validated, so bounded), checking
+/// `cancel` before every batch; returns the last epoch's sample-weighted
+/// mean loss.
+fn run_epochs(
+    trainer: &mut Trainer,
+    task: &Task,
+    data: &Dataset,
+    seed: u64,
+    cancel: &CancelToken,
+) -> Result<f64, TrainError> {
+    let batch = task.training.batch_size as usize;
+    let lr = task.training.learning_rate as f32;
+    // As in `canopy model train`: a short final batch is one noisy step, so
+    // it is dropped unless it is all the data there is.
+    let drop_last = data.len() >= batch;
+    let mut train_loss = 0.0;
+    for epoch in 0..task.training.epochs {
+        let shuffle = seed
+            .wrapping_mul(0x9E37_79B9)
+            .wrapping_add(u64::from(epoch));
+        let (mut loss_sum, mut seen) = (0.0f64, 0usize);
+        for batch in data.batches(batch, Some(shuffle), drop_last)? {
+            check_cancelled(cancel)?;
+            let size = batch.len();
+            let stats = trainer.step(batch.x, batch.y, lr)?;
+            loss_sum += f64::from(stats.loss) * size as f64;
+            seen += size;
+        }
+        train_loss = loss_sum / seen.max(1) as f64;
+    }
+    Ok(train_loss)
 }
 
 /// Evaluates a model file on local data.
@@ -218,14 +264,22 @@ pub fn evaluate_model(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
 
+    use canopy_engine::{CpuBackend, EngineError, EngineResult, Executable, Value};
+    use canopy_ir::Graph;
+    use canopy_protocol::bounds::MAX_EPOCHS;
     use canopy_protocol::messages::TrainingConfig;
 
     use super::*;
-    use crate::backend::choose_backend;
 
     fn setup(epochs: u32) -> (Vec<u8>, Task, Dataset) {
+        setup_with(epochs, 64)
+    }
+
+    fn setup_with(epochs: u32, samples: usize) -> (Vec<u8>, Task, Dataset) {
         let config = canopy_engine::zoo::ModelConfig {
             architecture: canopy_engine::zoo::Architecture::LogReg {
                 inputs: 8,
@@ -239,7 +293,6 @@ mod tests {
         let model = canopy_engine::zoo::build_model(&config).expect("model");
         let layout = trainable_layout(&model).expect("layout");
         let bytes = canopy_ir::format::write_model(&model).expect("bytes");
-        let samples = 64;
         let features = (0..samples * 8).map(|i| (i % 7) as f32 / 7.0).collect();
         let labels = (0..samples).map(|i| (i % 3) as i64).collect();
         let data = Dataset::new(features, vec![8], labels, 3).expect("dataset");
@@ -278,8 +331,9 @@ mod tests {
 
     #[test]
     fn cancelling_from_another_thread_stops_training_between_batches() {
-        // 64 samples, batch 1, 100,000 epochs: minutes of work uncancelled.
-        let (bytes, task, data) = setup(100_000);
+        // 4,096 samples, batch 1, the most epochs a task may ask for:
+        // minutes of work uncancelled.
+        let (bytes, task, data) = setup_with(MAX_EPOCHS, 4_096);
         let token = CancelToken::new();
         let canceller = token.clone();
         let thread = std::thread::spawn(move || {
@@ -294,25 +348,113 @@ mod tests {
     }
 
     #[test]
-    fn the_chosen_backend_trains_like_the_default() {
-        let (bytes, task, data) = setup(2);
-        let plain = train_task(&bytes, &task, &data, 9).expect("train");
-        let capabilities = canopy_protocol::messages::Capabilities {
-            tier: canopy_protocol::messages::Tier::End,
-            backends: vec!["cpu".into(), "gpu".into()],
-            memory_mb: 512,
-            os: "test".into(),
-            tags: Default::default(),
+    fn a_task_outside_the_shared_bounds_is_refused_before_training() {
+        let (bytes, mut task, data) = setup(MAX_EPOCHS + 1);
+        let backend = Recording::default();
+        let outcome = train_on(&bytes, &task, &data, 1, &backend, &CancelToken::new());
+        let Err(TrainError::InvalidTask(bounds)) = &outcome else {
+            panic!("an out-of-bounds task trained: {outcome:?}");
         };
-        let options = TrainOptions {
-            backend: choose_backend(&capabilities),
-            cancel: CancelToken::new(),
-        };
-        let chosen = train_task_with(&bytes, &task, &data, 9, &options).expect("train");
+        assert_eq!(bounds.field(), "training.epochs");
+        let error = outcome.unwrap_err();
+        assert!(error.to_string().contains("training.epochs"), "{error}");
         assert_eq!(
-            plain.encoded, chosen.encoded,
-            "GPU falls back to the same CPU"
+            backend.compiled.load(Ordering::SeqCst),
+            0,
+            "nothing compiled"
         );
-        assert_eq!(plain.num_samples, 64);
+        task.training = TrainingConfig {
+            epochs: 1,
+            batch_size: 0,
+            ..task.training
+        };
+        let outcome = train_task(&bytes, &task, &data, 1);
+        assert!(
+            matches!(&outcome, Err(TrainError::InvalidTask(b)) if b.field() == "training.batch_size"),
+            "{outcome:?}"
+        );
+    }
+
+    /// The CPU backend, counting what it compiles and runs.
+    #[derive(Default)]
+    struct Recording {
+        compiled: AtomicUsize,
+        runs: Arc<AtomicUsize>,
+    }
+
+    struct RecordingExecutable {
+        inner: Box<dyn Executable>,
+        runs: Arc<AtomicUsize>,
+    }
+
+    impl Backend for Recording {
+        fn name(&self) -> &'static str {
+            "recording"
+        }
+
+        fn compile(&self, graph: &Graph) -> EngineResult<Box<dyn Executable>> {
+            self.compiled.fetch_add(1, Ordering::SeqCst);
+            Ok(Box::new(RecordingExecutable {
+                inner: CpuBackend.compile(graph)?,
+                runs: self.runs.clone(),
+            }))
+        }
+    }
+
+    impl Executable for RecordingExecutable {
+        fn run(&mut self, inputs: Vec<Value>) -> EngineResult<Vec<Value>> {
+            self.runs.fetch_add(1, Ordering::SeqCst);
+            self.inner.run(inputs)
+        }
+
+        fn input_names(&self) -> &[String] {
+            self.inner.input_names()
+        }
+
+        fn output_names(&self) -> &[String] {
+            self.inner.output_names()
+        }
+    }
+
+    /// A backend that can run nothing, as a GPU backend refuses an op.
+    struct Refusing;
+
+    impl Backend for Refusing {
+        fn name(&self) -> &'static str {
+            "refusing"
+        }
+
+        fn compile(&self, _graph: &Graph) -> EngineResult<Box<dyn Executable>> {
+            Err(EngineError::Unsupported {
+                backend: "refusing".into(),
+                what: "anything".into(),
+            })
+        }
+    }
+
+    #[test]
+    fn training_runs_on_the_backend_it_is_given() {
+        let (bytes, task, data) = setup(2);
+        let recording = Recording::default();
+        let cancel = CancelToken::new();
+        let recorded = train_on(&bytes, &task, &data, 9, &recording, &cancel).expect("train");
+        assert_eq!(
+            recording.compiled.load(Ordering::SeqCst),
+            1,
+            "one train_step"
+        );
+        // Batch 1: one step per sample and epoch, each a run of this backend.
+        assert_eq!(recording.runs.load(Ordering::SeqCst), 2 * 64);
+        // It wraps the CPU, so the update is the default path's, bit for bit.
+        let plain = train_task(&bytes, &task, &data, 9).expect("train");
+        assert_eq!(recorded.encoded, plain.encoded);
+        let refused = train_on(&bytes, &task, &data, 9, &Refusing, &cancel);
+        assert!(
+            matches!(
+                &refused,
+                Err(TrainError::Engine(EngineError::Unsupported { backend, .. })) if backend == "refusing"
+            ),
+            "{refused:?}"
+        );
     }
 }

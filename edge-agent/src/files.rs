@@ -33,9 +33,6 @@ pub const MAX_CONFIG_BYTES: u64 = 64 << 10;
 pub const MAX_DATASETS_BYTES: u64 = 256 << 10;
 /// Largest `status.json` read.
 pub const MAX_STATUS_BYTES: u64 = 256 << 10;
-/// Largest model file read by `train --local` and `eval`: 1 GiB, the
-/// SDK's download limit.
-pub const MAX_MODEL_FILE_BYTES: u64 = 1 << 30;
 
 /// The files of one agent installation, all under one folder.
 #[derive(Clone, Debug)]

@@ -52,6 +52,81 @@ impl TaskResult {
     }
 }
 
+/// What the daemon is doing: `status.json`'s `state`, and the heartbeat's
+/// `state` on the wire, both as [`AgentState::as_str`] names it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "&'static str", try_from = "String")]
+pub enum AgentState {
+    /// Before the daemon has written its first status.
+    #[default]
+    Starting,
+    /// Polling for a task.
+    Idle,
+    /// Not polling: `--only-when-idle` and the machine is busy.
+    Deferred,
+    /// A secure task's key stages, before the download.
+    ExchangingKeys,
+    Downloading,
+    Training,
+    /// A secure task's masked input and unmasking, after training.
+    SecureAggregation,
+    Uploading,
+    Stopped,
+}
+
+impl AgentState {
+    pub const ALL: [AgentState; 9] = [
+        AgentState::Starting,
+        AgentState::Idle,
+        AgentState::Deferred,
+        AgentState::ExchangingKeys,
+        AgentState::Downloading,
+        AgentState::Training,
+        AgentState::SecureAggregation,
+        AgentState::Uploading,
+        AgentState::Stopped,
+    ];
+
+    /// The state's one name, in `status.json`, the `status` command and
+    /// heartbeats.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AgentState::Starting => "starting",
+            AgentState::Idle => "idle",
+            AgentState::Deferred => "deferred",
+            AgentState::ExchangingKeys => "exchanging-keys",
+            AgentState::Downloading => "downloading",
+            AgentState::Training => "training",
+            AgentState::SecureAggregation => "secure-aggregation",
+            AgentState::Uploading => "uploading",
+            AgentState::Stopped => "stopped",
+        }
+    }
+}
+
+impl std::fmt::Display for AgentState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<AgentState> for &'static str {
+    fn from(state: AgentState) -> &'static str {
+        state.as_str()
+    }
+}
+
+impl TryFrom<String> for AgentState {
+    type Error = String;
+
+    fn try_from(name: String) -> Result<AgentState, String> {
+        AgentState::ALL
+            .into_iter()
+            .find(|state| state.as_str() == name)
+            .ok_or_else(|| format!("unknown agent state `{name}`"))
+    }
+}
+
 /// One task, as the daemon saw it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TaskRecord {
@@ -94,10 +169,8 @@ impl TaskRecord {
 pub struct AgentStatus {
     #[serde(default)]
     pub pid: Option<u32>,
-    /// `starting`, `idle`, `deferred`, `downloading`, `training`,
-    /// `uploading` or `stopped`.
     #[serde(default)]
-    pub state: String,
+    pub state: AgentState,
     #[serde(default)]
     pub updated_unix_ms: u64,
     #[serde(default)]
@@ -189,7 +262,7 @@ pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
     let key_mode = mode_of(&dir.key());
     let running = status
         .as_ref()
-        .and_then(|s| s.pid.filter(|_| s.state != "stopped"))
+        .and_then(|s| s.pid.filter(|_| s.state != AgentState::Stopped))
         .and_then(process_alive);
     if as_json {
         let value = json!({
@@ -310,5 +383,58 @@ fn ago(unix_ms: u64) -> String {
         0..=119 => format!("{seconds} s ago"),
         120..=7199 => format!("{} min ago", seconds / 60),
         _ => format!("{} h ago", seconds / 3600),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Fails to compile when a state is added, until it is added to
+    /// [`AgentState::ALL`] too (and so to parsing).
+    fn listed(state: AgentState) -> bool {
+        match state {
+            AgentState::Starting
+            | AgentState::Idle
+            | AgentState::Deferred
+            | AgentState::ExchangingKeys
+            | AgentState::Downloading
+            | AgentState::Training
+            | AgentState::SecureAggregation
+            | AgentState::Uploading
+            | AgentState::Stopped => AgentState::ALL.contains(&state),
+        }
+    }
+
+    #[test]
+    fn every_state_has_one_name_that_round_trips() {
+        let mut names = std::collections::HashSet::new();
+        for state in AgentState::ALL {
+            assert!(listed(state));
+            assert!(names.insert(state.as_str()), "{state} named twice");
+            let json = serde_json::to_string(&state).expect("serialise");
+            assert_eq!(json, format!("\"{}\"", state.as_str()));
+            let back: AgentState = serde_json::from_str(&json).expect("parse");
+            assert_eq!(back, state);
+            assert_eq!(state.to_string(), state.as_str());
+        }
+        // The names status files and heartbeats have always carried.
+        assert_eq!(AgentState::ExchangingKeys.as_str(), "exchanging-keys");
+        assert_eq!(AgentState::SecureAggregation.as_str(), "secure-aggregation");
+        assert!(serde_json::from_str::<AgentState>("\"napping\"").is_err());
+    }
+
+    #[test]
+    fn a_status_file_keeps_its_state_by_name() {
+        let status = AgentStatus {
+            state: AgentState::Training,
+            ..AgentStatus::default()
+        };
+        let text = serde_json::to_string(&status).expect("serialise");
+        assert!(text.contains("\"state\":\"training\""), "{text}");
+        let back: AgentStatus = serde_json::from_str(&text).expect("parse");
+        assert_eq!(back.state, AgentState::Training);
+        let without: AgentStatus = serde_json::from_str("{}").expect("parse");
+        assert_eq!(without.state, AgentState::Starting);
     }
 }

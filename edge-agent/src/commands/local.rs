@@ -12,17 +12,17 @@ use canopy_engine::data::Dataset;
 use canopy_engine::train::Trainer;
 use canopy_engine::zoo::{fit_input_stats, needs_input_stats};
 use canopy_ir::Model;
+use canopy_protocol::bounds::{
+    MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_MODEL_BYTES, check_batch_size, check_epochs,
+    check_learning_rate,
+};
 use canopy_sdk::train::{Evaluation, evaluate_model};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::datasets::{DataKind, DataSource, Registry, fit_to_model, holdout};
-use crate::files::{DataDir, MAX_MODEL_FILE_BYTES, hinted, read_bounded};
+use crate::files::{DataDir, hinted, read_bounded};
 use crate::output::outln;
-
-/// Caps on the loop's size, so a typo cannot run for days.
-const MAX_EPOCHS: u32 = 1_000;
-const MAX_BATCH: usize = 1 << 16;
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -73,7 +73,8 @@ pub struct EvalArgs {
 }
 
 fn read_model(path: &Path) -> Result<Model> {
-    let bytes = read_bounded(path, MAX_MODEL_FILE_BYTES)
+    // The largest model a device downloads is the largest it reads.
+    let bytes = read_bounded(path, MAX_MODEL_BYTES)
         .with_context(|| format!("cannot read model file `{}`", path.display()))?
         .ok_or_else(|| anyhow::anyhow!("model file `{}` does not exist", path.display()))?;
     canopy_ir::format::read_model(&bytes)
@@ -81,8 +82,10 @@ fn read_model(path: &Path) -> Result<Model> {
 }
 
 fn check_batch(batch: usize) -> Result<()> {
-    if batch == 0 || batch > MAX_BATCH {
-        bail!("--batch {batch} is out of range (1..={MAX_BATCH})");
+    // The bounds a task's batch size is held to, so a typo cannot run for
+    // days.
+    if check_batch_size("--batch", batch as u64).is_err() {
+        bail!("--batch {batch} is out of range (1..={MAX_BATCH_SIZE})");
     }
     Ok(())
 }
@@ -99,15 +102,18 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
             "pass --local for an offline run; `canopy-agent run` trains for a server",
         ));
     }
-    if args.epochs == 0 || args.epochs > MAX_EPOCHS {
+    if check_epochs("--epochs", u64::from(args.epochs)).is_err() {
         bail!(
             "--epochs {} is out of range (1..={MAX_EPOCHS})",
             args.epochs
         );
     }
     check_batch(args.batch)?;
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        bail!("--lr {} must be a positive finite number", args.lr);
+    if check_learning_rate("--lr", f64::from(args.lr)).is_err() {
+        bail!(
+            "--lr {} must be a positive finite number at most {MAX_LEARNING_RATE}",
+            args.lr
+        );
     }
     let mut model = read_model(&args.model)?;
     let registry = Registry::load(dir)?;

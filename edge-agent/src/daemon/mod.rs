@@ -4,12 +4,13 @@
 //! uploads the update and reports the metrics, recording every step in
 //! `status.json`.
 //!
-//! Network errors are retried with exponential backoff and jitter; nothing
-//! the server or the network does ends the daemon. SIGTERM or SIGINT lets
-//! a running task finish within [`SHUTDOWN_GRACE`] (a second signal ends
-//! it at once), then the daemon exits 0.
+//! Network errors are retried with the SDK's backoff and jitter (a task's
+//! requests under [`task::TASK_RETRY`], failed polls by the poll loop under
+//! [`POLL_BACKOFF`]); nothing the server or the network does ends the
+//! daemon. SIGTERM or SIGINT lets a running task finish within
+//! [`SHUTDOWN_GRACE`] (a second signal ends it at once, and stops its
+//! training), then the daemon exits 0.
 
-mod backoff;
 mod task;
 
 use std::collections::HashMap;
@@ -19,15 +20,14 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use canopy_engine::data::Dataset;
 use canopy_protocol::messages::Heartbeat;
-use canopy_sdk::{DeviceClient, SdkError};
+use canopy_sdk::{CancelToken, DeviceClient, RetryPolicy, SdkError};
 use clap::Args;
 use tokio::sync::{Notify, watch};
 
 use crate::config::{AgentConfig, FileConfig, load_key};
 use crate::datasets::{Registry, holdout};
 use crate::files::{DataDir, now_ms};
-use crate::status::{AgentStatus, TaskRecord, TaskResult};
-pub use backoff::Backoff;
+use crate::status::{AgentState, AgentStatus, TaskRecord, TaskResult};
 
 /// How long a running task may take to finish after SIGTERM or SIGINT.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
@@ -49,9 +49,17 @@ const MAX_THREADS: usize = 1024;
 /// Bounds on the heartbeat interval the server may ask for.
 const MIN_HEARTBEAT: Duration = Duration::from_secs(1);
 const MAX_HEARTBEAT: Duration = Duration::from_secs(3600);
-/// Backoff between failed polls.
-const POLL_BACKOFF_BASE: Duration = Duration::from_secs(1);
-const POLL_BACKOFF_MAX: Duration = Duration::from_secs(60);
+/// Polls and heartbeats: one attempt each, since their loops are the
+/// retry (a poll retried inside the client would hide a server that is
+/// down from the log and the status for minutes); the poll loop waits the
+/// SDK's backoff of this policy between failed polls, from 1 s doubling up
+/// to 60 s, with full jitter.
+const POLL_BACKOFF: RetryPolicy = RetryPolicy {
+    max_attempts: 1,
+    initial_backoff_ms: 1_000,
+    max_backoff_ms: 60_000,
+    multiplier: 2.0,
+};
 /// Rounds remembered as not to be worked on again (declined, or a secure
 /// round finished) at most.
 const MAX_DECLINED_ROUNDS: usize = 1024;
@@ -164,7 +172,8 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
     let transport = canopy_sdk::Transport::new(&agent.server, &agent.trust.to_trust())
         .with_context(|| format!("cannot set up a connection to `{}`", agent.server))?;
     let client =
-        DeviceClient::with_trusted_keys(transport, agent.device_id, key, agent.trusted_keys()?);
+        DeviceClient::with_trusted_keys(transport, agent.device_id, key, agent.trusted_keys()?)
+            .with_retry_policy(task::TASK_RETRY);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(4)
@@ -174,6 +183,7 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
         .context("cannot start the async runtime")?;
     let daemon = Arc::new(Daemon {
         dir: dir.clone(),
+        poller: client.clone().with_retry_policy(POLL_BACKOFF),
         client,
         data,
         settings,
@@ -183,15 +193,20 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
         reconnected: Notify::new(),
     });
     let result = runtime.block_on(daemon.main());
-    // A task abandoned after the grace period may still be training on a
-    // blocking thread: do not wait for it.
+    // A task abandoned after the grace period may still be in a training
+    // step on a blocking thread (it stops at the next batch): do not wait
+    // for it.
     runtime.shutdown_timeout(Duration::from_millis(500));
     result
 }
 
 struct Daemon {
     dir: DataDir,
+    /// A task's requests: retried under [`task::TASK_RETRY`].
     client: DeviceClient,
+    /// Polls and heartbeats: one attempt each (see [`POLL_BACKOFF`]).
+    /// Shares the connection pool and the trusted keys with `client`.
+    poller: DeviceClient,
     data: Arc<LocalData>,
     settings: Settings,
     heartbeat_ms: u64,
@@ -244,8 +259,8 @@ impl Daemon {
         }
     }
 
-    fn set_state(&self, state: &str) {
-        self.update_status(|s| s.state = state.to_string());
+    fn set_state(&self, state: AgentState) {
+        self.update_status(|s| s.state = state);
     }
 
     fn heartbeat(&self) -> Heartbeat {
@@ -256,7 +271,7 @@ impl Daemon {
             .filter(|t| t.result == TaskResult::InProgress)
             .map(|t| t.round_id);
         Heartbeat {
-            state: Some(status.state.clone()),
+            state: Some(status.state.as_str().to_string()),
             round_id,
         }
     }
@@ -281,7 +296,7 @@ impl Daemon {
                 }
             }
             status.pid = Some(std::process::id());
-            status.state = "idle".into();
+            status.state = AgentState::Idle;
             status.started_unix_ms = Some(now_ms());
             status.device_id = Some(self.client.device_id);
             status.dataset = Some(self.data.name.clone());
@@ -300,7 +315,7 @@ impl Daemon {
         let heartbeats = tokio::spawn(self.clone().heartbeats(stop.clone()));
         self.poll_loop(stop).await;
         heartbeats.abort();
-        self.set_state("stopped");
+        self.set_state(AgentState::Stopped);
         tracing::info!("canopy-agent stopped");
         Ok(())
     }
@@ -311,7 +326,7 @@ impl Daemon {
         let mut interval = clamp_heartbeat(self.heartbeat_ms);
         let mut failing = false;
         loop {
-            match self.client.heartbeat(&self.heartbeat()).await {
+            match self.poller.heartbeat(&self.heartbeat()).await {
                 Ok(answer) => {
                     interval = clamp_heartbeat(answer.heartbeat_interval_ms);
                     if failing {
@@ -336,7 +351,7 @@ impl Daemon {
     }
 
     async fn poll_loop(&self, mut stop: watch::Receiver<u32>) {
-        let mut backoff = Backoff::new(POLL_BACKOFF_BASE, POLL_BACKOFF_MAX);
+        let mut failures = 0u32;
         let mut declined: HashMap<i64, Declined> = HashMap::new();
         let mut deferred = false;
         let mut warned_no_load = false;
@@ -353,7 +368,7 @@ impl Daemon {
                                 threshold = IDLE_LOAD_PER_CORE,
                                 "machine busy: deferring task polls"
                             );
-                            self.set_state("deferred");
+                            self.set_state(AgentState::Deferred);
                             deferred = true;
                         } else {
                             tracing::debug!(load_per_core = load, "still busy");
@@ -365,7 +380,7 @@ impl Daemon {
                     }
                     Some(load) if deferred => {
                         tracing::info!(load_per_core = load, "machine idle: polling again");
-                        self.set_state("idle");
+                        self.set_state(AgentState::Idle);
                         deferred = false;
                     }
                     Some(_) => {}
@@ -379,21 +394,22 @@ impl Daemon {
                 }
             }
             let polled = tokio::select! {
-                polled = self.client.next_task(self.settings.poll_wait_ms) => polled,
+                polled = self.poller.next_task(self.settings.poll_wait_ms) => polled,
                 () = stopped(&mut stop, 1) => return,
             };
             let task = match polled {
                 Ok(None) => {
-                    backoff.reset();
+                    failures = 0;
                     continue;
                 }
                 Ok(Some(task)) => {
-                    backoff.reset();
+                    failures = 0;
                     task
                 }
                 Err(error) => {
-                    let delay = backoff.next_delay();
-                    self.log_poll_error(&error, delay, backoff.failures());
+                    let delay = POLL_BACKOFF.backoff(failures);
+                    failures = failures.saturating_add(1);
+                    self.log_poll_error(&error, delay, failures);
                     tokio::select! {
                         () = tokio::time::sleep(delay) => {}
                         () = self.reconnected.notified() => {
@@ -446,7 +462,11 @@ impl Daemon {
             if *stop.borrow() > 0 {
                 return;
             }
-            self.set_state(if deferred { "deferred" } else { "idle" });
+            self.set_state(if deferred {
+                AgentState::Deferred
+            } else {
+                AgentState::Idle
+            });
         }
     }
 
@@ -472,7 +492,8 @@ impl Daemon {
         task: &canopy_protocol::messages::Task,
         stop: &mut watch::Receiver<u32>,
     ) -> Option<TaskResult> {
-        let work = self.run_task(task);
+        let training = CancelToken::new();
+        let work = self.run_task(task, &training);
         tokio::pin!(work);
         tokio::select! {
             result = &mut work => return Some(result),
@@ -488,6 +509,9 @@ impl Daemon {
             () = stopped(stop, 2) => None,
         };
         if finished.is_none() {
+            // Training runs on a blocking thread the runtime does not wait
+            // for; this stops it at its next batch.
+            training.cancel();
             tracing::warn!(round_id = task.round_id, "abandoning the current task");
             self.update_status(|s| {
                 if let Some(record) = s.last_task.as_mut() {

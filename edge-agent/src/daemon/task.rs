@@ -1,43 +1,49 @@
 //! One task: limits, verified download, held-out evaluation of the global
-//! model, local training, upload and metrics, with bounded retries.
+//! model, local training, upload and metrics.
+//!
+//! Every request of a task goes through the SDK's retry policy
+//! ([`TASK_RETRY`], set on the daemon's client; `canopy_sdk::retry` says
+//! what is retried), under a cancel token that fires once the round's
+//! deadline has passed, so no retry or wait outlives the round; each
+//! retry is logged. Training
+//! observes the token the daemon cancels when it abandons the task.
 //!
 //! A secure task (`secure_aggregation` set) uploads nothing: the agent
 //! exchanges round keys before it downloads and trains, since the key
 //! stages are short and wait for every device, then finishes the secure
 //! round with the trained update (see `canopy_sdk::secure`).
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use canopy_protocol::messages::{RoundMetrics, Task};
-use canopy_sdk::train::{Evaluation, LocalUpdate, evaluate_model, train_task};
-use canopy_sdk::{RetryPolicy, SdkError, SecureRound, StageObserver, StageProgress};
+use canopy_sdk::train::{Evaluation, LocalUpdate, evaluate_model, train_task_cancellable};
+use canopy_sdk::{
+    CancelToken, DeviceClient, RetryNotice, RetryObserver, RetryPolicy, SdkError, SecureRound,
+    StageObserver, StageProgress,
+};
 
-use super::{Backoff, Daemon, LocalData, MEMORY_FACTOR, new_record, record_outcome};
+use super::{Daemon, LocalData, MEMORY_FACTOR, new_record, record_outcome};
 use crate::datasets::fit_to_model;
 use crate::files::now_ms;
-use crate::status::TaskResult;
+use crate::status::{AgentState, TaskResult};
 
 /// Device and server clocks differ; a deadline is treated as passed only
 /// this long after it, by the device's clock.
 const CLOCK_SKEW_MS: u64 = 60_000;
-const DOWNLOAD_ATTEMPTS: u32 = 5;
-const UPLOAD_ATTEMPTS: u32 = 8;
-const METRICS_ATTEMPTS: u32 = 3;
-const RETRY_BASE: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(30);
 /// Batch size of the held-out evaluation.
 const EVAL_BATCH: usize = 256;
-/// Retries of each request of a secure round. A stage cannot be run again
-/// from the agent's side (the round's keys live in one `SecureRound`), so
-/// the SDK retries each request itself, as patiently as the upload.
-const SECURE_RETRY: RetryPolicy = RetryPolicy {
-    max_attempts: UPLOAD_ATTEMPTS,
-    initial_backoff_ms: RETRY_BASE.as_millis() as u64,
-    max_backoff_ms: RETRY_MAX.as_millis() as u64,
+/// How patiently each request of a task (download, upload, metrics,
+/// decline, each message of a secure round) is repeated: 8 attempts,
+/// waits from 1 s doubling up to 30 s, with full jitter. A secure round's
+/// stage cannot be run again from the agent's side (the round's keys live
+/// in one `SecureRound`), so the SDK retries each request itself.
+pub(super) const TASK_RETRY: RetryPolicy = RetryPolicy {
+    max_attempts: 8,
+    initial_backoff_ms: 1_000,
+    max_backoff_ms: 30_000,
     multiplier: 2.0,
 };
 
@@ -60,16 +66,57 @@ fn past_deadline(task: &Task) -> bool {
     now_ms() > task.deadline_unix_ms.saturating_add(CLOCK_SKEW_MS)
 }
 
-/// Worth another try: no answer, a garbled or cut-off answer, or a server
-/// that is overloaded or failing. A model that fails verification is not:
-/// its digest or signature is wrong, not its transfer.
-fn retryable(error: &SdkError) -> bool {
+/// A token that fires once `task`'s deadline has passed, by the device's
+/// clock, and the timer that fires it; dropping the guard stops the timer.
+fn deadline_token(task: &Task) -> (CancelToken, DeadlineTimer) {
+    let token = CancelToken::new();
+    let fire = token.clone();
+    let wait_ms = task
+        .deadline_unix_ms
+        .saturating_add(CLOCK_SKEW_MS)
+        .saturating_sub(now_ms());
+    let timer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+        fire.cancel();
+    });
+    (token, DeadlineTimer(timer))
+}
+
+struct DeadlineTimer(tokio::task::JoinHandle<()>);
+
+impl Drop for DeadlineTimer {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Why this device will not start `task`, if it will not: a task outside
+/// the bounds every device checks, or one over `--max-memory-mb`.
+fn refusal(task: &Task, max_memory_mb: Option<u64>) -> Option<String> {
+    if let Err(bounds) = task.validate() {
+        return Some(format!(
+            "the task is outside the bounds devices accept: {bounds}"
+        ));
+    }
+    let max_mb = max_memory_mb?;
+    let need_mb = task
+        .model_size_bytes
+        .saturating_mul(MEMORY_FACTOR)
+        .div_ceil(1 << 20);
+    (need_mb > max_mb).then(|| {
+        format!(
+            "the model is {} bytes; training it needs about {need_mb} MiB ({MEMORY_FACTOR}x the file), over --max-memory-mb {max_mb}",
+            task.model_size_bytes
+        )
+    })
+}
+
+/// How a failed request of a task ends it: a cancellation here is the
+/// round's deadline passing.
+fn request_failure(error: &SdkError) -> TaskResult {
     match error {
-        SdkError::Transport { .. } | SdkError::BadResponse { .. } | SdkError::Incomplete { .. } => {
-            true
-        }
-        SdkError::Server { status, .. } => *status == 408 || *status == 429 || *status >= 500,
-        _ => false,
+        SdkError::Cancelled => TaskResult::Expired,
+        _ => TaskResult::Failed,
     }
 }
 
@@ -119,6 +166,19 @@ fn stage_logger() -> StageObserver {
     })
 }
 
+/// Logs every retry of a task's requests before its wait.
+fn retry_logger(round_id: i64) -> RetryObserver {
+    Arc::new(move |notice: &RetryNotice<'_>| {
+        tracing::warn!(
+            round_id,
+            attempt = notice.failures,
+            retry_in_ms = notice.wait.as_millis() as u64,
+            error = %crate::chain_text(notice.error),
+            "request failed; retrying"
+        );
+    })
+}
+
 /// Deterministic per device and round, different across both.
 fn training_seed(device_id: i64, round_id: i64) -> u64 {
     (device_id as u64)
@@ -127,9 +187,20 @@ fn training_seed(device_id: i64, round_id: i64) -> u64 {
         ^ (round_id as u64)
 }
 
+/// One task's run: the task, the client its requests go through (its
+/// token fires at the round's deadline), and the token that stops its
+/// training when the daemon abandons it.
+struct Run<'a> {
+    task: &'a Task,
+    client: DeviceClient,
+    training: &'a CancelToken,
+}
+
 impl Daemon {
-    /// Works on one task and records how it ended.
-    pub(super) async fn run_task(&self, task: &Task) -> TaskResult {
+    /// Works on one task and records how it ended. `training` is cancelled
+    /// by the caller when it abandons the task, which stops training
+    /// between batches.
+    pub(super) async fn run_task(&self, task: &Task, training: &CancelToken) -> TaskResult {
         tracing::info!(
             job_id = task.job_id,
             round_id = task.round_id,
@@ -143,9 +214,19 @@ impl Daemon {
         );
         self.update_status(|s| {
             s.last_task = Some(new_record(task));
-            s.state = "downloading".into();
+            s.state = AgentState::Downloading;
         });
-        let (result, detail) = match self.work(task).await {
+        let (deadline, _timer) = deadline_token(task);
+        let run = Run {
+            task,
+            client: self
+                .client
+                .clone()
+                .with_cancel_token(deadline)
+                .with_retry_observer(retry_logger(task.round_id)),
+            training,
+        };
+        let (result, detail) = match self.work(&run).await {
             Ok(()) => (TaskResult::Uploaded, None),
             Err(stop) => (stop.result, Some(stop.detail)),
         };
@@ -172,7 +253,7 @@ impl Daemon {
             let reason = detail
                 .as_deref()
                 .unwrap_or("the agent could not do this task");
-            if let Err(error) = self.client.decline_task(task, reason).await {
+            if let Err(error) = run.client.decline_task(task, reason).await {
                 tracing::warn!(round_id = task.round_id, error = %crate::chain_text(&error), "cannot decline the task");
             }
         }
@@ -180,21 +261,10 @@ impl Daemon {
         result
     }
 
-    async fn work(&self, task: &Task) -> Result<(), Stop> {
-        if let Some(max_mb) = self.settings.max_memory_mb {
-            let need_mb = task
-                .model_size_bytes
-                .saturating_mul(MEMORY_FACTOR)
-                .div_ceil(1 << 20);
-            if need_mb > max_mb {
-                return Err(Stop::new(
-                    TaskResult::Refused,
-                    format!(
-                        "the model is {} bytes; training it needs about {need_mb} MiB ({MEMORY_FACTOR}x the file), over --max-memory-mb {max_mb}",
-                        task.model_size_bytes
-                    ),
-                ));
-            }
+    async fn work(&self, run: &Run<'_>) -> Result<(), Stop> {
+        let task = run.task;
+        if let Some(reason) = refusal(task, self.settings.max_memory_mb) {
+            return Err(Stop::new(TaskResult::Refused, reason));
         }
         if past_deadline(task) {
             return Err(Stop::new(
@@ -203,31 +273,27 @@ impl Daemon {
             ));
         }
         let secure_round = match task.secure_aggregation {
-            Some(_) => Some(self.exchange_keys(task).await?),
+            Some(_) => Some(self.exchange_keys(run).await?),
             None => None,
         };
-        self.set_state("downloading");
-        let model = self
-            .retry("model download", task, DOWNLOAD_ATTEMPTS, || {
-                self.client.download_model(task)
-            })
-            .await
-            .map_err(|error| {
-                Stop::new(
-                    TaskResult::Failed,
-                    format!("model download failed: {}", crate::chain_text(&error)),
-                )
-            })?;
+        self.set_state(AgentState::Downloading);
+        let model = run.client.download_model(task).await.map_err(|error| {
+            Stop::new(
+                request_failure(&error),
+                format!("model download failed: {}", crate::chain_text(&error)),
+            )
+        })?;
         self.persist_trusted_keys();
         tracing::info!(round_id = task.round_id, digest = %model.digest, "model downloaded and verified");
-        self.set_state("training");
+        self.set_state(AgentState::Training);
         let data = self.data.clone();
         let owned_task = task.clone();
         let seed = training_seed(self.client.device_id, task.round_id);
+        let cancel = run.training.clone();
         let trained = tokio::task::spawn_blocking(move || {
             // Inside rayon's pool, as every training loop runs: the
             // kernels fork and join there, sized by --max-threads.
-            rayon::scope(|_| train_and_evaluate(&model.bytes, &owned_task, &data, seed))
+            rayon::scope(|_| train_and_evaluate(&model.bytes, &owned_task, &data, seed, &cancel))
         })
         .await;
         let (evaluation, update) = match trained {
@@ -266,9 +332,9 @@ impl Daemon {
         );
         self.update_status(|s| {
             s.state = if secure_round.is_some() {
-                "secure-aggregation".into()
+                AgentState::SecureAggregation
             } else {
-                "uploading".into()
+                AgentState::Uploading
             };
             if let Some(record) = s.last_task.as_mut() {
                 record.num_samples = Some(update.num_samples);
@@ -281,17 +347,12 @@ impl Daemon {
         });
         match secure_round {
             Some(round) => self.finish_secure_round(task, round, &update).await?,
-            None => self.upload(task, update).await?,
+            None => self.upload(run, update).await?,
         }
         match metrics.validate() {
             Err(reason) => tracing::warn!(%reason, "not reporting invalid metrics"),
             Ok(()) => {
-                if let Err(error) = self
-                    .retry("metrics report", task, METRICS_ATTEMPTS, || {
-                        self.client.report_metrics(&metrics)
-                    })
-                    .await
-                {
+                if let Err(error) = run.client.report_metrics(&metrics).await {
                     // The update counts; the metrics are informational.
                     tracing::warn!(error = %crate::chain_text(&error), "metrics were not reported");
                 }
@@ -301,8 +362,9 @@ impl Daemon {
     }
 
     /// AdvertiseKeys and ShareKeys of a secure task, before training.
-    async fn exchange_keys(&self, task: &Task) -> Result<SecureRound, Stop> {
-        self.set_state("exchanging-keys");
+    async fn exchange_keys(&self, run: &Run<'_>) -> Result<SecureRound, Stop> {
+        let task = run.task;
+        self.set_state(AgentState::ExchangingKeys);
         if let Some(secure) = &task.secure_aggregation {
             tracing::info!(
                 round_id = task.round_id,
@@ -315,8 +377,8 @@ impl Daemon {
                 "secure round: exchanging keys"
             );
         }
-        let client = self.client.clone().with_retry_policy(SECURE_RETRY);
-        let round = client
+        let round = run
+            .client
             .begin_secure_round_observed(task, stage_logger())
             .await
             .map_err(|error| self.secure_stop(task, "key exchange", &error))?;
@@ -366,12 +428,11 @@ impl Daemon {
         Stop::new(secure_failure(error, past_deadline(task)), detail)
     }
 
-    async fn upload(&self, task: &Task, update: LocalUpdate) -> Result<(), Stop> {
-        let encoded = Bytes::from(update.encoded);
-        let uploaded = self
-            .retry("upload", task, UPLOAD_ATTEMPTS, || {
-                self.client.upload_update(task, encoded.clone())
-            })
+    async fn upload(&self, run: &Run<'_>, update: LocalUpdate) -> Result<(), Stop> {
+        let task = run.task;
+        let uploaded = run
+            .client
+            .upload_update(task, Bytes::from(update.encoded))
             .await;
         match uploaded {
             Ok(receipt) => tracing::info!(
@@ -379,7 +440,7 @@ impl Daemon {
                 bytes = receipt.bytes,
                 "update accepted"
             ),
-            // An earlier attempt got through and only its answer was lost.
+            // The device had uploaded before this call (an earlier run).
             Err(error) if error.status() == Some(409) => tracing::info!(
                 round_id = task.round_id,
                 "the server already holds this device's update"
@@ -398,41 +459,6 @@ impl Daemon {
         }
         Ok(())
     }
-
-    /// Runs `op` until it succeeds, fails for good, runs out of attempts
-    /// or the round's deadline passes; backs off between attempts.
-    async fn retry<T, F, Fut>(
-        &self,
-        what: &str,
-        task: &Task,
-        attempts: u32,
-        mut op: F,
-    ) -> Result<T, SdkError>
-    where
-        F: FnMut() -> Fut,
-        Fut: Future<Output = Result<T, SdkError>>,
-    {
-        let mut backoff = Backoff::new(RETRY_BASE, RETRY_MAX);
-        let mut attempt = 1;
-        loop {
-            match op().await {
-                Ok(value) => return Ok(value),
-                Err(error) if retryable(&error) && attempt < attempts && !past_deadline(task) => {
-                    let delay = backoff.next_delay();
-                    tracing::warn!(
-                        round_id = task.round_id,
-                        attempt,
-                        retry_in_ms = delay.as_millis() as u64,
-                        error = %crate::chain_text(&error),
-                        "{what} failed; retrying"
-                    );
-                    tokio::time::sleep(delay).await;
-                    attempt += 1;
-                }
-                Err(error) => return Err(error),
-            }
-        }
-    }
 }
 
 /// Evaluates the downloaded global model on the held-out split, then
@@ -442,6 +468,7 @@ fn train_and_evaluate(
     task: &Task,
     data: &LocalData,
     seed: u64,
+    cancel: &CancelToken,
 ) -> Result<(Option<Evaluation>, LocalUpdate)> {
     let model =
         canopy_ir::format::read_model(model_bytes).context("the downloaded model does not load")?;
@@ -462,35 +489,14 @@ fn train_and_evaluate(
         )
     };
     drop(model);
-    let update = train_task(model_bytes, task, &train, seed).context("local training failed")?;
+    let update = train_task_cancellable(model_bytes, task, &train, seed, cancel)
+        .context("local training failed")?;
     Ok((evaluation, update))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn only_transient_errors_are_retried() {
-        let server = |status| SdkError::Server {
-            status,
-            code: "x".into(),
-            message: "y".into(),
-        };
-        assert!(retryable(&server(503)));
-        assert!(retryable(&server(429)));
-        assert!(!retryable(&server(400)));
-        assert!(!retryable(&server(409)));
-        assert!(retryable(&SdkError::BadResponse {
-            what: "task",
-            reason: "cut off".into()
-        }));
-        assert!(!retryable(&SdkError::ModelVerification {
-            version_id: 1,
-            reason: "bad signature".into()
-        }));
-        assert!(!retryable(&SdkError::Cancelled));
-    }
 
     #[test]
     fn secure_failures_are_declined_unless_the_server_ended_the_round() {
@@ -519,13 +525,80 @@ mod tests {
         assert_eq!(secure_failure(&refused, false), TaskResult::Failed);
         assert_eq!(failed_stage(&refused), "ShareKeys");
         assert_eq!(failed_stage(&SdkError::Cancelled), "");
-        assert!(!retryable(&gone) && !retryable(&timeout) && !retryable(&refused));
+        assert!(!gone.is_retryable() && !timeout.is_retryable() && !refused.is_retryable());
     }
 
     #[test]
-    fn the_secure_retry_policy_is_within_the_sdk_caps() {
-        assert_eq!(SECURE_RETRY, SECURE_RETRY.normalized());
-        const { assert!(SECURE_RETRY.max_attempts > 1) };
+    fn the_task_retry_policy_is_within_the_sdk_caps() {
+        assert_eq!(TASK_RETRY, TASK_RETRY.normalized());
+        const { assert!(TASK_RETRY.max_attempts > 1) };
+    }
+
+    fn task(epochs: u32, model_size_bytes: u64, deadline_unix_ms: u64) -> Task {
+        Task {
+            job_id: 1,
+            round_id: 2,
+            round_number: 1,
+            model_version_id: 3,
+            model_digest: String::new(),
+            model_size_bytes,
+            model_path: "/device/v1/models/3".into(),
+            upload_path: "/device/v1/rounds/2/update".into(),
+            upload_size_bytes: 0,
+            deadline_unix_ms,
+            training: canopy_protocol::messages::TrainingConfig {
+                epochs,
+                batch_size: 8,
+                learning_rate: 0.1,
+            },
+            layout: canopy_protocol::update::UpdateLayout::new(vec![
+                canopy_protocol::update::TensorSpec {
+                    name: "w".into(),
+                    shape: vec![2],
+                },
+            ])
+            .expect("layout"),
+            secure_aggregation: None,
+        }
+    }
+
+    #[test]
+    fn tasks_outside_the_bounds_or_the_memory_cap_are_refused() {
+        assert_eq!(refusal(&task(5, 1 << 20, 0), Some(100)), None);
+        let epochs = refusal(&task(5_000, 1 << 20, 0), None).expect("refused");
+        assert!(epochs.contains("training.epochs"), "{epochs}");
+        let size = refusal(&task(5, 2 << 30, 0), None).expect("refused");
+        assert!(size.contains("model_size_bytes"), "{size}");
+        let memory = refusal(&task(5, 100 << 20, 0), Some(100)).expect("refused");
+        assert!(memory.contains("--max-memory-mb 100"), "{memory}");
+    }
+
+    #[test]
+    fn the_deadline_token_fires_only_once_the_deadline_has_passed() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        runtime.block_on(async {
+            let passed = task(1, 1, now_ms().saturating_sub(CLOCK_SKEW_MS + 1));
+            let (token, _timer) = deadline_token(&passed);
+            tokio::time::timeout(Duration::from_secs(5), token.cancelled())
+                .await
+                .expect("fired at once");
+            let open = task(1, 1, now_ms() + 3_600_000);
+            let (token, timer) = deadline_token(&open);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            assert!(!token.is_cancelled());
+            drop(timer);
+            assert!(!token.is_cancelled(), "a stopped timer never fires");
+        });
+        assert_eq!(request_failure(&SdkError::Cancelled), TaskResult::Expired);
+        let server = SdkError::Server {
+            status: 503,
+            code: "x".into(),
+            message: "y".into(),
+        };
+        assert_eq!(request_failure(&server), TaskResult::Failed);
     }
 
     #[test]
