@@ -148,7 +148,9 @@ impl SdkError {
     }
 }
 
-/// An error and its causes on one line.
+/// An error and its causes on one line. (`canopy_term::error_chain` serves
+/// the binaries; the SDK, embedded in apps, does not link the terminal
+/// crate and its clap.)
 pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();

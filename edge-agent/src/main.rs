@@ -157,19 +157,3 @@ fn report(error: &anyhow::Error) {
         errln!("  hint: {hint}");
     }
 }
-
-/// An error and its causes on one line, for logs and the status file.
-pub fn chain_text(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let next = cause.to_string();
-        // Some errors repeat their source's message in their own.
-        if !text.ends_with(&next) {
-            text.push_str(": ");
-            text.push_str(&next);
-        }
-        source = cause.source();
-    }
-    text
-}

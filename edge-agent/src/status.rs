@@ -236,14 +236,14 @@ fn check_server(agent: &AgentConfig) -> std::result::Result<(), String> {
         .map_err(|e| format!("cannot start the async runtime: {e}"))?;
     runtime.block_on(async {
         let transport = canopy_sdk::Transport::new(&agent.server, &agent.trust.to_trust())
-            .map_err(|e| crate::chain_text(&e))?;
+            .map_err(|e| canopy_term::error_chain(&e))?;
         let response = transport
             .http()
             .get(transport.url("/healthz"))
             .timeout(HEALTH_TIMEOUT)
             .send()
             .await
-            .map_err(|e| crate::chain_text(&e))?;
+            .map_err(|e| canopy_term::error_chain(&e))?;
         if response.status().is_success() {
             Ok(())
         } else {

@@ -1,9 +1,8 @@
 //! The backend seam: a backend compiles a verified graph into an
 //! executable. The IR never changes for a backend; a GPU (wgpu) or an
 //! NPU-delegate backend implements these two traits and rejects ops it
-//! does not support from `compile`, so the caller can fall back to the
-//! CPU. (The CPU runs every op; the error variant for that rejection comes
-//! with the first backend that needs it.)
+//! does not support from `compile` with `EngineError::Unsupported`, so the
+//! caller can fall back to the CPU, which runs every op.
 
 use canopy_ir::Graph;
 

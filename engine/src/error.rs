@@ -81,6 +81,10 @@ pub enum EngineError {
     /// Tracing used outside its rules.
     #[error("{0}")]
     Trace(TraceError),
+    /// A backend refusing, at `compile`, a graph it cannot run, so that
+    /// the caller can fall back to the CPU, which runs every op.
+    #[error("backend `{backend}` does not support {what}")]
+    Unsupported { backend: String, what: String },
     #[error("data error in {path}: {cause}")]
     Data { path: String, cause: String },
     /// A broken invariant of the engine itself, never bad input.

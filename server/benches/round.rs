@@ -286,13 +286,8 @@ impl DeviceStats {
             SdkError::ModelVerification { .. } => format!("{what}: verification failed"),
             _ => format!("{what}: other error"),
         };
-        let mut example = error.to_string();
-        let mut source = std::error::Error::source(error);
-        while let Some(cause) = source {
-            example = format!("{example}: {cause}");
-            source = cause.source();
-        }
-        example.truncate(400);
+        // At most 400 characters, cut on a character boundary.
+        let example: String = canopy_term::error_chain(error).chars().take(400).collect();
         if let Ok(mut errors) = self.errors.lock() {
             let entry = errors.entry(kind).or_insert((0, example));
             entry.0 += 1;

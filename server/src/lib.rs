@@ -14,7 +14,6 @@ pub mod config;
 pub mod conn;
 pub mod db;
 pub mod device_keys;
-pub mod error;
 pub mod fedavg;
 pub mod inflight;
 pub mod metrics;

@@ -16,7 +16,6 @@ use tokio::sync::watch;
 
 use crate::blobs::BlobError;
 use crate::db::now_ms;
-use crate::error::chain;
 use crate::fedavg;
 use crate::secure::{self, SecureError};
 use crate::state::AppState;
@@ -24,6 +23,7 @@ use crate::store::jobs::{self, DeviceFilter, JobRow, JobSpec, JobState};
 use crate::store::models::{self, NewVersion, VersionRow};
 use crate::store::rounds::{self, CandidateRow, RoundRow, RoundState, Tx};
 use crate::store::{devices, from_json};
+use canopy_term::error_chain as chain;
 
 /// Why the orchestrator could not advance a round this tick; it logs the
 /// error and tries again on the next. A reason for a round to fail is not

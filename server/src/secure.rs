@@ -23,12 +23,12 @@ use canopy_protocol::secagg::wire::Stage;
 use canopy_protocol::secagg::{Plan, SecAggError, Session, arith};
 
 use crate::db::now_ms;
-use crate::error::chain;
 use crate::fedavg;
 use crate::state::AppState;
 use crate::store::jobs::JobSpec;
 use crate::store::rounds::{self, ParticipantState, RoundRow, Tx};
 use crate::store::secagg::{self, SecureParticipant, SecureRound, SecureStage};
+use canopy_term::error_chain as chain;
 
 /// Why a secure round's state could not be read or advanced. A reason to
 /// fail the round is not one of these: it is recorded on the round.

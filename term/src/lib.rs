@@ -118,3 +118,43 @@ mod tests {
         assert!(!is_stdout_closed(&other));
     }
 }
+
+/// An error and its causes on one line, for logs, status files and stored
+/// reasons. A cause whose message its parent already ends with (errors
+/// that repeat their source) is not repeated.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let next = cause.to_string();
+        if !text.ends_with(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod chain_tests {
+    use super::error_chain;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("cannot read the model")]
+    struct Outer(#[source] std::io::Error);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("upload failed: disk full")]
+    struct Repeating(#[source] std::io::Error);
+
+    #[test]
+    fn causes_follow_on_one_line_and_are_not_repeated() {
+        let io = || std::io::Error::other("disk full");
+        assert_eq!(
+            error_chain(&Outer(io())),
+            "cannot read the model: disk full"
+        );
+        assert_eq!(error_chain(&Repeating(io())), "upload failed: disk full");
+    }
+}

@@ -231,7 +231,7 @@ impl Daemon {
         let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
         change(&mut status);
         if let Err(error) = status.save(&self.dir) {
-            tracing::warn!(error = %crate::chain_text(error.as_ref()), "cannot record the status");
+            tracing::warn!(error = %canopy_term::error_chain(error.as_ref()), "cannot record the status");
         }
     }
 
@@ -254,7 +254,7 @@ impl Daemon {
                 *agent = updated;
             }
             Err(error) => {
-                tracing::warn!(error = %crate::chain_text(error.as_ref()), "cannot record the server's rotated model-signing key");
+                tracing::warn!(error = %canopy_term::error_chain(error.as_ref()), "cannot record the server's rotated model-signing key");
             }
         }
     }
@@ -278,7 +278,7 @@ impl Daemon {
 
     async fn main(self: Arc<Self>) -> Result<()> {
         let previous = AgentStatus::load(&self.dir).unwrap_or_else(|error| {
-            tracing::warn!(error = %crate::chain_text(error.as_ref()), "ignoring an unreadable status file");
+            tracing::warn!(error = %canopy_term::error_chain(error.as_ref()), "ignoring an unreadable status file");
             None
         });
         self.update_status(|status| {
@@ -338,7 +338,7 @@ impl Daemon {
                 Err(error) => {
                     failing = true;
                     tracing::warn!(
-                        error = %crate::chain_text(&error),
+                        error = %canopy_term::error_chain(&error),
                         retry_in_ms = interval.as_millis() as u64,
                         "heartbeat failed"
                     );
@@ -471,7 +471,7 @@ impl Daemon {
     }
 
     fn log_poll_error(&self, error: &SdkError, delay: Duration, failures: u32) {
-        let chain = crate::chain_text(error);
+        let chain = canopy_term::error_chain(error);
         let retry_in_ms = delay.as_millis() as u64;
         match error.status() {
             Some(401 | 403) => tracing::error!(

@@ -173,7 +173,7 @@ fn retry_logger(round_id: i64) -> RetryObserver {
             round_id,
             attempt = notice.failures,
             retry_in_ms = notice.wait.as_millis() as u64,
-            error = %crate::chain_text(notice.error),
+            error = %canopy_term::error_chain(notice.error),
             "request failed; retrying"
         );
     })
@@ -254,7 +254,7 @@ impl Daemon {
                 .as_deref()
                 .unwrap_or("the agent could not do this task");
             if let Err(error) = run.client.decline_task(task, reason).await {
-                tracing::warn!(round_id = task.round_id, error = %crate::chain_text(&error), "cannot decline the task");
+                tracing::warn!(round_id = task.round_id, error = %canopy_term::error_chain(&error), "cannot decline the task");
             }
         }
         self.update_status(|s| record_outcome(s, result, detail));
@@ -280,7 +280,10 @@ impl Daemon {
         let model = run.client.download_model(task).await.map_err(|error| {
             Stop::new(
                 request_failure(&error),
-                format!("model download failed: {}", crate::chain_text(&error)),
+                format!(
+                    "model download failed: {}",
+                    canopy_term::error_chain(&error)
+                ),
             )
         })?;
         self.persist_trusted_keys();
@@ -301,7 +304,7 @@ impl Daemon {
             Ok(Err(error)) => {
                 return Err(Stop::new(
                     TaskResult::Failed,
-                    crate::chain_text(error.as_ref()),
+                    canopy_term::error_chain(error.as_ref()),
                 ));
             }
             Err(join) => {
@@ -354,7 +357,7 @@ impl Daemon {
             Ok(()) => {
                 if let Err(error) = run.client.report_metrics(&metrics).await {
                     // The update counts; the metrics are informational.
-                    tracing::warn!(error = %crate::chain_text(&error), "metrics were not reported");
+                    tracing::warn!(error = %canopy_term::error_chain(&error), "metrics were not reported");
                 }
             }
         }
@@ -418,11 +421,11 @@ impl Daemon {
     }
 
     fn secure_stop(&self, task: &Task, what: &str, error: &SdkError) -> Stop {
-        let detail = format!("{what} failed: {}", crate::chain_text(error));
+        let detail = format!("{what} failed: {}", canopy_term::error_chain(error));
         tracing::warn!(
             round_id = task.round_id,
             stage = failed_stage(error),
-            error = %crate::chain_text(error),
+            error = %canopy_term::error_chain(error),
             "secure round stopped"
         );
         Stop::new(secure_failure(error, past_deadline(task)), detail)
@@ -453,7 +456,7 @@ impl Daemon {
                 };
                 return Err(Stop::new(
                     result,
-                    format!("upload failed: {}", crate::chain_text(&error)),
+                    format!("upload failed: {}", canopy_term::error_chain(&error)),
                 ));
             }
         }

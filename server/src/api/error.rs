@@ -15,8 +15,8 @@ use canopy_protocol::messages::{ErrorBody, ErrorDetail};
 
 use crate::blobs::BlobError;
 use crate::db::DbError;
-use crate::error::chain;
 use crate::secure::SecureError;
+use canopy_term::error_chain as chain;
 
 #[derive(Debug)]
 pub struct ApiError {

@@ -31,11 +31,11 @@ use tower_http::trace::TraceLayer;
 use utoipa::ToSchema;
 
 use crate::db::now_ms;
-use crate::error::chain;
 use crate::metrics::RequestLabels;
 use crate::slots::{SlotError, UploadOwner, UploadSlot, UploadSlots};
 use crate::state::AppState;
 use crate::store::devices;
+use canopy_term::error_chain as chain;
 use error::ApiError;
 
 pub use docs::ApiDoc;

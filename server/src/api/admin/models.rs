@@ -13,10 +13,10 @@ use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
 use crate::api::upload_slot;
 use crate::config::api_bounds::{MAX_LINEAGE, MAX_MODEL_NAME_BYTES};
-use crate::error::chain;
 use crate::fedavg;
 use crate::state::AppState;
 use crate::store::models::{self, NewVersion, VersionRow};
+use canopy_term::error_chain as chain;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ModelVersionView {

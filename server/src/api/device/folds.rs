@@ -12,9 +12,9 @@ use std::sync::Mutex;
 use tokio::sync::oneshot;
 
 use crate::api::error::ApiError;
-use crate::error::chain;
 use crate::state::AppState;
 use crate::store::rounds::{self, AcceptedUpdate, UploadRejection};
+use canopy_term::error_chain as chain;
 
 type Reply = oneshot::Sender<Result<u64, FoldError>>;
 
