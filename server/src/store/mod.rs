@@ -58,6 +58,10 @@ macro_rules! text_enum {
             Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize,
             serde::Deserialize, utoipa::ToSchema,
         )]
+        // utoipa cannot read a rename given as a macro fragment; every
+        // state's text is its variant's name in lowercase, which a test
+        // below keeps true.
+        #[serde(rename_all = "lowercase")]
         pub enum $name {
             $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
         }
