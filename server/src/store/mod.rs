@@ -58,9 +58,9 @@ macro_rules! text_enum {
             Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize,
             serde::Deserialize, utoipa::ToSchema,
         )]
-        // utoipa cannot read a rename given as a macro fragment; every
-        // state's text is its variant's name in lowercase, which a test
-        // below keeps true.
+        // utoipa cannot read a rename given as a macro fragment, so the
+        // schema takes its names from this; every state's text must stay
+        // its variant's name in lowercase (Schemathesis checks the two).
         #[serde(rename_all = "lowercase")]
         pub enum $name {
             $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
