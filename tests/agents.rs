@@ -251,12 +251,31 @@ async fn ten_agents_learn_over_five_rounds() -> Result<()> {
     );
     assert!(accuracies[5] > 0.8, "{accuracies:?}");
     let rounds = admin.ok(&format!("/api/v1/jobs/{id}/rounds")).await?;
+    let mut federated = Vec::new();
     for round in rounds["items"].as_array().into_iter().flatten() {
+        let metrics = &round["metrics"];
         assert!(
-            round["metrics"]["eval_accuracy"].as_f64().is_some(),
+            metrics["eval_accuracy"].as_f64().is_some(),
             "agents report held-out accuracy: {round}"
         );
+        // Every version was evaluated by the agents on their held-out
+        // splits before the job completed.
+        assert_eq!(metrics["federated_eval_state"], "closed", "{round}");
+        assert!(
+            metrics["federated_eval_devices"].as_i64() >= Some(8),
+            "{round}"
+        );
+        federated.push(metrics["federated_eval_accuracy"].as_f64().unwrap_or(-1.0));
     }
+    eprintln!("federated evaluation by round: {federated:?}");
+    // The agents' held-out splits are small (10% of a non-IID shard each),
+    // so they agree with the test split only roughly.
+    let last = federated.last().copied().unwrap_or(-1.0);
+    assert!(
+        (last - accuracies[5]).abs() < 0.1,
+        "federated {last} vs test split {}",
+        accuracies[5]
+    );
     Ok(())
 }
 

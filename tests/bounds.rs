@@ -19,7 +19,7 @@ fn job_spec(version_id: &Value) -> Value {
     json!({
         "name": "bounds", "model_version_id": version_id, "rounds": 1,
         "min_devices": 1, "target_devices": 1, "over_selection": 0.0,
-        "round_deadline_ms": 120_000, "local_epochs": 1, "batch_size": 16, "learning_rate": 0.1,
+        "evaluation": {"fraction": 0.0}, "round_deadline_ms": 120_000, "local_epochs": 1, "batch_size": 16, "learning_rate": 0.1,
     })
 }
 

@@ -124,7 +124,7 @@ async fn frozen_backbone_head_fine_tuned_federatedly_on_new_classes() -> Result<
         .create_job(json!({
             "name": "transfer", "model_version_id": version["id"], "rounds": ROUNDS,
             "min_devices": DEVICES, "target_devices": DEVICES, "over_selection": 0.0,
-            "round_deadline_ms": 120_000, "local_epochs": 2, "batch_size": 32, "learning_rate": 0.1,
+            "evaluation": {"fraction": 0.0}, "round_deadline_ms": 120_000, "local_epochs": 2, "batch_size": 32, "learning_rate": 0.1,
         }))
         .await?;
     let finished = admin.wait_for_job(job, Duration::from_secs(300)).await?;

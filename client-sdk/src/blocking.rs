@@ -23,7 +23,8 @@ use std::path::Path;
 use bytes::Bytes;
 use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::messages::{
-    Capabilities, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics, Task, UploadReceipt,
+    Capabilities, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics, Task, TaskKind,
+    UploadReceipt,
 };
 use canopy_protocol::model_sig::{SigningKeys, TrustedKeys};
 use canopy_protocol::secagg::wire::Stage;
@@ -244,6 +245,15 @@ impl DeviceClient {
         self.block_on(self.inner.report_metrics(metrics))?
     }
 
+    /// See [`crate::DeviceClient::report_evaluation`].
+    pub fn report_evaluation(
+        &self,
+        task: &Task,
+        evaluation: &crate::train::Evaluation,
+    ) -> Result<(), SdkError> {
+        self.block_on(self.inner.report_evaluation(task, evaluation))?
+    }
+
     /// See [`crate::DeviceClient::decline_task`].
     pub fn decline_task(&self, task: &Task, reason: &str) -> Result<(), SdkError> {
         self.block_on(self.inner.decline_task(task, reason))?
@@ -329,6 +339,10 @@ impl DeviceClient {
     /// reports the training loss. What an app calls when `next_task` hands
     /// it work.
     ///
+    /// An evaluation task (`kind` is [`TaskKind::Evaluate`]) evaluates the
+    /// model on `data` instead, which should then be the device's held-out
+    /// data, and reports the result; nothing is trained or uploaded.
+    ///
     /// A secure task (`secure_aggregation` set) uploads nothing: the device
     /// exchanges keys first (the key stages are short and wait for every
     /// device, so they do not wait for this one's download and training),
@@ -340,6 +354,9 @@ impl DeviceClient {
         data: &canopy_engine::data::Dataset,
         seed: u64,
     ) -> Result<RunTaskOutcome, RunTaskError> {
+        if task.kind == TaskKind::Evaluate {
+            return self.run_evaluation(task, data);
+        }
         let secure_round = match task.secure_aggregation {
             Some(_) => Some(self.begin_secure_round(task)?),
             None => None,
@@ -376,8 +393,33 @@ impl DeviceClient {
         Ok(RunTaskOutcome {
             receipt,
             secure,
-            train_loss: update.train_loss,
+            train_loss: Some(update.train_loss),
             train_duration_ms: update.train_duration_ms,
+            evaluation: None,
+        })
+    }
+
+    /// An evaluation task: downloads the model (verified), evaluates it on
+    /// `data` and reports the result; nothing is trained or uploaded.
+    fn run_evaluation(
+        &self,
+        task: &Task,
+        data: &canopy_engine::data::Dataset,
+    ) -> Result<RunTaskOutcome, RunTaskError> {
+        let model = self.download_model(task)?;
+        let evaluation = crate::train::evaluate_file(&model.bytes, data)?;
+        self.report_evaluation(task, &evaluation)?;
+        Ok(RunTaskOutcome {
+            receipt: UploadReceipt {
+                round_id: task.round_id,
+                accepted: true,
+                num_samples: evaluation.samples,
+                bytes: 0,
+            },
+            secure: None,
+            train_loss: None,
+            train_duration_ms: 0,
+            evaluation: Some(evaluation),
         })
     }
 }
@@ -392,8 +434,11 @@ pub struct RunTaskOutcome {
     pub receipt: UploadReceipt,
     /// For a secure task, what its round amounted to.
     pub secure: Option<SecureReceipt>,
-    pub train_loss: f64,
+    /// A training task's mean training loss; `None` for an evaluation task.
+    pub train_loss: Option<f64>,
     pub train_duration_ms: u64,
+    /// An evaluation task's result, as reported to the server.
+    pub evaluation: Option<crate::train::Evaluation>,
 }
 
 /// Why [`DeviceClient::run_task`] stopped.

@@ -362,12 +362,50 @@ impl DeviceClient {
                 .take(canopy_protocol::messages::MAX_DECLINE_REASON_CHARS)
                 .collect(),
         };
-        let path = format!("/device/v1/rounds/{}/decline", task.round_id);
+        // Training and evaluation tasks are declined at their own paths.
+        let path = canopy_protocol::messages::task_paths::decline(task);
         self.retrying(|| async {
             self.signed_json(&path, "decline", &decline).await?;
             Ok(())
         })
         .await
+    }
+
+    /// Sends the answer to an evaluation task ([`TaskKind::Evaluate`]):
+    /// the task's model evaluated on this device's held-out data. A 409
+    /// means the server already holds this device's report (an earlier
+    /// attempt got through before its answer was lost), so it counts as
+    /// sent.
+    ///
+    /// [`TaskKind::Evaluate`]: canopy_protocol::messages::TaskKind::Evaluate
+    pub async fn report_evaluation(
+        &self,
+        task: &Task,
+        evaluation: &crate::train::Evaluation,
+    ) -> Result<(), SdkError> {
+        let report = canopy_protocol::messages::EvaluationReport {
+            round_id: task.round_id,
+            loss: evaluation.loss,
+            accuracy: evaluation.accuracy,
+            samples: evaluation.samples,
+        };
+        report
+            .validate()
+            .map_err(|reason| SdkError::InvalidEvaluation {
+                round_id: task.round_id,
+                reason,
+            })?;
+        let path = canopy_protocol::messages::task_paths::upload(task.kind, task.round_id);
+        let sent = self
+            .retrying(|| async {
+                self.signed_json(&path, "evaluation", &report).await?;
+                Ok(())
+            })
+            .await;
+        match sent {
+            Err(error) if error.status() == Some(409) => Ok(()),
+            other => other,
+        }
     }
 }
 

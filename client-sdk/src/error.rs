@@ -44,6 +44,10 @@ pub enum SdkError {
         #[source]
         source: BoundsError,
     },
+    /// An evaluation this device computed is out of the protocol's bounds
+    /// (a non-finite loss, no samples, ...); nothing was sent.
+    #[error("the evaluation for round {round_id} cannot be reported: {reason}")]
+    InvalidEvaluation { round_id: i64, reason: String },
     /// A request body of this device's own could not be serialised; no
     /// request was sent. A bug in the values given, not the server's.
     #[error("cannot encode the {what} to send")]

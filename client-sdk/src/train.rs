@@ -238,6 +238,15 @@ pub fn evaluate(
     evaluate_model(&model, data, batch)
 }
 
+/// Evaluates a downloaded model file on `data` (an evaluation task's work).
+pub fn evaluate_file(model_bytes: &[u8], data: &Dataset) -> Result<Evaluation, TrainError> {
+    let model = canopy_ir::format::read_model(model_bytes).map_err(TrainError::Model)?;
+    evaluate_model(&model, data, EVAL_BATCH)
+}
+
+/// Samples per forward pass when evaluating.
+pub const EVAL_BATCH: usize = 256;
+
 pub fn evaluate_model(
     model: &Model,
     data: &Dataset,
@@ -297,6 +306,7 @@ mod tests {
         let labels = (0..samples).map(|i| (i % 3) as i64).collect();
         let data = Dataset::new(features, vec![8], labels, 3).expect("dataset");
         let task = Task {
+            kind: canopy_protocol::messages::TaskKind::Train,
             job_id: 1,
             round_id: 1,
             round_number: 1,

@@ -24,7 +24,8 @@ const HEALTH_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum TaskResult {
     /// Still running (or the daemon died while it ran).
     InProgress,
-    /// Trained and the update was accepted.
+    /// Trained and the update was accepted; or, for an evaluation task,
+    /// the evaluation was reported.
     Uploaded,
     /// Refused before download, e.g. over `--max-memory-mb`.
     Refused,
@@ -68,6 +69,8 @@ pub enum AgentState {
     ExchangingKeys,
     Downloading,
     Training,
+    /// An evaluation task: the round's version on the held-out split.
+    Evaluating,
     /// A secure task's masked input and unmasking, after training.
     SecureAggregation,
     Uploading,
@@ -75,13 +78,14 @@ pub enum AgentState {
 }
 
 impl AgentState {
-    pub const ALL: [AgentState; 9] = [
+    pub const ALL: [AgentState; 10] = [
         AgentState::Starting,
         AgentState::Idle,
         AgentState::Deferred,
         AgentState::ExchangingKeys,
         AgentState::Downloading,
         AgentState::Training,
+        AgentState::Evaluating,
         AgentState::SecureAggregation,
         AgentState::Uploading,
         AgentState::Stopped,
@@ -97,6 +101,7 @@ impl AgentState {
             AgentState::ExchangingKeys => "exchanging-keys",
             AgentState::Downloading => "downloading",
             AgentState::Training => "training",
+            AgentState::Evaluating => "evaluating",
             AgentState::SecureAggregation => "secure-aggregation",
             AgentState::Uploading => "uploading",
             AgentState::Stopped => "stopped",
@@ -400,6 +405,7 @@ mod tests {
             | AgentState::ExchangingKeys
             | AgentState::Downloading
             | AgentState::Training
+            | AgentState::Evaluating
             | AgentState::SecureAggregation
             | AgentState::Uploading
             | AgentState::Stopped => AgentState::ALL.contains(&state),

@@ -190,9 +190,32 @@ pub struct TrainingConfig {
     pub learning_rate: f64,
 }
 
+/// What a task asks of a device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TaskKind {
+    /// Train the model and send the change of its trainable parameters to
+    /// `upload_path` (or through secure aggregation).
+    #[default]
+    Train,
+    /// Evaluate the model on the device's held-out data and send an
+    /// [`EvaluationReport`] to `upload_path`; no training, no update.
+    Evaluate,
+}
+
+impl TaskKind {
+    pub fn is_train(&self) -> bool {
+        *self == TaskKind::Train
+    }
+}
+
 /// One round's work for one device.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Task {
+    /// Training unless it says otherwise; evaluation tasks ask the device
+    /// to evaluate the version round `round_id` produced.
+    #[serde(default, skip_serializing_if = "TaskKind::is_train")]
+    pub kind: TaskKind,
     pub job_id: i64,
     pub round_id: i64,
     pub round_number: u32,
@@ -346,6 +369,73 @@ impl RoundMetrics {
             }
         }
         Ok(())
+    }
+}
+
+/// A device's evaluation of the version a round produced, on its held-out
+/// data: the answer to a [`TaskKind::Evaluate`] task.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvaluationReport {
+    pub round_id: i64,
+    /// Mean loss per sample.
+    pub loss: f64,
+    pub accuracy: f64,
+    pub samples: u64,
+}
+
+impl EvaluationReport {
+    /// Finite loss >= 0, accuracy in [0, 1], at least one sample and at
+    /// most [`MAX_SAMPLES`], so that one device cannot poison the round's
+    /// weighted mean.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.round_id <= 0 {
+            return Err(format!(
+                "evaluation.round_id {} is not a valid id; ids are positive",
+                self.round_id
+            ));
+        }
+        if !self.loss.is_finite() || self.loss < 0.0 {
+            return Err(format!(
+                "evaluation.loss {} must be a finite number >= 0",
+                self.loss
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.accuracy) {
+            return Err(format!(
+                "evaluation.accuracy {} must be between 0 and 1",
+                self.accuracy
+            ));
+        }
+        if self.samples == 0 || self.samples > MAX_SAMPLES {
+            return Err(format!(
+                "evaluation.samples {} must be between 1 and {MAX_SAMPLES}",
+                self.samples
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The device-API paths of a round's tasks, so that the server's routes
+/// and every device build them alike.
+pub mod task_paths {
+    use super::{Task, TaskKind};
+
+    pub fn upload(kind: TaskKind, round_id: i64) -> String {
+        match kind {
+            TaskKind::Train => format!("/device/v1/rounds/{round_id}/update"),
+            TaskKind::Evaluate => format!("/device/v1/rounds/{round_id}/evaluation"),
+        }
+    }
+
+    pub fn decline(task: &Task) -> String {
+        match task.kind {
+            TaskKind::Train => format!("/device/v1/rounds/{}/decline", task.round_id),
+            TaskKind::Evaluate => {
+                format!("/device/v1/rounds/{}/evaluation/decline", task.round_id)
+            }
+        }
     }
 }
 

@@ -244,6 +244,7 @@ fn task_json_roundtrip_with_layout() {
     }])
     .unwrap();
     let task = Task {
+        kind: canopy_protocol::messages::TaskKind::Train,
         job_id: 1,
         round_id: 2,
         round_number: 3,

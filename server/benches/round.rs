@@ -631,7 +631,7 @@ async fn run_once(options: &Options, n: usize) -> Result<RunReport> {
             "min_devices": n32,
             "target_devices": n32,
             "over_selection": 0.0,
-            "round_deadline_ms": ROUND_DEADLINE_MS,
+            "evaluation": {"fraction": 0.0}, "round_deadline_ms": ROUND_DEADLINE_MS,
             "local_epochs": 1,
             "batch_size": 32,
             "learning_rate": 0.1,

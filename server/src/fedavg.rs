@@ -89,21 +89,15 @@ pub fn decode_sum(bytes: &[u8]) -> Vec<f64> {
         .collect()
 }
 
-/// Applies the weighted mean update to the model's trainable parameters.
-pub fn apply_mean(
-    model: &mut Model,
+/// The weighted mean update `Σ nᵢΔᵢ / Σ nᵢ`, checked against the model's
+/// layout: what a strategy steps on.
+pub fn mean_update(
     layout: &UpdateLayout,
     sum: &[f64],
     weight_total: u64,
-) -> Result<(), FedAvgError> {
+) -> Result<Vec<f64>, FedAvgError> {
     if weight_total == 0 {
         return Err(FedAvgError::NoWeight);
-    }
-    let actual = layout_of(model)?;
-    if &actual != layout {
-        return Err(FedAvgError::LayoutMismatch {
-            reason: "the base model changed since the round began".to_string(),
-        });
     }
     if sum.len() != layout.num_elements() {
         return Err(FedAvgError::LayoutMismatch {
@@ -115,6 +109,30 @@ pub fn apply_mean(
         });
     }
     let weight_total = weight_total as f64;
+    Ok(sum.iter().map(|s| s / weight_total).collect())
+}
+
+/// Adds `step` to the model's trainable parameters, in layout order.
+pub fn apply_step(
+    model: &mut Model,
+    layout: &UpdateLayout,
+    step: &[f64],
+) -> Result<(), FedAvgError> {
+    let actual = layout_of(model)?;
+    if &actual != layout {
+        return Err(FedAvgError::LayoutMismatch {
+            reason: "the base model changed since the round began".to_string(),
+        });
+    }
+    if step.len() != layout.num_elements() {
+        return Err(FedAvgError::LayoutMismatch {
+            reason: format!(
+                "the step has {} values, the layout {}",
+                step.len(),
+                layout.num_elements()
+            ),
+        });
+    }
     let mut offset = 0;
     for parameter in model.parameters.iter_mut().filter(|p| p.trainable) {
         let TensorData {
@@ -124,9 +142,9 @@ pub fn apply_mean(
         else {
             unreachable!("layout_of accepted only f32 parameters");
         };
-        let deltas = &sum[offset..offset + values.len()];
+        let deltas = &step[offset..offset + values.len()];
         for (index, (value, delta)) in values.iter_mut().zip(deltas).enumerate() {
-            let updated = (f64::from(*value) + delta / weight_total) as f32;
+            let updated = (f64::from(*value) + delta) as f32;
             if !updated.is_finite() {
                 return Err(FedAvgError::NonFinite {
                     name: parameter.name.clone(),

@@ -25,4 +25,5 @@ pub mod slots;
 pub mod sqlite_files;
 pub mod state;
 pub mod store;
+pub mod strategy;
 pub mod tls;

@@ -19,10 +19,13 @@ use crate::db::now_ms;
 use crate::fedavg;
 use crate::secure::{self, SecureError};
 use crate::state::AppState;
+use crate::store::evaluations;
 use crate::store::jobs::{self, DeviceFilter, JobRow, JobSpec, JobState};
 use crate::store::models::{self, NewVersion, VersionRow};
 use crate::store::rounds::{self, CandidateRow, RoundRow, RoundState, Tx};
+use crate::store::strategy as strategy_store;
 use crate::store::{devices, from_json};
+use crate::strategy::{OptimizerState, ServerOptimizer};
 use canopy_term::error_chain as chain;
 
 /// Why the orchestrator could not advance a round this tick; it logs the
@@ -89,6 +92,7 @@ pub async fn run(state: AppState, mut shutdown: watch::Receiver<bool>) {
 }
 
 pub async fn tick_once(state: &AppState) -> Result<(), OrchestratorError> {
+    close_evaluations(state).await?;
     open_rounds(state).await?;
     let per_tick = i64::from(state.settings.limits.max_rounds_per_tick);
     for round_id in rounds::open_round_ids(&state.db, per_tick).await? {
@@ -99,13 +103,38 @@ pub async fn tick_once(state: &AppState) -> Result<(), OrchestratorError> {
     Ok(())
 }
 
-/// Opens the next round of every running job that has none open.
+/// Closes the federated evaluations whose evaluators have all answered or
+/// whose deadline has passed.
+async fn close_evaluations(state: &AppState) -> Result<(), OrchestratorError> {
+    let per_tick = i64::from(state.settings.limits.max_rounds_per_tick);
+    for round_id in evaluations::due(&state.db, per_tick).await? {
+        let _writer = state.db.write_lock().await;
+        let mut tx = state.db.pool.begin().await?;
+        if evaluations::close(&mut tx, round_id).await? {
+            tracing::info!(round = round_id, "closed federated evaluation");
+        }
+        tx.commit().await?;
+    }
+    Ok(())
+}
+
+/// Opens the next round of every running job that has none open, and
+/// completes a job that has run all its rounds once its last version's
+/// evaluation has closed.
 async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
     let waiting = jobs::waiting_for_round(&state.db).await?;
     for job in waiting {
         let spec = job.spec()?;
         let _writer = state.db.write_lock().await;
         let mut tx = state.db.pool.begin().await?;
+        if job.rounds_completed >= i64::from(spec.rounds) {
+            if !evaluations::job_has_open(&mut tx, job.id).await? {
+                jobs::complete(&mut tx, job.id).await?;
+                tracing::info!(job = job.id, "job completed");
+            }
+            tx.commit().await?;
+            continue;
+        }
         let opened = rounds::open_round(
             &mut tx,
             job.id,
@@ -173,8 +202,10 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
             secure::Advanced::Unmasked => notify_secure = true,
         }
         round = reload(&mut tx, round.id).await?;
-    } else if round.state == RoundState::Training && should_close(&round) {
-        rounds::close(&mut tx, round.id).await?;
+    } else if let Some(drop_reason) =
+        close_reason(&round).filter(|_| round.state == RoundState::Training)
+    {
+        rounds::close(&mut tx, round.id, drop_reason).await?;
         tracing::info!(
             round = round.id,
             updates = round.updates_accepted,
@@ -224,28 +255,7 @@ async fn select(
     spec: &JobSpec,
 ) -> Result<bool, OrchestratorError> {
     let wanted = spec.selection_size() as usize;
-    let window = i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX);
-    let mut rng = rand::rngs::StdRng::from_os_rng();
-    let mut chosen: Vec<i64> = Vec::with_capacity(wanted);
-    let mut eligible = 0usize;
-    {
-        let mut candidates = rounds::candidates(tx, now_ms() - window);
-        while let Some(candidate) = candidates.next().await {
-            let candidate = candidate?;
-            if !matches_filter(&candidate, &spec.filters)? {
-                continue;
-            }
-            eligible += 1;
-            if chosen.len() < wanted {
-                chosen.push(candidate.id);
-            } else {
-                let slot = rng.random_range(0..eligible);
-                if slot < wanted {
-                    chosen[slot] = candidate.id;
-                }
-            }
-        }
-    }
+    let (chosen, eligible) = sample_eligible(state, tx, spec, wanted).await?;
     if eligible < spec.min_devices as usize {
         let message = format!(
             "waiting for devices: {eligible} eligible online, the round needs at least {}",
@@ -278,6 +288,67 @@ async fn select(
     Ok(true)
 }
 
+/// A uniform sample of up to `capacity` eligible online devices, by
+/// reservoir sampling, so memory is bounded by the sample however many
+/// devices are online; and how many were eligible.
+async fn sample_eligible(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    spec: &JobSpec,
+    capacity: usize,
+) -> Result<(Vec<i64>, usize), OrchestratorError> {
+    let window = i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX);
+    let mut rng = rand::rngs::StdRng::from_os_rng();
+    let mut chosen: Vec<i64> = Vec::with_capacity(capacity);
+    let mut eligible = 0usize;
+    let mut candidates = rounds::candidates(tx, now_ms() - window);
+    while let Some(candidate) = candidates.next().await {
+        let candidate = candidate?;
+        if !matches_filter(&candidate, &spec.filters)? {
+            continue;
+        }
+        eligible += 1;
+        if chosen.len() < capacity {
+            chosen.push(candidate.id);
+        } else {
+            let slot = rng.random_range(0..eligible);
+            if slot < capacity {
+                chosen[slot] = candidate.id;
+            }
+        }
+    }
+    Ok((chosen, eligible))
+}
+
+/// Opens the federated evaluation of the version `round` produced: a
+/// uniform sample of `fraction` of the eligible online devices, at most
+/// `max_devices`. Returns whether it is open (anyone was asked).
+async fn open_evaluation(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    spec: &JobSpec,
+) -> Result<bool, OrchestratorError> {
+    let evaluation = &spec.evaluation;
+    if evaluation.fraction <= 0.0 {
+        return Ok(false);
+    }
+    let capacity = evaluation.max_devices as usize;
+    let (mut chosen, eligible) = sample_eligible(state, tx, spec, capacity).await?;
+    // Any sub-sample of a uniform sample is uniform.
+    let wanted = ((eligible as f64) * evaluation.fraction).ceil() as usize;
+    chosen.truncate(wanted.min(capacity));
+    let deadline = now_ms() + i64::try_from(spec.evaluation_deadline_ms()).unwrap_or(i64::MAX / 2);
+    evaluations::open(tx, round.id, &chosen, deadline).await?;
+    tracing::info!(
+        round = round.id,
+        evaluators = chosen.len(),
+        eligible,
+        "opened federated evaluation"
+    );
+    Ok(!chosen.is_empty())
+}
+
 fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<bool, sqlx::Error> {
     if let Some(tier) = &filter.tier {
         let wanted: Option<Tier> = tier.parse().ok();
@@ -302,16 +373,26 @@ fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<boo
 }
 
 /// A round closes at its target, at its deadline, or when every selected
-/// device has uploaded or declined. While a round trains, participants
-/// leave `selected`/`delivered` only by uploading or declining (which
-/// counts a dropout), so the count of those still working is arithmetic,
-/// not a scan (which would make each upload's check cost O(devices)).
-fn should_close(round: &RoundRow) -> bool {
-    round.updates_accepted >= round.target_devices
-        || round.updates_accepted + round.dropouts >= round.selected_count
-        || round
-            .deadline_ms
-            .is_some_and(|deadline| now_ms() >= deadline)
+/// device has uploaded or declined; the answer is what the devices still
+/// working are told as their drop reason. While a round trains,
+/// participants leave `selected`/`delivered` only by uploading or
+/// declining (which counts a dropout), so the count of those still working
+/// is arithmetic, not a scan (which would make each upload's check cost
+/// O(devices)).
+fn close_reason(round: &RoundRow) -> Option<&'static str> {
+    if round.updates_accepted >= round.target_devices {
+        Some("not needed: the round reached its target before this device uploaded")
+    } else if round.updates_accepted + round.dropouts >= round.selected_count {
+        // Every device has answered, so no one is left to drop.
+        Some("not needed: every selected device had answered")
+    } else if round
+        .deadline_ms
+        .is_some_and(|deadline| now_ms() >= deadline)
+    {
+        Some("timeout: no update before the round's deadline")
+    } else {
+        None
+    }
 }
 
 /// Writes the averaged model as a new version, or fails the round when too
@@ -340,16 +421,25 @@ async fn aggregate(
         .unwrap_or_default();
     let layout = base.layout()?;
     let weight_total = u64::try_from(round.weight_total).unwrap_or(0);
+    let strategy_state = match strategy_state(tx, round, job, spec, layout.num_elements()).await? {
+        Ok(ready) => ready,
+        Err(reason) => {
+            rounds::fail(tx, round, &reason, max_retries).await?;
+            tracing::warn!(round = round.id, %reason, "round failed before aggregation");
+            return Ok(RoundState::Failed);
+        }
+    };
     let limit = state.settings.limits.max_model_bytes;
     let bytes = state.blobs.get(&base.digest, limit).await?;
-    let built =
-        tokio::task::spawn_blocking(move || build_next_model(&bytes, &layout, &sum, weight_total))
-            .await
-            .map_err(|source| OrchestratorError::Task {
-                round: round.id,
-                source,
-            })?;
-    let (file, layout) = match built {
+    let built = tokio::task::spawn_blocking(move || {
+        build_next_model(&bytes, &layout, &sum, weight_total, strategy_state)
+    })
+    .await
+    .map_err(|source| OrchestratorError::Task {
+        round: round.id,
+        source,
+    })?;
+    let (file, layout, next_state) = match built {
         Ok(built) => built,
         Err(reason) => {
             rounds::fail(tx, round, &reason, max_retries).await?;
@@ -378,7 +468,15 @@ async fn aggregate(
         },
     )
     .await?;
-    rounds::succeed(tx, round, version.id, i64::from(spec.rounds)).await?;
+    let evaluating = open_evaluation(state, tx, round, spec).await?;
+    rounds::succeed(tx, round, version.id, i64::from(spec.rounds), evaluating).await?;
+    let (_, next_state) = next_state;
+    if round.number >= i64::from(spec.rounds) {
+        strategy_store::delete(tx, job.id).await?;
+    } else {
+        let encoded = next_state.encode();
+        strategy_store::put(tx, job.id, i64::from(next_state.rounds), &encoded).await?;
+    }
     tracing::info!(
         job = job.id, round = round.id, number = round.number, updates = round.updates_accepted,
         samples = round.weight_total, version = version.version, digest = %digest,
@@ -387,20 +485,62 @@ async fn aggregate(
     Ok(RoundState::Succeeded)
 }
 
-/// Parses the base model, applies the mean update, serialises the result
-/// with its lineage. An error is a reason to fail the round.
+/// The job's server optimizer and its state before this round: the stored
+/// one, or a fresh one before the first successful round. An `Err` is a
+/// reason to fail the round (a spec or state that cannot be used).
+async fn strategy_state(
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+    spec: &JobSpec,
+    len: usize,
+) -> Result<Result<(ServerOptimizer, OptimizerState), String>, OrchestratorError> {
+    let optimizer = match spec.strategy.resolve() {
+        Ok(optimizer) => optimizer,
+        Err(reason) => return Ok(Err(format!("the job's strategy is invalid: {reason}"))),
+    };
+    let Some((rounds_folded, bytes)) = strategy_store::get(tx, job.id).await? else {
+        return Ok(Ok((optimizer, optimizer.initial_state(len))));
+    };
+    // A round's number is one past the job's successful rounds, and the
+    // state is replaced with each, so they must agree.
+    if rounds_folded != round.number - 1 {
+        return Ok(Err(format!(
+            "the stored strategy state has folded {rounds_folded} rounds, but this is round {}",
+            round.number
+        )));
+    }
+    Ok(OptimizerState::decode(&bytes)
+        .map(|state| (optimizer, state))
+        .map_err(|error| error.to_string()))
+}
+
+type NextModel = (
+    Vec<u8>,
+    canopy_protocol::update::UpdateLayout,
+    (ServerOptimizer, OptimizerState),
+);
+
+/// Parses the base model, steps the job's server optimizer on the mean
+/// update, and serialises the result with its lineage. An error is a
+/// reason to fail the round.
 fn build_next_model(
     base: &[u8],
     layout: &canopy_protocol::update::UpdateLayout,
     sum: &[f64],
     weight_total: u64,
-) -> Result<(Vec<u8>, canopy_protocol::update::UpdateLayout), String> {
+    (optimizer, mut state): (ServerOptimizer, OptimizerState),
+) -> Result<NextModel, String> {
     let mut model = canopy_ir::format::read_model(base)
         .map_err(|error| format!("the base model does not load: {}", chain(&error)))?;
     let parent_digest = canopy_ir::format::digest(base).ok();
-    fedavg::apply_mean(&mut model, layout, sum, weight_total).map_err(|error| error.to_string())?;
+    let mean = fedavg::mean_update(layout, sum, weight_total).map_err(|error| error.to_string())?;
+    let step = optimizer
+        .step(&mut state, &mean)
+        .map_err(|error| error.to_string())?;
+    fedavg::apply_step(&mut model, layout, &step).map_err(|error| error.to_string())?;
     model.metadata.parent_digest = parent_digest;
     let file = canopy_ir::format::write_model(&model)
         .map_err(|error| format!("the averaged model does not serialise: {error}"))?;
-    Ok((file, layout.clone()))
+    Ok((file, layout.clone(), (optimizer, state)))
 }

@@ -100,8 +100,8 @@ async fn one_device_cannot_hold_the_upload_slots() -> Result<()> {
         .create_job(json!({
             "name": "fair-uploads", "model_version_id": version["id"], "rounds": 1,
             "min_devices": 3, "target_devices": 3, "over_selection": 0.0,
-            "round_deadline_ms": 120_000, "local_epochs": 1, "batch_size": 8,
-            "learning_rate": 0.1, "strategy": "fedavg", "max_round_retries": 0,
+            "evaluation": {"fraction": 0.0}, "round_deadline_ms": 120_000, "local_epochs": 1, "batch_size": 8,
+            "learning_rate": 0.1, "strategy": {"name": "fedavg"}, "max_round_retries": 0,
         }))
         .await?;
     let mut tasks = Vec::new();

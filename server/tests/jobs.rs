@@ -13,7 +13,7 @@ use support::{Database, TestServer, enroll_device, logreg_model_bytes};
 fn spec(version: &Value, min: u32, target: u32, over_selection: f64, filters: Value) -> Value {
     json!({
         "name": "control", "model_version_id": version["id"], "rounds": 1, "min_devices": min,
-        "target_devices": target, "over_selection": over_selection, "round_deadline_ms": 60_000,
+        "target_devices": target, "over_selection": over_selection, "evaluation": {"fraction": 0.0}, "round_deadline_ms": 60_000,
         "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1, "filters": filters,
     })
 }

@@ -97,7 +97,7 @@ async fn federated_training_on_non_iid_digits_improves_held_out_accuracy() -> Re
         .create_job(json!({
             "name": "digits", "model_version_id": version["id"], "rounds": ROUNDS,
             "min_devices": DEVICES, "target_devices": DEVICES, "over_selection": 0.0,
-            "round_deadline_ms": 60_000, "local_epochs": 2, "batch_size": 16, "learning_rate": 0.1,
+            "evaluation": {"fraction": 0.0}, "round_deadline_ms": 60_000, "local_epochs": 2, "batch_size": 16, "learning_rate": 0.1,
         }))
         .await?;
     let finished = admin.wait_for_job(job, Duration::from_secs(180)).await?;

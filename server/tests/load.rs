@@ -112,8 +112,8 @@ async fn honest_round(server: &TestServer) -> Result<Duration> {
         .create_job(json!({
             "name": "during-load", "model_version_id": version["id"], "rounds": 1,
             "min_devices": 1, "target_devices": 1, "over_selection": 0.0,
-            "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8,
-            "learning_rate": 0.1, "strategy": "fedavg", "max_round_retries": 0,
+            "evaluation": {"fraction": 0.0}, "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8,
+            "learning_rate": 0.1, "strategy": {"name": "fedavg"}, "max_round_retries": 0,
         }))
         .await?;
     let task = poll_task(&device).await?;

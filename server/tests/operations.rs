@@ -35,7 +35,7 @@ async fn sigterm_finishes_in_flight_uploads() -> Result<()> {
     let device = enroll_device(&server, &token).await?;
     let spec = json!({
         "name": "shutdown", "model_version_id": version["id"], "rounds": 1, "min_devices": 1,
-        "target_devices": 1, "over_selection": 0.0, "round_deadline_ms": 60_000,
+        "target_devices": 1, "over_selection": 0.0, "evaluation": {"fraction": 0.0}, "round_deadline_ms": 60_000,
         "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1,
     });
     admin.create_job(spec).await?;

@@ -112,8 +112,8 @@ fn job_spec(version_id: i64, rounds: u32, min: u32, target: u32, deadline_ms: u6
     json!({
         "name": "fedavg-test", "model_version_id": version_id, "rounds": rounds,
         "min_devices": min, "target_devices": target, "over_selection": 0.0,
-        "round_deadline_ms": deadline_ms, "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1,
-        "strategy": "fedavg", "max_round_retries": 3,
+        "evaluation": {"fraction": 0.0}, "round_deadline_ms": deadline_ms, "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1,
+        "strategy": {"name": "fedavg"}, "max_round_retries": 3,
     })
 }
 
@@ -641,6 +641,21 @@ async fn failed_round_is_retried_without_a_version() -> Result<()> {
                 "{round}"
             );
             assert_eq!(round["metrics"]["dropouts"], 1);
+            let silent = round["participants"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["device_id"] == b.device_id)
+                .cloned()
+                .unwrap_or_default();
+            assert_eq!(silent["state"], "dropped", "{round}");
+            assert!(
+                silent["drop_reason"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .starts_with("timeout: no update before the round's deadline"),
+                "{silent}"
+            );
             break;
         }
         ensure!(
@@ -857,4 +872,49 @@ async fn model_downloads_need_a_task_on_sqlite() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_downloads_need_a_task_on_postgres() -> Result<()> {
     model_downloads_need_a_task(Database::Postgres).await
+}
+
+/// A device that declines says why, and the round's participants show it;
+/// the round closes as soon as everyone has answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declining_device_says_why() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(6)).await?;
+    let token = admin.enrollment_token(2).await?;
+    let a = enroll_device(&server, &token).await?;
+    let b = enroll_device(&server, &token).await?;
+    let job = admin
+        .create_job(job_spec(
+            version["id"].as_i64().unwrap_or_default(),
+            1,
+            1,
+            2,
+            120_000,
+        ))
+        .await?;
+    let task_a = poll_task(&a).await?;
+    let task_b = poll_task(&b).await?;
+    let reason = "the model takes inputs of shape [64], the dataset `digits` has [784]";
+    a.decline_task(&task_a, reason).await?;
+    train(&b, &task_b, 10).await?;
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    assert_eq!(finished["state"], "completed", "{finished}");
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", task_a.round_id))
+        .await?;
+    let declined = round["participants"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["device_id"] == a.device_id)
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(declined["state"], "dropped", "{round}");
+    assert_eq!(
+        declined["drop_reason"],
+        format!("declined: {reason}"),
+        "{round}"
+    );
+    Ok(())
 }

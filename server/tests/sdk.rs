@@ -44,7 +44,7 @@ fn job_spec(version_id: &Value) -> Value {
     json!({
         "name": "sdk", "model_version_id": version_id, "rounds": 1,
         "min_devices": 1, "target_devices": 1, "over_selection": 0.0,
-        "round_deadline_ms": 120_000, "local_epochs": 1, "batch_size": 16, "learning_rate": 0.1,
+        "evaluation": {"fraction": 0.0}, "round_deadline_ms": 120_000, "local_epochs": 1, "batch_size": 16, "learning_rate": 0.1,
     })
 }
 
@@ -161,7 +161,7 @@ fn blocking_client_runs_a_round_from_a_thread_without_a_runtime() -> Result<()> 
         "the second job starts from the first job's result"
     );
     let outcome = device.run_task(&task, &train, 6)?;
-    assert!(outcome.receipt.accepted && outcome.train_loss.is_finite());
+    assert!(outcome.receipt.accepted && outcome.train_loss.is_some_and(f64::is_finite));
     let finished = rt.block_on(admin.wait_for_job(next_job, Duration::from_secs(60)))?;
     assert_eq!(finished["state"], "completed", "{finished}");
     let round = rt.block_on(admin.ok(&format!("/api/v1/rounds/{}", task.round_id)))?;

@@ -32,7 +32,7 @@ fn secure_job(version_id: i64, devices: u32, min: u32, dropout: f64, retries: u3
     json!({
         "name": "secure-test", "model_version_id": version_id, "rounds": 1,
         "min_devices": min, "target_devices": devices, "over_selection": 0.0,
-        "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1,
+        "evaluation": {"fraction": 0.0}, "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8, "learning_rate": 0.1,
         "max_round_retries": retries,
         "secure_aggregation": {
             "enabled": true, "max_dropout_fraction": dropout, "clip": 0.05, "bits": 32,

@@ -115,7 +115,7 @@ async fn key_rotation_end_to_end(database: Database) -> Result<()> {
         .create_job(json!({
             "name": "rotation", "model_version_id": version["id"], "rounds": 1,
             "min_devices": 1, "target_devices": 1, "over_selection": 0.0,
-            "round_deadline_ms": 120_000, "local_epochs": 1, "batch_size": 16,
+            "evaluation": {"fraction": 0.0}, "round_deadline_ms": 120_000, "local_epochs": 1, "batch_size": 16,
             "learning_rate": 0.1,
         }))
         .await?;

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use canopy_engine::data::Dataset;
-use canopy_protocol::messages::Heartbeat;
+use canopy_protocol::messages::{Heartbeat, TaskKind};
 use canopy_sdk::{CancelToken, DeviceClient, RetryPolicy, SdkError};
 use clap::Args;
 use tokio::sync::{Notify, watch};
@@ -352,7 +352,9 @@ impl Daemon {
 
     async fn poll_loop(&self, mut stop: watch::Receiver<u32>) {
         let mut failures = 0u32;
-        let mut declined: HashMap<i64, Declined> = HashMap::new();
+        // Keyed by kind too: a device that declined to train in a round
+        // may still evaluate the version that round produced.
+        let mut declined: HashMap<(TaskKind, i64), Declined> = HashMap::new();
         let mut deferred = false;
         let mut warned_no_load = false;
         loop {
@@ -422,7 +424,7 @@ impl Daemon {
             };
             let now = now_ms();
             declined.retain(|_, d| d.deadline_unix_ms > now);
-            if declined.contains_key(&task.round_id) {
+            if declined.contains_key(&(task.kind, task.round_id)) {
                 // The server may hand a task out again until its deadline
                 // (one whose decline did not get through, or a finished
                 // secure round's), so wait instead of spinning.
@@ -452,7 +454,7 @@ impl Daemon {
                         declined.clear();
                     }
                     declined.insert(
-                        task.round_id,
+                        (task.kind, task.round_id),
                         Declined {
                             deadline_unix_ms: task.deadline_unix_ms,
                         },

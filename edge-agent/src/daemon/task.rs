@@ -18,8 +18,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use canopy_protocol::messages::{RoundMetrics, Task};
-use canopy_sdk::train::{Evaluation, LocalUpdate, evaluate_model, train_task_cancellable};
+use canopy_protocol::messages::{RoundMetrics, Task, TaskKind};
+use canopy_sdk::train::{
+    EVAL_BATCH, Evaluation, LocalUpdate, evaluate_model, train_task_cancellable,
+};
 use canopy_sdk::{
     CancelToken, DeviceClient, RetryNotice, RetryObserver, RetryPolicy, SdkError, SecureRound,
     StageObserver, StageProgress,
@@ -33,8 +35,6 @@ use crate::status::{AgentState, TaskResult};
 /// Device and server clocks differ; a deadline is treated as passed only
 /// this long after it, by the device's clock.
 const CLOCK_SKEW_MS: u64 = 60_000;
-/// Batch size of the held-out evaluation.
-const EVAL_BATCH: usize = 256;
 /// How patiently each request of a task (download, upload, metrics,
 /// decline, each message of a secure round) is repeated: 8 attempts,
 /// waits from 1 s doubling up to 30 s, with full jitter. A secure round's
@@ -237,6 +237,9 @@ impl Daemon {
                     "task done: masked update sent and unmasking answered"
                 );
             }
+            (TaskResult::Uploaded, _) if task.kind == TaskKind::Evaluate => {
+                tracing::info!(round_id = task.round_id, "task done: evaluation reported");
+            }
             (TaskResult::Uploaded, _) => {
                 tracing::info!(round_id = task.round_id, "task done: update uploaded");
             }
@@ -271,6 +274,9 @@ impl Daemon {
                 TaskResult::Expired,
                 "the round's deadline passed before work began",
             ));
+        }
+        if task.kind == TaskKind::Evaluate {
+            return self.evaluate(run).await;
         }
         let secure_round = match task.secure_aggregation {
             Some(_) => Some(self.exchange_keys(run).await?),
@@ -362,6 +368,71 @@ impl Daemon {
             }
         }
         Ok(())
+    }
+
+    /// An evaluation task: the version a round produced, evaluated on the
+    /// held-out split (the same samples the training tasks' metrics use)
+    /// and reported; nothing is trained or uploaded.
+    async fn evaluate(&self, run: &Run<'_>) -> Result<(), Stop> {
+        let task = run.task;
+        self.set_state(AgentState::Downloading);
+        let model = run.client.download_model(task).await.map_err(|error| {
+            Stop::new(
+                request_failure(&error),
+                format!(
+                    "model download failed: {}",
+                    canopy_term::error_chain(&error)
+                ),
+            )
+        })?;
+        self.persist_trusted_keys();
+        self.set_state(AgentState::Evaluating);
+        let data = self.data.clone();
+        let evaluated = tokio::task::spawn_blocking(move || {
+            rayon::scope(|_| evaluate_held_out(&model.bytes, &data))
+        })
+        .await;
+        let evaluation = match evaluated {
+            Ok(Ok(evaluation)) => evaluation,
+            Ok(Err(error)) => {
+                return Err(Stop::new(
+                    TaskResult::Failed,
+                    canopy_term::error_chain(error.as_ref()),
+                ));
+            }
+            Err(join) => {
+                return Err(Stop::new(
+                    TaskResult::Failed,
+                    format!("evaluation stopped unexpectedly: {join}"),
+                ));
+            }
+        };
+        tracing::info!(
+            round_id = task.round_id,
+            accuracy = evaluation.accuracy,
+            loss = evaluation.loss,
+            samples = evaluation.samples,
+            "evaluated the round's version"
+        );
+        self.update_status(|s| {
+            if let Some(record) = s.last_task.as_mut() {
+                record.eval_accuracy = Some(evaluation.accuracy);
+                record.eval_loss = Some(evaluation.loss);
+                record.eval_samples = Some(evaluation.samples);
+            }
+        });
+        run.client
+            .report_evaluation(task, &evaluation)
+            .await
+            .map_err(|error| {
+                Stop::new(
+                    request_failure(&error),
+                    format!(
+                        "the evaluation was not reported: {}",
+                        canopy_term::error_chain(&error)
+                    ),
+                )
+            })
     }
 
     /// AdvertiseKeys and ShareKeys of a secure task, before training.
@@ -466,6 +537,27 @@ impl Daemon {
 
 /// Evaluates the downloaded global model on the held-out split, then
 /// trains it on the training split; both shaped for the model.
+/// The model evaluated on the held-out split; an error when there is none
+/// or it does not fit the model, which the agent declines with.
+fn evaluate_held_out(model_bytes: &[u8], data: &LocalData) -> Result<Evaluation> {
+    let model =
+        canopy_ir::format::read_model(model_bytes).context("the downloaded model does not load")?;
+    let held_out = fit_to_model(&data.holdout, &model).with_context(|| {
+        format!(
+            "local dataset `{}` does not fit the task's model",
+            data.name
+        )
+    })?;
+    if held_out.is_empty() {
+        anyhow::bail!(
+            "local dataset `{}` has no held-out samples to evaluate on",
+            data.name
+        );
+    }
+    evaluate_model(&model, &held_out, EVAL_BATCH)
+        .context("evaluating the round's model on the held-out data failed")
+}
+
 fn train_and_evaluate(
     model_bytes: &[u8],
     task: &Task,
@@ -539,6 +631,7 @@ mod tests {
 
     fn task(epochs: u32, model_size_bytes: u64, deadline_unix_ms: u64) -> Task {
         Task {
+            kind: canopy_protocol::messages::TaskKind::Train,
             job_id: 1,
             round_id: 2,
             round_number: 1,

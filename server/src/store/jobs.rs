@@ -17,15 +17,7 @@ use crate::config::api_bounds::{
     MIN_ROUND_DEADLINE_MS,
 };
 use crate::db::{Db, now_ms};
-
-/// How updates are combined. Only FedAvg for now; secure aggregation
-/// arrives as a property of the job, not a new strategy.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum Strategy {
-    #[default]
-    Fedavg,
-}
+use crate::strategy::{LearningRateSchedule, StrategySpec};
 
 /// Which devices may take part. Empty fields match every device.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -78,14 +70,25 @@ pub struct JobSpec {
     pub batch_size: u32,
     #[schema(exclusive_minimum = 0, maximum = 100)]
     pub learning_rate: f64,
+    /// How each round's mean update becomes the next model (a server
+    /// optimizer); FedAvg when left out. See `docs/strategies.md`.
     #[serde(default)]
-    pub strategy: Strategy,
+    pub strategy: StrategySpec,
+    /// How the devices' learning rate changes from round to round;
+    /// constant when left out.
+    #[serde(default)]
+    pub learning_rate_schedule: LearningRateSchedule,
     #[serde(default)]
     pub filters: DeviceFilter,
     /// Failed attempts of one round before the job fails.
     #[serde(default = "default_round_retries")]
     #[schema(maximum = 100)]
     pub max_round_retries: u32,
+    /// How each version the job produces is evaluated; by default every
+    /// eligible online device (up to 100) evaluates it on its held-out
+    /// data. See `docs/strategies.md`.
+    #[serde(default)]
+    pub evaluation: EvaluationSpec,
     /// SecAgg+: the server learns only the sum of the updates. See
     /// `docs/secure-aggregation.md`.
     #[serde(default, skip_serializing_if = "is_disabled")]
@@ -128,6 +131,47 @@ pub struct SecureAggregationSchema {
     max_weight: u64,
 }
 
+/// How each version a job produces is evaluated.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EvaluationSpec {
+    /// Fraction of the eligible online devices asked to evaluate each new
+    /// version on their held-out data (federated evaluation); 0 turns it
+    /// off. Evaluating costs a device a download and a forward pass, no
+    /// training.
+    #[serde(default = "default_evaluation_fraction")]
+    #[schema(minimum = 0, maximum = 1, default = 1.0)]
+    pub fraction: f64,
+    /// At most this many devices evaluate each version.
+    #[serde(default = "default_max_evaluators")]
+    #[schema(minimum = 1, maximum = 100_000, default = 100)]
+    pub max_devices: u32,
+    /// How long devices have to report, from the end of the round; the
+    /// round deadline when left out. The job completes once its last
+    /// version's evaluation has closed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1_000, maximum = 604_800_000)]
+    pub deadline_ms: Option<u64>,
+}
+
+impl Default for EvaluationSpec {
+    fn default() -> Self {
+        EvaluationSpec {
+            fraction: default_evaluation_fraction(),
+            max_devices: default_max_evaluators(),
+            deadline_ms: None,
+        }
+    }
+}
+
+fn default_evaluation_fraction() -> f64 {
+    1.0
+}
+
+fn default_max_evaluators() -> u32 {
+    100
+}
+
 fn default_over_selection() -> f64 {
     0.3
 }
@@ -143,7 +187,52 @@ impl JobSpec {
         self.check_rounds()?;
         self.check_training()?;
         self.check_filters()?;
+        self.check_strategy()?;
+        self.check_evaluation()?;
         self.check_secure_aggregation()
+    }
+
+    fn check_evaluation(&self) -> Result<(), String> {
+        let evaluation = &self.evaluation;
+        if !(0.0..=1.0).contains(&evaluation.fraction) {
+            return Err(format!(
+                "`evaluation.fraction` must be between 0 and 1, got {}",
+                evaluation.fraction
+            ));
+        }
+        check_range(
+            "evaluation.max_devices",
+            evaluation.max_devices,
+            1,
+            MAX_DEVICES_PER_ROUND,
+        )?;
+        if let Some(deadline_ms) = evaluation.deadline_ms {
+            check_range(
+                "evaluation.deadline_ms",
+                deadline_ms,
+                MIN_ROUND_DEADLINE_MS,
+                MAX_ROUND_DEADLINE_MS,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// How long evaluators have to report.
+    pub fn evaluation_deadline_ms(&self) -> u64 {
+        self.evaluation
+            .deadline_ms
+            .unwrap_or(self.round_deadline_ms)
+    }
+
+    fn check_strategy(&self) -> Result<(), String> {
+        self.strategy.resolve()?;
+        self.learning_rate_schedule.validate(self.learning_rate)
+    }
+
+    /// The learning rate devices train with in round `round` (1-based).
+    pub fn learning_rate_at(&self, round: u32) -> f64 {
+        self.learning_rate_schedule
+            .at(self.learning_rate, round, self.rounds)
     }
 
     fn check_name(&self) -> Result<(), String> {
@@ -376,6 +465,20 @@ pub async fn waiting_for_round(db: &Db) -> Result<Vec<JobRow>, sqlx::Error> {
     )))
     .fetch_all(&db.pool)
     .await
+}
+
+/// `running` → `completed`, once every round has run and been evaluated.
+pub async fn complete(tx: &mut super::rounds::Tx<'_>, id: i64) -> Result<(), sqlx::Error> {
+    let now = now_ms();
+    sqlx::query(
+        "UPDATE jobs SET state = 'completed', finished_ms = $1, updated_ms = $1, \
+         status_message = '' WHERE id = $2 AND state = 'running'",
+    )
+    .bind(now)
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 pub async fn list(db: &Db, page: Page) -> Result<Vec<JobRow>, sqlx::Error> {

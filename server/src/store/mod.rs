@@ -2,12 +2,14 @@
 //! statement or one transaction; callers never see SQL.
 
 pub mod devices;
+pub mod evaluations;
 pub mod jobs;
 pub mod models;
 pub mod rounds;
 pub mod secagg;
 pub mod settings;
 pub mod signing_keys;
+pub mod strategy;
 pub mod tokens;
 
 use rand::RngCore;
@@ -134,7 +136,10 @@ mod tests {
     use super::secagg::SecureStage;
 
     fn known(text: &str) -> bool {
-        JobState::parse(text).is_some()
+        use super::evaluations::{EvaluationState, EvaluatorState};
+        EvaluatorState::parse(text).is_some()
+            || EvaluationState::parse(text).is_some()
+            || JobState::parse(text).is_some()
             || RoundState::parse(text).is_some()
             || ParticipantState::parse(text).is_some()
             || SecureStage::parse(text).is_some()
@@ -168,6 +173,7 @@ mod tests {
             include_str!("rounds.rs"),
             include_str!("secagg.rs"),
             include_str!("jobs.rs"),
+            include_str!("evaluations.rs"),
         ];
         let pattern = regex::Regex::new(
             r"(?:state|stage) (?:=|IN) \(?'([a-z_]+)'|THEN '([a-z_]+)'|'([a-z_]+)', '([a-z_]+)'",

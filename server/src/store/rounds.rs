@@ -89,12 +89,31 @@ pub struct RoundRow {
     pub finished_ms: Option<i64>,
     /// A secure round's SecAgg+ stage; `None` for plain rounds.
     pub secagg_stage: Option<String>,
+    /// The federated evaluation of the round's version, if it has one;
+    /// read it through [`RoundRow::evaluation_state`].
+    eval_state: Option<String>,
+    pub central_eval_loss: Option<f64>,
+    pub central_eval_accuracy: Option<f64>,
+    pub central_eval_samples: Option<i64>,
 }
 
 pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_version_id, \
      result_version_id, target_devices, min_devices, selected_count, updates_accepted, \
      weight_total, bytes_in, bytes_out, dropouts, status_message, created_ms, \
-     training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage";
+     training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage, eval_state, \
+     central_eval_loss, central_eval_accuracy, central_eval_samples";
+
+impl RoundRow {
+    /// The state of the federated evaluation of the round's version.
+    pub fn evaluation_state(
+        &self,
+    ) -> Result<Option<super::evaluations::EvaluationState>, sqlx::Error> {
+        self.eval_state
+            .clone()
+            .map(|text| parse_state("rounds.eval_state", text))
+            .transpose()
+    }
+}
 
 pub type Tx<'a> = sqlx::Transaction<'a, sqlx::Any>;
 
@@ -246,13 +265,14 @@ pub async fn start_training(
 }
 
 /// Stops accepting updates: `training` → `aggregating`; devices that did
-/// not upload become dropouts.
-pub async fn close(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
+/// not upload become dropouts, with `drop_reason` saying why.
+pub async fn close(tx: &mut Tx<'_>, round_id: i64, drop_reason: &str) -> Result<(), sqlx::Error> {
     let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
+        "UPDATE participants SET state = 'dropped', drop_reason = $2 WHERE round_id = $1 \
          AND state IN {PENDING_STATES}"
     )))
     .bind(round_id)
+    .bind(drop_reason)
     .execute(&mut **tx)
     .await?;
     sqlx::query(
@@ -277,12 +297,20 @@ pub async fn update_sum(tx: &mut Tx<'_>, round_id: i64) -> Result<Option<Vec<u8>
 }
 
 /// `aggregating` → `succeeded`, and the job moves on to the new version.
+/// The job completes with its last round, unless that round's version is
+/// still being evaluated (the orchestrator completes it once that closes).
 pub async fn succeed(
     tx: &mut Tx<'_>,
     round: &RoundRow,
     new_version_id: i64,
     total_rounds: i64,
+    evaluation_open: bool,
 ) -> Result<(), sqlx::Error> {
+    let completes_after = if evaluation_open {
+        i64::MAX
+    } else {
+        total_rounds
+    };
     let now = now_ms();
     super::secagg::purge(tx, round.id).await?;
     sqlx::query(
@@ -303,7 +331,7 @@ pub async fn succeed(
     )
     .bind(new_version_id)
     .bind(now)
-    .bind(total_rounds)
+    .bind(completes_after)
     .bind(round.job_id)
     .execute(&mut **tx)
     .await?;
@@ -321,10 +349,11 @@ pub async fn fail(
     let now = now_ms();
     super::secagg::purge(tx, round.id).await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
+        "UPDATE participants SET state = 'dropped', drop_reason = $2 WHERE round_id = $1 \
          AND state IN {PENDING_STATES}"
     )))
     .bind(round.id)
+    .bind(format!("the round failed: {reason}"))
     .execute(&mut **tx)
     .await?;
     sqlx::query(
@@ -372,10 +401,11 @@ pub async fn fail_open_round(
         super::secagg::purge(tx, round_id).await?;
     }
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'dropped' WHERE state IN {PENDING_STATES} \
+        "UPDATE participants SET state = 'dropped', drop_reason = $2 WHERE state IN {PENDING_STATES} \
          AND round_id IN (SELECT id FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES})"
     )))
     .bind(job_id)
+    .bind(reason)
     .execute(&mut **tx)
     .await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -406,11 +436,12 @@ pub struct ParticipantRow {
     pub eval_accuracy: Option<f64>,
     pub eval_samples: Option<i64>,
     pub train_duration_ms: Option<i64>,
+    pub drop_reason: Option<String>,
 }
 
 const PARTICIPANT_COLUMNS: &str = "round_id, device_id, state, selected_ms, delivered_ms, \
      uploaded_ms, num_samples, update_bytes, train_loss, eval_loss, eval_accuracy, eval_samples, \
-     train_duration_ms";
+     train_duration_ms, drop_reason";
 
 pub async fn participants(
     db: &Db,
@@ -750,17 +781,24 @@ async fn fold_one(
 }
 
 /// A participant gives up its task: it becomes a dropout at once instead
-/// of at the deadline. False when it has no pending task in that round.
-pub async fn decline(db: &Db, round_id: i64, device_id: i64) -> Result<bool, sqlx::Error> {
+/// of at the deadline, with the reason it gave. False when it has no
+/// pending task in that round.
+pub async fn decline(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    reason: &str,
+) -> Result<bool, sqlx::Error> {
     let _slot = db.round_write_slot().await;
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
     let declined = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'dropped' WHERE round_id = $1 AND device_id = $2 \
-         AND state IN {PENDING_STATES}"
+        "UPDATE participants SET state = 'dropped', drop_reason = $3 WHERE round_id = $1 \
+         AND device_id = $2 AND state IN {PENDING_STATES}"
     )))
     .bind(round_id)
     .bind(device_id)
+    .bind(format!("declined: {reason}"))
     .execute(&mut *tx)
     .await?;
     if declined.rows_affected() != 1 {

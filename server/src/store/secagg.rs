@@ -336,10 +336,13 @@ pub async fn drop_laggards(
         SecureStage::Unmask => "secagg_reveal",
     };
     let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'dropped' WHERE round_id = $1 \
+        "UPDATE participants SET state = 'dropped', drop_reason = $2 WHERE round_id = $1 \
          AND state IN {PENDING_STATES} AND {missing_column} IS NULL"
     )))
     .bind(round_id)
+    .bind(format!(
+        "timeout: sent nothing for the secure `{stage}` stage before it closed"
+    ))
     .execute(&mut **tx)
     .await?;
     sqlx::query("UPDATE rounds SET dropouts = dropouts + $1 WHERE id = $2")

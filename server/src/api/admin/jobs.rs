@@ -10,6 +10,7 @@ use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
 use crate::config::api_bounds::{DETAIL_PARTICIPANTS, MAX_ROUNDS_PAGE};
 use crate::state::AppState;
+use crate::store::evaluations::{self, EvaluationState};
 use crate::store::jobs::{self, ActionError, JobAction, JobRow, JobSpec, JobState};
 use crate::store::models;
 use crate::store::rounds::{self, ParticipantRow, ParticipantState, RoundRow, RoundState};
@@ -68,6 +69,7 @@ pub struct JobList {
         "name": "mnist-fedavg", "model_version_id": 1, "rounds": 10, "min_devices": 1,
         "target_devices": 2, "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 32,
         "learning_rate": 0.05, "filters": {"tier": "edge"},
+        "strategy": {"name": "fedavgm", "momentum": 0.9},
     })),
     responses(
         (status = 201, body = JobView),
@@ -205,7 +207,9 @@ job_action!(
 pub struct RoundMetricsView {
     /// Sample-weighted mean of the participants' training losses.
     pub train_loss: Option<f64>,
-    /// Sample-weighted mean of the participants' held-out accuracy.
+    /// Sample-weighted mean of the participants' held-out accuracy of the
+    /// round's BASE version, measured before they trained (so it lags a
+    /// round); `federated_eval_accuracy` is the version this round produced.
     pub eval_accuracy: Option<f64>,
     pub eval_loss: Option<f64>,
     pub bytes_in: i64,
@@ -214,6 +218,24 @@ pub struct RoundMetricsView {
     pub updates_accepted: i64,
     /// Samples behind the accepted updates (the FedAvg weight).
     pub samples: i64,
+    /// Federated evaluation of the version this round produced:
+    /// sample-weighted mean accuracy of the evaluators' held-out data.
+    pub federated_eval_accuracy: Option<f64>,
+    pub federated_eval_loss: Option<f64>,
+    /// Held-out samples behind the federated evaluation.
+    pub federated_eval_samples: Option<i64>,
+    /// Devices that reported their evaluation.
+    pub federated_eval_devices: i64,
+    /// Devices asked to evaluate that declined or timed out.
+    pub federated_eval_dropouts: i64,
+    /// `open` while devices evaluate, `closed` after; absent when the
+    /// version was not evaluated on devices.
+    pub federated_eval_state: Option<EvaluationState>,
+    /// Central evaluation of the version this round produced, on the
+    /// job's held-out dataset on the server.
+    pub central_eval_accuracy: Option<f64>,
+    pub central_eval_loss: Option<f64>,
+    pub central_eval_samples: Option<i64>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -284,6 +306,10 @@ pub struct ParticipantView {
     pub selected_ms: i64,
     pub delivered_ms: Option<i64>,
     pub uploaded_ms: Option<i64>,
+    /// Why a dropped device dropped out: the reason it gave when it
+    /// declined (a model it refused, data that does not fit, ...), a
+    /// timeout, or the round's failure.
+    pub drop_reason: Option<String>,
 }
 
 impl From<ParticipantRow> for ParticipantView {
@@ -300,6 +326,7 @@ impl From<ParticipantRow> for ParticipantView {
             selected_ms: row.selected_ms,
             delivered_ms: row.delivered_ms,
             uploaded_ms: row.uploaded_ms,
+            drop_reason: row.drop_reason,
         }
     }
 }
@@ -338,6 +365,7 @@ async fn detail(
     with_participants: bool,
 ) -> ApiResult<RoundDetail> {
     let metrics = rounds::metrics(&state.db, row.id).await?;
+    let federated = evaluations::federated(&state.db, row.id).await?;
     let (participants, participants_next_cursor) = if with_participants {
         let page = crate::store::Page {
             after: 0,
@@ -361,6 +389,15 @@ async fn detail(
             dropouts: row.dropouts,
             updates_accepted: row.updates_accepted,
             samples: row.weight_total,
+            federated_eval_accuracy: federated.accuracy,
+            federated_eval_loss: federated.loss,
+            federated_eval_samples: federated.samples,
+            federated_eval_devices: federated.devices,
+            federated_eval_dropouts: federated.dropped,
+            federated_eval_state: row.evaluation_state()?,
+            central_eval_accuracy: row.central_eval_accuracy,
+            central_eval_loss: row.central_eval_loss,
+            central_eval_samples: row.central_eval_samples,
         },
         durations: RoundDurations {
             selecting_ms: span(Some(row.created_ms), row.training_started_ms),

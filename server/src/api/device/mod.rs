@@ -14,7 +14,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post, put};
 use canopy_protocol::messages::{
-    DeclineTask, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics,
+    DeclineTask, EnrollRequest, EnrollResponse, EvaluationReport, Heartbeat, HeartbeatResponse,
+    RoundMetrics,
 };
 use canopy_protocol::model_sig::SigningKeys;
 use serde::de::DeserializeOwned;
@@ -24,8 +25,8 @@ use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::db::now_ms;
 use crate::state::AppState;
 use crate::store::devices::{self, EnrollError};
-use crate::store::rounds;
 use crate::store::tokens::EnrollmentTokenError;
+use crate::store::{evaluations, rounds};
 use auth::DeviceAuth;
 
 pub fn router() -> Router<AppState> {
@@ -42,6 +43,14 @@ pub fn router() -> Router<AppState> {
         )
         .route("/device/v1/rounds/{round_id}/metrics", post(report_metrics))
         .route("/device/v1/rounds/{round_id}/decline", post(decline_task))
+        .route(
+            "/device/v1/rounds/{round_id}/evaluation",
+            post(report_evaluation),
+        )
+        .route(
+            "/device/v1/rounds/{round_id}/evaluation/decline",
+            post(decline_evaluation),
+        )
         .route(
             "/device/v1/rounds/{round_id}/secagg/{endpoint}",
             post(secagg::post_message).get(secagg::get_message),
@@ -181,7 +190,7 @@ async fn decline_task(
     let decline: DeclineTask = signed_json(&state, &device, &headers, body).await?;
     decline.validate().map_err(ApiError::unprocessable)?;
     same_round(decline.round_id, round_id)?;
-    if !rounds::decline(&state.db, round_id, device.device_id).await? {
+    if !rounds::decline(&state.db, round_id, device.device_id, &decline.reason).await? {
         return Err(ApiError::not_found(format!(
             "device {} has no pending task in round {round_id}",
             device.device_id
@@ -190,4 +199,74 @@ async fn decline_task(
     tracing::warn!(round = round_id, device = device.device_id, reason = %decline.reason, "device declined its task");
     state.orchestrator_wake.notify_one();
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// A device's evaluation of the version a round produced (an evaluation
+/// task's answer).
+async fn report_evaluation(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path(round_id): Path<i64>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<StatusCode> {
+    let report: EvaluationReport = signed_json(&state, &device, &headers, body).await?;
+    report.validate().map_err(ApiError::unprocessable)?;
+    same_round(report.round_id, round_id)?;
+    let outcome = evaluations::report(
+        &state.db,
+        round_id,
+        device.device_id,
+        evaluations::Report {
+            loss: report.loss,
+            accuracy: report.accuracy,
+            samples: report.samples,
+        },
+    )
+    .await?;
+    evaluation_answer(outcome, round_id, device.device_id, &state)
+}
+
+async fn decline_evaluation(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path(round_id): Path<i64>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<StatusCode> {
+    let decline: DeclineTask = signed_json(&state, &device, &headers, body).await?;
+    decline.validate().map_err(ApiError::unprocessable)?;
+    same_round(decline.round_id, round_id)?;
+    let outcome =
+        evaluations::decline(&state.db, round_id, device.device_id, &decline.reason).await?;
+    if outcome == evaluations::Outcome::Taken {
+        tracing::warn!(round = round_id, device = device.device_id, reason = %decline.reason, "device declined its evaluation");
+    }
+    evaluation_answer(outcome, round_id, device.device_id, &state)
+}
+
+/// 204 when taken; 404 to a device that was not asked, 409 to one that
+/// already answered, 410 once the evaluation is over for it.
+fn evaluation_answer(
+    outcome: evaluations::Outcome,
+    round_id: i64,
+    device_id: i64,
+    state: &AppState,
+) -> ApiResult<StatusCode> {
+    use evaluations::Outcome;
+    match outcome {
+        Outcome::Taken => {
+            state.orchestrator_wake.notify_one();
+            Ok(StatusCode::NO_CONTENT)
+        }
+        Outcome::NotEvaluator => Err(ApiError::not_found(format!(
+            "device {device_id} was not asked to evaluate round {round_id}'s version"
+        ))),
+        Outcome::AlreadyAnswered => Err(ApiError::conflict(format!(
+            "device {device_id} already answered round {round_id}'s evaluation"
+        ))),
+        Outcome::Closed => Err(ApiError::gone(format!(
+            "round {round_id}'s evaluation is closed for device {device_id} (its deadline passed)"
+        ))),
+    }
 }

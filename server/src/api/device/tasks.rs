@@ -6,7 +6,7 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use canopy_protocol::messages::{SecureTask, Task, TrainingConfig};
+use canopy_protocol::messages::{SecureTask, Task, TaskKind, TrainingConfig, task_paths};
 use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE};
 use canopy_protocol::update::UpdateLayout;
 use serde::Deserialize;
@@ -16,7 +16,7 @@ use super::{POLL_RECHECK_MS, poll_wait};
 use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::state::AppState;
 use crate::store::jobs::JobSpec;
-use crate::store::{models, rounds};
+use crate::store::{evaluations, models, rounds};
 
 #[derive(Debug, Deserialize)]
 pub struct PollQuery {
@@ -49,6 +49,11 @@ pub async fn next_task(
         // Register interest before looking, so a wake-up between the look
         // and the wait is not lost.
         let woken = state.tasks_ready.notified();
+        // Evaluating a finished round's version is quick and costs no
+        // training, so it goes before the next round's training.
+        if let Some(task) = evaluations::take(&state.db, device.device_id).await? {
+            return Ok(axum::Json(build_evaluation_task(&state, task).await?).into_response());
+        }
         if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
             return Ok(axum::Json(build_task(&state, task).await?).into_response());
         }
@@ -85,20 +90,25 @@ fn layout_of_row(state: &AppState, row: &models::VersionRow) -> ApiResult<Arc<Up
     Ok(layout)
 }
 
-async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> {
-    let spec: JobSpec = serde_json::from_str(&task.config).map_err(|error| {
-        ApiError::internal(format!(
-            "job {} has an unreadable config: {error}",
-            task.job_id
-        ))
-    })?;
-    let version = models::get_version(&state.db, task.base_version_id)
+fn job_spec(job_id: i64, config: &str) -> ApiResult<JobSpec> {
+    serde_json::from_str(config).map_err(|error| {
+        ApiError::internal(format!("job {job_id} has an unreadable config: {error}"))
+    })
+}
+
+/// An evaluation task: the version the round produced, evaluated on the
+/// device's held-out data and reported to the evaluation path.
+async fn build_evaluation_task(
+    state: &AppState,
+    task: evaluations::EvaluationTaskRow,
+) -> ApiResult<Task> {
+    let spec = job_spec(task.job_id, &task.config)?;
+    let version = models::get_version(&state.db, task.version_id)
         .await?
-        .ok_or_else(|| {
-            ApiError::internal(format!("model version {} vanished", task.base_version_id))
-        })?;
+        .ok_or_else(|| ApiError::internal(format!("model version {} vanished", task.version_id)))?;
     let layout = layout_of_row(state, &version)?;
     Ok(Task {
+        kind: TaskKind::Evaluate,
         job_id: task.job_id,
         round_id: task.round_id,
         round_number: u32::try_from(task.number).unwrap_or(u32::MAX),
@@ -106,14 +116,44 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         model_digest: version.digest.clone(),
         model_size_bytes: u64::try_from(version.size_bytes).unwrap_or(0),
         model_path: format!("/device/v1/models/{}", version.id),
-        upload_path: format!("/device/v1/rounds/{}/update", task.round_id),
+        upload_path: task_paths::upload(TaskKind::Evaluate, task.round_id),
+        upload_size_bytes: 0,
+        deadline_unix_ms: u64::try_from(task.deadline_ms).unwrap_or(0),
+        training: training_config(&spec, task.number),
+        layout: (*layout).clone(),
+        secure_aggregation: None,
+    })
+}
+
+fn training_config(spec: &JobSpec, round_number: i64) -> TrainingConfig {
+    TrainingConfig {
+        epochs: spec.local_epochs,
+        batch_size: spec.batch_size,
+        learning_rate: spec.learning_rate_at(u32::try_from(round_number).unwrap_or(u32::MAX)),
+    }
+}
+
+async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> {
+    let spec = job_spec(task.job_id, &task.config)?;
+    let version = models::get_version(&state.db, task.base_version_id)
+        .await?
+        .ok_or_else(|| {
+            ApiError::internal(format!("model version {} vanished", task.base_version_id))
+        })?;
+    let layout = layout_of_row(state, &version)?;
+    Ok(Task {
+        kind: TaskKind::Train,
+        job_id: task.job_id,
+        round_id: task.round_id,
+        round_number: u32::try_from(task.number).unwrap_or(u32::MAX),
+        model_version_id: version.id,
+        model_digest: version.digest.clone(),
+        model_size_bytes: u64::try_from(version.size_bytes).unwrap_or(0),
+        model_path: format!("/device/v1/models/{}", version.id),
+        upload_path: task_paths::upload(TaskKind::Train, task.round_id),
         upload_size_bytes: layout.encoded_len(),
         deadline_unix_ms: u64::try_from(task.deadline_ms).unwrap_or(0),
-        training: TrainingConfig {
-            epochs: spec.local_epochs,
-            batch_size: spec.batch_size,
-            learning_rate: spec.learning_rate,
-        },
+        training: training_config(&spec, task.number),
         layout: (*layout).clone(),
         secure_aggregation: secure_task(state, &task)?,
     })
@@ -169,7 +209,9 @@ pub async fn download_model(
 ) -> ApiResult<Response> {
     // 404 whether the version is missing or only not this device's task:
     // a device learns nothing about versions it was not sent.
-    if !rounds::has_task_on_version(&state.db, device.device_id, version_id).await? {
+    if !rounds::has_task_on_version(&state.db, device.device_id, version_id).await?
+        && !evaluations::has_evaluation_of_version(&state.db, device.device_id, version_id).await?
+    {
         return Err(ApiError::not_found(format!(
             "device {} has no open task on model version {version_id}; a device downloads \
              only the version of a round it was selected for, until the round closes",
