@@ -1,91 +1,593 @@
 // The Canopy dashboard: reads the admin API with the token the user gives
 // (kept in this tab's sessionStorage, or passed as #token=… in the URL,
 // which browsers never send to the server). Values from the API are put in
-// with textContent only, never as HTML.
-"use strict";
+// with textContent only, never as HTML. `#job=ID` opens a job.
+//
+// Polling is bounded however long a job runs: each poll asks for the
+// newest page of rounds (`order=newest`), and older rounds are read once,
+// newest first, up to HISTORY_ROUNDS, when a job is opened.
+import { lineChart, lineageGraph } from "/dashboard-charts.js";
 
-const REFRESH_MS = 2000;
-let selectedJob = null;
+const POLL_MS = 2000;
+/// Rounds each poll reads: the newest, where a running job changes.
+const POLL_ROUNDS = 20;
+/// Rounds per page when reading a job's history (the server's largest).
+const HISTORY_PAGE = 100;
+/// Rounds kept for the curves; a longer job shows its latest this many.
+const HISTORY_ROUNDS = 5000;
+/// Older rounds still open (or still being evaluated) re-read per poll.
+const MAX_STALE_REFRESH = 5;
+const TABLE_ROWS = 20;
+const MAX_VERSIONS = 2000;
+const OPEN_ROUND_STATES = new Set(["selecting", "training", "aggregating"]);
 
-const tokenInput = document.getElementById("token");
-const statusLine = document.getElementById("status");
+const state = {
+  view: "jobs",
+  jobs: [],
+  jobId: null,
+  job: null,
+  /// Rounds of the open job by round id.
+  rounds: new Map(),
+  historyLoaded: false,
+  historyTruncated: false,
+  roundsPage: 0,
+  roundId: null,
+  roundFollowsLatest: true,
+  round: null,
+  models: [],
+  modelName: null,
+  versions: [],
+  versionsPage: 0,
+  versionId: null,
+  lineage: null,
+  devices: [],
+};
+
+const $ = (id) => document.getElementById(id);
+const statusLine = $("status");
 
 function token() {
   return sessionStorage.getItem("canopy-token") || "";
 }
 
-async function api(path) {
-  const response = await fetch(path, { headers: { Authorization: "Bearer " + token() } });
-  const body = await response.json().catch(() => null);
+async function api(path, method = "GET", body) {
+  const headers = { Authorization: "Bearer " + token() };
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const response = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  const answer = await response.json().catch(() => null);
   if (!response.ok) {
-    const message = body && body.error ? body.error.message : response.statusText;
-    throw new Error(path + ": " + response.status + " " + message);
+    const message = answer && answer.error ? answer.error.message : response.statusText;
+    throw new Error(`${method} ${path}: ${response.status} ${message}`);
   }
-  return body;
+  return answer;
 }
 
-function fill(tableId, rows, cells, onClick) {
+// ---- formatting ----
+
+const dash = "–";
+const fixed = (value, digits) => (typeof value === "number" ? value.toFixed(digits) : dash);
+const ago = (ms) => {
+  const s = Math.max(0, Math.round((Date.now() - ms) / 1000));
+  return s < 120 ? s + " s ago" : s < 7200 ? Math.round(s / 60) + " min ago" : Math.round(s / 3600) + " h ago";
+};
+const when = (ms) => (typeof ms === "number" ? new Date(ms).toLocaleString() : dash);
+function bytes(n) {
+  if (typeof n !== "number") return dash;
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return (i === 0 ? String(n) : n.toFixed(1)) + " " + units[i];
+}
+function duration(ms) {
+  if (typeof ms !== "number") return dash;
+  if (ms < 1000) return Math.round(ms) + " ms";
+  if (ms < 120000) return (ms / 1000).toFixed(1) + " s";
+  return Math.round(ms / 60000) + " min";
+}
+
+// ---- tables ----
+
+/// A cell: a value, or { text, className, title }.
+function cell(value) {
+  const td = document.createElement("td");
+  if (value !== null && typeof value === "object") {
+    td.textContent = value.text ?? dash;
+    if (value.className) td.className = value.className;
+    if (value.title) td.title = value.title;
+  } else {
+    td.textContent = value === null || value === undefined || value === "" ? dash : String(value);
+  }
+  return td;
+}
+
+function fill(tableId, rows, cells, { selected, onClick, key } = {}) {
   const body = document.querySelector("#" + tableId + " tbody");
-  body.replaceChildren();
-  for (const row of rows) {
+  const trs = rows.map((row) => {
     const tr = document.createElement("tr");
-    for (const value of cells(row)) {
-      const td = document.createElement("td");
-      td.textContent = value === null || value === undefined ? "–" : String(value);
-      tr.appendChild(td);
-    }
+    tr.append(...cells(row).map(cell));
+    if (key) tr.dataset.key = String(key(row));
     if (onClick) {
       tr.classList.add("selectable");
-      if (selectedJob === row.id) tr.classList.add("selected");
+      tr.tabIndex = 0;
       tr.addEventListener("click", () => onClick(row));
+      tr.addEventListener("keydown", (event) => { if (event.key === "Enter") onClick(row); });
     }
-    body.appendChild(tr);
+    if (selected && selected(row)) tr.classList.add("selected");
+    return tr;
+  });
+  body.replaceChildren(...trs);
+}
+
+function badge(element, text, kind) {
+  element.textContent = text;
+  element.className = "badge state-" + kind;
+}
+
+// ---- jobs ----
+
+const isSecure = (job) => Boolean(job.spec.secure_aggregation && job.spec.secure_aggregation.enabled);
+
+async function refreshJobs() {
+  const jobs = await api("/api/v1/jobs?limit=100");
+  state.jobs = jobs.items;
+  if (state.jobId === null && jobs.items.length > 0) selectJob(jobs.items[jobs.items.length - 1].id);
+  renderJobList();
+  if (state.jobId === null) return;
+  state.job = jobs.items.find((j) => j.id === state.jobId) || (await api("/api/v1/jobs/" + state.jobId));
+  await refreshRounds(state.jobId);
+  await refreshRound();
+  renderJob();
+}
+
+function renderJobList() {
+  fill("jobs", state.jobs, (j) => [
+    j.id,
+    { text: j.name, className: isSecure(j) ? "secure-job" : "", title: isSecure(j) ? "secure aggregation (SecAgg+)" : "" },
+    { text: j.state, className: "state-" + j.state },
+    j.rounds_completed + " / " + j.spec.rounds,
+  ], { selected: (j) => j.id === state.jobId, onClick: (j) => { selectJob(j.id); refresh(); }, key: (j) => j.id });
+}
+
+function selectJob(id) {
+  if (state.jobId === id) return;
+  state.jobId = id;
+  state.job = null;
+  state.rounds = new Map();
+  state.historyLoaded = false;
+  state.historyTruncated = false;
+  state.roundsPage = 0;
+  state.roundId = null;
+  state.roundFollowsLatest = true;
+  state.round = null;
+  history.replaceState(null, "", "#job=" + id);
+}
+
+/// Reads the newest page of the job's rounds; on the first poll of a job
+/// (or when more rounds finished between two polls than a page holds) it
+/// pages on, newest first, until it meets rounds it has.
+async function refreshRounds(jobId) {
+  const known = new Set(state.rounds.keys());
+  let page = await api(`/api/v1/jobs/${jobId}/rounds?order=newest&limit=${POLL_ROUNDS}`);
+  if (state.jobId !== jobId) return;
+  const seen = new Set(page.items.map((r) => r.id));
+  merge(page.items);
+  let overlaps = page.items.some((r) => known.has(r.id));
+  while (page.next_cursor && !(overlaps && state.historyLoaded) && state.rounds.size < HISTORY_ROUNDS) {
+    page = await api(`/api/v1/jobs/${jobId}/rounds?order=newest&limit=${HISTORY_PAGE}&cursor=${page.next_cursor}`);
+    if (state.jobId !== jobId) return;
+    page.items.forEach((r) => seen.add(r.id));
+    merge(page.items);
+    overlaps = overlaps || page.items.some((r) => known.has(r.id));
+    renderJob();
+  }
+  if (!state.historyLoaded) {
+    state.historyLoaded = true;
+    state.historyTruncated = Boolean(page.next_cursor);
+  }
+  // Rounds past the newest page that may still change: still open, or
+  // their version still being evaluated by devices.
+  const stale = [...state.rounds.values()]
+    .filter((r) => !seen.has(r.id) && (OPEN_ROUND_STATES.has(r.state) || r.metrics.federated_eval_state === "open"))
+    .slice(0, MAX_STALE_REFRESH);
+  for (const r of stale) merge([await api("/api/v1/rounds/" + r.id)]);
+}
+
+function merge(items) {
+  for (const r of items) state.rounds.set(r.id, r);
+  if (state.rounds.size > HISTORY_ROUNDS) {
+    const oldest = [...state.rounds.keys()].sort((a, b) => a - b).slice(0, state.rounds.size - HISTORY_ROUNDS);
+    oldest.forEach((id) => state.rounds.delete(id));
+    state.historyTruncated = true;
   }
 }
 
-const fixed = (value, digits) => (typeof value === "number" ? value.toFixed(digits) : value);
-const ago = (ms) => Math.max(0, Math.round((Date.now() - ms) / 1000)) + " s ago";
+/// A round's attempt matters once there is more than one: a failed
+/// attempt, or the one that followed it.
+const showAttempt = (r) => r.attempt > 1 || r.state === "failed";
 
-async function refresh() {
-  if (!token()) {
-    statusLine.textContent = "enter a token (admin, operator or viewer)";
-    return;
+const roundsNewestFirst = () => [...state.rounds.values()].sort((a, b) => b.id - a.id);
+
+async function refreshRound() {
+  const latest = roundsNewestFirst()[0];
+  if (state.roundFollowsLatest && latest) state.roundId = latest.id;
+  if (state.roundId === null) { state.round = null; return; }
+  const settled = state.round && state.round.id === state.roundId && !OPEN_ROUND_STATES.has(state.round.state)
+    && state.round.metrics.federated_eval_state !== "open";
+  if (!settled) state.round = await api("/api/v1/rounds/" + state.roundId);
+}
+
+function renderJob() {
+  const job = state.job;
+  $("job-panel").hidden = !job;
+  if (!job) return;
+  $("job-title").textContent = `Job ${job.id}: ${job.name}`;
+  badge($("job-state"), job.state, job.state);
+  $("job-secure").hidden = !isSecure(job);
+  $("job-status").textContent = `${job.rounds_completed} of ${job.spec.rounds} rounds done` +
+    (job.round_failures > 0 ? `, ${job.round_failures} failed attempts of the current round` : "") +
+    (job.status_message ? ". " + job.status_message : "");
+  for (const button of $("job-controls").querySelectorAll("button")) {
+    const allowed = { start: ["created"], pause: ["running"], resume: ["paused"], cancel: ["created", "running", "paused"] };
+    button.disabled = !allowed[button.dataset.action].includes(job.state);
   }
+  const rounds = roundsNewestFirst();
+  const current = rounds[0];
+  const stage = $("job-secure-stage");
+  stage.hidden = !(isSecure(job) && current);
+  if (isSecure(job) && current) {
+    stage.textContent = `Secure aggregation, round ${current.number} (${current.state}): stage ` +
+      (current.secure_stage || "not started");
+  }
+  renderSettings(job);
+  renderCharts(rounds);
+  renderRoundsTable(rounds);
+  renderRound();
+}
+
+function renderSettings(job) {
+  const spec = job.spec;
+  const strategy = spec.strategy || { name: "fedavg" };
+  const params = (object, skip) => Object.entries(object || {}).filter(([k]) => k !== skip).map(([k, v]) => `${k} ${v}`).join(", ");
+  const schedule = spec.learning_rate_schedule || { kind: "constant" };
+  const evaluation = spec.evaluation || {};
+  const secure = spec.secure_aggregation && spec.secure_aggregation.enabled ? spec.secure_aggregation : null;
+  const filters = spec.filters || {};
+  const rows = [
+    ["model version", `id ${spec.model_version_id} (now at id ${job.current_version_id})`],
+    ["strategy", strategy.name + (params(strategy, "name") ? ` (${params(strategy, "name")})` : " (defaults)")],
+    ["learning rate", `${spec.learning_rate}, schedule ${schedule.kind}` + (params(schedule, "kind") ? ` (${params(schedule, "kind")})` : "")],
+    ["devices per round", `${spec.min_devices} to ${spec.target_devices}, over-selection ${spec.over_selection}`],
+    ["local training", `${spec.local_epochs} epochs, batch ${spec.batch_size}`],
+    ["round deadline", duration(spec.round_deadline_ms) + `, up to ${spec.max_round_retries} retries`],
+    ["dataset", spec.dataset || "each device's default"],
+    ["evaluation", (evaluation.fraction > 0
+      ? `federated on ${evaluation.fraction * 100}% of eligible devices (at most ${evaluation.max_devices}), deadline ` +
+        (evaluation.deadline_ms ? duration(evaluation.deadline_ms) : "the round's")
+      : "no federated evaluation") +
+      (evaluation.central_dataset ? `; central on dataset ${evaluation.central_dataset}` : "")],
+    ["secure aggregation", secure
+      ? `SecAgg+, dropouts up to ${secure.max_dropout_fraction}, corrupt up to ${secure.max_corrupt_fraction}, clip ${secure.clip}, ${secure.bits} bits`
+      : "off"],
+    ["device filter", [filters.tier && "tier " + filters.tier, (filters.backends || []).length && "backends " + filters.backends.join(", "),
+      Object.keys(filters.tags || {}).length && "tags " + Object.entries(filters.tags).map(([k, v]) => k + "=" + v).join(" ")]
+      .filter(Boolean).join("; ") || "any device"],
+    ["created", when(job.created_ms)],
+    ["started", when(job.started_ms)],
+    ["finished", when(job.finished_ms)],
+  ];
+  const list = $("job-settings");
+  list.replaceChildren(...rows.flatMap(([term, value]) => {
+    const dt = document.createElement("dt");
+    dt.textContent = term;
+    const dd = document.createElement("dd");
+    dd.textContent = value;
+    return [dt, dd];
+  }));
+}
+
+/// One point per succeeded training round that has the value: a failed
+/// attempt shares its number with the attempt that succeeded, and never
+/// counts; the statistics round (0) trains nothing.
+function points(rounds, pick) {
+  return rounds
+    .filter((r) => r.state === "succeeded" && r.kind !== "statistics" && typeof pick(r) === "number")
+    .map((r) => ({ x: r.number, y: pick(r) }))
+    .sort((a, b) => a.x - b.x);
+}
+
+function renderCharts(rounds) {
+  const note = state.historyTruncated ? `latest ${HISTORY_ROUNDS} rounds` : "";
+  lineChart($("chart-loss"), {
+    series: [{ key: "train_loss", name: "training loss", className: "s-loss", points: points(rounds, (r) => r.metrics.train_loss), note }],
+  });
+  lineChart($("chart-accuracy"), {
+    yFixed: [0, 1],
+    series: [
+      {
+        key: "federated_eval_accuracy", name: "federated eval of the version this round produced", className: "s-federated",
+        points: points(rounds, (r) => r.metrics.federated_eval_accuracy), note,
+      },
+      {
+        key: "central_eval_accuracy", name: "central eval (server's held-out data)", className: "s-central",
+        points: points(rounds, (r) => r.metrics.central_eval_accuracy), note,
+      },
+    ],
+  });
+}
+
+function renderRoundsTable(rounds) {
+  const pages = Math.max(1, Math.ceil(rounds.length / TABLE_ROWS));
+  state.roundsPage = Math.min(state.roundsPage, pages - 1);
+  const shown = rounds.slice(state.roundsPage * TABLE_ROWS, (state.roundsPage + 1) * TABLE_ROWS);
+  $("rounds-title").textContent = state.roundsPage === 0 ? "Latest rounds" : "Earlier rounds";
+  $("rounds-page").textContent = rounds.length === 0 ? "no rounds yet"
+    : `${state.roundsPage * TABLE_ROWS + 1}–${state.roundsPage * TABLE_ROWS + shown.length} of ${rounds.length}` +
+      (state.historyLoaded ? "" : " (loading older rounds…)");
+  $("rounds-newer").disabled = state.roundsPage === 0;
+  $("rounds-older").disabled = state.roundsPage >= pages - 1;
+  fill("rounds", shown, (r) => [
+    (showAttempt(r) ? `${r.number} (attempt ${r.attempt})` : `${r.number}`) +
+      (r.kind === "statistics" ? " · input statistics" : ""),
+    { text: r.state + (r.secure_stage && OPEN_ROUND_STATES.has(r.state) ? ` · ${r.secure_stage}` : ""), className: "state-" + r.state },
+    `${r.metrics.updates_accepted} / ${r.selected}`,
+    r.metrics.dropouts,
+    fixed(r.metrics.train_loss, 4),
+    { text: fixed(r.metrics.federated_eval_accuracy, 3) + (r.metrics.federated_eval_state === "open" ? " …" : ""),
+      title: `${r.metrics.federated_eval_devices} devices reported, ${r.metrics.federated_eval_dropouts} did not` },
+    fixed(r.metrics.central_eval_accuracy, 3),
+    { text: bytes(r.metrics.bytes_in), className: "nowrap" },
+    { text: bytes(r.metrics.bytes_out), className: "nowrap" },
+    { text: duration(r.durations.total_ms ?? (Date.now() - r.created_ms)), className: "nowrap" },
+  ], {
+    key: (r) => r.id,
+    selected: (r) => r.id === state.roundId,
+    onClick: (r) => {
+      state.roundFollowsLatest = r.id === roundsNewestFirst()[0].id;
+      state.roundId = r.id;
+      state.round = null;
+      refreshRound().then(renderJob).catch(showError);
+    },
+  });
+}
+
+function renderRound() {
+  const round = state.round;
+  $("round-detail").hidden = !round;
+  if (!round) return;
+  const m = round.metrics, d = round.durations;
+  $("round-title").textContent = `Round ${round.number}` + (showAttempt(round) ? `, attempt ${round.attempt}` : "") +
+    ` (${round.state})` + (state.roundFollowsLatest ? ", the latest" : "");
+  $("round-summary").textContent = [
+    `${round.selected} selected, ${m.updates_accepted} updates (${m.samples} samples), ${m.dropouts} dropped`,
+    `selecting ${duration(d.selecting_ms)}, training ${duration(d.training_ms)}, aggregating ${duration(d.aggregating_ms)}`,
+    `mean device training ${duration(d.mean_device_training_ms)}`,
+    `${bytes(m.bytes_in)} up, ${bytes(m.bytes_out)} down`,
+    round.status_message,
+  ].filter(Boolean).join(" · ");
+  fill("participants", round.participants, (p) => [
+    p.device_id,
+    { text: p.state, className: "state-" + p.state },
+    p.num_samples,
+    { text: bytes(p.update_bytes), className: "nowrap" },
+    fixed(p.train_loss, 4),
+    duration(p.train_duration_ms),
+    { text: p.drop_reason ?? "", className: p.drop_reason ? "reason" : "" },
+  ], { key: (p) => p.device_id });
+  const more = $("participants-more");
+  more.hidden = !round.participants_next_cursor;
+  more.textContent = `Showing the first ${round.participants.length} participants by device id.`;
+}
+
+async function jobAction(action) {
+  const id = state.jobId;
+  if (action === "cancel" && !confirm(`Cancel job ${id}? Its open round fails, and a cancelled job cannot be resumed.`)) return;
   try {
-    const jobs = await api("/api/v1/jobs?limit=100");
-    if (selectedJob === null && jobs.items.length > 0) selectedJob = jobs.items[jobs.items.length - 1].id;
-    fill("jobs", jobs.items, (j) => [j.id, j.name, j.state, j.rounds_completed + " / " + j.spec.rounds, j.status_message],
-      (j) => { selectedJob = j.id; refresh(); });
-    if (selectedJob !== null) {
-      const rounds = await api("/api/v1/jobs/" + selectedJob + "/rounds?limit=100");
-      document.getElementById("rounds-title").textContent = "Rounds of job " + selectedJob;
-      fill("rounds", rounds.items, (r) => [r.number, r.attempt,
-        r.secure_stage && r.state === "training" ? r.state + " (secure: " + r.secure_stage + ")" : r.state, r.metrics.updates_accepted + " / " + r.selected,
-        fixed(r.metrics.train_loss, 4), fixed(r.metrics.eval_accuracy, 3), r.metrics.bytes_in, r.metrics.bytes_out,
-        r.metrics.dropouts, r.durations.total_ms === null ? null : (r.durations.total_ms / 1000).toFixed(2)]);
-    }
-    const devices = await api("/api/v1/devices?limit=500");
-    fill("devices", devices.items, (d) => [d.id, d.tier, d.backends.join(", "), d.revoked ? "revoked" : (d.online ? "online" : "offline"),
-      ago(d.last_seen_ms), Object.entries(d.tags).map(([k, v]) => k + "=" + v).join(" ")]);
-    statusLine.className = "";
-    statusLine.textContent = "updated " + new Date().toLocaleTimeString();
+    await api(`/api/v1/jobs/${id}/${action}`, "POST");
+    await refresh();
   } catch (error) {
-    statusLine.className = "error";
-    statusLine.textContent = error.message;
+    showError(error);
   }
 }
 
-document.getElementById("login").addEventListener("submit", (event) => {
+async function createJob(event) {
   event.preventDefault();
-  sessionStorage.setItem("canopy-token", tokenInput.value.trim());
-  tokenInput.value = "";
+  const form = event.target;
+  const value = (name) => form.elements[name].value.trim();
+  const spec = {
+    name: value("name"),
+    model_version_id: Number(value("model_version_id")),
+    rounds: Number(value("rounds")),
+    min_devices: Number(value("min_devices")),
+    target_devices: Number(value("target_devices")),
+    round_deadline_ms: Math.round(Number(value("round_deadline_s")) * 1000),
+    local_epochs: Number(value("local_epochs")),
+    batch_size: Number(value("batch_size")),
+    learning_rate: Number(value("learning_rate")),
+    strategy: { name: value("strategy") },
+  };
+  if (value("dataset")) spec.dataset = value("dataset");
+  if (form.elements.secure.checked) spec.secure_aggregation = { enabled: true };
+  try {
+    const job = await api("/api/v1/jobs", "POST", spec);
+    if (form.elements.start.checked) await api(`/api/v1/jobs/${job.id}/start`, "POST");
+    $("new-job").open = false;
+    selectJob(job.id);
+    await refresh();
+  } catch (error) {
+    showError(error);
+  }
+}
+
+// ---- models ----
+
+async function refreshModels() {
+  const models = await api("/api/v1/models?limit=500");
+  state.models = models.items;
+  if (state.modelName === null && models.items.length > 0) state.modelName = models.items[0].name;
+  fill("models", state.models, (m) => [m.name, m.versions, when(m.created_ms)], {
+    key: (m) => m.name,
+    selected: (m) => m.name === state.modelName,
+    onClick: (m) => { selectModel(m.name); refresh(); },
+  });
+  if (state.modelName === null) return;
+  const model = state.models.find((m) => m.name === state.modelName);
+  // Versions only change by growing: re-read them when the count moved.
+  if (!model || model.versions !== state.versions.length) await loadVersions(state.modelName);
+  if (state.versionId === null && state.versions.length > 0) state.versionId = state.versions[state.versions.length - 1].id;
+  const version = state.versions.find((v) => v.id === state.versionId);
+  if (version && (!state.lineage || state.lineage.versionId !== version.id)) {
+    const lineage = await api(`/api/v1/models/${encodeURIComponent(version.model)}/versions/${version.version}/lineage`);
+    state.lineage = { versionId: version.id, ...lineage };
+  }
+  renderModel();
+}
+
+function selectModel(name) {
+  if (state.modelName === name) return;
+  state.modelName = name;
+  state.versions = [];
+  state.versionId = null;
+  state.lineage = null;
+  state.versionsPage = 0;
+}
+
+async function loadVersions(name) {
+  const versions = [];
+  let cursor = null;
+  do {
+    const page = await api(`/api/v1/models/${encodeURIComponent(name)}/versions?limit=500` + (cursor ? "&cursor=" + cursor : ""));
+    versions.push(...page.items);
+    cursor = page.next_cursor;
+  } while (cursor && versions.length < MAX_VERSIONS);
+  if (state.modelName === name) state.versions = versions;
+}
+
+function selectVersion(version) {
+  state.versionId = version.id;
+  state.lineage = null;
   refresh();
+}
+
+function renderModel() {
+  $("model-panel").hidden = state.modelName === null;
+  if (state.modelName === null) return;
+  $("model-title").textContent = "Model " + state.modelName;
+  const chain = state.lineage ? state.lineage.chain.map((v) => v.id) : [];
+  const selected = state.versions.find((v) => v.id === state.versionId);
+  $("lineage-summary").textContent = selected && state.lineage
+    ? `Version ${selected.version}: ${chain.length} versions back to ` +
+      (state.lineage.truncated ? "the server's lineage limit" : "its upload") + ". Click a version to trace it."
+    : "";
+  lineageGraph($("lineage"), state.versions, { chain, selectedId: state.versionId, onSelect: selectVersion });
+  const newest = [...state.versions].reverse();
+  const pages = Math.max(1, Math.ceil(newest.length / TABLE_ROWS));
+  state.versionsPage = Math.min(state.versionsPage, pages - 1);
+  const shown = newest.slice(state.versionsPage * TABLE_ROWS, (state.versionsPage + 1) * TABLE_ROWS);
+  $("versions-page").textContent = `${state.versionsPage * TABLE_ROWS + 1}–${state.versionsPage * TABLE_ROWS + shown.length} of ${newest.length}`;
+  $("versions-newer").disabled = state.versionsPage === 0;
+  $("versions-older").disabled = state.versionsPage >= pages - 1;
+  fill("versions", shown, (v) => [
+    v.version,
+    v.id,
+    { text: v.digest.slice(0, 12) + "…", title: "sha256 " + v.digest, className: "mono" },
+    { text: bytes(v.size_bytes), className: "nowrap" },
+    v.parent_version_id ?? "none",
+    v.produced_by_job === null ? "upload" : `job ${v.produced_by_job}, round id ${v.produced_by_round}`,
+    v.trainable ? "yes" : { text: "no", title: v.untrainable_reason || "" },
+    when(v.created_ms),
+  ], { key: (v) => v.id, selected: (v) => v.id === state.versionId, onClick: selectVersion });
+}
+
+// ---- devices ----
+
+async function refreshDevices() {
+  const devices = await api("/api/v1/devices?limit=500");
+  state.devices = devices.items;
+  fill("devices", state.devices, (d) => {
+    const online = d.revoked ? "revoked" : d.online ? "online" : "offline";
+    return [
+      d.id,
+      { text: online, className: "state-" + online },
+      d.tier,
+      d.backends.join(", "),
+      d.datasets.map((s) => `${s.name}: ${s.samples} × [${s.sample_shape.join("×")}], ${s.classes} classes`).join("; ") || "none reported",
+      { text: d.last_error ?? "", className: d.last_error ? "reason" : "" },
+      { text: ago(d.last_seen_ms), title: when(d.last_seen_ms) },
+      Object.entries(d.tags).map(([k, v]) => k + "=" + v).join(" "),
+    ];
+  }, { key: (d) => d.id });
+}
+
+// ---- the loop ----
+
+function showError(error) {
+  statusLine.className = "error";
+  statusLine.textContent = error.message;
+}
+
+let refreshing = null;
+/// One refresh at a time; a call during one waits for it and runs again.
+async function refresh() {
+  while (refreshing) await refreshing;
+  refreshing = (async () => {
+    if (!token()) {
+      statusLine.className = "";
+      statusLine.textContent = "enter a token (admin, operator or viewer)";
+      return;
+    }
+    try {
+      if (state.view === "jobs") await refreshJobs();
+      else if (state.view === "models") await refreshModels();
+      else await refreshDevices();
+      statusLine.className = "";
+      statusLine.textContent = "updated " + new Date().toLocaleTimeString();
+      document.body.dataset.refreshed = String(Date.now());
+    } catch (error) {
+      showError(error);
+    }
+  })();
+  try { await refreshing; } finally { refreshing = null; }
+}
+
+function showView(view) {
+  state.view = view;
+  for (const button of $("views").querySelectorAll("button")) {
+    button.setAttribute("aria-pressed", String(button.dataset.view === view));
+  }
+  for (const section of document.querySelectorAll(".view")) section.hidden = section.id !== "view-" + view;
+  refresh();
+}
+
+async function loop() {
+  await refresh();
+  setTimeout(loop, POLL_MS);
+}
+
+$("login").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem("canopy-token", $("token").value.trim());
+  $("token").value = "";
+  refresh();
+});
+$("views").addEventListener("click", (event) => {
+  if (event.target.dataset.view) showView(event.target.dataset.view);
+});
+$("job-controls").addEventListener("click", (event) => {
+  if (event.target.dataset.action) jobAction(event.target.dataset.action);
+});
+$("job-form").addEventListener("submit", createJob);
+$("rounds-newer").addEventListener("click", () => { state.roundsPage--; renderJob(); });
+$("rounds-older").addEventListener("click", () => { state.roundsPage++; renderJob(); });
+$("versions-newer").addEventListener("click", () => { state.versionsPage--; renderModel(); });
+$("versions-older").addEventListener("click", () => { state.versionsPage++; renderModel(); });
+let resizeTimer = null;
+window.addEventListener("resize", () => {
+  clearTimeout(resizeTimer);
+  resizeTimer = setTimeout(() => { if (state.view === "jobs") renderJob(); else if (state.view === "models") renderModel(); }, 150);
 });
 
 const fragment = new URLSearchParams(location.hash.slice(1));
-if (fragment.get("token")) {
-  sessionStorage.setItem("canopy-token", fragment.get("token"));
-  history.replaceState(null, "", location.pathname);
-}
-refresh();
-setInterval(refresh, REFRESH_MS);
+if (fragment.get("token")) sessionStorage.setItem("canopy-token", fragment.get("token"));
+if (/^[0-9]{1,18}$/.test(fragment.get("job") || "")) selectJob(Number(fragment.get("job")));
+else history.replaceState(null, "", location.pathname);
+loop();

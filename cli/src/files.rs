@@ -20,6 +20,20 @@ impl std::fmt::Display for Hint {
 
 impl std::error::Error for Hint {}
 
+impl Hint {
+    /// `error` with `hint` printed after its causes. `main` finds a hint
+    /// at the root of a chain, so the causes above it are kept as text.
+    pub fn attach(error: anyhow::Error, hint: impl Into<String>) -> anyhow::Error {
+        let messages: Vec<String> = error.chain().map(ToString::to_string).collect();
+        messages
+            .into_iter()
+            .rev()
+            .fold(anyhow::Error::new(Hint(hint.into())), |error, message| {
+                error.context(message)
+            })
+    }
+}
+
 /// Reads and parses a model file. Files over the size every tier shares
 /// ([`MAX_MODEL_BYTES`]) are refused before they are loaded into memory.
 pub fn read_model_file(path: &Path) -> Result<(Model, [u8; 32])> {
@@ -30,6 +44,16 @@ pub fn read_model_file(path: &Path) -> Result<(Model, [u8; 32])> {
     let model = read_model(&bytes)
         .with_context(|| format!("`{}` is not a valid Canopy model file", path.display()))?;
     Ok((model, digest))
+}
+
+/// A model file's bytes, checked to be a valid model (digest, structure)
+/// and within [`MAX_MODEL_BYTES`], as they are to be sent.
+pub fn read_model_bytes(path: &Path) -> Result<Vec<u8>> {
+    let bytes = read_bounded(path, MAX_MODEL_BYTES)
+        .with_context(|| format!("cannot read model file `{}`", path.display()))?;
+    read_model(&bytes)
+        .with_context(|| format!("`{}` is not a valid Canopy model file", path.display()))?;
+    Ok(bytes)
 }
 
 fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>> {

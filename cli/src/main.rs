@@ -1,4 +1,6 @@
-//! `canopy`: create, inspect, train, evaluate and benchmark Canopy models.
+//! `canopy`: create, inspect, train, evaluate and benchmark Canopy models,
+//! and drive a server through its admin API (`login`, `model push`, `job`,
+//! `device`, `dataset`).
 //!
 //! Errors print as `error:` / `Caused by:` / `hint:` and exit non-zero;
 //! nothing a user types or a file contains makes this binary panic, and
@@ -8,6 +10,7 @@ mod commands;
 mod files;
 use canopy_term as output;
 mod progress;
+mod remote;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,7 +23,7 @@ use crate::output::errln;
 #[command(
     name = "canopy",
     version,
-    about = "Canopy's model tool: build, train and ship IR model files"
+    about = "Canopy's tool: build, train and ship model files, and run federated jobs on a server"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -29,9 +32,62 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Work with model files.
+    /// Log in to a server: check the token and save the login (mode 0600).
+    Login(commands::login::LoginArgs),
+    /// Forget the saved login.
+    Logout,
+    /// Work with model files, and models on the server.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// Create, run and watch federated jobs on the server.
+    #[command(subcommand)]
+    Job(JobCommand),
+    /// The devices enrolled with the server.
+    #[command(subcommand)]
+    Device(DeviceCommand),
+    /// Datasets kept on the server, for central evaluation.
+    #[command(subcommand)]
+    Dataset(DatasetCommand),
+}
+
+#[derive(Subcommand)]
+enum JobCommand {
+    /// Create a job from flags or a spec file (TOML or JSON).
+    Create(Box<commands::jobs::CreateArgs>),
+    /// List jobs.
+    Ls(commands::jobs::ListArgs),
+    /// Show a job's settings and status.
+    Show(commands::jobs::JobIdArgs),
+    /// Start a created job.
+    Start(commands::jobs::JobIdArgs),
+    /// Pause a running job.
+    Pause(commands::jobs::JobIdArgs),
+    /// Resume a paused job.
+    Resume(commands::jobs::JobIdArgs),
+    /// Cancel a job.
+    Cancel(commands::jobs::JobIdArgs),
+    /// Print each round as it finishes until the job ends; exits 0 when it
+    /// completes, 1 when it fails or is cancelled, 130 on Ctrl-C.
+    Watch(commands::watch::WatchArgs),
+}
+
+#[derive(Subcommand)]
+enum DeviceCommand {
+    /// List devices: online, last seen, datasets, last error, tags.
+    Ls(commands::devices::ListArgs),
+    /// Issue a token devices enroll with (`canopy-agent enroll --token`);
+    /// prints only its secret.
+    EnrollToken(commands::devices::EnrollTokenArgs),
+}
+
+#[derive(Subcommand)]
+enum DatasetCommand {
+    /// Upload a dataset file (CSV, CSV.gz, IDX or NPY; --labels for images).
+    Push(commands::datasets::PushArgs),
+    /// List the server's datasets.
+    Ls(commands::datasets::ListArgs),
+    /// Delete a dataset from the server.
+    Rm(commands::datasets::RemoveArgs),
 }
 
 #[derive(Subcommand)]
@@ -44,8 +100,16 @@ enum ModelCommand {
     Train(commands::train::TrainArgs),
     /// Evaluate a model on a dataset folder's test split.
     Eval(commands::eval::EvalArgs),
+    /// Fit a model's input statistics on a dataset folder's training split.
+    Stats(commands::stats::StatsArgs),
     /// Measure training throughput, backward/forward ratio and matmul speed.
     Bench(commands::bench::BenchArgs),
+    /// Upload a model file as a new version of a model on the server.
+    Push(commands::models::PushArgs),
+    /// List the server's models.
+    Ls(commands::models::ListArgs),
+    /// List a model's versions on the server.
+    Versions(commands::models::VersionsArgs),
 }
 
 /// Options shared by commands that read datasets.
@@ -62,15 +126,12 @@ fn main() -> ExitCode {
         Err(error) => return output::clap_exit(&error),
     };
     progress::init_logging();
-    let result = match cli.command {
-        Command::Model(ModelCommand::New(args)) => commands::new::run(args),
-        Command::Model(ModelCommand::Inspect(args)) => commands::inspect::run(args),
-        Command::Model(ModelCommand::Train(args)) => commands::train::run(args),
-        Command::Model(ModelCommand::Eval(args)) => commands::eval::run(args),
-        Command::Model(ModelCommand::Bench(args)) => commands::bench::run(args),
+    let result: anyhow::Result<ExitCode> = match cli.command {
+        Command::Job(JobCommand::Watch(args)) => commands::watch::run(args),
+        command => run(command).map(|()| ExitCode::SUCCESS),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(error) if output::is_stdout_closed(&*error) => {
             ExitCode::from(output::STDOUT_CLOSED_EXIT)
         }
@@ -78,6 +139,36 @@ fn main() -> ExitCode {
             report(&error);
             ExitCode::FAILURE
         }
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    use commands::jobs::JobAction;
+    match command {
+        Command::Login(args) => commands::login::run(args),
+        Command::Logout => commands::login::logout(),
+        Command::Model(ModelCommand::New(args)) => commands::new::run(args),
+        Command::Model(ModelCommand::Inspect(args)) => commands::inspect::run(args),
+        Command::Model(ModelCommand::Train(args)) => commands::train::run(args),
+        Command::Model(ModelCommand::Eval(args)) => commands::eval::run(args),
+        Command::Model(ModelCommand::Stats(args)) => commands::stats::run(args),
+        Command::Model(ModelCommand::Bench(args)) => commands::bench::run(args),
+        Command::Model(ModelCommand::Push(args)) => commands::models::push(args),
+        Command::Model(ModelCommand::Ls(args)) => commands::models::list(args),
+        Command::Model(ModelCommand::Versions(args)) => commands::models::versions(args),
+        Command::Job(JobCommand::Create(args)) => commands::jobs::create(*args),
+        Command::Job(JobCommand::Ls(args)) => commands::jobs::list(args),
+        Command::Job(JobCommand::Show(args)) => commands::jobs::show(args),
+        Command::Job(JobCommand::Start(args)) => commands::jobs::act(args, JobAction::Start),
+        Command::Job(JobCommand::Pause(args)) => commands::jobs::act(args, JobAction::Pause),
+        Command::Job(JobCommand::Resume(args)) => commands::jobs::act(args, JobAction::Resume),
+        Command::Job(JobCommand::Cancel(args)) => commands::jobs::act(args, JobAction::Cancel),
+        Command::Job(JobCommand::Watch(args)) => commands::watch::run(args).map(|_| ()),
+        Command::Device(DeviceCommand::Ls(args)) => commands::devices::list(args),
+        Command::Device(DeviceCommand::EnrollToken(args)) => commands::devices::enroll_token(args),
+        Command::Dataset(DatasetCommand::Push(args)) => commands::datasets::push(args),
+        Command::Dataset(DatasetCommand::Ls(args)) => commands::datasets::list(args),
+        Command::Dataset(DatasetCommand::Rm(args)) => commands::datasets::remove(args),
     }
 }
 

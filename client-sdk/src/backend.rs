@@ -3,12 +3,11 @@
 //! A device declares the backends it offers in its
 //! [`Capabilities::backends`] at enrollment (names such as `cpu`, `gpu`,
 //! `metal`, `nnapi`); [`choose_backend`] picks the one to run on from that
-//! list, preferring an NPU, then a GPU, then the CPU. Only the CPU backend
-//! exists in `canopy-engine` today, so a GPU or NPU choice falls back to
-//! the CPU and says why ([`BackendChoice::fallback`]). When a GPU (wgpu)
-//! or NPU-delegate backend lands, it becomes available here, in
-//! [`BackendChoice::engine_backend`], and nowhere else in the SDK changes:
-//! training already builds its backend through this module.
+//! list, preferring an NPU, then a GPU, then the CPU. The engine runs the
+//! CPU and, where a Vulkan, Metal or DX12 adapter opens, the GPU (wgpu);
+//! an NPU choice, or a GPU choice on a device where no adapter opens,
+//! falls back to the CPU and says why ([`BackendChoice::fallback`]).
+//! Training builds its backend through this module and nowhere else.
 
 use std::fmt;
 
@@ -20,8 +19,8 @@ use canopy_protocol::messages::Capabilities;
 pub enum BackendKind {
     /// The engine's CPU backend: always available.
     Cpu,
-    /// A GPU backend (Vulkan, Metal, CUDA, OpenCL, WebGPU). Not yet
-    /// available: chosen, it falls back to [`BackendKind::Cpu`].
+    /// The engine's GPU backend (wgpu: Vulkan, Metal, DX12), available
+    /// where an adapter opens.
     Gpu,
     /// An NPU delegate (NNAPI, Core ML, Qualcomm QNN/Hexagon). Not yet
     /// available: chosen, it falls back to [`BackendKind::Cpu`].
@@ -51,9 +50,14 @@ impl BackendKind {
         }
     }
 
-    /// Whether this build's engine can run this kind. Only the CPU today.
+    /// Whether the engine can run this kind here: the CPU always, the GPU
+    /// when an adapter opens (once per process), an NPU not yet.
     pub fn is_available(self) -> bool {
-        matches!(self, BackendKind::Cpu)
+        match self {
+            BackendKind::Cpu => true,
+            BackendKind::Gpu => canopy_engine::select::shared_gpu().is_ok(),
+            BackendKind::Npu => false,
+        }
     }
 }
 
@@ -104,12 +108,35 @@ impl BackendChoice {
         self.fallback.as_ref()
     }
 
+    /// The GPU, chosen outright; the CPU with the reason when no adapter
+    /// opens.
+    pub fn gpu() -> BackendChoice {
+        match canopy_engine::select::shared_gpu() {
+            Ok(_) => BackendChoice {
+                kind: BackendKind::Gpu,
+                fallback: None,
+            },
+            Err(error) => BackendChoice {
+                kind: BackendKind::Cpu,
+                fallback: Some(Fallback {
+                    wanted: Some(BackendKind::Gpu),
+                    reason: format!("{error}; training runs on the CPU"),
+                }),
+            },
+        }
+    }
+
     /// The engine backend to compile the model's graphs with.
     pub fn engine_backend(&self) -> Box<dyn canopy_engine::Backend> {
         match self.kind {
-            // The only kind `choose_backend` yields today; a GPU or NPU
-            // backend gets its arm here when the engine has one.
-            BackendKind::Cpu | BackendKind::Gpu | BackendKind::Npu => Box::new(CpuBackend),
+            BackendKind::Gpu => match canopy_engine::select::shared_gpu() {
+                Ok(gpu) => Box::new(gpu),
+                // `kind` is Gpu only once an adapter opened, and the
+                // shared one stays open.
+                Err(_) => Box::new(CpuBackend),
+            },
+            // No NPU backend yet: `choose_backend` never yields it.
+            BackendKind::Cpu | BackendKind::Npu => Box::new(CpuBackend),
         }
     }
 }
@@ -123,8 +150,9 @@ impl fmt::Display for BackendChoice {
     }
 }
 
-/// The backends this build of the SDK can run, to report in
-/// [`Capabilities::backends`] at enrollment: `["cpu"]` for now.
+/// The backends the engine can run here, to report in
+/// [`Capabilities::backends`] at enrollment: `cpu`, and `gpu` where an
+/// adapter opens.
 pub fn available_backends() -> Vec<String> {
     [BackendKind::Cpu, BackendKind::Gpu, BackendKind::Npu]
         .into_iter()
@@ -156,7 +184,7 @@ pub fn choose_backend(capabilities: &Capabilities) -> BackendChoice {
             fallback: Some(Fallback {
                 wanted: Some(kind),
                 reason: format!(
-                    "the device reports a {kind} backend, but the engine has no {kind} backend yet; training runs on the CPU"
+                    "the device reports a {kind} backend, but the engine cannot run one here; training runs on the CPU"
                 ),
             }),
         },
@@ -196,22 +224,41 @@ mod tests {
         assert_eq!(choice, BackendChoice::default());
         assert_eq!(choice.engine_backend().name(), "cpu");
         assert_eq!(choice.to_string(), "cpu");
-        assert_eq!(available_backends(), ["cpu"]);
+    }
+
+    /// The GPU is tested for real wherever the suite runs (lavapipe in
+    /// CI); `CANOPY_TEST_BACKENDS=cpu` is the only way to leave it out.
+    fn gpu_expected() -> bool {
+        std::env::var("CANOPY_TEST_BACKENDS").as_deref() != Ok("cpu")
     }
 
     #[test]
-    fn gpu_and_npu_fall_back_to_the_cpu_with_a_reason() {
-        for (reported, wanted) in [
-            (&["cpu", "vulkan"][..], BackendKind::Gpu),
-            (&["metal"][..], BackendKind::Gpu),
-            (&["cpu", "gpu", "nnapi"][..], BackendKind::Npu),
-            (&["coreml", "cpu"][..], BackendKind::Npu),
-        ] {
+    fn a_device_reporting_a_gpu_trains_on_it() {
+        if !gpu_expected() {
+            return;
+        }
+        assert_eq!(available_backends(), ["cpu", "gpu"]);
+        for reported in [&["cpu", "vulkan"][..], &["metal"][..], &["gpu"][..]] {
+            let choice = choose_backend(&reporting(reported));
+            assert_eq!(choice.kind(), BackendKind::Gpu, "{reported:?}");
+            assert_eq!(choice.fallback(), None);
+            assert_eq!(choice.engine_backend().name(), "gpu");
+        }
+        assert_eq!(BackendChoice::gpu().kind(), BackendKind::Gpu);
+    }
+
+    #[test]
+    fn an_npu_falls_back_to_the_cpu_with_a_reason() {
+        for reported in [&["cpu", "gpu", "nnapi"][..], &["coreml", "cpu"][..]] {
             let choice = choose_backend(&reporting(reported));
             assert_eq!(choice.kind(), BackendKind::Cpu, "{reported:?}");
             let fallback = choice.fallback().expect("a fallback");
-            assert_eq!(fallback.wanted, Some(wanted), "{reported:?}");
-            assert!(fallback.reason.contains("yet"), "{}", fallback.reason);
+            assert_eq!(fallback.wanted, Some(BackendKind::Npu), "{reported:?}");
+            assert!(
+                fallback.reason.contains("cannot run one here"),
+                "{}",
+                fallback.reason
+            );
             assert_eq!(choice.engine_backend().name(), "cpu");
         }
     }

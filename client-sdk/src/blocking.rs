@@ -341,7 +341,9 @@ impl DeviceClient {
     ///
     /// An evaluation task (`kind` is [`TaskKind::Evaluate`]) evaluates the
     /// model on `data` instead, which should then be the device's held-out
-    /// data, and reports the result; nothing is trained or uploaded.
+    /// data, and reports the result; nothing is trained or uploaded. A
+    /// statistics task ([`TaskKind::Statistics`]) uploads the moments of
+    /// `data`'s inputs, which should then be the training data.
     ///
     /// A secure task (`secure_aggregation` set) uploads nothing: the device
     /// exchanges keys first (the key stages are short and wait for every
@@ -354,8 +356,10 @@ impl DeviceClient {
         data: &canopy_engine::data::Dataset,
         seed: u64,
     ) -> Result<RunTaskOutcome, RunTaskError> {
-        if task.kind == TaskKind::Evaluate {
-            return self.run_evaluation(task, data);
+        match task.kind {
+            TaskKind::Evaluate => return self.run_evaluation(task, data),
+            TaskKind::Statistics => return self.run_statistics(task, data),
+            TaskKind::Train => {}
         }
         let secure_round = match task.secure_aggregation {
             Some(_) => Some(self.begin_secure_round(task)?),
@@ -394,6 +398,26 @@ impl DeviceClient {
             receipt,
             secure,
             train_loss: Some(update.train_loss),
+            train_duration_ms: update.train_duration_ms,
+            evaluation: None,
+        })
+    }
+
+    /// A statistics task: downloads the model (verified) for its input
+    /// shape and uploads the moments of `data`'s inputs; nothing is
+    /// trained.
+    fn run_statistics(
+        &self,
+        task: &Task,
+        data: &canopy_engine::data::Dataset,
+    ) -> Result<RunTaskOutcome, RunTaskError> {
+        let model = self.download_model(task)?;
+        let update = crate::train::statistics_update(&model.bytes, task, data)?;
+        let receipt = self.upload_update(task, Bytes::from(update.encoded))?;
+        Ok(RunTaskOutcome {
+            receipt,
+            secure: None,
+            train_loss: None,
             train_duration_ms: update.train_duration_ms,
             evaluation: None,
         })

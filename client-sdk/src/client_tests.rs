@@ -174,6 +174,7 @@ fn fixture() -> Fixture {
 fn task(fixture: &Fixture) -> Task {
     Task {
         kind: canopy_protocol::messages::TaskKind::Train,
+        dataset: None,
         job_id: 1,
         round_id: 7,
         round_number: 1,

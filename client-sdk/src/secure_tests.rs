@@ -37,6 +37,7 @@ fn plan(update_len: usize) -> Plan {
 fn secure_task(update_len: usize, deadline_unix_ms: u64) -> Task {
     Task {
         kind: canopy_protocol::messages::TaskKind::Train,
+        dataset: None,
         job_id: JOB_ID,
         round_id: ROUND_ID,
         round_number: 1,

@@ -6,7 +6,10 @@ use std::time::Instant;
 
 use canopy_engine::Backend;
 use canopy_engine::data::Dataset;
-use canopy_engine::train::{Evaluator, Trainer};
+use std::ops::ControlFlow;
+
+use canopy_engine::EngineError;
+use canopy_engine::train::{FitConfig, FitProgress, Trainer, fit};
 use canopy_ir::{Buffer, Model};
 use canopy_protocol::bounds::BoundsError;
 use canopy_protocol::messages::Task;
@@ -60,6 +63,49 @@ pub struct LocalUpdate {
     /// Sample-weighted mean loss over the last epoch.
     pub train_loss: f64,
     pub train_duration_ms: u64,
+}
+
+/// A statistics task ([`canopy_protocol::messages::TaskKind::Statistics`]):
+/// the moments of `data`'s inputs, shaped for the model, as an update in
+/// the task's layout (per feature, the mean and the mean of squares; the
+/// sample count as the weight). Nothing is trained; the samples never
+/// leave the device, only these sums.
+pub fn statistics_update(
+    model_bytes: &[u8],
+    task: &Task,
+    data: &Dataset,
+) -> Result<LocalUpdate, TrainError> {
+    let started = Instant::now();
+    if data.is_empty() {
+        return Err(TrainError::NoData);
+    }
+    let model = canopy_ir::format::read_model(model_bytes).map_err(TrainError::Model)?;
+    let shape = canopy_engine::zoo::sample_shape(&model)?;
+    let shaped = data.clone().with_feature_shape(&shape)?;
+    let moments = canopy_engine::stats::InputMoments::of(&shaped);
+    let expected = canopy_protocol::update::statistics_layout(moments.features())?;
+    if expected != task.layout {
+        return Err(TrainError::Layout(format!(
+            "a statistics task for samples of {} features has layout {:?}, the task {:?}",
+            moments.features(),
+            expected.tensors,
+            task.layout.tensors
+        )));
+    }
+    let count = moments.count as f64;
+    let values: Vec<f32> = moments
+        .sum
+        .iter()
+        .chain(&moments.sum_sq)
+        .map(|total| (total / count) as f32)
+        .collect();
+    let encoded = encode_update(&task.layout, moments.count, &values)?;
+    Ok(LocalUpdate {
+        encoded,
+        num_samples: moments.count,
+        train_loss: 0.0,
+        train_duration_ms: started.elapsed().as_millis() as u64,
+    })
 }
 
 /// Held-out loss and accuracy of a model on local data.
@@ -195,9 +241,9 @@ fn check_cancelled(cancel: &CancelToken) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// The task's epochs over `data` (validated, so bounded), checking
-/// `cancel` before every batch; returns the last epoch's sample-weighted
-/// mean loss.
+/// The task's epochs over `data` (validated, so bounded) in the engine's
+/// one loop ([`canopy_engine::train::fit`]), checking `cancel` before
+/// every batch; returns the last epoch's sample-weighted mean loss.
 fn run_epochs(
     trainer: &mut Trainer,
     task: &Task,
@@ -205,27 +251,25 @@ fn run_epochs(
     seed: u64,
     cancel: &CancelToken,
 ) -> Result<f64, TrainError> {
-    let batch = task.training.batch_size as usize;
-    let lr = task.training.learning_rate as f32;
-    // As in `canopy model train`: a short final batch is one noisy step, so
-    // it is dropped unless it is all the data there is.
-    let drop_last = data.len() >= batch;
-    let mut train_loss = 0.0;
-    for epoch in 0..task.training.epochs {
-        let shuffle = seed
-            .wrapping_mul(0x9E37_79B9)
-            .wrapping_add(u64::from(epoch));
-        let (mut loss_sum, mut seen) = (0.0f64, 0usize);
-        for batch in data.batches(batch, Some(shuffle), drop_last)? {
-            check_cancelled(cancel)?;
-            let size = batch.len();
-            let stats = trainer.step(batch.x, batch.y, lr)?;
-            loss_sum += f64::from(stats.loss) * size as f64;
-            seen += size;
+    let config = FitConfig {
+        start_epoch: 0,
+        epochs: task.training.epochs,
+        batch: task.training.batch_size as usize,
+        learning_rate: task.training.learning_rate as f32,
+        seed,
+    };
+    let mut observe = |_: FitProgress| {
+        if cancel.is_cancelled() {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
         }
-        train_loss = loss_sum / seen.max(1) as f64;
+    };
+    match fit(trainer, data, &config, &mut observe) {
+        Ok(epochs) => Ok(epochs.last().map_or(0.0, |e| e.loss)),
+        Err(EngineError::Cancelled { .. }) => Err(TrainError::Cancelled),
+        Err(other) => Err(other.into()),
     }
-    Ok(train_loss)
 }
 
 /// Evaluates a model file on local data.
@@ -245,8 +289,10 @@ pub fn evaluate_file(model_bytes: &[u8], data: &Dataset) -> Result<Evaluation, T
 }
 
 /// Samples per forward pass when evaluating.
-pub const EVAL_BATCH: usize = 256;
+pub use canopy_engine::train::EVAL_BATCH;
 
+/// The engine's evaluation ([`canopy_engine::train::evaluate`]) on the
+/// backend [`BackendChoice::default`] picks, as a device reports it.
 pub fn evaluate_model(
     model: &Model,
     data: &Dataset,
@@ -256,18 +302,11 @@ pub fn evaluate_model(
         return Err(TrainError::NoData);
     }
     let backend = BackendChoice::default().engine_backend();
-    let mut evaluator = Evaluator::new(model, backend.as_ref())?;
-    let (mut loss, mut correct) = (0.0f64, 0i64);
-    for batch in data.batches(batch.max(1), None, false)? {
-        let (batch_loss, batch_correct) = evaluator.batch(batch.x, batch.y)?;
-        loss += batch_loss;
-        correct += batch_correct;
-    }
-    let samples = data.len() as f64;
+    let stats = canopy_engine::train::evaluate(model, data, batch, backend.as_ref())?;
     Ok(Evaluation {
-        loss: loss / samples,
-        accuracy: correct as f64 / samples,
-        samples: data.len() as u64,
+        loss: stats.loss,
+        accuracy: stats.accuracy,
+        samples: stats.samples as u64,
     })
 }
 
@@ -277,6 +316,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
 
+    use canopy_engine::backend::ResidentRun;
     use canopy_engine::{CpuBackend, EngineError, EngineResult, Executable, Value};
     use canopy_ir::Graph;
     use canopy_protocol::bounds::MAX_EPOCHS;
@@ -307,6 +347,7 @@ mod tests {
         let data = Dataset::new(features, vec![8], labels, 3).expect("dataset");
         let task = Task {
             kind: canopy_protocol::messages::TaskKind::Train,
+            dataset: None,
             job_id: 1,
             round_id: 1,
             round_number: 1,
@@ -424,6 +465,27 @@ mod tests {
         fn output_names(&self) -> &[String] {
             self.inner.output_names()
         }
+
+        fn make_resident(&mut self, values: Vec<(usize, Value)>) -> EngineResult<()> {
+            self.inner.make_resident(values)
+        }
+
+        fn run_resident(&mut self, inputs: Vec<Value>) -> EngineResult<ResidentRun> {
+            self.runs.fetch_add(1, Ordering::SeqCst);
+            self.inner.run_resident(inputs)
+        }
+
+        fn read_resident(&mut self) -> EngineResult<Vec<(usize, Value)>> {
+            self.inner.read_resident()
+        }
+
+        fn snapshot_resident(&mut self) -> EngineResult<()> {
+            self.inner.snapshot_resident()
+        }
+
+        fn restore_resident(&mut self) -> EngineResult<()> {
+            self.inner.restore_resident()
+        }
     }
 
     /// A backend that can run nothing, as a GPU backend refuses an op.
@@ -440,6 +502,41 @@ mod tests {
                 what: "anything".into(),
             })
         }
+    }
+
+    /// A task trained on the GPU gives the CPU's update, to 1e-4 of its
+    /// largest value: the same data, seed and loop, another backend.
+    #[test]
+    fn an_update_trained_on_the_gpu_equals_the_cpus() {
+        if std::env::var("CANOPY_TEST_BACKENDS").as_deref() == Ok("cpu") {
+            return;
+        }
+        let (bytes, task, data) = setup(3);
+        let cancel = CancelToken::new();
+        let gpu = BackendChoice::gpu();
+        assert_eq!(gpu.kind(), crate::BackendKind::Gpu, "{gpu}");
+        let on_gpu = train_on(
+            &bytes,
+            &task,
+            &data,
+            5,
+            gpu.engine_backend().as_ref(),
+            &cancel,
+        )
+        .expect("GPU training");
+        let on_cpu = train_on(&bytes, &task, &data, 5, &CpuBackend, &cancel).expect("CPU training");
+        let decode = |u: &LocalUpdate| {
+            canopy_protocol::update::decode_update(&u.encoded, &task.layout)
+                .expect("decodes")
+                .values
+        };
+        let (g, c) = (decode(&on_gpu), decode(&on_cpu));
+        let scale = c.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "training moved the parameters");
+        for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * scale, "value {i}: GPU {a}, CPU {b}");
+        }
+        assert!((on_gpu.train_loss - on_cpu.train_loss).abs() <= 1e-4 * on_cpu.train_loss);
     }
 
     #[test]

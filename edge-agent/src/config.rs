@@ -167,6 +167,31 @@ pub struct RunSettings {
     pub max_memory_mb: Option<u64>,
     pub only_when_idle: Option<bool>,
     pub poll_wait_ms: Option<u64>,
+    /// `cpu`, `gpu` or `auto`.
+    #[serde(default, with = "backend_name")]
+    pub backend: Option<canopy_engine::select::BackendChoice>,
+}
+
+/// `run.backend` as its name in config.toml.
+mod backend_name {
+    use canopy_engine::select::BackendChoice;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(
+        value: &Option<BackendChoice>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(choice) => s.serialize_some(choice.as_str()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<BackendChoice>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|name| name.parse().map_err(serde::de::Error::custom))
+            .transpose()
+    }
 }
 
 impl FileConfig {
@@ -193,7 +218,10 @@ pub fn config_template() -> String {
      # Defer polling while the 1-minute load average per core is above 0.5.\n\
      # only_when_idle = false\n\
      # How long one task poll waits at the server, in milliseconds.\n\
-     # poll_wait_ms = 25000\n"
+     # poll_wait_ms = 25000\n\
+     # Engine backend: cpu, gpu (any Vulkan/Metal/DX12 adapter) or auto\n\
+     # (a hardware GPU when there is one, else the CPU).\n\
+     # backend = \"auto\"\n"
         .to_string()
 }
 

@@ -68,6 +68,10 @@ pub enum EngineError {
         #[source]
         source: Box<EngineError>,
     },
+    /// Training stopped at the caller's request, before a step of epoch
+    /// `epoch`; `step` steps had run.
+    #[error("training cancelled in epoch {epoch} after {step} steps")]
+    Cancelled { epoch: u32, step: u64 },
     /// Every parameter of the model is frozen.
     #[error("every parameter is frozen: nothing to train")]
     NothingToTrain,
@@ -85,6 +89,13 @@ pub enum EngineError {
     /// the caller can fall back to the CPU, which runs every op.
     #[error("backend `{backend}` does not support {what}")]
     Unsupported { backend: String, what: String },
+    /// The GPU could not be used: no adapter, a limit a graph exceeds, a
+    /// lost device. `what` names the object, `cause` the reason.
+    #[error("GPU backend: {what}: {cause}")]
+    Gpu { what: String, cause: String },
+    /// Input moments or statistics that cannot be used.
+    #[error(transparent)]
+    Stats(#[from] crate::stats::StatsError),
     #[error("data error in {path}: {cause}")]
     Data { path: String, cause: String },
     /// A broken invariant of the engine itself, never bad input.

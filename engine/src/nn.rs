@@ -166,9 +166,92 @@ impl Layer for Sequential {
     }
 }
 
-fn fan_in_uniform(fan_in: usize) -> Init {
-    Init::Uniform {
-        bound: 1.0 / (fan_in.max(1) as f32).sqrt(),
+/// How a model's weights are drawn (`canopy model new --init`). Every
+/// variant draws from the model's one seeded RNG, so a seed fixes the model.
+///
+/// On a model ([`crate::zoo::build_model_with_init`]) a variant names a
+/// scheme, which [`Initializer::for_layer`] turns into each layer's own
+/// choice; on a layer ([`Linear::init`], [`Conv2d::init`]) it is that
+/// layer's distribution.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Initializer {
+    /// He et al. 2015, normal variant (as in the paper): weights from
+    /// N(0, 2/fan_in), biases zero. It keeps the activations' variance
+    /// through ReLU layers. As a model scheme: He for the layers a ReLU
+    /// follows, Xavier for the others (the output layer).
+    #[default]
+    He,
+    /// Glorot & Bengio 2010, uniform variant (as in the paper): weights
+    /// from U(±√(6/(fan_in+fan_out))), so std √(2/(fan_in+fan_out));
+    /// biases zero. For linear, tanh and sigmoid layers.
+    Xavier,
+    /// Weights and biases from U(±1/√fan_in): PyTorch's default for linear
+    /// and conv layers, and Canopy's before He.
+    Uniform,
+}
+
+impl Initializer {
+    /// Every initialiser, for parsers and help texts.
+    pub const ALL: [Initializer; 3] = [Initializer::He, Initializer::Xavier, Initializer::Uniform];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Initializer::He => "he",
+            Initializer::Xavier => "xavier",
+            Initializer::Uniform => "uniform",
+        }
+    }
+
+    /// Parses an initialiser's [`Initializer::name`].
+    pub fn parse(text: &str) -> EngineResult<Initializer> {
+        Initializer::ALL
+            .into_iter()
+            .find(|init| init.name() == text)
+            .ok_or_else(|| {
+                let known = Initializer::ALL.map(Initializer::name).join(", ");
+                EngineError::Setting(format!("unknown initialiser `{text}` (known: {known})"))
+            })
+    }
+
+    /// A layer's own initialiser under this model scheme: He's gain of 2
+    /// is right only where a ReLU halves the variance next, so the other
+    /// layers (the logits) get Xavier.
+    pub fn for_layer(self, followed_by_relu: bool) -> Initializer {
+        match self {
+            Initializer::He if !followed_by_relu => Initializer::Xavier,
+            other => other,
+        }
+    }
+
+    /// The distribution of a layer's weights. For a conv layer the fans
+    /// count the kernel window: fan_in = in_channels·kh·kw.
+    pub fn weight(self, fan_in: usize, fan_out: usize) -> Init {
+        let (fan_in, fan_out) = (fan_in.max(1) as f32, fan_out.max(1) as f32);
+        match self {
+            Initializer::He => Init::Normal {
+                std: (2.0 / fan_in).sqrt(),
+            },
+            Initializer::Xavier => Init::Uniform {
+                bound: (6.0 / (fan_in + fan_out)).sqrt(),
+            },
+            Initializer::Uniform => Init::Uniform {
+                bound: 1.0 / fan_in.sqrt(),
+            },
+        }
+    }
+
+    /// The distribution of a layer's bias.
+    pub fn bias(self, fan_in: usize) -> Init {
+        match self {
+            Initializer::He | Initializer::Xavier => Init::Zeros,
+            Initializer::Uniform => Initializer::Uniform.weight(fan_in, 0),
+        }
+    }
+}
+
+impl std::fmt::Display for Initializer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -178,6 +261,8 @@ pub struct Linear {
     pub inputs: usize,
     pub outputs: usize,
     pub bias: bool,
+    /// This layer's own initialiser; [`Initializer::Uniform`] unless set.
+    pub init: Initializer,
 }
 
 impl Linear {
@@ -187,24 +272,29 @@ impl Linear {
             inputs,
             outputs,
             bias: true,
+            init: Initializer::Uniform,
         }
+    }
+
+    pub fn init(mut self, init: Initializer) -> Linear {
+        self.init = init;
+        self
     }
 }
 
 impl Layer for Linear {
     fn params(&self) -> Vec<ParamSpec> {
-        let init = fan_in_uniform(self.inputs);
         let mut specs = vec![ParamSpec {
             name: format!("{}.weight", self.name),
             shape: vec![self.inputs, self.outputs],
-            init,
+            init: self.init.weight(self.inputs, self.outputs),
             trainable: true,
         }];
         if self.bias {
             specs.push(ParamSpec {
                 name: format!("{}.bias", self.name),
                 shape: vec![self.outputs],
-                init,
+                init: self.init.bias(self.inputs),
                 trainable: true,
             });
         }
@@ -227,6 +317,8 @@ pub struct Conv2d {
     pub out_channels: usize,
     pub kernel: usize,
     pub attrs: Conv2dAttrs,
+    /// This layer's own initialiser; [`Initializer::Uniform`] unless set.
+    pub init: Initializer,
 }
 
 impl Conv2d {
@@ -237,7 +329,13 @@ impl Conv2d {
             out_channels,
             kernel,
             attrs: Conv2dAttrs::default(),
+            init: Initializer::Uniform,
         }
+    }
+
+    pub fn init(mut self, init: Initializer) -> Conv2d {
+        self.init = init;
+        self
     }
 
     pub fn padding(mut self, padding: usize) -> Conv2d {
@@ -253,7 +351,8 @@ impl Conv2d {
 
 impl Layer for Conv2d {
     fn params(&self) -> Vec<ParamSpec> {
-        let init = fan_in_uniform(self.in_channels * self.kernel * self.kernel);
+        let window = self.kernel * self.kernel;
+        let fan_in = self.in_channels * window;
         vec![
             ParamSpec {
                 name: format!("{}.weight", self.name),
@@ -263,13 +362,13 @@ impl Layer for Conv2d {
                     self.kernel,
                     self.kernel,
                 ],
-                init,
+                init: self.init.weight(fan_in, self.out_channels * window),
                 trainable: true,
             },
             ParamSpec {
                 name: format!("{}.bias", self.name),
                 shape: vec![self.out_channels],
-                init,
+                init: self.init.bias(fan_in),
                 trainable: true,
             },
         ]
@@ -505,5 +604,107 @@ fn class_count(logits: &Tensor) -> EngineResult<usize> {
         dims => Err(EngineError::Shape(format!(
             "logits must be [batch, classes], got {dims:?}"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sample standard deviation of a parameter's values.
+    fn std_of(values: &[f32]) -> f64 {
+        let n = values.len() as f64;
+        let mean = values.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let var = values
+            .iter()
+            .map(|&v| (v as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n;
+        var.sqrt()
+    }
+
+    fn weights_of(layer: &dyn Layer, seed: u64) -> Vec<Vec<f32>> {
+        init_params(&layer.params(), seed)
+            .into_iter()
+            .map(|(_, data)| data.as_f32().expect("f32 parameter").to_vec())
+            .collect()
+    }
+
+    fn assert_within_5_percent(actual: f64, expected: f64, what: &str) {
+        let error = (actual / expected - 1.0).abs();
+        assert!(
+            error < 0.05,
+            "{what}: std {actual} is {:.1}% off {expected}",
+            error * 100.0
+        );
+    }
+
+    #[test]
+    fn he_linear_weights_have_std_sqrt_2_over_fan_in_and_zero_bias() {
+        let layer = Linear::new("fc", 1024, 1024).init(Initializer::He);
+        let params = weights_of(&layer, 7);
+        assert_within_5_percent(std_of(&params[0]), (2.0f64 / 1024.0).sqrt(), "He weight");
+        assert!(params[1].iter().all(|&b| b == 0.0), "He bias is zero");
+    }
+
+    #[test]
+    fn xavier_linear_weights_have_std_sqrt_2_over_fan_sum() {
+        let layer = Linear::new("fc", 1024, 512).init(Initializer::Xavier);
+        let params = weights_of(&layer, 7);
+        let expected = (2.0f64 / (1024.0 + 512.0)).sqrt();
+        assert_within_5_percent(std_of(&params[0]), expected, "Xavier weight");
+        // He's std for the same fan_in is 41% larger: the check tells them apart.
+        assert!((std_of(&params[0]) / (2.0f64 / 1024.0).sqrt() - 1.0).abs() > 0.05);
+        assert!(params[1].iter().all(|&b| b == 0.0), "Xavier bias is zero");
+    }
+
+    #[test]
+    fn conv_fans_count_the_kernel_window() {
+        let he = Conv2d::new("c", 64, 64, 3).init(Initializer::He);
+        let std = std_of(&weights_of(&he, 3)[0]);
+        assert_within_5_percent(std, (2.0f64 / (64.0 * 9.0)).sqrt(), "He conv weight");
+        let xavier = Conv2d::new("c", 64, 32, 3).init(Initializer::Xavier);
+        let std = std_of(&weights_of(&xavier, 3)[0]);
+        let expected = (2.0f64 / ((64.0 + 32.0) * 9.0)).sqrt();
+        assert_within_5_percent(std, expected, "Xavier conv weight");
+    }
+
+    #[test]
+    fn uniform_keeps_the_fan_in_bound_on_weights_and_bias() {
+        let layer = Linear::new("fc", 400, 300).init(Initializer::Uniform);
+        let params = weights_of(&layer, 1);
+        let bound = 1.0 / 20.0;
+        for values in &params {
+            assert!(values.iter().all(|v| v.abs() <= bound));
+        }
+        // U(±b) has std b/√3.
+        assert_within_5_percent(std_of(&params[0]), bound as f64 / 3f64.sqrt(), "uniform");
+        assert!(params[1].iter().any(|&b| b != 0.0), "uniform draws biases");
+    }
+
+    #[test]
+    fn initialisation_is_deterministic_by_seed() {
+        for init in Initializer::ALL {
+            let layer = Linear::new("fc", 64, 32).init(init);
+            assert_eq!(weights_of(&layer, 42), weights_of(&layer, 42), "{init}");
+            assert_ne!(weights_of(&layer, 42), weights_of(&layer, 43), "{init}");
+        }
+    }
+
+    #[test]
+    fn the_he_scheme_gives_xavier_to_layers_no_relu_follows() {
+        assert_eq!(Initializer::He.for_layer(true), Initializer::He);
+        assert_eq!(Initializer::He.for_layer(false), Initializer::Xavier);
+        assert_eq!(Initializer::Xavier.for_layer(true), Initializer::Xavier);
+        assert_eq!(Initializer::Uniform.for_layer(false), Initializer::Uniform);
+    }
+
+    #[test]
+    fn initialisers_parse_their_names_and_refuse_others() {
+        for init in Initializer::ALL {
+            assert_eq!(Initializer::parse(init.name()).unwrap(), init);
+        }
+        let error = Initializer::parse("kaiming").unwrap_err().to_string();
+        assert!(error.contains("`kaiming`") && error.contains("he, xavier, uniform"));
     }
 }

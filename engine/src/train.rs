@@ -4,14 +4,16 @@
 //! between steps and hands them to the compiled step by ownership, so the
 //! update is written into the same buffers step after step.
 
-use std::collections::HashMap;
+use std::ops::ControlFlow;
 
 use canopy_ir::Model;
 use canopy_ir::model::{ENTRY_EVAL, ENTRY_TRAIN_STEP, PARAM_PREFIX, STATE_PREFIX};
 
 use crate::backend::{Backend, Executable};
+use crate::data::Dataset;
 use crate::error::{EngineError, EngineResult, NonFinite, Part};
 use crate::optim::{INPUT_LR, INPUT_SEED, INPUT_STEP};
+use crate::proximal::ANCHOR_PREFIX;
 use crate::value::Value;
 
 /// What one training step reports.
@@ -45,77 +47,94 @@ enum Slot {
     Seed,
     Lr,
     Step,
+    /// A parameter's value when training began (`anchor/NAME`, FedProx):
+    /// fed unchanged to every step.
+    Anchor,
 }
 
 pub struct Trainer {
     executable: Box<dyn Executable>,
+    /// By input position.
     slots: Vec<Slot>,
-    /// Carried values, by input position.
-    carried: Vec<Option<Value>>,
-    /// For each output, the input position it replaces (or None for
-    /// `loss` / `correct`).
-    output_targets: Vec<Option<usize>>,
-    /// By input position: whether the step outputs the input's next value.
-    /// Such a value is handed to the step by ownership (so the update runs
-    /// in place) and checkpointed for rollback; the rest are cloned.
-    replaced: Vec<bool>,
+    /// The slots the caller feeds each step (the rest are resident), in
+    /// input order.
+    fed: Vec<Slot>,
+    /// Positions, among the outputs a resident run returns, of the loss
+    /// and the correct count.
     loss_output: usize,
     correct_output: usize,
     steps: u64,
     seed: i64,
-    /// (step, the values the step replaces) to roll back to when a step
-    /// fails or diverges.
-    checkpoint: Option<(u64, Vec<(usize, Value)>)>,
+    /// The step of the last snapshot of the resident values, to roll back
+    /// to when a step fails or diverges.
+    checkpoint_step: Option<u64>,
 }
 
 /// How often the trainer checkpoints for rollback, in steps.
 pub const CHECKPOINT_EVERY_STEPS: u64 = 64;
 
 impl Trainer {
-    /// Compiles the model's `train_step`; optimizer state starts at zero.
+    /// Compiles the model's `train_step` and makes its parameters, anchors
+    /// and optimizer state (from zeros) resident in the executable, so
+    /// they stay where the backend computes (on the GPU, in its memory).
     pub fn new(model: &Model, backend: &dyn Backend, seed: u64) -> EngineResult<Trainer> {
         let graph = model.entry(ENTRY_TRAIN_STEP)?;
-        let executable = backend.compile(graph)?;
+        let mut executable = backend.compile(graph)?;
         let mut slots = Vec::new();
-        let mut carried = Vec::new();
-        for &input in graph.inputs() {
+        let mut resident = Vec::new();
+        for (position, &input) in graph.inputs().iter().enumerate() {
             let name = graph.input_name(input);
             let (slot, value) = classify_input(model, ENTRY_TRAIN_STEP, name, graph.ty(input))?;
+            if let Some(value) = value {
+                resident.push((position, value));
+            }
             slots.push(slot);
-            carried.push(value);
         }
-        let position: HashMap<&str, usize> = graph
-            .inputs()
+        let resident_names: Vec<&str> = resident
             .iter()
-            .enumerate()
-            .map(|(i, &id)| (graph.input_name(id), i))
+            .map(|(p, _)| graph.input_name(graph.inputs()[*p]))
             .collect();
-        let output_targets: Vec<Option<usize>> = graph
+        executable.make_resident(resident)?;
+        let fed = slots
+            .iter()
+            .filter(|slot| !slot.is_carried())
+            .cloned()
+            .collect();
+        let returned: Vec<&str> = graph
             .outputs()
             .iter()
-            .map(|(name, _)| position.get(name.as_str()).copied())
+            .map(|(name, _)| name.as_str())
+            .filter(|name| !resident_names.contains(name))
             .collect();
-        let mut replaced = vec![false; slots.len()];
-        for &target in output_targets.iter().flatten() {
-            replaced[target] = matches!(slots[target], Slot::Param { .. } | Slot::State);
-        }
-        let find = |name: &str| output_position(graph, ENTRY_TRAIN_STEP, name);
+        let find = |name: &str| {
+            returned
+                .iter()
+                .position(|n| *n == name)
+                .ok_or_else(|| EngineError::Missing {
+                    owner: ENTRY_TRAIN_STEP.to_string(),
+                    part: Part::Output,
+                    name: name.to_string(),
+                })
+        };
         Ok(Trainer {
-            executable,
-            slots,
-            carried,
-            output_targets,
-            replaced,
             loss_output: find("loss")?,
             correct_output: find("correct")?,
+            executable,
+            slots,
+            fed,
             steps: 0,
             seed: seed as i64,
-            checkpoint: None,
+            checkpoint_step: None,
         })
     }
 
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Host↔device traffic of this trainer's step so far.
+    pub fn transfers(&self) -> crate::backend::TransferCounters {
+        self.executable.transfers()
     }
 
     /// Runs one step on a batch. A step that yields a non-finite loss or
@@ -125,34 +144,35 @@ impl Trainer {
         if !(lr.is_finite() && lr > 0.0) {
             return Err(EngineError::LearningRate(lr));
         }
-        if self.checkpoint.is_none() || self.steps.is_multiple_of(CHECKPOINT_EVERY_STEPS) {
-            self.take_checkpoint();
+        if self.checkpoint_step.is_none() || self.steps.is_multiple_of(CHECKPOINT_EVERY_STEPS) {
+            self.executable.snapshot_resident()?;
+            self.checkpoint_step = Some(self.steps);
         }
         let step_number = self.steps + 1;
         let inputs = self.step_inputs(x, y, lr, step_number)?;
-        let outputs = match self.executable.run(inputs) {
-            Ok(outputs) => outputs,
+        let run = match self.executable.run_resident(inputs) {
+            Ok(run) => run,
             Err(source) => {
                 return Err(EngineError::Step {
                     step: step_number,
-                    rolled_back_to: self.roll_back(),
+                    rolled_back_to: self.roll_back()?,
                     source: Box::new(source),
                 });
             }
         };
-        let loss = outputs[self.loss_output].to_scalar_f32()?;
-        let correct = count_of(&outputs[self.correct_output])?;
-        if let Some(problem) = self.non_finite(loss, &outputs) {
+        let loss = run.outputs[self.loss_output].to_scalar_f32()?;
+        let correct = count_of(&run.outputs[self.correct_output])?;
+        let problem = if !loss.is_finite() {
+            Some(NonFinite::Loss(loss))
+        } else {
+            run.non_finite.map(NonFinite::Output)
+        };
+        if let Some(problem) = problem {
             return Err(EngineError::Diverged {
                 step: step_number,
                 problem,
-                rolled_back_to: self.roll_back(),
+                rolled_back_to: self.roll_back()?,
             });
-        }
-        for (value, target) in outputs.into_iter().zip(&self.output_targets) {
-            if let Some(position) = target {
-                self.carried[*position] = Some(value);
-            }
         }
         self.steps = step_number;
         Ok(StepStats { loss, correct })
@@ -161,12 +181,9 @@ impl Trainer {
     fn step_inputs(&mut self, x: Value, y: Value, lr: f32, step: u64) -> EngineResult<Vec<Value>> {
         let mut x = Some(x);
         let mut y = Some(y);
-        let mut inputs = Vec::with_capacity(self.slots.len());
-        let feeds = self.slots.iter().zip(&self.replaced).zip(&mut self.carried);
-        for ((slot, &replaced), carried) in feeds {
+        let mut inputs = Vec::with_capacity(self.fed.len());
+        for slot in &self.fed {
             let value = match slot {
-                Slot::Param { .. } | Slot::State if replaced => carried.take(),
-                Slot::Param { .. } | Slot::State => carried.clone(),
                 Slot::X => x.take(),
                 Slot::Y => y.take(),
                 Slot::Seed => Some(Value::scalar_i64(
@@ -174,74 +191,35 @@ impl Trainer {
                 )),
                 Slot::Lr => Some(Value::scalar_f32(lr)),
                 Slot::Step => Some(Value::scalar_f32(step as f32)),
+                Slot::Param { .. } | Slot::State | Slot::Anchor => None,
             };
             inputs.push(value.ok_or_else(|| {
-                EngineError::Internal("trainer state is missing a carried value".into())
+                EngineError::Internal(format!("the trainer cannot feed {slot:?} per step"))
             })?);
         }
         Ok(inputs)
     }
 
-    /// The first non-finite loss or carried output, if any.
-    fn non_finite(&self, loss: f32, outputs: &[Value]) -> Option<NonFinite> {
-        if !loss.is_finite() {
-            return Some(NonFinite::Loss(loss));
-        }
-        let names = self.executable.output_names();
-        outputs
-            .iter()
-            .zip(&self.output_targets)
-            .zip(names)
-            .filter(|((_, target), _)| target.is_some())
-            .find(|((value, _), _)| match value {
-                Value::F32(a) => match a.as_slice_memory_order() {
-                    Some(slice) => !all_finite(slice),
-                    None => !a.iter().all(|v| v.is_finite()),
-                },
-                _ => false,
-            })
-            .map(|(_, name)| NonFinite::Output(name.clone()))
-    }
-
-    /// Copies every value the step replaces (parameters and optimizer
-    /// state). Costs one model (plus optimizer state) of memory traffic,
-    /// hence only every `CHECKPOINT_EVERY_STEPS`.
-    fn take_checkpoint(&mut self) {
-        let values = self
-            .replaced
-            .iter()
-            .zip(&self.carried)
-            .enumerate()
-            .filter(|(_, (replaced, _))| **replaced)
-            .filter_map(|(i, (_, value))| value.clone().map(|v| (i, v)))
-            .collect();
-        self.checkpoint = Some((self.steps, values));
-    }
-
-    /// Restores the last checkpoint; returns the step it was taken at.
-    fn roll_back(&mut self) -> u64 {
-        let Some((step, values)) = &self.checkpoint else {
-            return self.steps;
+    /// Restores the last snapshot; returns the step it was taken at.
+    fn roll_back(&mut self) -> EngineResult<u64> {
+        let Some(step) = self.checkpoint_step else {
+            return Ok(self.steps);
         };
-        for (i, value) in values {
-            self.carried[*i] = Some(value.clone());
-        }
-        self.steps = *step;
-        *step
+        self.executable.restore_resident()?;
+        self.steps = step;
+        Ok(step)
     }
 
     /// Writes the current values of the trainable parameters back into
     /// `model`; frozen parameters and optimizer state stay as they are.
-    pub fn write_back(&self, model: &mut Model) -> EngineResult<()> {
-        for (i, slot) in self.slots.iter().enumerate() {
-            if *slot != (Slot::Param { trainable: true }) {
+    /// Copies the resident values to the host (one model's worth).
+    pub fn write_back(&mut self, model: &mut Model) -> EngineResult<()> {
+        for (i, value) in self.executable.read_resident()? {
+            if self.slots[i] != (Slot::Param { trainable: true }) {
                 continue;
             }
             let name = self.executable.input_names()[i].as_str();
             let param = name.strip_prefix(PARAM_PREFIX).unwrap_or(name);
-            let value = self.carried[i].as_ref().ok_or_else(|| {
-                EngineError::Internal(format!("trainer holds no value for parameter `{param}`"))
-            })?;
             let target = model
                 .parameter_mut(param)
                 .ok_or_else(|| EngineError::Missing {
@@ -255,18 +233,12 @@ impl Trainer {
     }
 }
 
-/// Whether every element is finite, without a branch per element: `v·0`
-/// is 0 for finite `v` and NaN otherwise, and 16 lanes vectorise.
-fn all_finite(values: &[f32]) -> bool {
-    let mut lanes = [0.0f32; 16];
-    let chunks = values.chunks_exact(16);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
-            *lane += v * 0.0;
-        }
+impl Slot {
+    /// Whether the value is the model's or the trainer's, carried between
+    /// steps (and so resident), rather than fed per batch.
+    fn is_carried(&self) -> bool {
+        matches!(self, Slot::Param { .. } | Slot::State | Slot::Anchor)
     }
-    lanes.iter().all(|l| *l == 0.0) && rest.iter().all(|v| v.is_finite())
 }
 
 fn classify_input(
@@ -285,6 +257,14 @@ fn classify_input(
             trainable: p.trainable,
         };
         return Ok((slot, Some(Value::from_data(&p.data))));
+    }
+    if let Some(param) = name.strip_prefix(ANCHOR_PREFIX) {
+        let p = model.parameter(param).ok_or_else(|| EngineError::Missing {
+            owner: format!("the model read by `{entry}`"),
+            part: Part::Parameter,
+            name: param.to_string(),
+        })?;
+        return Ok((Slot::Anchor, Some(Value::from_data(&p.data))));
     }
     if name.starts_with(STATE_PREFIX) {
         let dims = ty.shape.as_fixed().ok_or_else(|| {
@@ -330,11 +310,11 @@ fn count_of(value: &Value) -> EngineResult<i64> {
     }
 }
 
-/// Runs a model's `eval` graph over batches.
+/// Runs a model's `eval` graph over batches, its parameters resident.
 pub struct Evaluator {
     executable: Box<dyn Executable>,
-    /// Per input: parameters (`Carried`, with their value), `X` or `Y`.
-    slots: Vec<(Slot, Option<Value>)>,
+    /// The inputs fed per batch (`X` and `Y`), in input order.
+    fed: Vec<Slot>,
     loss_output: usize,
     correct_output: usize,
 }
@@ -342,29 +322,30 @@ pub struct Evaluator {
 impl Evaluator {
     pub fn new(model: &Model, backend: &dyn Backend) -> EngineResult<Evaluator> {
         let graph = model.entry(ENTRY_EVAL)?;
-        let executable = backend.compile(graph)?;
-        let mut slots = Vec::new();
-        for &input in graph.inputs() {
+        let mut executable = backend.compile(graph)?;
+        let mut fed = Vec::new();
+        let mut resident = Vec::new();
+        for (position, &input) in graph.inputs().iter().enumerate() {
             let name = graph.input_name(input);
-            let slot = classify_input(model, ENTRY_EVAL, name, graph.ty(input))?;
-            let feedable = match slot.0 {
-                Slot::Param { .. } | Slot::X | Slot::Y => true,
-                Slot::State | Slot::Seed | Slot::Lr | Slot::Step => false,
-            };
-            if !feedable {
-                return Err(EngineError::Unfeedable {
-                    entry: ENTRY_EVAL.to_string(),
-                    name: name.to_string(),
-                });
+            let (slot, value) = classify_input(model, ENTRY_EVAL, name, graph.ty(input))?;
+            match (slot, value) {
+                (Slot::Param { .. }, Some(value)) => resident.push((position, value)),
+                (slot @ (Slot::X | Slot::Y), _) => fed.push(slot),
+                _ => {
+                    return Err(EngineError::Unfeedable {
+                        entry: ENTRY_EVAL.to_string(),
+                        name: name.to_string(),
+                    });
+                }
             }
-            slots.push(slot);
         }
+        executable.make_resident(resident)?;
         let position = |name: &str| output_position(graph, ENTRY_EVAL, name);
         Ok(Evaluator {
             loss_output: position("loss")?,
             correct_output: position("correct")?,
             executable,
-            slots,
+            fed,
         })
     }
 
@@ -374,19 +355,181 @@ impl Evaluator {
         let mut x = Some(x);
         let mut y = Some(y);
         let inputs = self
-            .slots
+            .fed
             .iter()
-            .map(|(slot, value)| match slot {
+            .map(|slot| match slot {
                 Slot::X => x.take(),
-                Slot::Y => y.take(),
-                _ => value.clone(),
+                _ => y.take(),
             })
             .collect::<Option<Vec<Value>>>()
             .ok_or_else(|| EngineError::Internal("eval reads `x` or `y` twice".into()))?;
-        let out = self.executable.run(inputs)?;
+        let out = self.executable.run_resident(inputs)?.outputs;
         let loss = out[self.loss_output].to_scalar_f32()? as f64 * batch as f64;
         Ok((loss, count_of(&out[self.correct_output])?))
     }
+}
+
+/// Samples per forward pass when evaluating: devices and the server use
+/// the same, so their numbers for one model and dataset agree exactly.
+pub const EVAL_BATCH: usize = 256;
+
+/// Runs the model's `eval` entry point over `data` in order (no
+/// shuffling), `batch` samples at a time: the mean loss per sample and the
+/// fraction predicted correctly. The one evaluation behind devices' reports
+/// and the server's central evaluation.
+pub fn evaluate(
+    model: &Model,
+    data: &Dataset,
+    batch: usize,
+    backend: &dyn Backend,
+) -> EngineResult<EvalStats> {
+    if data.is_empty() {
+        return Err(EngineError::Setting(
+            "cannot evaluate on an empty dataset".to_string(),
+        ));
+    }
+    let mut evaluator = Evaluator::new(model, backend)?;
+    let (mut loss, mut correct) = (0.0f64, 0i64);
+    for batch in data.batches(batch.max(1), None, false)? {
+        let (batch_loss, batch_correct) = evaluator.batch(batch.x, batch.y)?;
+        loss += batch_loss;
+        correct += batch_correct;
+    }
+    let samples = data.len() as f64;
+    Ok(EvalStats {
+        loss: loss / samples,
+        accuracy: correct as f64 / samples,
+        samples: data.len(),
+    })
+}
+
+/// What [`fit`] runs: epochs of shuffled batches at one learning rate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FitConfig {
+    /// Epochs already run (0 for a fresh run): a caller that runs one
+    /// epoch at a time, to evaluate between them, gets the same shuffles
+    /// as one run of all its epochs.
+    pub start_epoch: u32,
+    pub epochs: u32,
+    pub batch: usize,
+    pub learning_rate: f32,
+    /// Seeds each epoch's shuffle (and, through the trainer, dropout).
+    pub seed: u64,
+}
+
+/// One finished epoch: sample-weighted mean loss and training accuracy.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EpochStats {
+    /// From 1.
+    pub epoch: u32,
+    pub loss: f64,
+    pub accuracy: f64,
+    pub samples: usize,
+}
+
+/// What [`fit`] reports as it goes; the observer's answer can stop it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FitProgress {
+    /// Checked before each batch: `done` of `batches` in epoch `epoch`.
+    Batch {
+        epoch: u32,
+        done: usize,
+        batches: usize,
+        mean_loss: f64,
+    },
+    Epoch(EpochStats),
+}
+
+/// The one training loop every caller (the CLI, the agent, the SDK) runs:
+/// `config.epochs` passes over `data`, reshuffled per epoch from the seed,
+/// a short final batch dropped unless it is all the data (one noisy step
+/// at SGD learning rates can undo much of an epoch). The observer sees
+/// every batch before it runs and every finished epoch; returning
+/// `ControlFlow::Break` stops with [`EngineError::Cancelled`], so a batch
+/// in progress finishes first. A diverging step is the trainer's error,
+/// with its rollback. On the CPU the loop runs on a rayon worker, so each
+/// step's kernels fork and join inside the pool.
+pub fn fit(
+    trainer: &mut Trainer,
+    data: &Dataset,
+    config: &FitConfig,
+    observer: &mut (dyn FnMut(FitProgress) -> ControlFlow<()> + Send),
+) -> EngineResult<Vec<EpochStats>> {
+    if data.is_empty() {
+        return Err(EngineError::Setting(
+            "cannot train on an empty dataset".into(),
+        ));
+    }
+    if config.batch == 0 {
+        return Err(EngineError::Setting(
+            "the batch size must be at least 1".into(),
+        ));
+    }
+    if rayon::current_thread_index().is_some() {
+        return fit_here(trainer, data, config, observer);
+    }
+    rayon::scope(|_| fit_here(trainer, data, config, observer))
+}
+
+fn fit_here(
+    trainer: &mut Trainer,
+    data: &Dataset,
+    config: &FitConfig,
+    observer: &mut (dyn FnMut(FitProgress) -> ControlFlow<()> + Send),
+) -> EngineResult<Vec<EpochStats>> {
+    let drop_last = data.len() >= config.batch;
+    let batches = if drop_last {
+        data.len() / config.batch
+    } else {
+        1
+    };
+    let mut epochs = Vec::with_capacity(config.epochs as usize);
+    for epoch in config.start_epoch..config.start_epoch.saturating_add(config.epochs) {
+        let shuffle = config
+            .seed
+            .wrapping_mul(0x9E37_79B9)
+            .wrapping_add(u64::from(epoch));
+        let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0i64, 0usize);
+        for (done, batch) in data
+            .batches(config.batch, Some(shuffle), drop_last)?
+            .enumerate()
+        {
+            let mean_loss = loss_sum / seen.max(1) as f64;
+            let progress = FitProgress::Batch {
+                epoch: epoch + 1,
+                done,
+                batches,
+                mean_loss,
+            };
+            if observer(progress).is_break() {
+                return Err(EngineError::Cancelled {
+                    epoch: epoch + 1,
+                    step: trainer.steps(),
+                });
+            }
+            let size = batch.len();
+            let stats = trainer.step(batch.x, batch.y, config.learning_rate)?;
+            loss_sum += f64::from(stats.loss) * size as f64;
+            correct += stats.correct;
+            seen += size;
+        }
+        let seen = seen.max(1);
+        let stats = EpochStats {
+            epoch: epoch + 1,
+            loss: loss_sum / seen as f64,
+            accuracy: correct as f64 / seen as f64,
+            samples: seen,
+        };
+        epochs.push(stats);
+        let last = epoch + 1 == config.start_epoch.saturating_add(config.epochs);
+        if observer(FitProgress::Epoch(stats)).is_break() && !last {
+            return Err(EngineError::Cancelled {
+                epoch: epoch + 1,
+                step: trainer.steps(),
+            });
+        }
+    }
+    Ok(epochs)
 }
 
 #[cfg(test)]

@@ -16,11 +16,11 @@ use canopy_ir::{DType, Dim, Graph, Metadata, Model, Parameter, Shape, TensorType
 use crate::data::Dataset;
 use crate::error::{EngineError, EngineResult, Part};
 use crate::nn::{
-    Conv2d, Flatten, ForwardCtx, INPUT_MEAN, INPUT_STATS_PREFIX, INPUT_STD, Layer, Linear,
-    MaxPool2d, Params, ReLU, Sequential, Standardize, correct_count, init_params,
-    softmax_cross_entropy,
+    Conv2d, Flatten, ForwardCtx, INPUT_STATS_PREFIX, Initializer, Layer, Linear, MaxPool2d, Params,
+    ReLU, Sequential, Standardize, correct_count, init_params, softmax_cross_entropy,
 };
 use crate::optim::{INPUT_SEED, Optimizer, build_train_step};
+use crate::stats::{InputMoments, InputStatsState, fit_model};
 use crate::tensor::{Tensor, trace};
 
 pub const ENTRY_TRAIN_LOSS: &str = "train_loss";
@@ -30,7 +30,10 @@ pub const PROP_ARCH: &str = "architecture";
 pub const PROP_INPUT_SHAPE: &str = "input_shape";
 pub const PROP_CLASSES: &str = "classes";
 pub const PROP_OPTIMIZER: &str = "optimizer";
-/// `unfitted` until `fit_input_stats` has set `input.mean` / `input.std`.
+/// The initialiser scheme the weights were drawn with (`he`, `xavier`, `uniform`).
+pub const PROP_INIT: &str = "initializer";
+/// `unfitted` until `input.mean` / `input.std` are fitted, then `fitted`
+/// (see [`InputStatsState`]).
 pub const PROP_INPUT_STATS: &str = "input_stats";
 
 /// The architectures `canopy model new` knows.
@@ -75,36 +78,40 @@ impl Architecture {
         }
     }
 
-    pub fn network(&self) -> Sequential {
+    /// The network, its weights drawn by `init` (a model scheme: see
+    /// [`Initializer::for_layer`]).
+    pub fn network(&self, init: Initializer) -> Sequential {
+        let hidden = init.for_layer(true);
+        let output = init.for_layer(false);
         match *self {
             Architecture::Mlp {
                 inputs,
-                hidden,
+                hidden: hidden_units,
                 classes,
             } => Sequential::new()
                 .push(Standardize)
-                .push(Linear::new("fc1", inputs, hidden))
+                .push(Linear::new("fc1", inputs, hidden_units).init(hidden))
                 .push(ReLU)
-                .push(Linear::new("fc2", hidden, classes)),
+                .push(Linear::new("fc2", hidden_units, classes).init(output)),
             Architecture::LogReg { inputs, classes } => Sequential::new()
                 .push(Standardize)
-                .push(Linear::new("linear", inputs, classes)),
+                .push(Linear::new("linear", inputs, classes).init(output)),
             // LeCun et al. 1998 with ReLU and max pooling, as in most modern
             // reproductions; padding 2 keeps 28×28 MNIST at the original 32×32 geometry.
             Architecture::LeNet5 { classes } => Sequential::new()
                 .push(Standardize)
-                .push(Conv2d::new("conv1", 1, 6, 5).padding(2))
+                .push(Conv2d::new("conv1", 1, 6, 5).padding(2).init(hidden))
                 .push(ReLU)
                 .push(MaxPool2d::new(2, 2))
-                .push(Conv2d::new("conv2", 6, 16, 5))
+                .push(Conv2d::new("conv2", 6, 16, 5).init(hidden))
                 .push(ReLU)
                 .push(MaxPool2d::new(2, 2))
                 .push(Flatten)
-                .push(Linear::new("fc1", 16 * 5 * 5, 120))
+                .push(Linear::new("fc1", 16 * 5 * 5, 120).init(hidden))
                 .push(ReLU)
-                .push(Linear::new("fc2", 120, 84))
+                .push(Linear::new("fc2", 120, 84).init(hidden))
                 .push(ReLU)
-                .push(Linear::new("fc3", 84, classes)),
+                .push(Linear::new("fc3", 84, classes).init(output)),
         }
     }
 
@@ -132,10 +139,18 @@ pub struct ModelConfig {
     pub producer: String,
 }
 
-/// Builds a complete model: initialised parameters and all entry points.
+/// Builds a complete model: initialised parameters and all entry points,
+/// with the default initialiser ([`Initializer::He`]).
 pub fn build_model(config: &ModelConfig) -> EngineResult<Model> {
+    build_model_with_init(config, Initializer::default())
+}
+
+/// [`build_model`] with weights drawn by `init`. The initialiser is an
+/// argument rather than a [`ModelConfig`] field so the callers that build
+/// configs literally keep compiling; it is recorded in the metadata.
+pub fn build_model_with_init(config: &ModelConfig, init: Initializer) -> EngineResult<Model> {
     let arch = &config.architecture;
-    let net = arch.network();
+    let net = arch.network(init);
     let parameters = initial_parameters(&net, config);
     let entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?
         .into_iter()
@@ -145,7 +160,11 @@ pub fn build_model(config: &ModelConfig) -> EngineResult<Model> {
     properties.insert(PROP_ARCH.into(), arch.describe());
     properties.insert(PROP_INPUT_SHAPE.into(), join(&arch.input_shape()));
     properties.insert(PROP_CLASSES.into(), arch.classes().to_string());
-    properties.insert(PROP_INPUT_STATS.into(), "unfitted".into());
+    properties.insert(PROP_INIT.into(), init.to_string());
+    properties.insert(
+        PROP_INPUT_STATS.into(),
+        InputStatsState::Unfitted.marker().into(),
+    );
     let mut model = Model {
         metadata: Metadata {
             model_name: arch.name().into(),
@@ -207,7 +226,7 @@ fn initial_parameters(net: &dyn Layer, config: &ModelConfig) -> Vec<Parameter> {
 /// trainable parameter names (for reports on the passes).
 pub fn traced_train_loss(config: &ModelConfig) -> EngineResult<(Graph, Vec<String>)> {
     let arch = &config.architecture;
-    let net = arch.network();
+    let net = arch.network(Initializer::default());
     let parameters = initial_parameters(&net, config);
     let mut entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?;
     let graph = entries
@@ -286,8 +305,18 @@ fn check_logits(logits: &Tensor, classes: usize) -> EngineResult<()> {
     }
 }
 
+/// The optimizer a model's `train_step` was built with (SGD when the file
+/// does not say).
+pub fn model_optimizer(model: &Model) -> EngineResult<Optimizer> {
+    match model.metadata.properties.get(PROP_OPTIMIZER) {
+        Some(text) => Optimizer::parse(text),
+        None => Ok(Optimizer::sgd()),
+    }
+}
+
 /// (Re)derives `train_step` from the model's `train_loss` graph for the
-/// current trainable set and `optimizer`. Works on any model file, so a
+/// current trainable set and `optimizer`, with the FedProx term when the
+/// model has one (see [`crate::proximal`]). Works on any model file, so a
 /// device or the CLI can change the optimizer or freeze a backbone.
 pub fn rebuild_train_step(model: &mut Model, optimizer: &Optimizer) -> EngineResult<()> {
     let train_loss = model.entry(ENTRY_TRAIN_LOSS)?.clone();
@@ -295,7 +324,13 @@ pub fn rebuild_train_step(model: &mut Model, optimizer: &Optimizer) -> EngineRes
     if trainable.is_empty() {
         return Err(EngineError::NothingToTrain);
     }
-    let step = build_train_step(&train_loss, &trainable, optimizer)?;
+    let step = match crate::proximal::proximal_mu(model)? {
+        Some(mu) => {
+            let loss = crate::proximal::proximal_train_loss(&train_loss, &trainable, mu)?;
+            build_train_step(&loss, &trainable, optimizer)?
+        }
+        None => build_train_step(&train_loss, &trainable, optimizer)?,
+    };
     model.entry_points.insert(ENTRY_TRAIN_STEP.into(), step);
     model
         .metadata
@@ -326,40 +361,38 @@ pub fn set_frozen(model: &mut Model, prefixes: &[String]) -> EngineResult<()> {
     Ok(())
 }
 
-/// Whether the model's input statistics still await fitting.
+/// Whether the model's input statistics still await fitting (see
+/// [`InputStatsState::of`]).
 pub fn needs_input_stats(model: &Model) -> bool {
-    model
-        .metadata
-        .properties
-        .get(PROP_INPUT_STATS)
-        .map(String::as_str)
-        == Some("unfitted")
+    InputStatsState::of(model) == InputStatsState::Unfitted
 }
 
 /// Sets `input.mean` / `input.std` from `train`'s features (global
-/// statistics, so constant pixels cannot cause a division by zero).
+/// statistics, so constant pixels cannot cause a division by zero), by the
+/// same moments a federated fit merges ([`crate::stats`]).
 pub fn fit_input_stats(model: &mut Model, train: &Dataset) -> EngineResult<()> {
-    let (mean, std) = train.global_stats();
-    if !(mean.is_finite() && std.is_finite() && std > 0.0) {
-        return Err(EngineError::Setting(format!(
-            "cannot standardise inputs: training features have mean {mean} and std {std}"
-        )));
-    }
-    for (name, value) in [(INPUT_MEAN, mean), (INPUT_STD, std)] {
-        let param = model
-            .parameter_mut(name)
-            .ok_or_else(|| EngineError::Missing {
-                owner: "the model".to_string(),
-                part: Part::Parameter,
-                name: name.to_string(),
-            })?;
-        param.data = canopy_ir::TensorData::scalar_f32(value);
-    }
-    model
-        .metadata
-        .properties
-        .insert(PROP_INPUT_STATS.into(), "fitted".into());
-    Ok(())
+    fit_model(model, &InputMoments::of(train)).map(drop)
+}
+
+/// The classes a model predicts: the last dimension of its `infer`
+/// entry point's first output (the logits).
+pub fn class_count(model: &Model) -> EngineResult<usize> {
+    let infer = model.entry(ENTRY_INFER)?;
+    let (_, logits) = infer
+        .outputs()
+        .first()
+        .ok_or_else(|| EngineError::Missing {
+            owner: format!("entry point `{ENTRY_INFER}`"),
+            part: Part::Output,
+            name: "logits".to_string(),
+        })?;
+    infer
+        .ty(*logits)
+        .shape
+        .0
+        .last()
+        .and_then(|d| d.fixed())
+        .ok_or_else(|| EngineError::Shape("the logits have no fixed class dimension".into()))
 }
 
 /// The sample shape a model's `x` input expects.

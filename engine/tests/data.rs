@@ -762,3 +762,42 @@ fn csv_written_reads_back_identically() {
     assert_eq!(back.features(), data.features());
     assert_eq!(back.labels(), data.labels());
 }
+
+#[test]
+fn mnist_moments_merge_across_dirichlet_clients_to_the_central_fit() {
+    use canopy_engine::stats::InputMoments;
+    let (train, _) = load_dir(mnist_dir()).unwrap();
+    // Ten non-IID clients, as a federated statistics round would see them.
+    let clients = partition_dirichlet(&train, 10, 0.3, 5).unwrap();
+    let mut merged = InputMoments::empty(train.feature_len());
+    for client in &clients {
+        merged.merge(&InputMoments::of(client)).unwrap();
+    }
+    let whole = InputMoments::of(&train);
+    assert_eq!(merged.count, whole.count);
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1.0);
+    assert!(
+        merged
+            .sum
+            .iter()
+            .zip(&whole.sum)
+            .all(|(a, b)| close(*a, *b))
+    );
+    assert!(
+        merged
+            .sum_sq
+            .iter()
+            .zip(&whole.sum_sq)
+            .all(|(a, b)| close(*a, *b))
+    );
+
+    // The federated fit equals the central two-pass fit `model train` used.
+    let stats = merged.to_input_stats().unwrap();
+    let (mean, std) = train.global_stats();
+    assert!(
+        (stats.mean - mean).abs() < 1e-6 * mean,
+        "{stats:?} vs {mean}"
+    );
+    assert!((stats.std - std).abs() < 1e-6 * std, "{stats:?} vs {std}");
+    assert!((0.12..0.14).contains(&stats.mean) && (0.29..0.32).contains(&stats.std));
+}

@@ -4,6 +4,8 @@
 //! and runtime errors that must be reported rather than panic.
 
 use anyhow::Result;
+mod common;
+
 use canopy_engine::error::KernelError;
 use canopy_engine::{Backend, CpuBackend, EngineError, Value};
 use canopy_ir::{
@@ -66,6 +68,16 @@ fn run_op(op: &Op, inputs: &[Value], share_inputs: bool) -> Result<Value> {
     }
     let mut exe = CpuBackend.compile(&g)?;
     let mut outputs = exe.run(inputs.to_vec())?;
+    // Every op also runs on the GPU, which must give the CPU's values.
+    if let Some(gpu) = common::gpu_under_test() {
+        let on_gpu = gpu
+            .compile(&g)
+            .and_then(|mut exe| exe.run(inputs.to_vec()))
+            .unwrap_or_else(|e| panic!("{op:?}: the CPU ran it, the GPU failed: {e}"));
+        for ((c, g), name) in outputs.iter().zip(&on_gpu).zip(["out", "keep"]) {
+            common::assert_close_across_backends(&format!("{op:?} {name}"), c, g);
+        }
+    }
     Ok(outputs.swap_remove(0))
 }
 

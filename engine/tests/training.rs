@@ -3,9 +3,12 @@
 
 use anyhow::Result;
 use canopy_engine::data::load_dir;
+use canopy_engine::nn::Initializer;
 use canopy_engine::optim::Optimizer;
 use canopy_engine::train::Trainer;
-use canopy_engine::zoo::{Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_model};
+use canopy_engine::zoo::{
+    Architecture, ENTRY_TRAIN_LOSS, ModelConfig, PROP_INIT, build_model, build_model_with_init,
+};
 use canopy_engine::{Backend, CpuBackend, EngineError, Value};
 use canopy_ir::{Model, autodiff};
 
@@ -520,6 +523,58 @@ fn frozen_backbone_step_does_far_less_work_than_full_fine_tuning() -> Result<()>
     assert!(
         head_work < forward_work * 11 / 10,
         "frozen {head_work} vs forward {forward_work}"
+    );
+    Ok(())
+}
+
+/// The standard deviation of a model parameter's values.
+fn parameter_std(model: &Model, name: &str) -> f64 {
+    let values = model.parameter(name).unwrap().data.as_f32().unwrap();
+    let n = values.len() as f64;
+    let mean = values.iter().map(|&v| f64::from(v)).sum::<f64>() / n;
+    (values
+        .iter()
+        .map(|&v| (f64::from(v) - mean).powi(2))
+        .sum::<f64>()
+        / n)
+        .sqrt()
+}
+
+#[test]
+fn the_default_scheme_draws_he_before_relu_and_xavier_for_the_logits() -> Result<()> {
+    let mut config = mlp_config();
+    config.architecture = Architecture::Mlp {
+        inputs: 784,
+        hidden: 512,
+        classes: 10,
+    };
+    let model = build_model(&config)?;
+    assert_eq!(model.metadata.properties[PROP_INIT], "he");
+    let within = |actual: f64, expected: f64| (actual / expected - 1.0).abs() < 0.05;
+    let fc1 = parameter_std(&model, "fc1.weight");
+    assert!(within(fc1, (2.0 / 784.0f64).sqrt()), "fc1 std {fc1}");
+    let fc2 = parameter_std(&model, "fc2.weight");
+    assert!(within(fc2, (2.0 / 522.0f64).sqrt()), "fc2 std {fc2}");
+    for bias in ["fc1.bias", "fc2.bias"] {
+        let values = model.parameter(bias).unwrap().data.as_f32().unwrap();
+        assert!(values.iter().all(|&b| b == 0.0), "{bias} starts at zero");
+    }
+    assert_eq!(build_model(&config)?, model, "a seed fixes the model");
+
+    let uniform = build_model_with_init(&config, Initializer::Uniform)?;
+    assert_eq!(uniform.metadata.properties[PROP_INIT], "uniform");
+    let bound = 1.0 / 784.0f32.sqrt();
+    let fc1 = uniform
+        .parameter("fc1.weight")
+        .unwrap()
+        .data
+        .as_f32()
+        .unwrap();
+    assert!(fc1.iter().all(|v| v.abs() <= bound));
+    let fc1 = parameter_std(&uniform, "fc1.weight");
+    assert!(
+        within(fc1, f64::from(bound) / 3f64.sqrt()),
+        "uniform fc1 std {fc1}"
     );
     Ok(())
 }

@@ -201,6 +201,13 @@ pub enum TaskKind {
     /// Evaluate the model on the device's held-out data and send an
     /// [`EvaluationReport`] to `upload_path`; no training, no update.
     Evaluate,
+    /// A statistics round, before a job trains a model whose input
+    /// statistics are unfitted: send the moments of the training split's
+    /// inputs as an update in [`crate::update::statistics_layout`] (per
+    /// feature, the mean and the mean of squares; the sample count as the
+    /// weight) to `upload_path`. The server adds them up into the
+    /// statistics of all the devices' data; no training.
+    Statistics,
 }
 
 impl TaskKind {
@@ -232,6 +239,10 @@ pub struct Task {
     pub upload_size_bytes: u64,
     pub deadline_unix_ms: u64,
     pub training: TrainingConfig,
+    /// The registered dataset to train (or evaluate) on, when the job
+    /// names one; otherwise the device's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<String>,
     pub layout: UpdateLayout,
     /// Present when the round runs secure aggregation: the device then sends
     /// nothing to `upload_path` and runs the four SecAgg+ stages under
@@ -282,6 +293,80 @@ pub struct Heartbeat {
     pub state: Option<String>,
     #[serde(default)]
     pub round_id: Option<i64>,
+    /// The datasets the device can train on, by name; jobs that name a
+    /// dataset select only devices that have it, with samples of the
+    /// model's shape. `None` leaves what the server knows unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub datasets: Option<Vec<DatasetInfo>>,
+    /// The device's last error, for operators; `None` leaves it unchanged,
+    /// an empty string clears it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// Most datasets a device reports.
+pub const MAX_DATASETS: usize = 32;
+/// Most characters of a dataset's name: the agent's registry rule.
+pub const MAX_DATASET_NAME_CHARS: usize = 64;
+/// Most dimensions of a dataset's samples.
+pub const MAX_SAMPLE_RANK: usize = 8;
+/// Most characters of a device's last error.
+pub const MAX_LAST_ERROR_CHARS: usize = 512;
+
+/// A dataset a device holds: what the server needs to decide whether the
+/// device can train a model on it. The data never leaves the device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetInfo {
+    /// 1 to 64 characters of `[A-Za-z0-9_.-]`.
+    pub name: String,
+    pub samples: u64,
+    /// The shape of one sample, e.g. `[1, 28, 28]`.
+    pub sample_shape: Vec<u64>,
+    pub classes: u64,
+}
+
+/// Checks a dataset name: 1 to 64 characters of `[A-Za-z0-9_.-]`.
+pub fn check_dataset_name(field: &str, name: &str) -> Result<(), String> {
+    let ok = (1..=MAX_DATASET_NAME_CHARS).contains(&name.chars().count())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{field} `{}` must be 1 to {MAX_DATASET_NAME_CHARS} characters of [A-Za-z0-9_.-]",
+            truncate_for_message(name)
+        ))
+    }
+}
+
+impl DatasetInfo {
+    pub fn validate(&self, index: usize) -> Result<(), String> {
+        check_dataset_name(&format!("heartbeat.datasets[{index}].name"), &self.name)?;
+        if self.samples > MAX_SAMPLES {
+            return Err(format!(
+                "heartbeat.datasets[{index}].samples {} is above the limit of {MAX_SAMPLES}",
+                self.samples
+            ));
+        }
+        if self.sample_shape.is_empty()
+            || self.sample_shape.len() > MAX_SAMPLE_RANK
+            || self.sample_shape.iter().any(|&d| d == 0 || d > MAX_SAMPLES)
+        {
+            return Err(format!(
+                "heartbeat.datasets[{index}].sample_shape must have 1 to {MAX_SAMPLE_RANK} dimensions, each 1 to {MAX_SAMPLES}"
+            ));
+        }
+        if self.classes > MAX_SAMPLES {
+            return Err(format!(
+                "heartbeat.datasets[{index}].classes {} is above the limit of {MAX_SAMPLES}",
+                self.classes
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl Heartbeat {
@@ -302,6 +387,24 @@ impl Heartbeat {
             if round_id <= 0 {
                 return Err(format!(
                     "heartbeat.round_id {round_id} is not a valid id; ids are positive"
+                ));
+            }
+        }
+        if let Some(datasets) = &self.datasets {
+            if datasets.len() > MAX_DATASETS {
+                return Err(format!(
+                    "heartbeat.datasets has {} entries, the limit is {MAX_DATASETS}",
+                    datasets.len()
+                ));
+            }
+            for (index, dataset) in datasets.iter().enumerate() {
+                dataset.validate(index)?;
+            }
+        }
+        if let Some(error) = &self.last_error {
+            if error.chars().count() > MAX_LAST_ERROR_CHARS {
+                return Err(format!(
+                    "heartbeat.last_error is over {MAX_LAST_ERROR_CHARS} characters"
                 ));
             }
         }
@@ -424,14 +527,18 @@ pub mod task_paths {
 
     pub fn upload(kind: TaskKind, round_id: i64) -> String {
         match kind {
-            TaskKind::Train => format!("/device/v1/rounds/{round_id}/update"),
+            TaskKind::Train | TaskKind::Statistics => {
+                format!("/device/v1/rounds/{round_id}/update")
+            }
             TaskKind::Evaluate => format!("/device/v1/rounds/{round_id}/evaluation"),
         }
     }
 
     pub fn decline(task: &Task) -> String {
         match task.kind {
-            TaskKind::Train => format!("/device/v1/rounds/{}/decline", task.round_id),
+            TaskKind::Train | TaskKind::Statistics => {
+                format!("/device/v1/rounds/{}/decline", task.round_id)
+            }
             TaskKind::Evaluate => {
                 format!("/device/v1/rounds/{}/evaluation/decline", task.round_id)
             }

@@ -88,6 +88,27 @@ impl TryFrom<UnvalidatedLayout> for UpdateLayout {
     }
 }
 
+/// The tensors of a statistics round's update: per input feature, the
+/// mean and the mean of squares of a device's training inputs.
+pub const STATISTICS_TENSORS: [&str; 2] = ["input.mean", "input.mean_sq"];
+
+/// The layout of a statistics round's update for a model whose samples
+/// have `features` elements. The weighted mean the server folds is then
+/// the mean and mean of squares over every device's data, and the weight
+/// total its sample count: the exact moments, from which the input
+/// statistics are fitted.
+pub fn statistics_layout(features: usize) -> Result<UpdateLayout, UpdateError> {
+    UpdateLayout::new(
+        STATISTICS_TENSORS
+            .iter()
+            .map(|name| TensorSpec {
+                name: (*name).to_string(),
+                shape: vec![features],
+            })
+            .collect(),
+    )
+}
+
 impl UpdateLayout {
     /// Enforces the format's limits (tensor count, name length, rank, total
     /// size) and that names are non-empty and unique.

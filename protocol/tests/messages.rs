@@ -215,13 +215,15 @@ fn heartbeat_validation() {
     Heartbeat {
         state: Some("training".into()),
         round_id: Some(2),
+        ..Heartbeat::default()
     }
     .validate()
     .unwrap();
     assert!(
         Heartbeat {
             state: Some("s".repeat(MAX_HEARTBEAT_STATE_CHARS + 1)),
-            round_id: None
+            round_id: None,
+            ..Heartbeat::default()
         }
         .validate()
         .is_err()
@@ -229,7 +231,8 @@ fn heartbeat_validation() {
     assert!(
         Heartbeat {
             state: None,
-            round_id: Some(-1)
+            round_id: Some(-1),
+            ..Heartbeat::default()
         }
         .validate()
         .is_err()
@@ -245,6 +248,7 @@ fn task_json_roundtrip_with_layout() {
     .unwrap();
     let task = Task {
         kind: canopy_protocol::messages::TaskKind::Train,
+        dataset: None,
         job_id: 1,
         round_id: 2,
         round_number: 3,
@@ -301,4 +305,98 @@ fn error_body_shape() {
     let back: EnrollResponse =
         serde_json::from_str(&serde_json::to_string(&enroll).unwrap()).unwrap();
     assert_eq!(back, enroll);
+}
+
+#[test]
+fn heartbeat_datasets_and_errors_are_bounded() {
+    let dataset = |name: &str, shape: Vec<u64>| DatasetInfo {
+        name: name.to_string(),
+        samples: 100,
+        sample_shape: shape,
+        classes: 10,
+    };
+    let beat = |datasets: Vec<DatasetInfo>| Heartbeat {
+        datasets: Some(datasets),
+        ..Heartbeat::default()
+    };
+    beat(vec![dataset("mnist-10k", vec![1, 28, 28])])
+        .validate()
+        .unwrap();
+    let bad_name = beat(vec![dataset("no spaces", vec![64])])
+        .validate()
+        .unwrap_err();
+    assert!(
+        bad_name.contains("heartbeat.datasets[0].name"),
+        "{bad_name}"
+    );
+    let bad_shape = beat(vec![dataset("a", vec![])]).validate().unwrap_err();
+    assert!(bad_shape.contains("sample_shape"), "{bad_shape}");
+    assert!(beat(vec![dataset("a", vec![0])]).validate().is_err());
+    assert!(beat(vec![dataset("a", vec![1; 9])]).validate().is_err());
+    let too_many = beat(vec![dataset("a", vec![2]); MAX_DATASETS + 1])
+        .validate()
+        .unwrap_err();
+    assert!(too_many.contains("limit is 32"), "{too_many}");
+    let long_error = Heartbeat {
+        last_error: Some("e".repeat(MAX_LAST_ERROR_CHARS + 1)),
+        ..Heartbeat::default()
+    };
+    assert!(long_error.validate().is_err());
+}
+
+#[test]
+fn evaluation_reports_are_bounded() {
+    let report = EvaluationReport {
+        round_id: 3,
+        loss: 0.4,
+        accuracy: 0.9,
+        samples: 50,
+    };
+    report.validate().unwrap();
+    for (bad, field) in [
+        (
+            EvaluationReport {
+                round_id: 0,
+                ..report.clone()
+            },
+            "round_id",
+        ),
+        (
+            EvaluationReport {
+                loss: f64::NAN,
+                ..report.clone()
+            },
+            "loss",
+        ),
+        (
+            EvaluationReport {
+                loss: -1.0,
+                ..report.clone()
+            },
+            "loss",
+        ),
+        (
+            EvaluationReport {
+                accuracy: 1.01,
+                ..report.clone()
+            },
+            "accuracy",
+        ),
+        (
+            EvaluationReport {
+                samples: 0,
+                ..report.clone()
+            },
+            "samples",
+        ),
+    ] {
+        let error = bad.validate().unwrap_err();
+        assert!(error.contains(field), "{error}");
+    }
+    assert!(
+        serde_json::from_str::<EvaluationReport>(
+            r#"{"round_id":1,"loss":0,"accuracy":0,"samples":1,"x":1}"#
+        )
+        .is_err()
+    );
 }

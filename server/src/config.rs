@@ -91,6 +91,17 @@ pub struct Limits {
     /// at most `canopy_protocol::bounds::MAX_MODEL_BYTES`, which devices
     /// refuse to download past.
     pub max_model_bytes: u64,
+    /// Largest dataset upload (`PUT /api/v1/datasets/{name}`): the data
+    /// and labels parts together. Parsing holds the file and its samples
+    /// (4 bytes per value) in memory, one upload at a time.
+    pub max_dataset_bytes: u64,
+    /// Datasets the server keeps; past it an upload is refused until one is
+    /// deleted.
+    pub max_datasets: usize,
+    /// Parsed datasets kept in memory for central evaluation (each up to
+    /// its samples × 4 bytes per value); a dataset not among them is parsed
+    /// again from its blob.
+    pub max_cached_datasets: usize,
     /// Largest JSON request body.
     pub max_json_bytes: usize,
     /// Device uploads (updates, masked inputs) read at once; each holds one
@@ -193,6 +204,9 @@ impl Default for Limits {
     fn default() -> Limits {
         Limits {
             max_model_bytes: 512 << 20,
+            max_dataset_bytes: 256 << 20,
+            max_datasets: 64,
+            max_cached_datasets: 2,
             max_json_bytes: 64 << 10,
             max_concurrent_uploads: 32,
             upload_slot_wait_ms: 10_000,
@@ -271,6 +285,12 @@ impl Limits {
             ("max_rounds_per_tick", self.max_rounds_per_tick as usize),
             ("max_fold_batch", self.max_fold_batch),
             ("max_cached_layouts", self.max_cached_layouts),
+            ("max_datasets", self.max_datasets),
+            ("max_cached_datasets", self.max_cached_datasets),
+            (
+                "max_dataset_bytes",
+                usize::try_from(self.max_dataset_bytes).unwrap_or(usize::MAX),
+            ),
             ("database_connections", self.database_connections as usize),
             ("round_write_connections", self.round_write_connections),
             (

@@ -5,9 +5,11 @@
 //! processes that each enroll over HTTPS with a non-IID shard of the
 //! bundled UCI digits, and prints one row per round.
 //!
-//! The server library never runs a model; this subcommand does, as a user
-//! of the API would: it builds the model and evaluates each version on the
-//! held-out split with `canopy-engine`.
+//! It also uploads the held-out split as a central dataset, so the server
+//! evaluates each version too, and evaluates each downloaded version
+//! itself, as a user of the API would, with the same engine function: the
+//! two columns agree. It talks to the API over HTTPS with `reqwest`,
+//! trusting the server's development certificate; it uses no SDK.
 
 use canopy_term::outln;
 use std::io::Write as _;
@@ -16,10 +18,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
+use canopy_engine::CpuBackend;
 use canopy_engine::data::{Dataset, LabelColumn, load_csv, partition_dirichlet};
 use canopy_engine::optim::Optimizer;
+use canopy_engine::train::{EVAL_BATCH, evaluate};
 use canopy_engine::zoo::{Architecture, ModelConfig, build_model, fit_input_stats};
-use canopy_sdk::{Transport, Trust};
 use serde_json::{Value, json};
 
 use canopy_server::config::{Limits, LogFormat, Settings, TlsSetting, sqlite_url};
@@ -27,6 +30,8 @@ use canopy_server::config::{Limits, LogFormat, Settings, TlsSetting, sqlite_url}
 /// The UCI digits, bundled so the demo runs from any directory.
 const DIGITS_CSV_GZ: &[u8] = include_bytes!("../../datasets/digits/digits.csv.gz");
 const MODEL_NAME: &str = "digits-mlp";
+/// The held-out split, uploaded for the server's central evaluation.
+const TEST_DATASET: &str = "digits-test";
 const HIDDEN_UNITS: usize = 32;
 const TEST_FRACTION: f64 = 0.2;
 const MAX_DEVICES: usize = 200;
@@ -88,6 +93,8 @@ struct RoundRow {
     selected: i64,
     train_loss: Option<f64>,
     held_out_accuracy: f64,
+    /// The server's own evaluation of the version on the same split.
+    central_accuracy: Option<f64>,
     seconds: f64,
     bytes_up: i64,
     bytes_down: i64,
@@ -124,11 +131,13 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         .admin_token
         .clone()
         .context("the demo server issued no admin token")?;
-    let admin = Admin::new(&base, &fingerprint, &token)?;
+    let admin = Admin::new(&base, &work.path().join("server"), &token)?;
     say(
         &args,
         &format!("server: {base} (SQLite in {})", work.path().display()),
     )?;
+    say(&args, &format!("dashboard: {base}/dashboard#token={token}"))?;
+    say(&args, &format!("admin token: {token}"))?;
     if args.secure {
         say(
             &args,
@@ -138,6 +147,16 @@ pub async fn run(args: DemoArgs) -> Result<()> {
 
     let model = build_digits_model(&train, args.seed)?;
     let version = admin.upload_model(model).await?;
+    let test_csv = work.path().join("digits-test.csv");
+    canopy_engine::data::write_csv(&test_csv, &test)?;
+    admin.upload_dataset(TEST_DATASET, &test_csv).await?;
+    say(
+        &args,
+        &format!(
+            "held-out split ({} samples) uploaded as dataset `{TEST_DATASET}`: the server evaluates every version on it",
+            test.len()
+        ),
+    )?;
     let enrollment = admin
         .post(
             "/api/v1/enrollment-tokens",
@@ -190,7 +209,6 @@ pub async fn run(args: DemoArgs) -> Result<()> {
             "API:       {base}/api/v1   (reference: {base}/api/v1/docs, OpenAPI: {base}/api/v1/openapi.json)"
         )?;
         outln!("dashboard: {base}/dashboard#token={token}")?;
-        outln!("admin token: {token}")?;
         outln!("certificate: {fingerprint}")?;
     }
     if args.keep {
@@ -386,7 +404,9 @@ async fn watch_rounds(
 ) -> Result<Vec<RoundRow>> {
     if !args.json {
         outln!()?;
-        outln!("round  devices  train loss  held-out acc  seconds  up (KB)  down (KB)")?;
+        outln!(
+            "round  devices  train loss  held-out acc  central acc  seconds  up (KB)  down (KB)"
+        )?;
     }
     let mut rows: Vec<RoundRow> = Vec::new();
     let deadline =
@@ -397,19 +417,27 @@ async fn watch_rounds(
             .await?;
         for round in rounds["items"].as_array().into_iter().flatten() {
             let number = round["number"].as_i64().unwrap_or_default();
-            if round["state"] != "succeeded" || rows.iter().any(|row| row.round == number) {
+            // A row waits for the server's central evaluation too.
+            let evaluated = round["metrics"]["central_eval_state"] != "pending";
+            if round["state"] != "succeeded"
+                || !evaluated
+                || rows.iter().any(|row| row.round == number)
+            {
                 continue;
             }
             let row = round_row(admin, round, test).await?;
             if !args.json {
                 outln!(
-                    "{:>5}  {:>7}  {:>10}  {:>12.3}  {:>7.2}  {:>7}  {:>9}",
+                    "{:>5}  {:>7}  {:>10}  {:>12.3}  {:>11}  {:>7.2}  {:>7}  {:>9}",
                     row.round,
                     format!("{}/{}", row.participants, row.selected),
                     row.train_loss
                         .map(|loss| format!("{loss:.4}"))
                         .unwrap_or_else(|| "-".to_string()),
                     row.held_out_accuracy,
+                    row.central_accuracy
+                        .map(|accuracy| format!("{accuracy:.3}"))
+                        .unwrap_or_else(|| "-".to_string()),
                     row.seconds,
                     row.bytes_up / 1000,
                     row.bytes_down / 1000,
@@ -440,7 +468,7 @@ async fn round_row(admin: &Admin, round: &Value, test: &Dataset) -> Result<Round
         .context("a succeeded round names its version")?;
     let bytes = admin.download_version(version_id).await?;
     let model = canopy_ir::format::read_model(&bytes)?;
-    let accuracy = canopy_sdk::train::evaluate_model(&model, test, 256)?.accuracy;
+    let accuracy = evaluate(&model, test, EVAL_BATCH, &CpuBackend)?.accuracy;
     let metrics = &round["metrics"];
     Ok(RoundRow {
         round: round["number"].as_i64().unwrap_or_default(),
@@ -448,24 +476,57 @@ async fn round_row(admin: &Admin, round: &Value, test: &Dataset) -> Result<Round
         selected: round["selected"].as_i64().unwrap_or_default(),
         train_loss: metrics["train_loss"].as_f64(),
         held_out_accuracy: accuracy,
+        central_accuracy: metrics["central_eval_accuracy"].as_f64(),
         seconds: round["durations"]["total_ms"].as_f64().unwrap_or_default() / 1000.0,
         bytes_up: metrics["bytes_in"].as_i64().unwrap_or_default(),
         bytes_down: metrics["bytes_out"].as_i64().unwrap_or_default(),
     })
 }
 
-/// The admin API over the pinned development certificate.
+/// The admin API over HTTPS, trusting only the demo server's development
+/// certificate.
 struct Admin {
-    transport: Transport,
+    http: reqwest::Client,
+    base: String,
     token: String,
 }
 
 impl Admin {
-    fn new(base: &str, fingerprint: &str, token: &str) -> Result<Admin> {
+    fn new(base: &str, data_dir: &Path, token: &str) -> Result<Admin> {
+        let (cert, _key) = canopy_server::tls::self_signed(data_dir, None)?;
+        let pem = std::fs::read(&cert)
+            .with_context(|| format!("cannot read the demo certificate {}", cert.display()))?;
+        let http = reqwest::Client::builder()
+            .add_root_certificate(reqwest::Certificate::from_pem(&pem)?)
+            .build()
+            .context("cannot build the demo's HTTPS client")?;
         Ok(Admin {
-            transport: Transport::new(base, &Trust::PinnedSha256(fingerprint.to_string()))?,
+            http,
+            base: base.trim_end_matches('/').to_string(),
             token: token.to_string(),
         })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// `PUT /api/v1/datasets/{name}` with the file as part `data`.
+    async fn upload_dataset(&self, name: &str, path: &Path) -> Result<()> {
+        let bytes = std::fs::read(path)?;
+        let form = reqwest::multipart::Form::new().part(
+            "data",
+            reqwest::multipart::Part::bytes(bytes).file_name("data.csv"),
+        );
+        let response = self
+            .http
+            .put(self.url(&format!("/api/v1/datasets/{name}")))
+            .bearer_auth(&self.token)
+            .multipart(form)
+            .send()
+            .await?;
+        Admin::check(response, "dataset upload").await?;
+        Ok(())
     }
 
     async fn check(response: reqwest::Response, what: &str) -> Result<Value> {
@@ -477,9 +538,8 @@ impl Admin {
 
     async fn get(&self, path: &str) -> Result<Value> {
         let response = self
-            .transport
-            .http()
-            .get(self.transport.url(path))
+            .http
+            .get(self.url(path))
             .bearer_auth(&self.token)
             .send()
             .await?;
@@ -488,9 +548,8 @@ impl Admin {
 
     async fn post(&self, path: &str, body: Value) -> Result<Value> {
         let response = self
-            .transport
-            .http()
-            .post(self.transport.url(path))
+            .http
+            .post(self.url(path))
             .bearer_auth(&self.token)
             .json(&body)
             .send()
@@ -500,12 +559,8 @@ impl Admin {
 
     async fn upload_model(&self, bytes: Vec<u8>) -> Result<i64> {
         let response = self
-            .transport
-            .http()
-            .post(
-                self.transport
-                    .url(&format!("/api/v1/models/{MODEL_NAME}/versions")),
-            )
+            .http
+            .post(self.url(&format!("/api/v1/models/{MODEL_NAME}/versions")))
             .bearer_auth(&self.token)
             .header("content-type", "application/octet-stream")
             .body(bytes)
@@ -528,6 +583,7 @@ impl Admin {
                     "round_deadline_ms": ROUND_DEADLINE_MS, "local_epochs": 2, "batch_size": 16,
                     "learning_rate": 0.1, "max_round_retries": 3,
                     "secure_aggregation": secure_aggregation(args),
+                    "evaluation": {"central_dataset": TEST_DATASET},
                 }),
             )
             .await?;
@@ -550,9 +606,8 @@ impl Admin {
             .with_context(|| format!("model version id {version_id} is not listed"))?;
         let path = format!("/api/v1/models/{MODEL_NAME}/versions/{version}/download");
         let response = self
-            .transport
-            .http()
-            .get(self.transport.url(&path))
+            .http
+            .get(self.url(&path))
             .bearer_auth(&self.token)
             .send()
             .await?;

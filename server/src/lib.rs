@@ -10,8 +10,10 @@
 
 pub mod api;
 pub mod blobs;
+pub mod central;
 pub mod config;
 pub mod conn;
+pub mod datasets;
 pub mod db;
 pub mod device_keys;
 pub mod fedavg;

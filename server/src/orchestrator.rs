@@ -22,7 +22,7 @@ use crate::state::AppState;
 use crate::store::evaluations;
 use crate::store::jobs::{self, DeviceFilter, JobRow, JobSpec, JobState};
 use crate::store::models::{self, NewVersion, VersionRow};
-use crate::store::rounds::{self, CandidateRow, RoundRow, RoundState, Tx};
+use crate::store::rounds::{self, CandidateRow, RoundKind, RoundRow, RoundState, Tx};
 use crate::store::strategy as strategy_store;
 use crate::store::{devices, from_json};
 use crate::strategy::{OptimizerState, ServerOptimizer};
@@ -51,6 +51,8 @@ pub enum OrchestratorError {
         #[source]
         source: canopy_ir::format::FormatError,
     },
+    #[error("cannot read the input shape of model version {version}: {reason}")]
+    InputShape { version: i64, reason: String },
     #[error("the blob store failed")]
     Blob(#[from] BlobError),
     #[error(transparent)]
@@ -125,6 +127,15 @@ async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
     let waiting = jobs::waiting_for_round(&state.db).await?;
     for job in waiting {
         let spec = job.spec()?;
+        let start = match job.rounds_completed {
+            0 => prepare_start(state, &job, &spec).await?,
+            _ => Start::Ready,
+        };
+        let kind = match start {
+            Start::Stopped => continue,
+            Start::Statistics => RoundKind::Statistics,
+            Start::Ready => RoundKind::Train,
+        };
         let _writer = state.db.write_lock().await;
         let mut tx = state.db.pool.begin().await?;
         if job.rounds_completed >= i64::from(spec.rounds) {
@@ -135,14 +146,24 @@ async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
             tx.commit().await?;
             continue;
         }
+        let Some(job) = jobs::get_with(&mut *tx, job.id).await? else {
+            continue;
+        };
+        let number = match kind {
+            RoundKind::Statistics => 0,
+            RoundKind::Train => job.rounds_completed + 1,
+        };
         let opened = rounds::open_round(
             &mut tx,
-            job.id,
-            job.rounds_completed + 1,
-            job.round_failures + 1,
-            job.current_version_id,
-            i64::from(spec.target_devices),
-            i64::from(spec.min_devices),
+            &rounds::NewRound {
+                kind,
+                job_id: job.id,
+                number,
+                attempt: job.round_failures + 1,
+                base_version_id: job.current_version_id,
+                target_devices: i64::from(spec.target_devices),
+                min_devices: i64::from(spec.min_devices),
+            },
         )
         .await?;
         tx.commit().await?;
@@ -150,13 +171,142 @@ async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
             tracing::info!(
                 job = job.id,
                 round = round_id,
-                number = job.rounds_completed + 1,
+                number,
+                kind = kind.as_str(),
                 attempt = job.round_failures + 1,
                 "opened round"
             );
         }
     }
     Ok(())
+}
+
+/// What a job needs before its first training round.
+enum Start {
+    /// Open the training round.
+    Ready,
+    /// Open a statistics round first: the model's input statistics are
+    /// unfitted.
+    Statistics,
+    /// The job failed (its model cannot take what the job asks).
+    Stopped,
+}
+
+/// Before a job's first training round: a statistics round when the job's
+/// model has unfitted input statistics (not in secure jobs: see
+/// `docs/strategies.md`), then, for FedProx, the version with the
+/// proximal `train_step` derived from the model's `train_loss`, once, as
+/// a version of the job with the (fitted) model as its parent.
+async fn prepare_start(
+    state: &AppState,
+    job: &JobRow,
+    spec: &JobSpec,
+) -> Result<Start, OrchestratorError> {
+    let current = models::get_version(&state.db, job.current_version_id)
+        .await?
+        .ok_or(OrchestratorError::MissingVersion {
+            round: 0,
+            version: job.current_version_id,
+        })?;
+    let derived_here = current.job_id == Some(job.id);
+    let mu = spec.strategy.proximal_mu().ok().flatten();
+    let wants_statistics = !derived_here && !spec.secure_aggregation.enabled;
+    let proximal_done = derived_here && current.round_id.is_none();
+    if !wants_statistics && (mu.is_none() || proximal_done) {
+        return Ok(Start::Ready);
+    }
+    let limit = state.settings.limits.max_model_bytes;
+    let bytes = state.blobs.get(&current.digest, limit).await?;
+    if wants_statistics {
+        let probe = bytes.clone();
+        let unfitted = tokio::task::spawn_blocking(move || {
+            canopy_ir::format::read_model(&probe).is_ok_and(|model| {
+                canopy_engine::stats::InputStatsState::of(&model)
+                    == canopy_engine::stats::InputStatsState::Unfitted
+            })
+        })
+        .await
+        .map_err(|source| OrchestratorError::Task { round: 0, source })?;
+        if unfitted {
+            return Ok(Start::Statistics);
+        }
+    }
+    let Some(mu) = mu else {
+        return Ok(Start::Ready);
+    };
+    let derived = tokio::task::spawn_blocking(move || derive_proximal(&bytes, mu))
+        .await
+        .map_err(|source| OrchestratorError::Task { round: 0, source })?;
+    let _writer = state.db.write_lock().await;
+    let mut tx = state.db.pool.begin().await?;
+    let file = match derived {
+        Ok(file) => file,
+        Err(reason) => {
+            let reason = format!(
+                "version {} of model `{}` cannot train with FedProx: {reason}",
+                current.version, current.model_name
+            );
+            jobs::fail(&mut tx, job.id, &reason).await?;
+            tx.commit().await?;
+            tracing::warn!(job = job.id, %reason, "job failed before its first round");
+            return Ok(Start::Stopped);
+        }
+    };
+    let version = store_version(state, &mut tx, &current, &file, job.id, None).await?;
+    jobs::set_start_version(&mut tx, job.id, version.id).await?;
+    tx.commit().await?;
+    tracing::info!(
+        job = job.id,
+        version = version.version,
+        mu,
+        "derived the FedProx train_step"
+    );
+    Ok(Start::Ready)
+}
+
+/// Stores a model file the server derived from `parent` as its child
+/// version, produced by `job_id` (and `round_id`, when a round made it).
+async fn store_version(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    parent: &VersionRow,
+    file: &[u8],
+    job_id: i64,
+    round_id: Option<i64>,
+) -> Result<VersionRow, OrchestratorError> {
+    let digest = canopy_ir::format::digest(file)
+        .map(|d| canopy_ir::format::digest_hex(&d))
+        .map_err(|source| OrchestratorError::Digest {
+            round: round_id.unwrap_or(0),
+            source,
+        })?;
+    state.blobs.put(&digest, Bytes::from(file.to_vec())).await?;
+    let layout = parent.layout()?;
+    Ok(models::insert_version(
+        tx,
+        &NewVersion {
+            model_name: &parent.model_name,
+            digest: &digest,
+            size_bytes: file.len() as u64,
+            layout: &layout,
+            untrainable_reason: None,
+            parent_version_id: Some(parent.id),
+            job_id: Some(job_id),
+            round_id,
+        },
+    )
+    .await?)
+}
+
+/// The model file with FedProx's term in its `train_step`, with the
+/// original as its parent. An error is why the model cannot have it.
+fn derive_proximal(base: &[u8], mu: f64) -> Result<Vec<u8>, String> {
+    let mut model = canopy_ir::format::read_model(base)
+        .map_err(|error| format!("the model does not load: {}", chain(&error)))?;
+    canopy_engine::proximal::make_proximal(&mut model, mu).map_err(|error| chain(&error))?;
+    model.metadata.parent_digest = canopy_ir::format::digest(base).ok();
+    canopy_ir::format::write_model(&model)
+        .map_err(|error| format!("the derived model does not serialise: {error}"))
 }
 
 /// Advances one round by as many states as it can go now.
@@ -255,11 +405,18 @@ async fn select(
     spec: &JobSpec,
 ) -> Result<bool, OrchestratorError> {
     let wanted = spec.selection_size() as usize;
-    let (chosen, eligible) = sample_eligible(state, tx, spec, wanted).await?;
+    let input_shape = match spec.dataset {
+        Some(_) => Some(model_input_shape(state, round.base_version_id).await?),
+        None => None,
+    };
+    let (chosen, eligibility) =
+        sample_eligible(state, tx, spec, input_shape.as_deref(), wanted).await?;
+    let eligible = eligibility.eligible;
     if eligible < spec.min_devices as usize {
         let message = format!(
-            "waiting for devices: {eligible} eligible online, the round needs at least {}",
-            spec.min_devices
+            "waiting for devices: {eligible} eligible online, the round needs at least {}{}",
+            spec.min_devices,
+            eligibility.why_not(spec.dataset.as_deref(), input_shape.as_deref())
         );
         if message != round.status_message {
             rounds::set_status(tx, round.id, &message).await?;
@@ -268,7 +425,7 @@ async fn select(
     }
     let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
     rounds::start_training(tx, round.id, &chosen, deadline).await?;
-    if spec.secure_aggregation.enabled {
+    if spec.secure_aggregation.enabled && round.kind == RoundKind::Train {
         let base = base_version(state, round).await?;
         let update_len = usize::try_from(base.trainable_elements).unwrap_or(usize::MAX);
         let begun = secure::begin(state, tx, round.id, spec, chosen.len(), update_len).await?;
@@ -288,36 +445,141 @@ async fn select(
     Ok(true)
 }
 
+/// How many online devices passed the filters, and why the others that
+/// passed them could not take part.
+#[derive(Debug, Default)]
+struct Eligibility {
+    eligible: usize,
+    /// Devices that do not report the job's dataset.
+    lacking_dataset: usize,
+    /// Devices whose copy of the dataset has another sample shape, with
+    /// one such shape as an example.
+    wrong_shape: usize,
+    example_shape: Option<Vec<u64>>,
+}
+
+impl Eligibility {
+    /// The reasons, as a clause for the job's status.
+    fn why_not(&self, dataset: Option<&str>, input_shape: Option<&[u64]>) -> String {
+        let Some(dataset) = dataset else {
+            return String::new();
+        };
+        let mut reasons = Vec::new();
+        if self.lacking_dataset > 0 {
+            reasons.push(format!("{} lack dataset `{dataset}`", self.lacking_dataset));
+        }
+        if let (Some(example), Some(input)) = (&self.example_shape, input_shape) {
+            reasons.push(format!(
+                "{} have `{dataset}` with samples of shape {example:?}, but the model takes {input:?}",
+                self.wrong_shape
+            ));
+        }
+        if reasons.is_empty() {
+            String::new()
+        } else {
+            format!(" (of the other online devices, {})", reasons.join("; "))
+        }
+    }
+}
+
 /// A uniform sample of up to `capacity` eligible online devices, by
 /// reservoir sampling, so memory is bounded by the sample however many
-/// devices are online; and how many were eligible.
+/// devices are online. A device is eligible when it passes the job's
+/// filters and, for a job that names a dataset, reports that dataset
+/// with samples of the model's input shape.
 async fn sample_eligible(
     state: &AppState,
     tx: &mut Tx<'_>,
     spec: &JobSpec,
+    input_shape: Option<&[u64]>,
     capacity: usize,
-) -> Result<(Vec<i64>, usize), OrchestratorError> {
+) -> Result<(Vec<i64>, Eligibility), OrchestratorError> {
     let window = i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX);
     let mut rng = rand::rngs::StdRng::from_os_rng();
     let mut chosen: Vec<i64> = Vec::with_capacity(capacity);
-    let mut eligible = 0usize;
+    let mut eligibility = Eligibility::default();
     let mut candidates = rounds::candidates(tx, now_ms() - window);
     while let Some(candidate) = candidates.next().await {
         let candidate = candidate?;
         if !matches_filter(&candidate, &spec.filters)? {
             continue;
         }
-        eligible += 1;
+        if let Some(name) = &spec.dataset {
+            let datasets = devices::parse_datasets(candidate.datasets.as_deref())?;
+            match datasets.into_iter().find(|d| &d.name == name) {
+                None => {
+                    eligibility.lacking_dataset += 1;
+                    continue;
+                }
+                Some(d)
+                    if input_shape.is_some_and(|shape| !sample_fits(&d.sample_shape, shape)) =>
+                {
+                    eligibility.wrong_shape += 1;
+                    eligibility.example_shape.get_or_insert(d.sample_shape);
+                    continue;
+                }
+                Some(_) => {}
+            }
+        }
+        eligibility.eligible += 1;
         if chosen.len() < capacity {
             chosen.push(candidate.id);
         } else {
-            let slot = rng.random_range(0..eligible);
+            let slot = rng.random_range(0..eligibility.eligible);
             if slot < capacity {
                 chosen[slot] = candidate.id;
             }
         }
     }
-    Ok((chosen, eligible))
+    Ok((chosen, eligibility))
+}
+
+/// Whether a device's samples fit the model's input: the engine's rule
+/// for viewing samples in another shape (IDX `[1, 28, 28]` images feed an
+/// MLP's `[784]`).
+pub(crate) fn sample_fits(sample_shape: &[u64], input_shape: &[u64]) -> bool {
+    let dims = |shape: &[u64]| -> Option<Vec<usize>> {
+        shape.iter().map(|&d| usize::try_from(d).ok()).collect()
+    };
+    match (dims(sample_shape), dims(input_shape)) {
+        (Some(from), Some(to)) => canopy_engine::data::reshapes_to(&from, &to),
+        _ => false,
+    }
+}
+
+/// The shape of one input sample of a model version, read from its
+/// `infer` graph once and cached.
+pub(crate) async fn model_input_shape(
+    state: &AppState,
+    version_id: i64,
+) -> Result<Vec<u64>, OrchestratorError> {
+    if let Some(shape) = state.cached_input_shape(version_id) {
+        return Ok(shape);
+    }
+    let version = models::get_version(&state.db, version_id).await?.ok_or(
+        OrchestratorError::MissingVersion {
+            round: 0,
+            version: version_id,
+        },
+    )?;
+    let bytes = state
+        .blobs
+        .get(&version.digest, state.settings.limits.max_model_bytes)
+        .await?;
+    let shape = tokio::task::spawn_blocking(move || {
+        let model = canopy_ir::format::read_model(&bytes).map_err(|e| e.to_string())?;
+        canopy_engine::zoo::sample_shape(&model)
+            .map(|dims| dims.into_iter().map(|d| d as u64).collect::<Vec<u64>>())
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|source| OrchestratorError::Task { round: 0, source })?
+    .map_err(|reason| OrchestratorError::InputShape {
+        version: version_id,
+        reason,
+    })?;
+    state.cache_input_shape(version_id, shape.clone());
+    Ok(shape)
 }
 
 /// Opens the federated evaluation of the version `round` produced: a
@@ -334,7 +596,13 @@ async fn open_evaluation(
         return Ok(false);
     }
     let capacity = evaluation.max_devices as usize;
-    let (mut chosen, eligible) = sample_eligible(state, tx, spec, capacity).await?;
+    let input_shape = match spec.dataset {
+        Some(_) => Some(model_input_shape(state, round.base_version_id).await?),
+        None => None,
+    };
+    let (mut chosen, eligibility) =
+        sample_eligible(state, tx, spec, input_shape.as_deref(), capacity).await?;
+    let eligible = eligibility.eligible;
     // Any sub-sample of a uniform sample is uniform.
     let wanted = ((eligible as f64) * evaluation.fraction).ceil() as usize;
     chosen.truncate(wanted.min(capacity));
@@ -414,6 +682,9 @@ async fn aggregate(
         tracing::warn!(round = round.id, job = job.id, %reason, "round failed");
         return Ok(RoundState::Failed);
     }
+    if round.kind == RoundKind::Statistics {
+        return aggregate_statistics(state, tx, round, job, spec).await;
+    }
     let base = base_version(state, round).await?;
     let sum = rounds::update_sum(tx, round.id)
         .await?
@@ -439,7 +710,7 @@ async fn aggregate(
         round: round.id,
         source,
     })?;
-    let (file, layout, next_state) = match built {
+    let (file, _layout, next_state) = match built {
         Ok(built) => built,
         Err(reason) => {
             rounds::fail(tx, round, &reason, max_retries).await?;
@@ -447,29 +718,17 @@ async fn aggregate(
             return Ok(RoundState::Failed);
         }
     };
-    let digest = canopy_ir::format::digest(&file)
-        .map(|d| canopy_ir::format::digest_hex(&d))
-        .map_err(|source| OrchestratorError::Digest {
-            round: round.id,
-            source,
-        })?;
-    state.blobs.put(&digest, Bytes::from(file.clone())).await?;
-    let version = models::insert_version(
-        tx,
-        &NewVersion {
-            model_name: &base.model_name,
-            digest: &digest,
-            size_bytes: file.len() as u64,
-            layout: &layout,
-            untrainable_reason: None,
-            parent_version_id: Some(base.id),
-            job_id: Some(job.id),
-            round_id: Some(round.id),
-        },
-    )
-    .await?;
+    let version = store_version(state, tx, &base, &file, job.id, Some(round.id)).await?;
+    let digest = &version.digest;
     let evaluating = open_evaluation(state, tx, round, spec).await?;
-    rounds::succeed(tx, round, version.id, i64::from(spec.rounds), evaluating).await?;
+    // Central evaluation runs after the commit (`central.rs`); marking it
+    // pending here makes it durable and holds the job open until it is done.
+    let central = spec.evaluation.central_dataset.is_some();
+    if central {
+        evaluations::await_central(tx, round.id).await?;
+    }
+    let awaiting = evaluating || central;
+    rounds::succeed(tx, round, version.id, i64::from(spec.rounds), awaiting).await?;
     let (_, next_state) = next_state;
     if round.number >= i64::from(spec.rounds) {
         strategy_store::delete(tx, job.id).await?;
@@ -483,6 +742,84 @@ async fn aggregate(
         "round succeeded"
     );
     Ok(RoundState::Succeeded)
+}
+
+/// A statistics round's end: the devices' moments, summed, fit the
+/// model's input statistics, written as a version of the job that its
+/// first training round starts from.
+async fn aggregate_statistics(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+    spec: &JobSpec,
+) -> Result<RoundState, OrchestratorError> {
+    let max_retries = i64::from(spec.max_round_retries);
+    let base = base_version(state, round).await?;
+    let sum = rounds::update_sum(tx, round.id)
+        .await?
+        .map(|bytes| fedavg::decode_sum(&bytes))
+        .unwrap_or_default();
+    let count = u64::try_from(round.weight_total).unwrap_or(0);
+    let bytes = state
+        .blobs
+        .get(&base.digest, state.settings.limits.max_model_bytes)
+        .await?;
+    let built = tokio::task::spawn_blocking(move || build_fitted_model(&bytes, &sum, count))
+        .await
+        .map_err(|source| OrchestratorError::Task {
+            round: round.id,
+            source,
+        })?;
+    let (file, stats) = match built {
+        Ok(built) => built,
+        Err(reason) => {
+            let reason = format!("the input statistics cannot be fitted: {reason}");
+            rounds::fail(tx, round, &reason, max_retries).await?;
+            tracing::warn!(round = round.id, %reason, "statistics round failed");
+            return Ok(RoundState::Failed);
+        }
+    };
+    let version = store_version(state, tx, &base, &file, job.id, Some(round.id)).await?;
+    rounds::succeed_statistics(tx, round, version.id).await?;
+    tracing::info!(
+        job = job.id,
+        round = round.id,
+        devices = round.updates_accepted,
+        samples = count,
+        mean = stats.mean,
+        std = stats.std,
+        version = version.version,
+        "input statistics fitted federatedly"
+    );
+    Ok(RoundState::Succeeded)
+}
+
+/// The model with its input statistics fitted from a statistics round's
+/// sum: `Σ nᵢ·meanᵢ` and `Σ nᵢ·mean_sqᵢ` per feature, which are exactly
+/// `Σx` and `Σx²` over all the devices' samples, `count` of them.
+fn build_fitted_model(
+    base: &[u8],
+    sum: &[f64],
+    count: u64,
+) -> Result<(Vec<u8>, canopy_engine::stats::InputStats), String> {
+    let mut model = canopy_ir::format::read_model(base)
+        .map_err(|error| format!("the base model does not load: {}", chain(&error)))?;
+    let features = sum.len() / 2;
+    let moments = canopy_engine::stats::InputMoments {
+        count,
+        sum: sum[..features].to_vec(),
+        sum_sq: sum[features..2 * features].to_vec(),
+    };
+    moments
+        .validate_for(&model)
+        .map_err(|error| chain(&error))?;
+    let stats =
+        canopy_engine::stats::fit_model(&mut model, &moments).map_err(|error| chain(&error))?;
+    model.metadata.parent_digest = canopy_ir::format::digest(base).ok();
+    let file = canopy_ir::format::write_model(&model)
+        .map_err(|error| format!("the fitted model does not serialise: {error}"))?;
+    Ok((file, stats))
 }
 
 /// The job's server optimizer and its state before this round: the stored

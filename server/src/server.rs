@@ -218,6 +218,7 @@ pub struct Running {
     grace: Duration,
     served: tokio::task::JoinHandle<Result<(), ServeError>>,
     orchestrator: tokio::task::JoinHandle<()>,
+    central_evaluation: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
@@ -237,6 +238,7 @@ impl Running {
         let served = self.served.await.unwrap_or(Ok(()));
         let _ = self.stop.send(true);
         let _ = self.orchestrator.await;
+        let _ = self.central_evaluation.await;
         tracing::info!("server stopped");
         served
     }
@@ -336,6 +338,7 @@ pub async fn start(settings: Settings) -> Result<Running, ServeError> {
             }));
     };
     tokio::spawn(signing::reload_periodically(state.clone(), stop_rx.clone()));
+    let central_evaluation = tokio::spawn(crate::central::run(state.clone(), stop_rx.clone()));
     let orchestrator = tokio::spawn(orchestrator::run(state.clone(), stop_rx));
     let admin_token = settings::bootstrap_admin_token(&state.db)
         .await
@@ -352,6 +355,7 @@ pub async fn start(settings: Settings) -> Result<Running, ServeError> {
         grace,
         served,
         orchestrator,
+        central_evaluation,
     })
 }
 

@@ -38,11 +38,13 @@ pub struct Inner {
     pub secagg_progress: Notify,
     /// Device uploads: updates and masked inputs (see `slots.rs`).
     pub upload_slots: UploadSlots,
-    /// Operators' model uploads.
+    /// Operators' model and dataset uploads.
     pub model_upload_slots: UploadSlots,
-    /// Model files verified at once: one, since verifying holds the file and
-    /// its parsed model in memory.
+    /// Model files verified, and datasets parsed, at once: one, since each
+    /// holds the file and what it parses to in memory.
     pub model_verification: Semaphore,
+    /// Parsed datasets for central evaluation.
+    pub datasets: crate::datasets::DatasetCache,
     /// `max_concurrent_requests`, shared by every route.
     pub request_slots: Semaphore,
     /// Requests and task polls each device has in flight.
@@ -59,6 +61,8 @@ pub struct Inner {
     pub device_limiter: DefaultKeyedRateLimiter<i64>,
     pub shutting_down: AtomicBool,
     layouts: std::sync::Mutex<HashMap<i64, Arc<UpdateLayout>>>,
+    /// Sample shapes of model versions, for selecting devices by dataset.
+    input_shapes: std::sync::Mutex<HashMap<i64, Vec<u64>>>,
 }
 
 /// `per_second` sustained, bursts of twice that.
@@ -92,6 +96,7 @@ impl AppState {
                 limits.upload_slot_wait_ms,
             ),
             model_verification: Semaphore::new(1),
+            datasets: crate::datasets::DatasetCache::new(limits.max_cached_datasets),
             request_slots: Semaphore::new(limits.max_concurrent_requests),
             device_requests: InFlight::new(limits.max_requests_per_device),
             device_polls: InFlight::new(limits.max_polls_per_device),
@@ -110,6 +115,7 @@ impl AppState {
             secagg_progress: Notify::new(),
             shutting_down: AtomicBool::new(false),
             layouts: std::sync::Mutex::new(HashMap::new()),
+            input_shapes: std::sync::Mutex::new(HashMap::new()),
         }))
     }
 
@@ -119,6 +125,20 @@ impl AppState {
 
     pub fn cached_layout(&self, version_id: i64) -> Option<Arc<UpdateLayout>> {
         self.layouts.lock().ok()?.get(&version_id).cloned()
+    }
+
+    pub fn cached_input_shape(&self, version_id: i64) -> Option<Vec<u64>> {
+        self.input_shapes.lock().ok()?.get(&version_id).cloned()
+    }
+
+    /// Bounded like the layout cache: cleared whole when full.
+    pub fn cache_input_shape(&self, version_id: i64, shape: Vec<u64>) {
+        if let Ok(mut shapes) = self.input_shapes.lock() {
+            if shapes.len() >= self.settings.limits.max_cached_layouts {
+                shapes.clear();
+            }
+            shapes.insert(version_id, shape);
+        }
     }
 
     pub fn cache_layout(&self, version_id: i64, layout: Arc<UpdateLayout>) {

@@ -37,6 +37,9 @@ pub enum StrategyName {
     Fedadagrad,
     Fedadam,
     Fedyogi,
+    /// FedAvg with the proximal term on the devices (`proximal_mu`,
+    /// default 0.01).
+    Fedprox,
 }
 
 impl StrategyName {
@@ -47,6 +50,7 @@ impl StrategyName {
             StrategyName::Fedadagrad => "fedadagrad",
             StrategyName::Fedadam => "fedadam",
             StrategyName::Fedyogi => "fedyogi",
+            StrategyName::Fedprox => "fedprox",
         }
     }
 
@@ -59,6 +63,7 @@ impl StrategyName {
             StrategyName::Fedadagrad => 2,
             StrategyName::Fedadam => 3,
             StrategyName::Fedyogi => 4,
+            StrategyName::Fedprox => 5,
         }
     }
 }
@@ -92,7 +97,16 @@ pub struct StrategySpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(exclusive_minimum = 0, maximum = 1)]
     pub tau: Option<f64>,
+    /// μ of FedProx's term `μ/2 · ‖w − w_round‖²` on the devices' loss
+    /// (default 0.01 for fedprox; any strategy may add it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(exclusive_minimum = 0, maximum = 1000)]
+    pub proximal_mu: Option<f64>,
 }
+
+/// FedProx's μ when a job names `fedprox` without one (Flower's and the
+/// paper's common choice for non-IID image data).
+pub const DEFAULT_PROXIMAL_MU: f64 = 0.01;
 
 /// Largest server step size a job may ask for.
 pub const MAX_SERVER_LEARNING_RATE: f64 = 100.0;
@@ -130,10 +144,27 @@ pub enum AdaptiveRule {
 impl StrategySpec {
     /// The optimizer this spec names, with defaults filled in; the error
     /// names the field and the cause.
+    /// The μ devices train with: the job's, fedprox's default, or none.
+    pub fn proximal_mu(&self) -> Result<Option<f64>, String> {
+        let mu = match self.name {
+            StrategyName::Fedprox => Some(self.proximal_mu.unwrap_or(DEFAULT_PROXIMAL_MU)),
+            _ => self.proximal_mu,
+        };
+        if let Some(mu) = mu {
+            canopy_engine::proximal::check_mu(mu).map_err(|_| {
+                format!(
+                    "`strategy.proximal_mu` must be above 0 and at most {}, got {mu}",
+                    canopy_engine::proximal::MAX_PROXIMAL_MU
+                )
+            })?;
+        }
+        Ok(mu)
+    }
+
     pub fn resolve(&self) -> Result<ServerOptimizer, String> {
         use StrategyName::*;
         let used: &[&str] = match self.name {
-            Fedavg => &["server_learning_rate"],
+            Fedavg | Fedprox => &["server_learning_rate"],
             Fedavgm => &["server_learning_rate", "momentum"],
             Fedadagrad => &["server_learning_rate", "beta1", "tau"],
             Fedadam | Fedyogi => &["server_learning_rate", "beta1", "beta2", "tau"],
@@ -172,8 +203,9 @@ impl StrategySpec {
             }
             Ok(value)
         };
+        self.proximal_mu()?;
         Ok(match self.name {
-            Fedavg => ServerOptimizer::FedAvg { learning_rate },
+            Fedavg | Fedprox => ServerOptimizer::FedAvg { learning_rate },
             Fedavgm => ServerOptimizer::FedAvgM {
                 learning_rate,
                 momentum: beta("momentum", self.momentum, 0.9)?,

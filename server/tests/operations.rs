@@ -449,18 +449,22 @@ async fn dashboard_is_served_locked_down() -> Result<()> {
     assert!(
         page.text()
             .await?
-            .contains("<script src=\"/dashboard.js\">")
+            .contains("<script type=\"module\" src=\"/dashboard.js\">")
     );
-    let script = http
-        .get(server.transport().url("/dashboard.js"))
-        .send()
-        .await?
-        .text()
-        .await?;
-    assert!(
-        !script.contains("innerHTML"),
-        "API values must never become HTML"
-    );
+    let mut script = String::new();
+    for path in ["/dashboard.js", "/dashboard-charts.js"] {
+        let text = http
+            .get(server.transport().url(path))
+            .send()
+            .await?
+            .text()
+            .await?;
+        assert!(
+            !text.contains("innerHTML"),
+            "{path}: API values must never become HTML"
+        );
+        script.push_str(&text);
+    }
     let admin = server.admin();
     for path in ["/api/v1/jobs?limit=100", "/api/v1/devices?limit=500"] {
         assert!(script.contains(path.split('?').next().unwrap_or_default()));

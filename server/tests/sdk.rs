@@ -116,6 +116,7 @@ fn blocking_client_runs_a_round_from_a_thread_without_a_runtime() -> Result<()> 
     device.heartbeat(&Heartbeat {
         state: Some("idle".to_string()),
         round_id: None,
+        ..Heartbeat::default()
     })?;
     assert_eq!(device.next_task(0)?, None, "no job yet");
 

@@ -267,6 +267,18 @@ async fn bad_strategy_settings_are_refused() -> Result<()> {
             json!({"strategy": {"name": "fedadam", "tau": 0}}),
             "strategy.tau",
         ),
+        (
+            json!({"strategy": {"name": "fedprox", "proximal_mu": 0.0}}),
+            "strategy.proximal_mu",
+        ),
+        (
+            json!({"strategy": {"name": "fedadam", "proximal_mu": 1000.5}}),
+            "strategy.proximal_mu",
+        ),
+        (
+            json!({"strategy": {"name": "fedprox", "momentum": 0.9}}),
+            "`strategy.momentum` does not apply to `fedprox`",
+        ),
         (json!({"strategy": {"name": "sgd"}}), "strategy"),
         (json!({"strategy": "fedavg"}), "strategy"),
         (

@@ -104,6 +104,8 @@ macro_rules! errln {
     };
 }
 
+pub mod progress;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,15 +3,17 @@
 //! Every figure excludes start-up (data loading, tracing, compilation); the
 //! timed region is the training or execution loop alone.
 
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use canopy_engine::data::Dataset;
 use canopy_engine::optim::Optimizer;
-use canopy_engine::train::Trainer;
+use canopy_engine::select::{BackendChoice, open_backend};
+use canopy_engine::train::{FitConfig, Trainer, fit};
 use canopy_engine::zoo::{Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_model};
-use canopy_engine::{Backend, CpuBackend, Executable, Value};
+use canopy_engine::{Backend, Executable, Value};
 use canopy_ir::model::PARAM_PREFIX;
 use canopy_ir::{Graph, Model, TensorType, autodiff};
 use clap::Args;
@@ -33,6 +35,10 @@ pub struct BenchArgs {
     /// Print one JSON object as the last line.
     #[arg(long)]
     json: bool,
+    /// cpu, gpu (any Vulkan, Metal or DX12 adapter) or auto (a hardware
+    /// GPU when there is one, else the CPU).
+    #[arg(long, default_value_t = BackendChoice::Auto)]
+    backend: BackendChoice,
 }
 
 const BATCH: usize = 64;
@@ -41,6 +47,9 @@ const LR: f32 = 0.1;
 const MEASURE: Duration = Duration::from_millis(600);
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    let opened = open_backend(args.backend)?;
+    let backend = opened.as_ref();
+    outln!("backend: {}", super::describe_backend(backend))?;
     let mlp = model(Architecture::Mlp {
         inputs: 784,
         hidden: 128,
@@ -49,22 +58,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let lenet = model(Architecture::LeNet5 { classes: 10 })?;
     let (mlp_train, _) = load_for_model(&args.data, &mlp)?;
     let (lenet_train, _) = load_for_model(&args.data, &lenet)?;
-    let mlp_rate = train_throughput(&mlp, &mlp_train, args.epochs)?;
+    let mlp_rate = train_throughput(&mlp, &mlp_train, args.epochs, backend)?;
     outln!(
         "mlp 784-128-10 training: {mlp_rate:.0} samples/s ({} epochs, batch {BATCH}, SGD {LR})",
         args.epochs
     )?;
-    let lenet_rate = train_throughput(&lenet, &lenet_train, args.lenet_epochs)?;
+    let lenet_rate = train_throughput(&lenet, &lenet_train, args.lenet_epochs, backend)?;
     outln!(
         "lenet5 training:         {lenet_rate:.0} samples/s ({} epochs)",
         args.lenet_epochs
     )?;
-    let mlp_ratio = backward_forward_ratio(&mlp, &mlp_train)?;
-    let lenet_ratio = backward_forward_ratio(&lenet, &lenet_train)?;
+    let mlp_ratio = backward_forward_ratio(&mlp, &mlp_train, backend)?;
+    let lenet_ratio = backward_forward_ratio(&lenet, &lenet_train, backend)?;
     outln!("backward/forward time:   mlp {mlp_ratio:.2}, lenet5 {lenet_ratio:.2}")?;
-    let full_ms = step_millis(&lenet, &lenet_train)?;
+    let full_ms = step_millis(&lenet, &lenet_train, backend)?;
     let frozen = model_frozen(Architecture::LeNet5 { classes: 10 }, &["conv", "fc1"])?;
-    let frozen_ms = step_millis(&frozen, &lenet_train)?;
+    let frozen_ms = step_millis(&frozen, &lenet_train, backend)?;
     outln!(
         "lenet5 step, batch {BATCH}:  full {full_ms:.2} ms ({} nodes), frozen conv+fc1 {frozen_ms:.2} ms ({} nodes)",
         lenet.entry("train_step")?.len(),
@@ -74,7 +83,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     outln!("mlp train_step nodes:    {nodes_before} before passes, {nodes_after} after")?;
     let mut gflops = serde_json::Map::new();
     for n in [256, 512, 1024] {
-        let rate = matmul_gflops(n)?;
+        let rate = matmul_gflops(n, backend)?;
         outln!("matmul {n}x{n}:          {rate:.1} GFLOPS")?;
         gflops.insert(n.to_string(), rate.into());
     }
@@ -92,6 +101,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "mlp_train_step_nodes_before_passes": nodes_before,
                 "mlp_train_step_nodes_after_passes": nodes_after,
                 "threads": rayon::current_num_threads(),
+                "backend": backend.name(),
+                "adapter": backend.describe().adapter.map(|a| serde_json::json!({
+                    "name": a.name, "api": a.api, "device_type": a.device_type, "driver": a.driver,
+                    "max_buffer_bytes": a.max_buffer_bytes,
+                })),
             })
         )?;
     }
@@ -113,8 +127,8 @@ fn model_frozen(architecture: Architecture, frozen: &[&str]) -> Result<Model> {
 }
 
 /// Mean milliseconds of one training step over a fixed set of batches.
-fn step_millis(model: &Model, train: &Dataset) -> Result<f64> {
-    let mut trainer = Trainer::new(model, &CpuBackend, 0)?;
+fn step_millis(model: &Model, train: &Dataset, backend: &dyn Backend) -> Result<f64> {
+    let mut trainer = Trainer::new(model, backend, 0)?;
     let batches: Vec<_> = train.batches(BATCH, Some(7), true)?.take(40).collect();
     let (warm_up, timed) = batches.split_at(5);
     for b in warm_up {
@@ -151,27 +165,33 @@ fn mlp_pass_report() -> Result<(usize, usize)> {
     Ok((report.before, report.after))
 }
 
-/// Samples per second over the whole shuffled training loop.
-fn train_throughput(model: &Model, train: &Dataset, epochs: usize) -> Result<f64> {
-    rayon::scope(|_| train_throughput_here(model, train, epochs))
-}
-
-fn train_throughput_here(model: &Model, train: &Dataset, epochs: usize) -> Result<f64> {
-    let mut trainer = Trainer::new(model, &CpuBackend, 0)?;
+/// Samples per second over the engine's training loop (shuffling and
+/// batching included).
+fn train_throughput(
+    model: &Model,
+    train: &Dataset,
+    epochs: usize,
+    backend: &dyn Backend,
+) -> Result<f64> {
+    let mut trainer = Trainer::new(model, backend, 0)?;
+    let config = FitConfig {
+        start_epoch: 0,
+        epochs: epochs as u32,
+        batch: BATCH,
+        learning_rate: LR,
+        seed: 0,
+    };
     let started = Instant::now();
-    let mut samples = 0usize;
-    for epoch in 0..epochs {
-        for batch in train.batches(BATCH, Some(epoch as u64), true)? {
-            samples += batch.len();
-            trainer.step(batch.x, batch.y, LR)?;
-        }
-    }
+    let stats = fit(&mut trainer, train, &config, &mut |_| {
+        ControlFlow::Continue(())
+    })?;
+    let samples: usize = stats.iter().map(|e| e.samples).sum();
     Ok(samples as f64 / started.elapsed().as_secs_f64())
 }
 
 /// (time of forward+backward − time of forward) / time of forward, for the
 /// loss graph and its `value_and_grad`, on one batch.
-fn backward_forward_ratio(model: &Model, train: &Dataset) -> Result<f64> {
+fn backward_forward_ratio(model: &Model, train: &Dataset, backend: &dyn Backend) -> Result<f64> {
     let forward = model.entry(ENTRY_TRAIN_LOSS)?.clone();
     let wrt: Vec<String> = model
         .parameters
@@ -185,13 +205,19 @@ fn backward_forward_ratio(model: &Model, train: &Dataset) -> Result<f64> {
         .batches(BATCH, None, true)?
         .next()
         .context("dataset is smaller than one batch")?;
-    let forward_time = time_graph(&forward, model, &batch.x, &batch.y)?;
-    let both_time = time_graph(&both, model, &batch.x, &batch.y)?;
+    let forward_time = time_graph(&forward, model, &batch.x, &batch.y, backend)?;
+    let both_time = time_graph(&both, model, &batch.x, &batch.y, backend)?;
     Ok((both_time - forward_time) / forward_time)
 }
 
-fn time_graph(graph: &Graph, model: &Model, x: &Value, y: &Value) -> Result<f64> {
-    let mut exec = CpuBackend.compile(graph)?;
+fn time_graph(
+    graph: &Graph,
+    model: &Model,
+    x: &Value,
+    y: &Value,
+    backend: &dyn Backend,
+) -> Result<f64> {
+    let mut exec = backend.compile(graph)?;
     let inputs = || -> Result<Vec<Value>> {
         graph
             .inputs()
@@ -232,13 +258,13 @@ fn per_run_seconds(
     Ok(total.as_secs_f64() / runs as f64)
 }
 
-fn matmul_gflops(n: usize) -> Result<f64> {
+fn matmul_gflops(n: usize, backend: &dyn Backend) -> Result<f64> {
     let mut g = Graph::new();
     let a = g.input("a", TensorType::f32(&[n, n]))?;
     let b = g.input("b", TensorType::f32(&[n, n]))?;
     let c = g.matmul(a, b)?;
     g.set_output("c", c)?;
-    let mut exec = CpuBackend.compile(&g)?;
+    let mut exec = backend.compile(&g)?;
     let values: Vec<f32> = (0..n * n).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
     let operand = Value::f32(&[n, n], values)?;
     let seconds = per_run_seconds(exec.as_mut(), || Ok(vec![operand.clone(), operand.clone()]))?;

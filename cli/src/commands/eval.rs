@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
+use canopy_engine::select::{BackendChoice, open_backend};
 use clap::Args;
 
 use super::load_for_model;
@@ -19,6 +20,10 @@ pub struct EvalArgs {
     /// Print one JSON object with `loss`, `accuracy` and `samples` as the last line.
     #[arg(long)]
     json: bool,
+    /// cpu, gpu (any Vulkan, Metal or DX12 adapter) or auto (a hardware
+    /// GPU when there is one, else the CPU).
+    #[arg(long, default_value_t = BackendChoice::Auto)]
+    backend: BackendChoice,
 }
 
 pub fn run(args: EvalArgs) -> Result<()> {
@@ -27,7 +32,8 @@ pub fn run(args: EvalArgs) -> Result<()> {
     }
     let (model, _) = read_model_file(&args.file)?;
     let (_, test) = load_for_model(&args.data.data, &model)?;
-    let stats = evaluate(&model, &test, args.batch)?;
+    let backend = open_backend(args.backend)?;
+    let stats = evaluate(&model, &test, args.batch, backend.as_ref())?;
     outln!(
         "{}: test loss {:.4}, accuracy {:.4} over {} samples",
         args.file.display(),

@@ -1,8 +1,15 @@
 pub mod bench;
+pub mod datasets;
+pub mod devices;
 pub mod eval;
 pub mod inspect;
+pub mod jobs;
+pub mod login;
+pub mod models;
 pub mod new;
+pub mod stats;
 pub mod train;
+pub mod watch;
 
 use anyhow::{Context, Result, bail};
 use canopy_engine::data::{Dataset, load_dir};
@@ -54,5 +61,14 @@ pub fn model_classes(model: &Model) -> Result<usize> {
                 format!("`infer` output {logits} has no static class dimension"),
             ),
         ),
+    }
+}
+
+/// A backend's name, with the adapter for a GPU: `gpu (NVIDIA H100, vulkan)`.
+pub fn describe_backend(backend: &dyn canopy_engine::Backend) -> String {
+    let info = backend.describe();
+    match info.adapter {
+        Some(adapter) => format!("{} ({}, {})", info.backend, adapter.name, adapter.api),
+        None => info.backend,
     }
 }

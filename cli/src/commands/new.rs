@@ -1,8 +1,11 @@
 use std::path::PathBuf;
 
 use anyhow::{Result, bail};
+use canopy_engine::nn::Initializer;
 use canopy_engine::optim::Optimizer;
-use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
+use canopy_engine::stats::InputStatsState;
+use canopy_engine::zoo::{Architecture, ModelConfig, build_model_with_init};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, ValueEnum};
 
 use crate::files::{short_digest, write_model_file};
@@ -31,6 +34,11 @@ pub struct NewArgs {
     /// Seed of the parameter initialiser.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Weight initialiser: `he` (He normal for layers a ReLU follows,
+    /// Xavier for the others), `xavier` (Xavier uniform everywhere) or
+    /// `uniform` (U(±1/√fan_in), the earlier default).
+    #[arg(long, default_value = "he", value_parser = init_parser())]
+    init: Initializer,
     /// Optimizer of the shipped `train_step`: sgd, adam, adamw, or a spec
     /// like `sgd:momentum=0.9,nesterov=true`.
     #[arg(long, default_value = "sgd")]
@@ -41,6 +49,14 @@ pub struct NewArgs {
     /// Output file.
     #[arg(short, long)]
     output: PathBuf,
+}
+
+/// Accepts exactly the engine's initialiser names, listed in `--help`.
+fn init_parser() -> impl TypedValueParser<Value = Initializer> {
+    PossibleValuesParser::new(Initializer::ALL.map(Initializer::name)).try_map(|name| {
+        // Cannot fail: the possible values are the engine's own names.
+        Initializer::parse(&name)
+    })
 }
 
 /// Largest layer width accepted, so a typo cannot ask for terabytes.
@@ -77,7 +93,7 @@ pub fn run(args: NewArgs) -> Result<()> {
         frozen_prefixes: args.freeze,
         producer: format!("canopy {}", env!("CARGO_PKG_VERSION")),
     };
-    let model = build_model(&config)?;
+    let model = build_model_with_init(&config, args.init)?;
     let digest = write_model_file(&args.output, &model)?;
     outln!(
         "wrote {} ({} parameters, {} trainable, digest {})",
@@ -90,5 +106,13 @@ pub fn run(args: NewArgs) -> Result<()> {
         model.trainable_elements(),
         short_digest(&digest)
     )?;
+    if InputStatsState::of(&model) == InputStatsState::Unfitted {
+        outln!(
+            "input statistics (input.mean, input.std) are unfitted (mean 0, std 1): the first \
+             federated job fits them in a statistics round, or fit them with `canopy model train` \
+             or `canopy model stats {} --data DIR`",
+            args.output.display()
+        )?;
+    }
     Ok(())
 }

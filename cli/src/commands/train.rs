@@ -2,22 +2,23 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
-use canopy_engine::CpuBackend;
+use canopy_engine::Backend;
 use canopy_engine::data::Dataset;
 use canopy_engine::optim::Optimizer;
-use canopy_engine::train::{Evaluator, Trainer};
+use canopy_engine::select::{BackendChoice, open_backend};
+use canopy_engine::train::{FitConfig, Trainer, fit};
 use canopy_engine::zoo::{
     PROP_OPTIMIZER, fit_input_stats, needs_input_stats, rebuild_train_step, set_frozen,
 };
 use canopy_ir::Model;
 use canopy_protocol::bounds::{self, BoundsError};
+use canopy_term::progress::FitBar;
 use clap::Args;
 
 use super::load_for_model;
 use crate::DataArgs;
 use crate::files::{read_model_file, short_digest, write_model_file};
 use crate::output::outln;
-use crate::progress;
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -47,6 +48,10 @@ pub struct TrainArgs {
     /// Print one JSON object with the final metrics as the last line.
     #[arg(long)]
     json: bool,
+    /// cpu, gpu (any Vulkan, Metal or DX12 adapter) or auto (a hardware
+    /// GPU when there is one, else the CPU).
+    #[arg(long, default_value_t = BackendChoice::Auto)]
+    backend: BackendChoice,
 }
 
 pub fn run(args: TrainArgs) -> Result<()> {
@@ -61,27 +66,38 @@ pub fn run(args: TrainArgs) -> Result<()> {
             train.len()
         );
     }
-    let mut trainer = Trainer::new(&model, &CpuBackend, args.seed)?;
-    let mut last = None;
+    let backend = open_backend(args.backend)?;
+    tracing::info!(backend = %super::describe_backend(backend.as_ref()), "training backend");
+    let mut trainer = Trainer::new(&model, backend.as_ref(), args.seed)?;
     let started = Instant::now();
+    let mut last = None;
     for epoch in 1..=args.epochs {
-        let (loss, accuracy) = train_epoch(&mut trainer, &train, &args, epoch)
+        // One epoch of the engine's loop at a time, so the test set is
+        // evaluated after each.
+        let config = FitConfig {
+            start_epoch: epoch as u32 - 1,
+            epochs: 1,
+            batch: args.batch,
+            learning_rate: args.lr,
+            seed: args.seed,
+        };
+        let mut bar = FitBar::new(args.epochs as u32);
+        let stats = fit(&mut trainer, &train, &config, &mut |p| bar.observe(p))
             .with_context(|| format!("training epoch {epoch} of `{}`", args.file.display()))?;
+        let stats = stats
+            .last()
+            .copied()
+            .ok_or_else(|| anyhow!("no epoch ran"))?;
         trainer.write_back(&mut model)?;
-        let eval = evaluate(&model, &test, args.batch)?;
+        let eval = evaluate(&model, &test, args.batch, backend.as_ref())?;
         outln!(
-            "epoch {epoch:>3}/{}  train loss {loss:.4}  train acc {accuracy:.4}  test loss {:.4}  test acc {:.4}",
+            "epoch {epoch:>3}/{}  train loss {:.4}  train acc {:.4}  test loss {:.4}  test acc {:.4}",
             args.epochs,
+            stats.loss,
+            stats.accuracy,
             eval.loss,
             eval.accuracy
         )?;
-        tracing::debug!(
-            epoch,
-            loss,
-            accuracy,
-            test_accuracy = eval.accuracy,
-            "epoch done"
-        );
         last = Some(eval);
     }
     model.metadata.parent_digest = Some(parent);
@@ -153,69 +169,14 @@ fn retarget(model: &mut Model, args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// Runs on a rayon worker, so each step's kernels fork and join inside the
-/// pool rather than waking it from outside once per step.
-fn train_epoch(
-    trainer: &mut Trainer,
-    train: &Dataset,
-    args: &TrainArgs,
-    epoch: usize,
-) -> Result<(f64, f64)> {
-    rayon::scope(|_| train_epoch_here(trainer, train, args, epoch))
-}
-
-fn train_epoch_here(
-    trainer: &mut Trainer,
-    train: &Dataset,
-    args: &TrainArgs,
-    epoch: usize,
-) -> Result<(f64, f64)> {
-    // A short final batch makes one high-variance step that can undo much
-    // of an epoch at SGD learning rates; it is dropped (each epoch reshuffles,
-    // so every sample is still seen) unless it is the whole dataset.
-    let drop_last = train.len() >= args.batch;
-    let batches = if drop_last {
-        train.len() / args.batch
-    } else {
-        1
-    } as u64;
-    let bar = progress::bar(batches, format!("epoch {epoch}"));
-    let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0i64, 0usize);
-    let shuffle_seed = args
-        .seed
-        .wrapping_mul(0x9E37_79B9)
-        .wrapping_add(epoch as u64);
-    for batch in train.batches(args.batch, Some(shuffle_seed), drop_last)? {
-        let size = batch.len();
-        let stats = trainer.step(batch.x, batch.y, args.lr)?;
-        loss_sum += stats.loss as f64 * size as f64;
-        correct += stats.correct;
-        seen += size;
-        bar.inc(1);
-        bar.set_message(format!("loss {:.4}", loss_sum / seen as f64));
-    }
-    bar.finish_and_clear();
-    let seen = seen.max(1) as f64;
-    Ok((loss_sum / seen, correct as f64 / seen))
-}
-
+/// The engine's evaluation on `backend`, on rayon's pool.
 pub fn evaluate(
     model: &Model,
     test: &Dataset,
     batch: usize,
+    backend: &dyn Backend,
 ) -> Result<canopy_engine::train::EvalStats> {
-    let mut evaluator = Evaluator::new(model, &CpuBackend)?;
-    let (mut loss, mut correct) = (0.0f64, 0i64);
-    for b in test.batches(batch, None, false)? {
-        let (l, c) = evaluator.batch(b.x, b.y)?;
-        loss += l;
-        correct += c;
-    }
-    let samples = test.len();
-    let n = samples.max(1) as f64;
-    Ok(canopy_engine::train::EvalStats {
-        loss: loss / n,
-        accuracy: correct as f64 / n,
-        samples,
-    })
+    Ok(rayon::scope(|_| {
+        canopy_engine::train::evaluate(model, test, batch, backend)
+    })?)
 }

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use canopy_engine::select::BackendChoice;
 use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::messages::{Capabilities, MAX_MEMORY_MB, MAX_TAGS, Tier};
 use clap::Args;
@@ -41,6 +42,30 @@ pub struct EnrollArgs {
     /// Replace an existing enrollment (and its device key).
     #[arg(long)]
     force: bool,
+    /// The backends to offer jobs: cpu; gpu (the CPU and any Vulkan,
+    /// Metal or DX12 adapter); auto (the CPU, and a hardware GPU when there
+    /// is one). A job's device filter can ask for `gpu`.
+    #[arg(long, default_value_t = BackendChoice::Auto)]
+    backend: BackendChoice,
+}
+
+/// The backend names to report for `choice`: always `cpu`, and `gpu`
+/// when the engine opens one for it.
+fn offered_backends(choice: BackendChoice) -> Vec<String> {
+    let mut backends = vec!["cpu".to_string()];
+    if choice != BackendChoice::Cpu {
+        match canopy_engine::select::open_backend(choice) {
+            Ok(backend) if backend.name() == "gpu" => {
+                if let Some(adapter) = backend.describe().adapter {
+                    tracing::info!(adapter = %adapter.name, api = %adapter.api, kind = %adapter.device_type, "offering the GPU");
+                }
+                backends.push("gpu".to_string());
+            }
+            Ok(_) => {}
+            Err(error) => tracing::warn!(%error, "no GPU to offer; the CPU only"),
+        }
+    }
+    backends
 }
 
 pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
@@ -61,7 +86,7 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
     let tags = parse_tags(&args.tags)?;
     let capabilities = Capabilities {
         tier: Tier::Edge,
-        backends: vec!["cpu".to_string()],
+        backends: offered_backends(args.backend),
         memory_mb: total_memory_mb().unwrap_or(0).min(MAX_MEMORY_MB),
         os: format!("{}-{}", std::env::consts::OS, std::env::consts::ARCH),
         tags: tags.clone(),

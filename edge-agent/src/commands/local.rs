@@ -2,23 +2,24 @@
 //! and evaluate a model on its registered data, on the same held-out 10%
 //! the daemon evaluates on.
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use canopy_engine::CpuBackend;
+use std::ops::ControlFlow;
+
+use canopy_engine::Backend;
 use canopy_engine::data::Dataset;
-use canopy_engine::train::Trainer;
+use canopy_engine::select::{BackendChoice, open_backend};
+use canopy_engine::train::{EvalStats, FitConfig, FitProgress, Trainer, fit};
 use canopy_engine::zoo::{fit_input_stats, needs_input_stats};
 use canopy_ir::Model;
 use canopy_protocol::bounds::{
     MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_MODEL_BYTES, check_batch_size, check_epochs,
     check_learning_rate,
 };
-use canopy_sdk::train::{Evaluation, evaluate_model};
+use canopy_term::progress::FitBar;
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::datasets::{DataKind, DataSource, Registry, fit_to_model, holdout};
 use crate::files::{DataDir, hinted, read_bounded};
@@ -45,6 +46,10 @@ pub struct TrainArgs {
     /// Seed of the shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// cpu, gpu (any Vulkan, Metal or DX12 adapter) or auto (a hardware
+    /// GPU when there is one, else the CPU).
+    #[arg(long, default_value_t = BackendChoice::Auto)]
+    backend: BackendChoice,
 }
 
 #[derive(Args)]
@@ -70,6 +75,9 @@ pub struct EvalArgs {
     /// Print one JSON object `{"accuracy", "loss", "samples"}` and nothing else.
     #[arg(long)]
     json: bool,
+    /// cpu, gpu or auto, as for `train`.
+    #[arg(long, default_value_t = BackendChoice::Auto)]
+    backend: BackendChoice,
 }
 
 fn read_model(path: &Path) -> Result<Model> {
@@ -90,9 +98,16 @@ fn check_batch(batch: usize) -> Result<()> {
     Ok(())
 }
 
-/// The held-out evaluation of `model`, on rayon's pool.
-fn evaluate(model: &Model, data: &Dataset, batch: usize) -> Result<Evaluation> {
-    rayon::scope(|_| evaluate_model(model, data, batch)).context("evaluation failed")
+/// The held-out evaluation of `model` on `backend` (on rayon's pool, where
+/// the CPU's kernels fork and join).
+fn evaluate(
+    model: &Model,
+    data: &Dataset,
+    batch: usize,
+    backend: &dyn Backend,
+) -> Result<EvalStats> {
+    rayon::scope(|_| canopy_engine::train::evaluate(model, data, batch, backend))
+        .context("evaluation failed")
 }
 
 pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
@@ -150,7 +165,9 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
             "fitted the model's input statistics on the training split"
         );
     }
-    let before = evaluate(&model, &test, 256)?;
+    let backend = open_backend(args.backend)?;
+    tracing::info!(backend = %describe(backend.as_ref()), "training backend");
+    let before = evaluate(&model, &test, 256, backend.as_ref())?;
     outln!(
         "dataset `{}`: {} training samples, {} held out",
         entry.name,
@@ -163,19 +180,39 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
         before.loss
     )?;
     let started = Instant::now();
-    let mut trainer = Trainer::new(&model, &CpuBackend, args.seed)
+    let mut trainer = Trainer::new(&model, backend.as_ref(), args.seed)
         .with_context(|| format!("cannot prepare `{}` for training", args.model.display()))?;
-    for epoch in 1..=args.epochs {
-        let (loss, accuracy) = rayon::scope(|_| train_epoch(&mut trainer, &train, &args, epoch))
-            .with_context(|| format!("training epoch {epoch} of `{}`", args.model.display()))?;
-        outln!(
-            "epoch {epoch:>3}/{}  train loss {loss:.4}  train accuracy {accuracy:.4}",
-            args.epochs
-        )?;
-        tracing::debug!(epoch, loss, accuracy, "epoch done");
-    }
+    let config = FitConfig {
+        start_epoch: 0,
+        epochs: args.epochs,
+        batch: args.batch,
+        learning_rate: args.lr,
+        seed: args.seed,
+    };
+    let mut bar = FitBar::new(args.epochs);
+    let mut printed: Result<()> = Ok(());
+    let mut observe = |progress: FitProgress| {
+        let _ = bar.observe(progress);
+        if let FitProgress::Epoch(epoch) = progress {
+            printed = outln!(
+                "epoch {:>3}/{}  train loss {:.4}  train accuracy {:.4}",
+                epoch.epoch,
+                args.epochs,
+                epoch.loss,
+                epoch.accuracy
+            )
+            .map_err(anyhow::Error::from);
+            if printed.is_err() {
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
+    };
+    let fitted = fit(&mut trainer, &train, &config, &mut observe);
+    printed?;
+    fitted.with_context(|| format!("training `{}`", args.model.display()))?;
     trainer.write_back(&mut model)?;
-    let after = evaluate(&model, &test, 256)?;
+    let after = evaluate(&model, &test, 256, backend.as_ref())?;
     outln!(
         "held-out accuracy after:  {:.4} (loss {:.4})",
         after.accuracy,
@@ -190,70 +227,13 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// One epoch, as a task's training runs it: reshuffled per epoch, a short
-/// final batch dropped unless it is all the data.
-fn train_epoch(
-    trainer: &mut Trainer,
-    train: &Dataset,
-    args: &TrainArgs,
-    epoch: u32,
-) -> Result<(f64, f64)> {
-    let drop_last = train.len() >= args.batch;
-    let batches = if drop_last {
-        train.len() / args.batch
-    } else {
-        1
-    } as u64;
-    let bar = progress_bar(batches, epoch, args.epochs);
-    let shuffle = args
-        .seed
-        .wrapping_mul(0x9E37_79B9)
-        .wrapping_add(u64::from(epoch));
-    let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0i64, 0usize);
-    for (index, batch) in train
-        .batches(args.batch, Some(shuffle), drop_last)?
-        .enumerate()
-    {
-        let size = batch.len();
-        let stats = trainer.step(batch.x, batch.y, args.lr)?;
-        loss_sum += f64::from(stats.loss) * size as f64;
-        correct += stats.correct;
-        seen += size;
-        match &bar {
-            Some(bar) => {
-                bar.inc(1);
-                bar.set_message(format!("loss {:.4}", loss_sum / seen as f64));
-            }
-            None if (index + 1) % 100 == 0 => tracing::info!(
-                epoch,
-                batch = index + 1,
-                batches,
-                loss = loss_sum / seen as f64,
-                "training"
-            ),
-            None => {}
-        }
+/// The backend's name, with the adapter for a GPU.
+fn describe(backend: &dyn Backend) -> String {
+    let info = backend.describe();
+    match info.adapter {
+        Some(adapter) => format!("{} ({}, {})", info.backend, adapter.name, adapter.api),
+        None => info.backend,
     }
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
-    let seen = seen.max(1) as f64;
-    Ok((loss_sum / seen, correct as f64 / seen))
-}
-
-/// A bar on a terminal; `None` otherwise (tracing logs instead).
-fn progress_bar(batches: u64, epoch: u32, epochs: u32) -> Option<ProgressBar> {
-    if !std::io::stderr().is_terminal() {
-        return None;
-    }
-    let bar = ProgressBar::new(batches).with_prefix(format!("epoch {epoch}/{epochs}"));
-    let style = ProgressStyle::with_template(
-        "{prefix:>12} [{bar:30}] {pos}/{len} batches  {msg}  ({elapsed}, eta {eta})",
-    )
-    .expect("static template is valid")
-    .progress_chars("=> ");
-    bar.set_style(style);
-    Some(bar)
 }
 
 pub fn eval(dir: &DataDir, args: EvalArgs) -> Result<()> {
@@ -289,7 +269,8 @@ pub fn eval(dir: &DataDir, args: EvalArgs) -> Result<()> {
             data.len()
         );
     }
-    let stats = evaluate(&model, &test, args.batch)?;
+    let backend = open_backend(args.backend)?;
+    let stats = evaluate(&model, &test, args.batch, backend.as_ref())?;
     if args.json {
         outln!(
             "{}",

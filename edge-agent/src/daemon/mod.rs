@@ -11,6 +11,7 @@
 //! [`SHUTDOWN_GRACE`] (a second signal ends it at once, and stops its
 //! training), then the daemon exits 0.
 
+mod data;
 mod task;
 
 use std::collections::HashMap;
@@ -18,16 +19,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use canopy_engine::data::Dataset;
 use canopy_protocol::messages::{Heartbeat, TaskKind};
 use canopy_sdk::{CancelToken, DeviceClient, RetryPolicy, SdkError};
 use clap::Args;
 use tokio::sync::{Notify, watch};
 
 use crate::config::{AgentConfig, FileConfig, load_key};
-use crate::datasets::{Registry, holdout};
 use crate::files::{DataDir, now_ms};
 use crate::status::{AgentState, AgentStatus, TaskRecord, TaskResult};
+use data::LocalDatasets;
 
 /// How long a running task may take to finish after SIGTERM or SIGINT.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
@@ -85,6 +85,11 @@ pub struct RunArgs {
     /// (100..=110000; the server caps it at its own maximum).
     #[arg(long)]
     poll_wait_ms: Option<u64>,
+    /// The engine backend to train and evaluate on: cpu, gpu (any Vulkan,
+    /// Metal or DX12 adapter) or auto (a hardware GPU when there is one,
+    /// else the CPU); default: `run.backend` in config.toml, else auto.
+    #[arg(long)]
+    backend: Option<canopy_engine::select::BackendChoice>,
 }
 
 /// `run`'s settings after merging flags over config.toml.
@@ -95,6 +100,7 @@ struct Settings {
     max_memory_mb: Option<u64>,
     only_when_idle: bool,
     poll_wait_ms: u64,
+    backend: canopy_engine::select::BackendChoice,
 }
 
 impl Settings {
@@ -109,6 +115,7 @@ impl Settings {
                 .poll_wait_ms
                 .or(run.poll_wait_ms)
                 .unwrap_or(DEFAULT_POLL_WAIT_MS),
+            backend: args.backend.or(run.backend).unwrap_or_default(),
         };
         if let Some(threads) = settings.max_threads {
             if threads == 0 || threads > MAX_THREADS {
@@ -133,35 +140,11 @@ impl Settings {
     }
 }
 
-/// The local dataset, split once: trained on, and held out.
-struct LocalData {
-    name: String,
-    train: Dataset,
-    holdout: Dataset,
-}
-
 pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
     let settings = Settings::merge(args, FileConfig::load(dir)?)?;
     let agent = AgentConfig::require(dir)?;
     let key = load_key(&dir.key())?;
-    let registry = Registry::load(dir)?;
-    let entry = registry.resolve(dir, settings.dataset.as_deref())?;
-    let data = entry
-        .source()
-        .load()
-        .with_context(|| format!("cannot load registered dataset `{}`", entry.name))?;
-    let (train, held_out) = holdout(&data)?;
-    tracing::info!(
-        dataset = %entry.name,
-        train = train.len(),
-        holdout = held_out.len(),
-        "dataset loaded"
-    );
-    let data = Arc::new(LocalData {
-        name: entry.name.clone(),
-        train,
-        holdout: held_out,
-    });
+    let datasets = Arc::new(LocalDatasets::open(dir, settings.dataset.as_deref())?);
     if let Some(threads) = settings.max_threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -185,7 +168,7 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
         dir: dir.clone(),
         poller: client.clone().with_retry_policy(POLL_BACKOFF),
         client,
-        data,
+        datasets,
         settings,
         heartbeat_ms: agent.heartbeat_interval_ms,
         agent: Mutex::new(agent),
@@ -207,7 +190,7 @@ struct Daemon {
     /// Polls and heartbeats: one attempt each (see [`POLL_BACKOFF`]).
     /// Shares the connection pool and the trusted keys with `client`.
     poller: DeviceClient,
-    data: Arc<LocalData>,
+    datasets: Arc<LocalDatasets>,
     settings: Settings,
     heartbeat_ms: u64,
     /// The enrollment as last written, rewritten when the trusted
@@ -273,6 +256,8 @@ impl Daemon {
         Heartbeat {
             state: Some(status.state.as_str().to_string()),
             round_id,
+            datasets: Some(self.datasets.offered()),
+            last_error: Some(heartbeat_error(&status)),
         }
     }
 
@@ -299,12 +284,12 @@ impl Daemon {
             status.state = AgentState::Idle;
             status.started_unix_ms = Some(now_ms());
             status.device_id = Some(self.client.device_id);
-            status.dataset = Some(self.data.name.clone());
+            status.dataset = Some(self.datasets.default_name().to_string());
         });
         tracing::info!(
             device_id = self.client.device_id,
             server = %self.client.transport.url(""),
-            dataset = %self.data.name,
+            dataset = %self.datasets.default_name(),
             max_threads = rayon::current_num_threads(),
             max_memory_mb = self.settings.max_memory_mb,
             only_when_idle = self.settings.only_when_idle,
@@ -603,6 +588,24 @@ async fn sleep_or_stop(duration: Duration, stop: &mut watch::Receiver<u32>) -> b
 }
 
 /// Records a finished or failed task.
+/// The error the heartbeat reports: the last task's, while it is the last
+/// thing that happened; empty (clearing the server's copy) once a task
+/// succeeds after it.
+fn heartbeat_error(status: &AgentStatus) -> String {
+    let failed_last = status
+        .last_task
+        .as_ref()
+        .is_some_and(|t| !matches!(t.result, TaskResult::Uploaded | TaskResult::InProgress));
+    match (&status.last_error, failed_last) {
+        (Some(error), true) => error
+            .chars()
+            .take(canopy_protocol::messages::MAX_LAST_ERROR_CHARS)
+            .filter(|c| !c.is_control())
+            .collect(),
+        _ => String::new(),
+    }
+}
+
 fn record_outcome(status: &mut AgentStatus, result: TaskResult, detail: Option<String>) {
     if let Some(record) = status.last_task.as_mut() {
         record.finish(result, detail.clone());
@@ -639,6 +642,8 @@ fn new_record(task: &canopy_protocol::messages::Task) -> TaskRecord {
 
 #[cfg(test)]
 mod tests {
+    use canopy_engine::select::BackendChoice;
+
     use super::*;
     use crate::config::RunSettings;
 
@@ -651,6 +656,7 @@ mod tests {
                 max_memory_mb: Some(100),
                 only_when_idle: Some(true),
                 poll_wait_ms: Some(5_000),
+                backend: Some(BackendChoice::Cpu),
             },
         };
         let args = RunArgs {
@@ -659,6 +665,7 @@ mod tests {
             max_memory_mb: Some(50),
             only_when_idle: false,
             poll_wait_ms: None,
+            backend: Some(BackendChoice::Gpu),
         };
         let settings = Settings::merge(args, file).unwrap();
         assert_eq!(settings.dataset.as_deref(), Some("b"));
@@ -666,8 +673,17 @@ mod tests {
         assert_eq!(settings.max_memory_mb, Some(50));
         assert!(settings.only_when_idle);
         assert_eq!(settings.poll_wait_ms, 5_000);
+        assert_eq!(settings.backend, BackendChoice::Gpu);
         let defaults = Settings::merge(RunArgs::default(), FileConfig::default()).unwrap();
         assert_eq!(defaults.poll_wait_ms, DEFAULT_POLL_WAIT_MS);
+        assert_eq!(defaults.backend, BackendChoice::Auto);
+        let file: FileConfig = toml::from_str("[run]\nbackend = \"gpu\"\n").unwrap();
+        assert_eq!(file.run.backend, Some(BackendChoice::Gpu));
+        let wrong = toml::from_str::<FileConfig>("[run]\nbackend = \"tpu\"\n").unwrap_err();
+        assert!(
+            wrong.to_string().contains("unknown backend `tpu`"),
+            "{wrong}"
+        );
         let bad = RunArgs {
             max_threads: Some(0),
             ..RunArgs::default()

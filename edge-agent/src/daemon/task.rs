@@ -18,16 +18,19 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
+use canopy_engine::select::BackendChoice;
 use canopy_protocol::messages::{RoundMetrics, Task, TaskKind};
 use canopy_sdk::train::{
-    EVAL_BATCH, Evaluation, LocalUpdate, evaluate_model, train_task_cancellable,
+    EVAL_BATCH, Evaluation, LocalUpdate, TrainOptions, evaluate_model, statistics_update,
+    train_task_with,
 };
 use canopy_sdk::{
     CancelToken, DeviceClient, RetryNotice, RetryObserver, RetryPolicy, SdkError, SecureRound,
     StageObserver, StageProgress,
 };
 
-use super::{Daemon, LocalData, MEMORY_FACTOR, new_record, record_outcome};
+use super::data::LocalData;
+use super::{Daemon, MEMORY_FACTOR, new_record, record_outcome};
 use crate::datasets::fit_to_model;
 use crate::files::now_ms;
 use crate::status::{AgentState, TaskResult};
@@ -275,8 +278,13 @@ impl Daemon {
                 "the round's deadline passed before work began",
             ));
         }
-        if task.kind == TaskKind::Evaluate {
-            return self.evaluate(run).await;
+        self.datasets
+            .check(task.dataset.as_deref())
+            .map_err(|reason| Stop::new(TaskResult::Refused, reason))?;
+        match task.kind {
+            TaskKind::Evaluate => return self.evaluate(run).await,
+            TaskKind::Statistics => return self.statistics(run).await,
+            TaskKind::Train => {}
         }
         let secure_round = match task.secure_aggregation {
             Some(_) => Some(self.exchange_keys(run).await?),
@@ -295,14 +303,16 @@ impl Daemon {
         self.persist_trusted_keys();
         tracing::info!(round_id = task.round_id, digest = %model.digest, "model downloaded and verified");
         self.set_state(AgentState::Training);
-        let data = self.data.clone();
+        let datasets = self.datasets.clone();
         let owned_task = task.clone();
         let seed = training_seed(self.client.device_id, task.round_id);
-        let cancel = run.training.clone();
+        let options = TrainOptions {
+            backend: sdk_backend(self.settings.backend),
+            cancel: run.training.clone(),
+        };
         let trained = tokio::task::spawn_blocking(move || {
-            // Inside rayon's pool, as every training loop runs: the
-            // kernels fork and join there, sized by --max-threads.
-            rayon::scope(|_| train_and_evaluate(&model.bytes, &owned_task, &data, seed, &cancel))
+            let data = datasets.get(owned_task.dataset.as_deref())?;
+            train_and_evaluate(&model.bytes, &owned_task, &data, seed, &options)
         })
         .await;
         let (evaluation, update) = match trained {
@@ -370,6 +380,52 @@ impl Daemon {
         Ok(())
     }
 
+    /// A statistics task: the moments of the training split's inputs,
+    /// uploaded as the round's update; nothing is trained.
+    async fn statistics(&self, run: &Run<'_>) -> Result<(), Stop> {
+        let task = run.task;
+        self.set_state(AgentState::Downloading);
+        let model = run.client.download_model(task).await.map_err(|error| {
+            Stop::new(
+                request_failure(&error),
+                format!(
+                    "model download failed: {}",
+                    canopy_term::error_chain(&error)
+                ),
+            )
+        })?;
+        self.persist_trusted_keys();
+        let datasets = self.datasets.clone();
+        let owned_task = task.clone();
+        let computed = tokio::task::spawn_blocking(move || {
+            let data = datasets.get(owned_task.dataset.as_deref())?;
+            Ok::<_, anyhow::Error>(statistics_update(&model.bytes, &owned_task, &data.train)?)
+        })
+        .await;
+        let update = match computed {
+            Ok(Ok(update)) => update,
+            Ok(Err(error)) => {
+                return Err(Stop::new(
+                    TaskResult::Failed,
+                    canopy_term::error_chain(error.as_ref()),
+                ));
+            }
+            Err(join) => {
+                return Err(Stop::new(
+                    TaskResult::Failed,
+                    format!("computing input statistics stopped unexpectedly: {join}"),
+                ));
+            }
+        };
+        tracing::info!(
+            round_id = task.round_id,
+            samples = update.num_samples,
+            "input moments computed"
+        );
+        self.set_state(AgentState::Uploading);
+        self.upload(run, update).await
+    }
+
     /// An evaluation task: the version a round produced, evaluated on the
     /// held-out split (the same samples the training tasks' metrics use)
     /// and reported; nothing is trained or uploaded.
@@ -387,8 +443,10 @@ impl Daemon {
         })?;
         self.persist_trusted_keys();
         self.set_state(AgentState::Evaluating);
-        let data = self.data.clone();
+        let datasets = self.datasets.clone();
+        let name = task.dataset.clone();
         let evaluated = tokio::task::spawn_blocking(move || {
+            let data = datasets.get(name.as_deref())?;
             rayon::scope(|_| evaluate_held_out(&model.bytes, &data))
         })
         .await;
@@ -558,12 +616,22 @@ fn evaluate_held_out(model_bytes: &[u8], data: &LocalData) -> Result<Evaluation>
         .context("evaluating the round's model on the held-out data failed")
 }
 
+/// The SDK's backend for the agent's `--backend`: `auto` takes a hardware
+/// GPU and otherwise the CPU, as the engine decides in one place.
+pub(super) fn sdk_backend(choice: BackendChoice) -> canopy_sdk::BackendChoice {
+    match canopy_engine::select::open_backend(choice) {
+        Ok(backend) if backend.name() == "gpu" => canopy_sdk::BackendChoice::gpu(),
+        _ if choice == BackendChoice::Gpu => canopy_sdk::BackendChoice::gpu(),
+        _ => canopy_sdk::BackendChoice::cpu(),
+    }
+}
+
 fn train_and_evaluate(
     model_bytes: &[u8],
     task: &Task,
     data: &LocalData,
     seed: u64,
-    cancel: &CancelToken,
+    options: &TrainOptions,
 ) -> Result<(Option<Evaluation>, LocalUpdate)> {
     let model =
         canopy_ir::format::read_model(model_bytes).context("the downloaded model does not load")?;
@@ -584,7 +652,7 @@ fn train_and_evaluate(
         )
     };
     drop(model);
-    let update = train_task_cancellable(model_bytes, task, &train, seed, cancel)
+    let update = train_task_with(model_bytes, task, &train, seed, options)
         .context("local training failed")?;
     Ok((evaluation, update))
 }
@@ -632,6 +700,7 @@ mod tests {
     fn task(epochs: u32, model_size_bytes: u64, deadline_unix_ms: u64) -> Task {
         Task {
             kind: canopy_protocol::messages::TaskKind::Train,
+            dataset: None,
             job_id: 1,
             round_id: 2,
             round_number: 1,

@@ -8,7 +8,7 @@ pub mod kernels;
 
 use canopy_ir::{Dim, Graph, Op, TensorType, ValueId};
 
-use crate::backend::{Backend, Executable};
+use crate::backend::{Backend, Executable, HostResidency, ResidentRun};
 use crate::error::{EngineError, EngineResult};
 use crate::value::Value;
 pub use kernels::Arg;
@@ -43,6 +43,8 @@ pub struct CpuExecutable {
     /// Per-node (total time, runs) when `CANOPY_PROFILE=1`; printed to
     /// stderr by op name when the executable is dropped.
     profile: Option<Vec<(std::time::Duration, u64)>>,
+    /// Inputs kept between runs (`Executable::make_resident`).
+    residency: HostResidency,
 }
 
 impl Drop for CpuExecutable {
@@ -108,6 +110,7 @@ impl CpuExecutable {
             input_names,
             output_names,
             profile,
+            residency: HostResidency::default(),
         })
     }
 
@@ -118,42 +121,52 @@ impl CpuExecutable {
     /// Binds the symbolic batch dimension from the inputs and checks every
     /// input against its declared type.
     fn bind_batch(&self, inputs: &[Value]) -> EngineResult<usize> {
-        let mut batch: Option<usize> = None;
-        for (&id, value) in self.graph.inputs().iter().zip(inputs) {
-            let ty = self.graph.ty(id);
-            let name = self.graph.input_name(id);
-            check_rank_and_dtype(name, ty, value)?;
-            for (axis, dim) in ty.shape.dims().iter().enumerate() {
-                if *dim != Dim::Batch {
-                    continue;
-                }
-                let got = value.shape()[axis];
-                match batch {
-                    None => batch = Some(got),
-                    Some(b) if b != got => {
-                        return Err(EngineError::Input {
-                            name: name.to_string(),
-                            cause: format!(
-                                "batch dimension (axis {axis}) is {got}, but other inputs bind it to {b}"
-                            ),
-                        });
-                    }
-                    Some(_) => {}
-                }
-            }
-        }
-        let batch = batch.unwrap_or(1);
-        for (&id, value) in self.graph.inputs().iter().zip(inputs) {
-            let ty = self.graph.ty(id);
-            if !value.fits(ty, batch) {
-                return Err(EngineError::Input {
-                    name: self.graph.input_name(id).to_string(),
-                    cause: format!("expected {ty} (N = {batch}), got shape {:?}", value.shape()),
-                });
-            }
-        }
-        Ok(batch)
+        let pairs: Vec<(ValueId, &Value)> =
+            self.graph.inputs().iter().copied().zip(inputs).collect();
+        bind_batch(&self.graph, &pairs)
     }
+}
+
+/// Binds the symbolic batch dimension from `inputs` (graph inputs and
+/// their values) and checks each against its declared type. Every backend
+/// uses this one check, so an input is refused with the same message
+/// everywhere.
+pub fn bind_batch(graph: &Graph, inputs: &[(ValueId, &Value)]) -> EngineResult<usize> {
+    let mut batch: Option<usize> = None;
+    for &(id, value) in inputs {
+        let ty = graph.ty(id);
+        let name = graph.input_name(id);
+        check_rank_and_dtype(name, ty, value)?;
+        for (axis, dim) in ty.shape.dims().iter().enumerate() {
+            if *dim != Dim::Batch {
+                continue;
+            }
+            let got = value.shape()[axis];
+            match batch {
+                None => batch = Some(got),
+                Some(b) if b != got => {
+                    return Err(EngineError::Input {
+                        name: name.to_string(),
+                        cause: format!(
+                            "batch dimension (axis {axis}) is {got}, but other inputs bind it to {b}"
+                        ),
+                    });
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    let batch = batch.unwrap_or(1);
+    for &(id, value) in inputs {
+        let ty = graph.ty(id);
+        if !value.fits(ty, batch) {
+            return Err(EngineError::Input {
+                name: graph.input_name(id).to_string(),
+                cause: format!("expected {ty} (N = {batch}), got shape {:?}", value.shape()),
+            });
+        }
+    }
+    Ok(batch)
 }
 
 fn check_rank_and_dtype(name: &str, ty: &TensorType, value: &Value) -> EngineResult<()> {
@@ -183,6 +196,31 @@ impl Executable for CpuExecutable {
 
     fn output_names(&self) -> &[String] {
         &self.output_names
+    }
+
+    fn make_resident(&mut self, values: Vec<(usize, Value)>) -> EngineResult<()> {
+        self.residency = HostResidency::new(&self.input_names, &self.output_names, values)?;
+        Ok(())
+    }
+
+    fn run_resident(&mut self, inputs: Vec<Value>) -> EngineResult<ResidentRun> {
+        let all = self.residency.splice(inputs)?;
+        let outputs = self.run(all)?;
+        Ok(self.residency.absorb(outputs, &self.output_names))
+    }
+
+    fn read_resident(&mut self) -> EngineResult<Vec<(usize, Value)>> {
+        Ok(self.residency.read())
+    }
+
+    fn snapshot_resident(&mut self) -> EngineResult<()> {
+        self.residency.snapshot();
+        Ok(())
+    }
+
+    fn restore_resident(&mut self) -> EngineResult<()> {
+        self.residency.restore();
+        Ok(())
     }
 }
 

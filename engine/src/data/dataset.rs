@@ -11,13 +11,12 @@ use super::data_err;
 use super::limits::{MAX_CLASSES, MAX_DIMS, MAX_ELEMENTS, MAX_FEATURES_PER_SAMPLE};
 use super::read::checked_product;
 use crate::error::{EngineError, EngineResult};
+// The floor on a standard deviation used to divide, so constant features
+// (e.g. MNIST's always-black border pixels) map to 0 instead of NaN.
+use crate::stats::{InputMoments, MIN_STD};
 
 /// Path reported for datasets built in memory rather than loaded.
 const IN_MEMORY: &str = "<in-memory dataset>";
-
-/// Floor on a standard deviation used to divide, so constant features
-/// (e.g. MNIST's always-black border pixels) map to 0 instead of NaN.
-const MIN_STD: f32 = 1e-6;
 
 /// N samples; sample `i` is `features[i * d .. (i + 1) * d]` with
 /// `d = feature_shape.iter().product()`, labelled `labels[i]` in
@@ -159,7 +158,7 @@ impl Dataset {
     /// size, e.g. `[784]` for an MLP or `[1, 28, 28]` for a conv net.
     pub fn with_feature_shape(mut self, shape: &[usize]) -> EngineResult<Dataset> {
         let d = check_shape(shape).map_err(EngineError::Shape)?;
-        if d != self.feature_len() {
+        if !reshapes_to(&self.feature_shape, shape) {
             let cause = format!(
                 "cannot view samples of shape {:?} ({} elements) as {shape:?} ({d} elements)",
                 self.feature_shape,
@@ -261,23 +260,7 @@ impl Dataset {
     /// Per-feature mean and standard deviation (population), accumulated
     /// in f64 so large datasets do not lose precision.
     pub fn feature_stats(&self) -> FeatureStats {
-        let d = self.feature_len();
-        let n = self.len().max(1) as f64;
-        let mut sum = vec![0f64; d];
-        let mut sq = vec![0f64; d];
-        for row in self.features.chunks_exact(d.max(1)) {
-            for ((s, q), &x) in sum.iter_mut().zip(sq.iter_mut()).zip(row) {
-                *s += x as f64;
-                *q += (x as f64) * (x as f64);
-            }
-        }
-        let mean: Vec<f32> = sum.iter().map(|s| (s / n) as f32).collect();
-        let std = sum
-            .iter()
-            .zip(&sq)
-            .map(|(s, q)| ((q / n - (s / n).powi(2)).max(0.0)).sqrt() as f32)
-            .collect();
-        FeatureStats { mean, std }
+        InputMoments::of(self).feature_stats_unchecked()
     }
 
     /// Standardizes each feature to zero mean, unit variance and returns
@@ -384,4 +367,12 @@ pub(crate) fn check_total(n: usize, d: usize) -> Result<usize, String> {
         .ok_or_else(|| {
             format!("{n} samples of {d} elements exceed the limit of {MAX_ELEMENTS} values")
         })
+}
+
+/// Whether samples of shape `from` can be viewed as `to`, the rule of
+/// [`Dataset::with_feature_shape`] (the same number of elements), so the
+/// server can tell from a device's report whether its data fits a model.
+pub fn reshapes_to(from: &[usize], to: &[usize]) -> bool {
+    let elements = |shape: &[usize]| shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    matches!((elements(from), elements(to)), (Some(a), Some(b)) if a == b)
 }

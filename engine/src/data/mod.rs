@@ -20,7 +20,7 @@ mod read;
 
 pub use batch::{Batch, Batches};
 pub use csv::{CsvHeader, CsvOptions, LabelColumn, load_csv, load_csv_with, write_csv};
-pub use dataset::{Dataset, FeatureStats};
+pub use dataset::{Dataset, FeatureStats, reshapes_to};
 pub use dir::{DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, load_dir};
 pub use idx::{load_idx, load_idx_labels};
 pub use npy::{load_npy, load_npy_dataset};

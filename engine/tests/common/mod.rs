@@ -1,23 +1,157 @@
-//! Shared helpers for gradient tests: running graphs on the CPU backend and
-//! checking autodiff against central finite differences.
+//! Shared helpers for gradient tests: running graphs on every backend
+//! (the CPU, and the GPU through [`CrossChecked`]) and checking autodiff
+//! against central finite differences.
 //!
 //! The kernels are f32, so differences are taken in f32 and compared in f64
 //! with a tolerance that scales with the magnitudes involved.
 
 #![allow(dead_code)]
 
-use canopy_engine::{Backend, CpuBackend, Executable, Value};
+use canopy_engine::backend::{ResidentRun, TransferCounters};
+use canopy_engine::{Backend, CpuBackend, EngineResult, Executable, GpuBackend, Value};
 use canopy_ir::autodiff::{jvp, vjp};
 use canopy_ir::{DType, Graph, Shape, TensorType, ValueId};
 
 /// A scalar function of a compiled graph's outputs.
 type Objective<'a> = dyn Fn(&mut Box<dyn Executable>, Vec<Value>) -> f64 + 'a;
 
-/// Compiles `graph` for the CPU backend, with the graph in the message.
+/// Compiles `graph` for every backend under test; the executable runs
+/// each and checks that they agree, returning the CPU's outputs.
 pub fn compile(graph: &Graph) -> Box<dyn Executable> {
-    CpuBackend
+    let cpu = CpuBackend
         .compile(graph)
-        .unwrap_or_else(|e| panic!("compile failed: {e:?}\n{graph:#?}"))
+        .unwrap_or_else(|e| panic!("compile failed: {e:?}\n{graph:#?}"));
+    let gpu = gpu_under_test().map(|gpu| {
+        gpu.compile(graph)
+            .unwrap_or_else(|e| panic!("GPU compile failed: {e}\n{graph:#?}"))
+    });
+    Box::new(CrossChecked { cpu, gpu })
+}
+
+/// The GPU backend, which every suite also runs on. No silent skip: it
+/// must open unless `CANOPY_TEST_BACKENDS=cpu` says to test the CPU alone.
+pub fn gpu_under_test() -> Option<GpuBackend> {
+    if std::env::var("CANOPY_TEST_BACKENDS").as_deref() == Ok("cpu") {
+        return None;
+    }
+    Some(canopy_engine::select::shared_gpu().unwrap_or_else(|e| {
+        panic!(
+            "{e}\nhint: install a Vulkan driver (.ci/run installs mesa-vulkan-drivers), \
+             or set CANOPY_TEST_BACKENDS=cpu to test the CPU backend alone"
+        )
+    }))
+}
+
+/// Runs a graph on the CPU and on the GPU and asserts that every output
+/// agrees to `|gpu - cpu| <= 1e-4·|cpu| + 1e-5·max(1, max|cpu|)`.
+pub struct CrossChecked {
+    pub cpu: Box<dyn Executable>,
+    pub gpu: Option<Box<dyn Executable>>,
+}
+
+impl CrossChecked {
+    fn check(&self, cpu: &[Value], gpu: &[Value]) {
+        assert_eq!(cpu.len(), gpu.len(), "output count");
+        for ((c, g), name) in cpu.iter().zip(gpu).zip(self.cpu.output_names()) {
+            assert_close_across_backends(name, c, g);
+        }
+    }
+}
+
+pub fn assert_close_across_backends(name: &str, cpu: &Value, gpu: &Value) {
+    assert_eq!(cpu.dtype(), gpu.dtype(), "output `{name}`: dtype");
+    assert_eq!(cpu.shape(), gpu.shape(), "output `{name}`: shape");
+    match (cpu, gpu) {
+        (Value::F32(c), Value::F32(g)) => {
+            let scale = c.iter().fold(
+                1.0f32,
+                |m, v| if v.is_finite() { m.max(v.abs()) } else { m },
+            );
+            for (i, (a, b)) in c.iter().zip(g.iter()).enumerate() {
+                let same = (a.is_nan() && b.is_nan()) || a == b;
+                let close = (a - b).abs() <= 1e-4 * a.abs() + 1e-5 * scale;
+                assert!(
+                    same || close,
+                    "output `{name}` element {i}: CPU {a}, GPU {b}"
+                );
+            }
+        }
+        _ => assert_eq!(cpu, gpu, "output `{name}`"),
+    }
+}
+
+impl Executable for CrossChecked {
+    fn run(&mut self, inputs: Vec<Value>) -> EngineResult<Vec<Value>> {
+        let gpu = self.gpu.as_mut().map(|gpu| gpu.run(inputs.clone()));
+        let cpu = self.cpu.run(inputs)?;
+        if let Some(gpu) = gpu {
+            let gpu = gpu.unwrap_or_else(|e| panic!("the CPU ran it, the GPU failed: {e}"));
+            self.check(&cpu, &gpu);
+        }
+        Ok(cpu)
+    }
+
+    fn input_names(&self) -> &[String] {
+        self.cpu.input_names()
+    }
+
+    fn output_names(&self) -> &[String] {
+        self.cpu.output_names()
+    }
+
+    fn make_resident(&mut self, values: Vec<(usize, Value)>) -> EngineResult<()> {
+        if let Some(gpu) = &mut self.gpu {
+            gpu.make_resident(values.clone())?;
+        }
+        self.cpu.make_resident(values)
+    }
+
+    fn run_resident(&mut self, inputs: Vec<Value>) -> EngineResult<ResidentRun> {
+        let gpu = self.gpu.as_mut().map(|gpu| gpu.run_resident(inputs.clone()));
+        let cpu = self.cpu.run_resident(inputs)?;
+        if let Some(gpu) = gpu {
+            let gpu = gpu.unwrap_or_else(|e| panic!("the CPU ran it, the GPU failed: {e}"));
+            assert_eq!(
+                cpu.non_finite, gpu.non_finite,
+                "non-finite resident outputs"
+            );
+            assert_eq!(cpu.outputs.len(), gpu.outputs.len());
+            for (k, (c, g)) in cpu.outputs.iter().zip(&gpu.outputs).enumerate() {
+                assert_close_across_backends(&format!("returned #{k}"), c, g);
+            }
+        }
+        Ok(cpu)
+    }
+
+    fn read_resident(&mut self) -> EngineResult<Vec<(usize, Value)>> {
+        let cpu = self.cpu.read_resident()?;
+        if let Some(gpu) = &mut self.gpu {
+            let gpu = gpu.read_resident()?;
+            for ((p, c), (q, g)) in cpu.iter().zip(&gpu) {
+                assert_eq!(p, q);
+                assert_close_across_backends(&self.cpu.input_names()[*p], c, g);
+            }
+        }
+        Ok(cpu)
+    }
+
+    fn snapshot_resident(&mut self) -> EngineResult<()> {
+        if let Some(gpu) = &mut self.gpu {
+            gpu.snapshot_resident()?;
+        }
+        self.cpu.snapshot_resident()
+    }
+
+    fn restore_resident(&mut self) -> EngineResult<()> {
+        if let Some(gpu) = &mut self.gpu {
+            gpu.restore_resident()?;
+        }
+        self.cpu.restore_resident()
+    }
+
+    fn transfers(&self) -> TransferCounters {
+        self.gpu.as_ref().map(|g| g.transfers()).unwrap_or_default()
+    }
 }
 
 pub fn run(graph: &Graph, inputs: Vec<Value>) -> Vec<Value> {

@@ -9,13 +9,13 @@ use axum::response::{Html, IntoResponse, Response};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use super::admin::{devices, jobs, models, tokens};
+use super::admin::{datasets, devices, jobs, models, tokens};
 
 #[derive(OpenApi)]
 #[openapi(
     info(
         title = "Canopy admin API",
-        description = "Models, jobs, rounds, devices and tokens of a Canopy federated-learning server. \
+        description = "Models, jobs, rounds, datasets, devices and tokens of a Canopy federated-learning server. \
                        Every route takes `Authorization: Bearer TOKEN`; errors are \
                        `{\"error\": {\"code\", \"message\"}}`; lists page with `limit` and `cursor`.",
     ),
@@ -24,6 +24,7 @@ use super::admin::{devices, jobs, models, tokens};
         models::download_version, models::lineage,
         jobs::create, jobs::list, jobs::get, jobs::start, jobs::pause, jobs::resume, jobs::cancel,
         jobs::list_rounds, jobs::get_round, jobs::list_participants,
+        datasets::upload, datasets::list, datasets::get, datasets::delete,
         devices::list, devices::get, devices::set_tags, devices::revoke,
         tokens::create_enrollment_token, tokens::list_enrollment_tokens, tokens::revoke_enrollment_token,
         tokens::create_api_token, tokens::list_api_tokens, tokens::revoke_api_token,
@@ -32,6 +33,7 @@ use super::admin::{devices, jobs, models, tokens};
     tags(
         (name = "models", description = "Model files and their versions"),
         (name = "jobs", description = "Federated jobs and their rounds"),
+        (name = "datasets", description = "Held-out datasets the server evaluates each version on"),
         (name = "devices", description = "Enrolled devices"),
         (name = "enrollment", description = "Tokens that let devices enroll"),
         (name = "tokens", description = "API tokens (admins only)"),
@@ -161,10 +163,14 @@ fn render_reference() -> String {
 
 /// The dashboard (`web/`), compiled in: static files that read the admin
 /// API from the browser with the user's token. The content security policy
-/// allows only this origin, so nothing else can run in the page.
+/// allows only this origin, so nothing else can run in the page: no inline
+/// script or style, no `eval`, no CDN (`server/tests/dashboard_browser.rs`
+/// checks the header and that the page raises no violation).
 const DASHBOARD_HTML: &str = include_str!("../../../web/dashboard.html");
 const DASHBOARD_JS: &str = include_str!("../../../web/dashboard.js");
+const DASHBOARD_CHARTS_JS: &str = include_str!("../../../web/charts.js");
 const DASHBOARD_CSS: &str = include_str!("../../../web/dashboard.css");
+const DASHBOARD_ICON: &str = include_str!("../../../web/icon.svg");
 const DASHBOARD_CSP: &str =
     "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'";
 
@@ -189,6 +195,14 @@ pub async fn dashboard_js() -> Response {
     dashboard_file("text/javascript; charset=utf-8", DASHBOARD_JS)
 }
 
+pub async fn dashboard_charts_js() -> Response {
+    dashboard_file("text/javascript; charset=utf-8", DASHBOARD_CHARTS_JS)
+}
+
+pub async fn dashboard_icon() -> Response {
+    dashboard_file("image/svg+xml", DASHBOARD_ICON)
+}
+
 pub async fn dashboard_css() -> Response {
     dashboard_file("text/css; charset=utf-8", DASHBOARD_CSS)
 }
@@ -205,10 +219,11 @@ mod tests {
         &document["components"]["schemas"][schema]["properties"][name]
     }
 
-    /// Every parameter named `name` of every operation.
-    fn parameters<'a>(document: &'a Value, name: &str) -> Vec<&'a Value> {
+    /// Every parameter named `name` of every operation under `prefix`.
+    fn parameters<'a>(document: &'a Value, prefix: &str, name: &str) -> Vec<&'a Value> {
         let operations = document["paths"].as_object().into_iter().flatten();
         operations
+            .filter(|(path, _)| path.starts_with(prefix))
             .flat_map(|(_, path)| path.as_object().into_iter().flatten())
             .flat_map(|(_, operation)| operation["parameters"].as_array().into_iter().flatten())
             .filter(|parameter| parameter["name"] == name)
@@ -252,10 +267,16 @@ mod tests {
             "^[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{}}}$",
             MAX_MODEL_NAME_BYTES - 1
         );
-        let names = parameters(&document, "name");
+        let names = parameters(&document, "/api/v1/models/", "name");
         assert!(!names.is_empty(), "model routes take `name`");
         for name in names {
             assert_eq!(name["schema"]["pattern"], model_name.as_str(), "{name}");
+        }
+        let names = parameters(&document, "/api/v1/datasets/", "name");
+        assert_eq!(names.len(), 3, "dataset routes take `name`");
+        for name in names {
+            let pattern = crate::api::admin::datasets::NAME_PATTERN;
+            assert_eq!(name["schema"]["pattern"], pattern, "{name}");
         }
     }
 }

@@ -70,6 +70,8 @@ pub fn app(state: AppState) -> Router {
         .route("/", get(docs::index))
         .route("/dashboard", get(docs::dashboard))
         .route("/dashboard.js", get(docs::dashboard_js))
+        .route("/dashboard-charts.js", get(docs::dashboard_charts_js))
+        .route("/dashboard-icon.svg", get(docs::dashboard_icon))
         .route("/dashboard.css", get(docs::dashboard_css));
     Router::new()
         .merge(admin)

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use canopy_protocol::messages::Capabilities;
+use canopy_protocol::messages::{Capabilities, DatasetInfo};
 use sqlx::FromRow;
 
 use super::tokens::{EnrollmentTokenError, spend_enrollment_token};
@@ -22,10 +22,13 @@ pub struct DeviceRow {
     pub enrolled_ms: i64,
     pub last_seen_ms: i64,
     pub revoked_ms: Option<i64>,
+    /// JSON list of [`DatasetInfo`], from the device's heartbeats.
+    pub datasets: Option<String>,
+    pub last_error: Option<String>,
 }
 
 const DEVICE_COLUMNS: &str = "id, public_key, tier, backends, memory_mb, os, tags, \
-     enrollment_token_id, enrolled_ms, last_seen_ms, revoked_ms";
+     enrollment_token_id, enrolled_ms, last_seen_ms, revoked_ms, datasets, last_error";
 
 impl DeviceRow {
     pub fn backends(&self) -> Result<Vec<String>, sqlx::Error> {
@@ -35,6 +38,48 @@ impl DeviceRow {
     pub fn tags(&self) -> Result<BTreeMap<String, String>, sqlx::Error> {
         from_json("devices.tags", &self.tags)
     }
+
+    pub fn datasets(&self) -> Result<Vec<DatasetInfo>, sqlx::Error> {
+        parse_datasets(self.datasets.as_deref())
+    }
+}
+
+/// A device's reported datasets; none before its first report.
+pub fn parse_datasets(json: Option<&str>) -> Result<Vec<DatasetInfo>, sqlx::Error> {
+    json.map(|text| from_json("devices.datasets", text))
+        .transpose()
+        .map(Option::unwrap_or_default)
+}
+
+/// Stores what a heartbeat says about the device: its datasets (replaced
+/// when given) and its last error (replaced when given, cleared by an
+/// empty one).
+pub async fn record_heartbeat(
+    db: &Db,
+    device_id: i64,
+    datasets: Option<&[DatasetInfo]>,
+    last_error: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    if datasets.is_none() && last_error.is_none() {
+        return Ok(());
+    }
+    let datasets = datasets
+        .map(serde_json::to_string)
+        .transpose()
+        .map_err(|error| sqlx::Error::Encode(Box::new(error)))?;
+    let last_error = last_error.map(|e| if e.is_empty() { None } else { Some(e) });
+    let _writer = db.write_lock().await;
+    sqlx::query(
+        "UPDATE devices SET datasets = COALESCE($1, datasets), \
+         last_error = CASE WHEN $2 = 1 THEN $3 ELSE last_error END WHERE id = $4",
+    )
+    .bind(datasets)
+    .bind(i64::from(last_error.is_some()))
+    .bind(last_error.flatten())
+    .bind(device_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -36,6 +36,18 @@ text_enum! {
     }
 }
 
+text_enum! {
+    /// A round's central evaluation: `pending` from the round's success
+    /// (committed with it, so a restart picks it up) until the server has
+    /// evaluated the version, then `done`, or `failed` with the reason.
+    /// Rounds of jobs without a central dataset have none (NULL).
+    pub enum CentralState {
+        Pending = "pending",
+        Done = "done",
+        Failed = "failed",
+    }
+}
+
 /// The pending evaluator states, as SQL.
 pub const PENDING_EVALUATOR_STATES: &str = "('selected', 'delivered')";
 
@@ -307,10 +319,12 @@ pub async fn close(tx: &mut Tx<'_>, round_id: i64) -> Result<bool, sqlx::Error> 
     Ok(true)
 }
 
-/// Whether the job has an evaluation still open.
+/// Whether the job has an evaluation still open: a federated one, or a
+/// central one not yet stored.
 pub async fn job_has_open(tx: &mut Tx<'_>, job_id: i64) -> Result<bool, sqlx::Error> {
     let found: Option<i64> = sqlx::query_scalar(
-        "SELECT id FROM rounds WHERE job_id = $1 AND eval_state = 'open' LIMIT 1",
+        "SELECT id FROM rounds WHERE job_id = $1 \
+         AND (eval_state = 'open' OR central_eval_state = 'pending') LIMIT 1",
     )
     .bind(job_id)
     .fetch_optional(&mut **tx)
@@ -353,14 +367,51 @@ pub struct CentralResult {
     pub samples: u64,
 }
 
+/// Marks the round's version for central evaluation, in the transaction
+/// that records the round's success.
+pub async fn await_central(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE rounds SET central_eval_state = 'pending', central_eval_error = NULL WHERE id = $1",
+    )
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// A version waiting for its central evaluation.
+#[derive(Clone, Debug, FromRow)]
+pub struct CentralTask {
+    pub round_id: i64,
+    pub job_id: i64,
+    pub version_id: i64,
+    /// The job's spec, which names the dataset.
+    pub config: String,
+}
+
+/// The oldest round whose central evaluation is pending.
+pub async fn next_central(db: &Db) -> Result<Option<CentralTask>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT r.id AS round_id, r.job_id, r.result_version_id AS version_id, j.config \
+         FROM rounds r JOIN jobs j ON j.id = r.job_id \
+         WHERE r.central_eval_state = 'pending' AND r.result_version_id IS NOT NULL \
+         ORDER BY r.id LIMIT 1",
+    )
+    .fetch_optional(&db.pool)
+    .await
+}
+
+/// Stores the central evaluation of a pending round; false when it was not
+/// pending (another process stored it first).
 pub async fn set_central(
     tx: &mut Tx<'_>,
     round_id: i64,
     result: CentralResult,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
+) -> Result<bool, sqlx::Error> {
+    let stored = sqlx::query(
         "UPDATE rounds SET central_eval_loss = $1, central_eval_accuracy = $2, \
-         central_eval_samples = $3 WHERE id = $4",
+         central_eval_samples = $3, central_eval_state = 'done', central_eval_error = NULL \
+         WHERE id = $4 AND central_eval_state = 'pending'",
     )
     .bind(result.loss)
     .bind(result.accuracy)
@@ -368,7 +419,25 @@ pub async fn set_central(
     .bind(round_id)
     .execute(&mut **tx)
     .await?;
-    Ok(())
+    Ok(stored.rows_affected() > 0)
+}
+
+/// Records why a pending round's central evaluation failed; false when it
+/// was not pending.
+pub async fn fail_central(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    reason: &str,
+) -> Result<bool, sqlx::Error> {
+    let stored = sqlx::query(
+        "UPDATE rounds SET central_eval_state = 'failed', central_eval_error = $1 \
+         WHERE id = $2 AND central_eval_state = 'pending'",
+    )
+    .bind(reason)
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(stored.rows_affected() > 0)
 }
 
 #[cfg(test)]

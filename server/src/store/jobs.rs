@@ -80,6 +80,13 @@ pub struct JobSpec {
     pub learning_rate_schedule: LearningRateSchedule,
     #[serde(default)]
     pub filters: DeviceFilter,
+    /// The dataset devices train and evaluate on, by the name they
+    /// registered it under (`canopy-agent data add NAME ...`). Only devices
+    /// that report it, with samples of the model's input shape, are
+    /// selected; when left out, each device uses its default dataset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(min_length = 1, max_length = 64, pattern = "^[A-Za-z0-9_.-]+$")]
+    pub dataset: Option<String>,
     /// Failed attempts of one round before the job fails.
     #[serde(default = "default_round_retries")]
     #[schema(maximum = 100)]
@@ -152,6 +159,13 @@ pub struct EvaluationSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1_000, maximum = 604_800_000)]
     pub deadline_ms: Option<u64>,
+    /// A dataset uploaded to the server (`PUT /api/v1/datasets/{name}`)
+    /// on which the server evaluates each version the job produces
+    /// (central evaluation); its samples must fit the model's input. The
+    /// job completes once its last version's central evaluation is stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(min_length = 1, max_length = 64, pattern = "^[A-Za-z0-9_.-]+$")]
+    pub central_dataset: Option<String>,
 }
 
 impl Default for EvaluationSpec {
@@ -160,6 +174,7 @@ impl Default for EvaluationSpec {
             fraction: default_evaluation_fraction(),
             max_devices: default_max_evaluators(),
             deadline_ms: None,
+            central_dataset: None,
         }
     }
 }
@@ -206,6 +221,9 @@ impl JobSpec {
             1,
             MAX_DEVICES_PER_ROUND,
         )?;
+        if let Some(dataset) = &evaluation.central_dataset {
+            canopy_protocol::messages::check_dataset_name("`evaluation.central_dataset`", dataset)?;
+        }
         if let Some(deadline_ms) = evaluation.deadline_ms {
             check_range(
                 "evaluation.deadline_ms",
@@ -298,6 +316,9 @@ impl JobSpec {
     }
 
     fn check_filters(&self) -> Result<(), String> {
+        if let Some(dataset) = &self.dataset {
+            canopy_protocol::messages::check_dataset_name("`dataset`", dataset)?;
+        }
         if let Some(tier) = &self.filters.tier {
             tier.parse::<canopy_protocol::messages::Tier>()
                 .map_err(|_| format!("`filters.tier` must be `end` or `edge`, got `{tier}`"))?;
@@ -465,6 +486,45 @@ pub async fn waiting_for_round(db: &Db) -> Result<Vec<JobRow>, sqlx::Error> {
     )))
     .fetch_all(&db.pool)
     .await
+}
+
+/// Points a job that has not finished a round yet at the version its
+/// rounds start from (the job's model with what the job adds to it).
+pub async fn set_start_version(
+    tx: &mut super::rounds::Tx<'_>,
+    id: i64,
+    version_id: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE jobs SET current_version_id = $1, updated_ms = $2 \
+         WHERE id = $3 AND rounds_completed = 0",
+    )
+    .bind(version_id)
+    .bind(now_ms())
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// `running` → `failed` with a reason, for a job that cannot go on (its
+/// model cannot take what the job asks of it).
+pub async fn fail(
+    tx: &mut super::rounds::Tx<'_>,
+    id: i64,
+    reason: &str,
+) -> Result<(), sqlx::Error> {
+    let now = now_ms();
+    sqlx::query(
+        "UPDATE jobs SET state = 'failed', finished_ms = $1, updated_ms = $1, \
+         status_message = $2 WHERE id = $3 AND state = 'running'",
+    )
+    .bind(now)
+    .bind(reason)
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// `running` → `completed`, once every round has run and been evaluated.

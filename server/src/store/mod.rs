@@ -1,6 +1,7 @@
 //! Queries, grouped by what they are about. Each function is one
 //! statement or one transaction; callers never see SQL.
 
+pub mod datasets;
 pub mod devices;
 pub mod evaluations;
 pub mod jobs;
@@ -136,8 +137,9 @@ mod tests {
     use super::secagg::SecureStage;
 
     fn known(text: &str) -> bool {
-        use super::evaluations::{EvaluationState, EvaluatorState};
+        use super::evaluations::{CentralState, EvaluationState, EvaluatorState};
         EvaluatorState::parse(text).is_some()
+            || CentralState::parse(text).is_some()
             || EvaluationState::parse(text).is_some()
             || JobState::parse(text).is_some()
             || RoundState::parse(text).is_some()
@@ -174,6 +176,7 @@ mod tests {
             include_str!("secagg.rs"),
             include_str!("jobs.rs"),
             include_str!("evaluations.rs"),
+            include_str!("datasets.rs"),
         ];
         let pattern = regex::Regex::new(
             r"(?:state|stage) (?:=|IN) \(?'([a-z_]+)'|THEN '([a-z_]+)'|'([a-z_]+)', '([a-z_]+)'",

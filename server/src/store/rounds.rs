@@ -38,6 +38,16 @@ text_enum! {
     }
 }
 
+text_enum! {
+    /// What a round does: trains the model, or (`statistics`, number 0,
+    /// before a job trains a model whose input statistics are unfitted)
+    /// adds up the devices' input moments into a fitted version.
+    pub enum RoundKind {
+        Train = "train",
+        Statistics = "statistics",
+    }
+}
+
 impl RoundState {
     /// Selecting, training or aggregating: not yet succeeded or failed.
     pub fn is_open(self) -> bool {
@@ -82,6 +92,8 @@ pub struct RoundRow {
     pub bytes_out: i64,
     pub dropouts: i64,
     pub status_message: String,
+    #[sqlx(try_from = "String")]
+    pub kind: RoundKind,
     pub created_ms: i64,
     pub training_started_ms: Option<i64>,
     pub deadline_ms: Option<i64>,
@@ -95,13 +107,19 @@ pub struct RoundRow {
     pub central_eval_loss: Option<f64>,
     pub central_eval_accuracy: Option<f64>,
     pub central_eval_samples: Option<i64>,
+    /// The central evaluation of the round's version, if its job has one;
+    /// read it through [`RoundRow::central_state`].
+    central_eval_state: Option<String>,
+    /// Why the central evaluation failed.
+    pub central_eval_error: Option<String>,
 }
 
 pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_version_id, \
      result_version_id, target_devices, min_devices, selected_count, updates_accepted, \
-     weight_total, bytes_in, bytes_out, dropouts, status_message, created_ms, \
+     weight_total, bytes_in, bytes_out, dropouts, status_message, kind, created_ms, \
      training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage, eval_state, \
-     central_eval_loss, central_eval_accuracy, central_eval_samples";
+     central_eval_loss, central_eval_accuracy, central_eval_samples, central_eval_state, \
+     central_eval_error";
 
 impl RoundRow {
     /// The state of the federated evaluation of the round's version.
@@ -113,33 +131,46 @@ impl RoundRow {
             .map(|text| parse_state("rounds.eval_state", text))
             .transpose()
     }
+
+    /// The state of the central evaluation of the round's version.
+    pub fn central_state(&self) -> Result<Option<super::evaluations::CentralState>, sqlx::Error> {
+        self.central_eval_state
+            .clone()
+            .map(|text| parse_state("rounds.central_eval_state", text))
+            .transpose()
+    }
 }
 
 pub type Tx<'a> = sqlx::Transaction<'a, sqlx::Any>;
 
+/// A round to open: its job, kind, number and attempt, the version it
+/// starts from and how many devices it wants.
+pub struct NewRound {
+    pub kind: RoundKind,
+    pub job_id: i64,
+    pub number: i64,
+    pub attempt: i64,
+    pub base_version_id: i64,
+    pub target_devices: i64,
+    pub min_devices: i64,
+}
+
 /// Opens the next round of a job unless one is open; the partial unique
 /// index settles races between processes.
-pub async fn open_round(
-    tx: &mut Tx<'_>,
-    job_id: i64,
-    number: i64,
-    attempt: i64,
-    base_version_id: i64,
-    target_devices: i64,
-    min_devices: i64,
-) -> Result<Option<i64>, sqlx::Error> {
+pub async fn open_round(tx: &mut Tx<'_>, new: &NewRound) -> Result<Option<i64>, sqlx::Error> {
     let row: Option<(i64,)> = sqlx::query_as(
         "INSERT INTO rounds (job_id, number, attempt, state, base_version_id, target_devices, \
-         min_devices, created_ms) VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7) \
+         min_devices, created_ms, kind) VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7, $8) \
          ON CONFLICT DO NOTHING RETURNING id",
     )
-    .bind(job_id)
-    .bind(number)
-    .bind(attempt)
-    .bind(base_version_id)
-    .bind(target_devices)
-    .bind(min_devices)
+    .bind(new.job_id)
+    .bind(new.number)
+    .bind(new.attempt)
+    .bind(new.base_version_id)
+    .bind(new.target_devices)
+    .bind(new.min_devices)
     .bind(now_ms())
+    .bind(new.kind.as_str())
     .fetch_optional(&mut **tx)
     .await?;
     Ok(row.map(|(id,)| id))
@@ -173,6 +204,24 @@ pub async fn list_for_job(db: &Db, job_id: i64, page: Page) -> Result<Vec<RoundR
     .await
 }
 
+/// A job's rounds newest first, those with ids below `before` (all when
+/// `None`): the page a dashboard polls for a long job's latest rounds.
+pub async fn list_for_job_newest(
+    db: &Db,
+    job_id: i64,
+    before: Option<i64>,
+    limit: i64,
+) -> Result<Vec<RoundRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ROUND_COLUMNS} FROM rounds WHERE job_id = $1 AND id < $2 ORDER BY id DESC LIMIT $3"
+    )))
+    .bind(job_id)
+    .bind(before.unwrap_or(i64::MAX))
+    .bind(limit)
+    .fetch_all(&db.pool)
+    .await
+}
+
 /// Ids of open rounds, oldest first.
 pub async fn open_round_ids(db: &Db, limit: i64) -> Result<Vec<i64>, sqlx::Error> {
     let rows: Vec<(i64,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
@@ -196,12 +245,21 @@ pub async fn claim(db: &Db, tx: &mut Tx<'_>, id: i64) -> Result<Option<RoundRow>
     .await
 }
 
+/// Says why a round is waiting, on the round and on its job, where an
+/// operator looks first.
 pub async fn set_status(tx: &mut Tx<'_>, id: i64, message: &str) -> Result<(), sqlx::Error> {
     sqlx::query("UPDATE rounds SET status_message = $1 WHERE id = $2")
         .bind(message)
         .bind(id)
         .execute(&mut **tx)
         .await?;
+    sqlx::query(
+        "UPDATE jobs SET status_message = $1 WHERE id = (SELECT job_id FROM rounds WHERE id = $2)",
+    )
+    .bind(message)
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
     Ok(())
 }
 
@@ -212,6 +270,7 @@ pub struct CandidateRow {
     pub tier: String,
     pub backends: String,
     pub tags: String,
+    pub datasets: Option<String>,
 }
 
 /// Online, unrevoked devices that are not busy in another open round.
@@ -221,7 +280,7 @@ pub fn candidates<'a>(
     online_since_ms: i64,
 ) -> futures_util::stream::BoxStream<'a, Result<CandidateRow, sqlx::Error>> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT d.id, d.tier, d.backends, d.tags FROM devices d \
+        "SELECT d.id, d.tier, d.backends, d.tags, d.datasets FROM devices d \
          WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $1 AND NOT EXISTS ( \
            SELECT 1 FROM participants p JOIN rounds r ON r.id = p.round_id \
            WHERE p.device_id = d.id AND p.state IN {PENDING_STATES} \
@@ -336,6 +395,34 @@ pub async fn succeed(
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+/// A statistics round's `aggregating` → `succeeded`: the fitted version
+/// becomes the one the job's first training round starts from; no round
+/// of the job's count is used up.
+pub async fn succeed_statistics(
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    fitted_version_id: i64,
+) -> Result<(), sqlx::Error> {
+    let now = now_ms();
+    sqlx::query(
+        "UPDATE rounds SET state = 'succeeded', result_version_id = $1, finished_ms = $2, \
+         update_sum = NULL, status_message = '' WHERE id = $3 AND state = 'aggregating'",
+    )
+    .bind(fitted_version_id)
+    .bind(now)
+    .bind(round.id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "UPDATE jobs SET round_failures = 0, status_message = '', updated_ms = $1 WHERE id = $2",
+    )
+    .bind(now)
+    .bind(round.job_id)
+    .execute(&mut **tx)
+    .await?;
+    super::jobs::set_start_version(tx, round.job_id, fitted_version_id).await
 }
 
 /// `aggregating` → `failed` with a reason; no model version is written.
@@ -495,6 +582,8 @@ pub struct TaskRow {
     pub config: String,
     /// The round's secure-aggregation plan (JSON), for secure jobs.
     pub secagg_plan: Option<String>,
+    #[sqlx(try_from = "String")]
+    pub kind: RoundKind,
 }
 
 /// The device's open task, marked delivered. A task already delivered is
@@ -505,7 +594,7 @@ pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx:
     let now = now_ms();
     let task: Option<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT r.id AS round_id, r.job_id, r.number, r.base_version_id, r.deadline_ms, j.config, \
-         r.secagg_plan \
+         r.secagg_plan, r.kind \
          FROM participants p JOIN rounds r ON r.id = p.round_id JOIN jobs j ON j.id = r.job_id \
          WHERE p.device_id = $1 AND p.state IN {PENDING_STATES} \
          AND r.state = 'training' AND r.deadline_ms > $2 AND j.state = 'running' \
@@ -609,6 +698,8 @@ pub struct Standing {
     pub round: RoundState,
     pub deadline_ms: Option<i64>,
     pub base_version_id: i64,
+    #[sqlx(try_from = "String")]
+    pub kind: RoundKind,
 }
 
 impl Standing {
@@ -628,7 +719,7 @@ pub async fn standing(
     device_id: i64,
 ) -> Result<Option<Standing>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT p.state AS participant, r.state AS round, r.deadline_ms, r.base_version_id \
+        "SELECT p.state AS participant, r.state AS round, r.deadline_ms, r.base_version_id, r.kind \
          FROM participants p JOIN rounds r ON r.id = p.round_id \
          WHERE p.round_id = $1 AND p.device_id = $2",
     )

@@ -568,7 +568,8 @@ pub fn logreg_model_bytes(seed: u64) -> Vec<u8> {
     )
 }
 
-/// A trainable model file of the given architecture, trained with SGD.
+/// A trainable model file of the given architecture, trained with SGD,
+/// its input statistics declared fitted.
 pub fn model_bytes(architecture: canopy_engine::zoo::Architecture, seed: u64) -> Vec<u8> {
     let config = canopy_engine::zoo::ModelConfig {
         architecture,
@@ -577,7 +578,16 @@ pub fn model_bytes(architecture: canopy_engine::zoo::Architecture, seed: u64) ->
         frozen_prefixes: Vec::new(),
         producer: "canopy-server tests".to_string(),
     };
-    let model = canopy_engine::zoo::build_model(&config).expect("model builds");
+    let mut model = canopy_engine::zoo::build_model(&config).expect("model builds");
+    // These tests drive devices with synthetic updates, so the model's
+    // input statistics are declared fitted (as the identity) and jobs
+    // start training at once; `statistics.rs` runs the statistics round.
+    model.metadata.properties.insert(
+        canopy_engine::zoo::PROP_INPUT_STATS.into(),
+        canopy_engine::stats::InputStatsState::Fitted
+            .marker()
+            .into(),
+    );
     canopy_ir::format::write_model(&model).expect("model serialises")
 }
 

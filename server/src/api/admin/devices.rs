@@ -29,11 +29,36 @@ pub struct DeviceView {
     pub revoked: bool,
     /// The device's Ed25519 public key, hex.
     pub public_key: String,
+    /// The datasets the device reported it can train on.
+    pub datasets: Vec<DatasetView>,
+    /// The last error the device reported, if any.
+    pub last_error: Option<String>,
+}
+
+/// A dataset a device holds, as it reported it; the data stays on the device.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DatasetView {
+    pub name: String,
+    pub samples: u64,
+    /// The shape of one sample.
+    pub sample_shape: Vec<u64>,
+    pub classes: u64,
 }
 
 impl DeviceView {
     fn from_row(row: DeviceRow, online_since_ms: i64) -> ApiResult<DeviceView> {
         Ok(DeviceView {
+            datasets: row
+                .datasets()?
+                .into_iter()
+                .map(|d| DatasetView {
+                    name: d.name,
+                    samples: d.samples,
+                    sample_shape: d.sample_shape,
+                    classes: d.classes,
+                })
+                .collect(),
+            last_error: row.last_error.clone(),
             backends: row.backends()?,
             tags: row.tags()?,
             online: row.revoked_ms.is_none() && row.last_seen_ms >= online_since_ms,

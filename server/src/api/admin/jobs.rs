@@ -2,18 +2,21 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::api::ErrorResponse;
 use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
 use crate::config::api_bounds::{DETAIL_PARTICIPANTS, MAX_ROUNDS_PAGE};
+use crate::orchestrator;
 use crate::state::AppState;
-use crate::store::evaluations::{self, EvaluationState};
+use crate::store::evaluations::{self, CentralState, EvaluationState};
 use crate::store::jobs::{self, ActionError, JobAction, JobRow, JobSpec, JobState};
-use crate::store::models;
-use crate::store::rounds::{self, ParticipantRow, ParticipantState, RoundRow, RoundState};
+use crate::store::rounds::{
+    self, ParticipantRow, ParticipantState, RoundKind, RoundRow, RoundState,
+};
+use crate::store::{datasets, models};
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct JobView {
@@ -103,9 +106,86 @@ pub async fn create(
             version.model_name, version.version
         )));
     }
+    check_model_for_job(&state, &spec, &version).await?;
+    if let Some(name) = &spec.evaluation.central_dataset {
+        check_central_dataset(&state, name, &version).await?;
+    }
     let row = jobs::insert(&state.db, &spec).await?;
     tracing::info!(job = row.id, name = %row.name, "created job");
     Ok((StatusCode::CREATED, Json(JobView::from_row(row)?)))
+}
+
+/// What a job asks of its model beyond training, checked at creation so
+/// the job does not fail at start: FedProx derives its step from
+/// `train_loss`, and a secure job cannot fit unfitted input statistics
+/// (see `docs/strategies.md`).
+async fn check_model_for_job(
+    state: &AppState,
+    spec: &JobSpec,
+    version: &models::VersionRow,
+) -> ApiResult<()> {
+    let proximal = spec.strategy.proximal_mu().ok().flatten().is_some();
+    if !proximal && !spec.secure_aggregation.enabled {
+        return Ok(());
+    }
+    let limit = state.settings.limits.max_model_bytes;
+    let bytes = state.blobs.get(&version.digest, limit).await?;
+    let model = tokio::task::spawn_blocking(move || canopy_ir::format::read_model(&bytes))
+        .await
+        .map_err(|error| ApiError::internal(format!("model check task failed: {error}")))?
+        .map_err(|error| ApiError::internal(canopy_term::error_chain(&error)))?;
+    let name = format!("model `{}` version {}", version.model_name, version.version);
+    if proximal && model.entry(canopy_engine::zoo::ENTRY_TRAIN_LOSS).is_err() {
+        return Err(ApiError::unprocessable(format!(
+            "{name} has no `train_loss` entry point, from which FedProx derives its step; \
+             hint: leave out `strategy.proximal_mu`, or push a model built by `canopy model new`"
+        )));
+    }
+    let unfitted = canopy_engine::stats::InputStatsState::of(&model)
+        == canopy_engine::stats::InputStatsState::Unfitted;
+    if spec.secure_aggregation.enabled && unfitted {
+        return Err(ApiError::unprocessable(format!(
+            "{name} has unfitted input statistics, and a secure job cannot fit them federatedly \
+             (secure aggregation clips what devices send); hint: fit them with \
+             `canopy model stats FILE --data DIR -o FITTED` and push that, or run the job \
+             without secure aggregation, which fits them in a statistics round"
+        )));
+    }
+    Ok(())
+}
+
+/// The job's central dataset exists and its samples fit the model's input
+/// (the orchestrator's rule for devices' datasets).
+async fn check_central_dataset(
+    state: &AppState,
+    name: &str,
+    version: &models::VersionRow,
+) -> ApiResult<()> {
+    let dataset = datasets::get(&state.db, name).await?.ok_or_else(|| {
+        ApiError::unprocessable(format!(
+            "`evaluation.central_dataset` names dataset `{name}`, which does not exist; \
+             hint: upload it first (PUT /api/v1/datasets/{name})"
+        ))
+    })?;
+    let input = orchestrator::model_input_shape(state, version.id)
+        .await
+        .map_err(|error| {
+            ApiError::unprocessable(format!(
+                "model `{}` version {} has no input shape to check dataset `{name}` against: {}",
+                version.model_name,
+                version.version,
+                canopy_term::error_chain(&error)
+            ))
+        })?;
+    let samples = dataset.sample_shape()?;
+    if !orchestrator::sample_fits(&samples, &input) {
+        return Err(ApiError::unprocessable(format!(
+            "dataset `{name}` has samples of shape {samples:?}, but model `{}` version {} takes \
+             {input:?}; hint: upload a dataset whose samples have as many values as the model's input",
+            version.model_name, version.version
+        )));
+    }
+    Ok(())
 }
 
 /// List jobs.
@@ -236,6 +316,12 @@ pub struct RoundMetricsView {
     pub central_eval_accuracy: Option<f64>,
     pub central_eval_loss: Option<f64>,
     pub central_eval_samples: Option<i64>,
+    /// `pending` until the server has evaluated the version, then `done`,
+    /// or `failed` with `central_eval_error`; absent when the job has no
+    /// `evaluation.central_dataset`.
+    pub central_eval_state: Option<CentralState>,
+    /// Why the central evaluation failed.
+    pub central_eval_error: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -257,6 +343,10 @@ pub struct RoundView {
     pub number: i64,
     pub attempt: i64,
     pub state: RoundState,
+    /// `train`, or `statistics`: round 0, run before the first training
+    /// round of a model with unfitted input statistics, whose result is
+    /// the model with them fitted from every device's data.
+    pub kind: RoundKind,
     pub base_version_id: i64,
     pub result_version_id: Option<i64>,
     pub target_devices: i64,
@@ -279,6 +369,7 @@ impl From<&RoundRow> for RoundView {
             number: row.number,
             attempt: row.attempt,
             state: row.state,
+            kind: row.kind,
             base_version_id: row.base_version_id,
             result_version_id: row.result_version_id,
             target_devices: row.target_devices,
@@ -398,6 +489,8 @@ async fn detail(
             central_eval_accuracy: row.central_eval_accuracy,
             central_eval_loss: row.central_eval_loss,
             central_eval_samples: row.central_eval_samples,
+            central_eval_state: row.central_state()?,
+            central_eval_error: row.central_eval_error.clone(),
         },
         durations: RoundDurations {
             selecting_ms: span(Some(row.created_ms), row.training_started_ms),
@@ -411,13 +504,38 @@ async fn detail(
     })
 }
 
-/// List a job's rounds with their metrics, oldest first.
+/// Which end of a job's rounds a page starts from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RoundOrder {
+    /// Oldest first; `next_cursor` leads to later rounds.
+    #[default]
+    Oldest,
+    /// Newest first; `next_cursor` leads to earlier rounds. A dashboard
+    /// polls the first page of this order for a long job's latest rounds.
+    Newest,
+}
+
+/// The rounds list's query: a page (as [`PageQuery`]) and its order. Not
+/// a flattened `PageQuery`: serde's flatten reads query values as strings
+/// only, so `limit` would no longer parse as a number.
+#[derive(Debug, Deserialize)]
+pub struct RoundsQuery {
+    pub limit: Option<u32>,
+    pub cursor: Option<String>,
+    #[serde(default)]
+    pub order: RoundOrder,
+}
+
+/// List a job's rounds with their metrics, oldest first (or newest first
+/// with `order=newest`).
 #[utoipa::path(
     get, path = "/api/v1/jobs/{id}/rounds", tag = "jobs",
     params(
         ("id" = i64, Path),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 100, description = "Rounds per page, 1 to 100 (each carries its metrics)"),
-        ("cursor" = Option<String>, Query, pattern = "^[0-9]{1,18}$", description = "`next_cursor` of the previous page"),
+        ("cursor" = Option<String>, Query, pattern = "^[0-9]{1,18}$", description = "`next_cursor` of the previous page (of the same order)"),
+        ("order" = Option<RoundOrder>, Query, description = "`oldest` (the default) or `newest` first"),
     ),
     responses((status = 200, body = RoundDetailList), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)),
     security(("bearer" = []))
@@ -425,11 +543,22 @@ async fn detail(
 pub async fn list_rounds(
     State(state): State<AppState>,
     Path(id): Path<i64>,
-    Query(query): Query<PageQuery>,
+    Query(query): Query<RoundsQuery>,
 ) -> ApiResult<Json<RoundDetailList>> {
     find(&state, id).await?;
-    let page = query.page(state.settings.limits.max_page_size.min(MAX_ROUNDS_PAGE))?;
-    let rows = rounds::list_for_job(&state.db, id, page).await?;
+    let has_cursor = query.cursor.is_some();
+    let page_query = PageQuery {
+        limit: query.limit,
+        cursor: query.cursor,
+    };
+    let page = page_query.page(state.settings.limits.max_page_size.min(MAX_ROUNDS_PAGE))?;
+    let rows = match query.order {
+        RoundOrder::Oldest => rounds::list_for_job(&state.db, id, page).await?,
+        RoundOrder::Newest => {
+            let before = has_cursor.then_some(page.after);
+            rounds::list_for_job_newest(&state.db, id, before, page.limit).await?
+        }
+    };
     let (rows, next_cursor) = finish(rows, page, |row| row.id.to_string());
     let mut items = Vec::with_capacity(rows.len());
     for row in &rows {

@@ -1,11 +1,13 @@
 //! The admin REST API, under `/api/v1`, and its access policy.
 
+pub mod datasets;
 pub mod devices;
 pub mod jobs;
 pub mod models;
 pub mod tokens;
 
 use axum::Router;
+use axum::extract::DefaultBodyLimit;
 use axum::extract::{Request, State};
 use axum::http::{Method, header};
 use axum::middleware::Next;
@@ -46,6 +48,15 @@ pub fn router() -> Router<AppState> {
         .route(
             "/api/v1/rounds/{id}/participants",
             get(jobs::list_participants),
+        )
+        .route("/api/v1/datasets", get(datasets::list))
+        .route(
+            "/api/v1/datasets/{name}",
+            // The upload counts its bytes against `limits.max_dataset_bytes`.
+            put(datasets::upload)
+                .layer(DefaultBodyLimit::disable())
+                .get(datasets::get)
+                .delete(datasets::delete),
         )
         .route("/api/v1/devices", get(devices::list))
         .route("/api/v1/devices/{id}", get(devices::get))

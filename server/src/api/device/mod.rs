@@ -135,6 +135,13 @@ async fn heartbeat(
 ) -> ApiResult<Json<HeartbeatResponse>> {
     let beat: Heartbeat = signed_json(&state, &device, &headers, body).await?;
     beat.validate().map_err(ApiError::unprocessable)?;
+    devices::record_heartbeat(
+        &state.db,
+        device.device_id,
+        beat.datasets.as_deref(),
+        beat.last_error.as_deref(),
+    )
+    .await?;
     Ok(Json(HeartbeatResponse {
         server_time_ms: u64::try_from(now_ms()).unwrap_or(0),
         heartbeat_interval_ms: state.settings.limits.heartbeat_interval_ms,

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use crate::store::rounds::RoundKind;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
@@ -80,6 +81,39 @@ pub async fn layout(state: &AppState, version_id: i64) -> ApiResult<Arc<UpdateLa
     layout_of_row(state, &row)
 }
 
+/// The layout of the updates a round takes: the model's trainable
+/// parameters, or a statistics round's moments of its input.
+pub async fn round_layout(
+    state: &AppState,
+    kind: RoundKind,
+    base_version_id: i64,
+) -> ApiResult<Arc<UpdateLayout>> {
+    match kind {
+        RoundKind::Train => layout(state, base_version_id).await,
+        RoundKind::Statistics => statistics_layout(state, base_version_id).await,
+    }
+}
+
+/// A statistics round's layout for a version: per input feature, the mean
+/// and the mean of squares.
+async fn statistics_layout(state: &AppState, version_id: i64) -> ApiResult<Arc<UpdateLayout>> {
+    let shape = crate::orchestrator::model_input_shape(state, version_id)
+        .await
+        .map_err(|error| ApiError::internal(canopy_term::error_chain(&error)))?;
+    let features = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(usize::try_from(d).ok()?));
+    let layout = features
+        .ok_or_else(|| "the input is too large".to_string())
+        .and_then(|f| canopy_protocol::update::statistics_layout(f).map_err(|e| e.to_string()))
+        .map_err(|reason| {
+            ApiError::internal(format!(
+                "no statistics layout for model version {version_id}: {reason}"
+            ))
+        })?;
+    Ok(Arc::new(layout))
+}
+
 /// The layout of a version row already in hand, cached.
 fn layout_of_row(state: &AppState, row: &models::VersionRow) -> ApiResult<Arc<UpdateLayout>> {
     if let Some(layout) = state.cached_layout(row.id) {
@@ -120,6 +154,7 @@ async fn build_evaluation_task(
         upload_size_bytes: 0,
         deadline_unix_ms: u64::try_from(task.deadline_ms).unwrap_or(0),
         training: training_config(&spec, task.number),
+        dataset: spec.dataset.clone(),
         layout: (*layout).clone(),
         secure_aggregation: None,
     })
@@ -140,9 +175,15 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         .ok_or_else(|| {
             ApiError::internal(format!("model version {} vanished", task.base_version_id))
         })?;
-    let layout = layout_of_row(state, &version)?;
+    let (kind, layout) = match task.kind {
+        RoundKind::Train => (TaskKind::Train, layout_of_row(state, &version)?),
+        RoundKind::Statistics => (
+            TaskKind::Statistics,
+            statistics_layout(state, version.id).await?,
+        ),
+    };
     Ok(Task {
-        kind: TaskKind::Train,
+        kind,
         job_id: task.job_id,
         round_id: task.round_id,
         round_number: u32::try_from(task.number).unwrap_or(u32::MAX),
@@ -150,10 +191,11 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         model_digest: version.digest.clone(),
         model_size_bytes: u64::try_from(version.size_bytes).unwrap_or(0),
         model_path: format!("/device/v1/models/{}", version.id),
-        upload_path: task_paths::upload(TaskKind::Train, task.round_id),
+        upload_path: task_paths::upload(kind, task.round_id),
         upload_size_bytes: layout.encoded_len(),
         deadline_unix_ms: u64::try_from(task.deadline_ms).unwrap_or(0),
         training: training_config(&spec, task.number),
+        dataset: spec.dataset.clone(),
         layout: (*layout).clone(),
         secure_aggregation: secure_task(state, &task)?,
     })

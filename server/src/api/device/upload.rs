@@ -19,13 +19,13 @@ use sha2::{Digest, Sha256};
 
 use super::auth::DeviceAuth;
 use super::folds::{self, FoldError};
-use super::tasks::layout;
+use super::tasks::round_layout;
 use crate::api::admin::models::content_length;
 use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::api::{upload_slot, within_upload_timeout};
 use crate::db::now_ms;
 use crate::state::AppState;
-use crate::store::rounds::{self, AcceptedUpdate, UploadRejection};
+use crate::store::rounds::{self, AcceptedUpdate, RoundKind, UploadRejection};
 
 pub async fn upload_update(
     State(state): State<AppState>,
@@ -34,8 +34,8 @@ pub async fn upload_update(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<(StatusCode, Json<UploadReceipt>)> {
-    let base_version_id = check_participant(&state, round_id, device.device_id).await?;
-    let layout = layout(&state, base_version_id).await?;
+    let (kind, base_version_id) = check_participant(&state, round_id, device.device_id).await?;
+    let layout = round_layout(&state, kind, base_version_id).await?;
     let limit = layout.encoded_len();
     if let Some(length) = content_length(&headers)
         && length > limit
@@ -67,6 +67,13 @@ pub async fn upload_update(
         ApiError::unprocessable(format!("update for round {round_id} rejected: {error}"))
     })?;
     let num_samples = decoded.num_samples;
+    if kind == RoundKind::Statistics {
+        check_moments(num_samples, &decoded.values).map_err(|reason| {
+            ApiError::unprocessable(format!(
+                "statistics for round {round_id} rejected: {reason}"
+            ))
+        })?;
+    }
     let update = AcceptedUpdate {
         device_id: device.device_id,
         num_samples,
@@ -111,7 +118,11 @@ fn rejection(error: UploadRejection) -> ApiError {
 
 /// Fails fast, before reading the body, on uploads that cannot be accepted,
 /// with the same decision the fold makes under the round's lock.
-async fn check_participant(state: &AppState, round_id: i64, device_id: i64) -> ApiResult<i64> {
+async fn check_participant(
+    state: &AppState,
+    round_id: i64,
+    device_id: i64,
+) -> ApiResult<(RoundKind, i64)> {
     let standing = rounds::standing(&state.db, round_id, device_id).await?;
     let Some(standing) = standing else {
         return Err(rejection(UploadRejection::NotParticipant {
@@ -121,7 +132,29 @@ async fn check_participant(state: &AppState, round_id: i64, device_id: i64) -> A
     };
     let participant = Some(standing.participant);
     rounds::admit(standing.gate(round_id), device_id, participant, now_ms()).map_err(rejection)?;
-    Ok(standing.base_version_id)
+    Ok((standing.kind, standing.base_version_id))
+}
+
+/// One device's input moments (per feature, the mean then the mean of
+/// squares, over `count` samples) must be moments of real numbers, so a
+/// bad report is refused alone instead of failing the round's fit.
+fn check_moments(count: u64, values: &[f32]) -> Result<(), String> {
+    let features = values.len() / 2;
+    let scale = count as f64;
+    let moments = canopy_engine::stats::InputMoments {
+        count,
+        sum: values[..features]
+            .iter()
+            .map(|&m| f64::from(m) * scale)
+            .collect(),
+        sum_sq: values[features..]
+            .iter()
+            .map(|&m| f64::from(m) * scale)
+            .collect(),
+    };
+    moments
+        .validate()
+        .map_err(|error| canopy_term::error_chain(&error))
 }
 
 /// Reads at most `limit` bytes, hashing as it goes, and checks the digest

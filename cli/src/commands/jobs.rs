@@ -1,0 +1,465 @@
+//! `canopy job create|ls|show|start|pause|resume|cancel`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde_json::{Map, Value, json};
+
+use crate::commands::models::{latest_version, print_or_empty};
+use crate::files::Hint;
+use crate::output::outln;
+use crate::remote::table::Table;
+use crate::remote::{self, Remote, Subject, ago, cell, print_json};
+
+/// A spec file is a page of settings.
+pub const MAX_SPEC_BYTES: u64 = 1 << 20;
+
+/// Settings a job takes when neither the spec file nor a flag gives them.
+const DEFAULTS: &[(&str, i64)] = &[
+    ("rounds", 10),
+    ("min_devices", 1),
+    ("local_epochs", 1),
+    ("batch_size", 32),
+    ("round_deadline_ms", 60_000),
+];
+const DEFAULT_LEARNING_RATE: f64 = 0.05;
+
+#[derive(Args)]
+pub struct CreateArgs {
+    /// A job spec (TOML or JSON, the API's JobSpec shape); flags override
+    /// its settings.
+    #[arg(long)]
+    spec: Option<PathBuf>,
+    /// The job's name (default: the model's name).
+    #[arg(long)]
+    name: Option<String>,
+    /// Start from the newest version of this model.
+    #[arg(long, conflicts_with = "version")]
+    model: Option<String>,
+    /// Start from this model version id.
+    #[arg(long)]
+    version: Option<i64>,
+    /// Successful rounds to run (default 10).
+    #[arg(long)]
+    rounds: Option<u32>,
+    /// Fewest updates that make a round succeed (default 1).
+    #[arg(long)]
+    min_devices: Option<u32>,
+    /// Updates at which a round closes early (default: --min-devices).
+    #[arg(long)]
+    target_devices: Option<u32>,
+    /// Local epochs per round (default 1).
+    #[arg(long)]
+    epochs: Option<u32>,
+    /// Local batch size (default 32).
+    #[arg(long)]
+    batch_size: Option<u32>,
+    /// Devices' learning rate (default 0.05).
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Server optimizer: fedavg, fedavgm, fedadagrad, fedadam or fedyogi.
+    #[arg(long)]
+    strategy: Option<String>,
+    /// How long devices have to upload, per round (default 60000).
+    #[arg(long)]
+    round_deadline_ms: Option<u64>,
+    /// The dataset devices train on, by the name they registered it under.
+    #[arg(long)]
+    dataset: Option<String>,
+    /// A dataset on the server to evaluate each version on.
+    #[arg(long)]
+    central_dataset: Option<String>,
+    /// Fraction of the eligible devices that evaluate each version (0 to 1).
+    #[arg(long)]
+    eval_fraction: Option<f64>,
+    /// Secure aggregation (SecAgg+): the server learns only each round's sum.
+    #[arg(long)]
+    secure: bool,
+    /// Start the job once it is created.
+    #[arg(long)]
+    start: bool,
+    /// Print the job as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct ListArgs {
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct JobIdArgs {
+    /// The job's id (`canopy job ls`).
+    pub id: i64,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn create(args: CreateArgs) -> Result<()> {
+    let mut spec = match &args.spec {
+        Some(path) => read_spec(path)?,
+        None => Map::new(),
+    };
+    let remote = Remote::from_saved()?;
+    remote::block_on(async {
+        let model_name = match (&args.model, args.version) {
+            (Some(name), _) => {
+                let version = latest_version(&remote, name).await?;
+                spec.insert("model_version_id".into(), version["id"].clone());
+                Some(name.clone())
+            }
+            (None, Some(id)) => {
+                spec.insert("model_version_id".into(), json!(id));
+                None
+            }
+            (None, None) => None,
+        };
+        apply_flags(&mut spec, &args, model_name.as_deref())?;
+        let job = remote
+            .post(
+                "/api/v1/jobs",
+                Value::Object(spec),
+                &Subject::new("the job", None),
+            )
+            .await?;
+        let id = job["id"].as_i64().context("the server's job has no id")?;
+        let job = if args.start {
+            remote
+                .post(
+                    &format!("/api/v1/jobs/{id}/start"),
+                    json!({}),
+                    &Subject::job(id),
+                )
+                .await?
+        } else {
+            job
+        };
+        if args.json {
+            return print_json(&job);
+        }
+        outln!(
+            "created job {id} `{}` from model version {}{}",
+            cell(&job["name"], 0),
+            cell(&job["model_version_id"], 0),
+            if args.start { ", started" } else { "" }
+        )?;
+        if args.start {
+            outln!("watch it with `canopy job watch {id}`")?;
+        } else {
+            outln!("start it with `canopy job start {id}`")?;
+        }
+        Ok(())
+    })
+}
+
+/// A spec file as a JSON object: TOML for `.toml`, JSON otherwise.
+fn read_spec(path: &Path) -> Result<Map<String, Value>> {
+    let context = || format!("cannot read the job spec `{}`", path.display());
+    let size = std::fs::metadata(path).with_context(context)?.len();
+    if size > MAX_SPEC_BYTES {
+        bail!(
+            "the job spec `{}` is {size} bytes, over the limit of {MAX_SPEC_BYTES}",
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(path).with_context(context)?;
+    let value: Value = if path.extension().is_some_and(|e| e == "toml") {
+        let table: toml::Table = toml::from_str(&text)
+            .with_context(|| format!("the job spec `{}` is not valid TOML", path.display()))?;
+        serde_json::to_value(table)?
+    } else {
+        serde_json::from_str(&text).with_context(|| {
+            format!(
+                "the job spec `{}` is not valid JSON (name a TOML file `.toml`)",
+                path.display()
+            )
+        })?
+    };
+    match value {
+        Value::Object(map) => Ok(map),
+        _ => bail!(
+            "the job spec `{}` must be an object of settings",
+            path.display()
+        ),
+    }
+}
+
+/// Writes the flags given into `spec`, then the defaults of settings
+/// still missing. The server checks every bound; its errors name the field.
+fn apply_flags(
+    spec: &mut Map<String, Value>,
+    args: &CreateArgs,
+    model_name: Option<&str>,
+) -> Result<()> {
+    let mut set = |field: &str, value: Option<Value>| {
+        if let Some(value) = value {
+            spec.insert(field.to_string(), value);
+        }
+    };
+    set("name", args.name.clone().map(Value::from));
+    set("rounds", args.rounds.map(Value::from));
+    set("min_devices", args.min_devices.map(Value::from));
+    set("target_devices", args.target_devices.map(Value::from));
+    set("local_epochs", args.epochs.map(Value::from));
+    set("batch_size", args.batch_size.map(Value::from));
+    set("learning_rate", args.lr.map(Value::from));
+    set("round_deadline_ms", args.round_deadline_ms.map(Value::from));
+    set("dataset", args.dataset.clone().map(Value::from));
+    if let Some(strategy) = &args.strategy {
+        nested(spec, "strategy").insert("name".into(), json!(strategy));
+    }
+    if let Some(fraction) = args.eval_fraction {
+        nested(spec, "evaluation").insert("fraction".into(), json!(fraction));
+    }
+    if let Some(dataset) = &args.central_dataset {
+        nested(spec, "evaluation").insert("central_dataset".into(), json!(dataset));
+    }
+    if args.secure {
+        nested(spec, "secure_aggregation").insert("enabled".into(), json!(true));
+    }
+    if !spec.contains_key("model_version_id") {
+        return Err(Hint::attach(
+            anyhow::anyhow!("the job names no model to start from"),
+            "give --model NAME (its newest version) or --version ID (`canopy model versions NAME`)",
+        ));
+    }
+    if !spec.contains_key("name") {
+        spec.insert("name".into(), json!(model_name.unwrap_or("job")));
+    }
+    for (field, default) in DEFAULTS {
+        spec.entry(*field).or_insert(json!(default));
+    }
+    spec.entry("learning_rate")
+        .or_insert(json!(DEFAULT_LEARNING_RATE));
+    let min_devices = spec["min_devices"].clone();
+    spec.entry("target_devices").or_insert(min_devices);
+    Ok(())
+}
+
+/// The object under `field`, created empty when missing or not an object.
+fn nested<'a>(spec: &'a mut Map<String, Value>, field: &str) -> &'a mut Map<String, Value> {
+    let entry = spec
+        .entry(field)
+        .or_insert_with(|| Value::Object(Map::new()));
+    if !entry.is_object() {
+        *entry = Value::Object(Map::new());
+    }
+    entry.as_object_mut().expect("made an object above")
+}
+
+pub fn list(args: ListArgs) -> Result<()> {
+    let remote = Remote::from_saved()?;
+    let jobs = remote::block_on(async {
+        remote
+            .list_all("/api/v1/jobs", &Subject::new("jobs", None))
+            .await
+    })?;
+    if args.json {
+        return print_json(&jobs);
+    }
+    let mut table = Table::new(&[
+        "ID", "NAME", "STATE", "ROUNDS", "VERSION", "UPDATED", "STATUS",
+    ]);
+    for job in &jobs {
+        table.row(vec![
+            cell(&job["id"], 0),
+            cell(&job["name"], 0),
+            cell(&job["state"], 0),
+            format!(
+                "{}/{}",
+                cell(&job["rounds_completed"], 0),
+                cell(&job["spec"]["rounds"], 0)
+            ),
+            cell(&job["current_version_id"], 0),
+            ago(job["updated_ms"].as_i64()),
+            cell(&job["status_message"], 0),
+        ]);
+    }
+    print_or_empty(&table, "no jobs yet; create one with `canopy job create`")
+}
+
+pub fn show(args: JobIdArgs) -> Result<()> {
+    let remote = Remote::from_saved()?;
+    let job = remote::block_on(async {
+        remote
+            .get(&format!("/api/v1/jobs/{}", args.id), &Subject::job(args.id))
+            .await
+    })?;
+    if args.json {
+        return print_json(&job);
+    }
+    let spec = &job["spec"];
+    let lines = [
+        (
+            "job",
+            format!("{} `{}`", cell(&job["id"], 0), cell(&job["name"], 0)),
+        ),
+        ("state", cell(&job["state"], 0)),
+        ("status", cell(&job["status_message"], 0)),
+        (
+            "rounds",
+            format!(
+                "{} of {} completed ({} failed attempts of the current one)",
+                cell(&job["rounds_completed"], 0),
+                cell(&spec["rounds"], 0),
+                cell(&job["round_failures"], 0)
+            ),
+        ),
+        (
+            "model",
+            format!(
+                "started from version {}, now version {}",
+                cell(&job["model_version_id"], 0),
+                cell(&job["current_version_id"], 0)
+            ),
+        ),
+        (
+            "devices",
+            format!(
+                "{} to {} per round",
+                cell(&spec["min_devices"], 0),
+                cell(&spec["target_devices"], 0)
+            ),
+        ),
+        (
+            "training",
+            format!(
+                "{} epochs, batch {}, learning rate {}",
+                cell(&spec["local_epochs"], 0),
+                cell(&spec["batch_size"], 0),
+                cell(&spec["learning_rate"], 4)
+            ),
+        ),
+        ("strategy", cell(&spec["strategy"]["name"], 0)),
+        ("dataset", cell(&spec["dataset"], 0)),
+        ("created", ago(job["created_ms"].as_i64())),
+        ("started", ago(job["started_ms"].as_i64())),
+        ("finished", ago(job["finished_ms"].as_i64())),
+    ];
+    for (label, value) in lines {
+        outln!("{label:>9}: {}", remote::table::clean(&value))?;
+    }
+    Ok(())
+}
+
+/// The operator actions on a job, by the path the API gives them.
+#[derive(Clone, Copy, Debug)]
+pub enum JobAction {
+    Start,
+    Pause,
+    Resume,
+    Cancel,
+}
+
+impl JobAction {
+    fn verb(self) -> &'static str {
+        match self {
+            JobAction::Start => "start",
+            JobAction::Pause => "pause",
+            JobAction::Resume => "resume",
+            JobAction::Cancel => "cancel",
+        }
+    }
+}
+
+pub fn act(args: JobIdArgs, action: JobAction) -> Result<()> {
+    let remote = Remote::from_saved()?;
+    let id = args.id;
+    let job = remote::block_on(async {
+        remote
+            .post(
+                &format!("/api/v1/jobs/{id}/{}", action.verb()),
+                json!({}),
+                &Subject::job(id),
+            )
+            .await
+    })?;
+    if args.json {
+        return print_json(&job);
+    }
+    outln!("job {id} is now {}", cell(&job["state"], 0))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Harness {
+        #[command(flatten)]
+        args: CreateArgs,
+    }
+
+    fn args(flags: &[&str]) -> CreateArgs {
+        Harness::parse_from(std::iter::once("create").chain(flags.iter().copied())).args
+    }
+
+    #[test]
+    fn flags_override_the_spec_and_defaults_fill_the_rest() {
+        let mut spec: Map<String, Value> = serde_json::from_value(json!({
+            "model_version_id": 4, "rounds": 3, "learning_rate": 0.5,
+            "strategy": {"name": "fedavg", "momentum": 0.9},
+        }))
+        .unwrap();
+        let flags = args(&[
+            "--rounds",
+            "7",
+            "--strategy",
+            "fedavgm",
+            "--secure",
+            "--eval-fraction",
+            "0.5",
+            "--central-dataset",
+            "digits-test",
+            "--epochs",
+            "2",
+        ]);
+        apply_flags(&mut spec, &flags, Some("digits")).unwrap();
+        assert_eq!(
+            Value::Object(spec),
+            json!({
+                "model_version_id": 4, "name": "digits", "rounds": 7, "learning_rate": 0.5,
+                "strategy": {"name": "fedavgm", "momentum": 0.9},
+                "secure_aggregation": {"enabled": true},
+                "evaluation": {"fraction": 0.5, "central_dataset": "digits-test"},
+                "min_devices": 1, "target_devices": 1, "local_epochs": 2, "batch_size": 32,
+                "round_deadline_ms": 60000,
+            })
+        );
+    }
+
+    #[test]
+    fn a_job_without_a_model_is_refused_before_anything_is_sent() {
+        let mut spec = Map::new();
+        let error = apply_flags(&mut spec, &args(&["--rounds", "2"]), None).unwrap_err();
+        let text = format!("{error:#}");
+        assert!(text.contains("names no model"), "{text}");
+        assert!(text.contains("--model NAME"), "{text}");
+    }
+
+    #[test]
+    fn spec_files_are_toml_or_json_objects_and_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let toml_path = dir.path().join("job.toml");
+        std::fs::write(
+            &toml_path,
+            "name = \"x\"\nmodel_version_id = 2\n[strategy]\nname = \"fedadam\"\n",
+        )
+        .unwrap();
+        let spec = read_spec(&toml_path).unwrap();
+        assert_eq!(spec["strategy"]["name"], "fedadam");
+        assert_eq!(spec["model_version_id"], 2);
+
+        let json_path = dir.path().join("job.json");
+        std::fs::write(&json_path, "[1, 2]").unwrap();
+        assert!(format!("{:#}", read_spec(&json_path).unwrap_err()).contains("object"));
+
+        std::fs::write(&json_path, vec![b' '; MAX_SPEC_BYTES as usize + 1]).unwrap();
+        assert!(format!("{:#}", read_spec(&json_path).unwrap_err()).contains("over the limit"));
+    }
+}
