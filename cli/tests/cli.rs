@@ -51,6 +51,14 @@ fn last_json(stdout: &str) -> serde_json::Value {
     serde_json::from_str(stdout.lines().last().expect("output")).expect("last line is JSON")
 }
 
+/// How the MLP is trained: plain SGD.
+const MLP_RECIPE: &[&str] = &["--lr", "0.1"];
+
+/// How LeNet-5 is trained: SGD with momentum. Over initialiser and shuffle
+/// seeds 0..5 it reaches 0.964–0.974 (mean 0.970) where plain SGD at 0.1
+/// spreads over 0.953–0.973, so the target is not met by a lucky seed.
+const LENET_RECIPE: &[&str] = &["--lr", "0.01", "--optimizer", "sgd:momentum=0.9"];
+
 fn train_and_eval(arch: &[&str], extra: &[&str], name: &str) -> serde_json::Value {
     let dir = scratch(name);
     let model = dir.join("m.canopy").display().to_string();
@@ -61,9 +69,7 @@ fn train_and_eval(arch: &[&str], extra: &[&str], name: &str) -> serde_json::Valu
     ok(canopy(&new));
     let mut train = vec!["model", "train", &model, "--data"];
     let data = mnist();
-    train.extend_from_slice(&[
-        &data, "--epochs", "5", "--batch", "64", "--lr", "0.1", "-o", &trained,
-    ]);
+    train.extend_from_slice(&[&data, "--epochs", "5", "--batch", "64", "-o", &trained]);
     train.extend_from_slice(extra);
     ok(canopy(&train));
     last_json(&ok(canopy(&[
@@ -83,7 +89,7 @@ fn mlp_reaches_092_test_accuracy() {
             "--classes",
             "10",
         ],
-        &[],
+        MLP_RECIPE,
         "mlp",
     );
     let accuracy = eval["accuracy"].as_f64().unwrap();
@@ -109,14 +115,14 @@ fn mlp_and_lenet5_reach_their_targets_on_the_gpu() {
             "--classes",
             "10",
         ],
-        &["--backend", "gpu"],
+        &[MLP_RECIPE, &["--backend", "gpu"]].concat(),
         "mlp-gpu",
     );
     let accuracy = mlp["accuracy"].as_f64().unwrap();
     assert!(accuracy >= 0.92, "MLP test accuracy on the GPU {accuracy}");
     let lenet = train_and_eval(
         &["lenet5", "--classes", "10"],
-        &["--backend", "gpu"],
+        &[LENET_RECIPE, &["--backend", "gpu"]].concat(),
         "lenet-gpu",
     );
     let accuracy = lenet["accuracy"].as_f64().unwrap();
@@ -153,9 +159,53 @@ fn an_unknown_backend_is_refused_by_name() {
     assert!(stderr.contains("unknown backend `tpu`"), "{stderr}");
 }
 
+/// Mesa's device-select layer makes libwayland print "error:
+/// XDG_RUNTIME_DIR is invalid or not set" on every GPU probe in a
+/// container or service; the binary turns the layer off first.
+#[test]
+fn probing_for_a_gpu_without_a_session_prints_nothing() {
+    let dir = scratch("quiet-probe");
+    let model = dir.join("m.canopy").display().to_string();
+    ok(canopy(&[
+        "model",
+        "new",
+        "logreg",
+        "--inputs",
+        "64",
+        "--classes",
+        "10",
+        "-o",
+        &model,
+    ]));
+    for backend in ["auto", "gpu"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_canopy"))
+            .args([
+                "model",
+                "eval",
+                &model,
+                "--data",
+                "datasets/digits",
+                "--json",
+            ])
+            .args(["--backend", backend])
+            .env("CANOPY_LOG", "warn")
+            .env_remove("XDG_RUNTIME_DIR")
+            .env_remove("NODEVICE_SELECT")
+            .current_dir(repo())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if backend == "gpu" && std::env::var("CANOPY_TEST_BACKENDS").as_deref() == Ok("cpu") {
+            continue;
+        }
+        assert!(out.status.success(), "--backend {backend}: {stderr}");
+        assert!(stderr.is_empty(), "--backend {backend} printed: {stderr}");
+    }
+}
+
 #[test]
 fn lenet5_reaches_0965_test_accuracy() {
-    let eval = train_and_eval(&["lenet5", "--classes", "10"], &[], "lenet");
+    let eval = train_and_eval(&["lenet5", "--classes", "10"], LENET_RECIPE, "lenet");
     let accuracy = eval["accuracy"].as_f64().unwrap();
     assert!(accuracy >= 0.965, "LeNet-5 test accuracy {accuracy}");
 }
@@ -535,16 +585,20 @@ fn std_of(values: &[f32]) -> f64 {
 }
 
 /// One epoch from a fresh 784-128-10 MLP made with `new_flags`.
-fn one_epoch_accuracy(dir: &Path, new_flags: &[&str]) -> f64 {
+/// Test accuracy after one epoch of an MLP drawn with `init` from `seed`,
+/// shuffled from the same seed.
+fn one_epoch_accuracy(dir: &Path, init: &str, seed: u32) -> f64 {
     let model = dir.join("m.canopy").display().to_string();
     let trained = dir.join("t.canopy").display().to_string();
+    let seed = seed.to_string();
     let mut new = vec!["model", "new", "mlp", "--inputs", "784", "--hidden", "128"];
     new.extend_from_slice(&["--classes", "10", "-o", &model]);
-    new.extend_from_slice(new_flags);
+    new.extend_from_slice(&["--init", init, "--seed", &seed]);
     ok(canopy(&new));
     let data = mnist();
     let out = ok(canopy(&[
-        "model", "train", &model, "--data", &data, "--epochs", "1", "--json", "-o", &trained,
+        "model", "train", &model, "--data", &data, "--epochs", "1", "--seed", &seed, "--json",
+        "-o", &trained,
     ]));
     last_json(&out)["accuracy"].as_f64().unwrap()
 }
@@ -594,10 +648,22 @@ fn model_new_draws_he_by_default_and_says_the_statistics_are_unfitted() {
 #[test]
 fn he_initialisation_learns_more_in_one_epoch_than_uniform() {
     let dir = scratch("init-epoch");
-    let he = one_epoch_accuracy(&dir, &[]);
-    let uniform = one_epoch_accuracy(&dir, &["--init", "uniform"]);
-    // Seed 0 gives 0.921 against 0.917; over seeds 0..5, 0.922 against 0.914.
-    assert!(he > uniform && he > 0.915, "he {he}, uniform {uniform}");
+    // One seed is one draw of a noisy number (the test set has 1,996
+    // samples); the claim is about the mean. Over seeds 0..5 the means
+    // were 0.920 against 0.909, and He won on every seed.
+    let seeds = 0..5;
+    let mean = |init: &str| {
+        seeds
+            .clone()
+            .map(|seed| one_epoch_accuracy(&dir, init, seed))
+            .sum::<f64>()
+            / seeds.len() as f64
+    };
+    let (he, uniform) = (mean("he"), mean("uniform"));
+    assert!(
+        he > uniform + 0.005 && he > 0.915,
+        "mean he {he}, uniform {uniform}"
+    );
 }
 
 #[test]

@@ -90,6 +90,8 @@ struct StatusArgs {
 }
 
 fn main() -> ExitCode {
+    // First, while this is the only thread (see the function's docs).
+    canopy_engine::gpu::quiet_device_select_layer();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(error) => return output::clap_exit(&error),

@@ -24,6 +24,7 @@
 mod context;
 mod executable;
 mod kernels;
+mod loader_env;
 mod plan;
 mod wgsl;
 
@@ -33,6 +34,7 @@ use canopy_ir::Graph;
 
 pub use context::GpuContext;
 pub use executable::GpuExecutable;
+pub use loader_env::quiet_device_select_layer;
 
 use crate::backend::{AdapterInfo, Backend, BackendInfo, Executable};
 use crate::error::{EngineError, EngineResult};

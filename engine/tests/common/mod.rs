@@ -107,7 +107,10 @@ impl Executable for CrossChecked {
     }
 
     fn run_resident(&mut self, inputs: Vec<Value>) -> EngineResult<ResidentRun> {
-        let gpu = self.gpu.as_mut().map(|gpu| gpu.run_resident(inputs.clone()));
+        let gpu = self
+            .gpu
+            .as_mut()
+            .map(|gpu| gpu.run_resident(inputs.clone()));
         let cpu = self.cpu.run_resident(inputs)?;
         if let Some(gpu) = gpu {
             let gpu = gpu.unwrap_or_else(|e| panic!("the CPU ran it, the GPU failed: {e}"));
