@@ -432,6 +432,74 @@ async fn gpu_agents_train_a_job_that_asks_for_a_gpu() -> Result<()> {
     Ok(())
 }
 
+/// The GPU agent's update is the CPU agent's, to 1e-4 of its largest
+/// value: each trains alone against a server of its own, on the same shard
+/// from the same model, as device 1 in round 1, so with the same training
+/// seed; the only difference is `--backend`. One participant and FedAvg
+/// make the new version the old one plus that device's update.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gpu_agents_update_equals_a_cpu_agents() -> Result<()> {
+    let (train, _) = digits()?;
+    let shards = partition_dirichlet(&train, 4, 100.0, 6)?;
+    let shard = &shards[0];
+    let model = digits_model(&train)?;
+    let initial = canopy_ir::format::read_model(&model)?;
+    let mut trained = Vec::new();
+    for backend in ["gpu", "cpu"] {
+        let server = TestServer::start(Database::Sqlite)?;
+        let admin = server.admin();
+        let version = admin.upload_model("digits", model.clone()).await?;
+        let token = admin.enrollment_token(1).await?;
+        let mut agent = Agent::enroll_offering(&server, &token, backend)?;
+        ensure!(agent.device_id()? == 1, "each server's only device is device 1");
+        agent.add_data(shard)?;
+        agent.start()?;
+        let mut spec = job(version["id"].as_i64().unwrap_or_default(), 1, 1, 1, 60_000);
+        spec["evaluation"] = json!({"fraction": 0.0});
+        let id = admin.create_job(spec).await?;
+        let finished = admin.wait_for_job(id, JOB_TIMEOUT).await?;
+        ensure!(
+            finished["state"] == "completed",
+            "{backend}: {finished}\n{}",
+            logs(std::slice::from_ref(&agent))
+        );
+        if backend == "gpu" {
+            let device = admin.ok("/api/v1/devices/1").await?;
+            ensure!(
+                device["gpu"]["api"] == "vulkan" || device["gpu"]["api"] == "metal"
+                    || device["gpu"]["api"] == "dx12",
+                "the GPU agent reports its adapter at enrolment: {device}"
+            );
+        }
+        trained.push(fetch_model(&admin, "digits", 2).await?);
+        agent.kill9();
+    }
+    let (mut largest, mut worst) = (0.0f32, 0.0f32);
+    for parameter in &initial.parameters {
+        let Some(before) = parameter.data.as_f32() else {
+            continue;
+        };
+        let after = |model: &canopy_ir::Model| -> Result<Vec<f32>> {
+            let values = model
+                .parameter(&parameter.name)
+                .and_then(|p| p.data.as_f32())
+                .with_context(|| format!("`{}` is missing", parameter.name))?;
+            Ok(values.iter().zip(before).map(|(a, b)| a - b).collect())
+        };
+        let (on_gpu, on_cpu) = (after(&trained[0])?, after(&trained[1])?);
+        for (g, c) in on_gpu.iter().zip(&on_cpu) {
+            largest = largest.max(c.abs());
+            worst = worst.max((g - c).abs());
+        }
+    }
+    ensure!(largest > 0.0, "training moved the parameters");
+    ensure!(
+        worst <= 1e-4 * largest,
+        "updates differ by {worst}, largest update value {largest}"
+    );
+    Ok(())
+}
+
 /// Every version evaluated: each round's central accuracy equals
 /// `canopy model eval` of the downloaded version on the dataset pushed
 /// with `canopy dataset push`, and its federated accuracy equals the

@@ -509,7 +509,7 @@ async function refreshDevices() {
       d.id,
       { text: online, className: "state-" + online },
       d.tier,
-      d.backends.join(", "),
+      { text: d.backends.join(", ") + (d.gpu ? ` (${d.gpu.name}, ${d.gpu.api}, ${d.gpu.device_type})` : ""), title: d.gpu ? d.gpu.driver : "" },
       d.datasets.map((s) => `${s.name}: ${s.samples} × [${s.sample_shape.join("×")}], ${s.classes} classes`).join("; ") || "none reported",
       { text: d.last_error ?? "", className: d.last_error ? "reason" : "" },
       { text: ago(d.last_seen_ms), title: when(d.last_seen_ms) },

@@ -12,7 +12,9 @@
 use std::fmt;
 
 use canopy_engine::CpuBackend;
-use canopy_protocol::messages::Capabilities;
+use canopy_protocol::messages::{
+    Capabilities, GpuAdapter, GpuDeviceType, MAX_ADAPTER_DRIVER_CHARS, MAX_ADAPTER_NAME_CHARS,
+};
 
 /// A kind of execution backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -161,6 +163,33 @@ pub fn available_backends() -> Vec<String> {
         .collect()
 }
 
+/// The adapter the `gpu` backend runs on, to report in
+/// [`Capabilities::gpu`] beside `gpu` in `backends`; `None` where no
+/// adapter opens. Names are cut to the protocol's limits and stripped of
+/// control characters, so the report always validates.
+pub fn gpu_adapter() -> Option<GpuAdapter> {
+    use canopy_engine::Backend;
+    let adapter = canopy_engine::select::shared_gpu().ok()?.describe().adapter?;
+    // The engine opens Vulkan, Metal and DX12 adapters only, and the
+    // protocol names all three; anything else is not reported.
+    let api = adapter.api.parse().ok()?;
+    let clean = |text: &str, max_chars: usize| -> String {
+        let cleaned: String = text
+            .chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .take(max_chars)
+            .collect();
+        cleaned.trim().to_string()
+    };
+    let name = clean(&adapter.name, MAX_ADAPTER_NAME_CHARS);
+    Some(GpuAdapter {
+        name: if name.is_empty() { "unnamed adapter".to_string() } else { name },
+        api,
+        device_type: adapter.device_type.parse().unwrap_or(GpuDeviceType::Other),
+        driver: clean(&adapter.driver, MAX_ADAPTER_DRIVER_CHARS),
+    })
+}
+
 /// Picks the backend to run on from what the device reports: an NPU if it
 /// reports one, else a GPU, else the CPU. A kind the engine cannot run yet
 /// falls back to the CPU, with the reason; so does a report that names no
@@ -214,6 +243,7 @@ mod tests {
             memory_mb: 2048,
             os: "android".to_string(),
             tags: Default::default(),
+            gpu: None,
         }
     }
 
@@ -230,6 +260,21 @@ mod tests {
     /// CI); `CANOPY_TEST_BACKENDS=cpu` is the only way to leave it out.
     fn gpu_expected() -> bool {
         std::env::var("CANOPY_TEST_BACKENDS").as_deref() != Ok("cpu")
+    }
+
+    #[test]
+    fn the_gpu_adapter_report_validates_beside_the_gpu_backend() {
+        let adapter = gpu_adapter();
+        if !gpu_expected() {
+            return;
+        }
+        let adapter = adapter.expect("an adapter opens wherever the GPU is tested");
+        assert!(!adapter.name.is_empty());
+        let capabilities = Capabilities {
+            gpu: Some(adapter),
+            ..reporting(&["cpu", "gpu"])
+        };
+        capabilities.validate().unwrap();
     }
 
     #[test]

@@ -519,6 +519,7 @@ mod tests {
                 memory_mb: 1,
                 os: "test".into(),
                 tags: Default::default(),
+                gpu: None,
             };
             assert!(matches!(
                 enroll(&transport, "token", &key, capabilities),

@@ -31,7 +31,7 @@ pub mod train;
 mod transport;
 mod trust;
 
-pub use backend::{BackendChoice, BackendKind, choose_backend};
+pub use backend::{BackendChoice, BackendKind, available_backends, choose_backend, gpu_adapter};
 pub use cancel::CancelToken;
 /// What a device trusts to sign models, and the server's answer it
 /// advances along; see [`DeviceClient::trusted_keys`].

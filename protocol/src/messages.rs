@@ -21,6 +21,10 @@ pub const MAX_TAG_VALUE_CHARS: usize = 256;
 /// 16 TiB; anything above is a bug or a lie.
 pub const MAX_MEMORY_MB: u64 = 1 << 24;
 pub const MAX_HEARTBEAT_STATE_CHARS: usize = 64;
+/// Adapter names are short ("NVIDIA H100 80GB HBM3", "Apple M2 Pro",
+/// "llvmpipe (LLVM 15.0.6, 256 bits)"); drivers a little longer.
+pub const MAX_ADAPTER_NAME_CHARS: usize = 128;
+pub const MAX_ADAPTER_DRIVER_CHARS: usize = 128;
 
 /// The class of device: `End` devices (phones, sensors) and `Edge` devices
 /// (gateways, on-premise boxes) are scheduled into separate rounds.
@@ -78,6 +82,115 @@ pub struct Capabilities {
     /// Free-form labels that jobs can select devices by.
     #[serde(default)]
     pub tags: BTreeMap<String, String>,
+    /// The adapter the device's `gpu` backend runs on. Only a device that
+    /// offers `gpu` in `backends` may describe one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuAdapter>,
+}
+
+/// The GPU behind a device's `gpu` backend, as its graphics API reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuAdapter {
+    pub name: String,
+    pub api: GpuApi,
+    pub device_type: GpuDeviceType,
+    /// Driver name and version, where the API reports them.
+    #[serde(default)]
+    pub driver: String,
+}
+
+/// The graphics API an adapter is driven through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuApi {
+    Vulkan,
+    Metal,
+    Dx12,
+    Gl,
+}
+
+/// What kind of device an adapter is. `Cpu` is a software implementation
+/// (Mesa's lavapipe, SwiftShader): it runs GPU code, slowly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GpuDeviceType {
+    Discrete,
+    Integrated,
+    Virtual,
+    Cpu,
+    Other,
+}
+
+/// The lowercase names both enums are sent as, and parsed from.
+macro_rules! wire_names {
+    ($type:ident, $what:literal, { $($variant:ident => $name:literal),+ $(,)? }) => {
+        impl $type {
+            pub const ALL: &'static [$type] = &[$($type::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($type::$variant => $name),+
+                }
+            }
+        }
+
+        impl fmt::Display for $type {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $type {
+            type Err = String;
+
+            fn from_str(text: &str) -> Result<$type, String> {
+                $type::ALL
+                    .iter()
+                    .copied()
+                    .find(|value| value.as_str() == text)
+                    .ok_or_else(|| {
+                        let names: Vec<&str> = $type::ALL.iter().map(|v| v.as_str()).collect();
+                        format!(
+                            "{} `{}` is unknown; expected one of {}",
+                            $what,
+                            truncate_for_message(text),
+                            names.join(", ")
+                        )
+                    })
+            }
+        }
+    };
+}
+
+wire_names!(GpuApi, "graphics API", {
+    Vulkan => "vulkan", Metal => "metal", Dx12 => "dx12", Gl => "gl",
+});
+wire_names!(GpuDeviceType, "adapter type", {
+    Discrete => "discrete", Integrated => "integrated", Virtual => "virtual",
+    Cpu => "cpu", Other => "other",
+});
+
+impl GpuAdapter {
+    fn validate(&self) -> Result<(), String> {
+        let checks = [
+            ("name", &self.name, 1, MAX_ADAPTER_NAME_CHARS),
+            ("driver", &self.driver, 0, MAX_ADAPTER_DRIVER_CHARS),
+        ];
+        for (field, text, min_chars, max_chars) in checks {
+            let chars = text.chars().count();
+            if !(min_chars..=max_chars).contains(&chars) {
+                return Err(format!(
+                    "capabilities.gpu.{field} is {chars} characters; it must be {min_chars}..={max_chars}"
+                ));
+            }
+            // As for `os`: no forged lines in server logs.
+            if text.chars().any(char::is_control) {
+                return Err(format!("capabilities.gpu.{field} contains control characters"));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Capabilities {
@@ -146,7 +259,21 @@ impl Capabilities {
                 ));
             }
         }
-        Ok(())
+        self.validate_gpu()
+    }
+
+    fn validate_gpu(&self) -> Result<(), String> {
+        let offers_gpu = self.backends.iter().any(|backend| backend == "gpu");
+        match &self.gpu {
+            Some(adapter) if offers_gpu => adapter.validate(),
+            Some(_) => Err(
+                "capabilities.gpu describes an adapter, but capabilities.backends does not offer `gpu`"
+                    .to_string(),
+            ),
+            // A device may offer `gpu` without knowing its adapter (an
+            // older agent, or a platform that does not say).
+            None => Ok(()),
+        }
     }
 }
 

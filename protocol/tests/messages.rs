@@ -10,7 +10,69 @@ fn capabilities() -> Capabilities {
         memory_mb: 8192,
         os: "linux-aarch64 6.1".into(),
         tags: BTreeMap::from([("site.zone-1".to_string(), "north".to_string())]),
+        gpu: None,
     }
+}
+
+fn with_gpu() -> Capabilities {
+    Capabilities {
+        backends: vec!["cpu".into(), "gpu".into()],
+        gpu: Some(GpuAdapter {
+            name: "llvmpipe (LLVM 15.0.6, 256 bits)".into(),
+            api: GpuApi::Vulkan,
+            device_type: GpuDeviceType::Cpu,
+            driver: "llvmpipe Mesa 22.3.6".into(),
+        }),
+        ..capabilities()
+    }
+}
+
+#[test]
+fn a_gpu_adapter_is_reported_checked_and_sent_by_name() {
+    let caps = with_gpu();
+    caps.validate().unwrap();
+    let json = serde_json::to_value(&caps).unwrap();
+    assert_eq!(json["gpu"]["api"], "vulkan");
+    assert_eq!(json["gpu"]["device_type"], "cpu");
+    assert_eq!(serde_json::from_value::<Capabilities>(json).unwrap(), caps);
+    // Without one, the field is left out, and an older body still parses.
+    let json = serde_json::to_value(capabilities()).unwrap();
+    assert!(json.get("gpu").is_none(), "{json}");
+
+    let mut caps = with_gpu();
+    caps.backends = vec!["cpu".into()];
+    assert_invalid(&caps, "does not offer `gpu`");
+    let mut caps = with_gpu();
+    caps.gpu.as_mut().unwrap().name = String::new();
+    assert_invalid(&caps, "capabilities.gpu.name is 0 characters");
+    let mut caps = with_gpu();
+    caps.gpu.as_mut().unwrap().name = "n".repeat(MAX_ADAPTER_NAME_CHARS + 1);
+    assert_invalid(&caps, "capabilities.gpu.name is 129 characters");
+    let mut caps = with_gpu();
+    caps.gpu.as_mut().unwrap().driver = "ok\nFORGED LOG LINE".into();
+    assert_invalid(&caps, "capabilities.gpu.driver contains control characters");
+    let mut caps = with_gpu();
+    caps.gpu.as_mut().unwrap().name = "n".repeat(MAX_ADAPTER_NAME_CHARS);
+    caps.gpu.as_mut().unwrap().driver = "d".repeat(MAX_ADAPTER_DRIVER_CHARS);
+    caps.validate().unwrap();
+}
+
+#[test]
+fn adapter_apis_and_types_parse_only_their_names() {
+    for api in GpuApi::ALL {
+        assert_eq!(api.as_str().parse::<GpuApi>().unwrap(), *api);
+        assert_eq!(serde_json::to_string(api).unwrap(), format!("\"{api}\""));
+    }
+    for kind in GpuDeviceType::ALL {
+        assert_eq!(kind.as_str().parse::<GpuDeviceType>().unwrap(), *kind);
+    }
+    let error = "opencl".parse::<GpuApi>().unwrap_err();
+    assert_eq!(
+        error,
+        "graphics API `opencl` is unknown; expected one of vulkan, metal, dx12, gl"
+    );
+    let body = r#"{"name": "x", "api": "glide", "device_type": "discrete"}"#;
+    assert!(serde_json::from_str::<GpuAdapter>(body).is_err());
 }
 
 fn assert_invalid(caps: &Capabilities, fragment: &str) {

@@ -37,6 +37,7 @@ fn capabilities() -> Capabilities {
         memory_mb: 2048,
         os: "linux".to_string(),
         tags: Default::default(),
+        gpu: None,
     }
 }
 

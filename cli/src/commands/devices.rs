@@ -28,6 +28,7 @@ pub fn list(args: ListArgs) -> Result<()> {
         "ID",
         "ONLINE",
         "LAST SEEN",
+        "BACKENDS",
         "DATASETS",
         "LAST ERROR",
         "TAGS",
@@ -37,6 +38,7 @@ pub fn list(args: ListArgs) -> Result<()> {
             cell(&device["id"], 0),
             online(device),
             ago(device["last_seen_ms"].as_i64()),
+            backends(device),
             datasets(&device["datasets"]),
             cell(&device["last_error"], 0),
             tags(&device["tags"]),
@@ -55,6 +57,33 @@ fn online(device: &Value) -> String {
         "yes".into()
     } else {
         "no".into()
+    }
+}
+
+/// `cpu, gpu (NVIDIA H100 80GB HBM3, vulkan, discrete)`: the backends,
+/// with the adapter behind `gpu` where the device reported one.
+fn backends(device: &Value) -> String {
+    let names: Vec<String> = device["backends"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|name| cell(name, 0))
+        .collect();
+    let gpu = &device["gpu"];
+    let adapter = if gpu.is_object() {
+        format!(
+            " ({}, {}, {})",
+            cell(&gpu["name"], 0),
+            cell(&gpu["api"], 0),
+            cell(&gpu["device_type"], 0)
+        )
+    } else {
+        String::new()
+    };
+    if names.is_empty() {
+        "-".into()
+    } else {
+        names.join(", ") + &adapter
     }
 }
 

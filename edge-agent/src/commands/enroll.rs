@@ -84,9 +84,16 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
     }
     let trust = trust_config(&server, &args)?;
     let tags = parse_tags(&args.tags)?;
+    let backends = offered_backends(args.backend);
+    let gpu = if backends.iter().any(|backend| backend == "gpu") {
+        canopy_sdk::gpu_adapter()
+    } else {
+        None
+    };
     let capabilities = Capabilities {
         tier: Tier::Edge,
-        backends: offered_backends(args.backend),
+        backends,
+        gpu,
         memory_mb: total_memory_mb().unwrap_or(0).min(MAX_MEMORY_MB),
         os: format!("{}-{}", std::env::consts::OS, std::env::consts::ARCH),
         tags: tags.clone(),

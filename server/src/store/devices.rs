@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use canopy_protocol::messages::{Capabilities, DatasetInfo};
+use canopy_protocol::messages::{Capabilities, DatasetInfo, GpuAdapter};
 use sqlx::FromRow;
 
 use super::tokens::{EnrollmentTokenError, spend_enrollment_token};
@@ -25,10 +25,12 @@ pub struct DeviceRow {
     /// JSON list of [`DatasetInfo`], from the device's heartbeats.
     pub datasets: Option<String>,
     pub last_error: Option<String>,
+    /// JSON [`GpuAdapter`] the device reported at enrollment.
+    pub gpu: Option<String>,
 }
 
 const DEVICE_COLUMNS: &str = "id, public_key, tier, backends, memory_mb, os, tags, \
-     enrollment_token_id, enrolled_ms, last_seen_ms, revoked_ms, datasets, last_error";
+     enrollment_token_id, enrolled_ms, last_seen_ms, revoked_ms, datasets, last_error, gpu";
 
 impl DeviceRow {
     pub fn backends(&self) -> Result<Vec<String>, sqlx::Error> {
@@ -41,6 +43,13 @@ impl DeviceRow {
 
     pub fn datasets(&self) -> Result<Vec<DatasetInfo>, sqlx::Error> {
         parse_datasets(self.datasets.as_deref())
+    }
+
+    pub fn gpu(&self) -> Result<Option<GpuAdapter>, sqlx::Error> {
+        self.gpu
+            .as_deref()
+            .map(|text| from_json("devices.gpu", text))
+            .transpose()
     }
 }
 
@@ -113,8 +122,8 @@ pub async fn enroll(
     let now = now_ms();
     let inserted: Result<(i64,), sqlx::Error> = sqlx::query_as(
         "INSERT INTO devices (public_key, tier, backends, memory_mb, os, tags, \
-         enrollment_token_id, enrolled_ms, last_seen_ms) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8) RETURNING id",
+         enrollment_token_id, enrolled_ms, last_seen_ms, gpu) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8, $9) RETURNING id",
     )
     .bind(public_key.to_vec())
     .bind(capabilities.tier.to_string())
@@ -124,6 +133,12 @@ pub async fn enroll(
     .bind(serde_json::to_string(&capabilities.tags).unwrap_or_default())
     .bind(token_id)
     .bind(now)
+    .bind(
+        capabilities
+            .gpu
+            .as_ref()
+            .map(|gpu| serde_json::to_string(gpu).unwrap_or_default()),
+    )
     .fetch_one(&mut *tx)
     .await;
     let (device_id,) = match inserted {

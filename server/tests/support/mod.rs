@@ -530,6 +530,7 @@ pub fn capabilities() -> Capabilities {
         memory_mb: 4096,
         os: "linux".to_string(),
         tags: Default::default(),
+        gpu: None,
     }
 }
 

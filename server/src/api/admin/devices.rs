@@ -19,6 +19,9 @@ pub struct DeviceView {
     /// `end` or `edge`.
     pub tier: String,
     pub backends: Vec<String>,
+    /// The adapter behind the `gpu` backend, as the device reported it at
+    /// enrollment; absent for devices without one, or that did not say.
+    pub gpu: Option<GpuView>,
     pub memory_mb: i64,
     pub os: String,
     pub tags: BTreeMap<String, String>,
@@ -33,6 +36,18 @@ pub struct DeviceView {
     pub datasets: Vec<DatasetView>,
     /// The last error the device reported, if any.
     pub last_error: Option<String>,
+}
+
+/// A GPU adapter, as the device reported it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct GpuView {
+    pub name: String,
+    /// `vulkan`, `metal`, `dx12` or `gl`.
+    pub api: String,
+    /// `discrete`, `integrated`, `virtual`, `cpu` (a software
+    /// implementation such as lavapipe) or `other`.
+    pub device_type: String,
+    pub driver: String,
 }
 
 /// A dataset a device holds, as it reported it; the data stays on the device.
@@ -59,6 +74,12 @@ impl DeviceView {
                 })
                 .collect(),
             last_error: row.last_error.clone(),
+            gpu: row.gpu()?.map(|gpu| GpuView {
+                name: gpu.name,
+                api: gpu.api.to_string(),
+                device_type: gpu.device_type.to_string(),
+                driver: gpu.driver,
+            }),
             backends: row.backends()?,
             tags: row.tags()?,
             online: row.revoked_ms.is_none() && row.last_seen_ms >= online_since_ms,
@@ -188,6 +209,7 @@ pub fn check_tags(tags: &BTreeMap<String, String>) -> Result<(), String> {
         memory_mb: 0,
         os: String::new(),
         tags: tags.clone(),
+        gpu: None,
     };
     capabilities.validate()
 }
