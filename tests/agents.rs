@@ -451,7 +451,10 @@ async fn a_gpu_agents_update_equals_a_cpu_agents() -> Result<()> {
         let version = admin.upload_model("digits", model.clone()).await?;
         let token = admin.enrollment_token(1).await?;
         let mut agent = Agent::enroll_offering(&server, &token, backend)?;
-        ensure!(agent.device_id()? == 1, "each server's only device is device 1");
+        ensure!(
+            agent.device_id()? == 1,
+            "each server's only device is device 1"
+        );
         agent.add_data(shard)?;
         agent.start()?;
         let mut spec = job(version["id"].as_i64().unwrap_or_default(), 1, 1, 1, 60_000);
@@ -466,13 +469,19 @@ async fn a_gpu_agents_update_equals_a_cpu_agents() -> Result<()> {
         if backend == "gpu" {
             let device = admin.ok("/api/v1/devices/1").await?;
             ensure!(
-                device["gpu"]["api"] == "vulkan" || device["gpu"]["api"] == "metal"
+                device["gpu"]["api"] == "vulkan"
+                    || device["gpu"]["api"] == "metal"
                     || device["gpu"]["api"] == "dx12",
                 "the GPU agent reports its adapter at enrolment: {device}"
             );
         }
         trained.push(fetch_model(&admin, "digits", 2).await?);
         agent.kill9();
+        let log = logs(std::slice::from_ref(&agent));
+        ensure!(
+            log.contains(&format!(r#""backend":"{backend}""#)),
+            "the {backend} agent should say it trains on {backend}:\n{log}"
+        );
     }
     let (mut largest, mut worst) = (0.0f32, 0.0f32);
     for parameter in &initial.parameters {
@@ -492,6 +501,7 @@ async fn a_gpu_agents_update_equals_a_cpu_agents() -> Result<()> {
             worst = worst.max((g - c).abs());
         }
     }
+    eprintln!("GPU and CPU updates: largest value {largest}, largest difference {worst}");
     ensure!(largest > 0.0, "training moved the parameters");
     ensure!(
         worst <= 1e-4 * largest,

@@ -169,7 +169,10 @@ pub fn available_backends() -> Vec<String> {
 /// control characters, so the report always validates.
 pub fn gpu_adapter() -> Option<GpuAdapter> {
     use canopy_engine::Backend;
-    let adapter = canopy_engine::select::shared_gpu().ok()?.describe().adapter?;
+    let adapter = canopy_engine::select::shared_gpu()
+        .ok()?
+        .describe()
+        .adapter?;
     // The engine opens Vulkan, Metal and DX12 adapters only, and the
     // protocol names all three; anything else is not reported.
     let api = adapter.api.parse().ok()?;
@@ -183,7 +186,11 @@ pub fn gpu_adapter() -> Option<GpuAdapter> {
     };
     let name = clean(&adapter.name, MAX_ADAPTER_NAME_CHARS);
     Some(GpuAdapter {
-        name: if name.is_empty() { "unnamed adapter".to_string() } else { name },
+        name: if name.is_empty() {
+            "unnamed adapter".to_string()
+        } else {
+            name
+        },
         api,
         device_type: adapter.device_type.parse().unwrap_or(GpuDeviceType::Other),
         driver: clean(&adapter.driver, MAX_ADAPTER_DRIVER_CHARS),

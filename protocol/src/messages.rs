@@ -186,7 +186,9 @@ impl GpuAdapter {
             }
             // As for `os`: no forged lines in server logs.
             if text.chars().any(char::is_control) {
-                return Err(format!("capabilities.gpu.{field} contains control characters"));
+                return Err(format!(
+                    "capabilities.gpu.{field} contains control characters"
+                ));
             }
         }
         Ok(())

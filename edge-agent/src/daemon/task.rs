@@ -310,6 +310,7 @@ impl Daemon {
             backend: sdk_backend(self.settings.backend),
             cancel: run.training.clone(),
         };
+        tracing::info!(round_id = task.round_id, backend = %options.backend, "training");
         let trained = tokio::task::spawn_blocking(move || {
             let data = datasets.get(owned_task.dataset.as_deref())?;
             train_and_evaluate(&model.bytes, &owned_task, &data, seed, &options)
