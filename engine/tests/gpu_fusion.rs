@@ -258,8 +258,7 @@ fn fusion_saves_dispatches(architecture: Architecture, feature_shape: &[usize]) 
     let steps = 3;
     let (fused, fused_losses, fused_params) = train(&model, &gpu, &data, steps)?;
     let unfused_backend = gpu.with_fusion(false);
-    let (unfused, unfused_losses, unfused_params) =
-        train(&model, &unfused_backend, &data, steps)?;
+    let (unfused, unfused_losses, unfused_params) = train(&model, &unfused_backend, &data, steps)?;
     eprintln!("{architecture:?} train_step dispatches: {unfused} unfused, {fused} fused");
     assert!(fused < unfused, "{fused} fused vs {unfused} unfused");
     for (f, u) in fused_losses.iter().zip(&unfused_losses) {
@@ -272,7 +271,10 @@ fn fusion_saves_dispatches(architecture: Architecture, feature_shape: &[usize]) 
             .zip(u)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
-        assert!(worst <= 1e-5 * scale, "`{name}`: fused and unfused differ by {worst}");
+        assert!(
+            worst <= 1e-5 * scale,
+            "`{name}`: fused and unfused differ by {worst}"
+        );
     }
     Ok(())
 }

@@ -154,7 +154,9 @@ impl GpuContext {
     /// storage buffers per shader stage.
     pub(crate) fn max_fused_inputs(&self) -> usize {
         let per_stage = self.limits.max_storage_buffers_per_shader_stage as usize;
-        super::fuse::MAX_INPUTS.min(per_stage.saturating_sub(2)).max(1)
+        super::fuse::MAX_INPUTS
+            .min(per_stage.saturating_sub(2))
+            .max(1)
     }
 
     /// A pipeline for `source`, compiled once per context.

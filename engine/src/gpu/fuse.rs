@@ -113,9 +113,7 @@ impl Fusion {
             let joins = fusible
                 && is_elementwise(&nodes[root].op)
                 && shapes[index] == shapes[root]
-                && consumers[index]
-                    .iter()
-                    .all(|&c| fusion.root_of[c] == root)
+                && consumers[index].iter().all(|&c| fusion.root_of[c] == root)
                 && fusion.members[root].len() < MAX_MEMBERS;
             if !joins {
                 continue;
@@ -215,4 +213,100 @@ fn distinct(values: impl Iterator<Item = usize>) -> Vec<usize> {
         }
     }
     seen
+}
+
+#[cfg(test)]
+mod tests {
+    use canopy_ir::{Graph, TensorType, ValueId};
+
+    use super::*;
+
+    fn shapes(graph: &Graph) -> Vec<Vec<usize>> {
+        graph
+            .nodes()
+            .iter()
+            .map(|node| node.ty.shape.resolve(1))
+            .collect()
+    }
+
+    fn fuse(graph: &Graph, max_inputs: usize) -> Fusion {
+        Fusion::plan(graph, &shapes(graph), max_inputs)
+    }
+
+    fn ids(values: &[ValueId]) -> Vec<usize> {
+        values.iter().map(|v| v.index()).collect()
+    }
+
+    #[test]
+    fn a_chain_with_a_broadcast_operand_is_one_group() {
+        let mut g = Graph::new();
+        let x = g.input("x", TensorType::f32(&[4, 5])).unwrap();
+        let b = g.input("b", TensorType::f32(&[5])).unwrap();
+        let two = g.scalar(2.0).unwrap();
+        let doubled = g.mul(x, two).unwrap();
+        let biased = g.add(doubled, b).unwrap();
+        let out = g.exp(biased).unwrap();
+        g.set_output("out", out).unwrap();
+        let fusion = fuse(&g, MAX_INPUTS);
+        let group = fusion.group(&g, out.index());
+        assert_eq!(group.members, ids(&[doubled, biased, out]));
+        assert_eq!(group.inputs, ids(&[x, two, b]));
+        assert!(fusion.is_fused_away(doubled.index()));
+        assert!(!fusion.is_fused_away(out.index()));
+    }
+
+    #[test]
+    fn values_read_elsewhere_returned_or_of_another_shape_stay_roots() {
+        let mut g = Graph::new();
+        let x = g.input("x", TensorType::f32(&[4, 5])).unwrap();
+        let b = g.input("b", TensorType::f32(&[5])).unwrap();
+        let raised = g.exp(x).unwrap();
+        let total = g.sum(raised, &[1], true).unwrap();
+        let scaled = g.div(raised, total).unwrap();
+        let negated_bias = g.neg(b).unwrap();
+        let returned = g.add(scaled, negated_bias).unwrap();
+        let out = g.relu(returned).unwrap();
+        g.set_outputs(vec![("out".into(), out), ("returned".into(), returned)])
+            .unwrap();
+        let fusion = fuse(&g, MAX_INPUTS);
+        // Read by a reduction, of a broadcast shape, and returned.
+        for root in [raised, negated_bias, returned, out] {
+            assert!(!fusion.is_fused_away(root.index()), "%{}", root.index());
+        }
+        assert_eq!(
+            fusion.group(&g, returned.index()).members,
+            ids(&[scaled, returned])
+        );
+        assert_eq!(fusion.group(&g, out.index()).members, ids(&[out]));
+    }
+
+    #[test]
+    fn groups_stop_at_the_member_and_input_limits() {
+        let mut g = Graph::new();
+        let x = g.input("x", TensorType::f32(&[3])).unwrap();
+        let mut value = x;
+        for _ in 0..40 {
+            value = g.neg(value).unwrap();
+        }
+        g.set_output("out", value).unwrap();
+        let fusion = fuse(&g, MAX_INPUTS);
+        let last = fusion.group(&g, value.index());
+        assert_eq!(last.members.len(), MAX_MEMBERS);
+        let first = fusion.group(&g, last.inputs[0]);
+        assert_eq!(first.members.len(), 40 - MAX_MEMBERS);
+        assert_eq!(first.inputs, ids(&[x]));
+
+        let mut g = Graph::new();
+        let mut total = g.input("x0", TensorType::f32(&[3])).unwrap();
+        for k in 1..6 {
+            let input = g.input(format!("x{k}"), TensorType::f32(&[3])).unwrap();
+            total = g.add(total, input).unwrap();
+        }
+        g.set_output("total", total).unwrap();
+        let fusion = fuse(&g, 3);
+        let group = fusion.group(&g, total.index());
+        // (s + x4) + x5 reads s, x4, x5: a third add would read four.
+        assert_eq!(group.members.len(), 2);
+        assert_eq!(group.inputs.len(), 3);
+    }
 }

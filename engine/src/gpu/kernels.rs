@@ -322,7 +322,9 @@ fn elementwise(site: &Site<'_>) -> Result<Kernel, String> {
         .operands
         .iter()
         .enumerate()
-        .map(|(k, (dtype, shape))| load(&format!("a{k}"), *dtype, &broadcast_index(shape, out_shape)))
+        .map(|(k, (dtype, shape))| {
+            load(&format!("a{k}"), *dtype, &broadcast_index(shape, out_shape))
+        })
         .collect();
     let types: Vec<DType> = site.operands.iter().map(|(dtype, _)| *dtype).collect();
     let element = element_value(site.op, &types, site.out.0, &operands)?;
@@ -381,7 +383,9 @@ pub fn fused_elementwise(fused: &FusedSite<'_>) -> Result<Kernel, String> {
                 FusedOperand::Member(j) if j < m => {
                     (format!("v{j}"), fused.members.get(j).map(|p| p.out))
                 }
-                FusedOperand::Member(j) => return Err(format!("member {m} reads later member {j}")),
+                FusedOperand::Member(j) => {
+                    return Err(format!("member {m} reads later member {j}"));
+                }
             };
             names.push(name);
             types.push(dtype.ok_or_else(|| format!("member {m}: no operand {operand:?}"))?);

@@ -102,7 +102,14 @@ impl Plan {
         Ok(plan)
     }
 
-    fn site<'g>(&self, context: &GpuContext, graph: &'g Graph, op: &'g Op, operands: &[usize], output: usize) -> Site<'g> {
+    fn site<'g>(
+        &self,
+        context: &GpuContext,
+        graph: &'g Graph,
+        op: &'g Op,
+        operands: &[usize],
+        output: usize,
+    ) -> Site<'g> {
         Site {
             op,
             operands: operands
@@ -177,7 +184,10 @@ impl Plan {
             members,
         };
         let kernel = kernels::fused_elementwise(&fused).map_err(|what| {
-            EngineError::Internal(format!("fused group of %{root} ({:?}): {what}", group.members))
+            EngineError::Internal(format!(
+                "fused group of %{root} ({:?}): {what}",
+                group.members
+            ))
         })?;
         let endpoints = Endpoints {
             operands: &group.inputs,
