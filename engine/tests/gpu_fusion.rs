@@ -221,23 +221,28 @@ fn trainable(model: &Model) -> Vec<(String, Vec<f32>)> {
         .collect()
 }
 
-/// `steps` training steps on `backend`: the dispatches per step, the
-/// losses and the trained parameters.
-fn train(
-    model: &Model,
-    backend: &dyn Backend,
-    data: &Dataset,
-    steps: usize,
-) -> Result<(u64, Vec<f32>, Vec<(String, Vec<f32>)>)> {
+/// What `steps` training steps did.
+struct Trained {
+    dispatches_per_step: u64,
+    losses: Vec<f32>,
+    parameters: Vec<(String, Vec<f32>)>,
+}
+
+/// `steps` training steps on `backend`.
+fn train(model: &Model, backend: &dyn Backend, data: &Dataset, steps: usize) -> Result<Trained> {
     let mut trainer = Trainer::new(model, backend, 11)?;
     let mut losses = Vec::new();
     for batch in data.batches(32, Some(3), true)?.take(steps) {
         losses.push(trainer.step(batch.x, batch.y, 0.05)?.loss);
     }
-    let dispatches = trainer.transfers().dispatches / steps as u64;
+    let dispatches_per_step = trainer.transfers().dispatches / steps as u64;
     let mut trained = model.clone();
     trainer.write_back(&mut trained)?;
-    Ok((dispatches, losses, trainable(&trained)))
+    Ok(Trained {
+        dispatches_per_step,
+        losses,
+        parameters: trainable(&trained),
+    })
 }
 
 /// Fused and unfused steps of `architecture` land on the same parameters
@@ -256,15 +261,15 @@ fn fusion_saves_dispatches(architecture: Architecture, feature_shape: &[usize]) 
         producer: "test".into(),
     })?;
     let steps = 3;
-    let (fused, fused_losses, fused_params) = train(&model, &gpu, &data, steps)?;
-    let unfused_backend = gpu.with_fusion(false);
-    let (unfused, unfused_losses, unfused_params) = train(&model, &unfused_backend, &data, steps)?;
-    eprintln!("{architecture:?} train_step dispatches: {unfused} unfused, {fused} fused");
-    assert!(fused < unfused, "{fused} fused vs {unfused} unfused");
-    for (f, u) in fused_losses.iter().zip(&unfused_losses) {
+    let fused = train(&model, &gpu, &data, steps)?;
+    let unfused = train(&model, &gpu.with_fusion(false), &data, steps)?;
+    let (before, after) = (unfused.dispatches_per_step, fused.dispatches_per_step);
+    eprintln!("{architecture:?} train_step dispatches: {before} unfused, {after} fused");
+    assert!(after < before, "{after} fused vs {before} unfused");
+    for (f, u) in fused.losses.iter().zip(&unfused.losses) {
         assert!((f - u).abs() <= 1e-5 * u.abs().max(1.0), "loss {f} vs {u}");
     }
-    for ((name, f), (_, u)) in fused_params.iter().zip(&unfused_params) {
+    for ((name, f), (_, u)) in fused.parameters.iter().zip(&unfused.parameters) {
         let scale = u.iter().fold(1.0f32, |m, v| m.max(v.abs()));
         let worst = f
             .iter()
