@@ -12,7 +12,7 @@ use canopy_engine::optim::Optimizer;
 use canopy_engine::train::Trainer;
 use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
 use canopy_engine::{Backend, CpuBackend, GpuBackend, Value};
-use canopy_ir::{BinaryOp, DType, Graph, Model, Op, Shape, TensorType, UnaryOp};
+use canopy_ir::{BinaryOp, DType, Dim, Graph, Model, Op, Shape, TensorType, UnaryOp};
 
 /// Deterministic inputs in [-1, 1).
 fn ramp(shape: &[usize], salt: usize) -> Value {
@@ -105,7 +105,8 @@ fn broadcast_operands_are_read_inside_a_chain() -> Result<()> {
     let Some(gpu) = common::gpu_under_test() else {
         return Ok(());
     };
-    // relu(x + b) * s - 0.5 with b over the rows and s over the columns.
+    // relu(x + b) * broadcast(s) - 0.5 with b over the rows and s over
+    // the columns, one implicitly and one by an explicit broadcast node.
     let mut g = Graph::new();
     let x = g.input("x", TensorType::f32(&[4, 5]))?;
     let b = g.input("b", TensorType::f32(&[5]))?;
@@ -113,7 +114,8 @@ fn broadcast_operands_are_read_inside_a_chain() -> Result<()> {
     let half = g.scalar(0.5)?;
     let biased = g.add(x, b)?;
     let active = g.relu(biased)?;
-    let scaled = g.mul(active, s)?;
+    let spread = g.broadcast(s, vec![Dim::Fixed(4), Dim::Fixed(5)])?;
+    let scaled = g.mul(active, spread)?;
     let out = g.sub(scaled, half)?;
     g.set_output("out", out)?;
     let inputs = [ramp(&[4, 5], 4), ramp(&[5], 5), ramp(&[4, 1], 6)];

@@ -299,6 +299,9 @@ fn element_value(
         Op::Binary(b) => binary_expr(*b, first, operand(0)?, operand(1)?)?,
         Op::Where => format!("select({}, {}, {})", operand(2)?, operand(1)?, operand(0)?),
         Op::Cast { to } => cast_expr(first, *to, operand(0)?)?,
+        // Its operand is already read with broadcast indexing (an external
+        // input) or has the output's shape (a fused member).
+        Op::Broadcast { .. } => operand(0)?.clone(),
         other => return Err(format!("{} is not elementwise", other.name())),
     };
     Ok(ElementValue {

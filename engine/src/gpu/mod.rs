@@ -11,7 +11,7 @@
 //!   by that source (so by op and shape). Values get buffers from a pool
 //!   assigned by liveness; bind groups are made once per plan.
 //! - Fusion ([`fuse`]): the plan groups elementwise nodes (unary, binary,
-//!   `where`, cast) into one kernel per group. A node joins its consumer's
+//!   `where`, cast, broadcast) into one kernel per group. A node joins its consumer's
 //!   group when it is elementwise, has the group's output shape, is not a
 //!   graph output and every consumer of it is in the group; broadcast
 //!   operands are the group's inputs. At most 32 nodes and 8 inputs (within
