@@ -68,6 +68,9 @@ pub struct TransferCounters {
     pub device_to_host_bytes: u64,
     /// Command-buffer submissions.
     pub submissions: u64,
+    /// Compute dispatches (kernels run) over all submissions, finiteness
+    /// checks included.
+    pub dispatches: u64,
 }
 
 /// What [`Executable::run_resident`] returns.

@@ -149,6 +149,16 @@ impl GpuContext {
         self.limits.max_compute_workgroups_per_dimension
     }
 
+    /// The most external inputs a fused kernel may read: its bindings are
+    /// those, the output and the flag words, within the adapter's
+    /// storage buffers per shader stage.
+    pub(crate) fn max_fused_inputs(&self) -> usize {
+        let per_stage = self.limits.max_storage_buffers_per_shader_stage as usize;
+        super::fuse::MAX_INPUTS
+            .min(per_stage.saturating_sub(2))
+            .max(1)
+    }
+
     /// A pipeline for `source`, compiled once per context.
     pub(crate) fn pipeline(
         &self,

@@ -53,10 +53,14 @@ pub struct GpuExecutable {
     resident: Vec<Option<Resident>>,
     prepared: BTreeMap<(usize, bool), Prepared>,
     counters: TransferCounters,
+    /// Whether plans fuse elementwise chains (`fuse.rs`); off only to
+    /// compare against.
+    fuse: bool,
 }
 
 impl GpuExecutable {
-    pub fn new(context: Arc<GpuContext>, graph: &Graph) -> EngineResult<GpuExecutable> {
+    /// Compiles `graph`; `fuse` says whether plans fuse elementwise chains.
+    pub fn new(context: Arc<GpuContext>, graph: &Graph, fuse: bool) -> EngineResult<GpuExecutable> {
         canopy_ir::verify::verify(graph)?;
         let graph = canopy_ir::passes::inline_custom_grads(graph)?;
         for (index, node) in graph.nodes().iter().enumerate() {
@@ -90,6 +94,7 @@ impl GpuExecutable {
             flags,
             prepared: BTreeMap::new(),
             counters,
+            fuse,
         })
     }
 
@@ -128,6 +133,8 @@ impl GpuExecutable {
         }
         let returned = self.encode_and_submit(prepared, resident_mode)?;
         self.counters.submissions += 1;
+        self.counters.dispatches +=
+            (prepared.plan.dispatches.len() + prepared.finite_checks.len()) as u64;
         let bytes = read_staging(&self.context, &prepared.staging)?;
         self.counters.device_to_host_bytes += bytes.len() as u64;
         self.unpack(&bytes, &returned, prepared)
@@ -257,14 +264,12 @@ impl GpuExecutable {
                 }
             }
         }
-        let plan = Plan::new(
-            &self.context,
-            &self.graph,
-            batch,
-            &input_buffers,
-            &self.constants,
-            &self.flags,
-        )?;
+        let bound = Bound {
+            inputs: &input_buffers,
+            constants: &self.constants,
+            flags: &self.flags,
+        };
+        let plan = Plan::new(&self.context, &self.graph, batch, self.fuse, &bound)?;
         let targets: Vec<Option<usize>> = self
             .output_names
             .iter()

@@ -265,39 +265,142 @@ fn cast_expr(from: DType, to: DType, x: &str) -> Result<String, String> {
     })
 }
 
-fn elementwise(site: &Site<'_>) -> Result<Kernel, String> {
-    let out_shape = &site.out.1;
+/// One elementwise op applied to operand expressions `operands` (of
+/// `operand_types`), as a value of `out`'s type; the shared core of the
+/// per-node and the fused kernels.
+struct ElementValue {
+    value: String,
+    /// For an integer division: a condition that flags a zero divisor
+    /// ([`FLAG_DIVISION_BY_ZERO`]).
+    zero_divisor: Option<String>,
+}
+
+fn element_value(
+    op: &Op,
+    operand_types: &[DType],
+    out: DType,
+    operands: &[String],
+) -> Result<ElementValue, String> {
     let operand = |k: usize| {
-        let (dtype, shape) = &site.operands[k];
-        load(&format!("a{k}"), *dtype, &broadcast_index(shape, out_shape))
+        operands
+            .get(k)
+            .ok_or_else(|| format!("{} lacks operand {k}", op.name()))
     };
-    let integer_division = matches!(site.op, Op::Binary(BinaryOp::Div))
-        && matches!(site.operands[0].0, DType::I32 | DType::I64);
-    if integer_division {
-        let divisor = operand(1);
-        let zero_check = match site.operands[1].0 {
-            DType::I64 => format!("i64_eq({divisor}, vec2<u32>(0u, 0u))"),
-            _ => format!("{divisor} == 0i"),
-        };
-        let value = binary_expr(BinaryOp::Div, site.operands[0].0, &operand(0), &divisor)?;
-        let body = format!(
-            "  if ({zero_check}) {{ flags[{FLAG_DIVISION_BY_ZERO}u] = 1u; }}\n  let value = {value};"
-        );
-        return Ok(per_output(site, "div", &body, true));
-    }
-    let value = match site.op {
-        Op::Unary(u) => unary_expr(*u, &operand(0))?,
-        Op::Binary(b) => binary_expr(*b, site.operands[0].0, &operand(0), &operand(1))?,
-        Op::Where => format!("select({}, {}, {})", operand(2), operand(1), operand(0)),
-        Op::Cast { to } => cast_expr(site.operands[0].0, *to, &operand(0))?,
+    let first = operand_types.first().copied().unwrap_or(out);
+    let zero_divisor = match (op, first) {
+        (Op::Binary(BinaryOp::Div), DType::I64) => {
+            Some(format!("i64_eq({}, vec2<u32>(0u, 0u))", operand(1)?))
+        }
+        (Op::Binary(BinaryOp::Div), DType::I32) => Some(format!("{} == 0i", operand(1)?)),
+        _ => None,
+    };
+    let value = match op {
+        Op::Unary(u) => unary_expr(*u, operand(0)?)?,
+        Op::Binary(b) => binary_expr(*b, first, operand(0)?, operand(1)?)?,
+        Op::Where => format!("select({}, {}, {})", operand(2)?, operand(1)?, operand(0)?),
+        Op::Cast { to } => cast_expr(first, *to, operand(0)?)?,
+        // Its operand is already read with broadcast indexing (an external
+        // input) or has the output's shape (a fused member).
+        Op::Broadcast { .. } => operand(0)?.clone(),
         other => return Err(format!("{} is not elementwise", other.name())),
     };
-    Ok(per_output(
-        site,
-        site.op.name(),
-        &format!("  let value = {value};"),
-        false,
-    ))
+    Ok(ElementValue {
+        value,
+        zero_divisor,
+    })
+}
+
+/// The statement that flags a zero divisor, if the op divides integers.
+fn zero_divisor_check(value: &ElementValue) -> String {
+    value
+        .zero_divisor
+        .as_ref()
+        .map(|zero| format!("  if ({zero}) {{ flags[{FLAG_DIVISION_BY_ZERO}u] = 1u; }}\n"))
+        .unwrap_or_default()
+}
+
+fn elementwise(site: &Site<'_>) -> Result<Kernel, String> {
+    let out_shape = &site.out.1;
+    let operands: Vec<String> = site
+        .operands
+        .iter()
+        .enumerate()
+        .map(|(k, (dtype, shape))| {
+            load(&format!("a{k}"), *dtype, &broadcast_index(shape, out_shape))
+        })
+        .collect();
+    let types: Vec<DType> = site.operands.iter().map(|(dtype, _)| *dtype).collect();
+    let element = element_value(site.op, &types, site.out.0, &operands)?;
+    let with_flags = element.zero_divisor.is_some();
+    let label = if with_flags { "div" } else { site.op.name() };
+    let body = format!(
+        "{}  let value = {};",
+        zero_divisor_check(&element),
+        element.value
+    );
+    Ok(per_output(site, label, &body, with_flags))
+}
+
+/// Where a fused member's operand comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FusedOperand {
+    /// The group's external input `k` (binding `k`).
+    Input(usize),
+    /// The value of an earlier member, by its position in the group.
+    Member(usize),
+}
+
+/// One node of a fused group.
+pub struct FusedMember<'a> {
+    pub op: &'a Op,
+    pub operands: Vec<FusedOperand>,
+    pub out: DType,
+}
+
+/// A group of elementwise nodes of one output shape, computed by one
+/// kernel: `site.operands` are the group's external inputs, `site.out`
+/// is the last member's value (the only one written).
+pub struct FusedSite<'a> {
+    pub site: Site<'a>,
+    pub members: Vec<FusedMember<'a>>,
+}
+
+/// One kernel for a fused group: one invocation per output element, each
+/// external input loaded once (with its own broadcast indexing), each
+/// member a `let` in topological order, the last member stored.
+pub fn fused_elementwise(fused: &FusedSite<'_>) -> Result<Kernel, String> {
+    let site = &fused.site;
+    let out_shape = &site.out.1;
+    let mut body = String::new();
+    for (k, (dtype, shape)) in site.operands.iter().enumerate() {
+        let loaded = load(&format!("a{k}"), *dtype, &broadcast_index(shape, out_shape));
+        let _ = writeln!(body, "  let x{k} = {loaded};");
+    }
+    let mut with_flags = false;
+    for (m, member) in fused.members.iter().enumerate() {
+        let mut names = Vec::with_capacity(member.operands.len());
+        let mut types = Vec::with_capacity(member.operands.len());
+        for operand in &member.operands {
+            let (name, dtype) = match *operand {
+                FusedOperand::Input(k) => (format!("x{k}"), site.operands.get(k).map(|o| o.0)),
+                FusedOperand::Member(j) if j < m => {
+                    (format!("v{j}"), fused.members.get(j).map(|p| p.out))
+                }
+                FusedOperand::Member(j) => {
+                    return Err(format!("member {m} reads later member {j}"));
+                }
+            };
+            names.push(name);
+            types.push(dtype.ok_or_else(|| format!("member {m}: no operand {operand:?}"))?);
+        }
+        let element = element_value(member.op, &types, member.out, &names)?;
+        with_flags |= element.zero_divisor.is_some();
+        body.push_str(&zero_divisor_check(&element));
+        let _ = writeln!(body, "  let v{m} = {};", element.value);
+    }
+    let last = fused.members.len().checked_sub(1).ok_or("an empty group")?;
+    let _ = write!(body, "  let value = v{last};");
+    Ok(per_output(site, "fused", &body, with_flags))
 }
 
 // ---- layout --------------------------------------------------------------

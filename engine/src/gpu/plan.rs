@@ -1,5 +1,6 @@
-//! A graph laid out for one batch size: buffers assigned by liveness,
-//! pipelines and bind groups made once, dispatches in order.
+//! A graph laid out for one batch size: elementwise nodes fused (see
+//! `fuse.rs`), buffers assigned by liveness, pipelines and bind groups
+//! made once, dispatches in order.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -7,7 +8,8 @@ use std::sync::Arc;
 use canopy_ir::{DType, Graph, Op};
 
 use super::context::GpuContext;
-use super::kernels::{self, Bind, Kernel, Site};
+use super::fuse::{Fusion, Group};
+use super::kernels::{self, Bind, FusedMember, FusedOperand, FusedSite, Kernel, Site};
 use super::wgsl::element_bytes;
 use crate::error::{EngineError, EngineResult};
 
@@ -42,6 +44,14 @@ pub struct Plan {
     pub storage: Vec<Option<Storage>>,
     pub pool: Vec<wgpu::Buffer>,
     pub dispatches: Vec<Dispatch>,
+    /// Which nodes are computed inside another node's kernel.
+    pub fusion: Fusion,
+}
+
+/// What a dispatch reads and writes: node ids, operands in binding order.
+struct Endpoints<'a> {
+    operands: &'a [usize],
+    output: usize,
 }
 
 impl Plan {
@@ -49,60 +59,143 @@ impl Plan {
         context: &GpuContext,
         graph: &Graph,
         batch: usize,
-        input_buffers: &[wgpu::Buffer],
-        constants: &BTreeMap<usize, wgpu::Buffer>,
-        flags: &wgpu::Buffer,
+        fuse: bool,
+        bound: &Bound<'_>,
     ) -> EngineResult<Plan> {
         let shapes: Vec<Vec<usize>> = graph
             .nodes()
             .iter()
             .map(|node| node.ty.shape.resolve(batch))
             .collect();
-        let (storage, pool_sizes) = assign_storage(graph, &shapes);
+        let fusion = if fuse {
+            Fusion::plan(graph, &shapes, context.max_fused_inputs())
+        } else {
+            Fusion::none(graph)
+        };
+        let (storage, pool_sizes) = assign_storage(graph, &shapes, &fusion);
         let mut pool = Vec::with_capacity(pool_sizes.len());
         for (k, bytes) in pool_sizes.iter().enumerate() {
             pool.push(context.storage_buffer(&format!("pooled buffer {k}"), *bytes)?);
         }
-        let bound = Bound {
-            inputs: input_buffers,
-            constants,
-            flags,
-        };
         let mut plan = Plan {
             shapes,
             storage,
             pool,
             dispatches: Vec::new(),
+            fusion,
         };
         for (index, node) in graph.nodes().iter().enumerate() {
-            if matches!(
+            let computed_here = !matches!(
                 node.op,
                 Op::Input { .. } | Op::Constant(_) | Op::Reshape { .. }
-            ) {
+            ) && !plan.fusion.is_fused_away(index);
+            if !computed_here || plan.shapes[index].iter().product::<usize>() == 0 {
                 continue;
             }
-            let site = Site {
-                op: &node.op,
-                operands: node
-                    .inputs
-                    .iter()
-                    .map(|id| (graph.ty(*id).dtype, plan.shapes[id.index()].clone()))
-                    .collect(),
-                out: (node.ty.dtype, plan.shapes[index].clone()),
-                max_workgroups: context.max_workgroups(),
-            };
-            if plan.shapes[index].iter().product::<usize>() == 0 {
-                continue;
-            }
-            let generated = kernels::generate(&site).map_err(|what| {
-                EngineError::Internal(format!("node %{index} ({}): {what}", node.op.name()))
-            })?;
-            for kernel in generated {
-                let dispatch = plan.dispatch(context, &bound, graph, index, &kernel)?;
-                plan.dispatches.push(dispatch);
+            let group = plan.fusion.group(graph, index);
+            if group.members.len() > 1 {
+                plan.push_fused(context, bound, graph, &group)?;
+            } else {
+                plan.push_node(context, bound, graph, index)?;
             }
         }
         Ok(plan)
+    }
+
+    fn site<'g>(
+        &self,
+        context: &GpuContext,
+        graph: &'g Graph,
+        op: &'g Op,
+        operands: &[usize],
+        output: usize,
+    ) -> Site<'g> {
+        Site {
+            op,
+            operands: operands
+                .iter()
+                .map(|&v| (graph.nodes()[v].ty.dtype, self.shapes[v].clone()))
+                .collect(),
+            out: (graph.nodes()[output].ty.dtype, self.shapes[output].clone()),
+            max_workgroups: context.max_workgroups(),
+        }
+    }
+
+    /// The kernels of one node on its own.
+    fn push_node(
+        &mut self,
+        context: &GpuContext,
+        bound: &Bound<'_>,
+        graph: &Graph,
+        index: usize,
+    ) -> EngineResult<()> {
+        let node = &graph.nodes()[index];
+        let operands: Vec<usize> = node.inputs.iter().map(|id| id.index()).collect();
+        let site = self.site(context, graph, &node.op, &operands, index);
+        let generated = kernels::generate(&site).map_err(|what| {
+            EngineError::Internal(format!("node %{index} ({}): {what}", node.op.name()))
+        })?;
+        let endpoints = Endpoints {
+            operands: &operands,
+            output: index,
+        };
+        for kernel in generated {
+            let dispatch = self.dispatch(context, bound, &endpoints, &kernel)?;
+            self.dispatches.push(dispatch);
+        }
+        Ok(())
+    }
+
+    /// One kernel for a fused group, writing only its root.
+    fn push_fused(
+        &mut self,
+        context: &GpuContext,
+        bound: &Bound<'_>,
+        graph: &Graph,
+        group: &Group,
+    ) -> EngineResult<()> {
+        let nodes = graph.nodes();
+        let root = group.root();
+        let operand_of = |value: usize| match group.members.iter().position(|&m| m == value) {
+            Some(position) => Ok(FusedOperand::Member(position)),
+            None => group
+                .inputs
+                .iter()
+                .position(|&v| v == value)
+                .map(FusedOperand::Input)
+                .ok_or_else(|| {
+                    EngineError::Internal(format!("fused group of %{root} misses %{value}"))
+                }),
+        };
+        let mut members = Vec::with_capacity(group.members.len());
+        for &m in &group.members {
+            members.push(FusedMember {
+                op: &nodes[m].op,
+                operands: nodes[m]
+                    .inputs
+                    .iter()
+                    .map(|id| operand_of(id.index()))
+                    .collect::<EngineResult<_>>()?,
+                out: nodes[m].ty.dtype,
+            });
+        }
+        let fused = FusedSite {
+            site: self.site(context, graph, &nodes[root].op, &group.inputs, root),
+            members,
+        };
+        let kernel = kernels::fused_elementwise(&fused).map_err(|what| {
+            EngineError::Internal(format!(
+                "fused group of %{root} ({:?}): {what}",
+                group.members
+            ))
+        })?;
+        let endpoints = Endpoints {
+            operands: &group.inputs,
+            output: root,
+        };
+        let dispatch = self.dispatch(context, bound, &endpoints, &kernel)?;
+        self.dispatches.push(dispatch);
+        Ok(())
     }
 
     /// The buffer holding node `index`'s value.
@@ -120,10 +213,10 @@ impl Plan {
         &self,
         context: &GpuContext,
         bound: &Bound<'_>,
-        graph: &Graph,
-        index: usize,
+        endpoints: &Endpoints<'_>,
         kernel: &Kernel,
     ) -> EngineResult<Dispatch> {
+        let index = endpoints.output;
         let max = context.max_workgroups();
         if kernel.workgroups.iter().any(|&g| g > max) {
             return Err(EngineError::Gpu {
@@ -135,11 +228,15 @@ impl Plan {
             });
         }
         let pipeline = context.pipeline(kernel.label, &kernel.source)?;
-        let node = &graph.nodes()[index];
         let mut buffers = Vec::with_capacity(kernel.bindings.len());
         for bind in &kernel.bindings {
             buffers.push(match bind {
-                Bind::Operand(k) => self.buffer(bound, node.inputs[*k].index())?,
+                Bind::Operand(k) => {
+                    let value = endpoints.operands.get(*k).ok_or_else(|| {
+                        EngineError::Internal(format!("{} binds operand {k}", kernel.label))
+                    })?;
+                    self.buffer(bound, *value)?
+                }
                 Bind::Output => self.buffer(bound, index)?,
                 Bind::Flags => bound.flags,
             });
@@ -173,11 +270,17 @@ pub fn value_bytes(dtype: DType, shape: &[usize]) -> u64 {
 }
 
 /// Gives each node a storage: inputs and constants their own, a reshape
-/// its operand's, every other node a pooled buffer. A pooled buffer is
-/// free again after the last reader of every value stored in it; the
-/// smallest free buffer that fits is reused, else a new one is made.
-/// Returns the storages and the pool's buffer sizes.
-fn assign_storage(graph: &Graph, shapes: &[Vec<usize>]) -> (Vec<Option<Storage>>, Vec<u64>) {
+/// its operand's, a node fused into another's kernel none, every other
+/// node a pooled buffer. A value is read where its readers are computed
+/// (a fused member's reads happen in its group's root), and a pooled
+/// buffer is free again after the last reader of every value stored in
+/// it; the smallest free buffer that fits is reused, else a new one is
+/// made. Returns the storages and the pool's buffer sizes.
+fn assign_storage(
+    graph: &Graph,
+    shapes: &[Vec<usize>],
+    fusion: &Fusion,
+) -> (Vec<Option<Storage>>, Vec<u64>) {
     let nodes = graph.nodes();
     let input_position: BTreeMap<usize, usize> = graph
         .inputs()
@@ -185,11 +288,12 @@ fn assign_storage(graph: &Graph, shapes: &[Vec<usize>]) -> (Vec<Option<Storage>>
         .enumerate()
         .map(|(k, id)| (id.index(), k))
         .collect();
-    // The last node reading each node's value; graph outputs live to the end.
+    // Where each node's value is last read; graph outputs live to the end.
     let mut last_use: Vec<usize> = (0..nodes.len()).collect();
     for (index, node) in nodes.iter().enumerate() {
+        let read_at = fusion.root_of(index);
         for input in &node.inputs {
-            last_use[input.index()] = index;
+            last_use[input.index()] = last_use[input.index()].max(read_at);
         }
     }
     for (_, out) in graph.outputs() {
@@ -201,16 +305,17 @@ fn assign_storage(graph: &Graph, shapes: &[Vec<usize>]) -> (Vec<Option<Storage>>
     // Per pooled buffer: the last use of any value stored in it.
     let mut busy_until: Vec<usize> = Vec::new();
     for (index, node) in nodes.iter().enumerate() {
-        storage[index] = Some(match &node.op {
-            Op::Input { .. } => Storage::Input(input_position[&index]),
-            Op::Constant(_) => Storage::Constant(index),
+        storage[index] = match &node.op {
+            _ if fusion.is_fused_away(index) => None,
+            Op::Input { .. } => Some(Storage::Input(input_position[&index])),
+            Op::Constant(_) => Some(Storage::Constant(index)),
             Op::Reshape { .. } => {
                 let from = node.inputs[0].index();
                 let shared = storage[from].expect("operands precede their readers");
                 if let Storage::Pooled(k) = shared {
                     busy_until[k] = busy_until[k].max(last_use[index]);
                 }
-                shared
+                Some(shared)
             }
             _ => {
                 let bytes = value_bytes(node.ty.dtype, &shapes[index]).max(4);
@@ -229,9 +334,9 @@ fn assign_storage(graph: &Graph, shapes: &[Vec<usize>]) -> (Vec<Option<Storage>>
                     }
                 };
                 busy_until[k] = last_use[index];
-                Storage::Pooled(k)
+                Some(Storage::Pooled(k))
             }
-        });
+        };
         // Buffers whose every value has been read by now are free.
         for (k, until) in busy_until.iter().enumerate() {
             if *until == index && !free.contains(&k) && *until != usize::MAX {

@@ -193,7 +193,11 @@ fn i64_from_i32(x: i32) -> vec2<u32> {
   return vec2<u32>(bitcast<u32>(x), select(0u, 0xffffffffu, x < 0));
 }
 fn i64_to_f32(v: vec2<u32>) -> f32 {
-  return f32(bitcast<i32>(v.y)) * 4294967296.0 + f32(v.x);
+  // Through the magnitude: high * 2^32 + low in f32 cancels to 0 for a
+  // small negative value (-8 is -2^32 + 4294967288).
+  let m = i64_abs(v);
+  let f = f32(m.y) * 4294967296.0 + f32(m.x);
+  return select(f, -f, i64_negative(v));
 }
 fn i64_add(a: vec2<u32>, b: vec2<u32>) -> vec2<u32> {
   let lo = a.x + b.x;
