@@ -298,10 +298,20 @@ pub fn evaluate_model(
     data: &Dataset,
     batch: usize,
 ) -> Result<Evaluation, TrainError> {
+    evaluate_model_on(model, data, batch, &BackendChoice::default())
+}
+
+/// [`evaluate_model`] on a chosen backend, the one a device trains on.
+pub fn evaluate_model_on(
+    model: &Model,
+    data: &Dataset,
+    batch: usize,
+    backend: &BackendChoice,
+) -> Result<Evaluation, TrainError> {
     if data.is_empty() {
         return Err(TrainError::NoData);
     }
-    let backend = BackendChoice::default().engine_backend();
+    let backend = backend.engine_backend();
     let stats = canopy_engine::train::evaluate(model, data, batch, backend.as_ref())?;
     Ok(Evaluation {
         loss: stats.loss,
@@ -502,6 +512,21 @@ mod tests {
                 what: "anything".into(),
             })
         }
+    }
+
+    /// Evaluation on the GPU gives the CPU's loss and accuracy.
+    #[test]
+    fn an_evaluation_on_the_gpu_equals_the_cpus() {
+        if std::env::var("CANOPY_TEST_BACKENDS").as_deref() == Ok("cpu") {
+            return;
+        }
+        let (bytes, _, data) = setup(1);
+        let model = canopy_ir::format::read_model(&bytes).expect("model");
+        let on_gpu = evaluate_model_on(&model, &data, 16, &BackendChoice::gpu()).expect("GPU");
+        let on_cpu = evaluate_model_on(&model, &data, 16, &BackendChoice::cpu()).expect("CPU");
+        assert_eq!(on_gpu.samples, on_cpu.samples);
+        assert_eq!(on_gpu.accuracy, on_cpu.accuracy);
+        assert!((on_gpu.loss - on_cpu.loss).abs() <= 1e-5 * on_cpu.loss.abs().max(1.0));
     }
 
     /// A task trained on the GPU gives the CPU's update, to 1e-4 of its

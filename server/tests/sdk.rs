@@ -30,14 +30,22 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
+/// What an app reports: the backends the engine runs here, and the GPU
+/// adapter beside `gpu` (lavapipe in CI).
 fn capabilities() -> Capabilities {
+    let backends = canopy_sdk::available_backends();
+    let gpu = backends
+        .iter()
+        .any(|backend| backend == "gpu")
+        .then(canopy_sdk::gpu_adapter)
+        .flatten();
     Capabilities {
         tier: Tier::Edge,
-        backends: canopy_sdk::backend::available_backends(),
+        backends,
         memory_mb: 2048,
         os: "linux".to_string(),
         tags: Default::default(),
-        gpu: None,
+        gpu,
     }
 }
 
@@ -129,8 +137,14 @@ fn blocking_client_runs_a_round_from_a_thread_without_a_runtime() -> Result<()> 
 
     let digits = Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets/digits/digits.csv.gz");
     let (train, _test) = load_csv(digits, LabelColumn::Last)?.split(0.2, 17)?;
-    let choice = canopy_sdk::choose_backend(&capabilities());
-    assert_eq!(choice.kind(), canopy_sdk::BackendKind::Cpu);
+    let reported = capabilities();
+    let choice = canopy_sdk::choose_backend(&reported);
+    let expected = if reported.gpu.is_some() {
+        canopy_sdk::BackendKind::Gpu
+    } else {
+        canopy_sdk::BackendKind::Cpu
+    };
+    assert_eq!(choice.kind(), expected, "{reported:?}");
     assert!(choice.fallback().is_none(), "{choice}");
     let options = TrainOptions {
         backend: choice,

@@ -21,7 +21,7 @@ use bytes::Bytes;
 use canopy_engine::select::BackendChoice;
 use canopy_protocol::messages::{RoundMetrics, Task, TaskKind};
 use canopy_sdk::train::{
-    EVAL_BATCH, Evaluation, LocalUpdate, TrainOptions, evaluate_model, statistics_update,
+    EVAL_BATCH, Evaluation, LocalUpdate, TrainOptions, evaluate_model_on, statistics_update,
     train_task_with,
 };
 use canopy_sdk::{
@@ -446,9 +446,10 @@ impl Daemon {
         self.set_state(AgentState::Evaluating);
         let datasets = self.datasets.clone();
         let name = task.dataset.clone();
+        let backend = sdk_backend(self.settings.backend);
         let evaluated = tokio::task::spawn_blocking(move || {
             let data = datasets.get(name.as_deref())?;
-            rayon::scope(|_| evaluate_held_out(&model.bytes, &data))
+            rayon::scope(|_| evaluate_held_out(&model.bytes, &data, &backend))
         })
         .await;
         let evaluation = match evaluated {
@@ -594,11 +595,14 @@ impl Daemon {
     }
 }
 
-/// Evaluates the downloaded global model on the held-out split, then
-/// trains it on the training split; both shaped for the model.
-/// The model evaluated on the held-out split; an error when there is none
-/// or it does not fit the model, which the agent declines with.
-fn evaluate_held_out(model_bytes: &[u8], data: &LocalData) -> Result<Evaluation> {
+/// The model evaluated on the held-out split, on the agent's backend; an
+/// error when there is none or it does not fit the model, which the agent
+/// declines with.
+fn evaluate_held_out(
+    model_bytes: &[u8],
+    data: &LocalData,
+    backend: &canopy_sdk::BackendChoice,
+) -> Result<Evaluation> {
     let model =
         canopy_ir::format::read_model(model_bytes).context("the downloaded model does not load")?;
     let held_out = fit_to_model(&data.holdout, &model).with_context(|| {
@@ -613,7 +617,7 @@ fn evaluate_held_out(model_bytes: &[u8], data: &LocalData) -> Result<Evaluation>
             data.name
         );
     }
-    evaluate_model(&model, &held_out, EVAL_BATCH)
+    evaluate_model_on(&model, &held_out, EVAL_BATCH, backend)
         .context("evaluating the round's model on the held-out data failed")
 }
 
@@ -627,6 +631,9 @@ pub(super) fn sdk_backend(choice: BackendChoice) -> canopy_sdk::BackendChoice {
     }
 }
 
+/// Evaluates the downloaded global model on the held-out split, then
+/// trains it on the training split, both on the agent's backend and
+/// shaped for the model.
 fn train_and_evaluate(
     model_bytes: &[u8],
     task: &Task,
@@ -648,7 +655,7 @@ fn train_and_evaluate(
         None
     } else {
         Some(
-            evaluate_model(&model, &held_out, EVAL_BATCH)
+            evaluate_model_on(&model, &held_out, EVAL_BATCH, &options.backend)
                 .context("evaluating the global model on the held-out data failed")?,
         )
     };
