@@ -25,8 +25,8 @@ use canopy_sdk::train::{
     train_task_with,
 };
 use canopy_sdk::{
-    CancelToken, DeviceClient, RetryNotice, RetryObserver, RetryPolicy, SdkError, SecureRound,
-    StageObserver, StageProgress,
+    CancelToken, DeviceClient, DownloadedModel, RetryNotice, RetryObserver, RetryPolicy, SdkError,
+    SecureRound, StageObserver, StageProgress,
 };
 
 use super::data::LocalData;
@@ -290,17 +290,7 @@ impl Daemon {
             Some(_) => Some(self.exchange_keys(run).await?),
             None => None,
         };
-        self.set_state(AgentState::Downloading);
-        let model = run.client.download_model(task).await.map_err(|error| {
-            Stop::new(
-                request_failure(&error),
-                format!(
-                    "model download failed: {}",
-                    canopy_term::error_chain(&error)
-                ),
-            )
-        })?;
-        self.persist_trusted_keys();
+        let model = self.download(run).await?;
         tracing::info!(round_id = task.round_id, digest = %model.digest, "model downloaded and verified");
         self.set_state(AgentState::Training);
         let datasets = self.datasets.clone();
@@ -311,26 +301,11 @@ impl Daemon {
             cancel: run.training.clone(),
         };
         tracing::info!(round_id = task.round_id, backend = %options.backend, "training");
-        let trained = tokio::task::spawn_blocking(move || {
+        let (evaluation, update) = off_thread("training", move || {
             let data = datasets.get(owned_task.dataset.as_deref())?;
             train_and_evaluate(&model.bytes, &owned_task, &data, seed, &options)
         })
-        .await;
-        let (evaluation, update) = match trained {
-            Ok(Ok(done)) => done,
-            Ok(Err(error)) => {
-                return Err(Stop::new(
-                    TaskResult::Failed,
-                    canopy_term::error_chain(error.as_ref()),
-                ));
-            }
-            Err(join) => {
-                return Err(Stop::new(
-                    TaskResult::Failed,
-                    format!("training stopped unexpectedly: {join}"),
-                ));
-            }
-        };
+        .await?;
         let metrics = RoundMetrics {
             round_id: task.round_id,
             train_loss: Some(update.train_loss).filter(|l| l.is_finite() && *l >= 0.0),
@@ -385,39 +360,14 @@ impl Daemon {
     /// uploaded as the round's update; nothing is trained.
     async fn statistics(&self, run: &Run<'_>) -> Result<(), Stop> {
         let task = run.task;
-        self.set_state(AgentState::Downloading);
-        let model = run.client.download_model(task).await.map_err(|error| {
-            Stop::new(
-                request_failure(&error),
-                format!(
-                    "model download failed: {}",
-                    canopy_term::error_chain(&error)
-                ),
-            )
-        })?;
-        self.persist_trusted_keys();
+        let model = self.download(run).await?;
         let datasets = self.datasets.clone();
         let owned_task = task.clone();
-        let computed = tokio::task::spawn_blocking(move || {
+        let update = off_thread("computing input statistics", move || {
             let data = datasets.get(owned_task.dataset.as_deref())?;
-            Ok::<_, anyhow::Error>(statistics_update(&model.bytes, &owned_task, &data.train)?)
+            Ok(statistics_update(&model.bytes, &owned_task, &data.train)?)
         })
-        .await;
-        let update = match computed {
-            Ok(Ok(update)) => update,
-            Ok(Err(error)) => {
-                return Err(Stop::new(
-                    TaskResult::Failed,
-                    canopy_term::error_chain(error.as_ref()),
-                ));
-            }
-            Err(join) => {
-                return Err(Stop::new(
-                    TaskResult::Failed,
-                    format!("computing input statistics stopped unexpectedly: {join}"),
-                ));
-            }
-        };
+        .await?;
         tracing::info!(
             round_id = task.round_id,
             samples = update.num_samples,
@@ -427,13 +377,11 @@ impl Daemon {
         self.upload(run, update).await
     }
 
-    /// An evaluation task: the version a round produced, evaluated on the
-    /// held-out split (the same samples the training tasks' metrics use)
-    /// and reported; nothing is trained or uploaded.
-    async fn evaluate(&self, run: &Run<'_>) -> Result<(), Stop> {
-        let task = run.task;
+    /// The task's model, downloaded and verified; the keys it was checked
+    /// against are kept for the next restart.
+    async fn download(&self, run: &Run<'_>) -> Result<DownloadedModel, Stop> {
         self.set_state(AgentState::Downloading);
-        let model = run.client.download_model(task).await.map_err(|error| {
+        let model = run.client.download_model(run.task).await.map_err(|error| {
             Stop::new(
                 request_failure(&error),
                 format!(
@@ -443,30 +391,24 @@ impl Daemon {
             )
         })?;
         self.persist_trusted_keys();
+        Ok(model)
+    }
+
+    /// An evaluation task: the version a round produced, evaluated on the
+    /// held-out split (the same samples the training tasks' metrics use)
+    /// and reported; nothing is trained or uploaded.
+    async fn evaluate(&self, run: &Run<'_>) -> Result<(), Stop> {
+        let task = run.task;
+        let model = self.download(run).await?;
         self.set_state(AgentState::Evaluating);
         let datasets = self.datasets.clone();
         let name = task.dataset.clone();
         let backend = sdk_backend(self.settings.backend);
-        let evaluated = tokio::task::spawn_blocking(move || {
+        let evaluation = off_thread("evaluation", move || {
             let data = datasets.get(name.as_deref())?;
             rayon::scope(|_| evaluate_held_out(&model.bytes, &data, &backend))
         })
-        .await;
-        let evaluation = match evaluated {
-            Ok(Ok(evaluation)) => evaluation,
-            Ok(Err(error)) => {
-                return Err(Stop::new(
-                    TaskResult::Failed,
-                    canopy_term::error_chain(error.as_ref()),
-                ));
-            }
-            Err(join) => {
-                return Err(Stop::new(
-                    TaskResult::Failed,
-                    format!("evaluation stopped unexpectedly: {join}"),
-                ));
-            }
-        };
+        .await?;
         tracing::info!(
             round_id = task.round_id,
             accuracy = evaluation.accuracy,
@@ -619,6 +561,25 @@ fn evaluate_held_out(
     }
     evaluate_model_on(&model, &held_out, EVAL_BATCH, backend)
         .context("evaluating the round's model on the held-out data failed")
+}
+
+/// Runs engine work (training, statistics, evaluation) off the async
+/// runtime; its error, or its panic, fails the task with the cause.
+async fn off_thread<T: Send + 'static>(
+    what: &'static str,
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T, Stop> {
+    match tokio::task::spawn_blocking(work).await {
+        Ok(Ok(done)) => Ok(done),
+        Ok(Err(error)) => Err(Stop::new(
+            TaskResult::Failed,
+            canopy_term::error_chain(error.as_ref()),
+        )),
+        Err(join) => Err(Stop::new(
+            TaskResult::Failed,
+            format!("{what} stopped unexpectedly: {join}"),
+        )),
+    }
 }
 
 /// The SDK's backend for the agent's `--backend`: `auto` takes a hardware
