@@ -269,6 +269,7 @@ function renderSettings(job) {
       ? `SecAgg+, dropouts up to ${secure.max_dropout_fraction}, corrupt up to ${secure.max_corrupt_fraction}, clip ${secure.clip}, ${secure.bits} bits`
       : "off"],
     ["device filter", [filters.tier && "tier " + filters.tier, (filters.backends || []).length && "backends " + filters.backends.join(", "),
+      (filters.gpu_types || []).length && "GPU " + filters.gpu_types.join(" or "),
       Object.keys(filters.tags || {}).length && "tags " + Object.entries(filters.tags).map(([k, v]) => k + "=" + v).join(" ")]
       .filter(Boolean).join("; ") || "any device"],
     ["created", when(job.created_ms)],

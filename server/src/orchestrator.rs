@@ -637,6 +637,16 @@ fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<boo
             return Ok(false);
         }
     }
+    if !filter.gpu_types.is_empty() {
+        let gpu: Option<canopy_protocol::messages::GpuAdapter> = candidate
+            .gpu
+            .as_deref()
+            .map(|text| from_json("devices.gpu", text))
+            .transpose()?;
+        if !gpu.is_some_and(|gpu| filter.gpu_types.contains(&gpu.device_type)) {
+            return Ok(false);
+        }
+    }
     Ok(true)
 }
 

@@ -12,13 +12,16 @@ use anyhow::{Result, ensure};
 use bytes::Bytes;
 use canopy_ir::Buffer;
 use canopy_protocol::auth::{self, DeviceKey};
-use canopy_protocol::messages::{RoundMetrics, Task};
+use canopy_protocol::messages::{
+    Capabilities, GpuAdapter, GpuApi, GpuDeviceType, RoundMetrics, Task,
+};
 use canopy_protocol::update::{UpdateLayout, encode_update};
 use canopy_sdk::{DeviceClient, SdkError};
 use reqwest::Method;
 use serde_json::{Value, json};
 use support::{
-    Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task,
+    Admin, Database, TestServer, capabilities, enroll_device, enroll_device_with, fetch_model,
+    logreg_model_bytes, poll_task,
 };
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
@@ -798,6 +801,87 @@ async fn assert_no_task(server: &TestServer, device: &DeviceClient, version_id: 
         "the refusal names neither device nor version: {text}"
     );
     Ok(())
+}
+
+/// `filters.gpu_types` selects by the adapter a device reported at
+/// enrollment: a job that asks for a hardware GPU goes to the device with a
+/// discrete one, not to one with a software adapter (which offers `gpu`
+/// too) nor to one without a GPU. The admin API shows the adapter.
+async fn a_job_can_ask_for_a_hardware_gpu(database: Database) -> Result<()> {
+    let server = TestServer::start(database)?;
+    let admin = server.admin();
+    let version = admin.upload_model("gpu", logreg_model_bytes(1)).await?;
+    let version_id = version["id"].as_i64().expect("version id");
+    let token = admin.enrollment_token(3).await?;
+    let with_gpu = |device_type| Capabilities {
+        backends: vec!["cpu".to_string(), "gpu".to_string()],
+        gpu: Some(GpuAdapter {
+            name: format!("test {device_type} adapter"),
+            api: GpuApi::Vulkan,
+            device_type,
+            driver: "test driver 1.0".to_string(),
+        }),
+        ..capabilities()
+    };
+    let software = enroll_device_with(&server, &token, with_gpu(GpuDeviceType::Cpu)).await?;
+    let without = enroll_device(&server, &token).await?;
+    let discrete = enroll_device_with(&server, &token, with_gpu(GpuDeviceType::Discrete)).await?;
+    let shown = admin
+        .ok(&format!("/api/v1/devices/{}", discrete.device_id))
+        .await?;
+    ensure!(
+        shown["gpu"]
+            == json!({"name": "test discrete adapter", "api": "vulkan", "device_type": "discrete", "driver": "test driver 1.0"}),
+        "{shown}"
+    );
+    let shown = admin
+        .ok(&format!("/api/v1/devices/{}", without.device_id))
+        .await?;
+    ensure!(shown["gpu"].is_null(), "{shown}");
+
+    for (filter, problem) in [
+        (json!(["discrete", "discrete"]), "names a type twice"),
+        (json!(["tpu"]), "tpu"),
+    ] {
+        let mut spec = job_spec(version_id, 1, 1, 3, 120_000);
+        spec["filters"] = json!({"gpu_types": filter});
+        let refused = admin.send(Method::POST, "/api/v1/jobs", Some(spec)).await?;
+        ensure!(
+            (400..500).contains(&refused.status) && refused.body.to_string().contains(problem),
+            "{filter}: {} {}",
+            refused.status,
+            refused.body
+        );
+    }
+
+    // Up to three devices per round, so only the filter keeps two out.
+    let mut spec = job_spec(version_id, 1, 1, 3, 120_000);
+    spec["filters"] = json!({"gpu_types": ["discrete", "integrated"]});
+    admin.create_job(spec).await?;
+    let task = poll_task(&discrete).await?;
+    ensure!(
+        task.model_version_id == version_id,
+        "task on {}",
+        task.model_version_id
+    );
+    for other in [&software, &without] {
+        ensure!(
+            other.next_task(500).await?.is_none(),
+            "device {} has no hardware GPU but got a task",
+            other.device_id
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_can_ask_for_a_hardware_gpu_on_sqlite() -> Result<()> {
+    a_job_can_ask_for_a_hardware_gpu(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_can_ask_for_a_hardware_gpu_on_postgres() -> Result<()> {
+    a_job_can_ask_for_a_hardware_gpu(Database::Postgres).await
 }
 
 /// A device may download a model version only while it has a task on it:

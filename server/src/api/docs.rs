@@ -251,6 +251,13 @@ mod tests {
         assert_eq!(job("learning_rate")["maximum"], bounds::MAX_LEARNING_RATE);
         let backends = schema_property(&document, "DeviceFilter", "backends");
         assert_eq!(backends["maxItems"], MAX_FILTER_BACKENDS);
+        let gpu_types = schema_property(&document, "DeviceFilter", "gpu_types");
+        let names: Vec<&str> = canopy_protocol::messages::GpuDeviceType::ALL
+            .iter()
+            .map(|kind| kind.as_str())
+            .collect();
+        assert_eq!(gpu_types["items"]["enum"], serde_json::json!(names));
+        assert_eq!(gpu_types["uniqueItems"], true);
         for schema in ["CreateApiToken", "CreateEnrollmentToken"] {
             let label = schema_property(&document, schema, "label");
             assert_eq!(label["maxLength"], MAX_LABEL_CHARS, "{schema}");

@@ -17,6 +17,8 @@ use crate::config::api_bounds::{
     MIN_ROUND_DEADLINE_MS,
 };
 use crate::db::{Db, now_ms};
+use canopy_protocol::messages::GpuDeviceType;
+
 use crate::strategy::{LearningRateSchedule, StrategySpec};
 
 /// Which devices may take part. Empty fields match every device.
@@ -33,6 +35,27 @@ pub struct DeviceFilter {
     /// The device must carry every one of these tags with these values.
     #[serde(default)]
     pub tags: BTreeMap<String, String>,
+    /// The device must have reported a GPU adapter of one of these types
+    /// at enrollment: `["discrete", "integrated"]` asks for real GPUs, which
+    /// `backends: ["gpu"]` alone does not (a software adapter such as
+    /// lavapipe offers `gpu` too, as type `cpu`).
+    #[serde(default)]
+    #[schema(schema_with = gpu_types_schema)]
+    pub gpu_types: Vec<GpuDeviceType>,
+}
+
+fn gpu_types_schema() -> utoipa::openapi::schema::Array {
+    use utoipa::openapi::schema::{ArrayBuilder, ObjectBuilder, Type};
+    let names = GpuDeviceType::ALL.iter().map(|kind| kind.as_str());
+    ArrayBuilder::new()
+        .items(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .enum_values(Some(names)),
+        )
+        .max_items(Some(GpuDeviceType::ALL.len()))
+        .unique_items(true)
+        .build()
 }
 
 /// A job as an operator creates it.
@@ -322,6 +345,14 @@ impl JobSpec {
         if let Some(tier) = &self.filters.tier {
             tier.parse::<canopy_protocol::messages::Tier>()
                 .map_err(|_| format!("`filters.tier` must be `end` or `edge`, got `{tier}`"))?;
+        }
+        let types = &self.filters.gpu_types;
+        if types
+            .iter()
+            .enumerate()
+            .any(|(i, kind)| types[..i].contains(kind))
+        {
+            return Err("`filters.gpu_types` names a type twice".to_string());
         }
         if self.filters.backends.len() > MAX_FILTER_BACKENDS
             || self.filters.tags.len() > MAX_FILTER_TAGS

@@ -271,6 +271,8 @@ pub struct CandidateRow {
     pub backends: String,
     pub tags: String,
     pub datasets: Option<String>,
+    /// JSON GPU adapter reported at enrollment.
+    pub gpu: Option<String>,
 }
 
 /// Online, unrevoked devices that are not busy in another open round.
@@ -280,7 +282,7 @@ pub fn candidates<'a>(
     online_since_ms: i64,
 ) -> futures_util::stream::BoxStream<'a, Result<CandidateRow, sqlx::Error>> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT d.id, d.tier, d.backends, d.tags, d.datasets FROM devices d \
+        "SELECT d.id, d.tier, d.backends, d.tags, d.datasets, d.gpu FROM devices d \
          WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $1 AND NOT EXISTS ( \
            SELECT 1 FROM participants p JOIN rounds r ON r.id = p.round_id \
            WHERE p.device_id = d.id AND p.state IN {PENDING_STATES} \

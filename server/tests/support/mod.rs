@@ -547,9 +547,18 @@ pub async fn poll_task(device: &DeviceClient) -> Result<Task> {
 
 /// Enrolls a device with a fresh key.
 pub async fn enroll_device(server: &TestServer, token: &str) -> Result<DeviceClient> {
+    enroll_device_with(server, token, capabilities()).await
+}
+
+/// Enrolls a device with a fresh key, reporting `capabilities`.
+pub async fn enroll_device_with(
+    server: &TestServer,
+    token: &str,
+    capabilities: Capabilities,
+) -> Result<DeviceClient> {
     let transport = server.transport();
     let key = DeviceKey::generate();
-    let enrolled = canopy_sdk::enroll(&transport, token, &key, capabilities()).await?;
+    let enrolled = canopy_sdk::enroll(&transport, token, &key, capabilities).await?;
     Ok(DeviceClient::new(
         transport,
         enrolled.device_id,
