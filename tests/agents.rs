@@ -233,6 +233,25 @@ async fn wait_rounds(admin: &Admin, job: i64, completed: i64) -> Result<()> {
     }
 }
 
+/// Each of the job's rounds (by number) with its participants' device
+/// ids, in ascending order.
+async fn participants_by_round(admin: &Admin, job: i64) -> Result<Vec<(Value, Vec<i64>)>> {
+    let rounds = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?;
+    let mut found = Vec::new();
+    for round in rounds["items"].as_array().into_iter().flatten() {
+        let detail = admin.ok(&format!("/api/v1/rounds/{}", round["id"])).await?;
+        let mut participants: Vec<i64> = detail["participants"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["device_id"].as_i64())
+            .collect();
+        participants.sort_unstable();
+        found.push((round["number"].clone(), participants));
+    }
+    Ok(found)
+}
+
 fn logs(agents: &[Agent]) -> String {
     agents
         .iter()
@@ -345,19 +364,10 @@ async fn a_job_trains_on_the_dataset_it_names() -> Result<()> {
         logs(&agents)
     );
     let without = agents[2].device_id()?;
-    let rounds = admin.ok(&format!("/api/v1/jobs/{id}/rounds")).await?;
-    for round in rounds["items"].as_array().into_iter().flatten() {
-        let detail = admin.ok(&format!("/api/v1/rounds/{}", round["id"])).await?;
-        let participants: Vec<i64> = detail["participants"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|p| p["device_id"].as_i64())
-            .collect();
+    for (number, participants) in participants_by_round(&admin, id).await? {
         ensure!(
             participants.len() == 2 && !participants.contains(&without),
-            "round {} had participants {participants:?}; device {without} lacks the dataset",
-            round["number"]
+            "round {number} had participants {participants:?}; device {without} lacks the dataset"
         );
     }
     // Trained on the full shards (not the 60-sample defaults), the model
@@ -407,20 +417,10 @@ async fn gpu_agents_train_a_job_that_asks_for_a_gpu() -> Result<()> {
         "{finished}\n{}",
         logs(&agents)
     );
-    let rounds = admin.ok(&format!("/api/v1/jobs/{id}/rounds")).await?;
-    for round in rounds["items"].as_array().into_iter().flatten() {
-        let detail = admin.ok(&format!("/api/v1/rounds/{}", round["id"])).await?;
-        let mut participants: Vec<i64> = detail["participants"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|p| p["device_id"].as_i64())
-            .collect();
-        participants.sort();
+    for (number, participants) in participants_by_round(&admin, id).await? {
         ensure!(
             participants == gpu_devices,
-            "round {} had participants {participants:?}, not the GPU agents {gpu_devices:?}",
-            round["number"]
+            "round {number} had participants {participants:?}, not the GPU agents {gpu_devices:?}"
         );
     }
     let final_accuracy = accuracy(&admin, 4, &test).await?;

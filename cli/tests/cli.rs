@@ -12,6 +12,22 @@ fn canopy(args: &[&str]) -> Output {
         .expect("the canopy binary runs")
 }
 
+/// `canopy model new` of a logistic regression for the digits (64
+/// inputs, 10 classes) at `model`.
+fn new_digits_logreg(model: &str) {
+    ok(canopy(&[
+        "model",
+        "new",
+        "logreg",
+        "--inputs",
+        "64",
+        "--classes",
+        "10",
+        "-o",
+        model,
+    ]));
+}
+
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
@@ -136,17 +152,7 @@ fn mlp_and_lenet5_reach_their_targets_on_the_gpu() {
 fn an_unknown_backend_is_refused_by_name() {
     let dir = scratch("bad-backend");
     let model = dir.join("m.canopy").display().to_string();
-    ok(canopy(&[
-        "model",
-        "new",
-        "logreg",
-        "--inputs",
-        "64",
-        "--classes",
-        "10",
-        "-o",
-        &model,
-    ]));
+    new_digits_logreg(&model);
     let stderr = fails(canopy(&[
         "model",
         "eval",
@@ -166,17 +172,7 @@ fn an_unknown_backend_is_refused_by_name() {
 fn probing_for_a_gpu_without_a_session_prints_nothing() {
     let dir = scratch("quiet-probe");
     let model = dir.join("m.canopy").display().to_string();
-    ok(canopy(&[
-        "model",
-        "new",
-        "logreg",
-        "--inputs",
-        "64",
-        "--classes",
-        "10",
-        "-o",
-        &model,
-    ]));
+    new_digits_logreg(&model);
     for backend in ["auto", "gpu"] {
         let out = Command::new(env!("CARGO_BIN_EXE_canopy"))
             .args([
@@ -254,17 +250,7 @@ fn logreg_trains_on_the_digits_csv() {
     let dir = scratch("digits");
     let model = dir.join("m.canopy").display().to_string();
     let trained = dir.join("t.canopy").display().to_string();
-    ok(canopy(&[
-        "model",
-        "new",
-        "logreg",
-        "--inputs",
-        "64",
-        "--classes",
-        "10",
-        "-o",
-        &model,
-    ]));
+    new_digits_logreg(&model);
     let data = repo().join("datasets/digits").display().to_string();
     let out = ok(canopy(&[
         "model", "train", &model, "--data", &data, "--epochs", "20", "--batch", "32", "--lr",
@@ -540,17 +526,7 @@ fn a_closed_stderr_does_not_stop_a_logging_command() {
     let dir = scratch("closed-stderr");
     let model = dir.join("m.canopy").display().to_string();
     let trained = dir.join("t.canopy").display().to_string();
-    ok(canopy(&[
-        "model",
-        "new",
-        "logreg",
-        "--inputs",
-        "64",
-        "--classes",
-        "10",
-        "-o",
-        &model,
-    ]));
+    new_digits_logreg(&model);
     let data = repo().join("datasets/digits").display().to_string();
     let status = Command::new(env!("CARGO_BIN_EXE_canopy"))
         .args([
