@@ -321,3 +321,113 @@ fn each_lenet_step_from_the_same_parameters_agrees_closely() -> Result<()> {
     }
     Ok(())
 }
+
+/// Deterministic values in [-1, 1) without a random-number crate.
+fn ramp(len: usize, seed: u32) -> Vec<f32> {
+    (0..len as u32)
+        .map(|i| {
+            let h = i
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(seed.wrapping_mul(40_503));
+            (h >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Runs `y` of `case` on both backends; [`common::compile`] asserts they
+/// agree.
+fn cross_check(mut case: common::Case, y: canopy_ir::ValueId) -> Result<()> {
+    case.g.set_output("y", y)?;
+    let mut executable = common::compile(&case.g);
+    executable.run(case.inputs)?;
+    Ok(())
+}
+
+/// The tiled GEMM at shapes the conformance suite's small cases do not
+/// reach: several tiles per side, partial tiles, a depth that is not a
+/// multiple of the stage, the vectorised and the scalar load paths, both
+/// transposes and a broadcast batch.
+#[test]
+fn matmuls_of_every_layout_agree_on_the_gpu_and_the_cpu() -> Result<()> {
+    // (batch of a, batch of b, m, k, n): k and m multiples of 4 take the
+    // vec4 loads, the others the scalar ones.
+    type Shapes = (&'static [usize], &'static [usize], usize, usize, usize);
+    let shapes: [Shapes; 5] = [
+        (&[], &[], 64, 784, 128),
+        (&[], &[], 130, 33, 70),
+        (&[], &[], 7, 16, 300),
+        (&[3], &[3], 68, 20, 12),
+        (&[2, 3], &[3], 36, 9, 40),
+    ];
+    for (a_batch, b_batch, m, k, n) in shapes {
+        for (transpose_a, transpose_b) in
+            [(false, false), (true, false), (false, true), (true, true)]
+        {
+            let mut case = common::Case::new();
+            let a_matrix = if transpose_a { [k, m] } else { [m, k] };
+            let b_matrix = if transpose_b { [n, k] } else { [k, n] };
+            let a_shape = [a_batch, &a_matrix[..]].concat();
+            let b_shape = [b_batch, &b_matrix[..]].concat();
+            let a = case.f32("a", &a_shape, ramp(a_shape.iter().product(), 1));
+            let b = case.f32("b", &b_shape, ramp(b_shape.iter().product(), 2));
+            let y = case.g.matmul_t(a, b, transpose_a, transpose_b)?;
+            cross_check(case, y)?;
+        }
+    }
+    Ok(())
+}
+
+/// Convolution forward and both backward ops at LeNet-5's shapes (the
+/// direct kernels) and, with enough channels and depth, the implicit GEMM,
+/// at geometries with stride, padding and dilation.
+#[test]
+fn convolutions_at_model_sizes_agree_on_the_gpu_and_the_cpu() -> Result<()> {
+    use canopy_ir::Conv2dAttrs;
+    use canopy_ir::op::window_output_size;
+    // (N, C, O, H, W, KH, KW, stride, padding, dilation)
+    let cases = [
+        (32, 1, 6, 28, 28, 5, 5, [1, 1], [0, 0], [1, 1]),
+        (32, 6, 16, 12, 12, 5, 5, [1, 1], [0, 0], [1, 1]),
+        (3, 5, 70, 11, 9, 3, 3, [2, 1], [1, 2], [1, 2]),
+        (2, 33, 9, 8, 8, 1, 1, [1, 1], [0, 0], [1, 1]),
+        // Enough channels and depth for the implicit GEMM both ways.
+        (4, 40, 48, 10, 10, 3, 3, [1, 1], [1, 1], [1, 1]),
+        (2, 36, 64, 9, 11, 3, 3, [2, 2], [1, 0], [1, 2]),
+    ];
+    for (n, c, o, h, w, kh, kw, stride, padding, dilation) in cases {
+        let attrs = Conv2dAttrs {
+            stride,
+            padding,
+            dilation,
+        };
+        let out_h = window_output_size(h, kh, stride[0], padding[0], dilation[0]).unwrap();
+        let out_w = window_output_size(w, kw, stride[1], padding[1], dilation[1]).unwrap();
+        let (xs, ws, dys) = ([n, c, h, w], [o, c, kh, kw], [n, o, out_h, out_w]);
+        let mut case = common::Case::new();
+        let x = case.f32("x", &xs, ramp(xs.iter().product(), 3));
+        let wt = case.f32("w", &ws, ramp(ws.iter().product(), 4));
+        let y = case.g.conv2d(x, wt, attrs)?;
+        cross_check(case, y)?;
+
+        let mut case = common::Case::new();
+        let dy = case.f32("dy", &dys, ramp(dys.iter().product(), 5));
+        let wt = case.f32("w", &ws, ramp(ws.iter().product(), 4));
+        let op = canopy_ir::Op::Conv2dBackwardInput {
+            attrs,
+            input_hw: [h, w],
+        };
+        let y = case.g.push(op, &[dy, wt])?;
+        cross_check(case, y)?;
+
+        let mut case = common::Case::new();
+        let x = case.f32("x", &xs, ramp(xs.iter().product(), 3));
+        let dy = case.f32("dy", &dys, ramp(dys.iter().product(), 5));
+        let op = canopy_ir::Op::Conv2dBackwardFilter {
+            attrs,
+            kernel_hw: [kh, kw],
+        };
+        let y = case.g.push(op, &[x, dy])?;
+        cross_check(case, y)?;
+    }
+    Ok(())
+}

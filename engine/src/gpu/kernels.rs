@@ -10,6 +10,7 @@ use std::fmt::Write;
 
 use canopy_ir::{BinaryOp, Conv2dAttrs, DType, Op, Pool2dAttrs, ReduceKind, UnaryOp};
 
+use super::gemm;
 use super::wgsl::{
     HELPERS, WORKGROUP, broadcast_index, coordinates, coordinates_named, declare, flat_entry, grid,
     load, store, strides, value_type, zero,
@@ -102,7 +103,7 @@ pub fn generate(site: &Site<'_>) -> Result<Vec<Kernel>, String> {
         Op::MatMul {
             transpose_a,
             transpose_b,
-        } => vec![matmul(site, *transpose_a, *transpose_b)],
+        } => vec![gemm::matmul(site, *transpose_a, *transpose_b)],
         Op::Reduce {
             kind,
             axes,
@@ -121,7 +122,7 @@ pub fn generate(site: &Site<'_>) -> Result<Vec<Kernel>, String> {
         Op::RandomUniform { .. } => vec![random_uniform(site)],
         Op::Conv2d(attrs) => vec![conv2d(site, attrs)],
         Op::Conv2dBackwardInput { attrs, .. } => vec![conv2d_backward_input(site, attrs)],
-        Op::Conv2dBackwardFilter { attrs, .. } => vec![conv2d_backward_filter(site, attrs)],
+        Op::Conv2dBackwardFilter { attrs, .. } => vec![gemm::conv2d_backward_filter(site, attrs)],
         Op::MaxPool2d(attrs) => vec![max_pool(site, attrs, MaxPoolOutput::Max)],
         Op::MaxPool2dSelect(attrs) => vec![max_pool(site, attrs, MaxPoolOutput::Select)],
         Op::MaxPool2dBackward(attrs) => vec![max_pool_backward(site, attrs)],
@@ -685,126 +686,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
 }
 
-// ---- matmul --------------------------------------------------------------
-
-/// Output tile per workgroup (square), and per invocation along each side.
-const TILE: usize = 64;
-const PER_THREAD: usize = 4;
-/// The depth of one shared-memory stage.
-const TILE_K: usize = 16;
-
-/// Batched matmul: each workgroup computes a TILE×TILE block of one batch
-/// element's output, staging TILE×TILE_K slices of both operands in
-/// workgroup memory; each invocation accumulates PER_THREAD×PER_THREAD
-/// outputs in registers.
-fn matmul(site: &Site<'_>, transpose_a: bool, transpose_b: bool) -> Kernel {
-    let (_, a_shape) = &site.operands[0];
-    let (_, b_shape) = &site.operands[1];
-    let out = &site.out.1;
-    let rank = out.len();
-    let (m, n) = (out[rank - 2], out[rank - 1]);
-    let k = if transpose_a {
-        a_shape[a_shape.len() - 2]
-    } else {
-        a_shape[a_shape.len() - 1]
-    };
-    let batch_shape = &out[..rank - 2];
-    let batches = count(batch_shape);
-    // Element (row r, column c) of each operand's matrix, after its flag.
-    let a_at = |r: &str, c: &str| {
-        if transpose_a {
-            format!("({c}) * {m}u + ({r})")
-        } else {
-            format!("({r}) * {k}u + ({c})")
-        }
-    };
-    let b_at = |r: &str, c: &str| {
-        if transpose_b {
-            format!("({c}) * {k}u + ({r})")
-        } else {
-            format!("({r}) * {n}u + ({c})")
-        }
-    };
-    // Batch offsets with broadcasting over the leading dimensions.
-    let batch_offset = |shape: &[usize], matrix: usize| {
-        let lead = &shape[..shape.len() - 2];
-        let idx = if lead == batch_shape {
-            "bi".to_string()
-        } else {
-            broadcast_index(lead, batch_shape)
-        };
-        format!("({idx}) * {matrix}u")
-    };
-    let a_base = batch_offset(a_shape, m * k);
-    let b_base = batch_offset(b_shape, k * n);
-    let threads = TILE / PER_THREAD;
-    let tiles_m = m.div_ceil(TILE);
-    let tiles_n = n.div_ceil(TILE);
-    let mut source = String::from(HELPERS);
-    declare(&mut source, 0, "a0", DType::F32, false);
-    declare(&mut source, 1, "a1", DType::F32, false);
-    declare(&mut source, 2, "out", DType::F32, true);
-    let _ = write!(
-        source,
-        r#"var<workgroup> tile_a: array<f32, {a_len}>;
-var<workgroup> tile_b: array<f32, {b_len}>;
-@compute @workgroup_size({threads}, {threads}, 1)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {{
-  let bi = wid.z;
-{batch_coords}
-  let a_base = {a_base};
-  let b_base = {b_base};
-  let row0 = wid.y * {TILE}u;
-  let col0 = wid.x * {TILE}u;
-  let lane = lid.y * {threads}u + lid.x;
-  var acc: array<array<f32, {PER_THREAD}>, {PER_THREAD}>;
-  for (var k0 = 0u; k0 < {k}u; k0 = k0 + {TILE_K}u) {{
-    for (var e = lane; e < {a_len}u; e = e + {lanes}u) {{
-      let r = e / {TILE_K}u; let c = e % {TILE_K}u;
-      let gr = row0 + r; let gc = k0 + c;
-      tile_a[e] = select(0.0, a0[a_base + {a_idx}], gr < {m}u && gc < {k}u);
-    }}
-    for (var e = lane; e < {b_len}u; e = e + {lanes}u) {{
-      let r = e / {TILE}u; let c = e % {TILE}u;
-      let gr = k0 + r; let gc = col0 + c;
-      tile_b[e] = select(0.0, a1[b_base + {b_idx}], gr < {k}u && gc < {n}u);
-    }}
-    workgroupBarrier();
-    for (var kk = 0u; kk < {TILE_K}u; kk = kk + 1u) {{
-      var b_reg: array<f32, {PER_THREAD}>;
-      for (var j = 0u; j < {PER_THREAD}u; j = j + 1u) {{ b_reg[j] = tile_b[kk * {TILE}u + lid.x + j * {threads}u]; }}
-      for (var i = 0u; i < {PER_THREAD}u; i = i + 1u) {{
-        let a_val = tile_a[(lid.y + i * {threads}u) * {TILE_K}u + kk];
-        for (var j = 0u; j < {PER_THREAD}u; j = j + 1u) {{ acc[i][j] = acc[i][j] + a_val * b_reg[j]; }}
-      }}
-    }}
-    workgroupBarrier();
-  }}
-  for (var i = 0u; i < {PER_THREAD}u; i = i + 1u) {{
-    let r = row0 + lid.y + i * {threads}u;
-    for (var j = 0u; j < {PER_THREAD}u; j = j + 1u) {{
-      let c = col0 + lid.x + j * {threads}u;
-      if (r < {m}u && c < {n}u) {{ out[bi * {mn}u + r * {n}u + c] = acc[i][j]; }}
-    }}
-  }}
-}}
-"#,
-        a_len = TILE * TILE_K,
-        b_len = TILE_K * TILE,
-        lanes = threads * threads,
-        batch_coords = coordinates(batch_shape, "bi"),
-        a_idx = a_at("gr", "gc"),
-        b_idx = b_at("gr", "gc"),
-        mn = m * n,
-    );
-    Kernel {
-        label: "matmul",
-        source,
-        workgroups: [tiles_n as u32, tiles_m as u32, batches.max(1) as u32],
-        bindings: vec![Bind::Operand(0), Bind::Operand(1), Bind::Output],
-    }
-}
-
 // ---- indices -------------------------------------------------------------
 
 /// Reads an index operand element as i32, flagging values outside
@@ -922,9 +803,14 @@ fn splitmix(z0: vec2<u32>) -> vec2<u32> {
 
 // ---- convolution and pooling ------------------------------------------------
 
+/// conv2d: implicit GEMM when the tile pays off ([`gemm::pays_off`]),
+/// else one invocation per output with its window loop.
 fn conv2d(site: &Site<'_>, attrs: &Conv2dAttrs) -> Kernel {
-    let x = &site.operands[0].1;
     let w = &site.operands[1].1;
+    if gemm::pays_off(w[0], w[1] * w[2] * w[3]) {
+        return gemm::conv2d(site, attrs);
+    }
+    let x = &site.operands[0].1;
     let (c, h, wd) = (x[1], x[2], x[3]);
     let (kh, kw) = (w[2], w[3]);
     let [sh, sw] = attrs.stride;
@@ -948,10 +834,14 @@ fn conv2d(site: &Site<'_>, attrs: &Conv2dAttrs) -> Kernel {
 }
 
 /// dx[n, c, ih, iw] = Σ dy[n, o, oh, ow] · w[o, c, ki, kj] over the outputs
-/// whose window reads (ih, iw).
+/// whose window reads (ih, iw): implicit GEMM when the tile pays off,
+/// else one invocation per input element.
 fn conv2d_backward_input(site: &Site<'_>, attrs: &Conv2dAttrs) -> Kernel {
-    let dy = &site.operands[0].1;
     let w = &site.operands[1].1;
+    if gemm::pays_off(w[1], w[0] * w[2] * w[3]) {
+        return gemm::conv2d_backward_input(site, attrs);
+    }
+    let dy = &site.operands[0].1;
     let (o, oh, ow) = (dy[1], dy[2], dy[3]);
     let (c, kh, kw) = (w[1], w[2], w[3]);
     let [sh, sw] = attrs.stride;
@@ -976,33 +866,6 @@ fn conv2d_backward_input(site: &Site<'_>, attrs: &Conv2dAttrs) -> Kernel {
   }}"#
     );
     per_output(site, "conv2d_backward_input", &body, false)
-}
-
-/// dw[o, c, ki, kj] = Σ x[n, c, ih, iw] · dy[n, o, oh, ow] over the batch
-/// and the output positions.
-fn conv2d_backward_filter(site: &Site<'_>, attrs: &Conv2dAttrs) -> Kernel {
-    let x = &site.operands[0].1;
-    let dy = &site.operands[1].1;
-    let (batch, c, h, wd) = (x[0], x[1], x[2], x[3]);
-    let (o, oh, ow) = (dy[1], dy[2], dy[3]);
-    let [sh, sw] = attrs.stride;
-    let [ph, pw] = attrs.padding;
-    let [dh, dw] = attrs.dilation;
-    let body = format!(
-        r#"  var value = 0.0;
-  for (var n = 0u; n < {batch}u; n = n + 1u) {{
-    for (var y = 0u; y < {oh}u; y = y + 1u) {{
-      let ih = i32(y * {sh}u + c2 * {dh}u) - {ph}i;
-      if (ih < 0i || ih >= {h}i) {{ continue; }}
-      for (var xo = 0u; xo < {ow}u; xo = xo + 1u) {{
-        let iw = i32(xo * {sw}u + c3 * {dw}u) - {pw}i;
-        if (iw < 0i || iw >= {wd}i) {{ continue; }}
-        value = value + a0[((n * {c}u + c1) * {h}u + u32(ih)) * {wd}u + u32(iw)] * a1[((n * {o}u + c0) * {oh}u + y) * {ow}u + xo];
-      }}
-    }}
-  }}"#
-    );
-    per_output(site, "conv2d_backward_filter", &body, false)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -33,6 +33,7 @@
 mod context;
 mod executable;
 mod fuse;
+mod gemm;
 mod kernels;
 mod loader_env;
 mod plan;

@@ -318,7 +318,11 @@ fn assign_storage(
                 Some(shared)
             }
             _ => {
-                let bytes = value_bytes(node.ty.dtype, &shapes[index]).max(4);
+                // Whole vec4s, so a kernel may bind any pooled buffer as
+                // `array<vec4<f32>>` (gemm.rs).
+                let bytes = value_bytes(node.ty.dtype, &shapes[index])
+                    .next_multiple_of(16)
+                    .max(16);
                 let best = free
                     .iter()
                     .enumerate()
