@@ -255,6 +255,7 @@ impl Tensor {
     unary_methods!(
         neg => Neg, abs => Abs, exp => Exp, log => Log, sqrt => Sqrt, rsqrt => Rsqrt,
         square => Square, relu => Relu, gelu => Gelu, sigmoid => Sigmoid, tanh => Tanh,
+        erf => Erf, gelu_erf => GeluErf, softplus => Softplus, log1p => Log1p,
     );
 
     binary_methods!(

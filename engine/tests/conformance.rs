@@ -107,7 +107,7 @@ fn differentiable_unary() -> Vec<UnaryOp> {
 
 fn unary_domain(op: UnaryOp) -> Domain {
     match op {
-        UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt => Domain::Positive,
+        UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Log1p => Domain::Positive,
         UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu | UnaryOp::Reciprocal => Domain::AwayFromZero,
         _ => Domain::Any,
     }

@@ -187,6 +187,16 @@ fn unary_ops_on_mixed_signs() {
             UnaryOp::Tanh,
             [-0.964_027_6, -0.462_117_16, 0.0, 0.905_148_26],
         ),
+        // References from Python's math.erf, in f64.
+        (UnaryOp::Erf, [-0.995_322_3, -0.520_499_9, 0.0, 0.966_105_2]),
+        (
+            UnaryOp::GeluErf,
+            [-0.045_500_264, -0.154_268_77, 0.0, 1.399_789_2],
+        ),
+        (
+            UnaryOp::Softplus,
+            [0.126_928, 0.474_077, std::f32::consts::LN_2, 1.701_413_3],
+        ),
     ];
     for (op, expected) in cases {
         let out = eval(Op::Unary(*op), std::slice::from_ref(&x));
@@ -194,8 +204,57 @@ fn unary_ops_on_mixed_signs() {
     }
 }
 
+/// softplus neither overflows nor rounds to zero at the extremes, and
+/// log1p keeps the digits that log(1 + x) loses near 0 (in f32 that gives
+/// 1.19e-7 for 1e-7), on every backend, to 1e-5 relative.
+#[test]
+fn softplus_and_log1p_stay_accurate_at_the_extremes() {
+    let x = f32s(&[4], &[100.0, -30.0, 1e-7, -1e-7]);
+    let cases: [(UnaryOp, [f32; 4]); 2] = [
+        (
+            UnaryOp::Softplus,
+            [
+                100.0,
+                9.357_623e-14,
+                std::f32::consts::LN_2,
+                std::f32::consts::LN_2 - 5e-8,
+            ],
+        ),
+        (
+            UnaryOp::Log1p,
+            [4.615_120_5, f32::NAN, 9.999_999_5e-8, -1.000_000_1e-7],
+        ),
+    ];
+    for (op, expected) in cases {
+        let mut g = Graph::new();
+        let input = g.input("x", type_of(&x)).unwrap();
+        let y = g.unary(op, input).unwrap();
+        g.set_output("y", y).unwrap();
+        let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(CpuBackend)];
+        backends.extend(common::gpu_under_test().map(|gpu| Box::new(gpu) as Box<dyn Backend>));
+        for backend in backends {
+            let out = backend.compile(&g).unwrap().run(vec![x.clone()]).unwrap();
+            let got = out[0].as_f32().unwrap().iter().copied().collect::<Vec<_>>();
+            for (g, e) in got.iter().zip(expected) {
+                let close = (g.is_nan() && e.is_nan()) || (g - e).abs() <= 1e-5 * e.abs();
+                assert!(
+                    close,
+                    "{op:?} on {}: got {got:?}, want {expected:?}",
+                    backend.describe().backend
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn unary_ops_on_positive_inputs() {
+    let x = f32s(&[3], &[0.25, 1.0, 4.0]);
+    assert_f32(
+        &eval(Op::Unary(UnaryOp::Log1p), std::slice::from_ref(&x)),
+        &[3],
+        &[0.223_143_55, std::f32::consts::LN_2, 1.609_438],
+    );
     let x = f32s(&[3], &[0.25, 1.0, 4.0]);
     assert_f32(
         &eval(Op::Unary(UnaryOp::Log), std::slice::from_ref(&x)),

@@ -263,6 +263,20 @@ impl Graph {
         self.unary(UnaryOp::Relu, x)
     }
 
+    /// GELU in the chosen form (see [`GeluApproximation`]).
+    pub fn gelu(
+        &mut self,
+        x: ValueId,
+        approximate: crate::op::GeluApproximation,
+    ) -> IrResult<ValueId> {
+        self.unary(approximate.op(), x)
+    }
+
+    /// The newest op-set version any of this graph's ops needs.
+    pub fn opset(&self) -> u16 {
+        self.nodes().iter().map(|n| n.op.opset()).max().unwrap_or(1)
+    }
+
     pub fn matmul(&mut self, a: ValueId, b: ValueId) -> IrResult<ValueId> {
         self.push(
             Op::MatMul {

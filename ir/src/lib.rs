@@ -25,5 +25,7 @@ pub use data::{Buffer, TensorData};
 pub use error::{IrError, IrResult, NodeError};
 pub use graph::{Graph, Node, ValueId};
 pub use model::{Metadata, Model, Parameter};
-pub use op::{BinaryOp, Conv2dAttrs, CustomGrad, Op, Pool2dAttrs, ReduceKind, UnaryOp};
+pub use op::{
+    BinaryOp, Conv2dAttrs, CustomGrad, GeluApproximation, Op, Pool2dAttrs, ReduceKind, UnaryOp,
+};
 pub use types::{DType, Dim, Shape, TensorType};

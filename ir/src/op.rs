@@ -1,4 +1,5 @@
-//! The v1 op set.
+//! The op set: v1, and the ops opset 2 added (each says so; a file
+//! declares the newest opset its ops need, see [`Op::opset`]).
 //!
 //! Every op produces exactly one value. Layouts are NCHW for images and
 //! OIHW for convolution filters. Semantics, one line each, are the contract
@@ -30,6 +31,37 @@ pub enum UnaryOp {
     Tanh,
     /// Logical not, bool → bool.
     Not,
+    /// Opset 2. The error function, 2/√π·∫₀ˣ e^(−t²) dt.
+    Erf,
+    /// Opset 2. Exact GELU: x·Φ(x) = ½·x·(1 + erf(x/√2)), the form
+    /// PyTorch, JAX (`approximate=False`) and ONNX use by default; `gelu`
+    /// is the tanh approximation, up to 5e-4 away in value.
+    GeluErf,
+    /// Opset 2. log(1 + eˣ), computed as max(x, 0) + log1p(e^(−|x|)), so it
+    /// neither overflows for large x nor loses precision for very negative x.
+    Softplus,
+    /// Opset 2. log(1 + x), accurate for x near 0.
+    Log1p,
+}
+
+/// Which GELU: the exact (erf) form or the tanh approximation. The
+/// attribute of [`Graph::gelu`](crate::Graph) and of the GELU layer;
+/// imported models default to exact, as ONNX does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GeluApproximation {
+    #[default]
+    None,
+    Tanh,
+}
+
+impl GeluApproximation {
+    /// The unary op computing this form.
+    pub fn op(self) -> UnaryOp {
+        match self {
+            GeluApproximation::None => UnaryOp::GeluErf,
+            GeluApproximation::Tanh => UnaryOp::Gelu,
+        }
+    }
 }
 
 /// Elementwise binary ops with NumPy broadcasting.
@@ -91,6 +123,7 @@ all_variants! {
     /// Every unary op.
     UnaryOp [
         Neg, Abs, Sign, Exp, Log, Sqrt, Rsqrt, Reciprocal, Square, Relu, Gelu, Sigmoid, Tanh, Not,
+        Erf, GeluErf, Softplus, Log1p,
     ]
 }
 
@@ -288,6 +321,17 @@ pub enum Op {
 }
 
 impl Op {
+    /// The first op-set version with this op (and these semantics). A file
+    /// declares the newest its ops need, so a model using only v1 ops is
+    /// still readable by a v1 reader.
+    pub fn opset(&self) -> u16 {
+        match self {
+            Op::Unary(UnaryOp::Erf | UnaryOp::GeluErf | UnaryOp::Softplus | UnaryOp::Log1p) => 2,
+            Op::CustomGrad(custom) => custom.forward.opset().max(custom.backward.opset()),
+            _ => 1,
+        }
+    }
+
     /// Stable op name, used in error messages, op counts and the file format.
     pub fn name(&self) -> &'static str {
         match self {
@@ -308,6 +352,10 @@ impl Op {
                 UnaryOp::Sigmoid => "sigmoid",
                 UnaryOp::Tanh => "tanh",
                 UnaryOp::Not => "not",
+                UnaryOp::Erf => "erf",
+                UnaryOp::GeluErf => "gelu_erf",
+                UnaryOp::Softplus => "softplus",
+                UnaryOp::Log1p => "log1p",
             },
             Op::Binary(b) => match b {
                 BinaryOp::Add => "add",

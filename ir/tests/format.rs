@@ -547,8 +547,29 @@ fn mlp_round_trips_bit_exact() {
     let bytes = assert_round_trip(&model);
     assert_eq!(&bytes[..8], &MAGIC);
     assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), FORMAT_VERSION);
-    assert_eq!(u16::from_le_bytes([bytes[10], bytes[11]]), OPSET_VERSION);
+    // Only v1 ops: the file declares opset 1, so a v1 reader reads it.
+    assert_eq!(u16::from_le_bytes([bytes[10], bytes[11]]), 1);
     assert_eq!(bytes.len() % 64, 0, "the data section ends 64-aligned");
+}
+
+#[test]
+fn a_file_declares_the_newest_opset_its_ops_need() {
+    let mut bytes = write_model(&all_ops_model()).unwrap();
+    assert_eq!(u16::from_le_bytes([bytes[10], bytes[11]]), OPSET_VERSION);
+    assert_eq!(OPSET_VERSION, 2);
+    // The same file claiming opset 1 holds ops v1 does not have.
+    bytes[10..12].copy_from_slice(&1u16.to_le_bytes());
+    fix_digest(&mut bytes);
+    let err = read_model(&bytes).unwrap_err().to_string();
+    assert!(
+        err.contains("opset-2 op") && err.contains("declares opset 1"),
+        "{err}"
+    );
+    // A newer opset than this reader knows is refused by number.
+    bytes[10..12].copy_from_slice(&3u16.to_le_bytes());
+    fix_digest(&mut bytes);
+    let err = read_model(&bytes).unwrap_err().to_string();
+    assert!(err.contains("unsupported opset version 3"), "{err}");
 }
 
 #[test]
@@ -718,11 +739,11 @@ fn newer_versions_are_rejected() {
     );
     assert!(digest(&bad).is_err());
     let mut bad = file.clone();
-    bad[10..12].copy_from_slice(&2u16.to_le_bytes());
+    bad[10..12].copy_from_slice(&3u16.to_le_bytes());
     fix_digest(&mut bad);
     assert_eq!(
         read_err(&bad),
-        "unsupported opset version 2 (this reader supports up to 1)"
+        "unsupported opset version 3 (this reader supports up to 2)"
     );
     let mut bad = file.clone();
     bad[12] = 1;

@@ -197,6 +197,10 @@ fn unary_expr(op: UnaryOp, x: &str) -> Result<String, String> {
         UnaryOp::Sigmoid => format!("stable_sigmoid({x})"),
         UnaryOp::Tanh => format!("stable_tanh({x})"),
         UnaryOp::Not => format!("!{x}"),
+        UnaryOp::Erf => format!("erf_f32({x})"),
+        UnaryOp::GeluErf => format!("gelu_erf({x})"),
+        UnaryOp::Softplus => format!("softplus({x})"),
+        UnaryOp::Log1p => format!("log1p_f32({x})"),
     })
 }
 

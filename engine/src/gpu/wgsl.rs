@@ -164,6 +164,38 @@ fn stable_sigmoid(x: f32) -> f32 {
 fn gelu_tanh(x: f32) -> f32 {
   return 0.5 * x * (1.0 + stable_tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
 }
+// WGSL has no erf: the Maclaurin series to x¹³ below 0.5 (error < 1e-9),
+// else Abramowitz & Stegun 7.1.26 (absolute error < 1.5e-7).
+fn erf_f32(x: f32) -> f32 {
+  let a = abs(x);
+  if (a < 0.5) {
+    let z = x * x;
+    let p = 1.0 + z * (-1.0 / 3.0 + z * (0.1 + z * (-1.0 / 42.0 + z * (1.0 / 216.0 + z * (-1.0 / 1320.0 + z * (1.0 / 9360.0))))));
+    return 1.1283791670955126 * x * p;
+  }
+  let t = 1.0 / (1.0 + 0.3275911 * a);
+  let poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))));
+  let r = 1.0 - poly * exp(-a * a);
+  return select(r, -r, x < 0.0);
+}
+fn gelu_erf(x: f32) -> f32 {
+  return 0.5 * x * (1.0 + erf_f32(x * 0.7071067811865476));
+}
+// log(1 + x) accurately near 0. Vulkan only bounds log's error absolutely
+// (2^-21 near 1), which is no relative bound at all for small results, so
+// |x| <= 1/2 takes the series 2·atanh(s), s = x / (2 + x) <= 1/3, to s¹³
+// (error < 1e-7 relative).
+fn log1p_f32(x: f32) -> f32 {
+  if (is_nan_bits(x)) { return x; }
+  if (abs(x) > 0.5) { return log(1.0 + x); }
+  let s = x / (2.0 + x);
+  let z = s * s;
+  return 2.0 * s * (1.0 + z * (1.0 / 3.0 + z * (0.2 + z * (1.0 / 7.0 + z * (1.0 / 9.0 + z * (1.0 / 11.0 + z / 13.0))))));
+}
+fn softplus(x: f32) -> f32 {
+  if (is_nan_bits(x)) { return x; }
+  return max(x, 0.0) + log1p_f32(exp(-abs(x)));
+}
 fn pow_real(x: f32, y: f32) -> f32 {
   if (y == 0.0) { return 1.0; }
   if (x == 0.0) { return select(0.0, bitcast<f32>(0x7f800000u), y < 0.0); }

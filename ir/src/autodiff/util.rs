@@ -165,7 +165,53 @@ pub fn scale_by_unary_derivative(
             let sech2 = g.sub(one, y2)?;
             g.mul(v, sech2)
         }
+        // erf'(x) = 2/√π · e^(−x²)
+        UnaryOp::Erf => {
+            let gauss = scaled_gaussian(g, x, 1.0, std::f32::consts::FRAC_2_SQRT_PI)?;
+            g.mul(v, gauss)
+        }
+        // (x·Φ(x))' = Φ(x) + x·φ(x), with Φ(x) = ½(1 + erf(x/√2)) and
+        // φ(x) = e^(−x²/2)/√(2π).
+        UnaryOp::GeluErf => {
+            let d = gelu_erf_derivative(g, x)?;
+            g.mul(v, d)
+        }
+        // softplus' = sigmoid
+        UnaryOp::Softplus => {
+            let s = g.unary(UnaryOp::Sigmoid, x)?;
+            g.mul(v, s)
+        }
+        // log1p'(x) = 1 / (1 + x)
+        UnaryOp::Log1p => {
+            let one = g.scalar(1.0)?;
+            let one_x = g.add(one, x)?;
+            g.div(v, one_x)
+        }
     }
+}
+
+/// `scale · e^(−width·x²)`.
+fn scaled_gaussian(g: &mut Graph, x: ValueId, width: f32, scale: f32) -> IrResult<ValueId> {
+    let x2 = g.unary(UnaryOp::Square, x)?;
+    let minus_width = g.scalar(-width)?;
+    let exponent = g.mul(x2, minus_width)?;
+    let e = g.unary(UnaryOp::Exp, exponent)?;
+    let scale = g.scalar(scale)?;
+    g.mul(e, scale)
+}
+
+fn gelu_erf_derivative(g: &mut Graph, x: ValueId) -> IrResult<ValueId> {
+    let one = g.scalar(1.0)?;
+    let half = g.scalar(0.5)?;
+    let inv_sqrt2 = g.scalar(std::f32::consts::FRAC_1_SQRT_2)?;
+    let scaled = g.mul(x, inv_sqrt2)?;
+    let erf = g.unary(UnaryOp::Erf, scaled)?;
+    let one_erf = g.add(one, erf)?;
+    let cdf = g.mul(half, one_erf)?;
+    // 1/√(2π)
+    let pdf = scaled_gaussian(g, x, 0.5, 0.398_942_3)?;
+    let x_pdf = g.mul(x, pdf)?;
+    g.add(cdf, x_pdf)
 }
 
 /// The derivative of the tanh-approximated GELU, from primitives:

@@ -36,7 +36,7 @@ pub const MAGIC: [u8; 8] = *b"CANOPYIR";
 pub const FORMAT_VERSION: u16 = 1;
 /// The op-set version (op names, attributes and semantics) this crate
 /// writes and the newest it reads.
-pub const OPSET_VERSION: u16 = 1;
+pub const OPSET_VERSION: u16 = 2;
 /// Alignment of the data section and of every tensor in it, in bytes.
 pub const ALIGN: usize = 64;
 /// Constants with at most this many elements are stored inline in the

@@ -14,6 +14,8 @@ const DIGEST_START: usize = 32;
 /// The decoded preamble of a file whose length matches it.
 #[derive(Debug)]
 pub(crate) struct Preamble {
+    /// The op-set version the file declares.
+    pub opset: u16,
     pub header_len: usize,
     pub data_len: usize,
     pub digest: [u8; 32],
@@ -31,12 +33,14 @@ pub(crate) fn align(n: usize) -> usize {
 }
 
 /// Assembles a file; the digest covers everything but its own field.
-pub(crate) fn assemble(header: &[u8], data: &[u8]) -> Vec<u8> {
+/// `opset` is the newest op-set version the model's ops need.
+pub(crate) fn assemble(header: &[u8], data: &[u8], opset: u16) -> Vec<u8> {
+    debug_assert!((1..=OPSET_VERSION).contains(&opset));
     let data_start = align(PREAMBLE_LEN + header.len());
     let mut out = Vec::with_capacity(data_start + data.len());
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&OPSET_VERSION.to_le_bytes());
+    out.extend_from_slice(&opset.to_le_bytes());
     out.extend_from_slice(&0u32.to_le_bytes());
     out.extend_from_slice(&(header.len() as u64).to_le_bytes());
     out.extend_from_slice(&(data.len() as u64).to_le_bytes());
@@ -107,6 +111,7 @@ pub(crate) fn parse(file: &[u8], limits: &ReadLimits) -> Result<Preamble, Format
     let mut digest = [0; 32];
     digest.copy_from_slice(&pre[DIGEST_START..]);
     Ok(Preamble {
+        opset: u16::from_le_bytes([pre[10], pre[11]]),
         header_len: header_len as usize,
         data_len: data_len as usize,
         digest,

@@ -35,9 +35,28 @@ pub(crate) fn read_model(bytes: &[u8], limits: &ReadLimits) -> Result<Model, For
     };
     let model = dec.model(&rec)?;
     dec.finish()?;
+    check_opset(&model, pre.opset)?;
     check_canonical(&rec, header)?;
     model.validate().map_err(FormatError::Model)?;
     Ok(model)
+}
+
+/// Every op must exist in the op set the file declares: a file that says
+/// opset 1 but holds an opset-2 op was not written by a conforming writer.
+fn check_opset(model: &Model, declared: u16) -> Result<(), FormatError> {
+    for (name, graph) in &model.entry_points {
+        if let Some(node) = graph.nodes().iter().find(|n| n.op.opset() > declared) {
+            return Err(FormatError::invalid(
+                "preamble",
+                format!(
+                    "entry point `{name}` uses `{}`, an opset-{} op, but the file declares opset {declared}",
+                    node.op.name(),
+                    node.op.opset()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// serde's messages can quote a whole offending string; keep them short.

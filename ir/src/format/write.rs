@@ -34,7 +34,13 @@ pub(crate) fn write_model(model: &Model) -> IrResult<Vec<u8>> {
     };
     let json = serde_json::to_vec(&header)
         .map_err(|e| IrError::Invalid(format!("cannot encode the header: {e}")))?;
-    Ok(preamble::assemble(&json, &data.bytes))
+    let opset = model
+        .entry_points
+        .values()
+        .map(Graph::opset)
+        .max()
+        .unwrap_or(1);
+    Ok(preamble::assemble(&json, &data.bytes, opset))
 }
 
 /// The data section under construction; every tensor starts 64-aligned and

@@ -40,6 +40,10 @@ pub fn unary(op: UnaryOp, arg: Arg<'_>) -> Result<Value, KernelError> {
         UnaryOp::Gelu => map(x, gelu),
         UnaryOp::Sigmoid => map(x, |v| 1.0 / (1.0 + (-v).exp())),
         UnaryOp::Tanh => map(x, f32::tanh),
+        UnaryOp::Erf => map(x, |v| libm::erf(f64::from(v)) as f32),
+        UnaryOp::GeluErf => map(x, gelu_erf),
+        UnaryOp::Softplus => map(x, softplus),
+        UnaryOp::Log1p => map(x, f32::ln_1p),
         UnaryOp::Not => {
             return Err(KernelError::Internal(
                 "`not` reached the f32 kernels".to_string(),
@@ -62,6 +66,21 @@ fn sign(v: f32) -> f32 {
 
 fn gelu(v: f32) -> f32 {
     0.5 * v * (1.0 + (SQRT_2_OVER_PI * (v + 0.044_715 * v * v * v)).tanh())
+}
+
+/// x·Φ(x), in f64 so the f32 result is correctly rounded but for ties.
+fn gelu_erf(v: f32) -> f32 {
+    let x = f64::from(v);
+    (0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2))) as f32
+}
+
+/// max(x, 0) + log1p(e^(−|x|)): no overflow for large x, and full
+/// precision for very negative x, where log(1 + eˣ) would round to 0.
+fn softplus(v: f32) -> f32 {
+    if v.is_nan() {
+        return v;
+    }
+    v.max(0.0) + (-v.abs()).exp().ln_1p()
 }
 
 /// Applies `f` to every element, in place when the operand is owned.
