@@ -378,6 +378,11 @@ impl Tensor {
         apply(Op::OneHot { depth }, &[self])
     }
 
+    /// The i64 index of the largest element along `axis` ([`Op::ArgMax`]).
+    pub fn argmax(&self, axis: usize, keep_dims: bool) -> EngineResult<Tensor> {
+        apply(Op::ArgMax { axis, keep_dims }, &[self])
+    }
+
     /// Uniform [0, 1) noise of `shape` from an i64 scalar seed tensor.
     pub fn random_uniform(seed: &Tensor, shape: Vec<Dim>) -> EngineResult<Tensor> {
         apply(Op::RandomUniform { shape }, &[seed])

@@ -700,3 +700,61 @@ proptest! {
         common::check_vjp_jvp(&g, &inputs);
     }
 }
+
+// ---- composites: normalisation and global pooling --------------------------------
+
+/// ε large enough that the finite differences stay well conditioned when a
+/// random lane happens to have a small variance; the composition does not
+/// depend on its value.
+const NORM_EPS: f32 = 0.1;
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn layer_norm(s in shape(2, 3), from_last in 1usize..3, seed in any::<u64>()) {
+        let first = s.len() - from_last.min(s.len() - 1);
+        let mut c = Case::new();
+        let x = c.f32("x", &s, sample(len(&s), Domain::Any, seed));
+        let p = &s[first..];
+        let scale = c.f32("scale", p, sample(len(p), Domain::Any, seed ^ 1));
+        let bias = c.f32("bias", p, sample(len(p), Domain::Any, seed ^ 2));
+        let y = c.g.layer_norm(x, [scale, bias], first, NORM_EPS).unwrap();
+        c.check(y);
+    }
+
+    #[test]
+    fn batch_norm_inference(n in 1usize..3, ch in 1usize..4, hw in 1usize..3, seed in any::<u64>()) {
+        let s = [n, ch, hw, hw];
+        let mut c = Case::new();
+        let x = c.f32("x", &s, sample(len(&s), Domain::Any, seed));
+        let scale = c.f32("scale", &[ch], sample(ch, Domain::Any, seed ^ 1));
+        let bias = c.f32("bias", &[ch], sample(ch, Domain::Any, seed ^ 2));
+        let mean = c.f32("mean", &[ch], sample(ch, Domain::Any, seed ^ 3));
+        let var = c.f32("var", &[ch], sample(ch, Domain::Positive, seed ^ 4));
+        let y = c.g.batch_norm_inference(x, [scale, bias, mean, var], NORM_EPS).unwrap();
+        c.check(y);
+    }
+
+    #[test]
+    fn batch_norm_training(n in 1usize..3, ch in 1usize..4, rest in shape(0, 2), seed in any::<u64>()) {
+        let s: Vec<usize> = [n, ch].into_iter().chain(rest).collect();
+        for output in 0..3 {
+            let mut c = Case::new();
+            let x = c.f32("x", &s, sample(len(&s), Domain::Any, seed));
+            let scale = c.f32("scale", &[ch], sample(ch, Domain::Any, seed ^ 1));
+            let bias = c.f32("bias", &[ch], sample(ch, Domain::Any, seed ^ 2));
+            let (y, mean, var) = c.g.batch_norm_training(x, [scale, bias], NORM_EPS).unwrap();
+            c.check([y, mean, var][output]);
+        }
+    }
+
+    #[test]
+    fn global_avg_pool(n in 1usize..3, ch in 1usize..3, h in 1usize..4, w in 1usize..4, seed in any::<u64>()) {
+        let s = [n, ch, h, w];
+        let mut c = Case::new();
+        let x = c.f32("x", &s, sample(len(&s), Domain::Any, seed));
+        let y = c.g.global_avg_pool(x).unwrap();
+        c.check(y);
+    }
+}

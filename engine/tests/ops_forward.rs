@@ -1529,3 +1529,61 @@ fn degenerate_shapes_give_empty_or_zero_results() {
     );
     assert_f32(&out, &[0, 2], &[]);
 }
+
+// ---- argmax ------------------------------------------------------------------
+
+#[test]
+fn argmax_takes_the_first_maximum_and_nan_wins() {
+    let x = f32s(
+        &[2, 4],
+        &[
+            1.0,
+            3.0,
+            3.0,
+            -1.0,
+            f32::NEG_INFINITY,
+            2.0,
+            f32::NAN,
+            f32::NAN,
+        ],
+    );
+    let out = eval(
+        Op::ArgMax {
+            axis: 1,
+            keep_dims: false,
+        },
+        std::slice::from_ref(&x),
+    );
+    assert_eq!(out, Value::i64(&[2], vec![1, 2]).unwrap());
+    let out = eval(
+        Op::ArgMax {
+            axis: 0,
+            keep_dims: true,
+        },
+        std::slice::from_ref(&x),
+    );
+    assert_eq!(out, Value::i64(&[1, 4], vec![0, 0, 1, 1]).unwrap());
+}
+
+#[test]
+fn argmax_of_a_middle_axis_keeps_the_others_in_order() {
+    let data: Vec<f32> = (0..24).map(|i| ((i * 7) % 11) as f32).collect();
+    let x = f32s(&[2, 3, 4], &data);
+    let out = eval(
+        Op::ArgMax {
+            axis: 1,
+            keep_dims: true,
+        },
+        std::slice::from_ref(&x),
+    );
+    // By hand: for each (outer, inner) the middle index of the largest.
+    let mut want = Vec::new();
+    for outer in 0..2 {
+        for inner in 0..4 {
+            let lane: Vec<f32> = (0..3).map(|j| data[(outer * 3 + j) * 4 + inner]).collect();
+            let best = (0..3).fold(0, |b, j| if lane[j] > lane[b] { j } else { b });
+            want.push(best as i64);
+        }
+    }
+    assert_eq!(out, Value::i64(&[2, 1, 4], want).unwrap());
+}

@@ -118,6 +118,15 @@ fn infer_unchecked(op: &Op, t: &[&TensorType]) -> Result<TensorType, Cause> {
             }
             Ok(input)
         }
+        Op::ArgMax { axis, keep_dims } => {
+            expect_dtype(t[0], DType::F32, "input")?;
+            check_axis(t[0], *axis)?;
+            if t[0].shape.0[*axis] == Dim::Fixed(0) {
+                return Err(format!("argmax over the empty axis {axis} of {}", t[0]));
+            }
+            let reduced = reduce(ReduceKind::Max, t[0], &[*axis], *keep_dims)?;
+            Ok(TensorType::new(DType::I64, reduced.shape))
+        }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             expect_dtype(t[0], DType::F32, "input")?;
             check_axis(t[0], *axis)?;

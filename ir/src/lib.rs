@@ -10,6 +10,7 @@
 //! job, and reading files is the caller's.
 
 pub mod autodiff;
+mod composite;
 pub mod data;
 pub mod error;
 pub mod format;

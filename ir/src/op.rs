@@ -286,6 +286,14 @@ pub enum Op {
         attrs: Pool2dAttrs,
         input_hw: [usize; 2],
     },
+    /// Opset 2. f32 → i64: the index of the largest element along `axis`,
+    /// the first one on ties; a NaN counts as larger than any number (the
+    /// first NaN wins), as in NumPy. `keep_dims` keeps `axis` with size 1.
+    /// An empty axis is an error.
+    ArgMax {
+        axis: usize,
+        keep_dims: bool,
+    },
     Softmax {
         axis: usize,
     },
@@ -326,7 +334,8 @@ impl Op {
     /// still readable by a v1 reader.
     pub fn opset(&self) -> u16 {
         match self {
-            Op::Unary(UnaryOp::Erf | UnaryOp::GeluErf | UnaryOp::Softplus | UnaryOp::Log1p) => 2,
+            Op::Unary(UnaryOp::Erf | UnaryOp::GeluErf | UnaryOp::Softplus | UnaryOp::Log1p)
+            | Op::ArgMax { .. } => 2,
             Op::CustomGrad(custom) => custom.forward.opset().max(custom.backward.opset()),
             _ => 1,
         }
@@ -396,6 +405,7 @@ impl Op {
             Op::MaxPool2dBackward(_) => "max_pool2d_backward",
             Op::AvgPool2d(_) => "avg_pool2d",
             Op::AvgPool2dBackward { .. } => "avg_pool2d_backward",
+            Op::ArgMax { .. } => "argmax",
             Op::Softmax { .. } => "softmax",
             Op::LogSoftmax { .. } => "log_softmax",
             Op::Gather { .. } => "gather",
@@ -421,6 +431,7 @@ impl Op {
             | Op::MaxPool2d(_)
             | Op::AvgPool2d(_)
             | Op::AvgPool2dBackward { .. }
+            | Op::ArgMax { .. }
             | Op::Softmax { .. }
             | Op::LogSoftmax { .. }
             | Op::OneHot { .. }

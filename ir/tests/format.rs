@@ -280,7 +280,16 @@ fn index_ops(g: &mut Graph, cat: ValueId) -> Vec<ValueId> {
     let a = g.constant(f32_data(vec![5, 3], awkward)).unwrap();
     let bb = g.constant(f32_data(vec![2, 5], awkward)).unwrap();
     let mm2 = g.matmul_t(a, bb, true, true).unwrap();
-    vec![scattered, oh, mm, mm2]
+    let best = g
+        .push(
+            Op::ArgMax {
+                axis: 1,
+                keep_dims: true,
+            },
+            &[mm2],
+        )
+        .unwrap();
+    vec![scattered, oh, mm, mm2, best]
 }
 
 /// Every unary and binary op, taken from `ALL` (the list the reader uses),
@@ -400,6 +409,7 @@ const OTHER_OP_NAMES: &[&str] = &[
     "gather",
     "scatter_add",
     "one_hot",
+    "argmax",
     "random_uniform",
     "custom_grad",
 ];

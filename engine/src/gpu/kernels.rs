@@ -60,7 +60,9 @@ pub fn check(op: &Op, operands: &[DType], out: DType) -> Result<(), String> {
         Op::Unary(u) if first == DType::F32 => Ok(unary_expr(*u, "x").map(|_| ())?),
         Op::Binary(b) => binary_expr(*b, first, "x", "y").map(|_| ()),
         Op::Where | Op::Cast { .. } => cast_expr(first, out, "x").map(|_| ()),
-        Op::MatMul { .. } | Op::Softmax { .. } | Op::LogSoftmax { .. } if first == DType::F32 => {
+        Op::MatMul { .. } | Op::Softmax { .. } | Op::LogSoftmax { .. } | Op::ArgMax { .. }
+            if first == DType::F32 =>
+        {
             Ok(())
         }
         Op::Reduce { kind, .. } => match (kind, first) {
@@ -117,6 +119,7 @@ pub fn generate(site: &Site<'_>) -> Result<Vec<Kernel>, String> {
         Op::Softmax { axis } => vec![softmax(site, *axis, false)],
         Op::LogSoftmax { axis } => vec![softmax(site, *axis, true)],
         Op::OneHot { depth } => vec![one_hot(site, *depth)],
+        Op::ArgMax { axis, .. } => vec![argmax(site, *axis)],
         Op::Gather { axis } => vec![gather(site, *axis)],
         Op::ScatterAdd { axis, dim_size } => vec![scatter_add(site, *axis, *dim_size)],
         Op::RandomUniform { .. } => vec![random_uniform(site)],
@@ -701,6 +704,26 @@ fn index_value(dtype: DType, at: &str) -> String {
         ),
         _ => format!("a1[{at}]"),
     }
+}
+
+/// One invocation per output scans its lane: the first maximum, a NaN
+/// beating any number (the CPU's rule). The kept or dropped axis does not
+/// change the output's element order.
+fn argmax(site: &Site<'_>, axis: usize) -> Kernel {
+    let shape = &site.operands[0].1;
+    let n = shape[axis];
+    let inner: usize = shape[axis + 1..].iter().product();
+    let body = format!(
+        r#"  let base = (i / {inner}u) * {n}u * {inner}u + i % {inner}u;
+  var best = 0u;
+  var best_value = a0[base];
+  for (var j = 1u; j < {n}u; j = j + 1u) {{
+    let v = a0[base + j * {inner}u];
+    if (!is_nan_bits(best_value) && (is_nan_bits(v) || v > best_value)) {{ best = j; best_value = v; }}
+  }}
+  let value = vec2<u32>(best, 0u);"#
+    );
+    per_output(site, "argmax", &body, false)
 }
 
 fn one_hot(site: &Site<'_>, depth: usize) -> Kernel {

@@ -23,7 +23,7 @@ pub fn differentiable_edge(graph: &Graph, id: ValueId, k: usize) -> bool {
     match &node.op {
         Op::Unary(UnaryOp::Sign) => false,
         Op::MaxPool2dSelect(_) | Op::MaxPool2dBackward(_) => k == 1,
-        Op::OneHot { .. } | Op::RandomUniform { .. } => false,
+        Op::OneHot { .. } | Op::RandomUniform { .. } | Op::ArgMax { .. } => false,
         _ => true,
     }
 }

@@ -229,7 +229,7 @@ fn vjp_rule(
         Op::ScatterAdd { axis, .. } => {
             vec![None, Some(g.push(Op::Gather { axis: *axis }, &[ct, x[0]])?)]
         }
-        Op::OneHot { .. } | Op::RandomUniform { .. } => vec![None],
+        Op::OneHot { .. } | Op::RandomUniform { .. } | Op::ArgMax { .. } => vec![None],
         // The user's rule, inlined with (inputs…, y, dy).
         Op::CustomGrad(custom) => {
             let mut args = x.to_vec();

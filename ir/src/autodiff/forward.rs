@@ -124,7 +124,7 @@ fn jvp_rule(
         }
         Op::Gather { .. } => g.push(op.clone(), &[tangent(t, 0, op)?, x[1]]),
         Op::ScatterAdd { .. } => g.push(op.clone(), &[x[0], tangent(t, 1, op)?]),
-        Op::OneHot { .. } | Op::RandomUniform { .. } => Err(internal(op)),
+        Op::OneHot { .. } | Op::RandomUniform { .. } | Op::ArgMax { .. } => Err(internal(op)),
         // Differentiate the forward graph itself: custom rules are for
         // reverse mode only.
         Op::CustomGrad(custom) => {

@@ -36,6 +36,7 @@ fn attrs_of(op: &str) -> Option<&'static [&'static str]> {
         "avg_pool2d_backward" => &["kernel", "stride", "padding", "input_hw"],
         "scatter_add" => &["axis", "dim_size"],
         "one_hot" => &["depth"],
+        "argmax" => &["axis", "keep_dims"],
         "custom_grad" => &["name", "forward", "backward"],
         _ if find_unary(op).is_some() || find_binary(op).is_some() => &[],
         _ if find_reduce(op).is_some() => &["axes", "keep_dims"],
@@ -121,6 +122,10 @@ pub(crate) fn encode_op(op: &Op, data: &mut DataWriter) -> IrResult<NodeRec> {
             r.dim_size = Some(dim_value(*dim_size)?);
         }
         Op::OneHot { depth } => r.depth = Some(dim_value(*depth)?),
+        Op::ArgMax { axis, keep_dims } => {
+            r.axis = Some(dim_value(*axis)?);
+            r.keep_dims = Some(*keep_dims);
+        }
         Op::CustomGrad(c) => {
             r.name = Some(c.name.clone());
             r.forward = Some(Box::new(encode_graph(&c.forward, data)?));
@@ -283,6 +288,10 @@ impl Attrs<'_, '_, '_> {
             },
             "one_hot" => Op::OneHot {
                 depth: self.int(r.depth, "depth")?,
+            },
+            "argmax" => Op::ArgMax {
+                axis: self.int(r.axis, "axis")?,
+                keep_dims: self.need(&r.keep_dims, "keep_dims")?,
             },
             "custom_grad" => self.custom_grad(depth)?,
             name => self.axis_or_window_op(name)?,

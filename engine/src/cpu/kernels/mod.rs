@@ -188,6 +188,10 @@ pub fn eval(
             let [indices, updates] = operands(args)?;
             index::scatter_add(indices, updates, *axis, *dim_size)
         }
+        Op::ArgMax { axis, .. } => {
+            let [x] = operands(args)?;
+            reduce::argmax(x, *axis, &out_shape)
+        }
         Op::OneHot { depth } => {
             let [indices] = operands(args)?;
             index::one_hot(indices, *depth)

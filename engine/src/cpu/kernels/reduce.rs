@@ -221,3 +221,30 @@ fn lanes_fold<T: Number>(xs: &[T], seed: T, combine: impl Fn(T, T) -> T + Copy) 
     let tail = rest.iter().fold(seed, |acc, &v| combine(acc, v));
     lanes.into_iter().fold(tail, combine)
 }
+
+/// The index of the largest element along `axis`, the first on ties, a
+/// NaN winning over any number (NumPy's rule); `out_shape` may keep the
+/// axis with size 1, the element order is the same.
+pub fn argmax(arg: Arg<'_>, axis: usize, out_shape: &[usize]) -> Result<Value, KernelError> {
+    let x = tensor::<f32>(arg, "operand")?;
+    let view = x.view();
+    check_axis(axis, view.ndim())?;
+    let lanes = view.lanes(ndarray::Axis(axis));
+    let indices: Vec<i64> = lanes
+        .into_iter()
+        .map(|lane| {
+            let mut best = 0usize;
+            for (i, &v) in lane.iter().enumerate().skip(1) {
+                let current = lane[best];
+                if !current.is_nan() && (v.is_nan() || v > current) {
+                    best = i;
+                }
+            }
+            best as i64
+        })
+        .collect();
+    Ok(Value::I64(
+        ArrayD::from_shape_vec(IxDyn(out_shape), indices)
+            .map_err(|e| KernelError::Internal(format!("argmax output {out_shape:?}: {e}")))?,
+    ))
+}
