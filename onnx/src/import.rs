@@ -1,0 +1,396 @@
+//! Lowering a validated [`ModelProto`]'s main graph to a canopy-ir [`Graph`].
+//!
+//! Values are looked up by their ONNX names. Initializers and Constant
+//! outputs stay known constants until a node reads them as a graph value,
+//! so a Reshape's target shape or a Squeeze's axes are read at import time
+//! and never become nodes.
+
+use std::collections::{HashMap, HashSet};
+
+use canopy_ir::{DType, Dim, Graph, IrError, Shape, TensorData, TensorType, ValueId};
+
+use crate::decode::{dtype_of, tensor_data, unsupported_data_type, validate_model};
+use crate::error::OnnxError;
+use crate::limits::Limits;
+use crate::proto::tensor_shape_proto::dimension;
+use crate::proto::{GraphProto, ModelProto, NodeProto, ValueInfoProto, data_type, type_proto};
+
+/// The default-domain opsets import supports: 13 is the first with
+/// Squeeze/Unsqueeze axes as inputs and the single-axis Softmax; 21 is what
+/// current exporters (skl2onnx 1.20, torch.onnx) write.
+pub const MIN_OPSET: i64 = 13;
+pub const MAX_OPSET: i64 = 21;
+
+/// An imported model: the graph, plus every initializer by name, so a later
+/// step can turn the constants into trainable parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImportedModel {
+    pub graph: Graph,
+    pub initializers: Vec<(String, TensorData)>,
+}
+
+/// Imports the main graph with the default [`Limits`].
+pub fn import(model: &ModelProto) -> Result<Graph, OnnxError> {
+    import_model(model, &Limits::default()).map(|imported| imported.graph)
+}
+
+/// Validates `model` against `limits` (as [`decode_model`](crate::decode_model)
+/// does) and lowers its main graph.
+pub fn import_model(model: &ModelProto, limits: &Limits) -> Result<ImportedModel, OnnxError> {
+    validate_model(model, limits)?;
+    let graph = model.graph.as_ref().ok_or(OnnxError::MissingGraph)?;
+    let mut importer = Importer {
+        graph: Graph::new(),
+        opset: default_opset(model)?,
+        model,
+        limits,
+        values: HashMap::new(),
+        constants: Vec::new(),
+    };
+    let initializers = importer.define_initializers(graph)?;
+    importer.define_inputs(graph)?;
+    for (index, node) in graph.node.iter().enumerate() {
+        importer.lower_node(index, node)?;
+    }
+    importer.set_outputs(graph)?;
+    Ok(ImportedModel {
+        graph: importer.graph,
+        initializers,
+    })
+}
+
+fn is_default_domain(domain: &str) -> bool {
+    domain.is_empty() || domain == "ai.onnx"
+}
+
+/// The one default-domain opset version the model imports. Duplicate
+/// entries at the same version are tolerated (skl2onnx writes them).
+fn default_opset(model: &ModelProto) -> Result<i64, OnnxError> {
+    let mut found: Option<i64> = None;
+    for entry in model
+        .opset_import
+        .iter()
+        .filter(|e| is_default_domain(&e.domain))
+    {
+        match found {
+            Some(first) if first != entry.version => {
+                return Err(OnnxError::ConflictingOpset {
+                    first,
+                    second: entry.version,
+                });
+            }
+            _ => found = Some(entry.version),
+        }
+    }
+    let version = found.ok_or(OnnxError::MissingDefaultOpset)?;
+    if !(MIN_OPSET..=MAX_OPSET).contains(&version) {
+        return Err(OnnxError::UnsupportedOpset {
+            version,
+            min: MIN_OPSET,
+            max: MAX_OPSET,
+        });
+    }
+    Ok(version)
+}
+
+/// What an ONNX name is bound to.
+#[derive(Clone, Debug)]
+pub(crate) struct Binding {
+    /// Who defined it, for duplicate-name errors.
+    origin: String,
+    /// The graph value, once one exists.
+    value: Option<ValueId>,
+    /// Index into `Importer::constants` when the value is a known constant.
+    constant: Option<usize>,
+}
+
+pub(crate) struct Importer<'a> {
+    pub(crate) graph: Graph,
+    pub(crate) opset: i64,
+    model: &'a ModelProto,
+    pub(crate) limits: &'a Limits,
+    values: HashMap<String, Binding>,
+    constants: Vec<TensorData>,
+}
+
+impl Importer<'_> {
+    fn define(&mut self, name: &str, origin: String, binding: Binding) -> Result<(), OnnxError> {
+        if name.is_empty() {
+            return Err(OnnxError::EmptyName { what: origin });
+        }
+        if let Some(existing) = self.values.get(name) {
+            return Err(OnnxError::DuplicateName {
+                name: name.to_string(),
+                first: existing.origin.clone(),
+                second: origin,
+            });
+        }
+        self.values.insert(name.to_string(), binding);
+        Ok(())
+    }
+
+    pub(crate) fn define_value(
+        &mut self,
+        name: &str,
+        origin: String,
+        value: ValueId,
+    ) -> Result<(), OnnxError> {
+        let binding = Binding {
+            origin: origin.clone(),
+            value: Some(value),
+            constant: None,
+        };
+        self.define(name, origin, binding)
+    }
+
+    pub(crate) fn define_constant(
+        &mut self,
+        name: &str,
+        origin: String,
+        data: TensorData,
+    ) -> Result<(), OnnxError> {
+        let binding = Binding {
+            origin: origin.clone(),
+            value: None,
+            constant: Some(self.constants.len()),
+        };
+        self.define(name, origin, binding)?;
+        self.constants.push(data);
+        Ok(())
+    }
+
+    /// Binds `name` to whatever `source` is bound to (Identity, Dropout),
+    /// keeping a known constant known.
+    pub(crate) fn define_alias(
+        &mut self,
+        name: &str,
+        origin: String,
+        source: &str,
+        node: &str,
+    ) -> Result<(), OnnxError> {
+        let mut binding = self.binding(source, node)?.clone();
+        binding.origin = origin.clone();
+        self.define(name, origin, binding)
+    }
+
+    fn binding(&self, name: &str, node: &str) -> Result<&Binding, OnnxError> {
+        self.values
+            .get(name)
+            .ok_or_else(|| OnnxError::UndefinedValue {
+                node: node.to_string(),
+                value: name.to_string(),
+            })
+    }
+
+    /// The graph value of `name`, adding a constant node the first time a
+    /// known constant is read as a value.
+    pub(crate) fn value(&mut self, name: &str, node: &str) -> Result<ValueId, OnnxError> {
+        let binding = self.binding(name, node)?;
+        if let Some(value) = binding.value {
+            return Ok(value);
+        }
+        let data = binding
+            .constant
+            .and_then(|index| self.constants.get(index))
+            .cloned()
+            .ok_or_else(|| OnnxError::UndefinedValue {
+                node: node.to_string(),
+                value: name.to_string(),
+            })?;
+        let value = self
+            .graph
+            .constant(data)
+            .map_err(|source| OnnxError::Lowering {
+                node: format!("{node} (constant `{name}`)"),
+                source,
+            })?;
+        if let Some(binding) = self.values.get_mut(name) {
+            binding.value = Some(value);
+        }
+        Ok(value)
+    }
+
+    /// The contents of `name` when it is a known constant.
+    pub(crate) fn constant(
+        &self,
+        name: &str,
+        node: &str,
+    ) -> Result<Option<&TensorData>, OnnxError> {
+        let binding = self.binding(name, node)?;
+        Ok(binding.constant.and_then(|index| self.constants.get(index)))
+    }
+
+    pub(crate) fn ty(&self, value: ValueId) -> &TensorType {
+        self.graph.ty(value)
+    }
+
+    fn define_initializers(
+        &mut self,
+        graph: &GraphProto,
+    ) -> Result<Vec<(String, TensorData)>, OnnxError> {
+        let mut initializers = Vec::with_capacity(graph.initializer.len());
+        for tensor in &graph.initializer {
+            if tensor.name.is_empty() {
+                return Err(OnnxError::EmptyName {
+                    what: "an initializer".to_string(),
+                });
+            }
+            let data = tensor_data(tensor, &tensor.name, self.limits)?;
+            let origin = format!("initializer `{}`", tensor.name);
+            self.define_constant(&tensor.name, origin, data.clone())?;
+            initializers.push((tensor.name.clone(), data));
+        }
+        Ok(initializers)
+    }
+
+    /// Graph inputs that are not initializers become `Graph::input`s. An
+    /// input that shares an initializer's name only gives the initializer
+    /// an overridable default in ONNX; import keeps it a constant.
+    fn define_inputs(&mut self, graph: &GraphProto) -> Result<(), OnnxError> {
+        let initializer_names: HashSet<&str> =
+            graph.initializer.iter().map(|t| t.name.as_str()).collect();
+        for info in &graph.input {
+            if info.name.is_empty() {
+                return Err(OnnxError::EmptyName {
+                    what: "a graph input".to_string(),
+                });
+            }
+            if initializer_names.contains(info.name.as_str()) {
+                continue;
+            }
+            let ty = input_type(info)?;
+            let value = self.graph.input(info.name.clone(), ty).map_err(|source| {
+                OnnxError::InvalidGraphInput {
+                    input: info.name.clone(),
+                    cause: source.to_string(),
+                }
+            })?;
+            self.define_value(&info.name, format!("graph input `{}`", info.name), value)?;
+        }
+        Ok(())
+    }
+
+    fn set_outputs(&mut self, graph: &GraphProto) -> Result<(), OnnxError> {
+        for info in &graph.output {
+            if info.name.is_empty() {
+                return Err(OnnxError::EmptyName {
+                    what: "a graph output".to_string(),
+                });
+            }
+            if !self.values.contains_key(&info.name) {
+                return Err(OnnxError::UndefinedOutput {
+                    output: info.name.clone(),
+                });
+            }
+            let value = self.value(&info.name, &format!("graph output `{}`", info.name))?;
+            check_declared_dtype(info, self.graph.ty(value).dtype)?;
+            self.graph
+                .set_output(info.name.clone(), value)
+                .map_err(|source: IrError| OnnxError::Output {
+                    output: info.name.clone(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+
+    /// The opset a node of `domain` is read under, for error messages.
+    pub(crate) fn opset_of(&self, domain: &str) -> String {
+        self.model
+            .opset_import
+            .iter()
+            .find(|entry| entry.domain == domain)
+            .map_or_else(
+                || "not imported".to_string(),
+                |entry| entry.version.to_string(),
+            )
+    }
+
+    fn lower_node(&mut self, index: usize, node: &NodeProto) -> Result<(), OnnxError> {
+        let describe = describe_node(index, node);
+        if !is_default_domain(&node.domain) {
+            return Err(OnnxError::UnsupportedDomain {
+                node: describe,
+                op_type: node.op_type.clone(),
+                domain: node.domain.clone(),
+                opset: self.opset_of(&node.domain),
+            });
+        }
+        crate::ops::lower(self, node, &describe)
+    }
+}
+
+/// A graph output's declared element type, when it has one, must be the
+/// type import computed: a mismatch means a lowering disagrees with the
+/// exporter.
+fn check_declared_dtype(info: &ValueInfoProto, imported: DType) -> Result<(), OnnxError> {
+    let Some(type_proto::Value::TensorType(tensor)) =
+        info.r#type.as_ref().and_then(|t| t.value.as_ref())
+    else {
+        return Ok(());
+    };
+    if tensor.elem_type == data_type::UNDEFINED || dtype_of(tensor.elem_type) == Some(imported) {
+        return Ok(());
+    }
+    Err(OnnxError::OutputType {
+        output: info.name.clone(),
+        declared: data_type::name(tensor.elem_type),
+        imported,
+    })
+}
+
+/// "node `name` (OpType, #index)", or without the name when it is empty.
+fn describe_node(index: usize, node: &NodeProto) -> String {
+    if node.name.is_empty() {
+        format!("node #{index} ({})", node.op_type)
+    } else {
+        format!("node `{}` ({}, #{index})", node.name, node.op_type)
+    }
+}
+
+/// A graph input's type. The first dimension may be symbolic (a
+/// `dim_param`, unknown, or 0): it becomes canopy's batch dimension. Every
+/// other dimension must be a positive size.
+fn input_type(info: &ValueInfoProto) -> Result<TensorType, OnnxError> {
+    let invalid = |cause: String| OnnxError::InvalidGraphInput {
+        input: info.name.clone(),
+        cause,
+    };
+    let Some(type_proto::Value::TensorType(tensor)) =
+        info.r#type.as_ref().and_then(|t| t.value.as_ref())
+    else {
+        return Err(invalid("it is not a tensor (or has no type)".to_string()));
+    };
+    let dtype: DType = dtype_of(tensor.elem_type).ok_or_else(|| {
+        let refusal = unsupported_data_type(&info.name, tensor.elem_type);
+        invalid(refusal.to_string())
+    })?;
+    let shape = tensor.shape.as_ref().ok_or_else(|| {
+        invalid("it has no shape; import needs the rank and every non-batch size".to_string())
+    })?;
+    let mut dims = Vec::with_capacity(shape.dim.len());
+    for (axis, dim) in shape.dim.iter().enumerate() {
+        dims.push(input_dim(axis, dim.value.as_ref()).map_err(invalid)?);
+    }
+    Ok(TensorType::new(dtype, Shape(dims)))
+}
+
+fn input_dim(axis: usize, dim: Option<&dimension::Value>) -> Result<Dim, String> {
+    match (axis, dim) {
+        (0, None | Some(dimension::Value::DimParam(_)) | Some(dimension::Value::DimValue(0))) => {
+            Ok(Dim::Batch)
+        }
+        (_, Some(dimension::Value::DimValue(size))) if *size > 0 => usize::try_from(*size)
+            .map(Dim::Fixed)
+            .map_err(|_| format!("dimension {axis} ({size}) does not fit in usize")),
+        (_, Some(dimension::Value::DimValue(size))) => Err(format!(
+            "dimension {axis} has size {size}; sizes must be positive"
+        )),
+        (_, Some(dimension::Value::DimParam(param))) => Err(format!(
+            "dimension {axis} is symbolic (`{param}`); only the first dimension may be, and it becomes the batch dimension"
+        )),
+        (_, None) => Err(format!(
+            "dimension {axis} is unknown; only the first dimension may be, and it becomes the batch dimension"
+        )),
+    }
+}

@@ -1,0 +1,193 @@
+//! Builders for ONNX models made from the crate's own proto structs, and a
+//! runner for imported graphs on the CPU backend.
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use anyhow::{Context, Result, ensure};
+use canopy_engine::{Backend, CpuBackend, Value};
+use canopy_ir::Graph;
+use canopy_onnx::proto::tensor_shape_proto::{Dimension, dimension};
+use canopy_onnx::proto::{
+    AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
+    TensorShapeProto, TypeProto, ValueInfoProto, attribute_type, data_type, type_proto,
+};
+use canopy_onnx::{Limits, decode_model};
+use prost::Message;
+
+pub const OPSET: i64 = 17;
+
+/// An f32 tensor with its elements in `raw_data`, as exporters write them.
+pub fn f32_tensor(name: &str, dims: &[i64], data: &[f32]) -> TensorProto {
+    let raw: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+    TensorProto {
+        name: name.to_string(),
+        dims: dims.to_vec(),
+        data_type: data_type::FLOAT,
+        raw_data: raw.into(),
+        ..Default::default()
+    }
+}
+
+/// An int64 tensor with its elements in the typed `int64_data` field.
+pub fn i64_tensor(name: &str, dims: &[i64], data: &[i64]) -> TensorProto {
+    TensorProto {
+        name: name.to_string(),
+        dims: dims.to_vec(),
+        data_type: data_type::INT64,
+        int64_data: data.to_vec(),
+        ..Default::default()
+    }
+}
+
+pub fn node(
+    op_type: &str,
+    inputs: &[&str],
+    outputs: &[&str],
+    attribute: Vec<AttributeProto>,
+) -> NodeProto {
+    NodeProto {
+        name: format!("{op_type}_{}", outputs.first().copied().unwrap_or("none")),
+        op_type: op_type.to_string(),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: outputs.iter().map(|s| s.to_string()).collect(),
+        attribute,
+        ..Default::default()
+    }
+}
+
+pub fn attr_int(name: &str, i: i64) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::INT,
+        i,
+        ..Default::default()
+    }
+}
+
+pub fn attr_float(name: &str, f: f32) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::FLOAT,
+        f,
+        ..Default::default()
+    }
+}
+
+pub fn attr_ints(name: &str, ints: &[i64]) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::INTS,
+        ints: ints.to_vec(),
+        ..Default::default()
+    }
+}
+
+pub fn attr_tensor(name: &str, t: TensorProto) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::TENSOR,
+        t: Some(t),
+        ..Default::default()
+    }
+}
+
+/// A tensor value info; `None` dims are the symbolic batch `N`.
+pub fn value_info(name: &str, elem_type: i32, dims: &[Option<i64>]) -> ValueInfoProto {
+    let dim = dims
+        .iter()
+        .map(|d| Dimension {
+            value: Some(match d {
+                Some(size) => dimension::Value::DimValue(*size),
+                None => dimension::Value::DimParam("N".to_string()),
+            }),
+            ..Default::default()
+        })
+        .collect();
+    ValueInfoProto {
+        name: name.to_string(),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type,
+                shape: Some(TensorShapeProto { dim }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A value info for an output, whose type import does not read.
+pub fn output(name: &str) -> ValueInfoProto {
+    ValueInfoProto {
+        name: name.to_string(),
+        ..Default::default()
+    }
+}
+
+pub fn model(
+    nodes: Vec<NodeProto>,
+    inputs: Vec<ValueInfoProto>,
+    outputs: Vec<ValueInfoProto>,
+    initializers: Vec<TensorProto>,
+) -> ModelProto {
+    ModelProto {
+        ir_version: 10,
+        producer_name: "canopy-onnx tests".to_string(),
+        graph: Some(GraphProto {
+            name: "test".to_string(),
+            node: nodes,
+            input: inputs,
+            output: outputs,
+            initializer: initializers,
+            ..Default::default()
+        }),
+        opset_import: vec![OperatorSetIdProto {
+            domain: String::new(),
+            version: OPSET,
+        }],
+        ..Default::default()
+    }
+}
+
+/// Encodes `model` to bytes and decodes it back with the default limits,
+/// so every test goes through the wire format.
+pub fn round_trip(model: &ModelProto) -> Result<ModelProto> {
+    let bytes = model.encode_to_vec();
+    Ok(decode_model(&bytes, &Limits::default())?)
+}
+
+/// Encodes, decodes and imports `model`.
+pub fn import_bytes(model: &ModelProto) -> Result<Graph> {
+    let decoded = round_trip(model)?;
+    Ok(canopy_onnx::import(&decoded)?)
+}
+
+pub fn run(graph: &Graph, inputs: Vec<Value>) -> Result<Vec<Value>> {
+    let mut executable = CpuBackend.compile(graph)?;
+    Ok(executable.run(inputs)?)
+}
+
+pub fn assert_close(what: &str, actual: &Value, shape: &[usize], expected: &[f32]) -> Result<()> {
+    let array = actual
+        .as_f32()
+        .with_context(|| format!("{what} is not f32"))?;
+    ensure!(
+        array.shape() == shape,
+        "{what}: shape {:?}, expected {shape:?}",
+        array.shape()
+    );
+    let values: Vec<f32> = array.iter().copied().collect();
+    ensure!(
+        values.len() == expected.len(),
+        "{what}: {} values, expected {}",
+        values.len(),
+        expected.len()
+    );
+    for (index, (got, want)) in values.iter().zip(expected).enumerate() {
+        ensure!(
+            (got - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "{what}[{index}]: got {got}, expected {want} (all: {values:?})"
+        );
+    }
+    Ok(())
+}
