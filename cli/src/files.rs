@@ -56,7 +56,8 @@ pub fn read_model_bytes(path: &Path) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>> {
+/// A file's bytes, refused before reading when over `limit` bytes.
+pub fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>> {
     let meta = fs::metadata(path)?;
     if meta.is_dir() {
         anyhow::bail!("it is a directory");

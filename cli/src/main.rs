@@ -96,6 +96,8 @@ enum ModelCommand {
     New(commands::new::NewArgs),
     /// Print entry points, parameters, op counts and the digest.
     Inspect(commands::inspect::InspectArgs),
+    /// Import an ONNX model as a model file with an `infer` entry point.
+    Import(commands::import::ImportArgs),
     /// Train a model on a dataset folder and write the result.
     Train(commands::train::TrainArgs),
     /// Evaluate a model on a dataset folder's test split.
@@ -151,6 +153,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Logout => commands::login::logout(),
         Command::Model(ModelCommand::New(args)) => commands::new::run(args),
         Command::Model(ModelCommand::Inspect(args)) => commands::inspect::run(args),
+        Command::Model(ModelCommand::Import(args)) => commands::import::run(args),
         Command::Model(ModelCommand::Train(args)) => commands::train::run(args),
         Command::Model(ModelCommand::Eval(args)) => commands::eval::run(args),
         Command::Model(ModelCommand::Stats(args)) => commands::stats::run(args),

@@ -14,7 +14,7 @@ pub enum OnnxError {
         limit: u64,
     },
     #[error(
-        "the bytes are not a valid ONNX model: {source}; hint: the file may be truncated or not an ONNX file"
+        "the bytes are not a valid ONNX model; hint: the file may be truncated or not an ONNX file"
     )]
     Decode {
         #[source]

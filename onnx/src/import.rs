@@ -7,6 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use canopy_ir::model::PARAM_PREFIX;
 use canopy_ir::{DType, Dim, Graph, IrError, Shape, TensorData, TensorType, ValueId};
 
 use crate::decode::{dtype_of, tensor_data, unsupported_data_type, validate_model};
@@ -21,12 +22,24 @@ use crate::proto::{GraphProto, ModelProto, NodeProto, ValueInfoProto, data_type,
 pub const MIN_OPSET: i64 = 13;
 pub const MAX_OPSET: i64 = 21;
 
-/// An imported model: the graph, plus every initializer by name, so a later
-/// step can turn the constants into trainable parameters.
+/// An imported model: the graph, plus every initializer by name.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ImportedModel {
     pub graph: Graph,
     pub initializers: Vec<(String, TensorData)>,
+    /// With [`ImportOptions::parameters`], the float initializers the
+    /// graph reads as `params/NAME` inputs, in the order they were made.
+    pub parameters: Vec<String>,
+}
+
+/// How import treats initializers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ImportOptions {
+    /// Float initializers the graph reads as values become `params/NAME`
+    /// inputs (a Canopy model's parameters), so the model can be trained;
+    /// otherwise every initializer is a constant. Initializers read only
+    /// for their contents (a Reshape's shape) stay constants either way.
+    pub parameters: bool,
 }
 
 /// Imports the main graph with the default [`Limits`].
@@ -37,6 +50,15 @@ pub fn import(model: &ModelProto) -> Result<Graph, OnnxError> {
 /// Validates `model` against `limits` (as [`decode_model`](crate::decode_model)
 /// does) and lowers its main graph.
 pub fn import_model(model: &ModelProto, limits: &Limits) -> Result<ImportedModel, OnnxError> {
+    import_model_with(model, limits, ImportOptions::default())
+}
+
+/// [`import_model`] with [`ImportOptions`].
+pub fn import_model_with(
+    model: &ModelProto,
+    limits: &Limits,
+    options: ImportOptions,
+) -> Result<ImportedModel, OnnxError> {
     validate_model(model, limits)?;
     let graph = model.graph.as_ref().ok_or(OnnxError::MissingGraph)?;
     let mut importer = Importer {
@@ -46,6 +68,9 @@ pub fn import_model(model: &ModelProto, limits: &Limits) -> Result<ImportedModel
         limits,
         values: HashMap::new(),
         constants: Vec::new(),
+        options,
+        initializer_names: HashSet::new(),
+        parameters: Vec::new(),
     };
     let initializers = importer.define_initializers(graph)?;
     importer.define_inputs(graph)?;
@@ -56,6 +81,7 @@ pub fn import_model(model: &ModelProto, limits: &Limits) -> Result<ImportedModel
     Ok(ImportedModel {
         graph: importer.graph,
         initializers,
+        parameters: importer.parameters,
     })
 }
 
@@ -111,6 +137,9 @@ pub(crate) struct Importer<'a> {
     pub(crate) limits: &'a Limits,
     values: HashMap<String, Binding>,
     constants: Vec<TensorData>,
+    options: ImportOptions,
+    initializer_names: HashSet<String>,
+    parameters: Vec<String>,
 }
 
 impl Importer<'_> {
@@ -197,13 +226,26 @@ impl Importer<'_> {
                 node: node.to_string(),
                 value: name.to_string(),
             })?;
-        let value = self
-            .graph
-            .constant(data)
-            .map_err(|source| OnnxError::Lowering {
-                node: format!("{node} (constant `{name}`)"),
-                source,
-            })?;
+        let as_parameter = self.options.parameters
+            && self.initializer_names.contains(name)
+            && data.dtype() == DType::F32;
+        let value = if as_parameter {
+            let ty = TensorType::new(data.dtype(), Shape::fixed(&data.shape));
+            self.parameters.push(name.to_string());
+            self.graph
+                .input(format!("{PARAM_PREFIX}{name}"), ty)
+                .map_err(|source| OnnxError::Lowering {
+                    node: format!("{node} (parameter `{name}`)"),
+                    source,
+                })?
+        } else {
+            self.graph
+                .constant(data)
+                .map_err(|source| OnnxError::Lowering {
+                    node: format!("{node} (constant `{name}`)"),
+                    source,
+                })?
+        };
         if let Some(binding) = self.values.get_mut(name) {
             binding.value = Some(value);
         }
@@ -238,6 +280,7 @@ impl Importer<'_> {
             let data = tensor_data(tensor, &tensor.name, self.limits)?;
             let origin = format!("initializer `{}`", tensor.name);
             self.define_constant(&tensor.name, origin, data.clone())?;
+            self.initializer_names.insert(tensor.name.clone());
             initializers.push((tensor.name.clone(), data));
         }
         Ok(initializers)

@@ -34,6 +34,8 @@ pub mod proto;
 
 pub use decode::{decode_model, tensor_data, validate_model, validate_tensor};
 pub use error::OnnxError;
-pub use import::{ImportedModel, MAX_OPSET, MIN_OPSET, import, import_model};
+pub use import::{
+    ImportOptions, ImportedModel, MAX_OPSET, MIN_OPSET, import, import_model, import_model_with,
+};
 pub use limits::Limits;
 pub use ops::SUPPORTED_OPS;

@@ -2,6 +2,7 @@ pub mod bench;
 pub mod datasets;
 pub mod devices;
 pub mod eval;
+pub mod import;
 pub mod inspect;
 pub mod jobs;
 pub mod login;

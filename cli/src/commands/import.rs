@@ -1,0 +1,118 @@
+//! `canopy model import FILE.onnx -o model.canopy`: an ONNX model as a
+//! Canopy model file. The ONNX graph becomes the `infer` entry point; the
+//! float initializers it reads become trainable parameters (`params/NAME`),
+//! so the file inspects, pushes and evaluates like any model. Decoding is
+//! bounded by `canopy_onnx::Limits`: the file is untrusted input.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, anyhow};
+use canopy_ir::{Metadata, Model, Parameter};
+use canopy_onnx::{ImportOptions, Limits, OnnxError, decode_model, import_model_with};
+use clap::Args;
+
+use crate::files::{Hint, read_bounded, short_digest, write_model_file};
+use crate::output::outln;
+
+const SUPPORTED_HINT: &str = "`canopy model import` reads default-domain ONNX, opsets 13 to 21; ARCHITECTURE.md (onnx/) lists the ops it supports";
+
+/// The entry point an imported graph becomes.
+const ENTRY_POINT: &str = "infer";
+
+#[derive(Args)]
+pub struct ImportArgs {
+    /// The ONNX model file.
+    file: PathBuf,
+    /// Where to write the Canopy model file.
+    #[arg(short, long)]
+    out: PathBuf,
+    /// The model's name in its metadata [default: the ONNX file's stem].
+    #[arg(long)]
+    name: Option<String>,
+}
+
+/// `error` under `context`, its own hint (an `OnnxError` message may end
+/// in `; hint: …`) moved to the `hint:` line, else the general one.
+fn import_error(error: &OnnxError, context: &str) -> anyhow::Error {
+    let mut messages: Vec<String> =
+        std::iter::successors(Some(error as &dyn std::error::Error), |e| e.source())
+            .map(ToString::to_string)
+            .collect();
+    let (first, hint) = match messages[0].split_once("; hint: ") {
+        Some((message, hint)) => (message.to_string(), hint.to_string()),
+        None => (messages[0].clone(), SUPPORTED_HINT.to_string()),
+    };
+    messages[0] = first;
+    let innermost = anyhow!(messages.pop().unwrap_or_default());
+    let chained = messages
+        .into_iter()
+        .rev()
+        .fold(innermost, |error, message| error.context(message));
+    Hint::attach(chained.context(context.to_string()), hint)
+}
+
+pub fn run(args: ImportArgs) -> Result<()> {
+    let limits = Limits::default();
+    let shown = args.file.display();
+    let bytes = read_bounded(&args.file, limits.max_model_bytes as u64)
+        .with_context(|| format!("cannot read ONNX file `{shown}`"))?;
+    let options = ImportOptions { parameters: true };
+    let imported = decode_model(&bytes, &limits)
+        .and_then(|proto| Ok((import_model_with(&proto, &limits, options)?, proto)))
+        .map_err(|error| import_error(&error, &format!("cannot import `{shown}`")))?;
+    let (imported, proto) = imported;
+    let initializers: BTreeMap<&str, _> = imported
+        .initializers
+        .iter()
+        .map(|(name, data)| (name.as_str(), data))
+        .collect();
+    let parameters = imported
+        .parameters
+        .iter()
+        .map(|name| {
+            let data = initializers
+                .get(name.as_str())
+                .copied()
+                .cloned()
+                .ok_or_else(|| anyhow!("parameter `{name}` has no initializer"))?;
+            Ok(Parameter {
+                name: name.clone(),
+                data,
+                trainable: true,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let name = args.name.clone().unwrap_or_else(|| {
+        args.file.file_stem().map_or_else(
+            || "imported".to_string(),
+            |s| s.to_string_lossy().into_owned(),
+        )
+    });
+    let mut properties = BTreeMap::new();
+    properties.insert("imported_from".to_string(), "onnx".to_string());
+    if !proto.producer_name.is_empty() {
+        let producer = format!("{} {}", proto.producer_name, proto.producer_version);
+        properties.insert("onnx_producer".to_string(), producer.trim().to_string());
+    }
+    let model = Model {
+        metadata: Metadata {
+            model_name: name,
+            parent_digest: None,
+            producer: format!("canopy {}", env!("CARGO_PKG_VERSION")),
+            properties,
+        },
+        parameters,
+        entry_points: BTreeMap::from([(ENTRY_POINT.to_string(), imported.graph)]),
+    };
+    let digest = write_model_file(&args.out, &model)?;
+    let elements: usize = model.parameters.iter().map(|p| p.data.num_elements()).sum();
+    outln!(
+        "imported `{shown}`: {ENTRY_POINT} ({} nodes), {} parameters ({elements} elements) -> {} (sha256:{})",
+        model.entry_points[ENTRY_POINT].len(),
+        model.parameters.len(),
+        args.out.display(),
+        short_digest(&digest)
+    )?;
+    Ok(())
+}

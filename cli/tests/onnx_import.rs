@@ -1,0 +1,187 @@
+//! `canopy model import` against ONNX Runtime: a small CNN written with
+//! `onnx.helper` (Conv, Relu, MaxPool, GlobalAveragePool, Flatten, Gemm,
+//! Softmax) is generated and run by ONNX Runtime in Python
+//! (`tests/reference/onnx_cnn.py`, `requirements-dev.txt`); the imported
+//! file's `infer` gives the same probabilities on 100 inputs (to 1e-4) and
+//! the same labels, on the CPU and on the GPU backend. Broken files get
+//! errors that name the cause.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use anyhow::{Context, Result, bail};
+use canopy_engine::{Backend, CpuBackend, Value};
+use canopy_ir::format::read_model;
+use canopy_ir::model::PARAM_PREFIX;
+
+const INSTALL_HINT: &str = "hint: pip install -r requirements-dev.txt";
+
+fn canopy(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_canopy"))
+        .args(args)
+        .env("CANOPY_LOG", "warn")
+        .output()
+        .expect("the canopy binary runs")
+}
+
+fn python() -> String {
+    std::env::var("CANOPY_PYTHON").unwrap_or_else(|_| "python3".to_string())
+}
+
+/// Runs the reference script into `dir`: `cnn.onnx` and `cnn.json`.
+fn generate(dir: &Path) -> Result<serde_json::Value> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/onnx_cnn.py");
+    let output = Command::new(python())
+        .arg(script)
+        .arg(dir)
+        .output()
+        .with_context(|| format!("cannot run `{}`; {INSTALL_HINT}", python()))?;
+    if !output.status.success() {
+        bail!(
+            "the ONNX reference script failed: {}\n{INSTALL_HINT}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(serde_json::from_slice(&std::fs::read(
+        dir.join("cnn.json"),
+    )?)?)
+}
+
+fn floats(json: &serde_json::Value, key: &str) -> Vec<f32> {
+    json[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("`{key}` in the reference"))
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect()
+}
+
+/// The imported model's `infer` on `x`, on `backend`.
+fn infer(model_path: &Path, x: Value, backend: &dyn Backend) -> Result<Vec<f32>> {
+    let model = read_model(&std::fs::read(model_path)?)?;
+    let graph = &model.entry_points["infer"];
+    let inputs = graph
+        .input_names()
+        .into_iter()
+        .map(|name| match name.strip_prefix(PARAM_PREFIX) {
+            Some(param) => Value::from_data(&model.parameter(param).unwrap().data),
+            None => x.clone(),
+        })
+        .collect();
+    let out = backend.compile(graph)?.run(inputs)?;
+    Ok(out[0].as_f32()?.iter().copied().collect())
+}
+
+fn argmax_rows(probabilities: &[f32], classes: usize) -> Vec<usize> {
+    probabilities
+        .chunks(classes)
+        .map(|row| (0..classes).fold(0, |b, j| if row[j] > row[b] { j } else { b }))
+        .collect()
+}
+
+#[test]
+fn an_imported_cnn_matches_onnx_runtime_on_every_backend() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let reference = generate(dir.path())?;
+    let model = dir.path().join("cnn.canopy");
+    let onnx = dir.path().join("cnn.onnx");
+    let out = canopy(&[
+        "model",
+        "import",
+        onnx.to_str().unwrap(),
+        "-o",
+        model.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("6 parameters (297 elements)"), "{stdout}");
+
+    let shape: Vec<usize> = reference["input_shape"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_u64().unwrap() as usize)
+        .collect();
+    let x = Value::f32(&shape, floats(&reference, "inputs"))?;
+    let want = floats(&reference, "probabilities");
+    let want_labels: Vec<usize> = reference["labels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(CpuBackend)];
+    backends
+        .push(Box::new(canopy_engine::select::shared_gpu().context(
+            "no GPU adapter; .ci/run installs mesa-vulkan-drivers",
+        )?));
+    for backend in &backends {
+        let name = backend.describe().backend;
+        let got = infer(&model, x.clone(), backend.as_ref())?;
+        assert_eq!(got.len(), want.len());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            worst <= 1e-4,
+            "{name}: probabilities differ from ONNX Runtime by {worst}"
+        );
+        assert_eq!(argmax_rows(&got, 5), want_labels, "{name}: labels");
+    }
+    Ok(())
+}
+
+#[test]
+fn broken_onnx_files_are_refused_with_the_cause() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    generate(dir.path())?;
+    let bytes = std::fs::read(dir.path().join("cnn.onnx"))?;
+    let out_model = dir.path().join("out.canopy");
+    let unsupported = std::fs::read(dir.path().join("unsupported.onnx"))?;
+    let cases: [(&str, Vec<u8>, &str); 3] = [
+        (
+            "truncated.onnx",
+            bytes[..bytes.len() / 2].to_vec(),
+            "not a valid ONNX model",
+        ),
+        (
+            "garbage.onnx",
+            b"not a protobuf at all".to_vec(),
+            "not a valid ONNX model",
+        ),
+        (
+            "hardmax.onnx",
+            unsupported,
+            "node `pick` (Hardmax, #0): op `Hardmax` of domain `ai.onnx` (opset 17) is not supported",
+        ),
+    ];
+    for (name, content, cause) in cases {
+        let path = dir.path().join(name);
+        std::fs::write(&path, content)?;
+        let out = canopy(&[
+            "model",
+            "import",
+            path.to_str().unwrap(),
+            "-o",
+            out_model.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name} was accepted");
+        assert!(
+            stderr.contains("cannot import") && stderr.contains(name),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains(cause) && stderr.contains("hint:"),
+            "{stderr}"
+        );
+        assert!(!out_model.exists(), "{name} left a model file behind");
+    }
+    Ok(())
+}
