@@ -407,3 +407,46 @@ fn conv_pads_strides_and_dilations_map_to_the_right_axes() -> Result<()> {
     // A 2×2 kernel dilated by 2 touches the four corners: 0 + 2 + 6 + 8.
     assert_close("dilated", &outputs[1], &[1, 1, 1, 1], &[16.0])
 }
+
+/// With `ImportOptions::parameters`, the float weights a node reads become
+/// `params/NAME` inputs, in first-use order, while an int64 initializer read
+/// only for its contents (a Reshape's shape) stays a constant; without it,
+/// every initializer is a constant and the graph has only its data inputs.
+#[test]
+fn float_initializers_become_parameters_when_asked() -> Result<()> {
+    let m = model(
+        vec![
+            node("MatMul", &["x", "w"], &["y"], vec![]),
+            node("Add", &["y", "b"], &["z"], vec![]),
+            node("Reshape", &["z", "shape"], &["r"], vec![]),
+        ],
+        vec![value_info("x", data_type::FLOAT, &[None, Some(2)])],
+        vec![output("r")],
+        vec![
+            f32_tensor("w", &[2, 3], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]),
+            f32_tensor("b", &[3], &[0.5, 0.5, 0.5]),
+            i64_tensor("shape", &[2], &[-1, 3]),
+        ],
+    );
+    let decoded = round_trip(&m)?;
+    let limits = canopy_onnx::Limits::default();
+    let options = canopy_onnx::ImportOptions { parameters: true };
+    let imported = canopy_onnx::import_model_with(&decoded, &limits, options)?;
+    ensure!(
+        imported.parameters == ["w", "b"],
+        "{:?}",
+        imported.parameters
+    );
+    let names = imported.graph.input_names();
+    ensure!(names == ["x", "params/w", "params/b"], "{names:?}");
+    let x = Value::f32(&[1, 2], vec![1.0, -1.0])?;
+    let w = Value::f32(&[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0])?;
+    let b = Value::f32(&[3], vec![0.5, 0.5, 0.5])?;
+    let out = run(&imported.graph, vec![x, w, b])?;
+    assert_close("r", &out[0], &[1, 3], &[-2.5, -2.5, -2.5])?;
+
+    let constants_only = canopy_onnx::import_model(&decoded, &limits)?;
+    ensure!(constants_only.parameters.is_empty());
+    ensure!(constants_only.graph.input_names() == ["x"]);
+    Ok(())
+}
