@@ -1,18 +1,18 @@
-//! `canopy model import` against ONNX Runtime: a small CNN written with
-//! `onnx.helper` (Conv, Relu, MaxPool, GlobalAveragePool, Flatten, Gemm,
-//! Softmax) is generated and run by ONNX Runtime in Python
-//! (`tests/reference/onnx_cnn.py`, `requirements-dev.txt`); the imported
-//! file's `infer` gives the same probabilities on 100 inputs (to 1e-4) and
-//! the same labels, on the CPU and on the GPU backend. Broken files get
-//! errors that name the cause.
+//! `canopy model import` and `canopy model run` against ONNX Runtime: a
+//! small CNN written with `onnx.helper` (Conv, Relu, MaxPool,
+//! GlobalAveragePool, Flatten, Gemm, Softmax) is generated and run by ONNX
+//! Runtime in Python (`tests/reference/onnx_cnn.py`,
+//! `requirements-dev.txt`); `canopy model run` of the imported file gives
+//! the same probabilities on 100 inputs (to 1e-4) and the same labels, on
+//! the CPU and on the GPU backend. Broken files and inputs get errors that
+//! name the cause.
 
 use std::path::Path;
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result, bail};
-use canopy_engine::{Backend, CpuBackend, Value};
-use canopy_ir::format::read_model;
-use canopy_ir::model::PARAM_PREFIX;
+use ndarray::ArrayD;
+use ndarray_npy::NpzReader;
 
 const INSTALL_HINT: &str = "hint: pip install -r requirements-dev.txt";
 
@@ -56,22 +56,6 @@ fn floats(json: &serde_json::Value, key: &str) -> Vec<f32> {
         .collect()
 }
 
-/// The imported model's `infer` on `x`, on `backend`.
-fn infer(model_path: &Path, x: Value, backend: &dyn Backend) -> Result<Vec<f32>> {
-    let model = read_model(&std::fs::read(model_path)?)?;
-    let graph = &model.entry_points["infer"];
-    let inputs = graph
-        .input_names()
-        .into_iter()
-        .map(|name| match name.strip_prefix(PARAM_PREFIX) {
-            Some(param) => Value::from_data(&model.parameter(param).unwrap().data),
-            None => x.clone(),
-        })
-        .collect();
-    let out = backend.compile(graph)?.run(inputs)?;
-    Ok(out[0].as_f32()?.iter().copied().collect())
-}
-
 fn argmax_rows(probabilities: &[f32], classes: usize) -> Vec<usize> {
     probabilities
         .chunks(classes)
@@ -100,13 +84,6 @@ fn an_imported_cnn_matches_onnx_runtime_on_every_backend() -> Result<()> {
     );
     assert!(stdout.contains("6 parameters (297 elements)"), "{stdout}");
 
-    let shape: Vec<usize> = reference["input_shape"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d.as_u64().unwrap() as usize)
-        .collect();
-    let x = Value::f32(&shape, floats(&reference, "inputs"))?;
     let want = floats(&reference, "probabilities");
     let want_labels: Vec<usize> = reference["labels"]
         .as_array()
@@ -114,15 +91,29 @@ fn an_imported_cnn_matches_onnx_runtime_on_every_backend() -> Result<()> {
         .iter()
         .map(|v| v.as_u64().unwrap() as usize)
         .collect();
-    let mut backends: Vec<Box<dyn Backend>> = vec![Box::new(CpuBackend)];
-    backends
-        .push(Box::new(canopy_engine::select::shared_gpu().context(
-            "no GPU adapter; .ci/run installs mesa-vulkan-drivers",
-        )?));
-    for backend in &backends {
-        let name = backend.describe().backend;
-        let got = infer(&model, x.clone(), backend.as_ref())?;
-        assert_eq!(got.len(), want.len());
+    let input = format!("x={}", dir.path().join("inputs.npy").display());
+    for backend in ["cpu", "gpu"] {
+        let npz = dir.path().join(format!("out-{backend}.npz"));
+        let out = canopy(&[
+            "model",
+            "run",
+            model.to_str().unwrap(),
+            "--input",
+            &input,
+            "-o",
+            npz.to_str().unwrap(),
+            "--backend",
+            backend,
+        ]);
+        assert!(
+            out.status.success(),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut reader = NpzReader::new(std::fs::File::open(&npz)?)?;
+        let probabilities: ArrayD<f32> = reader.by_name("probabilities")?;
+        assert_eq!(probabilities.shape(), &[100, 5], "{backend}");
+        let got: Vec<f32> = probabilities.iter().copied().collect();
         let worst = got
             .iter()
             .zip(&want)
@@ -130,10 +121,29 @@ fn an_imported_cnn_matches_onnx_runtime_on_every_backend() -> Result<()> {
             .fold(0.0f32, f32::max);
         assert!(
             worst <= 1e-4,
-            "{name}: probabilities differ from ONNX Runtime by {worst}"
+            "{backend}: probabilities differ from ONNX Runtime by {worst}"
         );
-        assert_eq!(argmax_rows(&got, 5), want_labels, "{name}: labels");
+        assert_eq!(argmax_rows(&got, 5), want_labels, "{backend}: labels");
     }
+
+    // An input of another dtype is refused by name, with the fix.
+    let wrong = format!("x={}", dir.path().join("inputs_f64.npy").display());
+    let npz = dir.path().join("wrong.npz");
+    let out = canopy(&[
+        "model",
+        "run",
+        model.to_str().unwrap(),
+        "--input",
+        &wrong,
+        "-o",
+        npz.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !npz.exists(), "{stderr}");
+    assert!(
+        stderr.contains("input `x`") && stderr.contains("`<f8`") && stderr.contains("astype"),
+        "{stderr}"
+    );
     Ok(())
 }
 

@@ -8,6 +8,7 @@ pub mod jobs;
 pub mod login;
 pub mod models;
 pub mod new;
+pub mod run;
 pub mod stats;
 pub mod train;
 pub mod watch;

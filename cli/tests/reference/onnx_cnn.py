@@ -3,7 +3,8 @@ ONNX Runtime's outputs for 100 inputs, so the test can import the file with
 `canopy model import` and compare.
 
 Usage: onnx_cnn.py OUT_DIR. Writes OUT_DIR/cnn.onnx, OUT_DIR/cnn.json
-({"input_shape", "inputs", "probabilities", "labels"}) and
+({"input_shape", "inputs", "probabilities", "labels"}), the inputs as
+OUT_DIR/inputs.npy (and as float64, which `model run` refuses) and
 OUT_DIR/unsupported.onnx, a valid model with an op import does not have.
 """
 
@@ -55,6 +56,8 @@ onnx.checker.check_model(model)
 onnx.save(model, out / "cnn.onnx")
 
 inputs = rng.normal(0, 1, (100, 1, 10, 10)).astype(np.float32)
+np.save(out / "inputs.npy", inputs)
+np.save(out / "inputs_f64.npy", inputs.astype(np.float64))
 session = onnxruntime.InferenceSession(str(out / "cnn.onnx"), providers=["CPUExecutionProvider"])
 (probabilities,) = session.run(None, {"x": inputs})
 json.dump(
