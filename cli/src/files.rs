@@ -24,7 +24,11 @@ impl Hint {
     /// `error` with `hint` printed after its causes. `main` finds a hint
     /// at the root of a chain, so the causes above it are kept as text.
     pub fn attach(error: anyhow::Error, hint: impl Into<String>) -> anyhow::Error {
-        let messages: Vec<String> = error.chain().map(ToString::to_string).collect();
+        Hint::chain(error.chain().map(ToString::to_string).collect(), hint)
+    }
+
+    /// An error whose chain is `messages`, outermost first, then `hint`.
+    pub fn chain(messages: Vec<String>, hint: impl Into<String>) -> anyhow::Error {
         messages
             .into_iter()
             .rev()

@@ -1,16 +1,12 @@
 //! The `canopy` binary as a user runs it: accuracy on real data, JSON
 //! output, and errors that name the object and the cause without panicking.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn canopy(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_canopy"))
-        .args(args)
-        .env("CANOPY_LOG", "warn")
-        .output()
-        .expect("the canopy binary runs")
-}
+use common::canopy;
 
 /// `canopy model new` of a logistic regression for the digits (64
 /// inputs, 10 classes) at `model`.

@@ -7,22 +7,17 @@
 //! the CPU and on the GPU backend. Broken files and inputs get errors that
 //! name the cause.
 
+mod common;
+
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use anyhow::{Context, Result, bail};
+use common::canopy;
 use ndarray::ArrayD;
 use ndarray_npy::NpzReader;
 
 const INSTALL_HINT: &str = "hint: pip install -r requirements-dev.txt";
-
-fn canopy(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_canopy"))
-        .args(args)
-        .env("CANOPY_LOG", "warn")
-        .output()
-        .expect("the canopy binary runs")
-}
 
 fn python() -> String {
     std::env::var("CANOPY_PYTHON").unwrap_or_else(|_| "python3".to_string())

@@ -35,21 +35,17 @@ pub struct ImportArgs {
 /// `error` under `context`, its own hint (an `OnnxError` message may end
 /// in `; hint: …`) moved to the `hint:` line, else the general one.
 fn import_error(error: &OnnxError, context: &str) -> anyhow::Error {
-    let mut messages: Vec<String> =
+    let mut messages = vec![context.to_string()];
+    messages.extend(
         std::iter::successors(Some(error as &dyn std::error::Error), |e| e.source())
-            .map(ToString::to_string)
-            .collect();
-    let (first, hint) = match messages[0].split_once("; hint: ") {
+            .map(ToString::to_string),
+    );
+    let (first, hint) = match messages[1].split_once("; hint: ") {
         Some((message, hint)) => (message.to_string(), hint.to_string()),
-        None => (messages[0].clone(), SUPPORTED_HINT.to_string()),
+        None => (messages[1].clone(), SUPPORTED_HINT.to_string()),
     };
-    messages[0] = first;
-    let innermost = anyhow!(messages.pop().unwrap_or_default());
-    let chained = messages
-        .into_iter()
-        .rev()
-        .fold(innermost, |error, message| error.context(message));
-    Hint::attach(chained.context(context.to_string()), hint)
+    messages[1] = first;
+    Hint::chain(messages, hint)
 }
 
 pub fn run(args: ImportArgs) -> Result<()> {

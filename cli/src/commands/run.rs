@@ -100,15 +100,8 @@ pub fn run(args: RunArgs) -> Result<()> {
     }
     let backend = open_backend(args.backend)?;
     let outputs = backend.compile(graph)?.run(values)?;
-    write_npz(
-        &args.out,
-        graph
-            .outputs()
-            .iter()
-            .map(|(n, _)| n.as_str())
-            .zip(&outputs),
-    )?;
     let names: Vec<&str> = graph.outputs().iter().map(|(n, _)| n.as_str()).collect();
+    write_npz(&args.out, names.iter().copied().zip(&outputs))?;
     outln!(
         "{} `{}` -> {}: {}",
         args.file.display(),

@@ -28,7 +28,9 @@ use std::fmt::Write;
 use canopy_ir::{Conv2dAttrs, DType};
 
 use super::kernels::{Bind, Kernel, Site};
-use super::wgsl::{HELPERS, WORKGROUP, broadcast_index, coordinates, declare, grid};
+use super::wgsl::{
+    HELPERS, WORKGROUP, broadcast_index, coordinates, declare, grid, workgroup_tree,
+};
 
 /// Outputs per invocation along each side of the tile.
 const PER_INVOCATION: usize = 4;
@@ -555,18 +557,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
       acc = acc + a0[((nb * {c}u + c1) * {h}u + u32(ih)) * {wd}u + u32(iw)] * a1[(nb * {o}u + c0) * {ohw}u + t % {ohw}u];
     }}
   }}
-  partial[lane] = acc;
-  workgroupBarrier();
-  for (var width = {half}u; width > 0u; width = width / 2u) {{
-    if (lane < width) {{ partial[lane] = partial[lane] + partial[lane + width]; }}
-    workgroupBarrier();
-  }}
-  if (live && lane == 0u) {{ out[i] = partial[0]; }}
+{tree}  if (live && lane == 0u) {{ out[i] = partial[0]; }}
 }}
 "#,
         split = coordinates(out, "i"),
         ohw = oh * ow,
-        half = WORKGROUP / 2,
+        tree = workgroup_tree("acc2 + v"),
     );
     Kernel {
         label: "conv2d_backward_filter",

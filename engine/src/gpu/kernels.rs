@@ -13,7 +13,7 @@ use canopy_ir::{BinaryOp, Conv2dAttrs, DType, Op, Pool2dAttrs, ReduceKind, Unary
 use super::gemm;
 use super::wgsl::{
     HELPERS, WORKGROUP, broadcast_index, coordinates, coordinates_named, declare, flat_entry, grid,
-    load, store, strides, value_type, zero,
+    load, store, strides, value_type, workgroup_tree, zero,
 };
 
 /// One dispatch of one pipeline.
@@ -596,17 +596,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
       acc = {fold};
     }}
   }}
-  partial[lane] = acc;
-  workgroupBarrier();
-  for (var width = {half}u; width > 0u; width = width / 2u) {{
-    if (lane < width) {{
-      let v = partial[lane + width];
-      let acc2 = partial[lane];
-      partial[lane] = {fold2};
-    }}
-    workgroupBarrier();
-  }}
-  if (live && lane == 0u) {{
+{tree}  if (live && lane == 0u) {{
     var result = partial[0];
 {mean}    {store}
   }}
@@ -615,8 +605,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         kept_split = split(&kept_shape, "o", "k"),
         reduced_split = split(&reduced_shape, "r", "r"),
         load = load("a0", *dtype, &format!("base + {reduced_offset}")),
-        half = WORKGROUP / 2,
-        fold2 = fold.replace("acc", "acc2"),
+        tree = workgroup_tree(&fold.replace("acc", "acc2")),
         store = store("out", site.out.0, "o", "result"),
     );
     Kernel {

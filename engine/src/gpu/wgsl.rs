@@ -101,6 +101,27 @@ pub fn flat_entry(out: &mut String, count: u64, groups: [u32; 3], body: &str) {
     );
 }
 
+/// Statements folding each invocation's `acc` into `partial[0]` (a
+/// workgroup array of [`WORKGROUP`] elements) with a tree; `fold` combines
+/// `acc2`, the lane's partial result, with `v`, its partner's. Ends after
+/// the last barrier, so any lane may read `partial[0]`.
+pub fn workgroup_tree(fold: &str) -> String {
+    format!(
+        "  partial[lane] = acc;
+  workgroupBarrier();
+  for (var width = {half}u; width > 0u; width = width / 2u) {{
+    if (lane < width) {{
+      let v = partial[lane + width];
+      let acc2 = partial[lane];
+      partial[lane] = {fold};
+    }}
+    workgroupBarrier();
+  }}
+",
+        half = WORKGROUP / 2
+    )
+}
+
 /// Row-major strides of `shape`.
 pub fn strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![1usize; shape.len()];
