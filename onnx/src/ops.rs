@@ -45,10 +45,11 @@ pub const SUPPORTED_OPS: &[&str] = &[
 ];
 
 /// One node being lowered: the importer, the node, and its attributes.
-struct Lowering<'i, 'a, 'n> {
-    imp: &'i mut Importer<'a>,
-    node: &'n NodeProto,
-    attrs: Attrs<'n>,
+/// `ops_ml` lowers the `ai.onnx.ml` ops with the same helpers.
+pub(crate) struct Lowering<'i, 'a, 'n> {
+    pub(crate) imp: &'i mut Importer<'a>,
+    pub(crate) node: &'n NodeProto,
+    pub(crate) attrs: Attrs<'n>,
 }
 
 /// Lowers `node` and binds its output name.
@@ -104,11 +105,11 @@ fn single_output<'n>(node: &'n NodeProto, attrs: &Attrs<'_>) -> Result<&'n str, 
 }
 
 impl<'n> Lowering<'_, '_, 'n> {
-    fn describe(&self) -> &str {
+    pub(crate) fn describe(&self) -> &str {
         self.attrs.describe
     }
 
-    fn ir<T>(&self, result: IrResult<T>) -> Result<T, OnnxError> {
+    pub(crate) fn ir<T>(&self, result: IrResult<T>) -> Result<T, OnnxError> {
         result.map_err(|source| OnnxError::Lowering {
             node: self.describe().to_string(),
             source,
@@ -155,7 +156,7 @@ impl<'n> Lowering<'_, '_, 'n> {
 
     // ---- inputs ------------------------------------------------------------
 
-    fn expect_inputs(&self, min: usize, max: usize) -> Result<(), OnnxError> {
+    pub(crate) fn expect_inputs(&self, min: usize, max: usize) -> Result<(), OnnxError> {
         let count = self.node.input.len();
         if count < min || count > max {
             return Err(self
@@ -166,7 +167,7 @@ impl<'n> Lowering<'_, '_, 'n> {
     }
 
     /// The name of required input `position`.
-    fn input_name(&self, position: usize) -> Result<&'n str, OnnxError> {
+    pub(crate) fn input_name(&self, position: usize) -> Result<&'n str, OnnxError> {
         match self.node.input.get(position) {
             Some(name) if !name.is_empty() => Ok(name),
             _ => Err(self
@@ -184,7 +185,7 @@ impl<'n> Lowering<'_, '_, 'n> {
             .filter(|name| !name.is_empty())
     }
 
-    fn input(&mut self, position: usize) -> Result<ValueId, OnnxError> {
+    pub(crate) fn input(&mut self, position: usize) -> Result<ValueId, OnnxError> {
         let name = self.input_name(position)?.to_string();
         self.imp.value(&name, self.attrs.describe)
     }
@@ -218,7 +219,7 @@ impl<'n> Lowering<'_, '_, 'n> {
         Ok(values)
     }
 
-    fn dims(&self, value: ValueId) -> Vec<Dim> {
+    pub(crate) fn dims(&self, value: ValueId) -> Vec<Dim> {
         self.imp.ty(value).shape.0.clone()
     }
 
