@@ -79,13 +79,24 @@ pub enum OnnxError {
     )]
     UnsupportedOpset { version: i64, min: i64, max: i64 },
     #[error(
-        "{node}: op `{op_type}` of domain `{domain}` (opset {opset}) is not supported; import supports the default domain only"
+        "{node}: op `{op_type}` of domain `{domain}` (opset {opset}) is not supported; import supports the default domain and `ai.onnx.ml`"
     )]
     UnsupportedDomain {
         node: String,
         op_type: String,
         domain: String,
         opset: String,
+    },
+    #[error(
+        "{node}: op `{op_type}` of domain `{domain}` needs the model to import `{domain}` at one opset from {min} to {max}; it imports {found}; hint: re-export it (skl2onnx writes `ai.onnx.ml` opset 1)"
+    )]
+    UnsupportedDomainOpset {
+        node: String,
+        op_type: String,
+        domain: String,
+        found: String,
+        min: i64,
+        max: i64,
     },
     #[error(
         "{node}: op `{op_type}` of domain `{domain}` (opset {opset}) is not supported by import"

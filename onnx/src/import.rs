@@ -13,6 +13,7 @@ use canopy_ir::{DType, Dim, Graph, IrError, Shape, TensorData, TensorType, Value
 use crate::decode::{dtype_of, tensor_data, unsupported_data_type, validate_model};
 use crate::error::OnnxError;
 use crate::limits::Limits;
+use crate::ops_ml::{ML_DOMAIN, ML_MAX_OPSET, ML_MIN_OPSET};
 use crate::proto::tensor_shape_proto::dimension;
 use crate::proto::{GraphProto, ModelProto, NodeProto, ValueInfoProto, data_type, type_proto};
 
@@ -26,9 +27,13 @@ pub const MAX_OPSET: i64 = 21;
 #[derive(Clone, Debug, PartialEq)]
 pub struct ImportedModel {
     pub graph: Graph,
+    /// Every initializer by name, then the float tensors import made from
+    /// node attributes (an `ai.onnx.ml` LinearClassifier's coefficients
+    /// and intercepts, as `NODE.coefficients` and `NODE.intercepts`).
     pub initializers: Vec<(String, TensorData)>,
-    /// With [`ImportOptions::parameters`], the float initializers the
-    /// graph reads as `params/NAME` inputs, in the order they were made.
+    /// With [`ImportOptions::parameters`], the float initializers and
+    /// attribute tensors the graph reads as `params/NAME` inputs, in the
+    /// order they were made.
     pub parameters: Vec<String>,
 }
 
@@ -71,13 +76,15 @@ pub fn import_model_with(
         options,
         initializer_names: HashSet::new(),
         parameters: Vec::new(),
+        attribute_tensors: Vec::new(),
     };
-    let initializers = importer.define_initializers(graph)?;
+    let mut initializers = importer.define_initializers(graph)?;
     importer.define_inputs(graph)?;
     for (index, node) in graph.node.iter().enumerate() {
         importer.lower_node(index, node)?;
     }
     importer.set_outputs(graph)?;
+    initializers.append(&mut importer.attribute_tensors);
     Ok(ImportedModel {
         graph: importer.graph,
         initializers,
@@ -89,25 +96,27 @@ fn is_default_domain(domain: &str) -> bool {
     domain.is_empty() || domain == "ai.onnx"
 }
 
-/// The one default-domain opset version the model imports. Duplicate
+/// The one version the model imports a domain at (`None` when it does not
+/// import it), or the first two versions when it imports two. Duplicate
 /// entries at the same version are tolerated (skl2onnx writes them).
-fn default_opset(model: &ModelProto) -> Result<i64, OnnxError> {
+fn opset_version(
+    model: &ModelProto,
+    in_domain: impl Fn(&str) -> bool,
+) -> Result<Option<i64>, [i64; 2]> {
     let mut found: Option<i64> = None;
-    for entry in model
-        .opset_import
-        .iter()
-        .filter(|e| is_default_domain(&e.domain))
-    {
+    for entry in model.opset_import.iter().filter(|e| in_domain(&e.domain)) {
         match found {
-            Some(first) if first != entry.version => {
-                return Err(OnnxError::ConflictingOpset {
-                    first,
-                    second: entry.version,
-                });
-            }
+            Some(first) if first != entry.version => return Err([first, entry.version]),
             _ => found = Some(entry.version),
         }
     }
+    Ok(found)
+}
+
+/// The one default-domain opset version the model imports.
+fn default_opset(model: &ModelProto) -> Result<i64, OnnxError> {
+    let found = opset_version(model, is_default_domain)
+        .map_err(|[first, second]| OnnxError::ConflictingOpset { first, second })?;
     let version = found.ok_or(OnnxError::MissingDefaultOpset)?;
     if !(MIN_OPSET..=MAX_OPSET).contains(&version) {
         return Err(OnnxError::UnsupportedOpset {
@@ -140,6 +149,8 @@ pub(crate) struct Importer<'a> {
     options: ImportOptions,
     initializer_names: HashSet<String>,
     parameters: Vec<String>,
+    /// Float tensors made from node attributes, by their given names.
+    attribute_tensors: Vec<(String, TensorData)>,
 }
 
 impl Importer<'_> {
@@ -262,6 +273,24 @@ impl Importer<'_> {
         Ok(binding.constant.and_then(|index| self.constants.get(index)))
     }
 
+    /// The graph value of a float tensor a node holds as an attribute (an
+    /// `ai.onnx.ml` LinearClassifier's coefficients), named `name`: it is
+    /// bound and read like an initializer, so with
+    /// [`ImportOptions::parameters`] it is the trainable `params/NAME` and
+    /// the model can be fine-tuned, and it is listed with the initializers.
+    pub(crate) fn attribute_tensor(
+        &mut self,
+        name: &str,
+        data: TensorData,
+        node: &str,
+    ) -> Result<ValueId, OnnxError> {
+        let origin = format!("an attribute of {node}");
+        self.define_constant(name, origin, data.clone())?;
+        self.initializer_names.insert(name.to_string());
+        self.attribute_tensors.push((name.to_string(), data));
+        self.value(name, node)
+    }
+
     pub(crate) fn ty(&self, value: ValueId) -> &TensorType {
         self.graph.ty(value)
     }
@@ -351,15 +380,40 @@ impl Importer<'_> {
 
     fn lower_node(&mut self, index: usize, node: &NodeProto) -> Result<(), OnnxError> {
         let describe = describe_node(index, node);
-        if !is_default_domain(&node.domain) {
-            return Err(OnnxError::UnsupportedDomain {
-                node: describe,
-                op_type: node.op_type.clone(),
-                domain: node.domain.clone(),
-                opset: self.opset_of(&node.domain),
-            });
+        if is_default_domain(&node.domain) {
+            return crate::ops::lower(self, node, &describe);
         }
-        crate::ops::lower(self, node, &describe)
+        if node.domain == ML_DOMAIN {
+            let opset = self.ml_opset(node, &describe)?;
+            return crate::ops_ml::lower(self, node, &describe, opset);
+        }
+        Err(OnnxError::UnsupportedDomain {
+            node: describe,
+            op_type: node.op_type.clone(),
+            domain: node.domain.clone(),
+            opset: self.opset_of(&node.domain),
+        })
+    }
+
+    /// The `ai.onnx.ml` opset an ml node is read under: the model must
+    /// import that domain at one version in the supported range. Checked
+    /// at the first ml node, so a model that only declares the domain
+    /// imports whatever version it names.
+    fn ml_opset(&self, node: &NodeProto, describe: &str) -> Result<i64, OnnxError> {
+        let refuse = |found: String| OnnxError::UnsupportedDomainOpset {
+            node: describe.to_string(),
+            op_type: node.op_type.clone(),
+            domain: ML_DOMAIN.to_string(),
+            found,
+            min: ML_MIN_OPSET,
+            max: ML_MAX_OPSET,
+        };
+        match opset_version(self.model, |domain| domain == ML_DOMAIN) {
+            Ok(Some(version)) if (ML_MIN_OPSET..=ML_MAX_OPSET).contains(&version) => Ok(version),
+            Ok(Some(version)) => Err(refuse(format!("opset {version}"))),
+            Ok(None) => Err(refuse("no opset for it".to_string())),
+            Err([first, second]) => Err(refuse(format!("two opsets, {first} and {second}"))),
+        }
     }
 }
 

@@ -13,7 +13,10 @@
 //!    that are not initializers become graph inputs (a symbolic first
 //!    dimension becomes the batch dimension), initializers become constants,
 //!    and each node of the default domain, opsets 13 to 21, is lowered by
-//!    the op's ONNX semantics. [`SUPPORTED_OPS`] lists the ops.
+//!    the op's ONNX semantics. [`SUPPORTED_OPS`] lists the ops. The
+//!    `ai.onnx.ml` ops scikit-learn's exporter writes for linear models and
+//!    MLPs (opsets 1 to 5, [`SUPPORTED_ML_OPS`]) are lowered too, ZipMap as
+//!    its probability tensor.
 //!
 //! Anything import cannot reproduce exactly (an op, a domain, an opset, an
 //! attribute value such as asymmetric padding or `count_include_pad=0` with
@@ -30,6 +33,7 @@ pub mod error;
 pub mod import;
 pub mod limits;
 mod ops;
+mod ops_ml;
 pub mod proto;
 
 pub use decode::{decode_model, tensor_data, validate_model, validate_tensor};
@@ -39,3 +43,4 @@ pub use import::{
 };
 pub use limits::Limits;
 pub use ops::SUPPORTED_OPS;
+pub use ops_ml::{ML_DOMAIN, ML_MAX_OPSET, ML_MIN_OPSET, SUPPORTED_ML_OPS};

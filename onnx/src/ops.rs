@@ -865,7 +865,7 @@ struct Window {
 /// The product of `dims` as one dimension: fixed when all are fixed, the
 /// batch dimension when it is the only one not of size 1; `None` when it
 /// would be batch times a size canopy cannot express.
-fn dims_product(dims: &[Dim]) -> Option<Dim> {
+pub(crate) fn dims_product(dims: &[Dim]) -> Option<Dim> {
     let batches = dims.iter().filter(|&&d| d == Dim::Batch).count();
     let fixed = dims
         .iter()
