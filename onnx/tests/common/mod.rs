@@ -3,7 +3,7 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use canopy_engine::{Backend, CpuBackend, Value};
 use canopy_ir::Graph;
 use canopy_onnx::proto::tensor_shape_proto::{Dimension, dimension};
@@ -11,7 +11,7 @@ use canopy_onnx::proto::{
     AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
     TensorShapeProto, TypeProto, ValueInfoProto, attribute_type, data_type, type_proto,
 };
-use canopy_onnx::{Limits, decode_model};
+use canopy_onnx::{Limits, OnnxError, decode_model};
 use prost::Message;
 
 pub const OPSET: i64 = 17;
@@ -78,6 +78,33 @@ pub fn attr_ints(name: &str, ints: &[i64]) -> AttributeProto {
         name: name.to_string(),
         r#type: attribute_type::INTS,
         ints: ints.to_vec(),
+        ..Default::default()
+    }
+}
+
+pub fn attr_floats(name: &str, floats: &[f32]) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::FLOATS,
+        floats: floats.to_vec(),
+        ..Default::default()
+    }
+}
+
+pub fn attr_string(name: &str, value: &str) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::STRING,
+        s: value.as_bytes().to_vec(),
+        ..Default::default()
+    }
+}
+
+pub fn attr_strings(name: &str, values: &[&str]) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::STRINGS,
+        strings: values.iter().map(|v| v.as_bytes().to_vec()).collect(),
         ..Default::default()
     }
 }
@@ -165,6 +192,30 @@ pub fn import_bytes(model: &ModelProto) -> Result<Graph> {
 pub fn run(graph: &Graph, inputs: Vec<Value>) -> Result<Vec<Value>> {
     let mut executable = CpuBackend.compile(graph)?;
     Ok(executable.run(inputs)?)
+}
+
+/// Decodes and imports the encoded model, expecting an error.
+pub fn refusal(model: &ModelProto) -> Result<OnnxError> {
+    refusal_with(model, &Limits::default())
+}
+
+pub fn refusal_with(model: &ModelProto, limits: &Limits) -> Result<OnnxError> {
+    let bytes = model.encode_to_vec();
+    match decode_model(&bytes, limits).and_then(|m| canopy_onnx::import_model(&m, limits)) {
+        Ok(_) => bail!("the model was accepted"),
+        Err(error) => Ok(error),
+    }
+}
+
+pub fn expect_message(error: &OnnxError, parts: &[&str]) -> Result<()> {
+    let message = error.to_string();
+    for part in parts {
+        ensure!(
+            message.contains(part),
+            "message {message:?} does not mention {part:?}"
+        );
+    }
+    Ok(())
 }
 
 pub fn assert_close(what: &str, actual: &Value, shape: &[usize], expected: &[f32]) -> Result<()> {
