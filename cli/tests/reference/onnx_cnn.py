@@ -4,8 +4,7 @@ ONNX Runtime's outputs for 100 inputs, so the test can import the file with
 
 Usage: onnx_cnn.py OUT_DIR. Writes OUT_DIR/cnn.onnx, OUT_DIR/cnn.json
 ({"input_shape", "inputs", "probabilities", "labels"}), the inputs as
-OUT_DIR/inputs.npy (and as float64, which `model run` refuses) and
-OUT_DIR/unsupported.onnx, a valid model with an op import does not have.
+OUT_DIR/inputs.npy (and as float64, which `model run` refuses).
 """
 
 import json
@@ -69,14 +68,3 @@ json.dump(
     },
     open(out / "cnn.json", "w"),
 )
-
-hardmax = helper.make_graph(
-    [helper.make_node("Hardmax", ["x"], ["y"], name="pick")],
-    "unsupported",
-    [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
-)
-unsupported = helper.make_model(hardmax, opset_imports=[helper.make_opsetid("", 17)])
-unsupported.ir_version = 8
-onnx.checker.check_model(unsupported)
-onnx.save(unsupported, out / "unsupported.onnx")
