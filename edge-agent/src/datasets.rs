@@ -297,7 +297,8 @@ pub fn holdout(data: &Dataset) -> Result<(Dataset, Dataset)> {
 pub fn fit_to_model<'a>(data: &'a Dataset, model: &Model) -> Result<Cow<'a, Dataset>> {
     let shape =
         canopy_engine::zoo::sample_shape(model).context("cannot read the model's input shape")?;
-    let classes = model_classes(model)?;
+    let classes =
+        canopy_engine::zoo::class_count(model).context("cannot read the model's classes")?;
     if let Some(bad) = data
         .labels()
         .iter()
@@ -319,22 +320,6 @@ pub fn fit_to_model<'a>(data: &'a Dataset, model: &Model) -> Result<Cow<'a, Data
         ))
     })?;
     Ok(Cow::Owned(shaped))
-}
-
-/// The class count: the last dimension of `infer`'s first output.
-pub fn model_classes(model: &Model) -> Result<usize> {
-    let infer = model.entry(canopy_ir::model::ENTRY_INFER)?;
-    let logits = infer
-        .outputs()
-        .first()
-        .map(|(_, v)| infer.ty(*v).clone())
-        .context("entry point `infer` has no output")?;
-    logits
-        .shape
-        .dims()
-        .last()
-        .and_then(|d| d.fixed())
-        .with_context(|| format!("`infer` output {logits} has no static class dimension"))
 }
 
 #[cfg(test)]

@@ -216,6 +216,39 @@ pub fn apply(op: Op, inputs: &[&Tensor]) -> EngineResult<Tensor> {
     run_eager(op, inputs)
 }
 
+/// Applies every node of `graph` to `args` (bound to its inputs in order)
+/// and returns its outputs in order: inlined into the active trace, or run
+/// op by op when eager. This is how a graph that came from elsewhere (an
+/// imported ONNX model) becomes part of a traced model, like a layer.
+pub fn call(graph: &Graph, args: &[&Tensor]) -> EngineResult<Vec<Tensor>> {
+    if args.len() != graph.inputs().len() {
+        return Err(EngineError::Shape(format!(
+            "the called graph takes {} inputs ({}), got {}",
+            graph.inputs().len(),
+            graph.input_names().join(", "),
+            args.len()
+        )));
+    }
+    let mut values: Vec<Tensor> = Vec::with_capacity(graph.len());
+    let mut next_arg = args.iter();
+    for node in graph.nodes() {
+        let value = match &node.op {
+            Op::Input { .. } => (*next_arg.next().expect("arity checked above")).clone(),
+            Op::Constant(data) if tracing().is_none() => Tensor::from_value(Value::from_data(data)),
+            op => {
+                let inputs: Vec<&Tensor> = node.inputs.iter().map(|i| &values[i.index()]).collect();
+                apply(op.clone(), &inputs)?
+            }
+        };
+        values.push(value);
+    }
+    Ok(graph
+        .outputs()
+        .iter()
+        .map(|(_, v)| values[v.index()].clone())
+        .collect())
+}
+
 fn run_eager(op: Op, inputs: &[&Tensor]) -> EngineResult<Tensor> {
     let values = inputs
         .iter()

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use canopy_ir::model::{ENTRY_EVAL, ENTRY_INFER, ENTRY_TRAIN_STEP, PARAM_PREFIX};
-use canopy_ir::{DType, Dim, Graph, Metadata, Model, Parameter, Shape, TensorType};
+use canopy_ir::{DType, Dim, Graph, Metadata, Model, Op, Parameter, Shape, TensorType, ValueId};
 
 use crate::data::Dataset;
 use crate::error::{EngineError, EngineResult, Part};
@@ -152,7 +152,8 @@ pub fn build_model_with_init(config: &ModelConfig, init: Initializer) -> EngineR
     let arch = &config.architecture;
     let net = arch.network(init);
     let parameters = initial_parameters(&net, config);
-    let entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?
+    let x = batch_input(&arch.input_shape());
+    let entries = trace_entry_points(&net, &parameters, &x, arch.classes())?
         .into_iter()
         .map(|(name, graph)| Ok((name, crate::optimize_graph(&graph)?)))
         .collect::<EngineResult<BTreeMap<_, _>>>()?;
@@ -228,7 +229,8 @@ pub fn traced_train_loss(config: &ModelConfig) -> EngineResult<(Graph, Vec<Strin
     let arch = &config.architecture;
     let net = arch.network(Initializer::default());
     let parameters = initial_parameters(&net, config);
-    let mut entries = trace_entry_points(&net, &parameters, &arch.input_shape(), arch.classes())?;
+    let x = batch_input(&arch.input_shape());
+    let mut entries = trace_entry_points(&net, &parameters, &x, arch.classes())?;
     let graph = entries
         .remove(ENTRY_TRAIN_LOSS)
         .ok_or_else(|| EngineError::Internal("no train_loss traced".into()))?;
@@ -240,11 +242,12 @@ pub fn traced_train_loss(config: &ModelConfig) -> EngineResult<(Graph, Vec<Strin
     Ok((graph, trainable))
 }
 
-/// Traces `infer`, `eval` and `train_loss` from `net`, unoptimised.
+/// Traces `infer`, `eval` and `train_loss` from `net`, whose data input
+/// `x` has type `x` (batch first).
 fn trace_entry_points(
     net: &dyn Layer,
     parameters: &[Parameter],
-    sample_shape: &[usize],
+    x: &TensorType,
     classes: usize,
 ) -> EngineResult<BTreeMap<String, Graph>> {
     let params = param_inputs(parameters);
@@ -253,7 +256,7 @@ fn trace_entry_points(
         .iter()
         .map(|(n, t)| (n.as_str(), t.clone()))
         .collect();
-    with_x.push(("x", batch_input(sample_shape)));
+    with_x.push(("x", x.clone()));
     let mut with_xy = with_x.clone();
     with_xy.push(("y", labels_input()));
     let mut with_seed = with_xy.clone();
@@ -339,6 +342,72 @@ pub fn rebuild_train_step(model: &mut Model, optimizer: &Optimizer) -> EngineRes
     Ok(())
 }
 
+/// A network given as a graph (an imported model's `infer`, cut at its
+/// logits): its inputs are parameters (`params/NAME`) and one data input.
+struct GraphNetwork {
+    graph: Graph,
+    data_input: ValueId,
+}
+
+impl Layer for GraphNetwork {
+    fn forward(&self, params: &Params, x: &Tensor, _: &ForwardCtx) -> EngineResult<Tensor> {
+        let args = self
+            .graph
+            .inputs()
+            .iter()
+            .map(|&id| match id == self.data_input {
+                true => Ok(x),
+                false => {
+                    let name = self.graph.input_name(id);
+                    params.get(name.strip_prefix(PARAM_PREFIX).unwrap_or(name))
+                }
+            })
+            .collect::<EngineResult<Vec<_>>>()?;
+        let mut outputs = crate::tensor::call(&self.graph, &args)?;
+        Ok(outputs.remove(0))
+    }
+}
+
+/// Writes `eval`, `train_loss` and `train_step` for a classifier whose
+/// `infer` entry point came from elsewhere (an ONNX import), so it trains
+/// and is fine-tuned federatedly like a zoo model. The loss is the softmax
+/// cross-entropy on its logits: the input of the softmax that produces its
+/// class scores ([`class_scores`]), or the scores themselves when no
+/// softmax does. `infer` is kept exactly as it is.
+pub fn add_classifier_training(model: &mut Model, optimizer: &Optimizer) -> EngineResult<()> {
+    let infer = model.entry(ENTRY_INFER)?;
+    let (_, scores) = class_scores(infer)?;
+    let classes = batch_rows(infer.ty(scores)).expect("class_scores checked the shape");
+    let node = infer.node(scores);
+    let logits = match node.op {
+        Op::Softmax { axis: 1 } | Op::LogSoftmax { axis: 1 } => node.inputs[0],
+        _ => scores,
+    };
+    let mut cut = infer.clone();
+    cut.set_outputs(vec![("logits".to_string(), logits)])?;
+    let graph = canopy_ir::passes::eliminate_dead_code(&cut)?;
+    let data_input = data_input(&graph)?;
+    let x = graph.ty(data_input).clone();
+    if x.shape.0.first() != Some(&Dim::Batch) {
+        return Err(EngineError::Shape(format!(
+            "input `{}` is {x}, with a fixed first dimension: training feeds batches of any \
+             size, so the first dimension must be symbolic (the batch)",
+            graph.input_name(data_input)
+        )));
+    }
+    let net = GraphNetwork { graph, data_input };
+    let mut entries = trace_entry_points(&net, &model.parameters, &x, classes)?;
+    for entry in [ENTRY_EVAL, ENTRY_TRAIN_LOSS] {
+        let graph = entries
+            .remove(entry)
+            .ok_or_else(|| EngineError::Internal(format!("no {entry} traced")))?;
+        model.entry_points.insert(entry.to_string(), graph);
+    }
+    rebuild_train_step(model, optimizer)?;
+    model.validate()?;
+    Ok(())
+}
+
 /// Sets `trainable` from freeze prefixes; errors when a prefix matches
 /// nothing, since a typo would silently train everything.
 pub fn set_frozen(model: &mut Model, prefixes: &[String]) -> EngineResult<()> {
@@ -374,41 +443,79 @@ pub fn fit_input_stats(model: &mut Model, train: &Dataset) -> EngineResult<()> {
     fit_model(model, &InputMoments::of(train)).map(drop)
 }
 
-/// The classes a model predicts: the last dimension of its `infer`
-/// entry point's first output (the logits).
+/// The classes a model predicts: the last dimension of the class scores
+/// of its `infer` entry point ([`class_scores`]).
 pub fn class_count(model: &Model) -> EngineResult<usize> {
     let infer = model.entry(ENTRY_INFER)?;
-    let (_, logits) = infer
-        .outputs()
-        .first()
-        .ok_or_else(|| EngineError::Missing {
-            owner: format!("entry point `{ENTRY_INFER}`"),
-            part: Part::Output,
-            name: "logits".to_string(),
-        })?;
-    infer
-        .ty(*logits)
-        .shape
-        .0
-        .last()
-        .and_then(|d| d.fixed())
-        .ok_or_else(|| EngineError::Shape("the logits have no fixed class dimension".into()))
+    let (_, scores) = class_scores(infer)?;
+    Ok(batch_rows(infer.ty(scores)).expect("class_scores checked the shape"))
 }
 
-/// The sample shape a model's `x` input expects.
+/// `[batch, classes]` f32 with at least two classes: the class count.
+/// The batch may be fixed (an export traced with one sample); training
+/// refuses that later, with the reason.
+fn batch_rows(ty: &TensorType) -> Option<usize> {
+    match ty.shape.0.as_slice() {
+        [_, Dim::Fixed(classes)] if ty.dtype == DType::F32 && *classes >= 2 => Some(*classes),
+        _ => None,
+    }
+}
+
+/// The first output of `infer` shaped `[batch, classes]` in f32, with its
+/// name: a zoo model's logits, an imported model's probabilities (its
+/// other outputs, such as integer labels, are skipped).
+pub fn class_scores(infer: &Graph) -> EngineResult<(&str, ValueId)> {
+    infer
+        .outputs()
+        .iter()
+        .find(|(_, value)| batch_rows(infer.ty(*value)).is_some())
+        .map(|(name, value)| (name.as_str(), *value))
+        .ok_or_else(|| {
+            let outputs: Vec<String> = infer
+                .outputs()
+                .iter()
+                .map(|(name, value)| format!("{name}: {}", infer.ty(*value)))
+                .collect();
+            EngineError::Shape(format!(
+                "entry point `{ENTRY_INFER}` has no f32 output shaped [batch, classes] (outputs: {})",
+                outputs.join(", ")
+            ))
+        })
+}
+
+/// The data input of an entry point: `x`, or else its one input that is
+/// not a parameter (an imported model keeps its ONNX input's name).
+pub fn data_input(graph: &Graph) -> EngineResult<ValueId> {
+    if let Some(x) = graph.find_input("x") {
+        return Ok(x);
+    }
+    let mut data = graph
+        .inputs()
+        .iter()
+        .filter(|&&id| !graph.input_name(id).starts_with(PARAM_PREFIX));
+    match (data.next(), data.next()) {
+        (Some(&only), None) => Ok(only),
+        _ => Err(EngineError::Missing {
+            owner: "the model's entry point".to_string(),
+            part: Part::Input,
+            name: "x (or a single input that is not a parameter)".to_string(),
+        }),
+    }
+}
+
+/// The sample shape a model's data input expects.
 pub fn sample_shape(model: &Model) -> EngineResult<Vec<usize>> {
     let infer = model.entry(ENTRY_INFER)?;
-    let x = infer.find_input("x").ok_or_else(|| EngineError::Missing {
-        owner: format!("entry point `{ENTRY_INFER}`"),
-        part: Part::Input,
-        name: "x".to_string(),
-    })?;
+    let x = data_input(infer)?;
+    let name = infer.input_name(x);
     let dims = &infer.ty(x).shape.0;
     dims.iter()
         .skip(1)
         .map(|d| {
             d.fixed().ok_or_else(|| {
-                EngineError::Shape("only the leading dimension of `x` may be the batch".into())
+                EngineError::Shape(format!(
+                    "only the leading dimension of `{name}` may be the batch"
+                ))
             })
         })
         .collect()

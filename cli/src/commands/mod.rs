@@ -2,6 +2,7 @@ pub mod bench;
 pub mod datasets;
 pub mod devices;
 pub mod eval;
+pub mod export;
 pub mod import;
 pub mod inspect;
 pub mod jobs;
@@ -26,7 +27,12 @@ pub fn load_for_model(dir: &Path, model: &Model) -> Result<(Dataset, Dataset)> {
     let (train, test) =
         load_dir(dir).with_context(|| format!("cannot load dataset `{}`", dir.display()))?;
     let shape = canopy_engine::zoo::sample_shape(model)?;
-    let classes = model_classes(model)?;
+    let classes = canopy_engine::zoo::class_count(model).map_err(|error| {
+        Hint::attach(
+            anyhow::Error::new(error),
+            "rebuild the model with `canopy model new`, or import a classifier",
+        )
+    })?;
     let fit = |d: Dataset, split: &str| -> Result<Dataset> {
         let sample: Vec<usize> = d.feature_shape().to_vec();
         let d = d.with_feature_shape(&shape).map_err(|e| {
@@ -47,23 +53,6 @@ pub fn load_for_model(dir: &Path, model: &Model) -> Result<(Dataset, Dataset)> {
         Ok(d)
     };
     Ok((fit(train, "train")?, fit(test, "test")?))
-}
-
-pub fn model_classes(model: &Model) -> Result<usize> {
-    let infer = model.entry(canopy_ir::model::ENTRY_INFER)?;
-    let logits = infer
-        .outputs()
-        .first()
-        .map(|(_, v)| infer.ty(*v).clone())
-        .context("entry point `infer` has no output")?;
-    match logits.shape.dims().last().and_then(|d| d.fixed()) {
-        Some(c) => Ok(c),
-        None => Err(
-            anyhow::Error::new(Hint("rebuild the model with `canopy model new`".into())).context(
-                format!("`infer` output {logits} has no static class dimension"),
-            ),
-        ),
-    }
 }
 
 /// A backend's name, with the adapter for a GPU: `gpu (NVIDIA H100, vulkan)`.
