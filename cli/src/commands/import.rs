@@ -21,7 +21,7 @@ use clap::Args;
 use crate::files::{Hint, read_bounded, short_digest, write_model_file};
 use crate::output::outln;
 
-const SUPPORTED_HINT: &str = "`canopy model import` reads default-domain ONNX, opsets 13 to 21; ARCHITECTURE.md (onnx/) lists the ops it supports";
+const SUPPORTED_HINT: &str = "`canopy model import` reads default-domain ONNX, opsets 13 to 21, and the `ai.onnx.ml` ops of scikit-learn models, ml opsets 1 to 5; ARCHITECTURE.md (onnx/) lists the ops it supports";
 
 /// The entry point an imported graph becomes.
 const ENTRY_POINT: &str = "infer";
