@@ -129,6 +129,23 @@ pub enum OnnxError {
         #[source]
         source: IrError,
     },
+    /// Export: an IR node with no ONNX lowering.
+    #[error("cannot export node {node} ({op}): {cause}; hint: {hint}")]
+    ExportUnsupported {
+        node: String,
+        op: &'static str,
+        cause: String,
+        hint: String,
+    },
+    /// Export: the graph or model cannot be written as ONNX as it stands
+    /// (a name clash, an unbound parameter, a custom gradient that does
+    /// not inline).
+    #[error("cannot export {what}: {cause}; hint: {hint}")]
+    Export {
+        what: String,
+        cause: String,
+        hint: String,
+    },
 }
 
 impl OnnxError {

@@ -24,12 +24,18 @@
 //! op, domain and opset or the tensor, never imported with other semantics.
 //! No input makes the crate panic.
 //!
+//! [`export_graph`] and [`export_model`] go the other way: a canopy-ir graph
+//! (or a model's entry point with its parameters as initializers) as an
+//! ONNX model, default domain, opset [`EXPORT_OPSET`]; [`encode`] gives
+//! the file's bytes.
+//!
 //! Architecture invariant: like canopy-ir, this crate does no I/O; it maps
 //! bytes to graphs.
 
 mod attrs;
 pub mod decode;
 pub mod error;
+pub mod export;
 pub mod import;
 pub mod limits;
 mod ops;
@@ -38,6 +44,10 @@ pub mod proto;
 
 pub use decode::{decode_model, tensor_data, validate_model, validate_tensor};
 pub use error::OnnxError;
+pub use export::{
+    BATCH_DIM_PARAM, EXPORT_IR_VERSION, EXPORT_OPSET, ExportOptions, encode, export_graph,
+    export_model,
+};
 pub use import::{
     ImportOptions, ImportedModel, MAX_OPSET, MIN_OPSET, import, import_model, import_model_with,
 };

@@ -4,8 +4,8 @@
 //! name rather than imported with different semantics.
 
 use canopy_ir::{
-    BinaryOp, Buffer, Conv2dAttrs, DType, Dim, IrResult, Pool2dAttrs, Shape, TensorData, UnaryOp,
-    ValueId,
+    BinaryOp, Buffer, Conv2dAttrs, DType, Dim, IrResult, Op, Pool2dAttrs, ReduceKind, Shape,
+    TensorData, UnaryOp, ValueId,
 };
 
 use crate::attrs::Attrs;
@@ -16,7 +16,10 @@ use crate::proto::{NodeProto, data_type};
 
 /// The ops import supports, for documentation and error hints.
 pub const SUPPORTED_OPS: &[&str] = &[
+    "Abs",
     "Add",
+    "And",
+    "ArgMax",
     "AveragePool",
     "Cast",
     "Concat",
@@ -24,24 +27,49 @@ pub const SUPPORTED_OPS: &[&str] = &[
     "Conv",
     "Div",
     "Dropout",
+    "Equal",
     "Erf",
+    "Exp",
+    "Expand",
     "Flatten",
+    "Gather",
     "Gemm",
     "GlobalAveragePool",
+    "Greater",
+    "GreaterOrEqual",
     "Identity",
+    "Less",
+    "LessOrEqual",
+    "Log",
     "LogSoftmax",
     "MatMul",
+    "Max",
     "MaxPool",
+    "Min",
     "Mul",
+    "Neg",
+    "Not",
+    "Or",
+    "Pad",
+    "Pow",
+    "Reciprocal",
+    "ReduceMax",
+    "ReduceMean",
+    "ReduceSum",
     "Relu",
     "Reshape",
     "Sigmoid",
+    "Sign",
+    "Slice",
     "Softmax",
+    "Softplus",
+    "Sqrt",
     "Squeeze",
     "Sub",
     "Tanh",
     "Transpose",
     "Unsqueeze",
+    "Where",
 ];
 
 /// One node being lowered: the importer, the node, and its attributes.
@@ -141,6 +169,34 @@ impl<'n> Lowering<'_, '_, 'n> {
             "MaxPool" => self.pool(false),
             "AveragePool" => self.pool(true),
             "GlobalAveragePool" => self.global_average_pool(),
+            "Neg" => self.unary(UnaryOp::Neg),
+            "Abs" => self.unary(UnaryOp::Abs),
+            "Sign" => self.unary(UnaryOp::Sign),
+            "Exp" => self.unary(UnaryOp::Exp),
+            "Log" => self.unary(UnaryOp::Log),
+            "Sqrt" => self.unary(UnaryOp::Sqrt),
+            "Reciprocal" => self.unary(UnaryOp::Reciprocal),
+            "Not" => self.unary(UnaryOp::Not),
+            "Softplus" => self.unary(UnaryOp::Softplus),
+            "Pow" => self.binary(BinaryOp::Pow),
+            "Max" => self.binary(BinaryOp::Maximum),
+            "Min" => self.binary(BinaryOp::Minimum),
+            "Equal" => self.binary(BinaryOp::Eq),
+            "Less" => self.binary(BinaryOp::Lt),
+            "LessOrEqual" => self.binary(BinaryOp::Le),
+            "Greater" => self.binary(BinaryOp::Gt),
+            "GreaterOrEqual" => self.binary(BinaryOp::Ge),
+            "And" => self.binary(BinaryOp::And),
+            "Or" => self.binary(BinaryOp::Or),
+            "Where" => self.where_(),
+            "ReduceSum" => self.reduce(ReduceKind::Sum),
+            "ReduceMean" => self.reduce(ReduceKind::Mean),
+            "ReduceMax" => self.reduce(ReduceKind::Max),
+            "ArgMax" => self.argmax(),
+            "Expand" => self.expand(),
+            "Slice" => self.slice(),
+            "Pad" => self.pad(),
+            "Gather" => self.gather(),
             _ => Err(OnnxError::UnsupportedOp {
                 node: self.describe().to_string(),
                 op_type: self.node.op_type.clone(),
@@ -193,6 +249,17 @@ impl<'n> Lowering<'_, '_, 'n> {
     /// A constant integer vector (a shape or axes) from input `position`,
     /// at most `max_rank` long.
     fn constant_ints(&self, position: usize, role: &str) -> Result<Vec<i64>, OnnxError> {
+        self.constant_ints_up_to(position, role, self.imp.limits.max_rank)
+    }
+
+    /// [`Self::constant_ints`] with at most `max_len` entries (a Pad's
+    /// pads hold two per axis).
+    fn constant_ints_up_to(
+        &self,
+        position: usize,
+        role: &str,
+        max_len: usize,
+    ) -> Result<Vec<i64>, OnnxError> {
         let name = self.input_name(position)?;
         let Some(data) = self.imp.constant(name, self.describe())? else {
             return Err(self.attrs.invalid(format!(
@@ -200,10 +267,10 @@ impl<'n> Lowering<'_, '_, 'n> {
             )));
         };
         // Checked before copying: the constant may be large.
-        if data.shape.len() > 1 || data.buffer.len() > self.imp.limits.max_rank {
+        if data.shape.len() > 1 || data.buffer.len() > max_len {
             return Err(self.attrs.invalid(format!(
-                "the {role} `{name}` must be a 1-D list of at most {} entries, got shape {:?}",
-                self.imp.limits.max_rank, data.shape
+                "the {role} `{name}` must be a 1-D list of at most {max_len} entries, got shape {:?}",
+                data.shape
             )));
         }
         let values: Vec<i64> = match &data.buffer {
@@ -853,6 +920,246 @@ impl<'n> Lowering<'_, '_, 'n> {
         let first = usize::try_from(*first).map_err(|_| invalid())?;
         let second = usize::try_from(*second).map_err(|_| invalid())?;
         Ok([first, second])
+    }
+}
+
+/// Selection, reductions, broadcasting, slicing, padding and gathering:
+/// the ops canopy's own export writes, so an exported model imports back.
+impl Lowering<'_, '_, '_> {
+    fn where_(&mut self) -> Result<ValueId, OnnxError> {
+        self.attrs.allow_only(&[])?;
+        self.expect_inputs(3, 3)?;
+        let (condition, a, b) = (self.input(0)?, self.input(1)?, self.input(2)?);
+        let result = self.imp.graph.select(condition, a, b);
+        self.ir(result)
+    }
+
+    /// `raw` axes in [-rank, rank) as sorted, distinct indices.
+    fn sorted_axes(&self, raw: &[i64], rank: usize) -> Result<Vec<usize>, OnnxError> {
+        let mut axes = Vec::with_capacity(raw.len());
+        for &axis in raw {
+            axes.push(self.axis("axis", axis, rank, false)?);
+        }
+        axes.sort_unstable();
+        if axes.windows(2).any(|pair| pair[0] == pair[1]) {
+            return Err(self
+                .attrs
+                .invalid(format!("axes {raw:?} name an axis twice")));
+        }
+        Ok(axes)
+    }
+
+    /// Axes are an input for ReduceSum (opset 13) and every reduction from
+    /// opset 18, an attribute before; none means every axis, or the
+    /// identity with `noop_with_empty_axes`.
+    fn reduce(&mut self, kind: ReduceKind) -> Result<ValueId, OnnxError> {
+        let axes_as_input = kind == ReduceKind::Sum || self.imp.opset >= 18;
+        if axes_as_input {
+            self.attrs
+                .allow_only(&["keepdims", "noop_with_empty_axes"])?;
+            self.expect_inputs(1, 2)?;
+        } else {
+            self.attrs.allow_only(&["axes", "keepdims"])?;
+            self.expect_inputs(1, 1)?;
+        }
+        let x = self.input(0)?;
+        let rank = self.imp.ty(x).rank();
+        let raw = if !axes_as_input {
+            self.attrs.ints("axes")?.map(<[i64]>::to_vec)
+        } else if self.optional_input_name(1).is_some() {
+            Some(self.constant_ints(1, "axes")?)
+        } else {
+            None
+        };
+        let raw = match raw {
+            Some(raw) if !raw.is_empty() => raw,
+            _ if self.attrs.int("noop_with_empty_axes", 0)? != 0 => return Ok(x),
+            _ => (0..rank as i64).collect(),
+        };
+        let axes = self.sorted_axes(&raw, rank)?;
+        let keep_dims = self.attrs.int("keepdims", 1)? != 0;
+        let result = self.imp.graph.reduce(kind, x, &axes, keep_dims);
+        self.ir(result)
+    }
+
+    fn argmax(&mut self) -> Result<ValueId, OnnxError> {
+        self.attrs
+            .allow_only(&["axis", "keepdims", "select_last_index"])?;
+        self.expect_inputs(1, 1)?;
+        let last = self.attrs.int("select_last_index", 0)?;
+        if last != 0 {
+            return Err(self.attrs.unsupported(
+                "select_last_index",
+                last,
+                "canopy's argmax picks the first maximum",
+            ));
+        }
+        let x = self.input(0)?;
+        let rank = self.imp.ty(x).rank();
+        let axis = self.axis("axis", self.attrs.int("axis", 0)?, rank, false)?;
+        let keep_dims = self.attrs.int("keepdims", 1)? != 0;
+        let result = self.imp.graph.push(Op::ArgMax { axis, keep_dims }, &[x]);
+        self.ir(result)
+    }
+
+    /// Bidirectional broadcasting against a constant shape; a 1 facing the
+    /// batch dimension keeps it.
+    fn expand(&mut self) -> Result<ValueId, OnnxError> {
+        self.attrs.allow_only(&[])?;
+        self.expect_inputs(2, 2)?;
+        let x = self.input(0)?;
+        let requested = self.constant_ints(1, "shape")?;
+        let dims = self.dims(x);
+        let rank = dims.len().max(requested.len());
+        let mut target = Vec::with_capacity(rank);
+        for axis in 0..rank {
+            let have = (axis + dims.len()).checked_sub(rank).map(|i| dims[i]);
+            let want = (axis + requested.len())
+                .checked_sub(rank)
+                .map(|i| requested[i]);
+            let dim = match (have, want) {
+                (Some(dim), None | Some(1)) => dim,
+                (None | Some(Dim::Fixed(1)), Some(n)) if n > 0 => Dim::Fixed(n as usize),
+                (Some(Dim::Fixed(size)), Some(n)) if size as i64 == n => Dim::Fixed(size),
+                _ => {
+                    return Err(self.attrs.invalid(format!(
+                        "cannot broadcast {} to shape {requested:?}",
+                        Shape(dims.clone())
+                    )));
+                }
+            };
+            target.push(dim);
+        }
+        let result = self.imp.graph.broadcast(x, target);
+        self.ir(result)
+    }
+
+    /// Constant starts, ends and axes, steps of 1, indices clamped as ONNX
+    /// specifies; the batch dimension can only be kept whole.
+    fn slice(&mut self) -> Result<ValueId, OnnxError> {
+        self.attrs.allow_only(&[])?;
+        self.expect_inputs(3, 5)?;
+        let mut x = self.input(0)?;
+        let dims = self.dims(x);
+        let starts = self.constant_ints(1, "starts")?;
+        let ends = self.constant_ints(2, "ends")?;
+        let axes = match self.optional_input_name(3) {
+            Some(_) => self.constant_ints(3, "axes")?,
+            None => (0..starts.len() as i64).collect(),
+        };
+        if self.optional_input_name(4).is_some() {
+            let steps = self.constant_ints(4, "steps")?;
+            if steps.iter().any(|&step| step != 1) {
+                return Err(self.attrs.invalid(format!(
+                    "steps {steps:?} are not supported; only steps of 1 are"
+                )));
+            }
+        }
+        if starts.len() != ends.len() || starts.len() != axes.len() {
+            return Err(self.attrs.invalid(format!(
+                "starts {starts:?}, ends {ends:?} and axes {axes:?} differ in length"
+            )));
+        }
+        self.sorted_axes(&axes, dims.len())?;
+        for ((&start, &end), &axis) in starts.iter().zip(&ends).zip(&axes) {
+            let axis = self.axis("axis", axis, dims.len(), false)?;
+            let size = match dims[axis] {
+                Dim::Fixed(size) => size as i64,
+                Dim::Batch if start == 0 && end >= i64::from(i32::MAX) => continue,
+                Dim::Batch => {
+                    return Err(self.attrs.invalid(format!(
+                        "slicing the batch dimension (axis {axis}) is not supported"
+                    )));
+                }
+            };
+            let clamp = |index: i64| {
+                if index < 0 {
+                    (index.saturating_add(size)).max(0)
+                } else {
+                    index.min(size)
+                }
+            };
+            let (start, end) = (clamp(start), clamp(end));
+            if start == 0 && end == size {
+                continue;
+            }
+            let slice = Op::Slice {
+                axis,
+                start: start as usize,
+                end: end.max(start) as usize,
+            };
+            let result = self.imp.graph.push(slice, &[x]);
+            x = self.ir(result)?;
+        }
+        Ok(x)
+    }
+
+    /// Constant-mode padding with zeros, by constant non-negative pads.
+    fn pad(&mut self) -> Result<ValueId, OnnxError> {
+        self.attrs.allow_only(&["mode"])?;
+        self.expect_inputs(2, 3)?;
+        let mode = self
+            .attrs
+            .string("mode")?
+            .unwrap_or_else(|| "constant".to_string());
+        if mode != "constant" {
+            return Err(self
+                .attrs
+                .unsupported("mode", mode, "only constant padding is supported"));
+        }
+        let mut x = self.input(0)?;
+        let dims = self.dims(x);
+        let rank = dims.len();
+        let pads = self.constant_ints_up_to(1, "pads", 2 * self.imp.limits.max_rank)?;
+        if pads.len() != 2 * rank {
+            return Err(self.attrs.invalid(format!(
+                "pads {pads:?} must hold two entries per axis of a rank-{rank} input"
+            )));
+        }
+        if let Some(name) = self.optional_input_name(2) {
+            let value = self.imp.constant(name, self.describe())?;
+            let zero = match value.map(|data| &data.buffer) {
+                Some(Buffer::F32(v)) => v.iter().all(|&x| x == 0.0),
+                Some(Buffer::I64(v)) => v.iter().all(|&x| x == 0),
+                Some(Buffer::I32(v)) => v.iter().all(|&x| x == 0),
+                Some(Buffer::Bool(v)) => v.iter().all(|&x| !x),
+                None => false,
+            };
+            if !zero {
+                return Err(self.attrs.invalid(format!(
+                    "constant_value `{name}` must be a constant zero; canopy pads with zeros"
+                )));
+            }
+        }
+        for (axis, dim) in dims.iter().enumerate() {
+            let (before, after) = (pads[axis], pads[rank + axis]);
+            if before == 0 && after == 0 {
+                continue;
+            }
+            if before < 0 || after < 0 || *dim == Dim::Batch {
+                return Err(self.attrs.invalid(format!(
+                    "pads {pads:?}: axis {axis} ({dim}) can only be padded by non-negative sizes, and the batch dimension not at all"
+                )));
+            }
+            let pad = Op::Pad {
+                axis,
+                before: before as usize,
+                after: after as usize,
+            };
+            let result = self.imp.graph.push(pad, &[x]);
+            x = self.ir(result)?;
+        }
+        Ok(x)
+    }
+
+    fn gather(&mut self) -> Result<ValueId, OnnxError> {
+        self.attrs.allow_only(&["axis"])?;
+        self.expect_inputs(2, 2)?;
+        let (data, indices) = (self.input(0)?, self.input(1)?);
+        let rank = self.imp.ty(data).rank();
+        let axis = self.axis("axis", self.attrs.int("axis", 0)?, rank, false)?;
+        let result = self.imp.graph.push(Op::Gather { axis }, &[data, indices]);
+        self.ir(result)
     }
 }
 

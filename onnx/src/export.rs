@@ -1,0 +1,460 @@
+//! Export: a canopy-ir [`Graph`] (or one entry point of a [`Model`], with
+//! its parameters) as an ONNX [`ModelProto`], default domain, opset
+//! [`EXPORT_OPSET`], IR version [`EXPORT_IR_VERSION`].
+//!
+//! The mapping, which callers rely on:
+//! - every graph input stays an ONNX graph input of the same name, except
+//!   that [`export_model`] binds each `params/NAME` input to the model's
+//!   current value of parameter `NAME`, written as an initializer named
+//!   `NAME`;
+//! - the batch dimension ([`Dim::Batch`]) is the symbolic dimension
+//!   [`BATCH_DIM_PARAM`] (`N`) wherever it appears;
+//! - constants become initializers;
+//! - every graph output keeps its name (an ONNX `Identity` names an output
+//!   that is an input, a constant or another output's value).
+//!
+//! Each IR op is lowered to ONNX ops with the op's IR semantics
+//! ([`canopy_ir::Op`]'s doc comments), composed where ONNX opset 17 has no
+//! single op for it (`rsqrt`, `square`, both GELUs, `log1p`, `one_hot`,
+//! `ne`). Custom gradients are inlined (their forward graph is what they
+//! compute). Ops with no exact ONNX form (`random_uniform`: ONNX's
+//! generator is not canopy's; the training-only adjoints `scatter_add`,
+//! `conv2d_backward_*`, `max_pool2d_select`/`_backward`,
+//! `avg_pool2d_backward`) are refused with an
+//! [`OnnxError::ExportUnsupported`] naming the node and op.
+//!
+//! Known differences from the IR, all outside valid inputs: ONNX `Gather`
+//! wraps a negative index where the IR reports an error, and ONNX leaves
+//! NaN handling of `ArgMax`, `ReduceMax`, `Max` and `Min` to the runtime.
+
+mod lower;
+
+use std::collections::{BTreeMap, HashSet};
+
+use canopy_ir::model::PARAM_PREFIX;
+use canopy_ir::{Buffer, DType, Dim, Graph, Model, Op, TensorData, TensorType, ValueId};
+use prost::Message;
+
+use crate::error::OnnxError;
+use crate::proto::tensor_shape_proto::{Dimension, dimension};
+use crate::proto::{
+    AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
+    TensorShapeProto, TypeProto, ValueInfoProto, attribute_type, data_type, type_proto,
+};
+
+/// The default-domain opset every export declares: the first with
+/// `Reshape`'s `allowzero` and `Shape`'s `start`/`end` is 14, and 17 is
+/// what the ONNX Runtime releases of the last years all run.
+pub const EXPORT_OPSET: i64 = 17;
+/// ONNX IR version 8 (onnx 1.10+) goes with opset 17.
+pub const EXPORT_IR_VERSION: i64 = 8;
+/// The `dim_param` the batch dimension becomes.
+pub const BATCH_DIM_PARAM: &str = "N";
+
+/// What an export writes besides the graph.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportOptions {
+    /// `GraphProto.name`.
+    pub graph_name: String,
+    /// `ModelProto.producer_name` and `producer_version`.
+    pub producer_name: String,
+    pub producer_version: String,
+    /// `ModelProto.doc_string`.
+    pub doc_string: String,
+}
+
+impl Default for ExportOptions {
+    fn default() -> Self {
+        ExportOptions {
+            graph_name: "canopy".to_string(),
+            producer_name: "canopy".to_string(),
+            producer_version: env!("CARGO_PKG_VERSION").to_string(),
+            doc_string: String::new(),
+        }
+    }
+}
+
+/// Exports `graph`: its inputs stay ONNX inputs, its constants become
+/// initializers, its outputs keep their names.
+pub fn export_graph(graph: &Graph, options: &ExportOptions) -> Result<ModelProto, OnnxError> {
+    export_bound(graph, &BTreeMap::new(), options)
+}
+
+/// Exports entry point `entry` of `model` with every `params/NAME` input
+/// bound to parameter `NAME`'s current value, an initializer named `NAME`;
+/// the other inputs stay ONNX inputs.
+pub fn export_model(
+    model: &Model,
+    entry: &str,
+    options: &ExportOptions,
+) -> Result<ModelProto, OnnxError> {
+    let graph = model.entry(entry).map_err(|source| OnnxError::Export {
+        what: format!("entry point `{entry}`"),
+        cause: source.to_string(),
+        hint: format!(
+            "the model has entry points {:?}",
+            model.entry_points.keys().collect::<Vec<_>>()
+        ),
+    })?;
+    let mut bound = BTreeMap::new();
+    for name in graph.input_names() {
+        let Some(parameter_name) = name.strip_prefix(PARAM_PREFIX) else {
+            continue;
+        };
+        let parameter = model
+            .parameter(parameter_name)
+            .ok_or_else(|| OnnxError::Export {
+                what: format!("entry point `{entry}`"),
+                cause: format!(
+                    "it reads `{name}`, but the model has no parameter `{parameter_name}`"
+                ),
+                hint: "the model file is inconsistent; `canopy model inspect` lists its parameters"
+                    .to_string(),
+            })?;
+        bound.insert(
+            name.to_string(),
+            (parameter_name.to_string(), &parameter.data),
+        );
+    }
+    export_bound(graph, &bound, options)
+}
+
+/// The bytes of an ONNX file.
+pub fn encode(model: &ModelProto) -> Vec<u8> {
+    model.encode_to_vec()
+}
+
+/// The ONNX element type of `dtype`.
+pub fn onnx_data_type(dtype: DType) -> i32 {
+    match dtype {
+        DType::F32 => data_type::FLOAT,
+        DType::I64 => data_type::INT64,
+        DType::I32 => data_type::INT32,
+        DType::Bool => data_type::BOOL,
+    }
+}
+
+/// A tensor proto holding `data`, elements in `raw_data` (little-endian,
+/// one byte per bool, as ONNX lays them out).
+pub fn tensor_proto(name: &str, data: &TensorData) -> TensorProto {
+    TensorProto {
+        name: name.to_string(),
+        dims: data.shape.iter().map(|&d| d as i64).collect(),
+        data_type: onnx_data_type(data.dtype()),
+        raw_data: data.buffer.to_le_bytes().into(),
+        ..Default::default()
+    }
+}
+
+/// Graph inputs bound to initializers: IR input name → (initializer name,
+/// value).
+type Bindings<'m> = BTreeMap<String, (String, &'m TensorData)>;
+
+fn export_bound(
+    graph: &Graph,
+    bound: &Bindings<'_>,
+    options: &ExportOptions,
+) -> Result<ModelProto, OnnxError> {
+    let graph =
+        canopy_ir::passes::inline_custom_grads(graph).map_err(|source| OnnxError::Export {
+            what: "the graph".to_string(),
+            cause: format!("its custom gradients do not inline: {source}"),
+            hint: "verify the graph (`canopy model inspect`)".to_string(),
+        })?;
+    let mut exporter = Exporter::new(&graph, bound)?;
+    for (index, node) in graph.nodes().iter().enumerate() {
+        let id = ValueId(index as u32);
+        match &node.op {
+            Op::Input { name } => exporter.bind_input(id, name),
+            Op::Constant(data) => exporter.add_initializer(id, data),
+            _ => lower::lower(&mut exporter, id)?,
+        }
+    }
+    exporter.name_outputs();
+    Ok(exporter.finish(options))
+}
+
+/// The export of one graph under way.
+pub(crate) struct Exporter<'g> {
+    graph: &'g Graph,
+    bound: &'g Bindings<'g>,
+    /// The ONNX name of each IR value.
+    names: Vec<String>,
+    used: HashSet<String>,
+    nodes: Vec<NodeProto>,
+    initializers: Vec<TensorProto>,
+    inputs: Vec<ValueInfoProto>,
+    /// See [`Exporter::batch_mask`].
+    batch_mask: Option<String>,
+}
+
+impl<'g> Exporter<'g> {
+    /// Names every value up front: graph inputs and initializers keep
+    /// their names, a node's value takes the name of the first output it
+    /// is, and the rest get fresh names. ONNX names are single-assignment,
+    /// so an output named like an input or a bound parameter is refused.
+    fn new(graph: &'g Graph, bound: &'g Bindings<'g>) -> Result<Self, OnnxError> {
+        let mut used = HashSet::new();
+        let claim = |name: &str, by: String, used: &mut HashSet<String>| {
+            if used.insert(name.to_string()) {
+                Ok(())
+            } else {
+                Err(OnnxError::Export {
+                    what: by,
+                    cause: format!("the ONNX name `{name}` is already taken"),
+                    hint: "ONNX names each value once; rename the graph output (an output may not share a name with an input or a parameter)".to_string(),
+                })
+            }
+        };
+        let mut names = vec![String::new(); graph.len()];
+        for &input in graph.inputs() {
+            let name = graph.input_name(input);
+            let onnx_name = match bound.get(name) {
+                Some((initializer, _)) => initializer.clone(),
+                None => name.to_string(),
+            };
+            claim(&onnx_name, format!("graph input `{name}`"), &mut used)?;
+            names[input.index()] = onnx_name;
+        }
+        for (output, _) in graph.outputs() {
+            claim(output, format!("graph output `{output}`"), &mut used)?;
+        }
+        for (output, value) in graph.outputs() {
+            let computed = !matches!(graph.node(*value).op, Op::Input { .. } | Op::Constant(_));
+            if computed && names[value.index()].is_empty() {
+                names[value.index()] = output.clone();
+            }
+        }
+        let mut exporter = Exporter {
+            graph,
+            bound,
+            names,
+            used,
+            nodes: Vec::new(),
+            initializers: Vec::new(),
+            inputs: Vec::new(),
+            batch_mask: None,
+        };
+        for (index, node) in graph.nodes().iter().enumerate() {
+            if exporter.names[index].is_empty() {
+                exporter.names[index] = exporter.fresh(&format!("{}_{index}", node.op.name()));
+            }
+        }
+        Ok(exporter)
+    }
+
+    /// A name no other value has, `base` when it is free.
+    pub(crate) fn fresh(&mut self, base: &str) -> String {
+        let mut name = base.to_string();
+        while !self.used.insert(name.clone()) {
+            name.push('_');
+        }
+        name
+    }
+
+    pub(crate) fn graph(&self) -> &'g Graph {
+        self.graph
+    }
+
+    pub(crate) fn name(&self, id: ValueId) -> String {
+        self.names[id.index()].clone()
+    }
+
+    pub(crate) fn ty(&self, id: ValueId) -> &'g TensorType {
+        self.graph.ty(id)
+    }
+
+    fn bind_input(&mut self, id: ValueId, name: &str) {
+        match self.bound.get(name) {
+            Some((initializer, data)) => {
+                self.initializers.push(tensor_proto(initializer, data));
+            }
+            None => {
+                let info = value_info(&self.names[id.index()], self.graph.ty(id));
+                self.inputs.push(info);
+            }
+        }
+    }
+
+    fn add_initializer(&mut self, id: ValueId, data: &TensorData) {
+        let tensor = tensor_proto(&self.names[id.index()], data);
+        self.initializers.push(tensor);
+    }
+
+    /// Adds a node computing `output` from `inputs`.
+    pub(crate) fn emit(
+        &mut self,
+        op_type: &str,
+        inputs: Vec<String>,
+        output: &str,
+        attribute: Vec<AttributeProto>,
+    ) {
+        self.nodes.push(NodeProto {
+            name: output.to_string(),
+            op_type: op_type.to_string(),
+            input: inputs,
+            output: vec![output.to_string()],
+            attribute,
+            ..Default::default()
+        });
+    }
+
+    /// Adds a node with a fresh output named after `base`; returns it.
+    pub(crate) fn emit_temp(
+        &mut self,
+        base: &str,
+        op_type: &str,
+        inputs: Vec<String>,
+        attribute: Vec<AttributeProto>,
+    ) -> String {
+        let output = self.fresh(&format!("{base}/{op_type}"));
+        self.emit(op_type, inputs, &output, attribute);
+        output
+    }
+
+    /// A fresh initializer holding `data`; returns its name.
+    pub(crate) fn constant(&mut self, base: &str, role: &str, data: &TensorData) -> String {
+        let name = self.fresh(&format!("{base}/{role}"));
+        self.initializers.push(tensor_proto(&name, data));
+        name
+    }
+
+    pub(crate) fn constant_i64(&mut self, base: &str, role: &str, values: &[i64]) -> String {
+        let data = TensorData::new(vec![values.len()], Buffer::I64(values.to_vec()))
+            .expect("a vector's shape matches its length");
+        self.constant(base, role, &data)
+    }
+
+    pub(crate) fn constant_f32(&mut self, base: &str, role: &str, value: f32) -> String {
+        self.constant(base, role, &TensorData::scalar_f32(value))
+    }
+
+    /// A `[N]` bool tensor (its values do not matter, only its shape):
+    /// `Where(mask, v, v)` gives `v` a batch dimension with ops import
+    /// reads back, where `Shape` would need run-time shape arithmetic.
+    /// Made once, from the first graph input with the batch dimension and
+    /// no empty one: its first element along every other axis.
+    pub(crate) fn batch_mask(&mut self, node: ValueId) -> Result<String, OnnxError> {
+        if let Some(name) = &self.batch_mask {
+            return Ok(name.clone());
+        }
+        let carrier = self.graph.inputs().iter().find_map(|&input| {
+            let dims = &self.graph.ty(input).shape.0;
+            let axis = dims.iter().position(|&d| d == Dim::Batch)?;
+            let batches = dims.iter().filter(|&&d| d == Dim::Batch).count();
+            (batches == 1 && !dims.contains(&Dim::Fixed(0))).then_some((input, axis, dims.len()))
+        });
+        let Some((input, batch_axis, rank)) = carrier else {
+            return Err(OnnxError::ExportUnsupported {
+                node: node.to_string(),
+                op: self.graph.node(node).op.name(),
+                cause: "it adds the batch dimension, but no graph input has it (once, and no empty dimension)"
+                    .to_string(),
+                hint: "give the graph an input with the batch dimension".to_string(),
+            });
+        };
+        let base = self.fresh("batch_mask");
+        let mut column = self.name(input);
+        let others: Vec<i64> = (0..rank as i64)
+            .filter(|&a| a != batch_axis as i64)
+            .collect();
+        if !others.is_empty() {
+            let starts = self.constant_i64(&base, "starts", &vec![0; others.len()]);
+            let ends = self.constant_i64(&base, "ends", &vec![1; others.len()]);
+            let axes = self.constant_i64(&base, "axes", &others);
+            column = self.emit_temp(&base, "Slice", vec![column, starts, ends, axes], Vec::new());
+        }
+        let flat = self.constant_i64(&base, "shape", &[-1]);
+        let flat = self.emit_temp(&base, "Reshape", vec![column, flat], Vec::new());
+        let to = attr_int("to", i64::from(data_type::BOOL));
+        self.emit("Cast", vec![flat], &base, vec![to]);
+        self.batch_mask = Some(base.clone());
+        Ok(base)
+    }
+
+    /// Outputs whose value is named otherwise (an input, a constant,
+    /// another output's value) get an `Identity`.
+    fn name_outputs(&mut self) {
+        for (output, value) in self.graph.outputs() {
+            let source = self.name(*value);
+            if source != *output {
+                self.emit("Identity", vec![source], output, Vec::new());
+            }
+        }
+    }
+
+    fn finish(self, options: &ExportOptions) -> ModelProto {
+        let outputs = self
+            .graph
+            .outputs()
+            .iter()
+            .map(|(name, value)| value_info(name, self.graph.ty(*value)))
+            .collect();
+        let graph = GraphProto {
+            node: self.nodes,
+            name: options.graph_name.clone(),
+            initializer: self.initializers,
+            input: self.inputs,
+            output: outputs,
+            ..Default::default()
+        };
+        ModelProto {
+            ir_version: EXPORT_IR_VERSION,
+            producer_name: options.producer_name.clone(),
+            producer_version: options.producer_version.clone(),
+            doc_string: options.doc_string.clone(),
+            graph: Some(graph),
+            opset_import: vec![OperatorSetIdProto {
+                domain: String::new(),
+                version: EXPORT_OPSET,
+            }],
+            ..Default::default()
+        }
+    }
+}
+
+/// A tensor value info: element type and shape, the batch dimension as
+/// [`BATCH_DIM_PARAM`].
+pub(crate) fn value_info(name: &str, ty: &TensorType) -> ValueInfoProto {
+    let dim = ty
+        .shape
+        .0
+        .iter()
+        .map(|d| Dimension {
+            value: Some(match d {
+                Dim::Fixed(n) => dimension::Value::DimValue(*n as i64),
+                Dim::Batch => dimension::Value::DimParam(BATCH_DIM_PARAM.to_string()),
+            }),
+            denotation: String::new(),
+        })
+        .collect();
+    ValueInfoProto {
+        name: name.to_string(),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: onnx_data_type(ty.dtype),
+                shape: Some(TensorShapeProto { dim }),
+            })),
+            denotation: String::new(),
+        }),
+        doc_string: String::new(),
+    }
+}
+
+pub(crate) fn attr_int(name: &str, i: i64) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::INT,
+        i,
+        ..Default::default()
+    }
+}
+
+pub(crate) fn attr_ints(name: &str, ints: &[i64]) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::INTS,
+        ints: ints.to_vec(),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,889 @@
+//! Export: every exportable IR op, in small graphs, (1) imports back to a
+//! graph that computes the same outputs on the CPU backend, and (2) runs in
+//! ONNX Runtime with the same outputs as canopy (`tests/reference/
+//! export_ops.py`, after `onnx.checker` with full shape inference).
+//! Refusals name the node and op.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail, ensure};
+use canopy_engine::Value;
+use canopy_ir::model::PARAM_PREFIX;
+use canopy_ir::{
+    BinaryOp, Buffer, Conv2dAttrs, CustomGrad, DType, Dim, Graph, Metadata, Model, Op, Parameter,
+    Pool2dAttrs, ReduceKind, Shape, TensorData, TensorType, UnaryOp, ValueId,
+};
+use canopy_onnx::{
+    BATCH_DIM_PARAM, EXPORT_OPSET, ExportOptions, Limits, OnnxError, decode_model, encode,
+    export_graph, export_model, import_model,
+};
+use common::run;
+
+/// One graph and the inputs it runs on.
+struct Case {
+    name: String,
+    graph: Graph,
+    inputs: Vec<Value>,
+}
+
+/// Deterministic values in [-2, 2); a longer tensor also holds 0, ±1e-7
+/// (log1p's and softplus's precision) and ±30 (their overflow).
+fn values(count: usize, seed: u64) -> Vec<f32> {
+    const SPECIAL: [f32; 5] = [0.0, 1e-7, -1e-7, 30.0, -30.0];
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..count)
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let random = (state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0;
+            match i.checked_sub(3) {
+                Some(k) if count > 12 && k < SPECIAL.len() => SPECIAL[k],
+                _ => random,
+            }
+        })
+        .collect()
+}
+
+fn f32_value(shape: &[usize], seed: u64) -> Value {
+    let count = shape.iter().product();
+    Value::f32(shape, values(count, seed)).expect("shape matches")
+}
+
+fn batch(dims: &[usize]) -> Shape {
+    let mut shape = vec![Dim::Batch];
+    shape.extend(dims.iter().map(|&d| Dim::Fixed(d)));
+    Shape(shape)
+}
+
+fn f32_type(shape: Shape) -> TensorType {
+    TensorType::new(DType::F32, shape)
+}
+
+/// A graph of `inputs` with output `y` made by `build`.
+fn case(
+    name: impl Into<String>,
+    inputs: &[(&str, TensorType, Value)],
+    build: impl FnOnce(&mut Graph, &[ValueId]) -> canopy_ir::IrResult<ValueId>,
+) -> Case {
+    let mut graph = Graph::new();
+    let ids: Vec<ValueId> = inputs
+        .iter()
+        .map(|(name, ty, _)| graph.input(*name, ty.clone()).expect("input"))
+        .collect();
+    let name = name.into();
+    let y = build(&mut graph, &ids).unwrap_or_else(|e| panic!("case {name}: {e}"));
+    graph.set_output("y", y).expect("output");
+    Case {
+        name,
+        graph,
+        inputs: inputs.iter().map(|(_, _, v)| v.clone()).collect(),
+    }
+}
+
+fn x_input(dims: &[usize], seed: u64) -> (&'static str, TensorType, Value) {
+    let mut shape = vec![3];
+    shape.extend_from_slice(dims);
+    ("x", f32_type(batch(dims)), f32_value(&shape, seed))
+}
+
+fn positive(value: Value) -> Value {
+    match value {
+        Value::F32(a) => Value::F32(a.mapv(|v| v.abs() + 0.05)),
+        other => other,
+    }
+}
+
+fn unary_cases() -> Vec<Case> {
+    UnaryOp::ALL
+        .into_iter()
+        .map(|op| {
+            let (_, ty, value) = x_input(&[16], op.position() as u64 + 1);
+            let value = match op {
+                UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Rsqrt | UnaryOp::Reciprocal => {
+                    positive(value)
+                }
+                _ => value,
+            };
+            case(format!("unary_{op:?}"), &[("x", ty, value)], |g, i| {
+                if op == UnaryOp::Not {
+                    let zero = g.scalar(0.0)?;
+                    let positive = g.binary(BinaryOp::Gt, i[0], zero)?;
+                    g.unary(op, positive)
+                } else {
+                    g.unary(op, i[0])
+                }
+            })
+        })
+        .collect()
+}
+
+fn binary_cases() -> Vec<Case> {
+    BinaryOp::ALL
+        .into_iter()
+        .map(|op| {
+            let seed = 100 + op.position() as u64;
+            let a = x_input(&[4], seed);
+            let a = if op == BinaryOp::Pow {
+                ("x", a.1, positive(a.2))
+            } else {
+                a
+            };
+            // Every other element of b equals a's, so comparisons see ties.
+            let b = ("b", f32_type(Shape::fixed(&[4])), f32_value(&[4], seed + 7));
+            case(format!("binary_{op:?}"), &[a, b], |g, i| {
+                if op.is_logical() {
+                    let zero = g.scalar(0.0)?;
+                    let left = g.binary(BinaryOp::Gt, i[0], zero)?;
+                    let right = g.binary(BinaryOp::Lt, i[1], zero)?;
+                    g.binary(op, left, right)
+                } else if op.is_comparison() {
+                    let rounded_a = g.push(Op::Cast { to: DType::I64 }, &[i[0]])?;
+                    let rounded_b = g.push(Op::Cast { to: DType::I64 }, &[i[1]])?;
+                    let a = g.cast(rounded_a, DType::F32)?;
+                    let b = g.cast(rounded_b, DType::F32)?;
+                    g.binary(op, a, b)
+                } else {
+                    g.binary(op, i[0], i[1])
+                }
+            })
+        })
+        .collect()
+}
+
+fn reduce_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for kind in ReduceKind::ALL {
+        for (axes, keep) in [(vec![1], false), (vec![0, 2], true), (vec![], false)] {
+            let x = x_input(&[4, 5], 200 + kind.position() as u64);
+            let name = format!("reduce_{kind:?}_{axes:?}_{keep}");
+            cases.push(case(name, &[x], |g, i| g.reduce(kind, i[0], &axes, keep)));
+        }
+    }
+    cases
+}
+
+fn matmul_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let a_dims = if ta { [3, 2] } else { [2, 3] };
+        let b_dims = if tb { [4, 3] } else { [3, 4] };
+        let a = (
+            "a",
+            f32_type(Shape::fixed(&a_dims)),
+            f32_value(&a_dims, 300),
+        );
+        let b = (
+            "b",
+            f32_type(Shape::fixed(&b_dims)),
+            f32_value(&b_dims, 301),
+        );
+        cases.push(case(format!("matmul_2d_{ta}_{tb}"), &[a, b], |g, i| {
+            g.matmul_t(i[0], i[1], ta, tb)
+        }));
+        let a_dims = if ta { [3, 2] } else { [2, 3] };
+        let x = x_input(&a_dims, 302);
+        let w = (
+            "w",
+            f32_type(Shape::fixed(&b_dims)),
+            f32_value(&b_dims, 303),
+        );
+        cases.push(case(
+            format!("matmul_batched_{ta}_{tb}"),
+            &[x, w],
+            |g, i| g.matmul_t(i[0], i[1], ta, tb),
+        ));
+    }
+    cases
+}
+
+fn shape_cases() -> Vec<Case> {
+    let fixed = |dims: &[usize], seed| {
+        let name = if seed % 2 == 0 { "a" } else { "b" };
+        (name, f32_type(Shape::fixed(dims)), f32_value(dims, seed))
+    };
+    vec![
+        case("reshape_batch", &[x_input(&[2, 3], 400)], |g, i| {
+            g.reshape(i[0], vec![Dim::Batch, Dim::Fixed(6)])
+        }),
+        case("reshape_fixed", &[fixed(&[2, 3], 402)], |g, i| {
+            g.reshape(i[0], vec![Dim::Fixed(3), Dim::Fixed(1), Dim::Fixed(2)])
+        }),
+        case("transpose", &[x_input(&[2, 3], 404)], |g, i| {
+            g.transpose(i[0], vec![2, 0, 1])
+        }),
+        case("broadcast_keeps_batch", &[x_input(&[1], 406)], |g, i| {
+            g.broadcast(i[0], vec![Dim::Fixed(2), Dim::Batch, Dim::Fixed(3)])
+        }),
+        case(
+            "broadcast_adds_batch",
+            &[x_input(&[3], 408), fixed(&[3], 410)],
+            |g, i| {
+                let b = g.broadcast(i[1], vec![Dim::Batch, Dim::Fixed(3)])?;
+                g.add(i[0], b)
+            },
+        ),
+        case("broadcast_fixed", &[fixed(&[1, 3], 412)], |g, i| {
+            g.broadcast(i[0], vec![Dim::Fixed(4), Dim::Fixed(3)])
+        }),
+        case("slice", &[x_input(&[5, 2], 414)], |g, i| {
+            g.push(
+                Op::Slice {
+                    axis: 1,
+                    start: 1,
+                    end: 4,
+                },
+                &[i[0]],
+            )
+        }),
+        case("pad", &[x_input(&[2, 3], 416)], |g, i| {
+            g.push(
+                Op::Pad {
+                    axis: 2,
+                    before: 1,
+                    after: 2,
+                },
+                &[i[0]],
+            )
+        }),
+        case(
+            "concat",
+            &[
+                x_input(&[2], 418),
+                ("z", f32_type(batch(&[3])), f32_value(&[3, 3], 419)),
+            ],
+            |g, i| g.push(Op::Concat { axis: 1 }, &[i[0], i[1], i[0]]),
+        ),
+        case("where", &[x_input(&[4], 420), fixed(&[4], 421)], |g, i| {
+            let cond = g.binary(BinaryOp::Gt, i[0], i[1])?;
+            g.select(cond, i[0], i[1])
+        }),
+    ]
+}
+
+fn cast_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for to in [DType::I64, DType::I32, DType::Bool] {
+        let x = x_input(&[6], 500);
+        cases.push(case(format!("cast_f32_{to}"), &[x], |g, i| {
+            let scaled = g.scalar(3.0)?;
+            let scaled = g.mul(i[0], scaled)?;
+            g.cast(scaled, to)
+        }));
+        let x = x_input(&[6], 501);
+        cases.push(case(format!("cast_{to}_f32"), &[x], |g, i| {
+            let scaled = g.scalar(3.0)?;
+            let scaled = g.mul(i[0], scaled)?;
+            let other = g.cast(scaled, to)?;
+            g.cast(other, DType::F32)
+        }));
+    }
+    cases
+}
+
+fn image(channels: usize, side: usize, seed: u64) -> (&'static str, TensorType, Value) {
+    x_input(&[channels, side, side], seed)
+}
+
+fn window_cases() -> Vec<Case> {
+    let filter = |dims: &[usize]| ("w", f32_type(Shape::fixed(dims)), f32_value(dims, 601));
+    let mut cases = Vec::new();
+    for (stride, padding, dilation) in [(1, 0, 1), (2, 1, 1), (1, 2, 2)] {
+        let attrs = Conv2dAttrs {
+            stride: [stride, stride],
+            padding: [padding, padding],
+            dilation: [dilation, 1],
+        };
+        let name = format!("conv2d_s{stride}_p{padding}_d{dilation}");
+        cases.push(case(
+            name,
+            &[image(2, 7, 600), filter(&[3, 2, 3, 2])],
+            |g, i| g.conv2d(i[0], i[1], attrs),
+        ));
+    }
+    for (kernel, stride, padding) in [(2, 2, 0), (3, 1, 1), (3, 2, 1)] {
+        let attrs = Pool2dAttrs {
+            kernel: [kernel, kernel],
+            stride: [stride, stride],
+            padding: [padding, padding],
+        };
+        let name = format!("max_pool2d_k{kernel}_s{stride}_p{padding}");
+        cases.push(case(name, &[image(2, 6, 602)], |g, i| {
+            g.max_pool2d(i[0], attrs)
+        }));
+        let name = format!("avg_pool2d_k{kernel}_s{stride}_p{padding}");
+        cases.push(case(name, &[image(2, 6, 603)], |g, i| {
+            g.avg_pool2d(i[0], attrs)
+        }));
+    }
+    cases
+}
+
+fn index_cases() -> Vec<Case> {
+    let indices = |dtype: DType, values: Vec<i64>| -> (&'static str, TensorType, Value) {
+        let shape = [values.len()];
+        let value = match dtype {
+            DType::I32 => Value::from_data(
+                &TensorData::new(
+                    shape.to_vec(),
+                    Buffer::I32(values.iter().map(|&v| v as i32).collect()),
+                )
+                .expect("vector"),
+            ),
+            _ => Value::i64(&shape, values).expect("vector"),
+        };
+        ("i", TensorType::new(dtype, batch(&[])), value)
+    };
+    let table = (
+        "t",
+        f32_type(Shape::fixed(&[5, 3])),
+        f32_value(&[5, 3], 700),
+    );
+    let mut cases = Vec::new();
+    for dtype in [DType::I64, DType::I32] {
+        cases.push(case(
+            format!("gather_axis0_{dtype}"),
+            &[table.clone(), indices(dtype, vec![4, 0, 2, 2])],
+            |g, i| g.push(Op::Gather { axis: 0 }, &[i[0], i[1]]),
+        ));
+        cases.push(case(
+            format!("gather_axis1_{dtype}"),
+            &[table.clone(), indices(dtype, vec![2, 1, 0])],
+            |g, i| g.push(Op::Gather { axis: 1 }, &[i[0], i[1]]),
+        ));
+        // -1 and 4 are outside [0, 4): their rows are zeros.
+        cases.push(case(
+            format!("one_hot_{dtype}"),
+            &[indices(dtype, vec![0, 3, -1, 4, 2])],
+            |g, i| g.push(Op::OneHot { depth: 4 }, &[i[0]]),
+        ));
+    }
+    for (axis, keep_dims) in [(1, false), (0, true), (2, false)] {
+        cases.push(case(
+            format!("argmax_{axis}_{keep_dims}"),
+            &[x_input(&[4, 3], 701)],
+            |g, i| g.argmax(i[0], axis, keep_dims),
+        ));
+    }
+    for axis in [0, 1] {
+        cases.push(case(
+            format!("softmax_{axis}"),
+            &[x_input(&[6], 702)],
+            |g, i| g.softmax(i[0], axis),
+        ));
+        cases.push(case(
+            format!("log_softmax_{axis}"),
+            &[x_input(&[6], 703)],
+            |g, i| g.log_softmax(i[0], axis),
+        ));
+    }
+    cases
+}
+
+/// A custom gradient exports as its forward graph: x·x + x.
+fn custom_grad_case() -> Case {
+    let mut forward = Graph::new();
+    let x = forward.input("x", f32_type(batch(&[4]))).unwrap();
+    let square = forward.mul(x, x).unwrap();
+    let y = forward.add(square, x).unwrap();
+    forward.set_output("y", y).unwrap();
+    let mut backward = Graph::new();
+    let bx = backward.input("x", f32_type(batch(&[4]))).unwrap();
+    backward.input("y", f32_type(batch(&[4]))).unwrap();
+    let dy = backward.input("dy", f32_type(batch(&[4]))).unwrap();
+    let dx = backward.mul(bx, dy).unwrap();
+    backward.set_output("dx", dx).unwrap();
+    let custom = CustomGrad {
+        name: "square_plus".to_string(),
+        forward,
+        backward,
+    };
+    case("custom_grad", &[x_input(&[4], 800)], |g, i| {
+        g.push(Op::CustomGrad(Box::new(custom)), &[i[0]])
+    })
+}
+
+/// Outputs that are an input, a constant, and one value twice: each needs
+/// an Identity to carry its name.
+fn naming_case() -> Case {
+    let mut graph = Graph::new();
+    let x = graph.input("x", f32_type(batch(&[3]))).unwrap();
+    let c = graph
+        .constant(TensorData::f32(vec![2], vec![1.5, -2.0]).unwrap())
+        .unwrap();
+    let r = graph.relu(x).unwrap();
+    graph.set_output("same_as_x", x).unwrap();
+    graph.set_output("constant", c).unwrap();
+    graph.set_output("relu", r).unwrap();
+    graph.set_output("relu_again", r).unwrap();
+    Case {
+        name: "output_naming".to_string(),
+        graph,
+        inputs: vec![f32_value(&[2, 3], 900)],
+    }
+}
+
+fn all_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    cases.extend(unary_cases());
+    cases.extend(binary_cases());
+    cases.extend(reduce_cases());
+    cases.extend(matmul_cases());
+    cases.extend(shape_cases());
+    cases.extend(cast_cases());
+    cases.extend(window_cases());
+    cases.extend(index_cases());
+    cases.push(custom_grad_case());
+    cases.push(naming_case());
+    cases
+}
+
+/// The ops export refuses; every other op has a case.
+const REFUSED: &[&str] = &[
+    "random_uniform",
+    "scatter_add",
+    "conv2d_backward_input",
+    "conv2d_backward_filter",
+    "max_pool2d_select",
+    "max_pool2d_backward",
+    "avg_pool2d_backward",
+];
+
+/// Every op name of the IR, from a match with no wildcard: a new op is a
+/// compile error here until it is exported or refused.
+fn every_op_name() -> BTreeSet<&'static str> {
+    let attrs = Pool2dAttrs {
+        kernel: [1, 1],
+        stride: [1, 1],
+        padding: [0, 0],
+    };
+    let ops = [
+        Op::Input {
+            name: String::new(),
+        },
+        Op::Constant(Box::new(TensorData::scalar_f32(0.0))),
+        Op::Where,
+        Op::Cast { to: DType::F32 },
+        Op::MatMul {
+            transpose_a: false,
+            transpose_b: false,
+        },
+        Op::Reshape { shape: vec![] },
+        Op::Transpose { perm: vec![] },
+        Op::Broadcast { shape: vec![] },
+        Op::Slice {
+            axis: 0,
+            start: 0,
+            end: 0,
+        },
+        Op::Pad {
+            axis: 0,
+            before: 0,
+            after: 0,
+        },
+        Op::Concat { axis: 0 },
+        Op::Conv2d(Conv2dAttrs::default()),
+        Op::Conv2dBackwardInput {
+            attrs: Conv2dAttrs::default(),
+            input_hw: [1, 1],
+        },
+        Op::Conv2dBackwardFilter {
+            attrs: Conv2dAttrs::default(),
+            kernel_hw: [1, 1],
+        },
+        Op::MaxPool2d(attrs),
+        Op::MaxPool2dSelect(attrs),
+        Op::MaxPool2dBackward(attrs),
+        Op::AvgPool2d(attrs),
+        Op::AvgPool2dBackward {
+            attrs,
+            input_hw: [1, 1],
+        },
+        Op::ArgMax {
+            axis: 0,
+            keep_dims: false,
+        },
+        Op::Softmax { axis: 0 },
+        Op::LogSoftmax { axis: 0 },
+        Op::Gather { axis: 0 },
+        Op::ScatterAdd {
+            axis: 0,
+            dim_size: 1,
+        },
+        Op::OneHot { depth: 1 },
+        Op::RandomUniform { shape: vec![] },
+        Op::CustomGrad(Box::new(CustomGrad {
+            name: String::new(),
+            forward: Graph::new(),
+            backward: Graph::new(),
+        })),
+    ];
+    // The compiler checks this match covers every variant.
+    let check = |op: &Op| match op {
+        Op::Input { .. }
+        | Op::Constant(_)
+        | Op::Unary(_)
+        | Op::Binary(_)
+        | Op::Where
+        | Op::Cast { .. }
+        | Op::MatMul { .. }
+        | Op::Reduce { .. }
+        | Op::Reshape { .. }
+        | Op::Transpose { .. }
+        | Op::Broadcast { .. }
+        | Op::Slice { .. }
+        | Op::Pad { .. }
+        | Op::Concat { .. }
+        | Op::Conv2d(_)
+        | Op::Conv2dBackwardInput { .. }
+        | Op::Conv2dBackwardFilter { .. }
+        | Op::MaxPool2d(_)
+        | Op::MaxPool2dSelect(_)
+        | Op::MaxPool2dBackward(_)
+        | Op::AvgPool2d(_)
+        | Op::AvgPool2dBackward { .. }
+        | Op::ArgMax { .. }
+        | Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::Gather { .. }
+        | Op::ScatterAdd { .. }
+        | Op::OneHot { .. }
+        | Op::RandomUniform { .. }
+        | Op::CustomGrad(_) => op.name(),
+    };
+    let mut names: BTreeSet<&'static str> = ops.iter().map(check).collect();
+    names.extend(UnaryOp::ALL.map(|op| Op::Unary(op).name()));
+    names.extend(BinaryOp::ALL.map(|op| Op::Binary(op).name()));
+    names.extend(ReduceKind::ALL.map(|kind| {
+        Op::Reduce {
+            kind,
+            axes: vec![],
+            keep_dims: false,
+        }
+        .name()
+    }));
+    names
+}
+
+#[test]
+fn the_cases_cover_every_op_export_does_not_refuse() {
+    let covered: BTreeSet<&str> = all_cases()
+        .iter()
+        .flat_map(|case| case.graph.nodes().iter().map(|n| n.op.name()))
+        .collect();
+    let want: BTreeSet<&str> = every_op_name()
+        .into_iter()
+        .filter(|name| !REFUSED.contains(name))
+        .collect();
+    let missing: Vec<_> = want.difference(&covered).collect();
+    assert!(
+        missing.is_empty(),
+        "ops without an export case: {missing:?}"
+    );
+}
+
+/// Values equal, NaN equal to NaN, within `tolerance` (absolute plus
+/// relative) for f32.
+fn compare(what: &str, got: &Value, want: &Value, tolerance: f32) -> Result<f32> {
+    ensure!(
+        got.dtype() == want.dtype() && got.shape() == want.shape(),
+        "{what}: got {} {:?}, want {} {:?}",
+        got.dtype(),
+        got.shape(),
+        want.dtype(),
+        want.shape()
+    );
+    let (got, want) = (got.to_data(), want.to_data());
+    match (&got.buffer, &want.buffer) {
+        (Buffer::F32(g), Buffer::F32(w)) => {
+            let mut worst = 0.0f32;
+            for (index, (a, b)) in g.iter().zip(w).enumerate() {
+                if a.is_nan() && b.is_nan() || a == b {
+                    continue;
+                }
+                let diff = (a - b).abs();
+                ensure!(
+                    diff <= tolerance * (1.0 + b.abs()),
+                    "{what}[{index}]: got {a}, want {b}"
+                );
+                worst = worst.max(diff);
+            }
+            Ok(worst)
+        }
+        _ => {
+            ensure!(
+                got.buffer == want.buffer,
+                "{what}: got {got:?}, want {want:?}"
+            );
+            Ok(0.0)
+        }
+    }
+}
+
+fn export_and_import(graph: &Graph) -> Result<Graph> {
+    let proto = export_graph(graph, &ExportOptions::default())?;
+    let decoded = decode_model(&encode(&proto), &Limits::default())?;
+    Ok(import_model(&decoded, &Limits::default())?.graph)
+}
+
+#[test]
+fn every_exportable_op_imports_back_with_the_same_outputs() -> Result<()> {
+    let mut bit_identical = 0;
+    let cases = all_cases();
+    for case in &cases {
+        let imported = export_and_import(&case.graph).with_context(|| case.name.clone())?;
+        let want = run(&case.graph, case.inputs.clone()).with_context(|| case.name.clone())?;
+        let got = run(&imported, case.inputs.clone())
+            .with_context(|| format!("{}: the imported graph", case.name))?;
+        let names: Vec<&str> = imported.outputs().iter().map(|(n, _)| n.as_str()).collect();
+        let want_names: Vec<&str> = case
+            .graph
+            .outputs()
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect();
+        ensure!(names == want_names, "{}: outputs {names:?}", case.name);
+        for (input, &id) in case.graph.inputs().iter().zip(imported.inputs()) {
+            ensure!(
+                case.graph.ty(*input) == imported.ty(id),
+                "{}: input type changed",
+                case.name
+            );
+        }
+        let mut identical = true;
+        for ((name, _), (g, w)) in case.graph.outputs().iter().zip(got.iter().zip(&want)) {
+            let worst = compare(&format!("{} {name}", case.name), g, w, 2e-6)?;
+            identical &= worst == 0.0;
+        }
+        bit_identical += usize::from(identical);
+    }
+    // The composed lowerings (GELU, softplus, log1p, rsqrt) round within
+    // an ulp or two; everything else is the same IR op again.
+    ensure!(
+        bit_identical + 8 >= cases.len(),
+        "only {bit_identical} of {} cases are bit-identical",
+        cases.len()
+    );
+    Ok(())
+}
+
+fn python() -> String {
+    std::env::var("CANOPY_PYTHON").unwrap_or_else(|_| "python3".to_string())
+}
+
+/// JSON for an f32 (NaN and infinities as Python's json reads them).
+fn json_number(value: f64) -> String {
+    if value.is_nan() {
+        "NaN".to_string()
+    } else if value.is_infinite() {
+        if value > 0.0 { "Infinity" } else { "-Infinity" }.to_string()
+    } else {
+        format!("{value:?}")
+    }
+}
+
+fn json_tensor(name: &str, value: &Value) -> String {
+    let data = value.to_data();
+    let elements: Vec<String> = match &data.buffer {
+        Buffer::F32(v) => v.iter().map(|&x| json_number(f64::from(x))).collect(),
+        Buffer::I64(v) => v.iter().map(i64::to_string).collect(),
+        Buffer::I32(v) => v.iter().map(i32::to_string).collect(),
+        Buffer::Bool(v) => v.iter().map(bool::to_string).collect(),
+    };
+    format!(
+        r#"{{"name": "{name}", "dtype": "{}", "shape": {:?}, "data": [{}]}}"#,
+        data.dtype(),
+        data.shape,
+        elements.join(", ")
+    )
+}
+
+/// Writes each case's ONNX file and a manifest of inputs and canopy's
+/// outputs for the reference script.
+fn write_cases(dir: &Path, cases: &[Case]) -> Result<()> {
+    let mut manifest = String::from("[\n");
+    for (index, case) in cases.iter().enumerate() {
+        let proto = export_graph(&case.graph, &ExportOptions::default())
+            .with_context(|| case.name.clone())?;
+        let file = format!("{}.onnx", case.name);
+        std::fs::write(dir.join(&file), encode(&proto))?;
+        let outputs = run(&case.graph, case.inputs.clone())?;
+        let inputs: Vec<String> = case
+            .graph
+            .input_names()
+            .iter()
+            .zip(&case.inputs)
+            .map(|(name, value)| json_tensor(name, value))
+            .collect();
+        let outputs: Vec<String> = case
+            .graph
+            .outputs()
+            .iter()
+            .zip(&outputs)
+            .map(|((name, _), value)| json_tensor(name, value))
+            .collect();
+        let separator = if index + 1 == cases.len() { "" } else { "," };
+        writeln!(
+            manifest,
+            r#"{{"name": "{}", "file": "{file}", "inputs": [{}], "outputs": [{}]}}{separator}"#,
+            case.name,
+            inputs.join(", "),
+            outputs.join(", ")
+        )?;
+    }
+    manifest.push(']');
+    std::fs::write(dir.join("cases.json"), manifest)?;
+    Ok(())
+}
+
+#[test]
+fn every_exportable_op_matches_onnx_runtime() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cases = all_cases();
+    write_cases(dir.path(), &cases)?;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/export_ops.py");
+    let output = Command::new(python())
+        .arg(script)
+        .arg(dir.path())
+        .output()
+        .with_context(|| {
+            format!(
+                "cannot run `{}`; hint: pip install -r requirements-dev.txt",
+                python()
+            )
+        })?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!(
+            "ONNX Runtime disagrees with canopy:\n{stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    ensure!(
+        stdout.contains(&format!("{} cases match", cases.len())),
+        "{stdout}"
+    );
+    Ok(())
+}
+
+fn tiny_model() -> Model {
+    let mut graph = Graph::new();
+    let w = graph
+        .input(format!("{PARAM_PREFIX}w"), f32_type(Shape::fixed(&[3, 2])))
+        .unwrap();
+    let x = graph.input("x", f32_type(batch(&[3]))).unwrap();
+    let y = graph.matmul(x, w).unwrap();
+    graph.set_output("logits", y).unwrap();
+    Model {
+        metadata: Metadata::default(),
+        parameters: vec![Parameter {
+            name: "w".to_string(),
+            data: TensorData::f32(vec![3, 2], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap(),
+            trainable: true,
+        }],
+        entry_points: [("infer".to_string(), graph)].into(),
+    }
+}
+
+#[test]
+fn a_model_exports_its_parameters_as_initializers() -> Result<()> {
+    let model = tiny_model();
+    let proto = export_model(&model, "infer", &ExportOptions::default())?;
+    assert_eq!(proto.ir_version, 8);
+    assert_eq!(proto.opset_import[0].version, EXPORT_OPSET);
+    let graph = proto.graph.as_ref().unwrap();
+    let inputs: Vec<&str> = graph.input.iter().map(|i| i.name.as_str()).collect();
+    assert_eq!(inputs, ["x"]);
+    let initializers: Vec<&str> = graph.initializer.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(initializers, ["w"]);
+    let dims = format!("{:?}", graph.input[0].r#type);
+    assert!(
+        dims.contains(&format!("DimParam(\"{BATCH_DIM_PARAM}\")")),
+        "{dims}"
+    );
+
+    let imported = import_model(&proto, &Limits::default())?;
+    let x = Value::f32(&[2, 3], vec![1.0, 0.0, -1.0, 0.5, 0.5, 0.5])?;
+    let got = run(&imported.graph, vec![x])?;
+    common::assert_close("logits", &got[0], &[2, 2], &[-4.0, -4.0, 4.5, 6.0])?;
+
+    let err = export_model(&model, "eval", &ExportOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("entry point `eval`"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("hint: the model has entry points [\"infer\"]"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[test]
+fn ops_without_an_onnx_form_are_refused_by_node_and_op() {
+    let mut graph = Graph::new();
+    let seed = graph.input("seed", TensorType::scalar(DType::I64)).unwrap();
+    let noise = graph
+        .push(
+            Op::RandomUniform {
+                shape: vec![Dim::Fixed(3)],
+            },
+            &[seed],
+        )
+        .unwrap();
+    graph.set_output("noise", noise).unwrap();
+    let err = export_graph(&graph, &ExportOptions::default()).unwrap_err();
+    assert!(
+        matches!(&err, OnnxError::ExportUnsupported { node, op: "random_uniform", .. } if node == "%1"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("another generator"), "{err}");
+    assert!(
+        err.to_string().contains("hint: export an inference graph"),
+        "{err}"
+    );
+
+    let mut graph = Graph::new();
+    let indices = graph
+        .input("i", TensorType::new(DType::I64, Shape::fixed(&[2])))
+        .unwrap();
+    let updates = graph.input("u", f32_type(Shape::fixed(&[2, 3]))).unwrap();
+    let scattered = graph
+        .push(
+            Op::ScatterAdd {
+                axis: 0,
+                dim_size: 4,
+            },
+            &[indices, updates],
+        )
+        .unwrap();
+    graph.set_output("s", scattered).unwrap();
+    let err = export_graph(&graph, &ExportOptions::default()).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("cannot export node %2 (scatter_add): it is a training-graph adjoint"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_output_named_like_an_input_is_refused() {
+    // train_step's `params/w` in and out: ONNX names each value once.
+    let mut graph = Graph::new();
+    let w = graph
+        .input("params/w", f32_type(Shape::fixed(&[2])))
+        .unwrap();
+    let twice = graph.add(w, w).unwrap();
+    graph.set_output("params/w", twice).unwrap();
+    let err = export_graph(&graph, &ExportOptions::default()).unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("graph output `params/w`")
+            && message.contains("`params/w` is already taken")
+            && message.contains("hint: "),
+        "{message}"
+    );
+}
