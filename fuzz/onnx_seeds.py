@@ -115,10 +115,44 @@ def casts(out):
     )
 
 
+def elementwise(out):
+    """Comparisons, selection, reductions, gathers, slices and padding."""
+    nodes = [
+        helper.make_node("Abs", ["x"], ["abs"], name="abs"),
+        helper.make_node("Greater", ["x", "abs"], ["gt"], name="greater"),
+        helper.make_node("LessOrEqual", ["x", "abs"], ["le"], name="less_or_equal"),
+        helper.make_node("Or", ["gt", "le"], ["either"], name="or"),
+        helper.make_node("Not", ["either"], ["neither"], name="not"),
+        helper.make_node("Where", ["neither", "x", "abs"], ["w"], name="where"),
+        helper.make_node("Exp", ["w"], ["e"], name="exp"),
+        helper.make_node("Log", ["e"], ["l"], name="log"),
+        helper.make_node("Pow", ["l", "two"], ["p"], name="pow"),
+        helper.make_node("Sqrt", ["p"], ["s"], name="sqrt"),
+        helper.make_node("Softplus", ["s"], ["sp"], name="softplus"),
+        helper.make_node("Max", ["sp", "x"], ["mx"], name="max"),
+        helper.make_node("Gather", ["mx", "rows"], ["g"], axis=1, name="gather"),
+        helper.make_node("Slice", ["g", "starts", "ends", "axes"], ["sl"], name="slice"),
+        helper.make_node("Pad", ["sl", "pads"], ["pd"], mode="constant", name="pad"),
+        helper.make_node("ReduceSum", ["pd", "axes"], ["rs"], keepdims=1, name="reduce_sum"),
+        helper.make_node("Expand", ["rs", "shape"], ["ex"], name="expand"),
+        helper.make_node("ArgMax", ["ex"], ["y"], axis=1, keepdims=0, name="argmax"),
+    ]
+    constants = [
+        numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+        ints("rows", [0, 2]),
+        ints("starts", [0]),
+        ints("ends", [1]),
+        ints("axes", [1]),
+        ints("pads", [0, 1, 0, 1]),
+        ints("shape", [1, 3]),
+    ]
+    save(out, "elementwise", nodes, [value("x", ["N", 3])], [value("y", ["N"], TensorProto.INT64)], constants, opset=18)
+
+
 def main():
     out = pathlib.Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    for write in (cnn, mlp, shapes, casts):
+    for write in (cnn, mlp, shapes, casts, elementwise):
         write(out)
 
 

@@ -3,13 +3,13 @@
 //! attribute values. Sizes are small by construction (ranks up to 4, dims
 //! up to 5, a dozen nodes): the raw-bytes path covers hostile sizes.
 
-use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use canopy_onnx::proto::tensor_shape_proto::{Dimension, dimension};
 use canopy_onnx::proto::{
     AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
     TensorShapeProto, TypeProto, ValueInfoProto, attribute_type, data_type, type_proto,
 };
 use canopy_onnx::{MAX_OPSET, MIN_OPSET, ML_DOMAIN, ML_MAX_OPSET, SUPPORTED_ML_OPS, SUPPORTED_OPS};
+use libfuzzer_sys::arbitrary::{Result, Unstructured};
 
 /// Ops no importer lowers, so refusals are exercised too.
 const OTHER_OPS: &[&str] = &["Hardmax", "If", "Loop"];
@@ -52,6 +52,10 @@ const ATTRIBUTES: &[(&str, Kind)] = &[
     ("pads", Kind::Ints),
     ("strides", Kind::Ints),
     ("dilations", Kind::Ints),
+    ("keepdims", Kind::Int),
+    ("noop_with_empty_axes", Kind::Int),
+    ("select_last_index", Kind::Int),
+    ("mode", Kind::String(&["constant", "reflect", "edge"])),
     ("coefficients", Kind::Floats),
     ("intercepts", Kind::Floats),
     ("classlabels_ints", Kind::Ints),
