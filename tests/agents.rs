@@ -673,6 +673,109 @@ async fn mnist_strategies_report() -> Result<()> {
     Ok(())
 }
 
+/// Acceptance 3 of the ONNX issue: a scikit-learn `MLPClassifier`, trained
+/// in Python on 150 digits and exported with skl2onnx
+/// (`tests/reference/sklearn_mlp.py`), is imported with `canopy model
+/// import` (which writes its training entry points) and fine-tuned by four
+/// real agents on the rest of the training split. Its held-out accuracy
+/// must not fall; the model keeps its ONNX outputs for inference.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_scikit_learn_mlp_is_fine_tuned_federatedly() -> Result<()> {
+    const PRETRAIN: usize = 150;
+    let (mut train, mut test) = digits()?;
+    // scikit-learn's MLPs expect features scaled to [0, 1].
+    train.scale(1.0 / 16.0);
+    test.scale(1.0 / 16.0);
+    let scratch = tempfile::tempdir()?;
+    let pretrain_csv = scratch.path().join("pretrain.csv");
+    write_csv(
+        &pretrain_csv,
+        &train.subset(&(0..PRETRAIN).collect::<Vec<_>>()),
+    )?;
+    let onnx = scratch.path().join("mlp.onnx");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/reference/sklearn_mlp.py");
+    let python = std::env::var("CANOPY_PYTHON").unwrap_or_else(|_| "python3".to_string());
+    let trained = Command::new(&python)
+        .args([script.as_ref(), pretrain_csv.as_os_str(), onnx.as_os_str()])
+        .output()
+        .with_context(|| format!("cannot run `{python}`; pip install -r requirements-dev.txt"))?;
+    ensure!(
+        trained.status.success(),
+        "{script} failed (pip install -r requirements-dev.txt): {}",
+        String::from_utf8_lossy(&trained.stderr)
+    );
+    let model_path = scratch.path().join("mlp.canopy");
+    let imported = Command::new(sibling_binary("canopy"))
+        .args(["model", "import", onnx.to_str().unwrap_or_default()])
+        .args([
+            "-o",
+            model_path.to_str().unwrap_or_default(),
+            "--name",
+            "sklearn-mlp",
+        ])
+        .output()?;
+    let stdout = String::from_utf8_lossy(&imported.stdout);
+    ensure!(
+        imported.status.success() && stdout.contains("train_step (sgd"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&imported.stderr)
+    );
+
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin
+        .upload_model("sklearn-mlp", std::fs::read(&model_path)?)
+        .await?;
+    let token = admin.enrollment_token(8).await?;
+    let rest = train.subset(&(PRETRAIN..train.len()).collect::<Vec<_>>());
+    let mut agents = Vec::new();
+    for shard in partition_dirichlet(&rest, 4, 1.0, 2)? {
+        let mut agent = Agent::enroll(&server, &token)?;
+        agent.add_data(&shard)?;
+        agent.start()?;
+        agents.push(agent);
+    }
+    let rounds = 3;
+    let mut settings = job(
+        version["id"].as_i64().unwrap_or_default(),
+        rounds,
+        4,
+        4,
+        60_000,
+    );
+    settings["learning_rate"] = json!(0.05);
+    let id = admin.create_job(settings).await?;
+    let finished = admin.wait_for_job(id, JOB_TIMEOUT).await?;
+    ensure!(
+        finished["state"] == "completed",
+        "{finished}\n{}",
+        logs(&agents)
+    );
+    let mut accuracies = Vec::new();
+    for version in 1..=i64::from(rounds) + 1 {
+        let model = fetch_model(&admin, "sklearn-mlp", version).await?;
+        accuracies.push(canopy_sdk::train::evaluate_model(&model, &test, 256)?.accuracy);
+    }
+    eprintln!("imported scikit-learn MLP, held-out accuracy by version: {accuracies:?}");
+    let (before, after) = (accuracies[0], accuracies[accuracies.len() - 1]);
+    ensure!(
+        before > 0.5 && after >= before,
+        "held-out accuracy fell: {accuracies:?}"
+    );
+    let tuned = fetch_model(&admin, "sklearn-mlp", i64::from(rounds) + 1).await?;
+    let outputs: Vec<&str> = tuned
+        .entry(canopy_ir::model::ENTRY_INFER)?
+        .outputs()
+        .iter()
+        .map(|(name, _)| name.as_str())
+        .collect();
+    ensure!(
+        outputs == ["label", "probabilities"],
+        "the ONNX outputs are kept: {outputs:?}"
+    );
+    Ok(())
+}
+
 struct MnistRun {
     statistics_fitted: bool,
     /// Test-split accuracy of the version each round produced.
