@@ -418,7 +418,11 @@ impl<'n> MlLowering<'_, '_, 'n> {
     // ---- Normalizer, Scaler ------------------------------------------------
 
     /// Each row divided by its MAX (largest value), L1 or L2 norm; a row
-    /// whose norm is 0 is left as it is (ONNX Runtime's rule).
+    /// whose norm is 0 is left as it is (ONNX Runtime's rule). L1 of a
+    /// softmax over the rows, which skl2onnx writes after every multinomial
+    /// LinearClassifier, is the identity (to rounding, as ONNX Runtime's
+    /// own division is): it is left out, so the graph's probabilities are
+    /// the softmax, whose input a trainer reads as the logits.
     fn normalizer(&mut self) -> Result<ValueId, OnnxError> {
         self.base.attrs.allow_only(&["norm"])?;
         self.base.expect_inputs(1, 1)?;
@@ -428,7 +432,10 @@ impl<'n> MlLowering<'_, '_, 'n> {
             .string("norm")?
             .unwrap_or_else(|| "MAX".to_string());
         let x = self.float_input(0)?;
-        self.expect_rank(x, "X", &[1, 2])?;
+        let rank = self.expect_rank(x, "X", &[1, 2])?;
+        if norm == "L1" && self.base.imp.graph.node(x).op == (Op::Softmax { axis: rank - 1 }) {
+            return Ok(x);
+        }
         let divisor = match norm.as_str() {
             "MAX" => self.reduce_last(ReduceKind::Max, x)?,
             "L1" => {

@@ -115,6 +115,16 @@ fn linear_classifier_normalizer_and_zipmap_match_hand_computed_values() -> Resul
     let m = logistic_regression(three_class_attributes("SOFTMAX", &[10, 20, 30]));
     let imported = import_ml(&m, false)?;
     ensure!(imported.graph.input_names() == ["x"]);
+    // L1 of a softmax is the identity: the probabilities are the softmax.
+    let (_, probabilities) = imported.graph.outputs()[1];
+    ensure!(
+        matches!(
+            imported.graph.node(probabilities).op,
+            Op::Softmax { axis: 1 }
+        ),
+        "{:?}",
+        imported.graph.op_counts()
+    );
     let rows = [[1.0f32, 2.0], [3.0, -1.0], [0.5, 0.0]];
     let x = Value::f32(&[3, 2], rows.concat())?;
     let out = run(&imported.graph, vec![x])?;
