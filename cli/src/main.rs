@@ -98,6 +98,8 @@ enum ModelCommand {
     Inspect(commands::inspect::InspectArgs),
     /// Import an ONNX model as a model file with an `infer` entry point.
     Import(commands::import::ImportArgs),
+    /// Export an entry point (default `infer`) as an ONNX model, opset 17.
+    Export(commands::export::ExportArgs),
     /// Run an entry point on .npy inputs and write its outputs to an .npz.
     Run(commands::run::RunArgs),
     /// Train a model on a dataset folder and write the result.
@@ -156,6 +158,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Model(ModelCommand::New(args)) => commands::new::run(args),
         Command::Model(ModelCommand::Inspect(args)) => commands::inspect::run(args),
         Command::Model(ModelCommand::Import(args)) => commands::import::run(args),
+        Command::Model(ModelCommand::Export(args)) => commands::export::run(args),
         Command::Model(ModelCommand::Run(args)) => commands::run::run(args),
         Command::Model(ModelCommand::Train(args)) => commands::train::run(args),
         Command::Model(ModelCommand::Eval(args)) => commands::eval::run(args),
