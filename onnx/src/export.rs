@@ -42,9 +42,10 @@ use crate::proto::{
     TensorShapeProto, TypeProto, ValueInfoProto, attribute_type, data_type, type_proto,
 };
 
-/// The default-domain opset every export declares: the first with
-/// `Reshape`'s `allowzero` and `Shape`'s `start`/`end` is 14, and 17 is
-/// what the ONNX Runtime releases of the last years all run.
+/// The default-domain opset every export declares: 14 is the first with
+/// `Reshape`'s `allowzero`, and 17 (the last with `ReduceMean`'s and
+/// `ReduceMax`'s axes as attributes) is what the ONNX Runtime releases of
+/// the last years all run.
 pub const EXPORT_OPSET: i64 = 17;
 /// ONNX IR version 8 (onnx 1.10+) goes with opset 17.
 pub const EXPORT_IR_VERSION: i64 = 8;
