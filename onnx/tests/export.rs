@@ -887,3 +887,79 @@ fn an_output_named_like_an_input_is_refused() {
         "{message}"
     );
 }
+
+/// The ops import gained for export's sake refuse what canopy-ir cannot
+/// compute exactly, by node and attribute.
+#[test]
+fn import_refuses_what_the_new_ops_cannot_reproduce() -> Result<()> {
+    use canopy_onnx::proto::data_type;
+    use common::{attr_int, i64_tensor, model, node, output, value_info};
+    let x = || value_info("x", data_type::FLOAT, &[None, Some(4), Some(4)]);
+    let cases = [
+        (
+            node("Slice", &["x", "s", "e", "a", "st"], &["y"], vec![]),
+            vec![
+                i64_tensor("s", &[1], &[0]),
+                i64_tensor("e", &[1], &[4]),
+                i64_tensor("a", &[1], &[1]),
+                i64_tensor("st", &[1], &[2]),
+            ],
+            "steps [2] are not supported",
+        ),
+        (
+            node("Slice", &["x", "s", "e"], &["y"], vec![]),
+            vec![i64_tensor("s", &[1], &[1]), i64_tensor("e", &[1], &[2])],
+            "slicing the batch dimension (axis 0) is not supported",
+        ),
+        (
+            node(
+                "Pad",
+                &["x", "p"],
+                &["y"],
+                vec![canopy_onnx::proto::AttributeProto {
+                    name: "mode".to_string(),
+                    r#type: canopy_onnx::proto::attribute_type::STRING,
+                    s: b"reflect".to_vec(),
+                    ..Default::default()
+                }],
+            ),
+            vec![i64_tensor("p", &[6], &[0, 1, 0, 0, 1, 0])],
+            "only constant padding is supported",
+        ),
+        (
+            node("Pad", &["x", "p"], &["y"], vec![]),
+            vec![i64_tensor("p", &[6], &[0, -1, 0, 0, 0, 0])],
+            "non-negative sizes",
+        ),
+        (
+            node(
+                "ArgMax",
+                &["x"],
+                &["y"],
+                vec![attr_int("select_last_index", 1)],
+            ),
+            vec![],
+            "picks the first maximum",
+        ),
+        (
+            node("Expand", &["x", "shape"], &["y"], vec![]),
+            vec![i64_tensor("shape", &[3], &[1, 3, 4])],
+            "cannot broadcast [N, 4, 4] to shape [1, 3, 4]",
+        ),
+        (
+            node("ReduceSum", &["x", "axes"], &["y"], vec![]),
+            vec![i64_tensor("axes", &[2], &[1, -2])],
+            "name an axis twice",
+        ),
+    ];
+    for (onnx_node, initializers, cause) in cases {
+        let op = onnx_node.op_type.clone();
+        let proto = model(vec![onnx_node], vec![x()], vec![output("y")], initializers);
+        let err = import_model(&proto, &Limits::default()).unwrap_err();
+        ensure!(
+            err.to_string().contains(cause) && err.to_string().contains(&format!("({op}, #0)")),
+            "{op}: {err}"
+        );
+    }
+    Ok(())
+}
