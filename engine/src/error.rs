@@ -93,6 +93,16 @@ pub enum EngineError {
     /// lost device. `what` names the object, `cause` the reason.
     #[error("GPU backend: {what}: {cause}")]
     Gpu { what: String, cause: String },
+    /// The runtime behind a backend failed (ONNX Runtime, for the NPU
+    /// backend): `what` names the object (a session, an input, an output),
+    /// `source` is the runtime's own error.
+    #[error("{backend} backend: {what}")]
+    Runtime {
+        backend: String,
+        what: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Input moments or statistics that cannot be used.
     #[error(transparent)]
     Stats(#[from] crate::stats::StatsError),

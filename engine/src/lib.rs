@@ -19,6 +19,7 @@ pub mod nn;
 pub mod optim;
 pub mod proximal;
 pub mod select;
+pub mod split;
 pub mod stats;
 pub mod tensor;
 pub mod train;

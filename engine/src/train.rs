@@ -14,6 +14,7 @@ use crate::data::Dataset;
 use crate::error::{EngineError, EngineResult, NonFinite, Part};
 use crate::optim::{INPUT_LR, INPUT_SEED, INPUT_STEP};
 use crate::proximal::ANCHOR_PREFIX;
+use crate::split::{SplitExecutable, split_frozen_forward};
 use crate::value::Value;
 
 /// What one training step reports.
@@ -79,7 +80,48 @@ impl Trainer {
     /// they stay where the backend computes (on the GPU, in its memory).
     pub fn new(model: &Model, backend: &dyn Backend, seed: u64) -> EngineResult<Trainer> {
         let graph = model.entry(ENTRY_TRAIN_STEP)?;
-        let mut executable = backend.compile(graph)?;
+        Trainer::with_executable(model, backend.compile(graph)?, seed)
+    }
+
+    /// Like [`Trainer::new`], with the step's frozen forward part (the
+    /// backbone, see [`crate::split`]) on `backbone` and the rest (the
+    /// trainable head, its gradient and the optimizer) on `head`. An error
+    /// when the step has no frozen forward part: freeze a backbone first
+    /// (`zoo::set_frozen`, `zoo::rebuild_train_step`).
+    pub fn split(
+        model: &Model,
+        backbone: &dyn Backend,
+        head: &dyn Backend,
+        seed: u64,
+    ) -> EngineResult<Trainer> {
+        let graph = model.entry(ENTRY_TRAIN_STEP)?;
+        let frozen = model
+            .parameters
+            .iter()
+            .filter(|p| !p.trainable)
+            .map(|p| (p.name.clone(), p.data.clone()))
+            .collect();
+        let split = split_frozen_forward(graph, &frozen, &["x"])?.ok_or_else(|| {
+            EngineError::Setting(format!(
+                "{ENTRY_TRAIN_STEP} has no frozen forward part to run on the `{}` backend: \
+                 every computation depends on a trainable parameter, `y` or the seed; hint: \
+                 freeze a backbone (`canopy model train --freeze PREFIX`, or `zoo::set_frozen` \
+                 and `zoo::rebuild_train_step`)",
+                backbone.name()
+            ))
+        })?;
+        let executable = SplitExecutable::new(graph, &split, backbone, head)?;
+        Trainer::with_executable(model, Box::new(executable), seed)
+    }
+
+    /// A trainer over `executable`, compiled from the model's `train_step`
+    /// (its inputs and outputs by name).
+    fn with_executable(
+        model: &Model,
+        mut executable: Box<dyn Executable>,
+        seed: u64,
+    ) -> EngineResult<Trainer> {
+        let graph = model.entry(ENTRY_TRAIN_STEP)?;
         let mut slots = Vec::new();
         let mut resident = Vec::new();
         for (position, &input) in graph.inputs().iter().enumerate() {
