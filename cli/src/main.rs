@@ -96,7 +96,7 @@ enum ModelCommand {
     New(commands::new::NewArgs),
     /// Print entry points, parameters, op counts and the digest.
     Inspect(commands::inspect::InspectArgs),
-    /// Import an ONNX model as a model file with an `infer` entry point.
+    /// Import an ONNX model as a model file: `infer`, and training entry points for a classifier.
     Import(commands::import::ImportArgs),
     /// Export an entry point (default `infer`) as an ONNX model, opset 17.
     Export(commands::export::ExportArgs),

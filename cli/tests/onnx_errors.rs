@@ -226,7 +226,7 @@ fn a_tensor_declaring_2_gib_is_refused_by_name_without_allocating_it() -> Result
             "tensor `huge` declares dims [536870912], 536870912 elements",
             &format!("exceeds the limit of {limit}"),
         ],
-        SUPPORTED_OPS_HINT,
+        "import refuses a tensor over the limit before reading or allocating it",
     )?;
     ensure!(report.causes.len() == 1, "{report:?}");
     Ok(())

@@ -7,7 +7,9 @@ use canopy_ir::IrError;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum OnnxError {
-    #[error("{what} is {actual}, which exceeds the limit of {limit}")]
+    #[error(
+        "{what} is {actual}, which exceeds the limit of {limit}; hint: import bounds every size an untrusted file declares (canopy_onnx::Limits); a model this large is not one a device can train, or the file is corrupt"
+    )]
     LimitExceeded {
         what: String,
         actual: u64,
@@ -36,7 +38,7 @@ pub enum OnnxError {
         hint: &'static str,
     },
     #[error(
-        "tensor `{tensor}` declares dims {dims:?}, {elements} elements, which exceeds the limit of {limit}"
+        "tensor `{tensor}` declares dims {dims:?}, {elements} elements, which exceeds the limit of {limit}; hint: import refuses a tensor over the limit before reading or allocating it; check that the exporter wrote the shape you meant, or that the file is not corrupt"
     )]
     TensorTooLarge {
         tensor: String,

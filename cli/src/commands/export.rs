@@ -9,10 +9,11 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use canopy_ir::model::ENTRY_INFER;
-use canopy_onnx::{EXPORT_OPSET, ExportOptions, OnnxError, encode, export_model};
+use canopy_onnx::{EXPORT_OPSET, ExportOptions, encode, export_model};
 use clap::Args;
 
-use crate::files::{Hint, read_model_file, short_digest};
+use super::import::onnx_error;
+use crate::files::{read_model_file, short_digest};
 use crate::output::outln;
 
 const EXPORT_HINT: &str = "`canopy model export` writes inference graphs (`infer`, `eval`); ARCHITECTURE.md (onnx/) lists what it lowers";
@@ -30,16 +31,6 @@ pub struct ExportArgs {
     out: PathBuf,
 }
 
-/// `error` under `context`, with the hint an `OnnxError` message carries
-/// (`…; hint: …`) on the `hint:` line.
-fn export_error(error: &OnnxError, context: String) -> anyhow::Error {
-    let message = error.to_string();
-    let (cause, hint) = message
-        .split_once("; hint: ")
-        .unwrap_or((&message, EXPORT_HINT));
-    Hint::chain(vec![context, cause.to_string()], hint)
-}
-
 pub fn run(args: ExportArgs) -> Result<()> {
     let (model, digest) = read_model_file(&args.file)?;
     let shown = args.file.display();
@@ -54,7 +45,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         ..ExportOptions::default()
     };
     let proto = export_model(&model, &args.entry, &options)
-        .map_err(|error| export_error(&error, format!("cannot export `{shown}`")))?;
+        .map_err(|error| onnx_error(&error, format!("cannot export `{shown}`"), EXPORT_HINT))?;
     let bytes = encode(&proto);
     let tmp = args.out.with_extension("onnx.tmp");
     std::fs::write(&tmp, &bytes)

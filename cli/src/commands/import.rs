@@ -80,16 +80,17 @@ fn add_training(model: &mut Model, args: &ImportArgs) -> Result<Training> {
 }
 
 /// `error` under `context`, its own hint (an `OnnxError` message may end
-/// in `; hint: …`) moved to the `hint:` line, else the general one.
-fn import_error(error: &OnnxError, context: &str) -> anyhow::Error {
-    let mut messages = vec![context.to_string()];
+/// in `; hint: …`) moved to the `hint:` line, else `fallback_hint`. The
+/// one rendering of ONNX errors, for import and export.
+pub fn onnx_error(error: &OnnxError, context: String, fallback_hint: &str) -> anyhow::Error {
+    let mut messages = vec![context];
     messages.extend(
         std::iter::successors(Some(error as &dyn std::error::Error), |e| e.source())
             .map(ToString::to_string),
     );
     let (first, hint) = match messages[1].split_once("; hint: ") {
         Some((message, hint)) => (message.to_string(), hint.to_string()),
-        None => (messages[1].clone(), SUPPORTED_HINT.to_string()),
+        None => (messages[1].clone(), fallback_hint.to_string()),
     };
     messages[1] = first;
     Hint::chain(messages, hint)
@@ -103,7 +104,7 @@ pub fn run(args: ImportArgs) -> Result<()> {
     let options = ImportOptions { parameters: true };
     let imported = decode_model(&bytes, &limits)
         .and_then(|proto| Ok((import_model_with(&proto, &limits, options)?, proto)))
-        .map_err(|error| import_error(&error, &format!("cannot import `{shown}`")))?;
+        .map_err(|error| onnx_error(&error, format!("cannot import `{shown}`"), SUPPORTED_HINT))?;
     let (imported, proto) = imported;
     let initializers: BTreeMap<&str, _> = imported
         .initializers
