@@ -412,3 +412,102 @@ impl Executable for SplitExecutable {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CpuBackend;
+    use crate::optim::Optimizer;
+    use crate::train::Trainer;
+    use crate::zoo::{Architecture, ModelConfig, build_model, rebuild_train_step, set_frozen};
+    use canopy_ir::Model;
+
+    fn frozen_lenet() -> Model {
+        let mut model = build_model(&ModelConfig {
+            architecture: Architecture::LeNet5 { classes: 10 },
+            seed: 2,
+            optimizer: Optimizer::adam(),
+            frozen_prefixes: Vec::new(),
+            producer: "split test".into(),
+        })
+        .unwrap();
+        set_frozen(&mut model, &["conv".into(), "fc1".into()]).unwrap();
+        rebuild_train_step(&mut model, &Optimizer::adam()).unwrap();
+        model
+    }
+
+    fn batch(seed: usize) -> (Value, Value) {
+        let pixels = (0..4 * 28 * 28)
+            .map(|i| ((i * 7919 + seed * 104_729) % 255) as f32 / 255.0)
+            .collect();
+        let x = Value::f32(&[4, 1, 28, 28], pixels).unwrap();
+        let y = Value::i64(&[4], (0..4).map(|i| ((i + seed) % 10) as i64).collect()).unwrap();
+        (x, y)
+    }
+
+    /// With both parts on the CPU the arithmetic is the same, so a split
+    /// trainer must match the unsplit one bit for bit, Adam state and
+    /// rollback included.
+    #[test]
+    fn a_split_step_on_one_backend_equals_the_whole_step() {
+        let model = frozen_lenet();
+        let mut whole = Trainer::new(&model, &CpuBackend, 9).unwrap();
+        let mut split = Trainer::split(&model, &CpuBackend, &CpuBackend, 9).unwrap();
+        for step in 0..3 {
+            let (x, y) = batch(step);
+            let a = whole.step(x.clone(), y.clone(), 0.01).unwrap();
+            let b = split.step(x, y, 0.01).unwrap();
+            assert_eq!(a, b, "step {step}");
+        }
+        let written = |trainer: &mut Trainer| {
+            let mut trained = model.clone();
+            trainer.write_back(&mut trained).unwrap();
+            trained
+        };
+        let trained = written(&mut whole);
+        assert!(written(&mut split) == trained, "parameters after 3 steps");
+        assert!(trained != model, "the head trained");
+        // A NaN pixel makes the loss non-finite: both roll back to their
+        // checkpoint, the first step's.
+        let (mut x, y) = batch(3);
+        if let Value::F32(pixels) = &mut x {
+            pixels[[0, 0, 14, 14]] = f32::NAN;
+        }
+        assert!(whole.step(x.clone(), y.clone(), 0.01).is_err());
+        assert!(split.step(x, y, 0.01).is_err());
+        assert_eq!((whole.steps(), split.steps()), (0, 0));
+        assert!(written(&mut whole) == model && written(&mut split) == model);
+    }
+
+    #[test]
+    fn the_frozen_parameters_are_backbone_constants() {
+        let model = frozen_lenet();
+        let step = model.entry(canopy_ir::model::ENTRY_TRAIN_STEP).unwrap();
+        let frozen: HashMap<String, TensorData> = model
+            .parameters
+            .iter()
+            .filter(|p| !p.trainable)
+            .map(|p| (p.name.clone(), p.data.clone()))
+            .collect();
+        let split = split_frozen_forward(step, &frozen, &["x"])
+            .unwrap()
+            .unwrap();
+        assert_eq!(split.backbone.input_names(), ["x"]);
+        let constants = split
+            .backbone
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, Op::Constant(_)))
+            .count();
+        assert!(
+            constants >= frozen.len() - 2,
+            "conv1, conv2, fc1 weights and biases"
+        );
+        // Nothing frozen: no split.
+        assert!(
+            split_frozen_forward(step, &HashMap::new(), &["x"])
+                .unwrap()
+                .is_none()
+        );
+    }
+}
