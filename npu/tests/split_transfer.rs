@@ -11,7 +11,6 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Result, ensure};
-use canopy_engine::CpuBackend;
 use canopy_engine::data::{Dataset, load_dir};
 use canopy_engine::optim::Optimizer;
 use canopy_engine::split::{CUT_PREFIX, split_frozen_forward};
@@ -19,6 +18,7 @@ use canopy_engine::train::Trainer;
 use canopy_engine::zoo::{
     Architecture, ModelConfig, build_model, fit_input_stats, rebuild_train_step, set_frozen,
 };
+use canopy_engine::{Backend, CpuBackend};
 use canopy_ir::Model;
 use canopy_ir::model::{ENTRY_TRAIN_STEP, PARAM_PREFIX};
 
@@ -62,16 +62,35 @@ fn train(mut trainer: Trainer, mut model: Model, data: &Dataset) -> Result<Model
 
 #[test]
 fn the_backbone_runs_in_onnx_runtime_and_the_head_trains_as_on_the_cpu() -> Result<()> {
+    backbone_in_ort_matches_all_cpu(&CpuBackend)
+}
+
+/// The head on the GPU backend (lavapipe in CI), as a device with a GPU
+/// and an NPU would split it; `CANOPY_TEST_BACKENDS=cpu` leaves it out,
+/// as it does every GPU suite.
+#[test]
+fn the_head_trains_on_the_gpu_as_on_the_cpu() -> Result<()> {
+    if std::env::var("CANOPY_TEST_BACKENDS").as_deref() == Ok("cpu") {
+        return Ok(());
+    }
+    let gpu = canopy_engine::select::shared_gpu().map_err(|e| {
+        anyhow::anyhow!(
+            "{e}\nhint: install a Vulkan driver (.ci/run installs mesa-vulkan-drivers), or set \
+             CANOPY_TEST_BACKENDS=cpu to test the CPU backend alone"
+        )
+    })?;
+    backbone_in_ort_matches_all_cpu(&gpu)
+}
+
+/// Trains the head on `head` with the backbone in ONNX Runtime, and the
+/// whole step on the CPU, and compares the parameters.
+fn backbone_in_ort_matches_all_cpu(head: &dyn Backend) -> Result<()> {
     let data = mnist()?;
     let model = frozen_lenet(&data)?;
     let ort = common::cpu_backend();
 
     let all_cpu = train(Trainer::new(&model, &CpuBackend, 3)?, model.clone(), &data)?;
-    let split = train(
-        Trainer::split(&model, &ort, &CpuBackend, 3)?,
-        model.clone(),
-        &data,
-    )?;
+    let split = train(Trainer::split(&model, &ort, head, 3)?, model.clone(), &data)?;
 
     // One session, one run per step: the backbone ran in ONNX Runtime.
     assert_eq!(ort.sessions_created(), 1, "sessions created");
