@@ -119,6 +119,56 @@ pub trait Executable: Send {
     }
 }
 
+/// The [`Executable`] methods every backend whose values live on the host
+/// shares (names, and residency through [`HostResidency`]), so the CPU and
+/// ONNX Runtime backends keep one definition. Expects the fields
+/// `input_names`, `output_names` and `residency`; `run` stays the
+/// backend's own.
+#[macro_export]
+macro_rules! host_resident_methods {
+    () => {
+        fn input_names(&self) -> &[String] {
+            &self.input_names
+        }
+
+        fn output_names(&self) -> &[String] {
+            &self.output_names
+        }
+
+        fn make_resident(
+            &mut self,
+            values: Vec<(usize, $crate::Value)>,
+        ) -> $crate::EngineResult<()> {
+            self.residency =
+                $crate::backend::HostResidency::new(&self.input_names, &self.output_names, values)?;
+            Ok(())
+        }
+
+        fn run_resident(
+            &mut self,
+            inputs: Vec<$crate::Value>,
+        ) -> $crate::EngineResult<$crate::backend::ResidentRun> {
+            let all = self.residency.splice(inputs)?;
+            let outputs = self.run(all)?;
+            Ok(self.residency.absorb(outputs, &self.output_names))
+        }
+
+        fn read_resident(&mut self) -> $crate::EngineResult<Vec<(usize, $crate::Value)>> {
+            Ok(self.residency.read())
+        }
+
+        fn snapshot_resident(&mut self) -> $crate::EngineResult<()> {
+            self.residency.snapshot();
+            Ok(())
+        }
+
+        fn restore_resident(&mut self) -> $crate::EngineResult<()> {
+            self.residency.restore();
+            Ok(())
+        }
+    };
+}
+
 /// Residency for a backend whose values live on the host: resident values
 /// are kept as `Value`s and spliced into each run's inputs, by ownership,
 /// so in-place updates still happen.

@@ -20,14 +20,9 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use canopy_engine::data::{Batch, load_dir};
-use canopy_engine::optim::Optimizer;
 use canopy_engine::split::split_frozen_forward;
 use canopy_engine::train::Trainer;
-use canopy_engine::zoo::{
-    Architecture, ModelConfig, build_model, fit_input_stats, rebuild_train_step, set_frozen,
-};
 use canopy_engine::{Backend, CpuBackend, Executable};
-use canopy_ir::Model;
 use canopy_ir::model::ENTRY_TRAIN_STEP;
 
 const LEARNING_RATE: f32 = 0.01;
@@ -63,20 +58,6 @@ fn parse_args() -> Result<Args> {
     Ok(args)
 }
 
-fn frozen_lenet(train: &canopy_engine::data::Dataset) -> Result<Model> {
-    let mut model = build_model(&ModelConfig {
-        architecture: Architecture::LeNet5 { classes: 10 },
-        seed: 5,
-        optimizer: Optimizer::parse("sgd")?,
-        frozen_prefixes: Vec::new(),
-        producer: "split bench".to_string(),
-    })?;
-    fit_input_stats(&mut model, train)?;
-    set_frozen(&mut model, &["conv".to_string(), "fc1".to_string()])?;
-    rebuild_train_step(&mut model, &Optimizer::parse("sgd")?)?;
-    Ok(model)
-}
-
 /// Seconds per call of `run` over `steps` calls, one entry per call.
 fn time_block(steps: usize, mut run: impl FnMut(usize) -> Result<()>) -> Result<Vec<f64>> {
     let mut times = Vec::with_capacity(steps);
@@ -98,7 +79,7 @@ fn main() -> Result<()> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets/mnist-10k");
     let data = load_dir(&dir)?.0;
     let batches: Vec<Batch> = data.batches(args.batch, Some(1), true)?.collect();
-    let model = frozen_lenet(&data)?;
+    let model = common::frozen_lenet(&data)?;
     let ort = common::cpu_backend();
 
     let mut split = Trainer::split(&model, &ort, &CpuBackend, 1)?;

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use canopy_engine::backend::{Backend, BackendInfo, Executable, HostResidency, ResidentRun};
+use canopy_engine::backend::{Backend, BackendInfo, Executable, HostResidency};
 use canopy_engine::cpu::bind_batch;
 use canopy_engine::{EngineError, EngineResult, Value};
 use canopy_ir::{DType, Graph, ValueId};
@@ -280,38 +280,7 @@ impl Executable for OrtExecutable {
             .collect()
     }
 
-    fn input_names(&self) -> &[String] {
-        &self.input_names
-    }
-
-    fn output_names(&self) -> &[String] {
-        &self.output_names
-    }
-
-    fn make_resident(&mut self, values: Vec<(usize, Value)>) -> EngineResult<()> {
-        self.residency = HostResidency::new(&self.input_names, &self.output_names, values)?;
-        Ok(())
-    }
-
-    fn run_resident(&mut self, inputs: Vec<Value>) -> EngineResult<ResidentRun> {
-        let all = self.residency.splice(inputs)?;
-        let outputs = self.run(all)?;
-        Ok(self.residency.absorb(outputs, &self.output_names))
-    }
-
-    fn read_resident(&mut self) -> EngineResult<Vec<(usize, Value)>> {
-        Ok(self.residency.read())
-    }
-
-    fn snapshot_resident(&mut self) -> EngineResult<()> {
-        self.residency.snapshot();
-        Ok(())
-    }
-
-    fn restore_resident(&mut self) -> EngineResult<()> {
-        self.residency.restore();
-        Ok(())
-    }
+    canopy_engine::host_resident_methods!();
 }
 
 /// `value` with its elements in row-major order, as ONNX Runtime reads

@@ -26,16 +26,7 @@ use canopy_ir::Graph;
 use canopy_npu::OrtBackend;
 use engine_common::assert_close_across_backends;
 
-/// Ops `canopy_onnx::export_graph` refuses (onnx/src/export.rs).
-const NOT_EXPORTED: [&str; 7] = [
-    "random_uniform",
-    "scatter_add",
-    "conv2d_backward_input",
-    "conv2d_backward_filter",
-    "max_pool2d_select",
-    "max_pool2d_backward",
-    "avg_pool2d_backward",
-];
+use canopy_onnx::export::NOT_EXPORTED_OPS as NOT_EXPORTED;
 
 fn ort() -> &'static OrtBackend {
     static ORT: OnceLock<OrtBackend> = OnceLock::new();

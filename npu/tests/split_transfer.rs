@@ -15,9 +15,7 @@ use canopy_engine::data::{Dataset, load_dir};
 use canopy_engine::optim::Optimizer;
 use canopy_engine::split::{CUT_PREFIX, split_frozen_forward};
 use canopy_engine::train::Trainer;
-use canopy_engine::zoo::{
-    Architecture, ModelConfig, build_model, fit_input_stats, rebuild_train_step, set_frozen,
-};
+use canopy_engine::zoo::{Architecture, ModelConfig, build_model, rebuild_train_step};
 use canopy_engine::{Backend, CpuBackend};
 use canopy_ir::Model;
 use canopy_ir::model::{ENTRY_TRAIN_STEP, PARAM_PREFIX};
@@ -29,21 +27,6 @@ const LEARNING_RATE: f32 = 0.05;
 fn mnist() -> Result<Dataset> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets/mnist-10k");
     Ok(load_dir(dir)?.0)
-}
-
-/// LeNet-5 with `conv*` and `fc1` frozen: the head is fc2 and fc3.
-fn frozen_lenet(train: &Dataset) -> Result<Model> {
-    let mut model = build_model(&ModelConfig {
-        architecture: Architecture::LeNet5 { classes: 10 },
-        seed: 5,
-        optimizer: Optimizer::parse("sgd")?,
-        frozen_prefixes: Vec::new(),
-        producer: "split test".to_string(),
-    })?;
-    fit_input_stats(&mut model, train)?;
-    set_frozen(&mut model, &["conv".to_string(), "fc1".to_string()])?;
-    rebuild_train_step(&mut model, &Optimizer::parse("sgd")?)?;
-    Ok(model)
 }
 
 /// Runs `STEPS` steps over the same batches and returns the trained model.
@@ -86,7 +69,7 @@ fn the_head_trains_on_the_gpu_as_on_the_cpu() -> Result<()> {
 /// whole step on the CPU, and compares the parameters.
 fn backbone_in_ort_matches_all_cpu(head: &dyn Backend) -> Result<()> {
     let data = mnist()?;
-    let model = frozen_lenet(&data)?;
+    let model = common::frozen_lenet(&data)?;
     let ort = common::cpu_backend();
 
     let all_cpu = train(Trainer::new(&model, &CpuBackend, 3)?, model.clone(), &data)?;
@@ -129,7 +112,7 @@ fn backbone_in_ort_matches_all_cpu(head: &dyn Backend) -> Result<()> {
 /// the cut, and no gradient reaches the backbone.
 #[test]
 fn the_cut_leaves_the_frozen_forward_part_to_the_backbone() -> Result<()> {
-    let model = frozen_lenet(&mnist()?)?;
+    let model = common::frozen_lenet(&mnist()?)?;
     let step = model.entry(ENTRY_TRAIN_STEP)?;
     let frozen: HashMap<_, _> = model
         .parameters

@@ -8,7 +8,7 @@ pub mod kernels;
 
 use canopy_ir::{Dim, Graph, Op, TensorType, ValueId};
 
-use crate::backend::{Backend, Executable, HostResidency, ResidentRun};
+use crate::backend::{Backend, Executable, HostResidency};
 use crate::error::{EngineError, EngineResult};
 use crate::value::Value;
 pub use kernels::Arg;
@@ -190,38 +190,7 @@ impl Executable for CpuExecutable {
         rayon::scope(|_| self.run_here(inputs))
     }
 
-    fn input_names(&self) -> &[String] {
-        &self.input_names
-    }
-
-    fn output_names(&self) -> &[String] {
-        &self.output_names
-    }
-
-    fn make_resident(&mut self, values: Vec<(usize, Value)>) -> EngineResult<()> {
-        self.residency = HostResidency::new(&self.input_names, &self.output_names, values)?;
-        Ok(())
-    }
-
-    fn run_resident(&mut self, inputs: Vec<Value>) -> EngineResult<ResidentRun> {
-        let all = self.residency.splice(inputs)?;
-        let outputs = self.run(all)?;
-        Ok(self.residency.absorb(outputs, &self.output_names))
-    }
-
-    fn read_resident(&mut self) -> EngineResult<Vec<(usize, Value)>> {
-        Ok(self.residency.read())
-    }
-
-    fn snapshot_resident(&mut self) -> EngineResult<()> {
-        self.residency.snapshot();
-        Ok(())
-    }
-
-    fn restore_resident(&mut self) -> EngineResult<()> {
-        self.residency.restore();
-        Ok(())
-    }
+    crate::host_resident_methods!();
 }
 
 impl CpuExecutable {

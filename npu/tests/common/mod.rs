@@ -47,3 +47,24 @@ pub fn cpu_backend() -> OrtBackend {
     OrtBackend::open(&config(&[Provider::Cpu]))
         .unwrap_or_else(|e| panic!("cannot open the NPU backend: {e}\n{INSTALL_HINT}"))
 }
+
+/// LeNet-5 with `conv*` and `fc1` frozen (the head is fc2 and fc3), its
+/// input statistics fitted on `train`: the transfer-learning model of the
+/// split tests and the split bench.
+pub fn frozen_lenet(train: &canopy_engine::data::Dataset) -> anyhow::Result<canopy_ir::Model> {
+    use canopy_engine::optim::Optimizer;
+    use canopy_engine::zoo::{
+        Architecture, ModelConfig, build_model, fit_input_stats, rebuild_train_step, set_frozen,
+    };
+    let mut model = build_model(&ModelConfig {
+        architecture: Architecture::LeNet5 { classes: 10 },
+        seed: 5,
+        optimizer: Optimizer::parse("sgd")?,
+        frozen_prefixes: Vec::new(),
+        producer: "canopy-npu tests".to_string(),
+    })?;
+    fit_input_stats(&mut model, train)?;
+    set_frozen(&mut model, &["conv".to_string(), "fc1".to_string()])?;
+    rebuild_train_step(&mut model, &Optimizer::parse("sgd")?)?;
+    Ok(model)
+}
