@@ -5,13 +5,19 @@
 //! `metal`, `nnapi`); [`choose_backend`] picks the one to run on from that
 //! list, preferring an NPU, then a GPU, then the CPU. The engine runs the
 //! CPU and, where a Vulkan, Metal or DX12 adapter opens, the GPU (wgpu);
-//! an NPU choice, or a GPU choice on a device where no adapter opens,
-//! falls back to the CPU and says why ([`BackendChoice::fallback`]).
-//! Training builds its backend through this module and nowhere else.
+//! the NPU is ONNX Runtime (`canopy-npu`) where its library loads, opened
+//! once per process from the configuration [`configure_npu`] sets. An NPU
+//! choice trains split: the frozen backbone in ONNX Runtime, the trainable
+//! head on the CPU or GPU ([`BackendChoice::head`]). A choice whose backend
+//! does not open falls back to the CPU and says why
+//! ([`BackendChoice::fallback`]). Training builds its backend through this
+//! module and nowhere else.
 
 use std::fmt;
+use std::sync::{Arc, Mutex};
 
 use canopy_engine::CpuBackend;
+use canopy_npu::{NpuError, OrtBackend, OrtConfig};
 use canopy_protocol::messages::{
     Capabilities, GpuAdapter, GpuDeviceType, MAX_ADAPTER_DRIVER_CHARS, MAX_ADAPTER_NAME_CHARS,
 };
@@ -24,8 +30,9 @@ pub enum BackendKind {
     /// The engine's GPU backend (wgpu: Vulkan, Metal, DX12), available
     /// where an adapter opens.
     Gpu,
-    /// An NPU delegate (NNAPI, Core ML, Qualcomm QNN/Hexagon). Not yet
-    /// available: chosen, it falls back to [`BackendKind::Cpu`].
+    /// An NPU through ONNX Runtime's execution providers (NNAPI, Core ML,
+    /// Qualcomm QNN/Hexagon, ...), available where the runtime opens
+    /// ([`shared_npu`]); it runs a training step's frozen backbone.
     Npu,
 }
 
@@ -53,12 +60,13 @@ impl BackendKind {
     }
 
     /// Whether the engine can run this kind here: the CPU always, the GPU
-    /// when an adapter opens (once per process), an NPU not yet.
+    /// when an adapter opens, the NPU when ONNX Runtime opens (each once
+    /// per process).
     pub fn is_available(self) -> bool {
         match self {
             BackendKind::Cpu => true,
             BackendKind::Gpu => canopy_engine::select::shared_gpu().is_ok(),
-            BackendKind::Npu => false,
+            BackendKind::Npu => shared_npu().is_ok(),
         }
     }
 }
@@ -81,6 +89,9 @@ pub struct Fallback {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackendChoice {
     kind: BackendKind,
+    /// Where the trainable head runs: `kind` itself, except for the NPU,
+    /// whose choice trains the head on the CPU or the GPU.
+    head: BackendKind,
     fallback: Option<Fallback>,
 }
 
@@ -94,9 +105,21 @@ impl Default for BackendChoice {
 impl BackendChoice {
     /// The CPU, chosen outright.
     pub fn cpu() -> BackendChoice {
+        BackendChoice::outright(BackendKind::Cpu)
+    }
+
+    fn outright(kind: BackendKind) -> BackendChoice {
         BackendChoice {
-            kind: BackendKind::Cpu,
+            kind,
+            head: kind,
             fallback: None,
+        }
+    }
+
+    fn cpu_instead(wanted: Option<BackendKind>, reason: String) -> BackendChoice {
+        BackendChoice {
+            fallback: Some(Fallback { wanted, reason }),
+            ..BackendChoice::cpu()
         }
     }
 
@@ -114,47 +137,166 @@ impl BackendChoice {
     /// opens.
     pub fn gpu() -> BackendChoice {
         match canopy_engine::select::shared_gpu() {
-            Ok(_) => BackendChoice {
-                kind: BackendKind::Gpu,
-                fallback: None,
-            },
-            Err(error) => BackendChoice {
-                kind: BackendKind::Cpu,
-                fallback: Some(Fallback {
-                    wanted: Some(BackendKind::Gpu),
-                    reason: format!("{error}; training runs on the CPU"),
-                }),
-            },
+            Ok(_) => BackendChoice::outright(BackendKind::Gpu),
+            Err(error) => BackendChoice::cpu_instead(
+                Some(BackendKind::Gpu),
+                format!("{error}; training runs on the CPU"),
+            ),
         }
     }
 
-    /// The engine backend to compile the model's graphs with.
+    /// The NPU, chosen outright, with the head on the CPU; the CPU with the
+    /// reason when ONNX Runtime does not open ([`configure_npu`]).
+    pub fn npu() -> BackendChoice {
+        match shared_npu() {
+            Ok(_) => BackendChoice {
+                head: BackendKind::Cpu,
+                ..BackendChoice::outright(BackendKind::Npu)
+            },
+            Err(error) => BackendChoice::cpu_instead(
+                Some(BackendKind::Npu),
+                format!(
+                    "{}; training runs on the CPU",
+                    crate::error::error_chain(&error)
+                ),
+            ),
+        }
+    }
+
+    /// This NPU choice with its head on the GPU where an adapter opens (a
+    /// choice of another kind is returned as it is).
+    pub fn with_gpu_head(self) -> BackendChoice {
+        if self.kind == BackendKind::Npu && BackendKind::Gpu.is_available() {
+            return BackendChoice {
+                head: BackendKind::Gpu,
+                ..self
+            };
+        }
+        self
+    }
+
+    /// Where the trainable head, its gradient and the optimizer run: the
+    /// CPU or the GPU (the choice's own kind unless it is the NPU).
+    pub fn head(&self) -> BackendKind {
+        self.head
+    }
+
+    /// The engine backend to compile whole graphs with: for an NPU choice,
+    /// the head's (the NPU only runs a step's frozen backbone, see
+    /// [`BackendChoice::npu_backend`]).
     pub fn engine_backend(&self) -> Box<dyn canopy_engine::Backend> {
-        match self.kind {
+        match self.head {
             BackendKind::Gpu => match canopy_engine::select::shared_gpu() {
                 Ok(gpu) => Box::new(gpu),
-                // `kind` is Gpu only once an adapter opened, and the
+                // `head` is Gpu only once an adapter opened, and the
                 // shared one stays open.
                 Err(_) => Box::new(CpuBackend),
             },
-            // No NPU backend yet: `choose_backend` never yields it.
             BackendKind::Cpu | BackendKind::Npu => Box::new(CpuBackend),
+        }
+    }
+
+    /// The NPU backend that runs the frozen backbone, for an NPU choice.
+    pub fn npu_backend(&self) -> Option<Arc<OrtBackend>> {
+        match self.kind {
+            // `kind` is Npu only once the runtime opened, and the shared
+            // one stays open.
+            BackendKind::Npu => shared_npu().ok(),
+            BackendKind::Cpu | BackendKind::Gpu => None,
         }
     }
 }
 
+/// Why the NPU backend is not there, or cannot be configured.
+#[derive(Debug, thiserror::Error)]
+pub enum NpuSetupError {
+    /// ONNX Runtime did not open with the configuration in force.
+    #[error("the NPU backend (ONNX Runtime) does not open")]
+    Open(#[source] Arc<NpuError>),
+    /// [`configure_npu`] after the backend opened with another
+    /// configuration: a process loads one ONNX Runtime.
+    #[error(
+        "the NPU backend is already open with {open:?}, so it cannot be configured with \
+         {requested:?}; hint: call `configure_npu` once, before anything uses the NPU"
+    )]
+    AlreadyOpen {
+        open: OrtConfig,
+        requested: OrtConfig,
+    },
+}
+
+/// The process's NPU backend: the configuration in force and the outcome
+/// of the last attempt to open it with that configuration.
+struct NpuSlot {
+    config: OrtConfig,
+    opened: Option<Result<Arc<OrtBackend>, Arc<NpuError>>>,
+}
+
+static NPU: Mutex<Option<NpuSlot>> = Mutex::new(None);
+
+fn npu_slot() -> std::sync::MutexGuard<'static, Option<NpuSlot>> {
+    NPU.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Sets the configuration the process's NPU backend opens with (by
+/// default [`OrtConfig::default`]: the library from `ORT_DYLIB_PATH`, every
+/// provider). Call it before anything uses the NPU; once the backend is
+/// open, only the same configuration is accepted. After a failed open a
+/// new configuration is tried on the next use.
+pub fn configure_npu(config: OrtConfig) -> Result<(), NpuSetupError> {
+    let mut slot = npu_slot();
+    if let Some(NpuSlot {
+        config: open,
+        opened: Some(Ok(_)),
+    }) = slot.as_ref()
+    {
+        if *open != config {
+            return Err(NpuSetupError::AlreadyOpen {
+                open: open.clone(),
+                requested: config,
+            });
+        }
+        return Ok(());
+    }
+    *slot = Some(NpuSlot {
+        config,
+        opened: None,
+    });
+    Ok(())
+}
+
+/// The process's NPU backend, opened on first use with the configuration
+/// [`configure_npu`] set. A failure is kept until the configuration
+/// changes, so the library is not loaded again on every check.
+pub fn shared_npu() -> Result<Arc<OrtBackend>, NpuSetupError> {
+    let mut slot = npu_slot();
+    let slot = slot.get_or_insert_with(|| NpuSlot {
+        config: OrtConfig::default(),
+        opened: None,
+    });
+    let config = &slot.config;
+    slot.opened
+        .get_or_insert_with(|| OrtBackend::open(config).map(Arc::new).map_err(Arc::new))
+        .clone()
+        .map_err(NpuSetupError::Open)
+}
+
 impl fmt::Display for BackendChoice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.kind)?;
+        if self.head != self.kind {
+            write!(f, " (backbone; head on the {})", self.head)?;
+        }
         match &self.fallback {
-            None => write!(f, "{}", self.kind),
-            Some(fallback) => write!(f, "{} ({})", self.kind, fallback.reason),
+            None => Ok(()),
+            Some(fallback) => write!(f, " ({})", fallback.reason),
         }
     }
 }
 
 /// The backends the engine can run here, to report in
-/// [`Capabilities::backends`] at enrollment: `cpu`, and `gpu` where an
-/// adapter opens.
+/// [`Capabilities::backends`] at enrollment: `cpu`, `gpu` where an
+/// adapter opens, and `npu` where ONNX Runtime opens.
 pub fn available_backends() -> Vec<String> {
     [BackendKind::Cpu, BackendKind::Gpu, BackendKind::Npu]
         .into_iter()
@@ -198,9 +340,10 @@ pub fn gpu_adapter() -> Option<GpuAdapter> {
 }
 
 /// Picks the backend to run on from what the device reports: an NPU if it
-/// reports one, else a GPU, else the CPU. A kind the engine cannot run yet
-/// falls back to the CPU, with the reason; so does a report that names no
-/// known backend (the CPU is always there).
+/// reports one (with the head on a reported GPU), else a GPU, else the
+/// CPU. A kind the engine cannot run here falls back to the CPU, with the
+/// reason; so does a report that names no known backend (the CPU is always
+/// there).
 pub fn choose_backend(capabilities: &Capabilities) -> BackendChoice {
     let reported: Vec<BackendKind> = capabilities
         .backends
@@ -211,29 +354,28 @@ pub fn choose_backend(capabilities: &Capabilities) -> BackendChoice {
         .into_iter()
         .find(|kind| reported.contains(kind));
     match best {
-        Some(kind) if kind.is_available() => BackendChoice {
-            kind,
-            fallback: None,
-        },
-        Some(kind) => BackendChoice {
-            kind: BackendKind::Cpu,
-            fallback: Some(Fallback {
-                wanted: Some(kind),
-                reason: format!(
-                    "the device reports a {kind} backend, but the engine cannot run one here; training runs on the CPU"
-                ),
-            }),
-        },
-        None => BackendChoice {
-            kind: BackendKind::Cpu,
-            fallback: Some(Fallback {
-                wanted: None,
-                reason: format!(
-                    "the device reports no backend the SDK knows ({:?}); training runs on the CPU, which every device has",
-                    capabilities.backends
-                ),
-            }),
-        },
+        Some(BackendKind::Npu) if BackendKind::Npu.is_available() => {
+            let choice = BackendChoice::npu();
+            if reported.contains(&BackendKind::Gpu) {
+                choice.with_gpu_head()
+            } else {
+                choice
+            }
+        }
+        Some(kind) if kind.is_available() => BackendChoice::outright(kind),
+        Some(kind) => BackendChoice::cpu_instead(
+            Some(kind),
+            format!(
+                "the device reports a {kind} backend, but the engine cannot run one here; training runs on the CPU"
+            ),
+        ),
+        None => BackendChoice::cpu_instead(
+            None,
+            format!(
+                "the device reports no backend the SDK knows ({:?}); training runs on the CPU, which every device has",
+                capabilities.backends
+            ),
+        ),
     }
 }
 
@@ -284,8 +426,20 @@ mod tests {
         capabilities.validate().unwrap();
     }
 
+    /// These tests run without ONNX Runtime, whatever `ORT_DYLIB_PATH`
+    /// says: the process's NPU points at a library that is not there
+    /// (tests/npu.rs runs it for real, in a process of its own).
+    fn without_npu() {
+        configure_npu(OrtConfig {
+            library: Some("/nonexistent/libonnxruntime.so".into()),
+            ..OrtConfig::default()
+        })
+        .expect("nothing opened the NPU in this process");
+    }
+
     #[test]
     fn a_device_reporting_a_gpu_trains_on_it() {
+        without_npu();
         if !gpu_expected() {
             return;
         }
@@ -301,6 +455,15 @@ mod tests {
 
     #[test]
     fn an_npu_falls_back_to_the_cpu_with_a_reason() {
+        without_npu();
+        let chosen = BackendChoice::npu();
+        assert_eq!(chosen.kind(), BackendKind::Cpu);
+        let reason = &chosen.fallback().expect("a fallback").reason;
+        assert!(
+            reason.contains("/nonexistent/libonnxruntime.so") && reason.contains("ORT_DYLIB_PATH"),
+            "the reason names the library and how to get one: {reason}"
+        );
+        assert!(chosen.npu_backend().is_none());
         for reported in [&["cpu", "gpu", "nnapi"][..], &["coreml", "cpu"][..]] {
             let choice = choose_backend(&reporting(reported));
             assert_eq!(choice.kind(), BackendKind::Cpu, "{reported:?}");

@@ -11,7 +11,8 @@
 //!   between retries and local training.
 //! - [`keystore`]: the device key in a file with mode 0600.
 //! - [`backend`]: which engine backend trains, chosen from the device's
-//!   reported capabilities (the CPU for now).
+//!   reported capabilities: the CPU, the GPU, or the NPU (ONNX Runtime,
+//!   configured with [`configure_npu`]) for a frozen backbone.
 //! - [`secure`]: the device's side of a secure-aggregation round, which
 //!   replaces the upload when a task asks for it.
 //!
@@ -31,8 +32,13 @@ pub mod train;
 mod transport;
 mod trust;
 
-pub use backend::{BackendChoice, BackendKind, available_backends, choose_backend, gpu_adapter};
+pub use backend::{
+    BackendChoice, BackendKind, NpuSetupError, available_backends, choose_backend, configure_npu,
+    gpu_adapter, shared_npu,
+};
 pub use cancel::CancelToken;
+/// The NPU backend's configuration, for [`configure_npu`].
+pub use canopy_npu::{OrtConfig, Provider};
 /// What a device trusts to sign models, and the server's answer it
 /// advances along; see [`DeviceClient::trusted_keys`].
 pub use canopy_protocol::model_sig::{KeyEndorsement, SigningKeys, TrustedKeys};

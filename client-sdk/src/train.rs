@@ -168,7 +168,9 @@ pub fn train_task_cancellable(
     train_task_with(model_bytes, task, data, seed, &options)
 }
 
-/// [`train_task`] on a chosen backend, cancellable between batches.
+/// [`train_task`] on a chosen backend, cancellable between batches. An NPU
+/// choice trains split: the step's frozen backbone in ONNX Runtime, the
+/// rest on the choice's head backend ([`Placement::Split`]).
 pub fn train_task_with(
     model_bytes: &[u8],
     task: &Task,
@@ -176,18 +178,88 @@ pub fn train_task_with(
     seed: u64,
     options: &TrainOptions,
 ) -> Result<LocalUpdate, TrainError> {
-    let backend = options.backend.engine_backend();
-    train_on(
-        model_bytes,
-        task,
-        data,
-        seed,
-        backend.as_ref(),
-        &options.cancel,
-    )
+    let head = options.backend.engine_backend();
+    let npu = options.backend.npu_backend();
+    let placement = match &npu {
+        Some(npu) => Placement::Split {
+            backbone: npu.as_ref(),
+            head: head.as_ref(),
+        },
+        None => Placement::One(head.as_ref()),
+    };
+    train_on(model_bytes, task, data, seed, placement, &options.cancel)
 }
 
-/// The training loop on `backend`, which compiles and runs `train_step`.
+/// Where a training step runs.
+#[derive(Clone, Copy)]
+enum Placement<'a> {
+    /// The whole step on one backend.
+    One(&'a dyn Backend),
+    /// The frozen forward part (the backbone) on `backbone`, the trainable
+    /// head, its gradient and the optimizer on `head`; the whole step on
+    /// `head` when the model has no frozen backbone or `backbone` cannot
+    /// run it. Either way the update has the same layout and values (the
+    /// split computes the same step).
+    Split {
+        backbone: &'a dyn Backend,
+        head: &'a dyn Backend,
+    },
+}
+
+impl Placement<'_> {
+    /// The trainer for `model`'s `train_step` placed here.
+    fn trainer(self, model: &Model, seed: u64) -> Result<Trainer, TrainError> {
+        let (backbone, head) = match self {
+            Placement::One(backend) => return Ok(Trainer::new(model, backend, seed)?),
+            Placement::Split { backbone, head } => (backbone, head),
+        };
+        if !has_frozen_backbone(model) {
+            tracing::info!(
+                "the whole training step runs on the {} backend: the model freezes no layer \
+                 (at most its input statistics), so there is no backbone for the {}",
+                head.name(),
+                backbone.name()
+            );
+            return Ok(Trainer::new(model, head, seed)?);
+        }
+        match Trainer::split(model, backbone, head, seed) {
+            Ok(trainer) => {
+                tracing::info!(
+                    backbone = backbone.name(),
+                    head = head.name(),
+                    "training with the frozen backbone on the {} backend and the head on the {}",
+                    backbone.name(),
+                    head.name()
+                );
+                Ok(trainer)
+            }
+            // No frozen part to split off, or an op the backbone's
+            // backend cannot take: the whole step on the head instead.
+            Err(why @ (EngineError::Setting(_) | EngineError::Unsupported { .. })) => {
+                tracing::info!(
+                    reason = %crate::error::error_chain(&why),
+                    "the whole training step runs on the {} backend, none of it on the {}",
+                    head.name(),
+                    backbone.name()
+                );
+                Ok(Trainer::new(model, head, seed)?)
+            }
+            Err(other) => Err(other.into()),
+        }
+    }
+}
+
+/// Whether `model` freezes a layer's parameters. The input statistics are
+/// always frozen, but a session of their normalization alone costs a step
+/// more than it saves, so they make no backbone.
+fn has_frozen_backbone(model: &Model) -> bool {
+    model
+        .parameters
+        .iter()
+        .any(|p| !p.trainable && !p.name.starts_with(canopy_engine::nn::INPUT_STATS_PREFIX))
+}
+
+/// The training loop on `placement`, which compiles and runs `train_step`.
 /// The task is checked against the shared bounds first, so that its epochs
 /// and batch size bound the loop.
 fn train_on(
@@ -195,7 +267,7 @@ fn train_on(
     task: &Task,
     data: &Dataset,
     seed: u64,
-    backend: &dyn Backend,
+    placement: Placement<'_>,
     cancel: &CancelToken,
 ) -> Result<LocalUpdate, TrainError> {
     check_cancelled(cancel)?;
@@ -216,7 +288,7 @@ fn train_on(
         )));
     }
     let before = trainable_values(&model);
-    let mut trainer = Trainer::new(&model, backend, seed)?;
+    let mut trainer = placement.trainer(&model, seed)?;
     let train_loss = run_epochs(&mut trainer, task, data, seed, cancel)?;
     trainer.write_back(&mut model)?;
     let delta: Vec<f32> = trainable_values(&model)
@@ -301,7 +373,8 @@ pub fn evaluate_model(
     evaluate_model_on(model, data, batch, &BackendChoice::default())
 }
 
-/// [`evaluate_model`] on a chosen backend, the one a device trains on.
+/// [`evaluate_model`] on a chosen backend, the one a device trains on; for
+/// an NPU choice, its head backend (the CPU or GPU).
 pub fn evaluate_model_on(
     model: &Model,
     data: &Dataset,
@@ -311,6 +384,11 @@ pub fn evaluate_model_on(
     if data.is_empty() {
         return Err(TrainError::NoData);
     }
+    // Not the NPU: the `eval` graph would go to ONNX Runtime whole, loss
+    // and accuracy included, with no split to keep the ops export cannot
+    // take on the CPU, so an exported-op gap would fail the evaluation
+    // outright; and a device evaluates a few batches per round, where a
+    // session's export and creation would cost about what it saves.
     let backend = backend.engine_backend();
     let stats = canopy_engine::train::evaluate(model, data, batch, backend.as_ref())?;
     Ok(Evaluation {
@@ -412,7 +490,14 @@ mod tests {
     fn a_task_outside_the_shared_bounds_is_refused_before_training() {
         let (bytes, mut task, data) = setup(MAX_EPOCHS + 1);
         let backend = Recording::default();
-        let outcome = train_on(&bytes, &task, &data, 1, &backend, &CancelToken::new());
+        let outcome = train_on(
+            &bytes,
+            &task,
+            &data,
+            1,
+            Placement::One(&backend),
+            &CancelToken::new(),
+        );
         let Err(TrainError::InvalidTask(bounds)) = &outcome else {
             panic!("an out-of-bounds task trained: {outcome:?}");
         };
@@ -545,11 +630,19 @@ mod tests {
             &task,
             &data,
             5,
-            gpu.engine_backend().as_ref(),
+            Placement::One(gpu.engine_backend().as_ref()),
             &cancel,
         )
         .expect("GPU training");
-        let on_cpu = train_on(&bytes, &task, &data, 5, &CpuBackend, &cancel).expect("CPU training");
+        let on_cpu = train_on(
+            &bytes,
+            &task,
+            &data,
+            5,
+            Placement::One(&CpuBackend),
+            &cancel,
+        )
+        .expect("CPU training");
         let decode = |u: &LocalUpdate| {
             canopy_protocol::update::decode_update(&u.encoded, &task.layout)
                 .expect("decodes")
@@ -564,12 +657,33 @@ mod tests {
         assert!((on_gpu.train_loss - on_cpu.train_loss).abs() <= 1e-4 * on_cpu.train_loss);
     }
 
+    /// A split placement for a model that freezes nothing but its input
+    /// statistics trains the whole step on the head (the backbone backend,
+    /// which refuses everything, is never asked): the update is the
+    /// one-backend update, bit for bit.
+    #[test]
+    fn a_split_that_cannot_happen_trains_the_whole_step_on_the_head() {
+        let (bytes, task, data) = setup(1);
+        let cancel = CancelToken::new();
+        let head = Recording::default();
+        let placement = Placement::Split {
+            backbone: &Refusing,
+            head: &head,
+        };
+        let split = train_on(&bytes, &task, &data, 9, placement, &cancel).expect("train");
+        assert_eq!(head.compiled.load(Ordering::SeqCst), 1, "the whole step");
+        assert_eq!(head.runs.load(Ordering::SeqCst), 64);
+        let plain = train_task(&bytes, &task, &data, 9).expect("train");
+        assert_eq!(split.encoded, plain.encoded);
+    }
+
     #[test]
     fn training_runs_on_the_backend_it_is_given() {
         let (bytes, task, data) = setup(2);
         let recording = Recording::default();
         let cancel = CancelToken::new();
-        let recorded = train_on(&bytes, &task, &data, 9, &recording, &cancel).expect("train");
+        let recorded =
+            train_on(&bytes, &task, &data, 9, Placement::One(&recording), &cancel).expect("train");
         assert_eq!(
             recording.compiled.load(Ordering::SeqCst),
             1,
@@ -580,7 +694,7 @@ mod tests {
         // It wraps the CPU, so the update is the default path's, bit for bit.
         let plain = train_task(&bytes, &task, &data, 9).expect("train");
         assert_eq!(recorded.encoded, plain.encoded);
-        let refused = train_on(&bytes, &task, &data, 9, &Refusing, &cancel);
+        let refused = train_on(&bytes, &task, &data, 9, Placement::One(&Refusing), &cancel);
         assert!(
             matches!(
                 &refused,

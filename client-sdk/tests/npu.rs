@@ -1,0 +1,162 @@
+//! The SDK's NPU choice for real: ONNX Runtime (the `onnxruntime` wheel's
+//! library, or `ORT_DYLIB_PATH`) runs a frozen backbone while the CPU
+//! trains the head, and the update is the all-CPU update.
+
+#[path = "../../npu/tests/common/mod.rs"]
+mod ort;
+
+use std::sync::Mutex;
+
+use canopy_engine::data::Dataset;
+use canopy_engine::optim::Optimizer;
+use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
+use canopy_protocol::messages::{Task, TaskKind, TrainingConfig};
+use canopy_protocol::update::{TensorSpec, UpdateLayout, decode_update};
+use canopy_sdk::train::{LocalUpdate, TrainOptions, train_task_with};
+use canopy_sdk::{BackendChoice, BackendKind, OrtConfig, Provider, configure_npu, shared_npu};
+
+/// The tests read the shared backend's counters, so they run one at a time.
+static NPU_USE: Mutex<()> = Mutex::new(());
+
+fn npu_config() -> OrtConfig {
+    ort::config(&[Provider::Cpu])
+}
+
+fn npu_choice() -> BackendChoice {
+    configure_npu(npu_config()).expect("configure the NPU backend");
+    let choice = BackendChoice::npu();
+    assert_eq!(choice.kind(), BackendKind::Npu, "{choice}");
+    assert_eq!(choice.head(), BackendKind::Cpu);
+    choice
+}
+
+/// An MLP on 8 features with `frozen` frozen, its task (2 epochs, batch
+/// 4) and 64 samples.
+fn setup(frozen: &[&str]) -> (Vec<u8>, Task, Dataset) {
+    let model = build_model(&ModelConfig {
+        architecture: Architecture::Mlp {
+            inputs: 8,
+            hidden: 16,
+            classes: 3,
+        },
+        seed: 2,
+        optimizer: Optimizer::parse("sgd").expect("sgd"),
+        frozen_prefixes: frozen.iter().map(|p| p.to_string()).collect(),
+        producer: "sdk npu tests".to_string(),
+    })
+    .expect("model");
+    let tensors = model
+        .parameters
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| TensorSpec {
+            name: p.name.clone(),
+            shape: p.data.shape.clone(),
+        })
+        .collect();
+    let layout = UpdateLayout::new(tensors).expect("layout");
+    let bytes = canopy_ir::format::write_model(&model).expect("bytes");
+    let samples = 64;
+    let features = (0..samples * 8)
+        .map(|i| ((i * 7) % 11) as f32 / 11.0)
+        .collect();
+    let labels = (0..samples).map(|i| (i % 3) as i64).collect();
+    let data = Dataset::new(features, vec![8], labels, 3).expect("dataset");
+    let task = Task {
+        kind: TaskKind::Train,
+        dataset: None,
+        job_id: 1,
+        round_id: 1,
+        round_number: 1,
+        model_version_id: 1,
+        model_digest: String::new(),
+        model_size_bytes: bytes.len() as u64,
+        model_path: String::new(),
+        upload_path: String::new(),
+        upload_size_bytes: layout.encoded_len(),
+        deadline_unix_ms: 0,
+        training: TrainingConfig {
+            epochs: 2,
+            batch_size: 4,
+            learning_rate: 0.1,
+        },
+        layout,
+        secure_aggregation: None,
+    };
+    (bytes, task, data)
+}
+
+fn train(bytes: &[u8], task: &Task, data: &Dataset, backend: BackendChoice) -> LocalUpdate {
+    let options = TrainOptions {
+        backend,
+        ..TrainOptions::default()
+    };
+    train_task_with(bytes, task, data, 7, &options).expect("training")
+}
+
+/// The values of the update, decoded in the task's layout.
+fn values(update: &LocalUpdate, task: &Task) -> Vec<f32> {
+    decode_update(&update.encoded, &task.layout)
+        .expect("the update decodes in the task's layout")
+        .values
+}
+
+fn assert_close(npu: &[f32], cpu: &[f32]) {
+    assert_eq!(npu.len(), cpu.len());
+    let scale = cpu.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(scale > 0.0, "training moved the parameters");
+    for (i, (a, b)) in npu.iter().zip(cpu).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * scale, "value {i}: NPU {a}, CPU {b}");
+    }
+}
+
+#[test]
+fn an_npu_choice_trains_the_frozen_backbone_in_onnx_runtime() {
+    let _one = NPU_USE.lock().unwrap_or_else(|p| p.into_inner());
+    let (bytes, task, data) = setup(&["fc1"]);
+    let choice = npu_choice();
+    let npu = shared_npu().expect("the NPU opened");
+    let (sessions, runs) = (npu.sessions_created(), npu.runs());
+    let on_npu = train(&bytes, &task, &data, choice);
+    assert_eq!(npu.sessions_created(), sessions + 1, "one backbone session");
+    // 64 samples in batches of 4, 2 epochs: one backbone run per step.
+    assert_eq!(npu.runs(), runs + 2 * 16);
+    let on_cpu = train(&bytes, &task, &data, BackendChoice::cpu());
+    assert_close(&values(&on_npu, &task), &values(&on_cpu, &task));
+    assert!((on_npu.train_loss - on_cpu.train_loss).abs() <= 1e-4 * on_cpu.train_loss);
+}
+
+#[test]
+fn with_nothing_frozen_an_npu_choice_trains_on_its_head() {
+    let _one = NPU_USE.lock().unwrap_or_else(|p| p.into_inner());
+    let (bytes, task, data) = setup(&[]);
+    let choice = npu_choice();
+    let npu = shared_npu().expect("the NPU opened");
+    let (sessions, runs) = (npu.sessions_created(), npu.runs());
+    let on_npu = train(&bytes, &task, &data, choice);
+    assert_eq!(
+        (npu.sessions_created(), npu.runs()),
+        (sessions, runs),
+        "nothing ran in ONNX Runtime"
+    );
+    let on_cpu = train(&bytes, &task, &data, BackendChoice::cpu());
+    assert_eq!(on_npu.encoded, on_cpu.encoded, "the whole step on the CPU");
+}
+
+#[test]
+fn the_npu_cannot_be_reconfigured_once_open() {
+    let _one = NPU_USE.lock().unwrap_or_else(|p| p.into_inner());
+    npu_choice();
+    configure_npu(npu_config()).expect("the same configuration again is fine");
+    let other = OrtConfig {
+        providers: vec![Provider::Nnapi, Provider::Cpu],
+        ..npu_config()
+    };
+    let error = configure_npu(other).unwrap_err().to_string();
+    assert!(
+        error.contains("already open") && error.contains("hint:"),
+        "{error}"
+    );
+    let reported = canopy_sdk::available_backends();
+    assert!(reported.contains(&"npu".to_string()), "{reported:?}");
+}
