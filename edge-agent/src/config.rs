@@ -10,6 +10,7 @@ use canopy_protocol::auth::DeviceKey;
 use canopy_sdk::{Trust, TrustedKeys};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::AgentBackend;
 use crate::files::{DataDir, Hint, MAX_CONFIG_BYTES, hinted, read_text, write_public};
 
 /// Longest server URL accepted.
@@ -167,27 +168,24 @@ pub struct RunSettings {
     pub max_memory_mb: Option<u64>,
     pub only_when_idle: Option<bool>,
     pub poll_wait_ms: Option<u64>,
-    /// `cpu`, `gpu` or `auto`.
+    /// `cpu`, `gpu`, `auto` or `npu`.
     #[serde(default, with = "backend_name")]
-    pub backend: Option<canopy_engine::select::BackendChoice>,
+    pub backend: Option<AgentBackend>,
 }
 
 /// `run.backend` as its name in config.toml.
 mod backend_name {
-    use canopy_engine::select::BackendChoice;
+    use crate::backend::AgentBackend;
     use serde::{Deserialize, Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(
-        value: &Option<BackendChoice>,
-        s: S,
-    ) -> Result<S::Ok, S::Error> {
+    pub fn serialize<S: Serializer>(value: &Option<AgentBackend>, s: S) -> Result<S::Ok, S::Error> {
         match value {
             Some(choice) => s.serialize_some(choice.as_str()),
             None => s.serialize_none(),
         }
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<BackendChoice>, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<AgentBackend>, D::Error> {
         Option::<String>::deserialize(d)?
             .map(|name| name.parse().map_err(serde::de::Error::custom))
             .transpose()
@@ -219,8 +217,9 @@ pub fn config_template() -> String {
      # only_when_idle = false\n\
      # How long one task poll waits at the server, in milliseconds.\n\
      # poll_wait_ms = 25000\n\
-     # Engine backend: cpu, gpu (any Vulkan/Metal/DX12 adapter) or auto\n\
-     # (a hardware GPU when there is one, else the CPU).\n\
+     # Engine backend: cpu, gpu (any Vulkan/Metal/DX12 adapter), auto\n\
+     # (a hardware GPU when there is one, else the CPU) or npu (frozen\n\
+     # backbones in ONNX Runtime: see `canopy-agent run --help`, --ort-library).\n\
      # backend = \"auto\"\n"
         .to_string()
 }

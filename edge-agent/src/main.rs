@@ -17,6 +17,7 @@
 //! filters them, `CANOPY_LOG_FORMAT=json|text` picks the format, JSON
 //! when stderr is not a terminal.
 
+mod backend;
 mod commands;
 mod config;
 mod daemon;

@@ -10,6 +10,7 @@ use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::messages::{Capabilities, MAX_MEMORY_MB, MAX_TAGS, Tier};
 use clap::Args;
 
+use crate::backend::{AgentBackend, OrtArgs};
 use crate::config::{AgentConfig, MAX_URL_CHARS, TrustConfig, store_key};
 use crate::files::{DataDir, absolute, hinted, now_ms};
 use crate::output::outln;
@@ -44,14 +45,27 @@ pub struct EnrollArgs {
     force: bool,
     /// The backends to offer jobs: cpu; gpu (the CPU and any Vulkan,
     /// Metal or DX12 adapter); auto (the CPU, and a hardware GPU when there
-    /// is one). A job's device filter can ask for `gpu`.
-    #[arg(long, default_value_t = BackendChoice::Auto)]
-    backend: BackendChoice,
+    /// is one); npu (the CPU, and ONNX Runtime for frozen backbones; an
+    /// error when it does not open). A job's device filter can ask for
+    /// `gpu` or `npu`.
+    #[arg(long, default_value_t = AgentBackend::default())]
+    backend: AgentBackend,
+    #[command(flatten)]
+    ort: OrtArgs,
 }
 
-/// The backend names to report for `choice`: always `cpu`, and `gpu`
-/// when the engine opens one for it.
-fn offered_backends(choice: BackendChoice) -> Vec<String> {
+/// The backend names to report for `choice`: always `cpu`; `gpu` when
+/// the engine opens one for it; `npu` when ONNX Runtime opens (else an
+/// error, with how to get it).
+fn offered_backends(choice: AgentBackend, ort: &OrtArgs) -> Result<Vec<String>> {
+    let choice = match choice {
+        AgentBackend::Npu => {
+            ort.open()
+                .context("cannot offer the NPU backend (--backend npu)")?;
+            return Ok(vec!["cpu".to_string(), "npu".to_string()]);
+        }
+        AgentBackend::Engine(choice) => choice,
+    };
     let mut backends = vec!["cpu".to_string()];
     if choice != BackendChoice::Cpu {
         match canopy_engine::select::open_backend(choice) {
@@ -65,7 +79,7 @@ fn offered_backends(choice: BackendChoice) -> Vec<String> {
             Err(error) => tracing::warn!(%error, "no GPU to offer; the CPU only"),
         }
     }
-    backends
+    Ok(backends)
 }
 
 pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
@@ -84,7 +98,7 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
     }
     let trust = trust_config(&server, &args)?;
     let tags = parse_tags(&args.tags)?;
-    let backends = offered_backends(args.backend);
+    let backends = offered_backends(args.backend, &args.ort)?;
     let gpu = if backends.iter().any(|backend| backend == "gpu") {
         canopy_sdk::gpu_adapter()
     } else {

@@ -24,6 +24,7 @@ use canopy_sdk::{CancelToken, DeviceClient, RetryPolicy, SdkError};
 use clap::Args;
 use tokio::sync::{Notify, watch};
 
+use crate::backend::{AgentBackend, OrtArgs};
 use crate::config::{AgentConfig, FileConfig, load_key};
 use crate::files::{DataDir, now_ms};
 use crate::status::{AgentState, AgentStatus, TaskRecord, TaskResult};
@@ -86,10 +87,14 @@ pub struct RunArgs {
     #[arg(long)]
     poll_wait_ms: Option<u64>,
     /// The engine backend to train and evaluate on: cpu, gpu (any Vulkan,
-    /// Metal or DX12 adapter) or auto (a hardware GPU when there is one,
-    /// else the CPU); default: `run.backend` in config.toml, else auto.
+    /// Metal or DX12 adapter), auto (a hardware GPU when there is one,
+    /// else the CPU) or npu (a model's frozen backbone in ONNX Runtime,
+    /// the rest on the CPU; an error when ONNX Runtime does not open);
+    /// default: `run.backend` in config.toml, else auto.
     #[arg(long)]
-    backend: Option<canopy_engine::select::BackendChoice>,
+    backend: Option<AgentBackend>,
+    #[command(flatten)]
+    ort: OrtArgs,
 }
 
 /// `run`'s settings after merging flags over config.toml.
@@ -100,7 +105,7 @@ struct Settings {
     max_memory_mb: Option<u64>,
     only_when_idle: bool,
     poll_wait_ms: u64,
-    backend: canopy_engine::select::BackendChoice,
+    backend: AgentBackend,
 }
 
 impl Settings {
@@ -141,7 +146,12 @@ impl Settings {
 }
 
 pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
+    let ort = args.ort.clone();
     let settings = Settings::merge(args, FileConfig::load(dir)?)?;
+    if settings.backend == AgentBackend::Npu {
+        ort.open()
+            .context("cannot train on the NPU backend (--backend npu)")?;
+    }
     let agent = AgentConfig::require(dir)?;
     let key = load_key(&dir.key())?;
     let datasets = Arc::new(LocalDatasets::open(dir, settings.dataset.as_deref())?);
@@ -645,6 +655,7 @@ mod tests {
     use canopy_engine::select::BackendChoice;
 
     use super::*;
+    use crate::backend::AgentBackend::Engine;
     use crate::config::RunSettings;
 
     #[test]
@@ -656,7 +667,7 @@ mod tests {
                 max_memory_mb: Some(100),
                 only_when_idle: Some(true),
                 poll_wait_ms: Some(5_000),
-                backend: Some(BackendChoice::Cpu),
+                backend: Some(Engine(BackendChoice::Cpu)),
             },
         };
         let args = RunArgs {
@@ -665,7 +676,8 @@ mod tests {
             max_memory_mb: Some(50),
             only_when_idle: false,
             poll_wait_ms: None,
-            backend: Some(BackendChoice::Gpu),
+            backend: Some(Engine(BackendChoice::Gpu)),
+            ..RunArgs::default()
         };
         let settings = Settings::merge(args, file).unwrap();
         assert_eq!(settings.dataset.as_deref(), Some("b"));
@@ -673,12 +685,14 @@ mod tests {
         assert_eq!(settings.max_memory_mb, Some(50));
         assert!(settings.only_when_idle);
         assert_eq!(settings.poll_wait_ms, 5_000);
-        assert_eq!(settings.backend, BackendChoice::Gpu);
+        assert_eq!(settings.backend, Engine(BackendChoice::Gpu));
         let defaults = Settings::merge(RunArgs::default(), FileConfig::default()).unwrap();
         assert_eq!(defaults.poll_wait_ms, DEFAULT_POLL_WAIT_MS);
-        assert_eq!(defaults.backend, BackendChoice::Auto);
+        assert_eq!(defaults.backend, Engine(BackendChoice::Auto));
         let file: FileConfig = toml::from_str("[run]\nbackend = \"gpu\"\n").unwrap();
-        assert_eq!(file.run.backend, Some(BackendChoice::Gpu));
+        assert_eq!(file.run.backend, Some(Engine(BackendChoice::Gpu)));
+        let file: FileConfig = toml::from_str("[run]\nbackend = \"npu\"\n").unwrap();
+        assert_eq!(file.run.backend, Some(AgentBackend::Npu));
         let wrong = toml::from_str::<FileConfig>("[run]\nbackend = \"tpu\"\n").unwrap_err();
         assert!(
             wrong.to_string().contains("unknown backend `tpu`"),

@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use canopy_engine::select::BackendChoice;
 use canopy_protocol::messages::{RoundMetrics, Task, TaskKind};
 use canopy_sdk::train::{
     EVAL_BATCH, Evaluation, LocalUpdate, TrainOptions, evaluate_model_on, statistics_update,
@@ -297,7 +296,7 @@ impl Daemon {
         let owned_task = task.clone();
         let seed = training_seed(self.client.device_id, task.round_id);
         let options = TrainOptions {
-            backend: sdk_backend(self.settings.backend),
+            backend: self.settings.backend.sdk_choice(),
             cancel: run.training.clone(),
         };
         tracing::info!(round_id = task.round_id, backend = %options.backend, "training");
@@ -403,7 +402,7 @@ impl Daemon {
         self.set_state(AgentState::Evaluating);
         let datasets = self.datasets.clone();
         let name = task.dataset.clone();
-        let backend = sdk_backend(self.settings.backend);
+        let backend = self.settings.backend.sdk_choice();
         let evaluation = off_thread("evaluation", move || {
             let data = datasets.get(name.as_deref())?;
             rayon::scope(|_| evaluate_held_out(&model.bytes, &data, &backend))
@@ -579,16 +578,6 @@ async fn off_thread<T: Send + 'static>(
             TaskResult::Failed,
             format!("{what} stopped unexpectedly: {join}"),
         )),
-    }
-}
-
-/// The SDK's backend for the agent's `--backend`: `auto` takes a hardware
-/// GPU and otherwise the CPU, as the engine decides in one place.
-pub(super) fn sdk_backend(choice: BackendChoice) -> canopy_sdk::BackendChoice {
-    match canopy_engine::select::open_backend(choice) {
-        Ok(backend) if backend.name() == "gpu" => canopy_sdk::BackendChoice::gpu(),
-        _ if choice == BackendChoice::Gpu => canopy_sdk::BackendChoice::gpu(),
-        _ => canopy_sdk::BackendChoice::cpu(),
     }
 }
 
