@@ -3,6 +3,9 @@
 //! corrupted model download, a task beyond the shared bounds and a revoked
 //! enrollment token.
 
+/// Where the tests find ONNX Runtime for `--backend npu`.
+#[path = "../npu/tests/common/mod.rs"]
+mod ort;
 #[path = "../server/tests/support/mod.rs"]
 mod support;
 
@@ -12,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use canopy_engine::data::{Dataset, LabelColumn, load_csv, partition_dirichlet, write_csv};
-use canopy_engine::zoo::{Architecture, ModelConfig, build_model, fit_input_stats};
+use canopy_engine::zoo::{
+    Architecture, ModelConfig, build_model, fit_input_stats, rebuild_train_step, set_frozen,
+};
 use serde_json::{Value, json};
 use support::{Admin, Database, TestServer, fetch_model, sibling_binary};
 
@@ -61,7 +66,7 @@ impl Agent {
             child: None,
             backend: backend.to_string(),
         };
-        let output = agent.output(&[
+        let mut args = vec![
             "enroll",
             "--server",
             &server.base,
@@ -69,9 +74,10 @@ impl Agent {
             token,
             "--fingerprint",
             &server.fingerprint,
-            "--backend",
-            backend,
-        ])?;
+        ];
+        let backend_args = agent.backend_args();
+        args.extend(backend_args.iter().map(String::as_str));
+        let output = agent.output(&args)?;
         ensure!(
             output.status.success(),
             "enroll failed: {}",
@@ -112,13 +118,28 @@ impl Agent {
         let child = self
             .command()
             .args(["run", "--max-threads", "1", "--poll-wait-ms", "2000"])
-            .args(["--backend", &self.backend])
+            .args(self.backend_args())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(log))
             .spawn()?;
         self.child = Some(child);
         Ok(())
+    }
+
+    /// `--backend` and, for the NPU, ONNX Runtime's library and its CPU
+    /// provider (the one every build has).
+    fn backend_args(&self) -> Vec<String> {
+        let mut args = vec!["--backend".to_string(), self.backend.clone()];
+        if self.backend == "npu" {
+            args.extend([
+                "--ort-library".to_string(),
+                ort::ort_library().display().to_string(),
+                "--ort-providers".to_string(),
+                "cpu".to_string(),
+            ]);
+        }
+        args
     }
 
     fn kill9(&mut self) {
@@ -427,6 +448,77 @@ async fn gpu_agents_train_a_job_that_asks_for_a_gpu() -> Result<()> {
     ensure!(
         final_accuracy > 0.8,
         "accuracy {final_accuracy}\n{}",
+        logs(&agents)
+    );
+    Ok(())
+}
+
+/// Agents on the NPU backend (ONNX Runtime's CPU provider in CI) offer
+/// `npu` at enrolment, a job whose device filter asks for it selects only
+/// them, and they fine-tune a model whose `fc1` is frozen with that
+/// backbone in ONNX Runtime: every round succeeds with exactly the NPU
+/// agents, and the head learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn npu_agents_fine_tune_a_frozen_backbone_in_onnx_runtime() -> Result<()> {
+    let (train, test) = digits()?;
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let mut model = canopy_ir::format::read_model(&digits_model(&train)?)?;
+    set_frozen(&mut model, &["fc1".to_string()])?;
+    rebuild_train_step(&mut model, &canopy_engine::optim::Optimizer::parse("sgd")?)?;
+    let version = admin
+        .upload_model("digits", canopy_ir::format::write_model(&model)?)
+        .await?;
+    let token = admin.enrollment_token(3).await?;
+    let mut agents = Vec::new();
+    for (index, shard) in partition_dirichlet(&train, 3, 100.0, 4)?.iter().enumerate() {
+        let backend = if index < 2 { "npu" } else { "cpu" };
+        let mut agent = Agent::enroll_offering(&server, &token, backend)?;
+        agent.add_data(shard)?;
+        agent.start()?;
+        agents.push(agent);
+    }
+    let npu_devices = [agents[0].device_id()?, agents[1].device_id()?];
+    for id in npu_devices {
+        let device = admin.ok(&format!("/api/v1/devices/{id}")).await?;
+        ensure!(
+            device["backends"] == json!(["cpu", "npu"]),
+            "device {id} should offer the NPU: {device}"
+        );
+    }
+    let mut spec = job(version["id"].as_i64().unwrap_or_default(), 3, 2, 2, 60_000);
+    spec["filters"] = json!({"backends": ["npu"]});
+    spec["evaluation"] = json!({"fraction": 0.0});
+    let id = admin.create_job(spec).await?;
+    let finished = admin.wait_for_job(id, JOB_TIMEOUT).await?;
+    ensure!(
+        finished["state"] == "completed",
+        "{finished}\n{}",
+        logs(&agents)
+    );
+    for (number, participants) in participants_by_round(&admin, id).await? {
+        ensure!(
+            participants == npu_devices,
+            "round {number} had participants {participants:?}, not the NPU agents {npu_devices:?}"
+        );
+    }
+    for agent in &agents[..2] {
+        let log = logs(std::slice::from_ref(agent));
+        ensure!(
+            log.contains(
+                "training with the frozen backbone on the npu backend and the head on the cpu"
+            ),
+            "the NPU agent ran its backbone in ONNX Runtime:\n{log}"
+        );
+    }
+    let (initial, fine_tuned) = (
+        accuracy(&admin, 1, &test).await?,
+        accuracy(&admin, 4, &test).await?,
+    );
+    eprintln!("held-out accuracy: {initial} before fine-tuning, {fine_tuned} after");
+    ensure!(
+        fine_tuned > initial + 0.2,
+        "the head learns: accuracy {initial} before, {fine_tuned} after\n{}",
         logs(&agents)
     );
     Ok(())

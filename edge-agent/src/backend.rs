@@ -117,8 +117,7 @@ impl OrtArgs {
             hinted(
                 canopy_term::error_chain(&error),
                 "pass --ort-library PATH (or set ORT_DYLIB_PATH) to an ONNX Runtime shared \
-                 library: `pip install onnxruntime` ships one in onnxruntime/capi/ (README, \
-                 \"The NPU backend\"), or choose --backend cpu",
+                 library, or choose --backend cpu",
             )
         })?;
         Ok(())

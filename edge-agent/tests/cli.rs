@@ -679,6 +679,67 @@ fn enroll_checks_its_arguments_before_calling_the_server() {
     assert!(files_under(tmp.path()).is_empty());
 }
 
+/// `--backend npu` offers the NPU only where ONNX Runtime opens: with a
+/// library that is not there, enrolment stops before calling the server,
+/// names the library and says how to get one.
+#[test]
+fn enroll_on_the_npu_without_onnx_runtime_fails_with_a_hint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("agent");
+    let server = format!("https://127.0.0.1:{}", closed_port());
+    let library = tmp.path().join("missing").join("libonnxruntime.so");
+    let stderr = fails(agent(
+        &data,
+        &[
+            "enroll",
+            "--server",
+            &server,
+            "--token",
+            "t",
+            "--fingerprint",
+            &"ab".repeat(32),
+            "--backend",
+            "npu",
+            "--ort-library",
+            library.to_str().unwrap(),
+        ],
+    ));
+    assert!(
+        stderr.contains("cannot offer the NPU backend")
+            && stderr.contains("missing/libonnxruntime.so"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("hint:") && stderr.contains("--ort-library"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("enrollment with"),
+        "the server is not called: {stderr}"
+    );
+    let stderr = fails(agent(
+        &data,
+        &[
+            "enroll",
+            "--server",
+            &server,
+            "--token",
+            "t",
+            "--fingerprint",
+            &"ab".repeat(32),
+            "--backend",
+            "npu",
+            "--ort-providers",
+            "cpu,tpu",
+        ],
+    ));
+    assert!(
+        stderr.contains("--ort-providers") && stderr.contains("`tpu`"),
+        "{stderr}"
+    );
+    assert!(files_under(tmp.path()).is_empty());
+}
+
 #[test]
 fn enroll_refuses_to_replace_an_enrollment_without_force() {
     let tmp = tempfile::tempdir().unwrap();
