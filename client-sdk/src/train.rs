@@ -417,14 +417,25 @@ mod tests {
     }
 
     fn setup_with(epochs: u32, samples: usize) -> (Vec<u8>, Task, Dataset) {
+        let logreg = canopy_engine::zoo::Architecture::LogReg {
+            inputs: 8,
+            classes: 3,
+        };
+        setup_model(logreg, &[], epochs, samples)
+    }
+
+    /// `architecture` on 8 features and 3 classes, `frozen` frozen.
+    fn setup_model(
+        architecture: canopy_engine::zoo::Architecture,
+        frozen: &[&str],
+        epochs: u32,
+        samples: usize,
+    ) -> (Vec<u8>, Task, Dataset) {
         let config = canopy_engine::zoo::ModelConfig {
-            architecture: canopy_engine::zoo::Architecture::LogReg {
-                inputs: 8,
-                classes: 3,
-            },
+            architecture,
             seed: 1,
             optimizer: canopy_engine::optim::Optimizer::parse("sgd").expect("sgd"),
-            frozen_prefixes: Vec::new(),
+            frozen_prefixes: frozen.iter().map(|p| p.to_string()).collect(),
             producer: "sdk train tests".to_string(),
         };
         let model = canopy_engine::zoo::build_model(&config).expect("model");
@@ -674,6 +685,41 @@ mod tests {
         assert_eq!(head.compiled.load(Ordering::SeqCst), 1, "the whole step");
         assert_eq!(head.runs.load(Ordering::SeqCst), 64);
         let plain = train_task(&bytes, &task, &data, 9).expect("train");
+        assert_eq!(split.encoded, plain.encoded);
+    }
+
+    /// A frozen backbone the backbone's backend cannot take (it refuses
+    /// every graph, as ONNX Runtime an op export lacks) trains the whole
+    /// step on the head, with the one-backend update.
+    #[test]
+    fn a_backbone_the_backend_refuses_trains_on_the_head() {
+        let mlp = canopy_engine::zoo::Architecture::Mlp {
+            inputs: 8,
+            hidden: 6,
+            classes: 3,
+        };
+        let (bytes, task, data) = setup_model(mlp, &["fc1"], 1, 64);
+        let head = Recording::default();
+        let placement = Placement::Split {
+            backbone: &Refusing,
+            head: &head,
+        };
+        let cancel = CancelToken::new();
+        let split = train_on(&bytes, &task, &data, 3, placement, &cancel).expect("train");
+        assert_eq!(
+            head.runs.load(Ordering::SeqCst),
+            64,
+            "every step on the head"
+        );
+        let plain = train_on(
+            &bytes,
+            &task,
+            &data,
+            3,
+            Placement::One(&CpuBackend),
+            &cancel,
+        )
+        .expect("train");
         assert_eq!(split.encoded, plain.encoded);
     }
 

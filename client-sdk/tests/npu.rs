@@ -143,6 +143,35 @@ fn with_nothing_frozen_an_npu_choice_trains_on_its_head() {
     assert_eq!(on_npu.encoded, on_cpu.encoded, "the whole step on the CPU");
 }
 
+/// A device reporting an NPU and a GPU trains the backbone on the NPU and
+/// the head on the GPU (lavapipe in CI; the CPU with
+/// `CANOPY_TEST_BACKENDS=cpu`).
+#[test]
+fn a_device_reporting_an_npu_gets_it_with_the_head_on_its_gpu() {
+    let _one = NPU_USE.lock().unwrap_or_else(|p| p.into_inner());
+    npu_choice();
+    let capabilities = canopy_protocol::messages::Capabilities {
+        tier: canopy_protocol::messages::Tier::End,
+        backends: vec!["cpu".into(), "vulkan".into(), "nnapi".into()],
+        memory_mb: 2048,
+        os: "android".to_string(),
+        tags: Default::default(),
+        gpu: None,
+    };
+    let choice = canopy_sdk::choose_backend(&capabilities);
+    assert_eq!(choice.kind(), BackendKind::Npu, "{choice}");
+    assert_eq!(choice.fallback(), None);
+    let gpu_expected = std::env::var("CANOPY_TEST_BACKENDS").as_deref() != Ok("cpu");
+    let head = if gpu_expected {
+        BackendKind::Gpu
+    } else {
+        BackendKind::Cpu
+    };
+    assert_eq!(choice.head(), head, "{choice}");
+    assert_eq!(choice.engine_backend().name(), head.as_str());
+    assert!(choice.npu_backend().is_some(), "the backbone runs in ONNX Runtime");
+}
+
 #[test]
 fn the_npu_cannot_be_reconfigured_once_open() {
     let _one = NPU_USE.lock().unwrap_or_else(|p| p.into_inner());
