@@ -169,7 +169,10 @@ fn a_device_reporting_an_npu_gets_it_with_the_head_on_its_gpu() {
     };
     assert_eq!(choice.head(), head, "{choice}");
     assert_eq!(choice.engine_backend().name(), head.as_str());
-    assert!(choice.npu_backend().is_some(), "the backbone runs in ONNX Runtime");
+    assert!(
+        choice.npu_backend().is_some(),
+        "the backbone runs in ONNX Runtime"
+    );
 }
 
 #[test]
