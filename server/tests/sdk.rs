@@ -139,7 +139,11 @@ fn blocking_client_runs_a_round_from_a_thread_without_a_runtime() -> Result<()> 
     let (train, _test) = load_csv(digits, LabelColumn::Last)?.split(0.2, 17)?;
     let reported = capabilities();
     let choice = canopy_sdk::choose_backend(&reported);
-    let expected = if reported.gpu.is_some() {
+    // The SDK prefers an NPU (ONNX Runtime, when its library loads), then
+    // a GPU, then the CPU.
+    let expected = if reported.backends.iter().any(|backend| backend == "npu") {
+        canopy_sdk::BackendKind::Npu
+    } else if reported.gpu.is_some() {
         canopy_sdk::BackendKind::Gpu
     } else {
         canopy_sdk::BackendKind::Cpu
