@@ -95,6 +95,15 @@ pub struct OrtArgs {
 }
 
 impl OrtArgs {
+    /// These flags over config.toml's `run.ort_library` and
+    /// `run.ort_providers`: a flag given wins, a missing one takes the file's.
+    pub fn or(self, library: Option<PathBuf>, providers: Option<String>) -> OrtArgs {
+        OrtArgs {
+            ort_library: self.ort_library.or(library),
+            ort_providers: self.ort_providers.or(providers),
+        }
+    }
+
     /// Hands the configuration to the SDK before anything opens the NPU.
     pub fn configure(&self) -> Result<()> {
         let mut config = OrtConfig {
@@ -139,6 +148,23 @@ mod tests {
             error.contains("unknown backend `tpu`") && error.contains("npu"),
             "{error}"
         );
+    }
+
+    #[test]
+    fn ort_flags_win_over_config_toml_and_fill_from_it() {
+        let flags = OrtArgs {
+            ort_library: None,
+            ort_providers: Some("cpu".into()),
+        };
+        let merged = flags.or(
+            Some("/opt/ort/libonnxruntime.so".into()),
+            Some("nnapi,cpu".into()),
+        );
+        assert_eq!(
+            merged.ort_library.as_deref(),
+            Some(std::path::Path::new("/opt/ort/libonnxruntime.so"))
+        );
+        assert_eq!(merged.ort_providers.as_deref(), Some("cpu"));
     }
 
     #[test]

@@ -171,6 +171,11 @@ pub struct RunSettings {
     /// `cpu`, `gpu`, `auto` or `npu`.
     #[serde(default, with = "backend_name")]
     pub backend: Option<AgentBackend>,
+    /// The ONNX Runtime shared library for `npu` (`--ort-library`).
+    pub ort_library: Option<PathBuf>,
+    /// ONNX Runtime execution providers in order of preference
+    /// (`--ort-providers`), e.g. `"nnapi,cpu"`.
+    pub ort_providers: Option<String>,
 }
 
 /// `run.backend` as its name in config.toml.
@@ -220,7 +225,11 @@ pub fn config_template() -> String {
      # Engine backend: cpu, gpu (any Vulkan/Metal/DX12 adapter), auto\n\
      # (a hardware GPU when there is one, else the CPU) or npu (frozen\n\
      # backbones in ONNX Runtime: see `canopy-agent run --help`, --ort-library).\n\
-     # backend = \"auto\"\n"
+     # backend = \"auto\"\n\
+     # The ONNX Runtime library for npu; default: ORT_DYLIB_PATH, else the system's.\n\
+     # ort_library = \"/opt/onnxruntime/lib/libonnxruntime.so\"\n\
+     # Execution providers to try, in order; default: all, as `run --help` lists.\n\
+     # ort_providers = \"nnapi,cpu\"\n"
         .to_string()
 }
 

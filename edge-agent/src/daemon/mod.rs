@@ -106,6 +106,7 @@ struct Settings {
     only_when_idle: bool,
     poll_wait_ms: u64,
     backend: AgentBackend,
+    ort: OrtArgs,
 }
 
 impl Settings {
@@ -121,6 +122,7 @@ impl Settings {
                 .or(run.poll_wait_ms)
                 .unwrap_or(DEFAULT_POLL_WAIT_MS),
             backend: args.backend.or(run.backend).unwrap_or_default(),
+            ort: args.ort.or(run.ort_library, run.ort_providers),
         };
         if let Some(threads) = settings.max_threads {
             if threads == 0 || threads > MAX_THREADS {
@@ -146,10 +148,11 @@ impl Settings {
 }
 
 pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
-    let ort = args.ort.clone();
     let settings = Settings::merge(args, FileConfig::load(dir)?)?;
     if settings.backend == AgentBackend::Npu {
-        ort.open()
+        settings
+            .ort
+            .open()
             .context("cannot train on the NPU backend (--backend npu)")?;
     }
     let agent = AgentConfig::require(dir)?;
@@ -668,6 +671,7 @@ mod tests {
                 only_when_idle: Some(true),
                 poll_wait_ms: Some(5_000),
                 backend: Some(Engine(BackendChoice::Cpu)),
+                ..RunSettings::default()
             },
         };
         let args = RunArgs {
@@ -691,8 +695,16 @@ mod tests {
         assert_eq!(defaults.backend, Engine(BackendChoice::Auto));
         let file: FileConfig = toml::from_str("[run]\nbackend = \"gpu\"\n").unwrap();
         assert_eq!(file.run.backend, Some(Engine(BackendChoice::Gpu)));
-        let file: FileConfig = toml::from_str("[run]\nbackend = \"npu\"\n").unwrap();
+        let file: FileConfig = toml::from_str(
+            "[run]\nbackend = \"npu\"\nort_library = \"/opt/ort.so\"\nort_providers = \"qnn,cpu\"\n",
+        )
+        .unwrap();
         assert_eq!(file.run.backend, Some(AgentBackend::Npu));
+        assert_eq!(
+            file.run.ort_library.as_deref(),
+            Some(std::path::Path::new("/opt/ort.so"))
+        );
+        assert_eq!(file.run.ort_providers.as_deref(), Some("qnn,cpu"));
         let wrong = toml::from_str::<FileConfig>("[run]\nbackend = \"tpu\"\n").unwrap_err();
         assert!(
             wrong.to_string().contains("unknown backend `tpu`"),
