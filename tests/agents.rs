@@ -402,34 +402,39 @@ async fn a_job_trains_on_the_dataset_it_names() -> Result<()> {
     Ok(())
 }
 
-/// Agents on the GPU (lavapipe in CI) offer `gpu` at enrolment, a job
-/// whose device filter asks for it selects only them, and they train it:
-/// every round succeeds with exactly the GPU agents, and the model learns.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gpu_agents_train_a_job_that_asks_for_a_gpu() -> Result<()> {
+/// A job three agents train, whose device filter asks for `backend`: the
+/// first two offer it, and every round must have exactly them.
+struct FilteredJob {
+    agents: Vec<Agent>,
+    /// Held-out accuracy of versions 1 (the upload) and 4 (three rounds on).
+    initial_accuracy: f64,
+    final_accuracy: f64,
+}
+
+async fn job_filtered_on_backend(backend: &str, model: Vec<u8>) -> Result<FilteredJob> {
     let (train, test) = digits()?;
     let server = TestServer::start(Database::Sqlite)?;
     let admin = server.admin();
-    let version = admin.upload_model("digits", digits_model(&train)?).await?;
+    let version = admin.upload_model("digits", model).await?;
     let token = admin.enrollment_token(3).await?;
     let mut agents = Vec::new();
     for (index, shard) in partition_dirichlet(&train, 3, 100.0, 4)?.iter().enumerate() {
-        let backend = if index < 2 { "gpu" } else { "cpu" };
-        let mut agent = Agent::enroll_offering(&server, &token, backend)?;
+        let offered = if index < 2 { backend } else { "cpu" };
+        let mut agent = Agent::enroll_offering(&server, &token, offered)?;
         agent.add_data(shard)?;
         agent.start()?;
         agents.push(agent);
     }
-    let gpu_devices = [agents[0].device_id()?, agents[1].device_id()?];
-    for id in gpu_devices {
+    let chosen = [agents[0].device_id()?, agents[1].device_id()?];
+    for id in chosen {
         let device = admin.ok(&format!("/api/v1/devices/{id}")).await?;
         ensure!(
-            device["backends"] == json!(["cpu", "gpu"]),
-            "device {id} should offer the GPU: {device}"
+            device["backends"] == json!(["cpu", backend]),
+            "device {id} should offer {backend}: {device}"
         );
     }
     let mut spec = job(version["id"].as_i64().unwrap_or_default(), 3, 2, 2, 60_000);
-    spec["filters"] = json!({"backends": ["gpu"]});
+    spec["filters"] = json!({"backends": [backend]});
     spec["evaluation"] = json!({"fraction": 0.0});
     let id = admin.create_job(spec).await?;
     let finished = admin.wait_for_job(id, JOB_TIMEOUT).await?;
@@ -440,15 +445,29 @@ async fn gpu_agents_train_a_job_that_asks_for_a_gpu() -> Result<()> {
     );
     for (number, participants) in participants_by_round(&admin, id).await? {
         ensure!(
-            participants == gpu_devices,
-            "round {number} had participants {participants:?}, not the GPU agents {gpu_devices:?}"
+            participants == chosen,
+            "round {number} had participants {participants:?}, not the {backend} agents {chosen:?}"
         );
     }
-    let final_accuracy = accuracy(&admin, 4, &test).await?;
+    Ok(FilteredJob {
+        initial_accuracy: accuracy(&admin, 1, &test).await?,
+        final_accuracy: accuracy(&admin, 4, &test).await?,
+        agents,
+    })
+}
+
+/// Agents on the GPU (lavapipe in CI) offer `gpu` at enrolment, a job
+/// whose device filter asks for it selects only them, and they train it:
+/// every round succeeds with exactly the GPU agents, and the model learns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_agents_train_a_job_that_asks_for_a_gpu() -> Result<()> {
+    let (train, _) = digits()?;
+    let run = job_filtered_on_backend("gpu", digits_model(&train)?).await?;
     ensure!(
-        final_accuracy > 0.8,
-        "accuracy {final_accuracy}\n{}",
-        logs(&agents)
+        run.final_accuracy > 0.8,
+        "accuracy {}\n{}",
+        run.final_accuracy,
+        logs(&run.agents)
     );
     Ok(())
 }
@@ -460,49 +479,12 @@ async fn gpu_agents_train_a_job_that_asks_for_a_gpu() -> Result<()> {
 /// agents, and the head learns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn npu_agents_fine_tune_a_frozen_backbone_in_onnx_runtime() -> Result<()> {
-    let (train, test) = digits()?;
-    let server = TestServer::start(Database::Sqlite)?;
-    let admin = server.admin();
+    let (train, _) = digits()?;
     let mut model = canopy_ir::format::read_model(&digits_model(&train)?)?;
     set_frozen(&mut model, &["fc1".to_string()])?;
     rebuild_train_step(&mut model, &canopy_engine::optim::Optimizer::parse("sgd")?)?;
-    let version = admin
-        .upload_model("digits", canopy_ir::format::write_model(&model)?)
-        .await?;
-    let token = admin.enrollment_token(3).await?;
-    let mut agents = Vec::new();
-    for (index, shard) in partition_dirichlet(&train, 3, 100.0, 4)?.iter().enumerate() {
-        let backend = if index < 2 { "npu" } else { "cpu" };
-        let mut agent = Agent::enroll_offering(&server, &token, backend)?;
-        agent.add_data(shard)?;
-        agent.start()?;
-        agents.push(agent);
-    }
-    let npu_devices = [agents[0].device_id()?, agents[1].device_id()?];
-    for id in npu_devices {
-        let device = admin.ok(&format!("/api/v1/devices/{id}")).await?;
-        ensure!(
-            device["backends"] == json!(["cpu", "npu"]),
-            "device {id} should offer the NPU: {device}"
-        );
-    }
-    let mut spec = job(version["id"].as_i64().unwrap_or_default(), 3, 2, 2, 60_000);
-    spec["filters"] = json!({"backends": ["npu"]});
-    spec["evaluation"] = json!({"fraction": 0.0});
-    let id = admin.create_job(spec).await?;
-    let finished = admin.wait_for_job(id, JOB_TIMEOUT).await?;
-    ensure!(
-        finished["state"] == "completed",
-        "{finished}\n{}",
-        logs(&agents)
-    );
-    for (number, participants) in participants_by_round(&admin, id).await? {
-        ensure!(
-            participants == npu_devices,
-            "round {number} had participants {participants:?}, not the NPU agents {npu_devices:?}"
-        );
-    }
-    for agent in &agents[..2] {
+    let run = job_filtered_on_backend("npu", canopy_ir::format::write_model(&model)?).await?;
+    for agent in &run.agents[..2] {
         let log = logs(std::slice::from_ref(agent));
         ensure!(
             log.contains(
@@ -511,15 +493,12 @@ async fn npu_agents_fine_tune_a_frozen_backbone_in_onnx_runtime() -> Result<()> 
             "the NPU agent ran its backbone in ONNX Runtime:\n{log}"
         );
     }
-    let (initial, fine_tuned) = (
-        accuracy(&admin, 1, &test).await?,
-        accuracy(&admin, 4, &test).await?,
-    );
+    let (initial, fine_tuned) = (run.initial_accuracy, run.final_accuracy);
     eprintln!("held-out accuracy: {initial} before fine-tuning, {fine_tuned} after");
     ensure!(
         fine_tuned > initial + 0.2,
         "the head learns: accuracy {initial} before, {fine_tuned} after\n{}",
-        logs(&agents)
+        logs(&run.agents)
     );
     Ok(())
 }

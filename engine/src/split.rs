@@ -25,8 +25,8 @@
 
 use std::collections::HashMap;
 
-use canopy_ir::model::PARAM_PREFIX;
-use canopy_ir::{Graph, Op, TensorData, ValueId};
+use canopy_ir::model::{ENTRY_TRAIN_STEP, PARAM_PREFIX};
+use canopy_ir::{Graph, Model, Op, TensorData, ValueId};
 
 use crate::backend::{Backend, Executable, ResidentRun, TransferCounters};
 use crate::error::{EngineError, EngineResult};
@@ -65,6 +65,21 @@ pub fn split_frozen_forward(
     let backbone = backbone_graph(step, frozen, &partition)?;
     let head = head_graph(step, &partition)?;
     Ok(Some(SplitStep { backbone, head }))
+}
+
+/// [`split_frozen_forward`] of `model`'s `train_step`, with the model's
+/// frozen parameters and `x` as the data input: the one place a model's
+/// step is cut, for [`crate::train::Trainer::split`] and whoever inspects
+/// or times the cut.
+pub fn split_train_step(model: &Model) -> EngineResult<Option<SplitStep>> {
+    let step = model.entry(ENTRY_TRAIN_STEP)?;
+    let frozen: HashMap<String, TensorData> = model
+        .parameters
+        .iter()
+        .filter(|p| !p.trainable)
+        .map(|p| (p.name.clone(), p.data.clone()))
+        .collect();
+    split_frozen_forward(step, &frozen, &["x"])
 }
 
 /// Which node goes where, by node index.
@@ -482,7 +497,7 @@ mod tests {
     #[test]
     fn the_frozen_parameters_are_backbone_constants() {
         let model = frozen_lenet();
-        let step = model.entry(canopy_ir::model::ENTRY_TRAIN_STEP).unwrap();
+        let step = model.entry(ENTRY_TRAIN_STEP).unwrap();
         let frozen: HashMap<String, TensorData> = model
             .parameters
             .iter()

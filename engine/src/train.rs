@@ -14,7 +14,7 @@ use crate::data::Dataset;
 use crate::error::{EngineError, EngineResult, NonFinite, Part};
 use crate::optim::{INPUT_LR, INPUT_SEED, INPUT_STEP};
 use crate::proximal::ANCHOR_PREFIX;
-use crate::split::{SplitExecutable, split_frozen_forward};
+use crate::split::{SplitExecutable, split_train_step};
 use crate::value::Value;
 
 /// What one training step reports.
@@ -95,13 +95,7 @@ impl Trainer {
         seed: u64,
     ) -> EngineResult<Trainer> {
         let graph = model.entry(ENTRY_TRAIN_STEP)?;
-        let frozen = model
-            .parameters
-            .iter()
-            .filter(|p| !p.trainable)
-            .map(|p| (p.name.clone(), p.data.clone()))
-            .collect();
-        let split = split_frozen_forward(graph, &frozen, &["x"])?.ok_or_else(|| {
+        let split = split_train_step(model)?.ok_or_else(|| {
             EngineError::Setting(format!(
                 "{ENTRY_TRAIN_STEP} has no frozen forward part to run on the `{}` backend: \
                  every computation depends on a trainable parameter, `y` or the seed; hint: \

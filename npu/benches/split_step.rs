@@ -14,16 +14,14 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
 use canopy_engine::data::{Batch, load_dir};
-use canopy_engine::split::split_frozen_forward;
+use canopy_engine::split::split_train_step;
 use canopy_engine::train::Trainer;
 use canopy_engine::{Backend, CpuBackend, Executable};
-use canopy_ir::model::ENTRY_TRAIN_STEP;
 
 const LEARNING_RATE: f32 = 0.01;
 
@@ -84,14 +82,7 @@ fn main() -> Result<()> {
 
     let mut split = Trainer::split(&model, &ort, &CpuBackend, 1)?;
     let mut all_cpu = Trainer::new(&model, &CpuBackend, 1)?;
-    let step = model.entry(ENTRY_TRAIN_STEP)?;
-    let frozen: HashMap<_, _> = model
-        .parameters
-        .iter()
-        .filter(|p| !p.trainable)
-        .map(|p| (p.name.clone(), p.data.clone()))
-        .collect();
-    let backbone = split_frozen_forward(step, &frozen, &["x"])?
+    let backbone = split_train_step(&model)?
         .expect("LeNet-5 with conv and fc1 frozen has a backbone")
         .backbone;
     let mut backbone_ort = ort.compile(&backbone)?;

@@ -7,13 +7,12 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{Result, ensure};
 use canopy_engine::data::{Dataset, load_dir};
 use canopy_engine::optim::Optimizer;
-use canopy_engine::split::{CUT_PREFIX, split_frozen_forward};
+use canopy_engine::split::{CUT_PREFIX, split_train_step};
 use canopy_engine::train::Trainer;
 use canopy_engine::zoo::{Architecture, ModelConfig, build_model, rebuild_train_step};
 use canopy_engine::{Backend, CpuBackend};
@@ -114,13 +113,7 @@ fn backbone_in_ort_matches_all_cpu(head: &dyn Backend) -> Result<()> {
 fn the_cut_leaves_the_frozen_forward_part_to_the_backbone() -> Result<()> {
     let model = common::frozen_lenet(&mnist()?)?;
     let step = model.entry(ENTRY_TRAIN_STEP)?;
-    let frozen: HashMap<_, _> = model
-        .parameters
-        .iter()
-        .filter(|p| !p.trainable)
-        .map(|p| (p.name.clone(), p.data.clone()))
-        .collect();
-    let split = split_frozen_forward(step, &frozen, &["x"])?.expect("a frozen backbone");
+    let split = split_train_step(&model)?.expect("a frozen backbone");
     assert_eq!(split.backbone.input_names(), ["x"]);
     let cut: Vec<String> = split
         .backbone
