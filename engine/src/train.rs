@@ -4,6 +4,7 @@
 //! between steps and hands them to the compiled step by ownership, so the
 //! update is written into the same buffers step after step.
 
+use std::collections::HashMap;
 use std::ops::ControlFlow;
 
 use canopy_ir::Model;
@@ -73,6 +74,34 @@ pub struct Trainer {
 
 /// How often the trainer checkpoints for rollback, in steps.
 pub const CHECKPOINT_EVERY_STEPS: u64 = 64;
+
+/// A trainer's state between steps ([`Trainer::export_state`]): what a
+/// run killed mid-training saves to resume from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainerState {
+    /// The trainer's seed: with the step number, the seed of each step's
+    /// dropout masks.
+    pub seed: u64,
+    /// Steps run; the next step is numbered `steps + 1` (its seed, and the
+    /// step Adam's bias correction reads).
+    pub steps: u64,
+    /// Every value the trainer keeps between steps, by its `train_step`
+    /// input name (`params/NAME`, `state/NAME/SLOT`, `anchor/NAME`), in
+    /// input order.
+    pub values: Vec<(String, Value)>,
+}
+
+/// A trainer state's value that does not fit the trainer; the hint is the
+/// same for every cause.
+fn state_error(name: &str, cause: String) -> EngineError {
+    EngineError::Input {
+        name: name.to_string(),
+        cause: format!(
+            "{cause}; hint: restore only a state exported by a trainer of the same model, \
+             optimizer and frozen set"
+        ),
+    }
+}
 
 impl Trainer {
     /// Compiles the model's `train_step` and makes its parameters, anchors
@@ -166,6 +195,116 @@ impl Trainer {
 
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// The seed the trainer was made with (with the step number, it seeds
+    /// each step's dropout masks).
+    pub fn seed(&self) -> u64 {
+        self.seed as u64
+    }
+
+    /// Everything that decides the trainer's later steps: the values it
+    /// keeps in its executable (parameters as they are now, optimizer
+    /// state, anchors) and its step count. A trainer of the same model and
+    /// seed given it by [`Trainer::restore_state`] runs the same steps
+    /// from there, bit for bit on the CPU. Copies the values to the host.
+    pub fn export_state(&mut self) -> EngineResult<TrainerState> {
+        let resident = self.executable.read_resident()?;
+        let names = self.executable.input_names();
+        let values = resident
+            .into_iter()
+            .map(|(position, value)| (names[position].clone(), value))
+            .collect();
+        Ok(TrainerState {
+            seed: self.seed(),
+            steps: self.steps,
+            values,
+        })
+    }
+
+    /// Makes this trainer the one `state` was exported from. The state
+    /// must hold exactly this trainer's resident values, by name, each of
+    /// the same dtype and shape; values no step writes (frozen parameters,
+    /// anchors) must also be equal, since a split step holds those as
+    /// constants of its backbone and would silently keep its own. Nothing
+    /// changes when a check fails. The rollback snapshot is taken afresh
+    /// before the next step: a restored trainer rolls back at most to the
+    /// restored step.
+    pub fn restore_state(&mut self, state: &TrainerState) -> EngineResult<()> {
+        if state.seed != self.seed() {
+            return Err(EngineError::Setting(format!(
+                "the trainer state was exported by a trainer seeded {}, this trainer is seeded                  {}: its dropout masks would differ; hint: make the trainer with the state's seed",
+                state.seed,
+                self.seed()
+            )));
+        }
+        let current = self.executable.read_resident()?;
+        let resident = self.match_state(state, current)?;
+        self.executable.make_resident(resident)?;
+        self.steps = state.steps;
+        self.checkpoint_step = None;
+        Ok(())
+    }
+
+    /// `state`'s values at the positions of this trainer's resident values
+    /// (`current`), checked against them (see [`Trainer::restore_state`]).
+    fn match_state(
+        &self,
+        state: &TrainerState,
+        current: Vec<(usize, Value)>,
+    ) -> EngineResult<Vec<(usize, Value)>> {
+        let names = self.executable.input_names();
+        let mut given: HashMap<&str, &Value> = HashMap::with_capacity(state.values.len());
+        for (name, value) in &state.values {
+            if given.insert(name.as_str(), value).is_some() {
+                return Err(state_error(name, "the trainer state holds it twice".into()));
+            }
+        }
+        let mut resident = Vec::with_capacity(current.len());
+        for (position, own) in current {
+            let name = names[position].as_str();
+            let value = given.remove(name).ok_or_else(|| EngineError::Missing {
+                owner: "the trainer state".to_string(),
+                part: Part::Input,
+                name: name.to_string(),
+            })?;
+            self.check_state_value(name, value, &own)?;
+            resident.push((position, value.clone()));
+        }
+        if let Some(extra) = given.keys().min() {
+            return Err(state_error(
+                extra,
+                format!(
+                    "the trainer state holds it, but this trainer's `{ENTRY_TRAIN_STEP}` keeps no such value"
+                ),
+            ));
+        }
+        Ok(resident)
+    }
+
+    /// One value of a state against the trainer's own value of that name.
+    fn check_state_value(&self, name: &str, value: &Value, own: &Value) -> EngineResult<()> {
+        if value.dtype() != own.dtype() || value.shape() != own.shape() {
+            return Err(state_error(
+                name,
+                format!(
+                    "the trainer state holds {} {:?}, this trainer's `{ENTRY_TRAIN_STEP}` reads {} {:?}",
+                    value.dtype(),
+                    value.shape(),
+                    own.dtype(),
+                    own.shape()
+                ),
+            ));
+        }
+        let written = self.executable.output_names().iter().any(|n| n == name);
+        if !written && value != own {
+            return Err(state_error(
+                name,
+                "no step changes it, yet the trainer state's value differs from this trainer's"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Host↔device traffic of this trainer's step so far.
@@ -439,18 +578,87 @@ pub fn evaluate(
     })
 }
 
-/// What [`fit`] runs: epochs of shuffled batches at one learning rate.
+/// What [`fit`] runs: epochs of shuffled batches at one learning rate,
+/// from the start of a run or from where an interrupted one stopped.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct FitConfig {
     /// Epochs already run (0 for a fresh run): a caller that runs one
     /// epoch at a time, to evaluate between them, gets the same shuffles
     /// as one run of all its epochs.
     pub start_epoch: u32,
+    /// Batches of epoch `start_epoch` already run (0 from an epoch's
+    /// start). Each epoch's shuffle is a function of the seed and the
+    /// epoch alone, so skipping these batches of it resumes a run killed
+    /// mid-epoch exactly where it stopped.
+    pub start_batch: usize,
+    /// The sums over those `start_batch` batches, so that the resumed
+    /// epoch's mean loss and accuracy are the uninterrupted run's.
+    pub start_sums: EpochSums,
+    /// Epochs to run, counting the one resumed mid-epoch.
     pub epochs: u32,
     pub batch: usize,
     pub learning_rate: f32,
     /// Seeds each epoch's shuffle (and, through the trainer, dropout).
     pub seed: u64,
+}
+
+impl FitConfig {
+    /// A run of `epochs` from the start.
+    pub fn new(epochs: u32, batch: usize, learning_rate: f32, seed: u64) -> FitConfig {
+        FitConfig {
+            start_epoch: 0,
+            start_batch: 0,
+            start_sums: EpochSums::default(),
+            epochs,
+            batch,
+            learning_rate,
+            seed,
+        }
+    }
+
+    /// Steps per epoch over `samples` samples: a short final batch is
+    /// dropped unless it is all the data.
+    pub fn batches_per_epoch(&self, samples: usize) -> usize {
+        match self.batch {
+            0 => 0,
+            batch if samples >= batch => samples / batch,
+            _ => 1,
+        }
+    }
+}
+
+/// Running sums over the batches of one epoch so far, behind its mean loss
+/// and accuracy; what a checkpoint saves mid-epoch.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EpochSums {
+    /// Each batch's mean loss times its size, summed.
+    pub loss_sum: f64,
+    pub correct: i64,
+    pub seen: usize,
+}
+
+impl EpochSums {
+    /// The sample-weighted mean loss so far (0 before any batch).
+    pub fn mean_loss(&self) -> f64 {
+        self.loss_sum / self.seen.max(1) as f64
+    }
+
+    fn add(&mut self, stats: StepStats, size: usize) {
+        self.loss_sum += f64::from(stats.loss) * size as f64;
+        self.correct += stats.correct;
+        self.seen += size;
+    }
+
+    /// The finished epoch `epoch` (from 1).
+    fn finish(self, epoch: u32) -> EpochStats {
+        let seen = self.seen.max(1);
+        EpochStats {
+            epoch,
+            loss: self.loss_sum / seen as f64,
+            accuracy: self.correct as f64 / seen as f64,
+            samples: seen,
+        }
+    }
 }
 
 /// One finished epoch: sample-weighted mean loss and training accuracy.
@@ -466,15 +674,24 @@ pub struct EpochStats {
 /// What [`fit`] reports as it goes; the observer's answer can stop it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum FitProgress {
-    /// Checked before each batch: `done` of `batches` in epoch `epoch`.
+    /// Checked before each batch: `done` of `batches` in epoch `epoch`
+    /// (from 1) have run, `steps` steps in all (the trainer's count).
+    /// Resuming with `start_epoch: epoch - 1`, `start_batch: done` and
+    /// `start_sums: sums` continues from exactly here.
     Batch {
         epoch: u32,
         done: usize,
         batches: usize,
+        /// `sums.mean_loss()`.
         mean_loss: f64,
+        sums: EpochSums,
+        steps: u64,
     },
     Epoch(EpochStats),
 }
+
+/// What [`fit_with_trainer`]'s observer is: it sees the trainer too.
+pub type TrainerObserver<'a> = dyn FnMut(&mut Trainer, FitProgress) -> ControlFlow<()> + Send + 'a;
 
 /// The one training loop every caller (the CLI, the agent, the SDK) runs:
 /// `config.epochs` passes over `data`, reshuffled per epoch from the seed,
@@ -491,6 +708,26 @@ pub fn fit(
     config: &FitConfig,
     observer: &mut (dyn FnMut(FitProgress) -> ControlFlow<()> + Send),
 ) -> EngineResult<Vec<EpochStats>> {
+    fit_with_trainer(trainer, data, config, &mut |_, progress| observer(progress))
+}
+
+/// [`fit`] whose observer is also handed the trainer between batches, so
+/// that it can save [`Trainer::export_state`] with the position the
+/// progress gives (a checkpoint to resume from).
+pub fn fit_with_trainer(
+    trainer: &mut Trainer,
+    data: &Dataset,
+    config: &FitConfig,
+    observer: &mut TrainerObserver<'_>,
+) -> EngineResult<Vec<EpochStats>> {
+    check_fit(data, config)?;
+    if rayon::current_thread_index().is_some() {
+        return fit_here(trainer, data, config, observer);
+    }
+    rayon::scope(|_| fit_here(trainer, data, config, observer))
+}
+
+fn check_fit(data: &Dataset, config: &FitConfig) -> EngineResult<()> {
     if data.is_empty() {
         return Err(EngineError::Setting(
             "cannot train on an empty dataset".into(),
@@ -501,64 +738,34 @@ pub fn fit(
             "the batch size must be at least 1".into(),
         ));
     }
-    if rayon::current_thread_index().is_some() {
-        return fit_here(trainer, data, config, observer);
+    let batches = config.batches_per_epoch(data.len());
+    if config.epochs > 0 && config.start_batch >= batches {
+        return Err(EngineError::Setting(format!(
+            "the run resumes after batch {} of epoch {}, but an epoch of {} samples has {batches} \
+             batches of {}; hint: resume only from a position saved for the same data and batch \
+             size",
+            config.start_batch,
+            config.start_epoch + 1,
+            data.len(),
+            config.batch
+        )));
     }
-    rayon::scope(|_| fit_here(trainer, data, config, observer))
+    Ok(())
 }
 
 fn fit_here(
     trainer: &mut Trainer,
     data: &Dataset,
     config: &FitConfig,
-    observer: &mut (dyn FnMut(FitProgress) -> ControlFlow<()> + Send),
+    observer: &mut TrainerObserver<'_>,
 ) -> EngineResult<Vec<EpochStats>> {
-    let drop_last = data.len() >= config.batch;
-    let batches = if drop_last {
-        data.len() / config.batch
-    } else {
-        1
-    };
+    let end = config.start_epoch.saturating_add(config.epochs);
     let mut epochs = Vec::with_capacity(config.epochs as usize);
-    for epoch in config.start_epoch..config.start_epoch.saturating_add(config.epochs) {
-        let shuffle = config
-            .seed
-            .wrapping_mul(0x9E37_79B9)
-            .wrapping_add(u64::from(epoch));
-        let (mut loss_sum, mut correct, mut seen) = (0.0f64, 0i64, 0usize);
-        for (done, batch) in data
-            .batches(config.batch, Some(shuffle), drop_last)?
-            .enumerate()
-        {
-            let mean_loss = loss_sum / seen.max(1) as f64;
-            let progress = FitProgress::Batch {
-                epoch: epoch + 1,
-                done,
-                batches,
-                mean_loss,
-            };
-            if observer(progress).is_break() {
-                return Err(EngineError::Cancelled {
-                    epoch: epoch + 1,
-                    step: trainer.steps(),
-                });
-            }
-            let size = batch.len();
-            let stats = trainer.step(batch.x, batch.y, config.learning_rate)?;
-            loss_sum += f64::from(stats.loss) * size as f64;
-            correct += stats.correct;
-            seen += size;
-        }
-        let seen = seen.max(1);
-        let stats = EpochStats {
-            epoch: epoch + 1,
-            loss: loss_sum / seen as f64,
-            accuracy: correct as f64 / seen as f64,
-            samples: seen,
-        };
+    for epoch in config.start_epoch..end {
+        let stats = fit_epoch(trainer, data, config, epoch, observer)?;
         epochs.push(stats);
-        let last = epoch + 1 == config.start_epoch.saturating_add(config.epochs);
-        if observer(FitProgress::Epoch(stats)).is_break() && !last {
+        let last = epoch + 1 == end;
+        if observer(trainer, FitProgress::Epoch(stats)).is_break() && !last {
             return Err(EngineError::Cancelled {
                 epoch: epoch + 1,
                 step: trainer.steps(),
@@ -566,6 +773,52 @@ fn fit_here(
         }
     }
     Ok(epochs)
+}
+
+/// One epoch (`epoch` from 0), from `config.start_batch` when it is the
+/// epoch the run resumes in.
+fn fit_epoch(
+    trainer: &mut Trainer,
+    data: &Dataset,
+    config: &FitConfig,
+    epoch: u32,
+    observer: &mut TrainerObserver<'_>,
+) -> EngineResult<EpochStats> {
+    let batches = config.batches_per_epoch(data.len());
+    let drop_last = data.len() >= config.batch;
+    let (skip, mut sums) = if epoch == config.start_epoch {
+        (config.start_batch, config.start_sums)
+    } else {
+        (0, EpochSums::default())
+    };
+    let shuffle = config
+        .seed
+        .wrapping_mul(0x9E37_79B9)
+        .wrapping_add(u64::from(epoch));
+    for (done, batch) in data
+        .batches(config.batch, Some(shuffle), drop_last)?
+        .enumerate()
+        .skip(skip)
+    {
+        let progress = FitProgress::Batch {
+            epoch: epoch + 1,
+            done,
+            batches,
+            mean_loss: sums.mean_loss(),
+            sums,
+            steps: trainer.steps(),
+        };
+        if observer(trainer, progress).is_break() {
+            return Err(EngineError::Cancelled {
+                epoch: epoch + 1,
+                step: trainer.steps(),
+            });
+        }
+        let size = batch.len();
+        let stats = trainer.step(batch.x, batch.y, config.learning_rate)?;
+        sums.add(stats, size);
+    }
+    Ok(sums.finish(epoch + 1))
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ impl FitBar {
                 done,
                 batches,
                 mean_loss,
+                ..
             } => {
                 if self.terminal {
                     let bar = self

@@ -174,13 +174,7 @@ fn train_throughput(
     backend: &dyn Backend,
 ) -> Result<f64> {
     let mut trainer = Trainer::new(model, backend, 0)?;
-    let config = FitConfig {
-        start_epoch: 0,
-        epochs: epochs as u32,
-        batch: BATCH,
-        learning_rate: LR,
-        seed: 0,
-    };
+    let config = FitConfig::new(epochs as u32, BATCH, LR, 0);
     let started = Instant::now();
     let stats = fit(&mut trainer, train, &config, &mut |_| {
         ControlFlow::Continue(())

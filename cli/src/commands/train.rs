@@ -76,10 +76,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         // evaluated after each.
         let config = FitConfig {
             start_epoch: epoch as u32 - 1,
-            epochs: 1,
-            batch: args.batch,
-            learning_rate: args.lr,
-            seed: args.seed,
+            ..FitConfig::new(1, args.batch, args.lr, args.seed)
         };
         let mut bar = FitBar::new(args.epochs as u32);
         let stats = fit(&mut trainer, &train, &config, &mut |p| bar.observe(p))

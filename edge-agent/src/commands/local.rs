@@ -182,13 +182,7 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
     let started = Instant::now();
     let mut trainer = Trainer::new(&model, backend.as_ref(), args.seed)
         .with_context(|| format!("cannot prepare `{}` for training", args.model.display()))?;
-    let config = FitConfig {
-        start_epoch: 0,
-        epochs: args.epochs,
-        batch: args.batch,
-        learning_rate: args.lr,
-        seed: args.seed,
-    };
+    let config = FitConfig::new(args.epochs, args.batch, args.lr, args.seed);
     let mut bar = FitBar::new(args.epochs);
     let mut printed: Result<()> = Ok(());
     let mut observe = |progress: FitProgress| {
