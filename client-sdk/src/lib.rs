@@ -18,11 +18,13 @@
 //!
 //! `train` runs a task's shipped `train_step` in `canopy-engine` on local
 //! data and produces the update; the edge agent and mobile apps build on
-//! both.
+//! both. [`checkpoint`] keeps a task's training progress in a file, so
+//! training killed at any step resumes where it stopped.
 
 pub mod backend;
 pub mod blocking;
 mod cancel;
+pub mod checkpoint;
 mod client;
 mod error;
 pub mod keystore;
@@ -37,6 +39,7 @@ pub use backend::{
     gpu_adapter, shared_npu,
 };
 pub use cancel::CancelToken;
+pub use checkpoint::{CheckpointInfo, CheckpointSettings};
 /// The NPU backend's configuration, for [`configure_npu`].
 pub use canopy_npu::{OrtConfig, Provider};
 /// What a device trusts to sign models, and the server's answer it

@@ -2,14 +2,15 @@
 //! runs in the engine, and what leaves the device is the change of the
 //! trainable parameters only, in the binary update format.
 
+use std::fmt;
+use std::ops::ControlFlow;
+use std::sync::Arc;
 use std::time::Instant;
 
 use canopy_engine::Backend;
-use canopy_engine::data::Dataset;
-use std::ops::ControlFlow;
-
 use canopy_engine::EngineError;
-use canopy_engine::train::{FitConfig, FitProgress, Trainer, fit};
+use canopy_engine::data::Dataset;
+use canopy_engine::train::{FitConfig, FitProgress, Trainer, fit_with_trainer};
 use canopy_ir::{Buffer, Model};
 use canopy_protocol::bounds::BoundsError;
 use canopy_protocol::messages::Task;
@@ -17,6 +18,7 @@ use canopy_protocol::update::{TensorSpec, UpdateLayout, encode_update};
 
 use crate::backend::BackendChoice;
 use crate::cancel::CancelToken;
+use crate::checkpoint::{self, Checkpoint, CheckpointSettings, Position, TaskIdentity};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -43,15 +45,58 @@ pub enum TrainError {
 }
 
 /// How [`train_task_with`] runs.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct TrainOptions {
     /// The backend to compile `train_step` with; the CPU by default. Pick it
     /// with [`crate::backend::choose_backend`] from the device's
     /// capabilities.
     pub backend: BackendChoice,
     /// Checked before every batch; a cancelled token stops training with
-    /// [`TrainError::Cancelled`] (nothing is encoded or uploaded).
+    /// [`TrainError::Cancelled`] (nothing is encoded or uploaded), after
+    /// writing a checkpoint when there is one.
     pub cancel: CancelToken,
+    /// Where to keep this task's progress, so that training killed at any
+    /// step resumes there in a later call (see [`crate::checkpoint`]).
+    /// `None`: no checkpoint, every call starts from the first step.
+    pub checkpoint: Option<CheckpointSettings>,
+    /// Called before every step and once when training finishes, on the
+    /// training thread: keep it short (update a counter, post to a UI).
+    pub progress: Option<ProgressCallback>,
+}
+
+/// What [`TrainOptions::progress`] is called with.
+pub type ProgressCallback = Arc<dyn Fn(TrainProgress) + Send + Sync>;
+
+impl fmt::Debug for TrainOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TrainOptions")
+            .field("backend", &self.backend)
+            .field("cancel", &self.cancel)
+            .field("checkpoint", &self.checkpoint)
+            .field("progress", &self.progress.as_ref().map(|_| "callback"))
+            .finish()
+    }
+}
+
+/// Where a task's training stands, as [`TrainOptions::progress`] hears it:
+/// before each step, and once at the end (`steps_done == total_steps`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TrainProgress {
+    /// The epoch running, from 1.
+    pub epoch: u32,
+    pub epochs: u32,
+    /// Batches done in this epoch.
+    pub batch: u64,
+    pub batches_per_epoch: u64,
+    /// Steps done in all, those before a resume included.
+    pub steps_done: u64,
+    pub total_steps: u64,
+    /// Sample-weighted mean loss of this epoch so far (0 at its start);
+    /// at the end, the last epoch's.
+    pub mean_loss: f64,
+    /// The step the checkpoint this run resumed from holds; 0 when it
+    /// started from the first.
+    pub resumed_from_step: u64,
 }
 
 /// The result of one task's local training.
@@ -59,6 +104,10 @@ pub struct TrainOptions {
 pub struct LocalUpdate {
     /// The encoded update, ready to upload.
     pub encoded: Vec<u8>,
+    /// The values `encoded` holds, in the task's layout order: for a
+    /// training task the change of each trainable parameter, for a
+    /// statistics task the moments. For display; `encoded` is what leaves.
+    pub delta: Vec<f32>,
     pub num_samples: u64,
     /// Sample-weighted mean loss over the last epoch.
     pub train_loss: f64,
@@ -102,6 +151,7 @@ pub fn statistics_update(
     let encoded = encode_update(&task.layout, moments.count, &values)?;
     Ok(LocalUpdate {
         encoded,
+        delta: values,
         num_samples: moments.count,
         train_loss: 0.0,
         train_duration_ms: started.elapsed().as_millis() as u64,
@@ -162,8 +212,8 @@ pub fn train_task_cancellable(
     cancel: &CancelToken,
 ) -> Result<LocalUpdate, TrainError> {
     let options = TrainOptions {
-        backend: BackendChoice::default(),
         cancel: cancel.clone(),
+        ..TrainOptions::default()
     };
     train_task_with(model_bytes, task, data, seed, &options)
 }
@@ -171,6 +221,15 @@ pub fn train_task_cancellable(
 /// [`train_task`] on a chosen backend, cancellable between batches. An NPU
 /// choice trains split: the step's frozen backbone in ONNX Runtime, the
 /// rest on the choice's head backend ([`Placement::Split`]).
+///
+/// With [`TrainOptions::checkpoint`], it resumes from the checkpoint there
+/// when it belongs to this training (the same task, model, seed, data and
+/// settings; another is ignored and overwritten, a damaged one ignored
+/// with a warning), writes one every `every_steps` steps and when
+/// cancelled, and deletes it on success; the update is the one an
+/// uninterrupted run gives (bit for bit on the CPU). A checkpoint that
+/// cannot be written costs only the progress it would have kept: training
+/// goes on, with a warning.
 pub fn train_task_with(
     model_bytes: &[u8],
     task: &Task,
@@ -187,7 +246,7 @@ pub fn train_task_with(
         },
         None => Placement::One(head.as_ref()),
     };
-    train_on(model_bytes, task, data, seed, placement, &options.cancel)
+    train_on(model_bytes, task, data, seed, placement, options)
 }
 
 /// Where a training step runs.
@@ -259,18 +318,18 @@ fn has_frozen_backbone(model: &Model) -> bool {
         .any(|p| !p.trainable && !p.name.starts_with(canopy_engine::nn::INPUT_STATS_PREFIX))
 }
 
-/// The training loop on `placement`, which compiles and runs `train_step`.
-/// The task is checked against the shared bounds first, so that its epochs
-/// and batch size bound the loop.
+/// The training loop on `placement`, which compiles and runs `train_step`
+/// (`options.backend` is not read). The task is checked against the
+/// shared bounds first, so that its epochs and batch size bound the loop.
 fn train_on(
     model_bytes: &[u8],
     task: &Task,
     data: &Dataset,
     seed: u64,
     placement: Placement<'_>,
-    cancel: &CancelToken,
+    options: &TrainOptions,
 ) -> Result<LocalUpdate, TrainError> {
-    check_cancelled(cancel)?;
+    check_cancelled(&options.cancel)?;
     task.validate().map_err(TrainError::InvalidTask)?;
     if data.is_empty() {
         return Err(TrainError::NoData);
@@ -289,8 +348,14 @@ fn train_on(
     }
     let before = trainable_values(&model);
     let mut trainer = placement.trainer(&model, seed)?;
-    let train_loss = run_epochs(&mut trainer, task, data, seed, cancel)?;
+    let mut run = Run::new(task, model_bytes, data, seed, options);
+    if run.resume(&mut trainer) == Resume::Failed {
+        // The restore may have replaced part of the trainer's values.
+        trainer = placement.trainer(&model, seed)?;
+    }
+    let train_loss = run.epochs(&mut trainer, data)?;
     trainer.write_back(&mut model)?;
+    run.finish();
     let delta: Vec<f32> = trainable_values(&model)
         .iter()
         .zip(&before)
@@ -300,6 +365,7 @@ fn train_on(
     let encoded = encode_update(&task.layout, num_samples, &delta)?;
     Ok(LocalUpdate {
         encoded,
+        delta,
         num_samples,
         train_loss,
         train_duration_ms: started.elapsed().as_millis() as u64,
@@ -313,34 +379,254 @@ fn check_cancelled(cancel: &CancelToken) -> Result<(), TrainError> {
     Ok(())
 }
 
-/// The task's epochs over `data` (validated, so bounded) in the engine's
-/// one loop ([`canopy_engine::train::fit`]), checking `cancel` before
-/// every batch; returns the last epoch's sample-weighted mean loss.
-fn run_epochs(
-    trainer: &mut Trainer,
-    task: &Task,
-    data: &Dataset,
-    seed: u64,
-    cancel: &CancelToken,
-) -> Result<f64, TrainError> {
-    let config = FitConfig {
-        start_epoch: 0,
-        epochs: task.training.epochs,
-        batch: task.training.batch_size as usize,
-        learning_rate: task.training.learning_rate as f32,
-        seed,
-    };
-    let mut observe = |_: FitProgress| {
-        if cancel.is_cancelled() {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
+/// How a checkpoint found at the start went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resume {
+    /// None found, or none usable: training starts from the first step.
+    Fresh,
+    Resumed,
+    /// Restoring the trainer failed part way: the caller makes a new one.
+    Failed,
+}
+
+/// One call's training: the task's epochs over the data (validated, so
+/// bounded) in the engine's one loop ([`canopy_engine::train::fit`]),
+/// checking the cancel token before every batch, reporting progress and
+/// keeping the checkpoint.
+struct Run<'a> {
+    options: &'a TrainOptions,
+    /// Only when checkpointing: hashing the data costs.
+    identity: Option<TaskIdentity>,
+    config: FitConfig,
+    /// Epochs of the whole training (`config.epochs` counts from a resume).
+    epochs: u32,
+    batches_per_epoch: u64,
+    resumed_from: u64,
+    /// The step of the last checkpoint written or resumed from.
+    saved_at: Option<u64>,
+}
+
+impl<'a> Run<'a> {
+    fn new(
+        task: &Task,
+        model_bytes: &[u8],
+        data: &Dataset,
+        seed: u64,
+        options: &'a TrainOptions,
+    ) -> Run<'a> {
+        let config = FitConfig::new(
+            task.training.epochs,
+            task.training.batch_size as usize,
+            task.training.learning_rate as f32,
+            seed,
+        );
+        let identity = options
+            .checkpoint
+            .as_ref()
+            .map(|_| TaskIdentity::of(task, model_bytes, data, seed));
+        Run {
+            options,
+            identity,
+            epochs: config.epochs,
+            batches_per_epoch: config.batches_per_epoch(data.len()) as u64,
+            config,
+            resumed_from: 0,
+            saved_at: None,
         }
-    };
-    match fit(trainer, data, &config, &mut observe) {
-        Ok(epochs) => Ok(epochs.last().map_or(0.0, |e| e.loss)),
-        Err(EngineError::Cancelled { .. }) => Err(TrainError::Cancelled),
-        Err(other) => Err(other.into()),
+    }
+
+    /// Restores `trainer` from this training's checkpoint, if there is a
+    /// usable one, and starts the loop where it stands.
+    fn resume(&mut self, trainer: &mut Trainer) -> Resume {
+        let (Some(settings), Some(identity)) = (&self.options.checkpoint, &self.identity) else {
+            return Resume::Fresh;
+        };
+        let path = settings.path.display();
+        let found = match checkpoint::load(&settings.path) {
+            Ok(Some(found)) => found,
+            Ok(None) => return Resume::Fresh,
+            Err(error) => {
+                tracing::warn!(
+                    %path,
+                    reason = %crate::error::error_chain(&error),
+                    "ignoring the training checkpoint; training starts from the first step"
+                );
+                return Resume::Fresh;
+            }
+        };
+        if found.identity != *identity {
+            tracing::info!(
+                %path,
+                round_id = found.identity.round_id,
+                "the training checkpoint belongs to other training (another task, model, seed, \
+                 data or settings); it is ignored and will be overwritten"
+            );
+            return Resume::Fresh;
+        }
+        if !found.is_consistent() {
+            tracing::warn!(
+                %path,
+                steps = found.state.steps,
+                "ignoring the training checkpoint: its position is not one this training passes \
+                 through; training starts from the first step"
+            );
+            return Resume::Fresh;
+        }
+        self.restore(trainer, found)
+    }
+
+    fn restore(&mut self, trainer: &mut Trainer, found: Checkpoint) -> Resume {
+        if let Err(error) = trainer.restore_state(&found.state) {
+            tracing::warn!(
+                reason = %crate::error::error_chain(&error),
+                "ignoring the training checkpoint: the trainer does not take its state; training \
+                 starts from the first step"
+            );
+            return Resume::Failed;
+        }
+        let at = found.position;
+        self.config.start_epoch = at.epoch;
+        self.config.start_batch = at.batch;
+        self.config.start_sums = at.sums;
+        self.config.epochs = self.epochs - at.epoch;
+        self.resumed_from = found.state.steps;
+        self.saved_at = Some(found.state.steps);
+        tracing::info!(
+            step = found.state.steps,
+            epoch = at.epoch + 1,
+            batch = at.batch,
+            "resuming training from its checkpoint"
+        );
+        Resume::Resumed
+    }
+
+    /// Runs the loop; returns the last epoch's sample-weighted mean loss.
+    fn epochs(&mut self, trainer: &mut Trainer, data: &Dataset) -> Result<f64, TrainError> {
+        let config = self.config;
+        let mut observe = |trainer: &mut Trainer, progress| self.observe(trainer, progress);
+        let loss = match fit_with_trainer(trainer, data, &config, &mut observe) {
+            Ok(epochs) => epochs.last().map_or(0.0, |e| e.loss),
+            Err(EngineError::Cancelled { .. }) => return Err(TrainError::Cancelled),
+            Err(other) => return Err(other.into()),
+        };
+        self.report(TrainProgress {
+            epoch: self.epochs,
+            batch: self.batches_per_epoch,
+            steps_done: trainer.steps(),
+            mean_loss: loss,
+            ..self.progress_base()
+        });
+        Ok(loss)
+    }
+
+    /// Before each batch: progress, then the cancel token (writing a
+    /// checkpoint before stopping), then the periodic checkpoint.
+    fn observe(&mut self, trainer: &mut Trainer, progress: FitProgress) -> ControlFlow<()> {
+        let FitProgress::Batch {
+            epoch,
+            done,
+            sums,
+            steps,
+            ..
+        } = progress
+        else {
+            return ControlFlow::Continue(());
+        };
+        self.report(TrainProgress {
+            epoch,
+            batch: done as u64,
+            steps_done: steps,
+            mean_loss: sums.mean_loss(),
+            ..self.progress_base()
+        });
+        let position = Position {
+            epoch: epoch.saturating_sub(1),
+            batch: done,
+            sums,
+        };
+        if self.options.cancel.is_cancelled() {
+            self.save(trainer, position);
+            return ControlFlow::Break(());
+        }
+        let every = self
+            .options
+            .checkpoint
+            .as_ref()
+            .map_or(0, |c| u64::from(c.every_steps));
+        if every > 0 && steps > 0 && steps.is_multiple_of(every) {
+            self.save(trainer, position);
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// The fields of a progress report that do not change as it runs.
+    fn progress_base(&self) -> TrainProgress {
+        TrainProgress {
+            epoch: 0,
+            epochs: self.epochs,
+            batch: 0,
+            batches_per_epoch: self.batches_per_epoch,
+            steps_done: 0,
+            total_steps: u64::from(self.epochs).saturating_mul(self.batches_per_epoch),
+            mean_loss: 0.0,
+            resumed_from_step: self.resumed_from,
+        }
+    }
+
+    fn report(&self, progress: TrainProgress) {
+        if let Some(callback) = &self.options.progress {
+            callback(progress);
+        }
+    }
+
+    /// Writes the checkpoint for `position`, unless there is none to keep
+    /// or it holds this step already. A failure is a warning: training
+    /// goes on, only the progress since the last checkpoint is at risk.
+    fn save(&mut self, trainer: &mut Trainer, position: Position) {
+        let (Some(settings), Some(identity)) = (&self.options.checkpoint, &self.identity) else {
+            return;
+        };
+        let steps = trainer.steps();
+        if steps == 0 || self.saved_at == Some(steps) {
+            return;
+        }
+        let written = trainer
+            .export_state()
+            .map_err(|error| crate::error::error_chain(&error))
+            .and_then(|state| {
+                let checkpoint = Checkpoint {
+                    identity: identity.clone(),
+                    position,
+                    state,
+                };
+                checkpoint::save(&settings.path, &checkpoint)
+                    .map_err(|error| crate::error::error_chain(&error))
+            });
+        match written {
+            Ok(()) => {
+                self.saved_at = Some(steps);
+                tracing::debug!(path = %settings.path.display(), step = steps, "training checkpoint written");
+            }
+            Err(reason) => tracing::warn!(
+                path = %settings.path.display(),
+                step = steps,
+                %reason,
+                "cannot write the training checkpoint; training goes on without it"
+            ),
+        }
+    }
+
+    /// Training succeeded: its checkpoint has served.
+    fn finish(&self) {
+        let Some(settings) = &self.options.checkpoint else {
+            return;
+        };
+        if let Err(error) = checkpoint::discard(&settings.path) {
+            tracing::warn!(
+                reason = %crate::error::error_chain(&error),
+                "cannot delete the finished training's checkpoint"
+            );
+        }
     }
 }
 
@@ -400,6 +686,7 @@ pub fn evaluate_model_on(
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
@@ -431,10 +718,21 @@ mod tests {
         epochs: u32,
         samples: usize,
     ) -> (Vec<u8>, Task, Dataset) {
+        setup_optimized(architecture, frozen, "sgd", epochs, samples)
+    }
+
+    /// [`setup_model`] with `optimizer` (as `Optimizer::parse` reads it).
+    fn setup_optimized(
+        architecture: canopy_engine::zoo::Architecture,
+        frozen: &[&str],
+        optimizer: &str,
+        epochs: u32,
+        samples: usize,
+    ) -> (Vec<u8>, Task, Dataset) {
         let config = canopy_engine::zoo::ModelConfig {
             architecture,
             seed: 1,
-            optimizer: canopy_engine::optim::Optimizer::parse("sgd").expect("sgd"),
+            optimizer: canopy_engine::optim::Optimizer::parse(optimizer).expect("optimizer"),
             frozen_prefixes: frozen.iter().map(|p| p.to_string()).collect(),
             producer: "sdk train tests".to_string(),
         };
@@ -464,6 +762,7 @@ mod tests {
             },
             layout,
             secure_aggregation: None,
+            policy: Default::default(),
         };
         (bytes, task, data)
     }
@@ -507,7 +806,7 @@ mod tests {
             &data,
             1,
             Placement::One(&backend),
-            &CancelToken::new(),
+            &TrainOptions::default(),
         );
         let Err(TrainError::InvalidTask(bounds)) = &outcome else {
             panic!("an out-of-bounds task trained: {outcome:?}");
@@ -633,7 +932,7 @@ mod tests {
             return;
         }
         let (bytes, task, data) = setup(3);
-        let cancel = CancelToken::new();
+        let options = TrainOptions::default();
         let gpu = BackendChoice::gpu();
         assert_eq!(gpu.kind(), crate::BackendKind::Gpu, "{gpu}");
         let on_gpu = train_on(
@@ -642,7 +941,7 @@ mod tests {
             &data,
             5,
             Placement::One(gpu.engine_backend().as_ref()),
-            &cancel,
+            &options,
         )
         .expect("GPU training");
         let on_cpu = train_on(
@@ -651,7 +950,7 @@ mod tests {
             &data,
             5,
             Placement::One(&CpuBackend),
-            &cancel,
+            &options,
         )
         .expect("CPU training");
         let decode = |u: &LocalUpdate| {
@@ -675,13 +974,13 @@ mod tests {
     #[test]
     fn a_split_that_cannot_happen_trains_the_whole_step_on_the_head() {
         let (bytes, task, data) = setup(1);
-        let cancel = CancelToken::new();
+        let options = TrainOptions::default();
         let head = Recording::default();
         let placement = Placement::Split {
             backbone: &Refusing,
             head: &head,
         };
-        let split = train_on(&bytes, &task, &data, 9, placement, &cancel).expect("train");
+        let split = train_on(&bytes, &task, &data, 9, placement, &options).expect("train");
         assert_eq!(head.compiled.load(Ordering::SeqCst), 1, "the whole step");
         assert_eq!(head.runs.load(Ordering::SeqCst), 64);
         let plain = train_task(&bytes, &task, &data, 9).expect("train");
@@ -704,8 +1003,8 @@ mod tests {
             backbone: &Refusing,
             head: &head,
         };
-        let cancel = CancelToken::new();
-        let split = train_on(&bytes, &task, &data, 3, placement, &cancel).expect("train");
+        let options = TrainOptions::default();
+        let split = train_on(&bytes, &task, &data, 3, placement, &options).expect("train");
         assert_eq!(
             head.runs.load(Ordering::SeqCst),
             64,
@@ -717,7 +1016,7 @@ mod tests {
             &data,
             3,
             Placement::One(&CpuBackend),
-            &cancel,
+            &options,
         )
         .expect("train");
         assert_eq!(split.encoded, plain.encoded);
@@ -727,9 +1026,16 @@ mod tests {
     fn training_runs_on_the_backend_it_is_given() {
         let (bytes, task, data) = setup(2);
         let recording = Recording::default();
-        let cancel = CancelToken::new();
-        let recorded =
-            train_on(&bytes, &task, &data, 9, Placement::One(&recording), &cancel).expect("train");
+        let options = TrainOptions::default();
+        let recorded = train_on(
+            &bytes,
+            &task,
+            &data,
+            9,
+            Placement::One(&recording),
+            &options,
+        )
+        .expect("train");
         assert_eq!(
             recording.compiled.load(Ordering::SeqCst),
             1,
@@ -740,7 +1046,7 @@ mod tests {
         // It wraps the CPU, so the update is the default path's, bit for bit.
         let plain = train_task(&bytes, &task, &data, 9).expect("train");
         assert_eq!(recorded.encoded, plain.encoded);
-        let refused = train_on(&bytes, &task, &data, 9, Placement::One(&Refusing), &cancel);
+        let refused = train_on(&bytes, &task, &data, 9, Placement::One(&Refusing), &options);
         assert!(
             matches!(
                 &refused,
@@ -748,5 +1054,216 @@ mod tests {
             ),
             "{refused:?}"
         );
+    }
+
+    /// An MLP trained with Adam in batches of 4 (16 steps an epoch), and
+    /// the logistic regression with SGD in batches of 1 (64 an epoch).
+    fn resumable_setups() -> Vec<(&'static str, Vec<u8>, Task, Dataset)> {
+        let mlp = canopy_engine::zoo::Architecture::Mlp {
+            inputs: 8,
+            hidden: 6,
+            classes: 3,
+        };
+        let (bytes, mut task, data) = setup_optimized(mlp, &[], "adam", 3, 64);
+        task.training.batch_size = 4;
+        let (logreg_bytes, logreg_task, logreg_data) = setup(2);
+        vec![
+            ("mlp, adam", bytes, task, data),
+            ("logreg, sgd", logreg_bytes, logreg_task, logreg_data),
+        ]
+    }
+
+    /// Options that checkpoint at `path` every `every` steps, and record
+    /// every progress report; `stop_at` cancels `cancel` from the progress
+    /// callback once that many steps are done.
+    fn checkpointing(
+        path: &std::path::Path,
+        every: u32,
+        stop_at: Option<u64>,
+    ) -> (TrainOptions, Arc<std::sync::Mutex<Vec<TrainProgress>>>) {
+        let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let cancel = CancelToken::new();
+        let (log, canceller) = (heard.clone(), cancel.clone());
+        let progress: ProgressCallback = Arc::new(move |progress: TrainProgress| {
+            log.lock().expect("progress log").push(progress);
+            if stop_at.is_some_and(|stop| progress.steps_done >= stop) {
+                canceller.cancel();
+            }
+        });
+        let options = TrainOptions {
+            cancel,
+            checkpoint: Some(CheckpointSettings {
+                path: path.to_path_buf(),
+                every_steps: every,
+            }),
+            progress: Some(progress),
+            ..TrainOptions::default()
+        };
+        (options, heard)
+    }
+
+    /// Trains with a checkpoint at `path` until `stop_at` steps are done
+    /// and checks that the run was cancelled there, leaving a checkpoint.
+    fn stop_at(bytes: &[u8], task: &Task, data: &Dataset, seed: u64, path: &Path, stop_at: u64) {
+        let (options, _) = checkpointing(path, 10, Some(stop_at));
+        let outcome = train_task_with(bytes, task, data, seed, &options);
+        assert!(matches!(outcome, Err(TrainError::Cancelled)), "{outcome:?}");
+        let info = checkpoint::peek(path).expect("a checkpoint after the cancel");
+        assert_eq!(info.steps_done, stop_at);
+        assert_eq!(info.round_id, task.round_id);
+    }
+
+    /// Trains with a checkpoint at `path` to the end; returns the update and
+    /// the step the run resumed from.
+    fn finish(
+        bytes: &[u8],
+        task: &Task,
+        data: &Dataset,
+        seed: u64,
+        path: &Path,
+    ) -> (LocalUpdate, u64) {
+        let (options, heard) = checkpointing(path, 10, None);
+        let update = train_task_with(bytes, task, data, seed, &options).expect("training");
+        let heard = heard.lock().expect("progress log");
+        let first = heard.first().expect("progress reported");
+        let last = heard.last().expect("progress reported");
+        assert_eq!(first.steps_done, first.resumed_from_step);
+        assert_eq!(last.steps_done, last.total_steps, "{last:?}");
+        assert!(!path.exists(), "the checkpoint is deleted on success");
+        (update, first.resumed_from_step)
+    }
+
+    fn assert_same_update(resumed: &LocalUpdate, whole: &LocalUpdate, what: &str) {
+        assert!(
+            resumed.encoded == whole.encoded,
+            "{what}: the encoded update differs"
+        );
+        let bits = |u: &LocalUpdate| u.delta.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(resumed), bits(whole), "{what}: delta");
+        assert_eq!(
+            resumed.train_loss.to_bits(),
+            whole.train_loss.to_bits(),
+            "{what}: loss"
+        );
+    }
+
+    /// Cancelled from its progress callback, a run leaves a checkpoint; the
+    /// next call (new options, as a new process would make) resumes from it
+    /// and ends with the uninterrupted run's update, bit for bit.
+    #[test]
+    fn a_cancelled_run_resumes_from_its_checkpoint_to_the_uninterrupted_update() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        for (what, bytes, task, data) in resumable_setups() {
+            let whole = train_task(&bytes, &task, &data, 5).expect("uninterrupted");
+            let path = dir.path().join(format!("{what}.ckpt"));
+            stop_at(&bytes, &task, &data, 5, &path, 37);
+            let (resumed, from) = finish(&bytes, &task, &data, 5, &path);
+            assert_eq!(from, 37, "{what}");
+            assert_same_update(&resumed, &whole, what);
+        }
+    }
+
+    /// A run killed without warning resumes from its last periodic
+    /// checkpoint: copied aside after step 30's, put back after the run.
+    #[test]
+    fn a_killed_run_resumes_from_its_last_periodic_checkpoint() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let (bytes, task, data) = setup(2);
+        let whole = train_task(&bytes, &task, &data, 5).expect("uninterrupted");
+        let path = dir.path().join("task.ckpt");
+        let aside = dir.path().join("aside.ckpt");
+        let (mut options, _) = checkpointing(&path, 10, None);
+        let (from, to) = (path.clone(), aside.clone());
+        options.progress = Some(Arc::new(move |progress: TrainProgress| {
+            if progress.steps_done == 31 {
+                std::fs::copy(&from, &to).expect("copy the checkpoint");
+            }
+        }));
+        train_task_with(&bytes, &task, &data, 5, &options).expect("training");
+        assert_eq!(checkpoint::peek(&aside).map(|i| i.steps_done), Some(30));
+        std::fs::rename(&aside, &path).expect("put back");
+        let (resumed, from) = finish(&bytes, &task, &data, 5, &path);
+        assert_eq!(from, 30);
+        assert_same_update(&resumed, &whole, "killed after step 30");
+    }
+
+    /// A checkpoint with a flipped byte or cut short is ignored: training
+    /// starts from the first step and gives the right update.
+    #[test]
+    fn a_damaged_checkpoint_is_ignored() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let (bytes, task, data) = setup(2);
+        let whole = train_task(&bytes, &task, &data, 5).expect("uninterrupted");
+        let path = dir.path().join("task.ckpt");
+        let damages: [(&str, fn(&mut Vec<u8>)); 4] = [
+            ("a flipped byte", |b| {
+                let middle = b.len() / 2;
+                b[middle] ^= 0x01;
+            }),
+            ("a flipped magic", |b| b[3] ^= 0x20),
+            ("cut short", |b| b.truncate(b.len() - 100)),
+            ("emptied", |b| b.clear()),
+        ];
+        for (what, damage) in damages {
+            stop_at(&bytes, &task, &data, 5, &path, 21);
+            let mut file = std::fs::read(&path).expect("checkpoint");
+            damage(&mut file);
+            std::fs::write(&path, &file).expect("damage");
+            assert!(checkpoint::peek(&path).is_none(), "{what}");
+            let (update, from) = finish(&bytes, &task, &data, 5, &path);
+            assert_eq!(from, 0, "{what}: training starts over");
+            assert_same_update(&update, &whole, what);
+        }
+    }
+
+    /// A checkpoint of another seed, round or learning rate is not this
+    /// training's: ignored (and overwritten).
+    #[test]
+    fn a_checkpoint_of_other_training_is_ignored() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let (bytes, task, data) = setup(2);
+        let path = dir.path().join("task.ckpt");
+        stop_at(&bytes, &task, &data, 5, &path, 21);
+        let (update, from) = finish(&bytes, &task, &data, 6, &path);
+        assert_eq!(from, 0, "another seed");
+        let whole = train_task(&bytes, &task, &data, 6).expect("uninterrupted");
+        assert_same_update(&update, &whole, "another seed");
+
+        for change in [(|t: &mut Task| t.round_id += 1) as fn(&mut Task), |t| {
+            t.training.learning_rate = 0.04
+        }] {
+            stop_at(&bytes, &task, &data, 5, &path, 21);
+            let mut other = task.clone();
+            change(&mut other);
+            let (_, from) = finish(&bytes, &other, &data, 5, &path);
+            assert_eq!(from, 0);
+        }
+        stop_at(&bytes, &task, &data, 5, &path, 21);
+        let other_data = Dataset::new(
+            data.features().iter().map(|v| v + 1.0).collect(),
+            vec![8],
+            data.labels().to_vec(),
+            3,
+        )
+        .expect("dataset");
+        let (_, from) = finish(&bytes, &task, &other_data, 5, &path);
+        assert_eq!(from, 0, "other data");
+    }
+
+    /// Progress counts every step once, in order, with the totals.
+    #[test]
+    fn progress_is_reported_before_every_step_and_at_the_end() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let (bytes, task, data) = setup(2);
+        let (options, heard) = checkpointing(&dir.path().join("task.ckpt"), 0, None);
+        train_task_with(&bytes, &task, &data, 5, &options).expect("training");
+        let heard = heard.lock().expect("progress log");
+        let steps: Vec<u64> = heard.iter().map(|p| p.steps_done).collect();
+        assert_eq!(steps, (0..=128).collect::<Vec<_>>());
+        let last = heard.last().expect("the end");
+        assert_eq!((last.epoch, last.epochs, last.batch), (2, 2, 64));
+        assert_eq!((last.batches_per_epoch, last.total_steps), (64, 128));
+        assert!(last.mean_loss > 0.0);
+        assert!(format!("{options:?}").contains("checkpoint"));
     }
 }

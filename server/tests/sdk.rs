@@ -153,6 +153,7 @@ fn blocking_client_runs_a_round_from_a_thread_without_a_runtime() -> Result<()> 
     let options = TrainOptions {
         backend: choice,
         cancel: device.cancel_token().clone(),
+        ..TrainOptions::default()
     };
     let update = train_task_with(&model.bytes, &task, &train, 5, &options)?;
     let receipt = device.upload_update(&task, Bytes::from(update.encoded))?;

@@ -298,6 +298,7 @@ impl Daemon {
         let options = TrainOptions {
             backend: self.settings.backend.sdk_choice(),
             cancel: run.training.clone(),
+            ..TrainOptions::default()
         };
         tracing::info!(round_id = task.round_id, backend = %options.backend, "training");
         let (evaluation, update) = off_thread("training", move || {
