@@ -1187,6 +1187,9 @@ mod tests {
         assert_same_update(&resumed, &whole, "killed after step 30");
     }
 
+    /// Spoils a checkpoint file's bytes.
+    type Damage = fn(&mut Vec<u8>);
+
     /// A checkpoint with a flipped byte or cut short is ignored: training
     /// starts from the first step and gives the right update.
     #[test]
@@ -1195,7 +1198,7 @@ mod tests {
         let (bytes, task, data) = setup(2);
         let whole = train_task(&bytes, &task, &data, 5).expect("uninterrupted");
         let path = dir.path().join("task.ckpt");
-        let damages: [(&str, fn(&mut Vec<u8>)); 4] = [
+        let damages: [(&str, Damage); 4] = [
             ("a flipped byte", |b| {
                 let middle = b.len() / 2;
                 b[middle] ^= 0x01;
