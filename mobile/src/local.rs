@@ -1,0 +1,148 @@
+//! `LocalTrainer`: a model trained step by step on the device, with no
+//! server: personalisation on the user's own data, or a check that a
+//! model trains before it is shipped. Each `step` is one run of the
+//! model's own `train_step` in the engine's `Trainer`, parameters and
+//! optimizer state kept resident between steps, as in a federated task.
+
+use std::sync::{Arc, Mutex};
+
+use canopy_engine::train::Trainer;
+use canopy_engine::{Backend, Value};
+use canopy_ir::Model;
+
+use crate::error::{CanopyError, chain, guard};
+use crate::types::BackendPreference;
+
+/// The most samples one `step` takes.
+pub const MAX_STEP_SAMPLES: u32 = 65_536;
+
+/// What one step reported.
+#[derive(Clone, Copy, Debug, PartialEq, uniffi::Record)]
+pub struct StepResult {
+    /// The batch's mean loss before the update.
+    pub loss: f32,
+    /// Samples the model classified right, before the update.
+    pub correct: i64,
+}
+
+struct State {
+    model: Model,
+    trainer: Trainer,
+}
+
+/// A model file under training on this device.
+#[derive(uniffi::Object)]
+pub struct LocalTrainer {
+    state: Mutex<State>,
+    sample_shape: Vec<usize>,
+    learning_rate: f32,
+}
+
+impl std::fmt::Debug for LocalTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTrainer")
+            .field("sample_shape", &self.sample_shape)
+            .field("learning_rate", &self.learning_rate)
+            .finish_non_exhaustive()
+    }
+}
+
+fn training(error: impl std::error::Error) -> CanopyError {
+    CanopyError::Training {
+        message: chain(&error, None),
+    }
+}
+
+#[uniffi::export]
+impl LocalTrainer {
+    /// Loads `model` (a `.canopy` file's bytes) and compiles its
+    /// `train_step` on `backend` (`Auto` takes the best the device has).
+    #[uniffi::constructor]
+    pub fn new(
+        model: Vec<u8>,
+        learning_rate: f32,
+        backend: BackendPreference,
+        seed: u64,
+    ) -> Result<Arc<LocalTrainer>, CanopyError> {
+        guard(|| {
+            canopy_protocol::bounds::check_learning_rate("learning_rate", f64::from(learning_rate))
+                .map_err(|error| CanopyError::config(error.to_string()))?;
+            let model = canopy_ir::format::read_model(&model).map_err(|error| {
+                CanopyError::data(chain(&error, Some("pass the bytes of a `.canopy` model file")))
+            })?;
+            let sample_shape = canopy_engine::zoo::sample_shape(&model).map_err(training)?;
+            let backend = crate::client::backend_choice(backend).engine_backend();
+            let trainer = Trainer::new(&model, backend.as_ref() as &dyn Backend, seed).map_err(training)?;
+            Ok(Arc::new(LocalTrainer {
+                state: Mutex::new(State { model, trainer }),
+                sample_shape,
+                learning_rate,
+            }))
+        })
+    }
+
+    /// One training step on a batch: `features` holds `labels.len()`
+    /// samples of the model's input shape, row major.
+    pub fn step(&self, features: Vec<f32>, labels: Vec<i64>) -> Result<StepResult, CanopyError> {
+        guard(|| {
+            let (x, y) = self.batch(features, labels)?;
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let stats = state
+                .trainer
+                .step(x, y, self.learning_rate)
+                .map_err(training)?;
+            Ok(StepResult {
+                loss: stats.loss,
+                correct: stats.correct,
+            })
+        })
+    }
+
+    /// [`Self::step`] with the features as little-endian f32 bytes (numpy's
+    /// `astype('<f4').tobytes()`, a `ByteBuffer` on the JVM): one copy
+    /// across the boundary instead of a conversion per value.
+    pub fn step_bytes(&self, features_f32le: Vec<u8>, labels: Vec<i64>) -> Result<StepResult, CanopyError> {
+        guard(|| self.step(crate::data::f32_from_le_bytes(&features_f32le)?, labels))
+    }
+
+    /// The model as trained so far, as `.canopy` file bytes.
+    pub fn model(&self) -> Result<Vec<u8>, CanopyError> {
+        guard(|| {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let State { model, trainer } = &mut *state;
+            trainer.write_back(model).map_err(training)?;
+            canopy_ir::format::write_model(model).map_err(training)
+        })
+    }
+}
+
+impl LocalTrainer {
+    fn batch(&self, features: Vec<f32>, labels: Vec<i64>) -> Result<(Value, Value), CanopyError> {
+        let samples = labels.len();
+        if samples == 0 || samples > MAX_STEP_SAMPLES as usize {
+            return Err(CanopyError::data(format!(
+                "a step takes 1 to {MAX_STEP_SAMPLES} samples, got {samples}"
+            )));
+        }
+        let per_sample: usize = self.sample_shape.iter().product();
+        if features.len() != samples * per_sample {
+            return Err(CanopyError::data(format!(
+                "{samples} samples of shape {:?} need {} feature values, got {}",
+                self.sample_shape,
+                samples * per_sample,
+                features.len()
+            )));
+        }
+        if let Some(index) = features.iter().position(|v| !v.is_finite()) {
+            return Err(CanopyError::data(format!(
+                "feature value {index} is {}; training needs finite numbers",
+                features[index]
+            )));
+        }
+        let mut shape = vec![samples];
+        shape.extend(&self.sample_shape);
+        let x = Value::f32(&shape, features).map_err(training)?;
+        let y = Value::i64(&[samples], labels).map_err(training)?;
+        Ok((x, y))
+    }
+}

@@ -1,0 +1,365 @@
+//! One run of an accepted task: limits, the backend, a thread pool of the
+//! allowed size, a stop signal for the app's cancel, the time limit and
+//! the round's deadline, checkpointed training, and what to keep or
+//! forget when it ends.
+
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use canopy_protocol::messages::{self, Task};
+use canopy_sdk::blocking::{RunTaskError, RunTaskOutcome};
+use canopy_sdk::checkpoint::CheckpointSettings;
+use canopy_sdk::train::{TrainOptions, TrainProgress};
+use canopy_sdk::{CancelToken, SdkError};
+
+use crate::client::CanopyClient;
+use crate::error::CanopyError;
+use crate::types::{ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData, TrainingProgress};
+
+/// Steps between checkpoints when the config says 0.
+pub const DEFAULT_CHECKPOINT_EVERY_STEPS: u32 = 20;
+/// A device clock may be this far off the server's.
+const CLOCK_SKEW_MS: u64 = 5_000;
+/// How often the stop watcher looks at the app's token and the clock.
+const WATCH_INTERVAL: Duration = Duration::from_millis(20);
+
+pub(crate) struct RunContext<'a> {
+    pub client: &'a CanopyClient,
+    pub task: &'a Task,
+    pub listener: Option<Arc<dyn ProgressListener>>,
+    pub cancel: Option<CancelToken>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub(crate) fn past_deadline(task: &Task) -> bool {
+    now_ms() > task.deadline_unix_ms.saturating_add(CLOCK_SKEW_MS)
+}
+
+/// Deterministic per device and round (the edge agent's rule), so a
+/// resumed run continues the same shuffles.
+fn training_seed(device_id: i64, round_id: i64) -> u64 {
+    (device_id as u64)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(17)
+        ^ (round_id as u64)
+}
+
+/// Why the run's stop signal fired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum StopCause {
+    None = 0,
+    App = 1,
+    TimeLimit = 2,
+    Deadline = 3,
+}
+
+/// Fires `token` when the app's token fires, the time limit passes or the
+/// round's deadline passes, remembering which; stops watching when
+/// dropped.
+struct StopWatcher {
+    token: CancelToken,
+    cause: Arc<AtomicU8>,
+    done: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StopWatcher {
+    fn start(app: Option<CancelToken>, time_limit_ms: Option<u64>, deadline_unix_ms: u64) -> StopWatcher {
+        let token = CancelToken::new();
+        let cause = Arc::new(AtomicU8::new(StopCause::None as u8));
+        let done = Arc::new(AtomicBool::new(false));
+        let limit = time_limit_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
+        let deadline = deadline_unix_ms.saturating_add(CLOCK_SKEW_MS);
+        let (fire, why, finished) = (token.clone(), cause.clone(), done.clone());
+        let thread = std::thread::spawn(move || {
+            while !finished.load(Ordering::Acquire) {
+                let stop = if app.as_ref().is_some_and(CancelToken::is_cancelled) {
+                    StopCause::App
+                } else if limit.is_some_and(|at| Instant::now() >= at) {
+                    StopCause::TimeLimit
+                } else if now_ms() > deadline {
+                    StopCause::Deadline
+                } else {
+                    StopCause::None
+                };
+                if stop != StopCause::None {
+                    why.store(stop as u8, Ordering::Release);
+                    fire.cancel();
+                    return;
+                }
+                std::thread::sleep(WATCH_INTERVAL);
+            }
+        });
+        StopWatcher {
+            token,
+            cause,
+            done,
+            thread: Some(thread),
+        }
+    }
+
+    fn cause(&self) -> StopCause {
+        match self.cause.load(Ordering::Acquire) {
+            1 => StopCause::App,
+            2 => StopCause::TimeLimit,
+            3 => StopCause::Deadline,
+            _ => StopCause::None,
+        }
+    }
+}
+
+impl Drop for StopWatcher {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+pub(crate) fn run(context: RunContext<'_>, data: TrainingData) -> Result<TaskOutcome, CanopyError> {
+    let RunContext {
+        client,
+        task,
+        listener,
+        cancel,
+    } = context;
+    let storage = client.storage();
+    if past_deadline(task) {
+        storage.clear_task()?;
+        storage.save_outcome(&format!("round {}: its deadline passed before it ran", task.round_id))?;
+        return Err(CanopyError::TaskExpired {
+            message: format!("round {}'s deadline passed; the task was given up", task.round_id),
+        });
+    }
+    let data = crate::data::load(data)?;
+    let limits = client.config().limits;
+    let data_bytes = (data.features().len() * 4 + data.labels().len() * 8) as u64;
+    let watcher = StopWatcher::start(cancel, limits.time_limit_ms, task.deadline_unix_ms);
+    let (device, enrollment) = client.device(watcher.token.clone())?;
+    if let Some(refusal) = limits.to_sdk().refusal(task, data_bytes) {
+        device.decline_task(task, &refusal.to_string())?;
+        storage.clear_task()?;
+        storage.save_outcome(&format!("round {}: declined: {refusal}", task.round_id))?;
+        return Err(CanopyError::OverLimit {
+            message: format!("{refusal}\nhint: raise the client's limits, or train on less data"),
+        });
+    }
+    let backend = client.training_backend();
+    let resumed = Arc::new(Mutex::new(0u64));
+    let options = TrainOptions {
+        backend: backend.clone(),
+        cancel: watcher.token.clone(),
+        checkpoint: Some(CheckpointSettings {
+            path: storage.checkpoint_path(),
+            every_steps: match client.config().checkpoint_every_steps {
+                0 => DEFAULT_CHECKPOINT_EVERY_STEPS,
+                n => n,
+            },
+        }),
+        progress: Some(progress_callback(task.round_id, listener, resumed.clone())),
+    };
+    let seed = training_seed(enrollment.device_id, task.round_id);
+    let model_path = storage.model_path();
+    let result = in_pool(limits.max_threads, || {
+        device.run_task_with(task, &data, seed, &options, Some(&model_path))
+    })?;
+    client.persist_trust(&enrollment, device.trusted_keys())?;
+    let cause = watcher.cause();
+    drop(watcher);
+    match result {
+        Ok(outcome) => {
+            storage.clear_task()?;
+            let resumed_from_step = *resumed.lock().unwrap_or_else(|p| p.into_inner());
+            let outcome = task_outcome(task, outcome, resumed_from_step, backend.kind().as_str());
+            storage.save_outcome(&describe(&outcome))?;
+            Ok(outcome)
+        }
+        Err(error) => Err(ended(client, &device, task, error, cause)?),
+    }
+}
+
+/// What a failed run keeps or gives up, and the error the app sees.
+fn ended(
+    client: &CanopyClient,
+    device: &canopy_sdk::blocking::DeviceClient,
+    task: &Task,
+    error: RunTaskError,
+    cause: StopCause,
+) -> Result<CanopyError, CanopyError> {
+    let storage = client.storage();
+    let cancelled = matches!(
+        error,
+        RunTaskError::Sdk(SdkError::Cancelled) | RunTaskError::Train(canopy_sdk::train::TrainError::Cancelled)
+    );
+    let round = task.round_id;
+    if cancelled {
+        return Ok(match cause {
+            StopCause::TimeLimit => CanopyError::TimeLimit {
+                message: format!(
+                    "round {round}'s run reached the client's time limit; its progress is \
+                     checkpointed\nhint: call run_task again to resume"
+                ),
+            },
+            StopCause::Deadline => {
+                storage.clear_task()?;
+                storage.save_outcome(&format!("round {round}: its deadline passed during the run"))?;
+                CanopyError::TaskExpired {
+                    message: format!("round {round}'s deadline passed during the run; the task was given up"),
+                }
+            }
+            _ => CanopyError::Cancelled {
+                message: format!(
+                    "round {round}'s run was cancelled; its progress is checkpointed\nhint: call \
+                     run_task again to resume"
+                ),
+            },
+        });
+    }
+    match what_to_keep(&error) {
+        Keep::Task => {}
+        Keep::Nothing => storage.clear_task()?,
+        Keep::NothingDecline => {
+            let reason = crate::error::chain(&error, None).replace(char::is_control, " ");
+            if let Err(decline) = device.decline_task(task, &reason) {
+                tracing::warn!(round_id = round, error = %decline, "cannot decline the task");
+            }
+            storage.clear_task()?;
+        }
+    }
+    let converted: CanopyError = error.into();
+    storage.save_outcome(&format!("round {round}: failed: {}", converted.message()))?;
+    Ok(converted)
+}
+
+/// What a run that failed leaves for the next one.
+enum Keep {
+    /// A failure worth another try (the network, a busy server, the
+    /// storage): the task and its checkpoint stay.
+    Task,
+    /// The round went on without this device (it was dropped, the round
+    /// closed, the device's update already counted).
+    Nothing,
+    /// This device cannot do the task (a model that fails verification
+    /// or does not train): give it back now rather than at the deadline.
+    NothingDecline,
+}
+
+fn what_to_keep(error: &RunTaskError) -> Keep {
+    match error {
+        RunTaskError::Sdk(sdk) if sdk.is_retryable() => Keep::Task,
+        RunTaskError::Sdk(SdkError::LocalFile { .. } | SdkError::Runtime(_)) => Keep::Task,
+        RunTaskError::Sdk(SdkError::SecureRoundGone { .. } | SdkError::Server { .. }) => Keep::Nothing,
+        RunTaskError::Sdk(_) | RunTaskError::Train(_) => Keep::NothingDecline,
+    }
+}
+
+fn progress_callback(
+    round_id: i64,
+    listener: Option<Arc<dyn ProgressListener>>,
+    resumed: Arc<Mutex<u64>>,
+) -> Arc<dyn Fn(TrainProgress) + Send + Sync> {
+    Arc::new(move |progress: TrainProgress| {
+        *resumed.lock().unwrap_or_else(|p| p.into_inner()) = progress.resumed_from_step;
+        if let Some(listener) = &listener {
+            listener.on_progress(TrainingProgress {
+                round_id,
+                epoch: progress.epoch,
+                epochs: progress.epochs,
+                steps_done: progress.steps_done,
+                total_steps: progress.total_steps,
+                mean_loss: progress.mean_loss,
+                resumed_from_step: progress.resumed_from_step,
+            });
+        }
+    })
+}
+
+/// Runs `work` on a thread pool of `threads` (the CPU backend's kernels
+/// run on the pool they are called from), or on the global pool.
+fn in_pool<T: Send>(threads: Option<u32>, work: impl FnOnce() -> T + Send) -> Result<T, CanopyError> {
+    let Some(threads) = threads else {
+        return Ok(work());
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads as usize)
+        .thread_name(|i| format!("canopy-train-{i}"))
+        .build()
+        .map_err(|error| CanopyError::Runtime {
+            message: format!("cannot start {threads} training threads: {error}"),
+        })?;
+    Ok(pool.install(work))
+}
+
+fn kind(task: &Task) -> TaskKind {
+    match task.kind {
+        messages::TaskKind::Train => TaskKind::Train,
+        messages::TaskKind::Evaluate => TaskKind::Evaluate,
+        messages::TaskKind::Statistics => TaskKind::Statistics,
+    }
+}
+
+pub(crate) fn task_info(task: &Task, checkpointed_step: Option<u64>) -> TaskInfo {
+    TaskInfo {
+        kind: kind(task),
+        job_id: task.job_id,
+        round_id: task.round_id,
+        round_number: task.round_number,
+        model_size_bytes: task.model_size_bytes,
+        deadline_unix_ms: task.deadline_unix_ms,
+        epochs: task.training.epochs,
+        batch_size: task.training.batch_size,
+        learning_rate: task.training.learning_rate,
+        secure: task.secure_aggregation.is_some(),
+        policy: TaskPolicy {
+            requires_charging: task.policy.requires_charging,
+            requires_unmetered_network: task.policy.requires_unmetered_network,
+            requires_idle: task.policy.requires_idle,
+            min_battery_percent: task.policy.min_battery_percent,
+        },
+        checkpointed_step,
+    }
+}
+
+fn task_outcome(task: &Task, outcome: RunTaskOutcome, resumed_from_step: u64, backend: &str) -> TaskOutcome {
+    TaskOutcome {
+        round_id: task.round_id,
+        kind: kind(task),
+        num_samples: outcome.receipt.num_samples,
+        train_loss: outcome.train_loss,
+        eval_loss: outcome.evaluation.map(|e| e.loss),
+        eval_accuracy: outcome.evaluation.map(|e| e.accuracy),
+        train_duration_ms: outcome.train_duration_ms,
+        uploaded_bytes: outcome.receipt.bytes,
+        secure: outcome.secure.is_some(),
+        resumed_from_step,
+        delta: outcome.delta,
+        backend: backend.to_string(),
+    }
+}
+
+fn describe(outcome: &TaskOutcome) -> String {
+    match outcome.kind {
+        TaskKind::Evaluate => format!(
+            "round {}: evaluated on {} samples (accuracy {:.4})",
+            outcome.round_id,
+            outcome.num_samples,
+            outcome.eval_accuracy.unwrap_or(0.0)
+        ),
+        _ => format!(
+            "round {}: {} from {} samples ({} bytes)",
+            outcome.round_id,
+            if outcome.secure { "masked update sent" } else { "update uploaded" },
+            outcome.num_samples,
+            outcome.uploaded_bytes
+        ),
+    }
+}
