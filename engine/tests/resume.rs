@@ -1,7 +1,10 @@
 //! Training that resumes where a killed run stopped: a fit interrupted
 //! mid-epoch, its trainer's state exported, and a new trainer restored
 //! from it ends with the parameters and epoch statistics of an
-//! uninterrupted fit, bit for bit on the CPU.
+//! uninterrupted fit on the same backend, bit for bit (the CPU, and the
+//! GPU, whose kernels are as deterministic).
+
+mod common;
 
 use std::ops::ControlFlow;
 
@@ -18,7 +21,7 @@ use canopy_engine::train::{
 use canopy_engine::zoo::{
     Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_model, rebuild_train_step,
 };
-use canopy_engine::{CpuBackend, EngineError, Value, optimize_graph};
+use canopy_engine::{Backend, CpuBackend, EngineError, Value, optimize_graph};
 use canopy_ir::model::{ENTRY_TRAIN_STEP, PARAM_PREFIX};
 use canopy_ir::{DType, Dim, Model, Shape, TensorType};
 
@@ -129,8 +132,8 @@ fn through_tensor_data(state: &TrainerState) -> TrainerState {
     }
 }
 
-fn uninterrupted(model: &Model) -> (TrainerState, Vec<EpochStats>) {
-    let mut trainer = Trainer::new(model, &CpuBackend, SEED).expect("trainer");
+fn uninterrupted(model: &Model, backend: &dyn Backend) -> (TrainerState, Vec<EpochStats>) {
+    let mut trainer = Trainer::new(model, backend, SEED).expect("trainer");
     let epochs = fit(&mut trainer, &data(), &config(), &mut |_| {
         ControlFlow::Continue(())
     })
@@ -148,8 +151,8 @@ struct Stopped {
 
 /// Runs until batch `at_batch` of epoch `at_epoch` (from 1) is next, and
 /// exports the trainer's state there, as a checkpoint would.
-fn interrupted(model: &Model, at_epoch: u32, at_batch: usize) -> Stopped {
-    let mut trainer = Trainer::new(model, &CpuBackend, SEED).expect("trainer");
+fn interrupted(model: &Model, backend: &dyn Backend, at_epoch: u32, at_batch: usize) -> Stopped {
+    let mut trainer = Trainer::new(model, backend, SEED).expect("trainer");
     let mut stopped = None;
     let outcome = fit_with_trainer(
         &mut trainer,
@@ -179,8 +182,12 @@ fn interrupted(model: &Model, at_epoch: u32, at_batch: usize) -> Stopped {
 }
 
 /// A new trainer restored from `stopped` and fitted to the end.
-fn resumed(model: &Model, stopped: &Stopped) -> (TrainerState, Vec<EpochStats>) {
-    let mut trainer = Trainer::new(model, &CpuBackend, SEED).expect("trainer");
+fn resumed(
+    model: &Model,
+    backend: &dyn Backend,
+    stopped: &Stopped,
+) -> (TrainerState, Vec<EpochStats>) {
+    let mut trainer = Trainer::new(model, backend, SEED).expect("trainer");
     trainer
         .restore_state(&through_tensor_data(&stopped.state))
         .expect("restore");
@@ -200,24 +207,37 @@ fn resumed(model: &Model, stopped: &Stopped) -> (TrainerState, Vec<EpochStats>) 
 }
 
 fn check_resume_is_exact(optimizer: Optimizer) {
+    check_resume_on(optimizer, &CpuBackend);
+    if let Some(gpu) = common::gpu_under_test() {
+        check_resume_on(optimizer, &gpu);
+    }
+}
+
+fn check_resume_on(optimizer: Optimizer, backend: &dyn Backend) {
     let model = dropout_mlp(optimizer);
-    let (whole, whole_epochs) = uninterrupted(&model);
+    let (whole, whole_epochs) = uninterrupted(&model, backend);
     assert_eq!(whole.steps, 30, "three epochs of ten batches");
     for (epoch, batch) in [(2, 7), (1, 1), (3, 0)] {
-        let stopped = interrupted(&model, epoch, batch);
+        let stopped = interrupted(&model, backend, epoch, batch);
         assert_eq!(
             stopped.state.steps,
             u64::from(epoch - 1) * 10 + batch as u64
         );
-        let (after, epochs) = resumed(&model, &stopped);
+        let (after, epochs) = resumed(&model, backend, &stopped);
         assert_eq!(after.steps, whole.steps);
         assert!(
             bits(&after) == bits(&whole),
-            "{optimizer}: resumed after batch {batch} of epoch {epoch}, the state differs"
+            "{optimizer} on {}: resumed after batch {batch} of epoch {epoch}, the state differs",
+            backend.name()
         );
         // The epoch resumed mid-way reports the uninterrupted epoch's mean.
         let tail = &whole_epochs[whole_epochs.len() - epochs.len()..];
-        assert_eq!(epochs, tail, "{optimizer}: epoch statistics");
+        assert_eq!(
+            epochs,
+            tail,
+            "{optimizer} on {}: epoch statistics",
+            backend.name()
+        );
     }
 }
 
@@ -242,7 +262,7 @@ fn the_test_model_draws_dropout_masks() {
             .iter()
             .any(|node| node.op.name() == "random_uniform")
     );
-    let state = interrupted(&model, 1, 3).state;
+    let state = interrupted(&model, &CpuBackend, 1, 3).state;
     let mut other_seed = Trainer::new(&model, &CpuBackend, SEED + 1).expect("trainer");
     let refused = other_seed.restore_state(&state);
     assert!(
@@ -256,7 +276,7 @@ fn the_test_model_draws_dropout_masks() {
 #[test]
 fn a_state_of_another_model_is_refused_naming_the_value() {
     let model = dropout_mlp(Optimizer::adam());
-    let state = interrupted(&model, 1, 2).state;
+    let state = interrupted(&model, &CpuBackend, 1, 2).state;
     let mut trainer = Trainer::new(&model, &CpuBackend, SEED).expect("trainer");
     let fresh = trainer.export_state().expect("export");
 
