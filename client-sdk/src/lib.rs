@@ -39,12 +39,12 @@ pub use backend::{
     gpu_adapter, shared_npu,
 };
 pub use cancel::CancelToken;
-pub use checkpoint::{CheckpointInfo, CheckpointSettings};
 /// The NPU backend's configuration, for [`configure_npu`].
 pub use canopy_npu::{OrtConfig, Provider};
 /// What a device trusts to sign models, and the server's answer it
 /// advances along; see [`DeviceClient::trusted_keys`].
 pub use canopy_protocol::model_sig::{KeyEndorsement, SigningKeys, TrustedKeys};
+pub use checkpoint::{CheckpointInfo, CheckpointSettings};
 pub use client::{
     DeviceClient, DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES, enroll, enroll_with,
 };
