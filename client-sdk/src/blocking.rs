@@ -259,6 +259,15 @@ impl DeviceClient {
         self.block_on(self.inner.decline_task(task, reason))?
     }
 
+    /// See [`crate::DeviceClient::withdraw_task`].
+    pub fn withdraw_task(
+        &self,
+        task: &Task,
+        conditions: &canopy_protocol::messages::DeviceConditions,
+    ) -> Result<(), SdkError> {
+        self.block_on(self.inner.withdraw_task(task, conditions))?
+    }
+
     /// See [`crate::DeviceClient::post_secure_message`].
     pub fn post_secure_message(
         &self,

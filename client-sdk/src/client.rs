@@ -1,7 +1,8 @@
 //! The device client: enrollment, the client's settings (retry policy,
-//! cancel token, trusted model-signing keys), polls, heartbeats, uploads
-//! and metrics. Request signing is in `signing`, model downloads and their
-//! verification in `download`; the connection is [`crate::transport`].
+//! cancel token, trusted model-signing keys), polls, heartbeats, uploads,
+//! metrics, declines and withdrawals. Request signing is in `signing`,
+//! model downloads and their verification in `download`; the connection
+//! is [`crate::transport`].
 
 mod download;
 mod signing;
@@ -11,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use canopy_protocol::auth::{self, DeviceKey};
 use canopy_protocol::messages::{
-    Capabilities, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, RoundMetrics, Task,
-    UploadReceipt,
+    Capabilities, DeviceConditions, ERROR_ALREADY_WITHDRAWN, EnrollRequest, EnrollResponse,
+    Heartbeat, HeartbeatResponse, MAX_DECLINE_REASON_CHARS, RoundMetrics, Task, UploadReceipt,
+    WithdrawTask,
 };
 use canopy_protocol::model_sig::TrustedKeys;
 use reqwest::{Method, StatusCode};
@@ -369,6 +371,48 @@ impl DeviceClient {
             Ok(())
         })
         .await
+    }
+
+    /// Gives up a task because this device no longer meets the job's
+    /// device policy ([`Task::policy`]; check it with
+    /// [`DevicePolicy::check`]): the server records the device as
+    /// `ineligible`, which is not a dropout, once it has checked that
+    /// `conditions` violate the policy. A device whose conditions meet the
+    /// policy is refused (422): it must do the task, or decline it.
+    /// Retried under the client's policy; a 409 `already_withdrawn` (an
+    /// earlier attempt got through before its answer was lost, or the
+    /// device withdrew before) counts as done. Any other 409 (the device
+    /// already uploaded) or a 410 (its task is over) is an error.
+    ///
+    /// [`DevicePolicy::check`]: canopy_protocol::messages::DevicePolicy::check
+    pub async fn withdraw_task(
+        &self,
+        task: &Task,
+        conditions: &DeviceConditions,
+    ) -> Result<(), SdkError> {
+        let reason = match task.policy.check(conditions) {
+            Err(ineligible) => ineligible.to_string(),
+            Ok(()) => String::new(),
+        };
+        let withdrawal = WithdrawTask {
+            round_id: task.round_id,
+            conditions: *conditions,
+            reason: reason.chars().take(MAX_DECLINE_REASON_CHARS).collect(),
+        };
+        // Training and evaluation tasks are withdrawn at their own paths.
+        let path = canopy_protocol::messages::task_paths::withdraw(task);
+        let sent = self
+            .retrying(|| async {
+                self.signed_json(&path, "withdrawal", &withdrawal).await?;
+                Ok(())
+            })
+            .await;
+        match sent {
+            Err(SdkError::Server {
+                status: 409, code, ..
+            }) if code == ERROR_ALREADY_WITHDRAWN => Ok(()),
+            other => other,
+        }
     }
 
     /// Sends the answer to an evaluation task ([`TaskKind::Evaluate`]):

@@ -196,6 +196,7 @@ fn task(fixture: &Fixture) -> Task {
         }])
         .expect("layout"),
         secure_aggregation: None,
+        policy: Default::default(),
     }
 }
 

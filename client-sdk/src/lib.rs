@@ -41,6 +41,10 @@ pub use backend::{
 pub use cancel::CancelToken;
 /// The NPU backend's configuration, for [`configure_npu`].
 pub use canopy_npu::{OrtConfig, Provider};
+/// A job's device policy (shipped in every task), the state a device
+/// reports, and why a device may not train now; see
+/// [`DeviceClient::withdraw_task`].
+pub use canopy_protocol::messages::{DeviceConditions, DevicePolicy, Ineligible, Unmet};
 /// What a device trusts to sign models, and the server's answer it
 /// advances along; see [`DeviceClient::trusted_keys`].
 pub use canopy_protocol::model_sig::{KeyEndorsement, SigningKeys, TrustedKeys};

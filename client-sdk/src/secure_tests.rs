@@ -63,6 +63,7 @@ fn secure_task(update_len: usize, deadline_unix_ms: u64) -> Task {
             path: "/device/v1/rounds/7/secagg/".to_string(),
             stage_timeout_ms: STAGE_TIMEOUT_MS,
         }),
+        policy: Default::default(),
     }
 }
 

@@ -82,6 +82,7 @@ fn setup(frozen: &[&str]) -> (Vec<u8>, Task, Dataset) {
         },
         layout,
         secure_aggregation: None,
+        policy: Default::default(),
     };
     (bytes, task, data)
 }

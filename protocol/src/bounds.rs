@@ -7,7 +7,7 @@
 //! here, in the contract both ends link, and a change to one is a change
 //! for all of them.
 
-use crate::messages::{Task, TrainingConfig};
+use crate::messages::{MAX_BATTERY_PERCENT, Task, TrainingConfig};
 use crate::update::UpdateError;
 
 /// Most local epochs one task (or one local training run) may ask for.
@@ -97,6 +97,12 @@ impl Task {
     pub fn validate(&self) -> Result<(), BoundsError> {
         self.training.validate()?;
         check_model_bytes("model_size_bytes", self.model_size_bytes)?;
+        check_u64(
+            "policy.min_battery_percent",
+            u64::from(self.policy.min_battery_percent),
+            0,
+            u64::from(MAX_BATTERY_PERCENT),
+        )?;
         self.layout.validate().map_err(BoundsError::Layout)
     }
 }

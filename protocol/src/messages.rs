@@ -345,6 +345,196 @@ impl TaskKind {
     }
 }
 
+/// Highest battery level, in percent.
+pub const MAX_BATTERY_PERCENT: u8 = 100;
+
+/// The state a device is in now, as a mobile app reads it from the
+/// platform: what a job's [`DevicePolicy`] is checked against.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceConditions {
+    /// Plugged in to a charger.
+    pub charging: bool,
+    /// On a network the user does not pay for by the byte (Wi-Fi, not
+    /// cellular data).
+    pub unmetered_network: bool,
+    /// Not in use: the screen is off, or the platform says the device is
+    /// idle.
+    pub idle: bool,
+    /// 0 to 100.
+    pub battery_percent: u8,
+}
+
+impl DeviceConditions {
+    /// Checks the battery level, naming the field as in a withdrawal.
+    pub fn validate(&self) -> Result<(), String> {
+        self.validate_as("conditions")
+    }
+
+    /// [`DeviceConditions::validate`], naming the field under `prefix`.
+    fn validate_as(&self, prefix: &str) -> Result<(), String> {
+        check_battery_percent(&format!("{prefix}.battery_percent"), self.battery_percent)
+    }
+}
+
+/// A battery level is a percentage.
+fn check_battery_percent(field: &str, percent: u8) -> Result<(), String> {
+    if percent > MAX_BATTERY_PERCENT {
+        return Err(format!(
+            "`{field}` must be between 0 and {MAX_BATTERY_PERCENT}, got {percent}"
+        ));
+    }
+    Ok(())
+}
+
+/// The states a device must be in to train for a job: a job's
+/// `device_policy`, shipped in every task as [`Task::policy`]. The default
+/// asks for nothing, so every device may train.
+///
+/// Devices check it before they train ([`DevicePolicy::check`]); a device
+/// that no longer meets it withdraws ([`WithdrawTask`]) rather than
+/// declining, and is not counted as a dropout. Unknown fields are ignored
+/// (a policy reaches devices inside a task, a response), so a newer
+/// server can add a requirement without breaking older devices; the
+/// server refuses them in a job's config.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DevicePolicy {
+    /// Train only while plugged in.
+    #[serde(default)]
+    pub requires_charging: bool,
+    /// Train only on an unmetered network.
+    #[serde(default)]
+    pub requires_unmetered_network: bool,
+    /// Train only while the device is idle.
+    #[serde(default)]
+    pub requires_idle: bool,
+    /// Train only with at least this much battery, 0 to 100; 0 asks for
+    /// nothing.
+    #[serde(default)]
+    pub min_battery_percent: u8,
+}
+
+impl DevicePolicy {
+    /// The fields of a policy as its JSON names them, so that a job's
+    /// config can refuse any other name.
+    pub const FIELDS: &'static [&'static str] = &[
+        "requires_charging",
+        "requires_unmetered_network",
+        "requires_idle",
+        "min_battery_percent",
+    ];
+
+    /// Checks the battery level, naming the field as a job's config does.
+    pub fn validate(&self) -> Result<(), String> {
+        check_battery_percent(
+            "device_policy.min_battery_percent",
+            self.min_battery_percent,
+        )
+    }
+
+    /// True when the policy asks for nothing: every device may train.
+    pub fn is_unrestricted(&self) -> bool {
+        *self == DevicePolicy::default()
+    }
+
+    /// Whether a device in `conditions` may train; the error lists every
+    /// requirement it does not meet.
+    pub fn check(&self, conditions: &DeviceConditions) -> Result<(), Ineligible> {
+        let flags = [
+            (self.requires_charging, conditions.charging, Unmet::Charging),
+            (
+                self.requires_unmetered_network,
+                conditions.unmetered_network,
+                Unmet::UnmeteredNetwork,
+            ),
+            (self.requires_idle, conditions.idle, Unmet::Idle),
+        ];
+        let mut unmet: Vec<Unmet> = flags
+            .into_iter()
+            .filter(|&(required, met, _)| required && !met)
+            .map(|(_, _, requirement)| requirement)
+            .collect();
+        if conditions.battery_percent < self.min_battery_percent {
+            unmet.push(Unmet::Battery {
+                percent: conditions.battery_percent,
+                minimum: self.min_battery_percent,
+            });
+        }
+        if unmet.is_empty() {
+            Ok(())
+        } else {
+            Err(Ineligible { unmet })
+        }
+    }
+}
+
+/// One requirement of a [`DevicePolicy`] a device does not meet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unmet {
+    Charging,
+    UnmeteredNetwork,
+    Idle,
+    /// The battery is at `percent`, under the policy's `minimum`.
+    Battery {
+        percent: u8,
+        minimum: u8,
+    },
+}
+
+impl Unmet {
+    /// The policy field that asks for it.
+    pub fn field(self) -> &'static str {
+        match self {
+            Unmet::Charging => "requires_charging",
+            Unmet::UnmeteredNetwork => "requires_unmetered_network",
+            Unmet::Idle => "requires_idle",
+            Unmet::Battery { .. } => "min_battery_percent",
+        }
+    }
+
+    /// What the job asks for, as a phrase ("the job requires charging").
+    fn phrase(self) -> Option<&'static str> {
+        match self {
+            Unmet::Charging => Some("charging"),
+            Unmet::UnmeteredNetwork => Some("an unmetered network"),
+            Unmet::Idle => Some("an idle device"),
+            Unmet::Battery { .. } => None,
+        }
+    }
+}
+
+/// A device whose conditions do not meet a job's [`DevicePolicy`]; the
+/// message lists every unmet requirement and is meant to be shown to the
+/// device's user, e.g. "the job requires charging and an unmetered
+/// network; battery 12% is under the job's minimum of 30%".
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}", describe_unmet(&self.unmet))]
+pub struct Ineligible {
+    /// In the policy's field order; never empty.
+    pub unmet: Vec<Unmet>,
+}
+
+fn describe_unmet(unmet: &[Unmet]) -> String {
+    let wanted: Vec<&str> = unmet.iter().filter_map(|u| u.phrase()).collect();
+    let mut clauses = Vec::new();
+    if let Some((last, first)) = wanted.split_last() {
+        let list = if first.is_empty() {
+            (*last).to_string()
+        } else {
+            format!("{} and {last}", first.join(", "))
+        };
+        clauses.push(format!("the job requires {list}"));
+    }
+    for requirement in unmet {
+        if let Unmet::Battery { percent, minimum } = requirement {
+            clauses.push(format!(
+                "battery {percent}% is under the job's minimum of {minimum}%"
+            ));
+        }
+    }
+    clauses.join("; ")
+}
+
 /// One round's work for one device.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Task {
@@ -378,6 +568,11 @@ pub struct Task {
     /// [`SecureTask::path`] instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_aggregation: Option<SecureTask>,
+    /// The states the device must be in to do the task (the job's
+    /// `device_policy`); unrestricted when absent. A device that no longer
+    /// meets it withdraws ([`WithdrawTask`]).
+    #[serde(default, skip_serializing_if = "DevicePolicy::is_unrestricted")]
+    pub policy: DevicePolicy,
 }
 
 /// The secure-aggregation side of a task.
@@ -431,6 +626,11 @@ pub struct Heartbeat {
     /// an empty string clears it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    /// The device's state now (charging, network, idle, battery): the
+    /// server selects only devices whose latest report meets a job's
+    /// `device_policy`. `None` leaves what the server knows unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conditions: Option<DeviceConditions>,
 }
 
 /// Most datasets a device reports.
@@ -536,6 +736,9 @@ impl Heartbeat {
                     "heartbeat.last_error is over {MAX_LAST_ERROR_CHARS} characters"
                 ));
             }
+        }
+        if let Some(conditions) = &self.conditions {
+            conditions.validate_as("heartbeat.conditions")?;
         }
         Ok(())
     }
@@ -673,6 +876,20 @@ pub mod task_paths {
             }
         }
     }
+
+    /// Where a device that no longer meets the task's policy withdraws
+    /// ([`super::WithdrawTask`]); evaluation tasks at their own path, as
+    /// for [`decline`].
+    pub fn withdraw(task: &Task) -> String {
+        match task.kind {
+            TaskKind::Train | TaskKind::Statistics => {
+                format!("/device/v1/rounds/{}/withdraw", task.round_id)
+            }
+            TaskKind::Evaluate => {
+                format!("/device/v1/rounds/{}/evaluation/withdraw", task.round_id)
+            }
+        }
+    }
 }
 
 /// Most characters a decline reason may have.
@@ -690,24 +907,53 @@ pub struct DeclineTask {
 
 impl DeclineTask {
     pub fn validate(&self) -> Result<(), String> {
-        if self.round_id <= 0 {
-            return Err(format!(
-                "`round_id` must be positive, got {}",
-                self.round_id
-            ));
-        }
-        let chars = self.reason.chars().count();
-        if chars > MAX_DECLINE_REASON_CHARS {
-            return Err(format!(
-                "`reason` has {chars} characters, over the limit of {MAX_DECLINE_REASON_CHARS}"
-            ));
-        }
-        if self.reason.chars().any(char::is_control) {
-            return Err("`reason` may not contain control characters".to_string());
-        }
-        Ok(())
+        check_round_and_reason(self.round_id, &self.reason)
     }
 }
+
+/// The checks a decline and a withdrawal share: a real round id, and a
+/// reason of bounded length with no control characters.
+fn check_round_and_reason(round_id: i64, reason: &str) -> Result<(), String> {
+    if round_id <= 0 {
+        return Err(format!("`round_id` must be positive, got {round_id}"));
+    }
+    let chars = reason.chars().count();
+    if chars > MAX_DECLINE_REASON_CHARS {
+        return Err(format!(
+            "`reason` has {chars} characters, over the limit of {MAX_DECLINE_REASON_CHARS}"
+        ));
+    }
+    if reason.chars().any(char::is_control) {
+        return Err("`reason` may not contain control characters".to_string());
+    }
+    Ok(())
+}
+
+/// A device gives up a task because it no longer meets the job's
+/// [`DevicePolicy`] (unplugged, off Wi-Fi, in use, low battery). Unlike a
+/// [`DeclineTask`], it is not counted as a dropout: the server records the
+/// participant as `ineligible`, once it has checked that `conditions`
+/// really violate the policy (it refuses a withdrawal whose conditions
+/// meet it with 422). `reason` (at most [`MAX_DECLINE_REASON_CHARS`]) is
+/// the device's own words, e.g. [`Ineligible`]'s message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WithdrawTask {
+    pub round_id: i64,
+    pub conditions: DeviceConditions,
+    pub reason: String,
+}
+
+impl WithdrawTask {
+    pub fn validate(&self) -> Result<(), String> {
+        check_round_and_reason(self.round_id, &self.reason)?;
+        self.conditions.validate()
+    }
+}
+
+/// The error code of the 409 a device gets when it withdraws from a task
+/// it already withdrew from: the withdrawal stands.
+pub const ERROR_ALREADY_WITHDRAWN: &str = "already_withdrawn";
 
 /// The server's answer to an accepted upload.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

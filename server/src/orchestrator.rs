@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use canopy_protocol::messages::Tier;
+use canopy_protocol::messages::{DevicePolicy, Tier};
 use futures_util::StreamExt;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
@@ -450,6 +450,9 @@ async fn select(
 #[derive(Debug, Default)]
 struct Eligibility {
     eligible: usize,
+    /// Devices whose latest reported conditions violate the job's device
+    /// policy (not charging, on a metered network, ...).
+    ineligible_conditions: usize,
     /// Devices that do not report the job's dataset.
     lacking_dataset: usize,
     /// Devices whose copy of the dataset has another sample shape, with
@@ -461,10 +464,29 @@ struct Eligibility {
 impl Eligibility {
     /// The reasons, as a clause for the job's status.
     fn why_not(&self, dataset: Option<&str>, input_shape: Option<&[u64]>) -> String {
-        let Some(dataset) = dataset else {
-            return String::new();
-        };
         let mut reasons = Vec::new();
+        if self.ineligible_conditions > 0 {
+            reasons.push(format!(
+                "{} report conditions the job's `device_policy` excludes",
+                self.ineligible_conditions
+            ));
+        }
+        if let Some(dataset) = dataset {
+            self.dataset_reasons(dataset, input_shape, &mut reasons);
+        }
+        if reasons.is_empty() {
+            String::new()
+        } else {
+            format!(" (of the other online devices, {})", reasons.join("; "))
+        }
+    }
+
+    fn dataset_reasons(
+        &self,
+        dataset: &str,
+        input_shape: Option<&[u64]>,
+        reasons: &mut Vec<String>,
+    ) {
         if self.lacking_dataset > 0 {
             reasons.push(format!("{} lack dataset `{dataset}`", self.lacking_dataset));
         }
@@ -474,19 +496,15 @@ impl Eligibility {
                 self.wrong_shape
             ));
         }
-        if reasons.is_empty() {
-            String::new()
-        } else {
-            format!(" (of the other online devices, {})", reasons.join("; "))
-        }
     }
 }
 
 /// A uniform sample of up to `capacity` eligible online devices, by
 /// reservoir sampling, so memory is bounded by the sample however many
 /// devices are online. A device is eligible when it passes the job's
-/// filters and, for a job that names a dataset, reports that dataset
-/// with samples of the model's input shape.
+/// filters, its latest reported conditions (if it reported any) meet the
+/// job's device policy, and, for a job that names a dataset, it reports
+/// that dataset with samples of the model's input shape.
 async fn sample_eligible(
     state: &AppState,
     tx: &mut Tx<'_>,
@@ -502,6 +520,10 @@ async fn sample_eligible(
     while let Some(candidate) = candidates.next().await {
         let candidate = candidate?;
         if !matches_filter(&candidate, &spec.filters)? {
+            continue;
+        }
+        if !meets_policy(&candidate, &spec.device_policy)? {
+            eligibility.ineligible_conditions += 1;
             continue;
         }
         if let Some(name) = &spec.dataset {
@@ -617,6 +639,17 @@ async fn open_evaluation(
     Ok(!chosen.is_empty())
 }
 
+/// Whether a device may train under the job's device policy, by the
+/// conditions it last reported; a device that never reported any (an
+/// edge agent, an older app) is taken at its word, as before policies.
+fn meets_policy(candidate: &CandidateRow, policy: &DevicePolicy) -> Result<bool, sqlx::Error> {
+    if policy.is_unrestricted() {
+        return Ok(true);
+    }
+    let conditions = devices::parse_conditions(candidate.conditions.as_deref())?;
+    Ok(conditions.is_none_or(|conditions| policy.check(&conditions).is_ok()))
+}
+
 fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<bool, sqlx::Error> {
     if let Some(tier) = &filter.tier {
         let wanted: Option<Tier> = tier.parse().ok();
@@ -651,16 +684,18 @@ fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<boo
 }
 
 /// A round closes at its target, at its deadline, or when every selected
-/// device has uploaded or declined; the answer is what the devices still
-/// working are told as their drop reason. While a round trains,
-/// participants leave `selected`/`delivered` only by uploading or
-/// declining (which counts a dropout), so the count of those still working
-/// is arithmetic, not a scan (which would make each upload's check cost
+/// device has uploaded, declined or withdrawn; the answer is what the
+/// devices still working are told as their drop reason. While a round
+/// trains, participants leave `selected`/`delivered` only by uploading,
+/// declining (which counts a dropout) or withdrawing as ineligible (which
+/// counts in `ineligible`), so the count of those still working is
+/// arithmetic, not a scan (which would make each upload's check cost
 /// O(devices)).
 fn close_reason(round: &RoundRow) -> Option<&'static str> {
+    let answered = round.updates_accepted + round.dropouts + round.ineligible;
     if round.updates_accepted >= round.target_devices {
         Some("not needed: the round reached its target before this device uploaded")
-    } else if round.updates_accepted + round.dropouts >= round.selected_count {
+    } else if answered >= round.selected_count {
         // Every device has answered, so no one is left to drop.
         Some("not needed: every selected device had answered")
     } else if round

@@ -200,7 +200,7 @@ pub async fn advance(
     let participants = secagg::participants(&mut **tx, round.id).await?;
     let all_answered = participants
         .iter()
-        .filter(|p| p.state != ParticipantState::Dropped)
+        .filter(|p| !p.state.has_left())
         .all(|p| has_answered(secure.stage, p));
     // MaskedInputCollection includes training, so it runs to the round's
     // deadline; the key stages have their own.
@@ -269,7 +269,7 @@ async fn close_stage(
 ) -> Result<StageClosed, SecureError> {
     let remaining = participants
         .iter()
-        .filter(|p| p.state != ParticipantState::Dropped && has_answered(secure.stage, p))
+        .filter(|p| !p.state.has_left() && has_answered(secure.stage, p))
         .count();
     let (message, next) = stage_message(secure.stage);
     if let Err(error) = secagg_server::check_dropouts(&secure.plan, remaining, message) {

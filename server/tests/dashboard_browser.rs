@@ -248,6 +248,7 @@ async fn the_dashboard_shows_and_controls_a_running_job_in_chromium() -> Result<
                 round_id: None,
                 datasets: Some(vec![dataset_info("digits", &shard)]),
                 last_error: None,
+                conditions: None,
             })
             .await?;
         let device = Device {
@@ -273,6 +274,7 @@ async fn the_dashboard_shows_and_controls_a_running_job_in_chromium() -> Result<
         last_error: Some(
             "dataset `digits` failed to load: /data/digits.csv: permission denied".to_string(),
         ),
+        conditions: None,
     })
     .await?;
 

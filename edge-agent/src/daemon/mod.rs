@@ -271,6 +271,9 @@ impl Daemon {
             round_id,
             datasets: Some(self.datasets.offered()),
             last_error: Some(heartbeat_error(&status)),
+            // An edge machine has no charger or battery to report; jobs'
+            // device policies leave devices that report nothing selectable.
+            conditions: None,
         }
     }
 

@@ -683,6 +683,7 @@ mod tests {
             ])
             .expect("layout"),
             secure_aggregation: None,
+            policy: Default::default(),
         }
     }
 

@@ -258,6 +258,22 @@ mod tests {
             .collect();
         assert_eq!(gpu_types["items"]["enum"], serde_json::json!(names));
         assert_eq!(gpu_types["uniqueItems"], true);
+        let battery = schema_property(&document, "DevicePolicySchema", "min_battery_percent");
+        assert_eq!(
+            battery["maximum"],
+            canopy_protocol::messages::MAX_BATTERY_PERCENT
+        );
+        let policy = &document["components"]["schemas"]["DevicePolicySchema"];
+        let fields: Vec<&str> = policy["properties"]
+            .as_object()
+            .expect("the policy's properties")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let mut expected = canopy_protocol::messages::DevicePolicy::FIELDS.to_vec();
+        expected.sort_unstable();
+        assert_eq!(fields, expected);
+        assert_eq!(policy["additionalProperties"], false);
         for schema in ["CreateApiToken", "CreateEnrollmentToken"] {
             let label = schema_property(&document, schema, "label");
             assert_eq!(label["maxLength"], MAX_LABEL_CHARS, "{schema}");

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use canopy_protocol::messages::{Capabilities, DatasetInfo, GpuAdapter};
+use canopy_protocol::messages::{Capabilities, DatasetInfo, DeviceConditions, GpuAdapter};
 use sqlx::FromRow;
 
 use super::tokens::{EnrollmentTokenError, spend_enrollment_token};
@@ -27,10 +27,14 @@ pub struct DeviceRow {
     pub last_error: Option<String>,
     /// JSON [`GpuAdapter`] the device reported at enrollment.
     pub gpu: Option<String>,
+    /// JSON [`DeviceConditions`] from the device's latest heartbeat that
+    /// had them.
+    pub conditions: Option<String>,
 }
 
 const DEVICE_COLUMNS: &str = "id, public_key, tier, backends, memory_mb, os, tags, \
-     enrollment_token_id, enrolled_ms, last_seen_ms, revoked_ms, datasets, last_error, gpu";
+     enrollment_token_id, enrolled_ms, last_seen_ms, revoked_ms, datasets, last_error, gpu, \
+     conditions";
 
 impl DeviceRow {
     pub fn backends(&self) -> Result<Vec<String>, sqlx::Error> {
@@ -51,6 +55,16 @@ impl DeviceRow {
             .map(|text| from_json("devices.gpu", text))
             .transpose()
     }
+
+    pub fn conditions(&self) -> Result<Option<DeviceConditions>, sqlx::Error> {
+        parse_conditions(self.conditions.as_deref())
+    }
+}
+
+/// A device's latest reported conditions; none before its first report.
+pub fn parse_conditions(json: Option<&str>) -> Result<Option<DeviceConditions>, sqlx::Error> {
+    json.map(|text| from_json("devices.conditions", text))
+        .transpose()
 }
 
 /// A device's reported datasets; none before its first report.
@@ -60,31 +74,52 @@ pub fn parse_datasets(json: Option<&str>) -> Result<Vec<DatasetInfo>, sqlx::Erro
         .map(Option::unwrap_or_default)
 }
 
-/// Stores what a heartbeat says about the device: its datasets (replaced
-/// when given) and its last error (replaced when given, cleared by an
-/// empty one).
+/// What a heartbeat says about the device that the server keeps; `None`
+/// leaves each unchanged.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HeartbeatReport<'a> {
+    /// The datasets it offers, replaced when given.
+    pub datasets: Option<&'a [DatasetInfo]>,
+    /// Its last error, replaced when given, cleared by an empty one.
+    pub last_error: Option<&'a str>,
+    /// Its state now (charging, network, idle, battery), replaced when
+    /// given: selection checks jobs' device policies against it.
+    pub conditions: Option<&'a DeviceConditions>,
+}
+
+/// Stores what a heartbeat says about the device.
 pub async fn record_heartbeat(
     db: &Db,
     device_id: i64,
-    datasets: Option<&[DatasetInfo]>,
-    last_error: Option<&str>,
+    report: HeartbeatReport<'_>,
 ) -> Result<(), sqlx::Error> {
-    if datasets.is_none() && last_error.is_none() {
+    if report.datasets.is_none() && report.last_error.is_none() && report.conditions.is_none() {
         return Ok(());
     }
-    let datasets = datasets
+    let encode = |error: serde_json::Error| sqlx::Error::Encode(Box::new(error));
+    let datasets = report
+        .datasets
         .map(serde_json::to_string)
         .transpose()
-        .map_err(|error| sqlx::Error::Encode(Box::new(error)))?;
-    let last_error = last_error.map(|e| if e.is_empty() { None } else { Some(e) });
+        .map_err(encode)?;
+    let conditions = report
+        .conditions
+        .map(serde_json::to_string)
+        .transpose()
+        .map_err(encode)?;
+    let last_error = report
+        .last_error
+        .map(|e| if e.is_empty() { None } else { Some(e) });
     let _writer = db.write_lock().await;
     sqlx::query(
         "UPDATE devices SET datasets = COALESCE($1, datasets), \
-         last_error = CASE WHEN $2 = 1 THEN $3 ELSE last_error END WHERE id = $4",
+         last_error = CASE WHEN $2 = 1 THEN $3 ELSE last_error END, \
+         conditions = COALESCE($4, conditions) WHERE id = $5",
     )
     .bind(datasets)
     .bind(i64::from(last_error.is_some()))
     .bind(last_error.flatten())
+    .bind(conditions)
     .bind(device_id)
     .execute(&db.pool)
     .await?;

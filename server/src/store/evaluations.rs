@@ -6,7 +6,8 @@
 //! (`evaluators` rows) and sets `rounds.eval_state` to `open` with a
 //! deadline. Evaluator states: `selected` → `delivered` (task fetched) →
 //! `reported`, or `dropped` (declined, or still pending when the
-//! evaluation closes). The evaluation closes when no evaluator is pending
+//! evaluation closes), or `ineligible` (withdrew: it no longer meets the
+//! job's device policy; not a dropout). The evaluation closes when no evaluator is pending
 //! or at its deadline; a job whose last round has an open evaluation is
 //! not complete until it closes, so a completed job's numbers are final.
 
@@ -18,12 +19,13 @@ use crate::db::{Db, now_ms};
 
 text_enum! {
     /// An evaluator's state: `selected` → `delivered` → `reported`, or
-    /// `dropped`.
+    /// `dropped`, or `ineligible` (withdrawn under the job's device policy).
     pub enum EvaluatorState {
         Selected = "selected",
         Delivered = "delivered",
         Reported = "reported",
         Dropped = "dropped",
+        Ineligible = "ineligible",
     }
 }
 
@@ -169,13 +171,15 @@ pub enum Outcome {
     NotEvaluator,
     /// It already reported or declined.
     AlreadyAnswered,
+    /// It withdrew as ineligible; a second withdrawal finds it standing.
+    AlreadyWithdrawn,
     /// The evaluation closed (deadline), or the device was dropped from it.
     Closed,
 }
 
-/// The one decision on a report or a decline, from the evaluator's state
-/// and the evaluation's: not an evaluator, already answered, closed, or
-/// taken, in that order (so a device whose report counted hears so even
+/// The one decision on a report, a decline or a withdrawal, from the
+/// evaluator's state and the evaluation's: not an evaluator, already
+/// answered (or withdrawn), closed, or taken, in that order (so a device whose report counted hears so even
 /// after the close).
 pub fn admit(
     evaluator: Option<EvaluatorState>,
@@ -186,6 +190,7 @@ pub fn admit(
     match evaluator {
         None => Outcome::NotEvaluator,
         Some(EvaluatorState::Reported) => Outcome::AlreadyAnswered,
+        Some(EvaluatorState::Ineligible) => Outcome::AlreadyWithdrawn,
         Some(EvaluatorState::Dropped) => Outcome::Closed,
         Some(EvaluatorState::Selected | EvaluatorState::Delivered) => {
             let open = evaluation == Some(EvaluationState::Open)
@@ -261,16 +266,42 @@ pub async fn decline(
     device_id: i64,
     reason: &str,
 ) -> Result<Outcome, sqlx::Error> {
+    let reason = format!("declined: {reason}");
+    give_up(db, round_id, device_id, EvaluatorState::Dropped, &reason).await
+}
+
+/// A device that no longer meets the job's device policy withdraws from
+/// its evaluation task: it becomes `ineligible`, not a dropout. The caller
+/// has checked its conditions against the policy.
+pub async fn withdraw(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    reason: &str,
+) -> Result<Outcome, sqlx::Error> {
+    give_up(db, round_id, device_id, EvaluatorState::Ineligible, reason).await
+}
+
+/// An evaluator leaves its task for `state`, with `reason`, if [`admit`]
+/// takes it.
+async fn give_up(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    state: EvaluatorState,
+    reason: &str,
+) -> Result<Outcome, sqlx::Error> {
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
     let (evaluator, evaluation, deadline) = standing(&mut tx, round_id, device_id).await?;
     let outcome = admit(evaluator, evaluation, deadline, now_ms());
     if outcome == Outcome::Taken {
         sqlx::query(
-            "UPDATE evaluators SET state = 'dropped', drop_reason = $1 \
-             WHERE round_id = $2 AND device_id = $3",
+            "UPDATE evaluators SET state = $1, drop_reason = $2 \
+             WHERE round_id = $3 AND device_id = $4",
         )
-        .bind(format!("declined: {reason}"))
+        .bind(state.as_str())
+        .bind(reason)
         .bind(round_id)
         .bind(device_id)
         .execute(&mut *tx)
@@ -340,6 +371,8 @@ pub struct FederatedEvaluation {
     pub samples: Option<i64>,
     pub devices: i64,
     pub dropped: i64,
+    /// Evaluators that withdrew under the job's device policy.
+    pub ineligible: i64,
 }
 
 pub async fn federated(db: &Db, round_id: i64) -> Result<FederatedEvaluation, sqlx::Error> {
@@ -350,7 +383,8 @@ pub async fn federated(db: &Db, round_id: i64) -> Result<FederatedEvaluation, sq
            SUM(loss * samples) / NULLIF(CAST(SUM(samples) AS DOUBLE PRECISION), 0) AS loss, \
            CAST(SUM(samples) AS BIGINT) AS samples, \
            CAST(COUNT(*) FILTER (WHERE state = 'reported') AS BIGINT) AS devices, \
-           CAST(COUNT(*) FILTER (WHERE state = 'dropped') AS BIGINT) AS dropped \
+           CAST(COUNT(*) FILTER (WHERE state = 'dropped') AS BIGINT) AS dropped, \
+           CAST(COUNT(*) FILTER (WHERE state = 'ineligible') AS BIGINT) AS ineligible \
          FROM evaluators WHERE round_id = $1",
     )
     .bind(round_id)
@@ -468,6 +502,10 @@ mod tests {
             Outcome::AlreadyAnswered
         );
         assert_eq!(admit(Some(Dropped), open.0, open.1, 50), Outcome::Closed);
+        assert_eq!(
+            admit(Some(Ineligible), Some(Closed), open.1, 500),
+            Outcome::AlreadyWithdrawn
+        );
         assert_eq!(admit(Some(Delivered), open.0, open.1, 50), Outcome::Taken);
         assert_eq!(
             admit(Some(Selected), open.0, open.1, 100),

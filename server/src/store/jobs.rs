@@ -17,7 +17,7 @@ use crate::config::api_bounds::{
     MIN_ROUND_DEADLINE_MS,
 };
 use crate::db::{Db, now_ms};
-use canopy_protocol::messages::GpuDeviceType;
+use canopy_protocol::messages::{DevicePolicy, GpuDeviceType};
 
 use crate::strategy::{LearningRateSchedule, StrategySpec};
 
@@ -103,6 +103,14 @@ pub struct JobSpec {
     pub learning_rate_schedule: LearningRateSchedule,
     #[serde(default)]
     pub filters: DeviceFilter,
+    /// The states a device must be in to train or evaluate (mobile
+    /// devices report them in their heartbeats): charging, an unmetered
+    /// network, idle, a minimum battery level. Any device when left out.
+    /// A device that does not meet it is not selected, and one that stops
+    /// meeting it withdraws as `ineligible`, which is not a dropout.
+    #[serde(default, deserialize_with = "strict_device_policy")]
+    #[schema(value_type = DevicePolicySchema)]
+    pub device_policy: DevicePolicy,
     /// The dataset devices train and evaluate on, by the name they
     /// registered it under (`canopy-agent data add NAME ...`). Only devices
     /// that report it, with samples of the model's input shape, are
@@ -128,6 +136,50 @@ pub struct JobSpec {
 
 fn is_disabled(config: &SecAggConfig) -> bool {
     !config.enabled
+}
+
+/// A job's `device_policy`, refusing fields a policy does not have. The
+/// protocol's type tolerates them (devices read it inside tasks, from
+/// possibly newer servers), but a typo in a job's config must not leave
+/// the job unrestricted.
+fn strict_device_policy<'de, D>(deserializer: D) -> Result<DevicePolicy, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    use serde::de::Error;
+    let fields = serde_json::Map::<String, serde_json::Value>::deserialize(deserializer)?;
+    if let Some(unknown) = fields
+        .keys()
+        .find(|name| !DevicePolicy::FIELDS.contains(&name.as_str()))
+    {
+        return Err(D::Error::custom(format!(
+            "`device_policy` has no field `{}`; expected {}",
+            unknown.chars().take(64).collect::<String>(),
+            DevicePolicy::FIELDS.join(", ")
+        )));
+    }
+    serde_json::from_value(serde_json::Value::Object(fields)).map_err(D::Error::custom)
+}
+
+/// The OpenAPI shape of [`DevicePolicy`], which lives in `canopy-protocol`.
+/// Every field may be left out (it then asks for nothing).
+#[derive(ToSchema)]
+#[serde(deny_unknown_fields)]
+#[allow(dead_code)]
+pub struct DevicePolicySchema {
+    /// Train only while plugged in.
+    #[schema(required = false, default = false)]
+    requires_charging: bool,
+    /// Train only on an unmetered network (Wi-Fi, not cellular data).
+    #[schema(required = false, default = false)]
+    requires_unmetered_network: bool,
+    /// Train only while the device is idle.
+    #[schema(required = false, default = false)]
+    requires_idle: bool,
+    /// Train only with at least this much battery, in percent; 0 asks for
+    /// nothing.
+    #[schema(required = false, minimum = 0, maximum = 100, default = 0)]
+    min_battery_percent: u8,
 }
 
 /// The OpenAPI shape of [`SecAggConfig`], which lives in `canopy-protocol`
@@ -227,6 +279,7 @@ impl JobSpec {
         self.check_filters()?;
         self.check_strategy()?;
         self.check_evaluation()?;
+        self.device_policy.validate()?;
         self.check_secure_aggregation()
     }
 

@@ -3,7 +3,9 @@
 //!
 //! Round states: `selecting` → `training` → `aggregating` → `succeeded` or
 //! `failed`. Participant states: `selected` → `delivered` (task fetched) →
-//! `uploaded`, or `dropped` when the round closes without their update.
+//! `uploaded`, or `dropped` when the round closes without their update, or
+//! `ineligible` when the device withdrew because it no longer met the
+//! job's device policy (not a dropout).
 //! Every transition is a conditional UPDATE on the current state, inside a
 //! transaction that holds the round's row lock on PostgreSQL, so two server
 //! processes can never both act on one round.
@@ -29,12 +31,14 @@ text_enum! {
 text_enum! {
     /// A participant's state: `selected` → `delivered` (task fetched) →
     /// `uploaded`, or `dropped` when the round closes without its update or
-    /// it declines.
+    /// it declines, or `ineligible` when it withdrew because it no longer
+    /// meets the job's device policy (counted apart from dropouts).
     pub enum ParticipantState {
         Selected = "selected",
         Delivered = "delivered",
         Uploaded = "uploaded",
         Dropped = "dropped",
+        Ineligible = "ineligible",
     }
 }
 
@@ -66,6 +70,16 @@ impl ParticipantState {
             ParticipantState::Selected | ParticipantState::Delivered
         )
     }
+
+    /// Out of the round without an update: dropped, or withdrawn as
+    /// ineligible. A secure round treats both alike (their masks must be
+    /// removed); only dropouts count against the round's `dropouts`.
+    pub fn has_left(self) -> bool {
+        matches!(
+            self,
+            ParticipantState::Dropped | ParticipantState::Ineligible
+        )
+    }
 }
 
 /// The open round states, as SQL; the text of [`RoundState`]'s open variants.
@@ -91,6 +105,9 @@ pub struct RoundRow {
     pub bytes_in: i64,
     pub bytes_out: i64,
     pub dropouts: i64,
+    /// Participants that withdrew because they no longer met the job's
+    /// device policy; not dropouts.
+    pub ineligible: i64,
     pub status_message: String,
     #[sqlx(try_from = "String")]
     pub kind: RoundKind,
@@ -116,7 +133,7 @@ pub struct RoundRow {
 
 pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_version_id, \
      result_version_id, target_devices, min_devices, selected_count, updates_accepted, \
-     weight_total, bytes_in, bytes_out, dropouts, status_message, kind, created_ms, \
+     weight_total, bytes_in, bytes_out, dropouts, ineligible, status_message, kind, created_ms, \
      training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage, eval_state, \
      central_eval_loss, central_eval_accuracy, central_eval_samples, central_eval_state, \
      central_eval_error";
@@ -273,6 +290,8 @@ pub struct CandidateRow {
     pub datasets: Option<String>,
     /// JSON GPU adapter reported at enrollment.
     pub gpu: Option<String>,
+    /// JSON device conditions from the latest heartbeat that had them.
+    pub conditions: Option<String>,
 }
 
 /// Online, unrevoked devices that are not busy in another open round.
@@ -282,7 +301,7 @@ pub fn candidates<'a>(
     online_since_ms: i64,
 ) -> futures_util::stream::BoxStream<'a, Result<CandidateRow, sqlx::Error>> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT d.id, d.tier, d.backends, d.tags, d.datasets, d.gpu FROM devices d \
+        "SELECT d.id, d.tier, d.backends, d.tags, d.datasets, d.gpu, d.conditions FROM devices d \
          WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $1 AND NOT EXISTS ( \
            SELECT 1 FROM participants p JOIN rounds r ON r.id = p.round_id \
            WHERE p.device_id = d.id AND p.state IN {PENDING_STATES} \
@@ -636,6 +655,11 @@ pub enum UploadRejection {
     },
     #[error("device {device_id} was dropped from round {round_id} before its update arrived")]
     Dropped { round_id: i64, device_id: i64 },
+    #[error(
+        "device {device_id} withdrew from round {round_id} as ineligible (the job's device \
+         policy); its update is not taken"
+    )]
+    Withdrawn { round_id: i64, device_id: i64 },
     #[error("round {round_id}'s stored sum has {stored} values, the update {got}")]
     SumLength {
         round_id: i64,
@@ -654,7 +678,7 @@ pub struct RoundGate {
 
 /// The one decision on an upload, for the check before its body is read
 /// and for the fold under the round's lock: not a participant, duplicate,
-/// closed, dropped, or admitted, in that order. A duplicate comes before
+/// closed, dropped or withdrawn, or admitted, in that order. A duplicate comes before
 /// closed so that a device whose update was counted hears so (409) even
 /// after the round closed.
 pub fn admit(
@@ -683,6 +707,10 @@ pub fn admit(
             reason: "deadline passed",
         }),
         Some(ParticipantState::Dropped) => Err(UploadRejection::Dropped {
+            round_id,
+            device_id,
+        }),
+        Some(ParticipantState::Ineligible) => Err(UploadRejection::Withdrawn {
             round_id,
             device_id,
         }),
@@ -905,6 +933,77 @@ pub async fn decline(
     Ok(true)
 }
 
+/// What became of a participant's withdrawal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Withdrawal {
+    /// The participant is now `ineligible`.
+    Taken,
+    /// The device has no task in the round.
+    NotParticipant,
+    /// It had withdrawn before: the withdrawal stands.
+    AlreadyWithdrawn,
+    /// It is no longer pending (it uploaded, or was dropped): there is
+    /// nothing to withdraw from.
+    Over(ParticipantState),
+}
+
+/// A participant that no longer meets the job's device policy withdraws:
+/// it becomes `ineligible` with `reason`, counted in the round's
+/// `ineligible` and not as a dropout, and the round stops waiting for it.
+/// The caller has checked its conditions against the policy.
+pub async fn withdraw(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    reason: &str,
+) -> Result<Withdrawal, sqlx::Error> {
+    let _slot = db.round_write_slot().await;
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let withdrawn = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE participants SET state = 'ineligible', drop_reason = $3 WHERE round_id = $1 \
+         AND device_id = $2 AND state IN {PENDING_STATES}"
+    )))
+    .bind(round_id)
+    .bind(device_id)
+    .bind(reason)
+    .execute(&mut *tx)
+    .await?;
+    if withdrawn.rows_affected() == 1 {
+        sqlx::query("UPDATE rounds SET ineligible = ineligible + 1 WHERE id = $1")
+            .bind(round_id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        return Ok(Withdrawal::Taken);
+    }
+    let state: Option<String> =
+        sqlx::query_scalar("SELECT state FROM participants WHERE round_id = $1 AND device_id = $2")
+            .bind(round_id)
+            .bind(device_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let state = state
+        .map(|text| parse_state("participants.state", text))
+        .transpose()?;
+    Ok(match state {
+        None => Withdrawal::NotParticipant,
+        Some(ParticipantState::Ineligible) => Withdrawal::AlreadyWithdrawn,
+        Some(other) => Withdrawal::Over(other),
+    })
+}
+
+/// The config of the job a round belongs to, `None` when there is no such
+/// round: what a withdrawal is checked against.
+pub async fn job_config(db: &Db, round_id: i64) -> Result<Option<String>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT j.config FROM rounds r JOIN jobs j ON j.id = r.job_id WHERE r.id = $1",
+    )
+    .bind(round_id)
+    .fetch_optional(&db.pool)
+    .await
+}
+
 /// Stores what a participant reports about its training and evaluation.
 pub async fn record_metrics(
     db: &Db,
@@ -1050,5 +1149,11 @@ mod tests {
             refused(Some(Dropped), Training, false),
             UploadRejection::Dropped { .. }
         ));
+        assert!(matches!(
+            refused(Some(Ineligible), Training, false),
+            UploadRejection::Withdrawn { .. }
+        ));
+        // An ineligible participant is out of the round, not pending.
+        assert!(!Ineligible.is_pending() && Ineligible.has_left());
     }
 }

@@ -36,6 +36,21 @@ pub struct DeviceView {
     pub datasets: Vec<DatasetView>,
     /// The last error the device reported, if any.
     pub last_error: Option<String>,
+    /// The device's state as its latest heartbeat that said reported it
+    /// (mobile devices do); absent when it never did. Jobs with a
+    /// `device_policy` pass over devices whose state violates it.
+    pub conditions: Option<ConditionsView>,
+}
+
+/// A device's state, as it reported it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ConditionsView {
+    pub charging: bool,
+    /// On a network the user does not pay for by the byte.
+    pub unmetered_network: bool,
+    pub idle: bool,
+    #[schema(minimum = 0, maximum = 100)]
+    pub battery_percent: u8,
 }
 
 /// A GPU adapter, as the device reported it.
@@ -74,6 +89,12 @@ impl DeviceView {
                 })
                 .collect(),
             last_error: row.last_error.clone(),
+            conditions: row.conditions()?.map(|c| ConditionsView {
+                charging: c.charging,
+                unmetered_network: c.unmetered_network,
+                idle: c.idle,
+                battery_percent: c.battery_percent,
+            }),
             gpu: row.gpu()?.map(|gpu| GpuView {
                 name: gpu.name,
                 api: gpu.api.to_string(),

@@ -294,7 +294,12 @@ pub struct RoundMetricsView {
     pub eval_loss: Option<f64>,
     pub bytes_in: i64,
     pub bytes_out: i64,
+    /// Selected devices that declined or timed out, or were dropped when
+    /// the round closed or failed.
     pub dropouts: i64,
+    /// Selected devices that withdrew because they no longer met the job's
+    /// `device_policy` (participant state `ineligible`); not dropouts.
+    pub ineligible: i64,
     pub updates_accepted: i64,
     /// Samples behind the accepted updates (the FedAvg weight).
     pub samples: i64,
@@ -308,6 +313,9 @@ pub struct RoundMetricsView {
     pub federated_eval_devices: i64,
     /// Devices asked to evaluate that declined or timed out.
     pub federated_eval_dropouts: i64,
+    /// Devices asked to evaluate that withdrew because they no longer met
+    /// the job's `device_policy`; not dropouts.
+    pub federated_eval_ineligible: i64,
     /// `open` while devices evaluate, `closed` after; absent when the
     /// version was not evaluated on devices.
     pub federated_eval_state: Option<EvaluationState>,
@@ -399,7 +407,8 @@ pub struct ParticipantView {
     pub uploaded_ms: Option<i64>,
     /// Why a dropped device dropped out: the reason it gave when it
     /// declined (a model it refused, data that does not fit, ...), a
-    /// timeout, or the round's failure.
+    /// timeout, or the round's failure. For an `ineligible` one, the
+    /// requirements of the job's `device_policy` it no longer met.
     pub drop_reason: Option<String>,
 }
 
@@ -478,6 +487,7 @@ async fn detail(
             bytes_in: row.bytes_in,
             bytes_out: row.bytes_out,
             dropouts: row.dropouts,
+            ineligible: row.ineligible,
             updates_accepted: row.updates_accepted,
             samples: row.weight_total,
             federated_eval_accuracy: federated.accuracy,
@@ -485,6 +495,7 @@ async fn detail(
             federated_eval_samples: federated.samples,
             federated_eval_devices: federated.devices,
             federated_eval_dropouts: federated.dropped,
+            federated_eval_ineligible: federated.ineligible,
             federated_eval_state: row.evaluation_state()?,
             central_eval_accuracy: row.central_eval_accuracy,
             central_eval_loss: row.central_eval_loss,

@@ -14,8 +14,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post, put};
 use canopy_protocol::messages::{
-    DeclineTask, EnrollRequest, EnrollResponse, EvaluationReport, Heartbeat, HeartbeatResponse,
-    RoundMetrics,
+    DeclineTask, ERROR_ALREADY_WITHDRAWN, EnrollRequest, EnrollResponse, EvaluationReport,
+    Heartbeat, HeartbeatResponse, Ineligible, RoundMetrics, WithdrawTask,
 };
 use canopy_protocol::model_sig::SigningKeys;
 use serde::de::DeserializeOwned;
@@ -43,6 +43,7 @@ pub fn router() -> Router<AppState> {
         )
         .route("/device/v1/rounds/{round_id}/metrics", post(report_metrics))
         .route("/device/v1/rounds/{round_id}/decline", post(decline_task))
+        .route("/device/v1/rounds/{round_id}/withdraw", post(withdraw_task))
         .route(
             "/device/v1/rounds/{round_id}/evaluation",
             post(report_evaluation),
@@ -50,6 +51,10 @@ pub fn router() -> Router<AppState> {
         .route(
             "/device/v1/rounds/{round_id}/evaluation/decline",
             post(decline_evaluation),
+        )
+        .route(
+            "/device/v1/rounds/{round_id}/evaluation/withdraw",
+            post(withdraw_evaluation),
         )
         .route(
             "/device/v1/rounds/{round_id}/secagg/{endpoint}",
@@ -135,13 +140,12 @@ async fn heartbeat(
 ) -> ApiResult<Json<HeartbeatResponse>> {
     let beat: Heartbeat = signed_json(&state, &device, &headers, body).await?;
     beat.validate().map_err(ApiError::unprocessable)?;
-    devices::record_heartbeat(
-        &state.db,
-        device.device_id,
-        beat.datasets.as_deref(),
-        beat.last_error.as_deref(),
-    )
-    .await?;
+    let report = devices::HeartbeatReport {
+        datasets: beat.datasets.as_deref(),
+        last_error: beat.last_error.as_deref(),
+        conditions: beat.conditions.as_ref(),
+    };
+    devices::record_heartbeat(&state.db, device.device_id, report).await?;
     Ok(Json(HeartbeatResponse {
         server_time_ms: u64::try_from(now_ms()).unwrap_or(0),
         heartbeat_interval_ms: state.settings.limits.heartbeat_interval_ms,
@@ -208,6 +212,126 @@ async fn decline_task(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Reads and checks a withdrawal: its body, and its conditions against the
+/// device policy of the round's job, which are then the device's latest
+/// (as a heartbeat's). The answer is the unmet requirements (what the
+/// participant's record says); 404 when there is no such round, 422 when
+/// the conditions meet the policy, since such a device is eligible and
+/// must do its task or decline it.
+async fn checked_withdrawal(
+    state: &AppState,
+    device: &DeviceAuth,
+    round_id: i64,
+    headers: &HeaderMap,
+    body: Body,
+) -> ApiResult<(WithdrawTask, Ineligible)> {
+    let withdrawal: WithdrawTask = signed_json(state, device, headers, body).await?;
+    withdrawal.validate().map_err(ApiError::unprocessable)?;
+    same_round(withdrawal.round_id, round_id)?;
+    let config = rounds::job_config(&state.db, round_id)
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("round {round_id} does not exist")))?;
+    let spec: crate::store::jobs::JobSpec = crate::store::from_json("jobs.config", &config)?;
+    match spec.device_policy.check(&withdrawal.conditions) {
+        Err(ineligible) => {
+            // The device's latest state, as a heartbeat's would be, so that
+            // the next selection passes it over too.
+            let report = devices::HeartbeatReport {
+                conditions: Some(&withdrawal.conditions),
+                ..devices::HeartbeatReport::default()
+            };
+            devices::record_heartbeat(&state.db, device.device_id, report).await?;
+            Ok((withdrawal, ineligible))
+        }
+        Ok(()) => Err(ApiError::unprocessable(format!(
+            "device {} cannot withdraw from round {round_id}: the conditions it reports \
+             meet the job's device policy, so it is eligible; hint: do the task, or decline \
+             it (a dropout) if it cannot for another reason",
+            device.device_id
+        ))),
+    }
+}
+
+/// What a withdrawn participant's record says: the unmet requirements,
+/// and the device's own words when they add anything.
+fn withdrawal_reason(withdrawal: &WithdrawTask, ineligible: &Ineligible) -> String {
+    let unmet = ineligible.to_string();
+    let said = withdrawal.reason.trim();
+    if said.is_empty() || said == unmet {
+        format!("ineligible: {unmet}")
+    } else {
+        format!("ineligible: {unmet} (the device says: {said})")
+    }
+}
+
+/// 409 with [`ERROR_ALREADY_WITHDRAWN`]: the device's earlier withdrawal
+/// stands, which a retried withdrawal counts as done.
+fn already_withdrawn(device_id: i64, round_id: i64, what: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        ERROR_ALREADY_WITHDRAWN,
+        format!("device {device_id} already withdrew from round {round_id}'s {what}"),
+    )
+}
+
+/// A participant that no longer meets the job's device policy gives up
+/// its training task: it becomes `ineligible`, which is not a dropout, and
+/// the round stops waiting for it.
+async fn withdraw_task(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path(round_id): Path<i64>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<StatusCode> {
+    let (withdrawal, ineligible) =
+        checked_withdrawal(&state, &device, round_id, &headers, body).await?;
+    let reason = withdrawal_reason(&withdrawal, &ineligible);
+    let device_id = device.device_id;
+    match rounds::withdraw(&state.db, round_id, device_id, &reason).await? {
+        rounds::Withdrawal::Taken => {
+            tracing::info!(round = round_id, device = device_id, %reason, "device withdrew as ineligible");
+            state.orchestrator_wake.notify_one();
+            Ok(StatusCode::NO_CONTENT)
+        }
+        rounds::Withdrawal::NotParticipant => Err(ApiError::not_found(format!(
+            "device {device_id} has no task in round {round_id}"
+        ))),
+        rounds::Withdrawal::AlreadyWithdrawn => {
+            Err(already_withdrawn(device_id, round_id, "training"))
+        }
+        rounds::Withdrawal::Over(rounds::ParticipantState::Uploaded) => {
+            Err(ApiError::conflict(format!(
+                "device {device_id} already uploaded its update for round {round_id}; \
+                 there is nothing to withdraw"
+            )))
+        }
+        rounds::Withdrawal::Over(participant) => Err(ApiError::gone(format!(
+            "device {device_id} is {participant} in round {round_id}: its task is over \
+             (the round closed, or the device declined)"
+        ))),
+    }
+}
+
+/// An evaluator that no longer meets the job's device policy gives up its
+/// evaluation task: `ineligible`, not a dropout.
+async fn withdraw_evaluation(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    Path(round_id): Path<i64>,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<StatusCode> {
+    let (withdrawal, ineligible) =
+        checked_withdrawal(&state, &device, round_id, &headers, body).await?;
+    let reason = withdrawal_reason(&withdrawal, &ineligible);
+    let outcome = evaluations::withdraw(&state.db, round_id, device.device_id, &reason).await?;
+    if outcome == evaluations::Outcome::Taken {
+        tracing::info!(round = round_id, device = device.device_id, %reason, "device withdrew from its evaluation as ineligible");
+    }
+    evaluation_answer(outcome, round_id, device.device_id, &state)
+}
+
 /// A device's evaluation of the version a round produced (an evaluation
 /// task's answer).
 async fn report_evaluation(
@@ -253,7 +377,7 @@ async fn decline_evaluation(
 }
 
 /// 204 when taken; 404 to a device that was not asked, 409 to one that
-/// already answered, 410 once the evaluation is over for it.
+/// already answered or withdrew, 410 once the evaluation is over for it.
 fn evaluation_answer(
     outcome: evaluations::Outcome,
     round_id: i64,
@@ -272,6 +396,7 @@ fn evaluation_answer(
         Outcome::AlreadyAnswered => Err(ApiError::conflict(format!(
             "device {device_id} already answered round {round_id}'s evaluation"
         ))),
+        Outcome::AlreadyWithdrawn => Err(already_withdrawn(device_id, round_id, "evaluation")),
         Outcome::Closed => Err(ApiError::gone(format!(
             "round {round_id}'s evaluation is closed for device {device_id} (its deadline passed)"
         ))),

@@ -107,6 +107,12 @@ fn check_live(round: &SecureRound, participant: &SecureParticipant) -> ApiResult
             participant.device_id, round.id
         )));
     }
+    if participant.state == ParticipantState::Ineligible {
+        return Err(ApiError::gone(format!(
+            "device {} withdrew from round {}: it no longer met the job's device policy",
+            participant.device_id, round.id
+        )));
+    }
     Ok(())
 }
 

@@ -157,6 +157,7 @@ async fn build_evaluation_task(
         dataset: spec.dataset.clone(),
         layout: (*layout).clone(),
         secure_aggregation: None,
+        policy: spec.device_policy,
     })
 }
 
@@ -198,6 +199,7 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         dataset: spec.dataset.clone(),
         layout: (*layout).clone(),
         secure_aggregation: secure_task(state, &task)?,
+        policy: spec.device_policy,
     })
 }
 

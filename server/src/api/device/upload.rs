@@ -109,9 +109,9 @@ fn rejection(error: UploadRejection) -> ApiError {
     match error {
         UploadRejection::NotParticipant { .. } => ApiError::forbidden(error.to_string()),
         UploadRejection::Duplicate { .. } => ApiError::conflict(error.to_string()),
-        UploadRejection::Closed { .. } | UploadRejection::Dropped { .. } => {
-            ApiError::gone(error.to_string())
-        }
+        UploadRejection::Closed { .. }
+        | UploadRejection::Dropped { .. }
+        | UploadRejection::Withdrawn { .. } => ApiError::gone(error.to_string()),
         UploadRejection::SumLength { .. } => ApiError::internal(error.to_string()),
     }
 }
