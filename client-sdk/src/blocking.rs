@@ -254,6 +254,11 @@ impl DeviceClient {
         self.block_on(self.inner.report_evaluation(task, evaluation))?
     }
 
+    /// See [`crate::DeviceClient::unenroll`].
+    pub fn unenroll(&self) -> Result<(), SdkError> {
+        self.block_on(self.inner.unenroll())?
+    }
+
     /// See [`crate::DeviceClient::decline_task`].
     pub fn decline_task(&self, task: &Task, reason: &str) -> Result<(), SdkError> {
         self.block_on(self.inner.decline_task(task, reason))?
@@ -365,23 +370,37 @@ impl DeviceClient {
         data: &canopy_engine::data::Dataset,
         seed: u64,
     ) -> Result<RunTaskOutcome, RunTaskError> {
+        let options = crate::train::TrainOptions {
+            cancel: self.cancel_token().clone(),
+            ..crate::train::TrainOptions::default()
+        };
+        self.run_task_with(task, data, seed, &options, None)
+    }
+
+    /// [`Self::run_task`] training under `options` (the backend, the
+    /// cancel token training observes, checkpoints and progress), and,
+    /// with `model_path`, downloading the model to that file, so that an
+    /// interrupted download resumes there (see
+    /// [`crate::DeviceClient::download_model_to`]).
+    pub fn run_task_with(
+        &self,
+        task: &Task,
+        data: &canopy_engine::data::Dataset,
+        seed: u64,
+        options: &crate::train::TrainOptions,
+        model_path: Option<&Path>,
+    ) -> Result<RunTaskOutcome, RunTaskError> {
         match task.kind {
-            TaskKind::Evaluate => return self.run_evaluation(task, data),
-            TaskKind::Statistics => return self.run_statistics(task, data),
+            TaskKind::Evaluate => return self.run_evaluation(task, data, model_path),
+            TaskKind::Statistics => return self.run_statistics(task, data, model_path),
             TaskKind::Train => {}
         }
         let secure_round = match task.secure_aggregation {
             Some(_) => Some(self.begin_secure_round(task)?),
             None => None,
         };
-        let model = self.download_model(task)?;
-        let update = crate::train::train_task_cancellable(
-            &model.bytes,
-            task,
-            data,
-            seed,
-            self.cancel_token(),
-        )?;
+        let model = self.fetch_model(task, model_path)?;
+        let update = crate::train::train_task_with(&model.bytes, task, data, seed, options)?;
         let (receipt, secure) = match secure_round {
             Some(round) => {
                 let secure = self.finish_secure_round_update(round, &update)?;
@@ -393,7 +412,7 @@ impl DeviceClient {
                 };
                 (receipt, Some(secure))
             }
-            None => (self.upload_update(task, Bytes::from(update.encoded))?, None),
+            None => (self.upload_update(task, Bytes::from(update.encoded.clone()))?, None),
         };
         self.report_metrics(&RoundMetrics {
             round_id: task.round_id,
@@ -409,7 +428,16 @@ impl DeviceClient {
             train_loss: Some(update.train_loss),
             train_duration_ms: update.train_duration_ms,
             evaluation: None,
+            delta: update.delta,
         })
+    }
+
+    /// The task's model, downloaded to `path` (resumably) or into memory.
+    fn fetch_model(&self, task: &Task, path: Option<&Path>) -> Result<DownloadedModel, SdkError> {
+        match path {
+            Some(path) => self.download_model_to(task, path),
+            None => self.download_model(task),
+        }
     }
 
     /// A statistics task: downloads the model (verified) for its input
@@ -419,8 +447,9 @@ impl DeviceClient {
         &self,
         task: &Task,
         data: &canopy_engine::data::Dataset,
+        model_path: Option<&Path>,
     ) -> Result<RunTaskOutcome, RunTaskError> {
-        let model = self.download_model(task)?;
+        let model = self.fetch_model(task, model_path)?;
         let update = crate::train::statistics_update(&model.bytes, task, data)?;
         let receipt = self.upload_update(task, Bytes::from(update.encoded))?;
         Ok(RunTaskOutcome {
@@ -429,6 +458,7 @@ impl DeviceClient {
             train_loss: None,
             train_duration_ms: update.train_duration_ms,
             evaluation: None,
+            delta: Vec::new(),
         })
     }
 
@@ -438,8 +468,9 @@ impl DeviceClient {
         &self,
         task: &Task,
         data: &canopy_engine::data::Dataset,
+        model_path: Option<&Path>,
     ) -> Result<RunTaskOutcome, RunTaskError> {
-        let model = self.download_model(task)?;
+        let model = self.fetch_model(task, model_path)?;
         let evaluation = crate::train::evaluate_file(&model.bytes, data)?;
         self.report_evaluation(task, &evaluation)?;
         Ok(RunTaskOutcome {
@@ -453,6 +484,7 @@ impl DeviceClient {
             train_loss: None,
             train_duration_ms: 0,
             evaluation: Some(evaluation),
+            delta: Vec::new(),
         })
     }
 }
@@ -472,6 +504,10 @@ pub struct RunTaskOutcome {
     pub train_duration_ms: u64,
     /// An evaluation task's result, as reported to the server.
     pub evaluation: Option<crate::train::Evaluation>,
+    /// A training task's change of the trainable parameters, in the
+    /// task's layout, as uploaded (before masking, in a secure round);
+    /// empty for other tasks.
+    pub delta: Vec<f32>,
 }
 
 /// Why [`DeviceClient::run_task`] stopped.

@@ -373,6 +373,19 @@ impl DeviceClient {
         .await
     }
 
+    /// Ends this device's enrollment: the server revokes its key, so no
+    /// request signed with it is accepted again and it is never selected.
+    /// One attempt, no retry: a repeat after a lost answer would be
+    /// refused with the key already revoked.
+    pub async fn unenroll(&self) -> Result<(), SdkError> {
+        let attempt = async {
+            self.signed_json(canopy_protocol::messages::UNENROLL_PATH, "unenroll", &serde_json::json!({}))
+                .await?;
+            Ok(())
+        };
+        self.cancel.run(attempt).await.unwrap_or(Err(SdkError::Cancelled))
+    }
+
     /// Gives up a task because this device no longer meets the job's
     /// device policy ([`Task::policy`]; check it with
     /// [`DevicePolicy::check`]): the server records the device as

@@ -13,6 +13,8 @@
 //! - [`backend`]: which engine backend trains, chosen from the device's
 //!   reported capabilities: the CPU, the GPU, or the NPU (ONNX Runtime,
 //!   configured with [`configure_npu`]) for a frozen backbone.
+//! - [`limits`]: what a device allows one task (memory, download size,
+//!   threads, time), and the one rule that refuses a task over them.
 //! - [`secure`]: the device's side of a secure-aggregation round, which
 //!   replaces the upload when a task asks for it.
 //!
@@ -28,6 +30,7 @@ pub mod checkpoint;
 mod client;
 mod error;
 pub mod keystore;
+pub mod limits;
 pub mod retry;
 pub mod secure;
 pub mod train;
@@ -54,6 +57,7 @@ pub use client::{
 };
 pub use error::SdkError;
 pub use keystore::{KeyStoreError, load_device_key, save_device_key};
+pub use limits::{DeviceLimits, LimitRefusal};
 pub use retry::{RetryNotice, RetryObserver, RetryPolicy};
 pub use secure::{SecureReceipt, SecureRound, StageObserver, StageProgress};
 pub use transport::{CONNECT_TIMEOUT_MS, REQUEST_TIMEOUT_MS, Transport};

@@ -87,9 +87,7 @@ pub struct ClientConfig {
     /// device key, its enrollment, the accepted task, the cached model and
     /// training checkpoints. Created if missing.
     pub storage_dir: String,
-    #[uniffi(default)]
     pub limits: Limits,
-    #[uniffi(default)]
     pub backend: BackendPreference,
     /// Steps between training checkpoints; 0 takes the default.
     #[uniffi(default = 0)]

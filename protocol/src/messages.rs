@@ -895,6 +895,10 @@ pub mod task_paths {
 /// Most characters a decline reason may have.
 pub const MAX_DECLINE_REASON_CHARS: usize = 512;
 
+/// Where a device ends its own enrollment (a signed `POST` with the body
+/// `{}`): the server revokes its key, as an operator's revoke does.
+pub const UNENROLL_PATH: &str = "/device/v1/unenroll";
+
 /// A device gives up a task it cannot do (a model that fails verification,
 /// one over its memory limit), so the server stops handing it out and the
 /// round need not wait for the deadline on its account.

@@ -32,11 +32,6 @@ use data::LocalDatasets;
 
 /// How long a running task may take to finish after SIGTERM or SIGINT.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
-/// Memory a task is assumed to need, as a multiple of its model file's
-/// size: the file and the parsed model, parameters, gradients, optimizer
-/// state and the update's before/after copies. Activations, which grow
-/// with the batch, are not counted.
-pub const MEMORY_FACTOR: u64 = 8;
 /// `--only-when-idle` defers polling while the 1-minute load average per
 /// core is above this.
 pub const IDLE_LOAD_PER_CORE: f64 = 0.5;

@@ -29,7 +29,7 @@ use canopy_sdk::{
 };
 
 use super::data::LocalData;
-use super::{Daemon, MEMORY_FACTOR, new_record, record_outcome};
+use super::{Daemon, new_record, record_outcome};
 use crate::datasets::fit_to_model;
 use crate::files::now_ms;
 use crate::status::{AgentState, TaskResult};
@@ -100,17 +100,15 @@ fn refusal(task: &Task, max_memory_mb: Option<u64>) -> Option<String> {
             "the task is outside the bounds devices accept: {bounds}"
         ));
     }
-    let max_mb = max_memory_mb?;
-    let need_mb = task
-        .model_size_bytes
-        .saturating_mul(MEMORY_FACTOR)
-        .div_ceil(1 << 20);
-    (need_mb > max_mb).then(|| {
-        format!(
-            "the model is {} bytes; training it needs about {need_mb} MiB ({MEMORY_FACTOR}x the file), over --max-memory-mb {max_mb}",
-            task.model_size_bytes
-        )
-    })
+    let limits = canopy_sdk::DeviceLimits {
+        max_memory_mb,
+        ..canopy_sdk::DeviceLimits::default()
+    };
+    // The data's size is not known before the task's dataset is opened;
+    // the model's share of the estimate is what --max-memory-mb bounds.
+    limits
+        .refusal(task, 0)
+        .map(|refusal| format!("{refusal} (--max-memory-mb)"))
 }
 
 /// How a failed request of a task ends it: a cancellation here is the

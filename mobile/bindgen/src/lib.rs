@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use camino::Utf8PathBuf;
 use uniffi_bindgen::bindings::{GenerateOptions, TargetLanguage};
+use uniffi_bindgen::{BindgenPaths, BindgenPathsLayer};
 
 /// A language to generate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -62,13 +63,27 @@ pub fn generate(language: Language, library: &Path, out_dir: &Path) -> Result<()
         languages: vec![target],
         source: utf8(library)?,
         out_dir: utf8(out_dir)?,
-        config_override: Some(utf8(&mobile_dir().join("uniffi.toml"))?),
+        config_override: None,
         format: false,
         crate_filter: None,
         metadata_no_deps: true,
     };
-    uniffi_bindgen::bindings::generate(options)
+    let mut paths = BindgenPaths::default();
+    paths.add_layer(MobileCrateRoot(utf8(&mobile_dir())?));
+    uniffi_bindgen::bindings::generate_with_bindgen_paths(options, paths)
         .with_context(|| format!("UniFFI could not generate {language:?} bindings from {}", library.display()))
+}
+
+/// Tells UniFFI where `canopy_mobile`'s sources are, so it reads
+/// `mobile/uniffi.toml` as the crate's configuration without running
+/// `cargo metadata` (which would wait on the build lock inside `cargo
+/// test`).
+struct MobileCrateRoot(Utf8PathBuf);
+
+impl BindgenPathsLayer for MobileCrateRoot {
+    fn get_crate_root(&self, crate_name: &str) -> Option<Utf8PathBuf> {
+        (crate_name == "canopy_mobile").then(|| self.0.clone())
+    }
 }
 
 /// `canopy.h` from the C ABI's source.

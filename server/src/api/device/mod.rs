@@ -4,6 +4,7 @@ pub mod auth;
 pub mod folds;
 mod secagg;
 mod tasks;
+mod unenroll;
 mod upload;
 
 use std::time::Duration;
@@ -35,6 +36,10 @@ pub fn router() -> Router<AppState> {
         .route("/device/v1/server-key", get(server_key))
         .route("/device/v1/signing-keys", get(signing_keys))
         .route("/device/v1/heartbeat", post(heartbeat))
+        .route(
+            canopy_protocol::messages::UNENROLL_PATH,
+            post(unenroll::unenroll),
+        )
         .route("/device/v1/tasks/next", get(tasks::next_task))
         .route("/device/v1/models/{version_id}", get(tasks::download_model))
         .route(
