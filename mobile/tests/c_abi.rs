@@ -50,9 +50,13 @@ async fn a_c_program_enrolls_trains_and_uploads_under_valgrind() -> Result<()> {
             "--leak-check=full",
             "--errors-for-leak-kinds=definite,indirect",
             "--show-leak-kinds=definite,indirect",
-            // Rust's std and the TLS stack keep process-lifetime caches.
-            "--track-origins=no",
         ])
+        .arg(format!(
+            "--suppressions={}",
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/c/valgrind.supp")
+                .display()
+        ))
         .arg(&program)
         .env("CANOPY_URL", &server.base)
         .env("CANOPY_FINGERPRINT", &server.fingerprint)

@@ -97,6 +97,14 @@ pub fn generate_c_header(path: &Path) -> Result<()> {
         ),
         documentation: true,
         cpp_compat: true,
+        style: cbindgen::Style::Both,
+        // The objects behind the pointers are Rust's own (defined outside
+        // c_api.rs): opaque to C.
+        after_includes: Some(
+            "\ntypedef struct CanopyClient CanopyClient;\ntypedef struct CanopyCancelToken \
+             CanopyCancelToken;"
+                .to_string(),
+        ),
         usize_is_size_t: true,
         ..cbindgen::Config::default()
     };

@@ -48,7 +48,8 @@ pub fn bindings(language: Language, out: &Path) -> Result<()> {
 }
 
 /// A server with a model (logistic regression, its statistics fitted)
-/// and a started job of one round for `devices` devices; returns the
+/// and a started job of one round for `devices` devices, without
+/// federated evaluation; returns the
 /// server, an enrollment token and the job id.
 pub async fn server_with_job(devices: usize) -> Result<(TestServer, String, i64)> {
     let server = TestServer::start(Database::Sqlite)?;
@@ -63,6 +64,9 @@ pub async fn server_with_job(devices: usize) -> Result<(TestServer, String, i64)
             "min_devices": devices, "target_devices": devices, "over_selection": 0.0,
             "round_deadline_ms": 300_000, "local_epochs": 1, "batch_size": 8,
             "learning_rate": 0.1,
+            // The device leaves after its upload: no federated evaluation
+            // for it to answer.
+            "evaluation": {"fraction": 0.0},
         }))
         .await?;
     Ok((server, token, job))
