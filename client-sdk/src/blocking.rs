@@ -412,7 +412,10 @@ impl DeviceClient {
                 };
                 (receipt, Some(secure))
             }
-            None => (self.upload_update(task, Bytes::from(update.encoded.clone()))?, None),
+            None => (
+                self.upload_update(task, Bytes::from(update.encoded.clone()))?,
+                None,
+            ),
         };
         self.report_metrics(&RoundMetrics {
             round_id: task.round_id,

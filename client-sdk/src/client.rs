@@ -379,11 +379,18 @@ impl DeviceClient {
     /// refused with the key already revoked.
     pub async fn unenroll(&self) -> Result<(), SdkError> {
         let attempt = async {
-            self.signed_json(canopy_protocol::messages::UNENROLL_PATH, "unenroll", &serde_json::json!({}))
-                .await?;
+            self.signed_json(
+                canopy_protocol::messages::UNENROLL_PATH,
+                "unenroll",
+                &serde_json::json!({}),
+            )
+            .await?;
             Ok(())
         };
-        self.cancel.run(attempt).await.unwrap_or(Err(SdkError::Cancelled))
+        self.cancel
+            .run(attempt)
+            .await
+            .unwrap_or(Err(SdkError::Cancelled))
     }
 
     /// Gives up a task because this device no longer meets the job's

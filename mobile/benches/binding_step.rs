@@ -10,12 +10,16 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
-use canopy_engine::train::Trainer;
+use std::ops::ControlFlow;
+
+use canopy_engine::train::{FitConfig, Trainer, fit};
 use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
 use canopy_engine::{CpuBackend, Value};
 
 const LEARNING_RATE: f32 = 0.01;
 const REPEATS: usize = 3;
+/// Steps in the `fit` measurement: one epoch of this many batches.
+const FIT_STEPS: usize = 40;
 
 struct Workload {
     name: &'static str,
@@ -29,7 +33,11 @@ fn workloads() -> Vec<Workload> {
     vec![
         Workload {
             name: "MLP 784-128-10, batch 64",
-            architecture: Architecture::Mlp { inputs: 784, hidden: 128, classes: 10 },
+            architecture: Architecture::Mlp {
+                inputs: 784,
+                hidden: 128,
+                classes: 10,
+            },
             sample: vec![784],
             batch: 64,
             steps: 400,
@@ -44,14 +52,22 @@ fn workloads() -> Vec<Workload> {
     ]
 }
 
-fn batch(workload: &Workload) -> (Vec<f32>, Vec<i64>) {
+/// `samples` samples of the workload's shape, deterministic.
+fn samples(workload: &Workload, samples: usize) -> (Vec<f32>, Vec<i64>) {
     let per: usize = workload.sample.iter().product();
-    let features = (0..workload.batch * per).map(|i| ((i * 31) % 97) as f32 / 97.0).collect();
-    let labels = (0..workload.batch).map(|i| (i % 10) as i64).collect();
+    let features = (0..samples * per)
+        .map(|i| ((i * 31) % 97) as f32 / 97.0)
+        .collect();
+    let labels = (0..samples).map(|i| (i % 10) as i64).collect();
     (features, labels)
 }
 
-fn direct(model: &canopy_ir::Model, workload: &Workload, features: &[f32], labels: &[i64]) -> Result<f64> {
+fn direct(
+    model: &canopy_ir::Model,
+    workload: &Workload,
+    features: &[f32],
+    labels: &[i64],
+) -> Result<f64> {
     let mut trainer = Trainer::new(model, &CpuBackend, 1)?;
     let mut shape = vec![workload.batch];
     shape.extend(&workload.sample);
@@ -71,16 +87,49 @@ fn direct(model: &canopy_ir::Model, workload: &Workload, features: &[f32], label
     Ok(start.elapsed().as_secs_f64() / workload.steps as f64)
 }
 
-fn through_python(site: &Path, files: &Path, workload: &Workload) -> Result<f64> {
+/// The same steps through the binding's Rust side (`LocalTrainer`, the
+/// bytes decoded on every call), without Python.
+fn through_local_trainer(
+    model: &[u8],
+    workload: &Workload,
+    features: &[f32],
+    labels: &[i64],
+) -> Result<f64> {
+    let trainer = canopy_mobile::LocalTrainer::new(
+        model.to_vec(),
+        LEARNING_RATE,
+        canopy_mobile::BackendPreference::Cpu,
+        1,
+    )?;
+    let bytes: Vec<u8> = features.iter().flat_map(|v| v.to_le_bytes()).collect();
+    for _ in 0..workload.steps / 10 {
+        trainer.step_bytes(bytes.clone(), labels.to_vec())?;
+    }
+    let start = Instant::now();
+    for _ in 0..workload.steps {
+        trainer.step_bytes(bytes.clone(), labels.to_vec())?;
+    }
+    Ok(start.elapsed().as_secs_f64() / workload.steps as f64)
+}
+
+fn through_python(
+    mode: &str,
+    site: &Path,
+    files: &Path,
+    workload: &Workload,
+    steps: usize,
+) -> Result<f64> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/binding_step.py");
     let output = Command::new("python3")
         .arg(&script)
+        .arg(mode)
         .arg(files.join("model.canopy"))
-        .arg(files.join("features.bin"))
-        .arg(files.join("labels.bin"))
+        .arg(files.join("images.npy"))
+        .arg(files.join("labels.npy"))
         .arg(LEARNING_RATE.to_string())
-        .arg((workload.steps / 10).to_string())
-        .arg(workload.steps.to_string())
+        .arg(workload.batch.to_string())
+        .arg((steps / 10).to_string())
+        .arg(steps.to_string())
         .env("PYTHONPATH", site)
         .output()
         .context("cannot run python3")?;
@@ -92,13 +141,50 @@ fn through_python(site: &Path, files: &Path, workload: &Workload) -> Result<f64>
     Ok(String::from_utf8(output.stdout)?.trim().parse()?)
 }
 
+/// One epoch of the engine's `fit` over the files, as `LocalTrainer.fit`
+/// runs it, loading included.
+fn direct_fit(model: &canopy_ir::Model, files: &Path, workload: &Workload) -> Result<f64> {
+    let mut trainer = Trainer::new(model, &CpuBackend, 1)?;
+    let load = || {
+        canopy_engine::data::load_npy_dataset(files.join("images.npy"), files.join("labels.npy"))
+    };
+    let config = |seed| FitConfig::new(1, workload.batch, LEARNING_RATE, seed);
+    fit(&mut trainer, &load()?, &config(1), &mut |_| {
+        ControlFlow::Continue(())
+    })?;
+    let start = Instant::now();
+    let data = load()?;
+    fit(&mut trainer, &data, &config(2), &mut |_| {
+        ControlFlow::Continue(())
+    })?;
+    Ok(start.elapsed().as_secs_f64() / FIT_STEPS as f64)
+}
+
+/// An `.npy` file (format 1.0) of `shape` and `descr`, little-endian.
+fn write_npy(path: &Path, descr: &str, shape: &[usize], payload: &[u8]) -> Result<()> {
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    let mut header = format!(
+        "{{'descr': '{descr}', 'fortran_order': False, 'shape': ({},), }}",
+        dims.join(", ")
+    );
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((header.len() as u16).to_le_bytes());
+    bytes.extend(header.as_bytes());
+    bytes.extend(payload);
+    Ok(std::fs::write(path, bytes)?)
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
 }
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code, unused_imports)]
+#[allow(unused_imports)]
 mod common;
 
 fn main() -> Result<()> {
@@ -108,8 +194,13 @@ fn main() -> Result<()> {
     let library = common::cdylib()?;
     std::fs::copy(&library, package.join(library.file_name().context("name")?))?;
     std::fs::write(package.join("__init__.py"), "from .canopy import *\n")?;
-    println!("one training step: through the Python binding vs direct Rust, CPU backend, same run");
-    println!("{:<28} {:>12} {:>12} {:>8}", "workload", "Rust ms", "Python ms", "ratio");
+    println!(
+        "one training step through the Python binding vs direct Rust, CPU backend, same run (ms per step)"
+    );
+    println!(
+        "{:<26} {:>8} {:>12} {:>10} {:>8} | {:>9} {:>10} {:>8}",
+        "workload", "Rust", "LocalTrainer", "Py step", "ratio", "Rust fit", "Py fit", "ratio"
+    );
     for workload in workloads() {
         let model = build_model(&ModelConfig {
             architecture: workload.architecture.clone(),
@@ -118,25 +209,66 @@ fn main() -> Result<()> {
             frozen_prefixes: Vec::new(),
             producer: "binding_step bench".to_string(),
         })?;
-        let (features, labels) = batch(&workload);
+        let count = workload.batch * FIT_STEPS;
+        let (features, labels) = samples(&workload, count);
         let files = tempfile::tempdir()?;
-        std::fs::write(files.path().join("model.canopy"), canopy_ir::format::write_model(&model)?)?;
+        let model_bytes = canopy_ir::format::write_model(&model)?;
+        std::fs::write(files.path().join("model.canopy"), &model_bytes)?;
+        let mut shape = vec![count];
+        shape.extend(&workload.sample);
         let feature_bytes: Vec<u8> = features.iter().flat_map(|v| v.to_le_bytes()).collect();
-        std::fs::write(files.path().join("features.bin"), feature_bytes)?;
+        write_npy(
+            &files.path().join("images.npy"),
+            "<f4",
+            &shape,
+            &feature_bytes,
+        )?;
         let label_bytes: Vec<u8> = labels.iter().flat_map(|v| v.to_le_bytes()).collect();
-        std::fs::write(files.path().join("labels.bin"), label_bytes)?;
-        let (mut rust, mut python) = (Vec::new(), Vec::new());
+        write_npy(
+            &files.path().join("labels.npy"),
+            "<i8",
+            &[count],
+            &label_bytes,
+        )?;
+        let per: usize = workload.sample.iter().product();
+        let (batch_features, batch_labels) =
+            (&features[..workload.batch * per], &labels[..workload.batch]);
+        let mut runs: [Vec<f64>; 5] = Default::default();
         for _ in 0..REPEATS {
-            rust.push(direct(&model, &workload, &features, &labels)?);
-            python.push(through_python(site.path(), files.path(), &workload)?);
+            runs[0].push(direct(&model, &workload, batch_features, batch_labels)?);
+            runs[1].push(through_local_trainer(
+                &model_bytes,
+                &workload,
+                batch_features,
+                batch_labels,
+            )?);
+            runs[2].push(through_python(
+                "step",
+                site.path(),
+                files.path(),
+                &workload,
+                workload.steps,
+            )?);
+            runs[3].push(direct_fit(&model, files.path(), &workload)?);
+            runs[4].push(through_python(
+                "fit",
+                site.path(),
+                files.path(),
+                &workload,
+                FIT_STEPS,
+            )?);
         }
-        let (rust, python) = (median(rust), median(python));
+        let [rust, local, python, rust_fit, python_fit] = runs.map(median);
         println!(
-            "{:<28} {:>12.3} {:>12.3} {:>7.3}x",
+            "{:<26} {:>8.3} {:>12.3} {:>10.3} {:>7.3}x | {:>9.3} {:>10.3} {:>7.3}x",
             workload.name,
             rust * 1e3,
+            local * 1e3,
             python * 1e3,
-            python / rust
+            python / rust,
+            rust_fit * 1e3,
+            python_fit * 1e3,
+            python_fit / rust_fit
         );
     }
     Ok(())

@@ -53,7 +53,9 @@ pub enum CanopyStatus {
 fn status_of(error: &CanopyError) -> CanopyStatus {
     use CanopyError as E;
     match error {
-        E::InvalidConfig { .. } | E::Trust { .. } | E::BadUrl { .. } => CanopyStatus::CanopyInvalidConfig,
+        E::InvalidConfig { .. } | E::Trust { .. } | E::BadUrl { .. } => {
+            CanopyStatus::CanopyInvalidConfig
+        }
         E::InvalidData { .. } => CanopyStatus::CanopyInvalidData,
         E::Storage { .. } | E::LocalFile { .. } => CanopyStatus::CanopyStorage,
         E::NotEnrolled { .. } => CanopyStatus::CanopyNotEnrolled,
@@ -123,7 +125,10 @@ unsafe fn text(text: *const c_char, argument: &str) -> Result<String, CanopyErro
 
 /// # Safety
 /// `text` is NULL or a NUL-terminated string.
-unsafe fn optional_text(text: *const c_char, argument: &str) -> Result<Option<String>, CanopyError> {
+unsafe fn optional_text(
+    text: *const c_char,
+    argument: &str,
+) -> Result<Option<String>, CanopyError> {
     if text.is_null() {
         return Ok(None);
     }
@@ -140,7 +145,11 @@ unsafe fn client<'a>(client: *const CanopyClient) -> Result<&'a CanopyClient, Ca
 
 /// # Safety
 /// `slice` is NULL with `len` 0, or points to `len` readable values.
-unsafe fn slice<'a, T>(slice: *const T, len: usize, argument: &str) -> Result<&'a [T], CanopyError> {
+unsafe fn slice<'a, T>(
+    slice: *const T,
+    len: usize,
+    argument: &str,
+) -> Result<&'a [T], CanopyError> {
     if len == 0 {
         return Ok(&[]);
     }
@@ -227,7 +236,9 @@ pub struct CanopyTaskOutcome {
 
 /// Called before each training step: steps done, steps in all, the
 /// epoch's mean loss so far, and the caller's `user_data`.
-pub type CanopyProgressFn = Option<extern "C" fn(steps_done: u64, total_steps: u64, mean_loss: f64, user_data: *mut c_void)>;
+pub type CanopyProgressFn = Option<
+    extern "C" fn(steps_done: u64, total_steps: u64, mean_loss: f64, user_data: *mut c_void),
+>;
 
 /// The library's version, a static string (do not free).
 #[unsafe(no_mangle)]
@@ -350,7 +361,13 @@ pub unsafe extern "C" fn canopy_client_enroll(
 ) -> CanopyStatus {
     status(|| {
         // SAFETY: the caller's promises, forwarded.
-        let (client, token, os) = unsafe { (self::client(client)?, text(token, "token")?, text(os, "os")?) };
+        let (client, token, os) = unsafe {
+            (
+                self::client(client)?,
+                text(token, "token")?,
+                text(os, "os")?,
+            )
+        };
         let info = DeviceInfo {
             os,
             memory_mb,

@@ -20,8 +20,8 @@ use crate::error::{CanopyError, guard};
 use crate::run::{self, RunContext};
 use crate::storage::{Enrollment, Storage};
 use crate::types::{
-    BackendPreference, ClientConfig, ClientStatus, DeviceConditions, DeviceInfo,
-    ProgressListener, TaskInfo, TaskOutcome, TrainingData, check_limits,
+    BackendPreference, ClientConfig, ClientStatus, DeviceConditions, DeviceInfo, ProgressListener,
+    TaskInfo, TaskOutcome, TrainingData, check_limits,
 };
 
 /// The longest `check_for_task` waits for the server, in milliseconds.
@@ -167,11 +167,13 @@ impl CanopyClient {
     }
 
     fn enrollment(&self) -> Result<Enrollment, CanopyError> {
-        self.storage.enrollment()?.ok_or_else(|| CanopyError::NotEnrolled {
-            message: "this device is not enrolled\nhint: call enroll with a token from the \
+        self.storage
+            .enrollment()?
+            .ok_or_else(|| CanopyError::NotEnrolled {
+                message: "this device is not enrolled\nhint: call enroll with a token from the \
                       server's operator first"
-                .to_string(),
-        })
+                    .to_string(),
+            })
     }
 
     /// A blocking device client for one call, observing `cancel`.
@@ -239,14 +241,14 @@ impl CanopyClient {
         let cancel = canopy_sdk::CancelToken::new();
         let enrolled =
             blocking::enroll_with(&self.transport, token, &key, capabilities, &policy, &cancel)?;
-        let server_key = auth::parse_public_key_hex(&enrolled.server_public_key).map_err(|error| {
-            CanopyError::BadResponse {
-                message: format!("the server's model-signing key is unreadable: {error}"),
-            }
-        })?;
-        canopy_sdk::save_device_key(&self.storage.key_path(), &key).map_err(|error| {
-            CanopyError::storage(crate::error::chain(&error, None))
-        })?;
+        let server_key =
+            auth::parse_public_key_hex(&enrolled.server_public_key).map_err(|error| {
+                CanopyError::BadResponse {
+                    message: format!("the server's model-signing key is unreadable: {error}"),
+                }
+            })?;
+        canopy_sdk::save_device_key(&self.storage.key_path(), &key)
+            .map_err(|error| CanopyError::storage(crate::error::chain(&error, None)))?;
         let enrollment = Enrollment::new(
             &self.config.server_url,
             enrolled.device_id,
@@ -262,9 +264,9 @@ impl CanopyClient {
 
     fn report_conditions_inner(&self, conditions: DeviceConditions) -> Result<(), CanopyError> {
         let reported = conditions.to_protocol();
-        reported
-            .validate()
-            .map_err(|reason| CanopyError::config(format!("the device conditions are invalid: {reason}")))?;
+        reported.validate().map_err(|reason| {
+            CanopyError::config(format!("the device conditions are invalid: {reason}"))
+        })?;
         *self
             .conditions
             .lock()
@@ -295,8 +297,10 @@ impl CanopyClient {
                 return Ok(Some(self.task_info(&task)));
             }
             self.storage.clear_task()?;
-            self.storage
-                .save_outcome(&format!("round {}: its deadline passed before it ran", task.round_id))?;
+            self.storage.save_outcome(&format!(
+                "round {}: its deadline passed before it ran",
+                task.round_id
+            ))?;
         }
         let Some(task) = device.next_task(wait_ms)? else {
             return Ok(None);
@@ -315,9 +319,7 @@ impl CanopyClient {
             self.storage
                 .save_outcome(&format!("round {}: declined: {refusal}", task.round_id))?;
             return Err(CanopyError::OverLimit {
-                message: format!(
-                    "{refusal}\nhint: raise the client's limits to take such tasks"
-                ),
+                message: format!("{refusal}\nhint: raise the client's limits to take such tasks"),
             });
         }
         self.storage.save_task(&task)?;

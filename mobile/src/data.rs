@@ -17,7 +17,7 @@ pub const MAX_SAMPLE_RANK: usize = 8;
 /// Little-endian f32 values from bytes; the length must be a multiple
 /// of 4.
 pub(crate) fn f32_from_le_bytes(bytes: &[u8]) -> Result<Vec<f32>, CanopyError> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(CanopyError::data(format!(
             "the feature bytes are {} long, not a multiple of 4
 hint: pass float32 values,              little-endian (numpy: `array.astype('<f4').tobytes()`)",
@@ -49,7 +49,12 @@ pub(crate) fn load(data: TrainingData) -> Result<Dataset, CanopyError> {
                     "the training data has more than {MAX_FEATURE_VALUES} feature values"
                 )));
             }
-            from_arrays(f32_from_le_bytes(&features_f32le)?, &sample_shape, labels, classes)?
+            from_arrays(
+                f32_from_le_bytes(&features_f32le)?,
+                &sample_shape,
+                labels,
+                classes,
+            )?
         }
         TrainingData::File { path, labels_path } => from_file(Path::new(&path), labels_path)?,
     };

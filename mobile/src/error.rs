@@ -293,6 +293,9 @@ mod tests {
         }
         .into();
         assert_eq!(server.name(), "Server");
-        assert!(server.message().contains("403 (forbidden): revoked"), "{server}");
+        assert!(
+            server.message().contains("403 (forbidden): revoked"),
+            "{server}"
+        );
     }
 }

@@ -39,12 +39,12 @@ mod types;
 pub use client::{CancelToken, CanopyClient, EnrollmentInfo, MAX_TASK_WAIT_MS};
 pub use data::{MAX_FEATURE_VALUES, MAX_SAMPLE_RANK};
 pub use error::{CanopyError, guard};
-pub use local::{LocalTrainer, MAX_STEP_SAMPLES, StepResult};
+pub use local::{EpochResult, LocalTrainer, MAX_STEP_SAMPLES, StepResult};
 pub use run::DEFAULT_CHECKPOINT_EVERY_STEPS;
 pub use types::{
     BackendPreference, ClientConfig, ClientStatus, DeviceConditions, DeviceInfo, Limits,
-    ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData,
-    TrainingProgress, TrustSetting,
+    ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData, TrainingProgress,
+    TrustSetting,
 };
 
 /// The library's version.
@@ -70,7 +70,10 @@ pub struct ModelParameter {
 pub fn read_model_parameters(model: Vec<u8>) -> Result<Vec<ModelParameter>, CanopyError> {
     guard(|| {
         let model = canopy_ir::format::read_model(&model).map_err(|error| {
-            CanopyError::data(error::chain(&error, Some("pass the bytes of a `.canopy` model file")))
+            CanopyError::data(error::chain(
+                &error,
+                Some("pass the bytes of a `.canopy` model file"),
+            ))
         })?;
         Ok(model
             .parameters
@@ -79,7 +82,11 @@ pub fn read_model_parameters(model: Vec<u8>) -> Result<Vec<ModelParameter>, Cano
                 name: parameter.name.clone(),
                 shape: parameter.data.shape.iter().map(|&d| d as u64).collect(),
                 trainable: parameter.trainable,
-                values: parameter.data.as_f32().map(<[f32]>::to_vec).unwrap_or_default(),
+                values: parameter
+                    .data
+                    .as_f32()
+                    .map(<[f32]>::to_vec)
+                    .unwrap_or_default(),
             })
             .collect())
     })

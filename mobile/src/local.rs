@@ -6,15 +6,29 @@
 
 use std::sync::{Arc, Mutex};
 
-use canopy_engine::train::Trainer;
+use std::ops::ControlFlow;
+
+use canopy_engine::train::{FitConfig, FitProgress, Trainer, fit};
 use canopy_engine::{Backend, Value};
 use canopy_ir::Model;
 
+use crate::client::CancelToken;
 use crate::error::{CanopyError, chain, guard};
-use crate::types::BackendPreference;
+use crate::types::{BackendPreference, ProgressListener, TrainingProgress};
 
 /// The most samples one `step` takes.
 pub const MAX_STEP_SAMPLES: u32 = 65_536;
+
+/// One finished epoch of [`LocalTrainer::fit`].
+#[derive(Clone, Copy, Debug, PartialEq, uniffi::Record)]
+pub struct EpochResult {
+    /// From 1.
+    pub epoch: u32,
+    /// Sample-weighted mean training loss.
+    pub loss: f64,
+    pub accuracy: f64,
+    pub samples: u64,
+}
 
 /// What one step reported.
 #[derive(Clone, Copy, Debug, PartialEq, uniffi::Record)]
@@ -68,11 +82,15 @@ impl LocalTrainer {
             canopy_protocol::bounds::check_learning_rate("learning_rate", f64::from(learning_rate))
                 .map_err(|error| CanopyError::config(error.to_string()))?;
             let model = canopy_ir::format::read_model(&model).map_err(|error| {
-                CanopyError::data(chain(&error, Some("pass the bytes of a `.canopy` model file")))
+                CanopyError::data(chain(
+                    &error,
+                    Some("pass the bytes of a `.canopy` model file"),
+                ))
             })?;
             let sample_shape = canopy_engine::zoo::sample_shape(&model).map_err(training)?;
             let backend = crate::client::backend_choice(backend).engine_backend();
-            let trainer = Trainer::new(&model, backend.as_ref() as &dyn Backend, seed).map_err(training)?;
+            let trainer =
+                Trainer::new(&model, backend.as_ref() as &dyn Backend, seed).map_err(training)?;
             Ok(Arc::new(LocalTrainer {
                 state: Mutex::new(State { model, trainer }),
                 sample_shape,
@@ -101,8 +119,87 @@ impl LocalTrainer {
     /// [`Self::step`] with the features as little-endian f32 bytes (numpy's
     /// `astype('<f4').tobytes()`, a `ByteBuffer` on the JVM): one copy
     /// across the boundary instead of a conversion per value.
-    pub fn step_bytes(&self, features_f32le: Vec<u8>, labels: Vec<i64>) -> Result<StepResult, CanopyError> {
+    pub fn step_bytes(
+        &self,
+        features_f32le: Vec<u8>,
+        labels: Vec<i64>,
+    ) -> Result<StepResult, CanopyError> {
         guard(|| self.step(crate::data::f32_from_le_bytes(&features_f32le)?, labels))
+    }
+
+    /// `epochs` passes over `data` in batches of `batch_size`, reshuffled
+    /// each epoch from `seed`, in the engine's one training loop (the
+    /// same as a federated task's): the data crosses the boundary once,
+    /// and `listener` hears of every step. `cancel` stops it between
+    /// steps with `Cancelled`; the steps done so far are kept.
+    pub fn fit(
+        &self,
+        data: crate::types::TrainingData,
+        epochs: u32,
+        batch_size: u32,
+        seed: u64,
+        listener: Option<Arc<dyn ProgressListener>>,
+        cancel: Option<Arc<CancelToken>>,
+    ) -> Result<Vec<EpochResult>, CanopyError> {
+        guard(|| {
+            let bounds = |error: canopy_protocol::bounds::BoundsError| {
+                CanopyError::config(error.to_string())
+            };
+            canopy_protocol::bounds::check_epochs("epochs", u64::from(epochs)).map_err(bounds)?;
+            canopy_protocol::bounds::check_batch_size("batch_size", u64::from(batch_size))
+                .map_err(bounds)?;
+            let data = crate::data::load(data)?;
+            let config = FitConfig::new(epochs, batch_size as usize, self.learning_rate, seed);
+            let total = u64::from(epochs) * config.batches_per_epoch(data.len()) as u64;
+            let mut observe = |progress: FitProgress| {
+                if let (
+                    Some(listener),
+                    FitProgress::Batch {
+                        epoch,
+                        mean_loss,
+                        steps,
+                        ..
+                    },
+                ) = (&listener, progress)
+                {
+                    listener.on_progress(TrainingProgress {
+                        round_id: 0,
+                        epoch,
+                        epochs,
+                        steps_done: steps,
+                        total_steps: total,
+                        mean_loss,
+                        resumed_from_step: 0,
+                    });
+                }
+                match &cancel {
+                    Some(token) if token.is_cancelled() => ControlFlow::Break(()),
+                    _ => ControlFlow::Continue(()),
+                }
+            };
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let epochs = match fit(&mut state.trainer, &data, &config, &mut observe) {
+                Ok(epochs) => epochs,
+                Err(canopy_engine::EngineError::Cancelled { epoch, step }) => {
+                    return Err(CanopyError::Cancelled {
+                        message: format!(
+                            "local training was cancelled in epoch {epoch}, after step {step}; \
+                             the steps done are kept"
+                        ),
+                    });
+                }
+                Err(other) => return Err(training(other)),
+            };
+            Ok(epochs
+                .iter()
+                .map(|e| EpochResult {
+                    epoch: e.epoch,
+                    loss: e.loss,
+                    accuracy: e.accuracy,
+                    samples: e.samples as u64,
+                })
+                .collect())
+        })
     }
 
     /// The model as trained so far, as `.canopy` file bytes.

@@ -15,7 +15,9 @@ use canopy_sdk::{CancelToken, SdkError};
 
 use crate::client::CanopyClient;
 use crate::error::CanopyError;
-use crate::types::{ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData, TrainingProgress};
+use crate::types::{
+    ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData, TrainingProgress,
+};
 
 /// Steps between checkpoints when the config says 0.
 pub const DEFAULT_CHECKPOINT_EVERY_STEPS: u32 = 20;
@@ -72,7 +74,11 @@ struct StopWatcher {
 }
 
 impl StopWatcher {
-    fn start(app: Option<CancelToken>, time_limit_ms: Option<u64>, deadline_unix_ms: u64) -> StopWatcher {
+    fn start(
+        app: Option<CancelToken>,
+        time_limit_ms: Option<u64>,
+        deadline_unix_ms: u64,
+    ) -> StopWatcher {
         let token = CancelToken::new();
         let cause = Arc::new(AtomicU8::new(StopCause::None as u8));
         let done = Arc::new(AtomicBool::new(false));
@@ -135,9 +141,15 @@ pub(crate) fn run(context: RunContext<'_>, data: TrainingData) -> Result<TaskOut
     let storage = client.storage();
     if past_deadline(task) {
         storage.clear_task()?;
-        storage.save_outcome(&format!("round {}: its deadline passed before it ran", task.round_id))?;
+        storage.save_outcome(&format!(
+            "round {}: its deadline passed before it ran",
+            task.round_id
+        ))?;
         return Err(CanopyError::TaskExpired {
-            message: format!("round {}'s deadline passed; the task was given up", task.round_id),
+            message: format!(
+                "round {}'s deadline passed; the task was given up",
+                task.round_id
+            ),
         });
     }
     let data = crate::data::load(data)?;
@@ -198,7 +210,8 @@ fn ended(
     let storage = client.storage();
     let cancelled = matches!(
         error,
-        RunTaskError::Sdk(SdkError::Cancelled) | RunTaskError::Train(canopy_sdk::train::TrainError::Cancelled)
+        RunTaskError::Sdk(SdkError::Cancelled)
+            | RunTaskError::Train(canopy_sdk::train::TrainError::Cancelled)
     );
     let round = task.round_id;
     if cancelled {
@@ -211,9 +224,13 @@ fn ended(
             },
             StopCause::Deadline => {
                 storage.clear_task()?;
-                storage.save_outcome(&format!("round {round}: its deadline passed during the run"))?;
+                storage.save_outcome(&format!(
+                    "round {round}: its deadline passed during the run"
+                ))?;
                 CanopyError::TaskExpired {
-                    message: format!("round {round}'s deadline passed during the run; the task was given up"),
+                    message: format!(
+                        "round {round}'s deadline passed during the run; the task was given up"
+                    ),
                 }
             }
             _ => CanopyError::Cancelled {
@@ -257,7 +274,9 @@ fn what_to_keep(error: &RunTaskError) -> Keep {
     match error {
         RunTaskError::Sdk(sdk) if sdk.is_retryable() => Keep::Task,
         RunTaskError::Sdk(SdkError::LocalFile { .. } | SdkError::Runtime(_)) => Keep::Task,
-        RunTaskError::Sdk(SdkError::SecureRoundGone { .. } | SdkError::Server { .. }) => Keep::Nothing,
+        RunTaskError::Sdk(SdkError::SecureRoundGone { .. } | SdkError::Server { .. }) => {
+            Keep::Nothing
+        }
         RunTaskError::Sdk(_) | RunTaskError::Train(_) => Keep::NothingDecline,
     }
 }
@@ -285,7 +304,10 @@ fn progress_callback(
 
 /// Runs `work` on a thread pool of `threads` (the CPU backend's kernels
 /// run on the pool they are called from), or on the global pool.
-fn in_pool<T: Send>(threads: Option<u32>, work: impl FnOnce() -> T + Send) -> Result<T, CanopyError> {
+fn in_pool<T: Send>(
+    threads: Option<u32>,
+    work: impl FnOnce() -> T + Send,
+) -> Result<T, CanopyError> {
     let Some(threads) = threads else {
         return Ok(work());
     };
@@ -329,7 +351,12 @@ pub(crate) fn task_info(task: &Task, checkpointed_step: Option<u64>) -> TaskInfo
     }
 }
 
-fn task_outcome(task: &Task, outcome: RunTaskOutcome, resumed_from_step: u64, backend: &str) -> TaskOutcome {
+fn task_outcome(
+    task: &Task,
+    outcome: RunTaskOutcome,
+    resumed_from_step: u64,
+    backend: &str,
+) -> TaskOutcome {
     TaskOutcome {
         round_id: task.round_id,
         kind: kind(task),
@@ -357,7 +384,11 @@ fn describe(outcome: &TaskOutcome) -> String {
         _ => format!(
             "round {}: {} from {} samples ({} bytes)",
             outcome.round_id,
-            if outcome.secure { "masked update sent" } else { "update uploaded" },
+            if outcome.secure {
+                "masked update sent"
+            } else {
+                "update uploaded"
+            },
             outcome.num_samples,
             outcome.uploaded_bytes
         ),

@@ -41,7 +41,12 @@ pub(crate) struct Enrollment {
 }
 
 impl Enrollment {
-    pub fn new(server_url: &str, device_id: i64, trusted_keys: TrustedKeys, backends: Vec<String>) -> Self {
+    pub fn new(
+        server_url: &str,
+        device_id: i64,
+        trusted_keys: TrustedKeys,
+        backends: Vec<String>,
+    ) -> Self {
         Enrollment {
             version: ENROLLMENT_VERSION,
             server_url: server_url.to_string(),
@@ -133,7 +138,8 @@ impl Storage {
             remove_if_present(&path)?;
         }
         // Partial downloads: `model.canopy.<digest prefix>.part`.
-        let entries = fs::read_dir(&self.root).map_err(|error| io_error("list", &self.root, &error))?;
+        let entries =
+            fs::read_dir(&self.root).map_err(|error| io_error("list", &self.root, &error))?;
         for entry in entries.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();
@@ -163,7 +169,10 @@ impl Storage {
         Ok(())
     }
 
-    fn read_json<T: for<'de> Deserialize<'de>>(&self, path: &Path) -> Result<Option<T>, CanopyError> {
+    fn read_json<T: for<'de> Deserialize<'de>>(
+        &self,
+        path: &Path,
+    ) -> Result<Option<T>, CanopyError> {
         let Some(bytes) = read_bounded(path, MAX_JSON_BYTES)? else {
             return Ok(None);
         };
@@ -177,8 +186,9 @@ impl Storage {
     }
 
     fn write_json<T: Serialize>(&self, path: &Path, value: &T) -> Result<(), CanopyError> {
-        let bytes = serde_json::to_vec_pretty(value)
-            .map_err(|error| CanopyError::storage(format!("cannot encode {}: {error}", path.display())))?;
+        let bytes = serde_json::to_vec_pretty(value).map_err(|error| {
+            CanopyError::storage(format!("cannot encode {}: {error}", path.display()))
+        })?;
         write_atomic(path, &bytes)
     }
 }
@@ -243,7 +253,11 @@ mod tests {
         let error = storage.task().unwrap_err();
         assert_eq!(error.name(), "Storage");
         assert!(error.message().contains("task.json"), "{error}");
-        fs::write(dir.path().join("task.json"), vec![b' '; (MAX_JSON_BYTES + 1) as usize]).unwrap();
+        fs::write(
+            dir.path().join("task.json"),
+            vec![b' '; (MAX_JSON_BYTES + 1) as usize],
+        )
+        .unwrap();
         assert!(storage.task().unwrap_err().message().contains("over"));
         assert!(storage.enrollment().unwrap().is_none());
     }

@@ -48,7 +48,11 @@ fn compile(out: &Path, kotlin: &Path) -> Result<PathBuf> {
     let sources = out.join("src");
     common::bindings(Language::Kotlin, &sources)?;
     let generated = sources.join("dev/canopy/canopy.kt");
-    ensure!(generated.is_file(), "UniFFI wrote no {}", generated.display());
+    ensure!(
+        generated.is_file(),
+        "UniFFI wrote no {}",
+        generated.display()
+    );
     let classes = out.join("classes");
     let classpath = std::env::join_paths([kotlin, Path::new(JNA_JAR)])?;
     let main = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kotlin/Main.kt");
@@ -92,7 +96,8 @@ async fn generated_kotlin_enrolls_trains_and_uploads_on_the_jvm() -> Result<()> 
         .context("the cdylib's directory")?
         .to_path_buf();
     let (server, token, job) = common::server_with_job(1).await?;
-    let classpath = std::env::join_paths([classes.as_path(), kotlin.as_path(), Path::new(JNA_JAR)])?;
+    let classpath =
+        std::env::join_paths([classes.as_path(), kotlin.as_path(), Path::new(JNA_JAR)])?;
     let run = java(&[
         format!("-Djna.library.path={}", library_dir.display()).as_ref(),
         "-cp".as_ref(),

@@ -17,8 +17,14 @@ fn lay_out_package(root: &Path) -> Result<()> {
     let package = root.join("canopy");
     common::bindings(Language::Python, &package)?;
     let library = common::cdylib()?;
-    std::fs::copy(&library, package.join(library.file_name().context("a file name")?))?;
-    std::fs::write(package.join("__init__.py"), "from .canopy import *  # noqa: F401,F403\n")?;
+    std::fs::copy(
+        &library,
+        package.join(library.file_name().context("a file name")?),
+    )?;
+    std::fs::write(
+        package.join("__init__.py"),
+        "from .canopy import *  # noqa: F401,F403\n",
+    )?;
     Ok(())
 }
 
@@ -37,7 +43,9 @@ fn the_python_package_passes_its_pytest_suite_against_a_real_server() -> Result<
         .env("CANOPY_BIN_DIR", common::target_dir())
         .env("CANOPY_DIGITS", &digits)
         .output()
-        .context("cannot run python3 -m pytest; install it (pip install -r requirements-dev.txt)")?;
+        .context(
+            "cannot run python3 -m pytest; install it (pip install -r requirements-dev.txt)",
+        )?;
     let output = format!(
         "{}{}",
         String::from_utf8_lossy(&run.stdout),

@@ -108,7 +108,7 @@ fn refusal(task: &Task, max_memory_mb: Option<u64>) -> Option<String> {
     // the model's share of the estimate is what --max-memory-mb bounds.
     limits
         .refusal(task, 0)
-        .map(|refusal| format!("{refusal} (--max-memory-mb)"))
+        .map(|refusal| format!("{refusal} (--max-memory-mb {})", max_memory_mb.unwrap_or(0)))
 }
 
 /// How a failed request of a task ends it: a cancellation here is the

@@ -26,7 +26,12 @@ pub enum Language {
 }
 
 impl Language {
-    pub const ALL: [Language; 4] = [Language::Kotlin, Language::Swift, Language::Python, Language::C];
+    pub const ALL: [Language; 4] = [
+        Language::Kotlin,
+        Language::Swift,
+        Language::Python,
+        Language::C,
+    ];
 }
 
 /// `mobile/`, where `uniffi.toml` and `src/c_api.rs` are.
@@ -41,7 +46,8 @@ pub fn mobile_dir() -> PathBuf {
 /// `canopy-mobile` cdylib (unused for C, whose header comes from the
 /// source).
 pub fn generate(language: Language, library: &Path, out_dir: &Path) -> Result<()> {
-    std::fs::create_dir_all(out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
+    std::fs::create_dir_all(out_dir)
+        .with_context(|| format!("cannot create {}", out_dir.display()))?;
     let target = match language {
         Language::C => return generate_c_header(&out_dir.join("canopy.h")),
         Language::Kotlin => TargetLanguage::Kotlin,
@@ -70,8 +76,12 @@ pub fn generate(language: Language, library: &Path, out_dir: &Path) -> Result<()
     };
     let mut paths = BindgenPaths::default();
     paths.add_layer(MobileCrateRoot(utf8(&mobile_dir())?));
-    uniffi_bindgen::bindings::generate_with_bindgen_paths(options, paths)
-        .with_context(|| format!("UniFFI could not generate {language:?} bindings from {}", library.display()))
+    uniffi_bindgen::bindings::generate_with_bindgen_paths(options, paths).with_context(|| {
+        format!(
+            "UniFFI could not generate {language:?} bindings from {}",
+            library.display()
+        )
+    })
 }
 
 /// Tells UniFFI where `canopy_mobile`'s sources are, so it reads

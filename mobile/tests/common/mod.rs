@@ -22,7 +22,9 @@ pub fn target_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The `canopy-mobile` cdylib built with the tests.
+/// The `canopy-mobile` cdylib built with the tests: cargo writes it to
+/// `deps/` when it builds the tests, and copies it up only for `cargo
+/// build`, so the newer of the two is the one this build made.
 pub fn cdylib() -> Result<PathBuf> {
     let name = format!(
         "{}canopy_mobile{}",
@@ -30,9 +32,11 @@ pub fn cdylib() -> Result<PathBuf> {
         std::env::consts::DLL_SUFFIX
     );
     let dir = target_dir();
-    [dir.join(&name), dir.join("deps").join(&name)]
+    let modified = |path: &PathBuf| path.metadata().and_then(|m| m.modified()).ok();
+    [dir.join("deps").join(&name), dir.join(&name)]
         .into_iter()
-        .find(|path| path.is_file())
+        .filter(|path| path.is_file())
+        .max_by_key(modified)
         .with_context(|| {
             format!(
                 "{name} is not in {}; run the tests with `cargo test --workspace --release`, which \
@@ -78,14 +82,19 @@ pub async fn completed(server: &TestServer, job: i64) -> Result<serde_json::Valu
         .admin()
         .wait_for_job(job, Duration::from_secs(300))
         .await?;
-    ensure!(done["state"] == "completed", "the job did not complete: {done}");
+    ensure!(
+        done["state"] == "completed",
+        "the job did not complete: {done}"
+    );
     Ok(done)
 }
 
 /// `count` samples of 64 features in 10 classes, as a flat row-major
 /// vector and labels, deterministic.
 pub fn samples(count: usize) -> (Vec<f32>, Vec<i64>) {
-    let features = (0..count * 64).map(|i| ((i * 7919) % 17) as f32 / 17.0).collect();
+    let features = (0..count * 64)
+        .map(|i| ((i * 7919) % 17) as f32 / 17.0)
+        .collect();
     let labels = (0..count).map(|i| (i % 10) as i64).collect();
     (features, labels)
 }
