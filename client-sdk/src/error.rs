@@ -154,8 +154,8 @@ impl SdkError {
 
 /// An error and its causes on one line. (`canopy_term::error_chain` serves
 /// the binaries; the SDK, embedded in apps, does not link the terminal
-/// crate and its clap.)
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
+/// crate and its clap.) The app-facing client builds its messages on it.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

@@ -55,7 +55,7 @@ pub use checkpoint::{CheckpointInfo, CheckpointSettings};
 pub use client::{
     DeviceClient, DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES, enroll, enroll_with,
 };
-pub use error::SdkError;
+pub use error::{SdkError, error_chain};
 pub use keystore::{KeyStoreError, load_device_key, save_device_key};
 pub use limits::{DeviceLimits, LimitRefusal};
 pub use retry::{RetryNotice, RetryObserver, RetryPolicy};

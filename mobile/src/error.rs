@@ -165,15 +165,10 @@ impl CanopyError {
     }
 }
 
-/// `error` and each of its causes, `: `-separated, then `hint` if any.
+/// `error` and each of its causes, `: `-separated
+/// ([`canopy_sdk::error_chain`]), then `hint` if any.
 pub(crate) fn chain(error: &dyn std::error::Error, hint: Option<&str>) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
+    let mut text = canopy_sdk::error_chain(error);
     if let Some(hint) = hint {
         text.push_str("\nhint: ");
         text.push_str(hint);
