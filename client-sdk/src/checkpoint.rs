@@ -27,13 +27,13 @@
 //! epochs and batches done, the epoch's running sums, the steps). Floats
 //! are stored as their bits in hex, so they come back exactly.
 //!
-//! Writing is atomic: a temporary file in the same directory, fsynced,
-//! renamed over the checkpoint, then the directory fsynced. A crash leaves
-//! the old checkpoint or the new one.
+//! Writing is atomic ([`crate::files::write_atomic`]): a crash leaves the
+//! old checkpoint or the new one. The file is readable by its owner only
+//! ([`CHECKPOINT_FILE_MODE`]).
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
+use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -59,6 +59,10 @@ pub const DEFAULT_CHECKPOINT_EVERY_STEPS: u32 = 20;
 /// [`canopy_protocol::bounds::MAX_MODEL_BYTES`]), Adam's two slots per
 /// trainable parameter and FedProx anchors.
 pub const MAX_CHECKPOINT_BYTES: u64 = 4 * canopy_protocol::bounds::MAX_MODEL_BYTES;
+
+/// The permission bits of a checkpoint file on Unix: its parameters were
+/// trained on the device's data, which is not for other users to read.
+pub const CHECKPOINT_FILE_MODE: u32 = 0o600;
 
 /// The model name a checkpoint's model file carries.
 const CHECKPOINT_MODEL_NAME: &str = "canopy-checkpoint";
@@ -314,31 +318,8 @@ pub(crate) fn save(path: &Path, checkpoint: &Checkpoint) -> Result<(), Checkpoin
             size: bytes.len() as u64,
         });
     }
-    let directory = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| CheckpointError::NotACheckpoint {
-            path: path.to_path_buf(),
-            cause: "the path names no file".to_string(),
-        })?;
-    let temporary = directory.join(format!(
-        ".{}.{}.{:016x}.tmp",
-        name.to_string_lossy(),
-        std::process::id(),
-        rand::random::<u64>()
-    ));
-    if let Err(error) = write_new(&temporary, &bytes) {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(error);
-    }
-    if let Err(source) = std::fs::rename(&temporary, path) {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(io_error("rename a temporary file over", path)(source));
-    }
-    sync_directory(&directory).map_err(io_error("sync the directory of", path))
+    crate::files::write_atomic(path, &bytes, CHECKPOINT_FILE_MODE)
+        .map_err(|error| io_error(error.action, path)(error.source))
 }
 
 fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError {
@@ -348,26 +329,6 @@ fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) ->
         path,
         source,
     }
-}
-
-fn write_new(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(io_error("create", path))?;
-    file.write_all(bytes).map_err(io_error("write", path))?;
-    file.sync_all().map_err(io_error("sync", path))
-}
-
-#[cfg(unix)]
-fn sync_directory(directory: &Path) -> std::io::Result<()> {
-    File::open(directory)?.sync_all()
-}
-
-#[cfg(not(unix))]
-fn sync_directory(_directory: &Path) -> std::io::Result<()> {
-    Ok(())
 }
 
 /// The file's bytes, `None` when there is none; refuses anything but a
@@ -698,6 +659,12 @@ mod tests {
             .map(|e| e.expect("entry").file_name())
             .collect();
         assert_eq!(names, ["task.ckpt"], "no temporary file left");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::metadata(&path).expect("file").permissions().mode();
+            assert_eq!(mode & 0o777, CHECKPOINT_FILE_MODE, "mode {mode:o}");
+        }
         assert_eq!(load(&path).expect("load"), Some(checkpoint));
         discard(&path).expect("discard");
         discard(&path).expect("discarding nothing");

@@ -3,13 +3,11 @@
 //! The file holds the 32-byte Ed25519 secret as 64 lowercase hex digits
 //! and a newline. Whoever can read it can act as the device, so:
 //!
-//! - [`save_device_key`] writes a temporary file in the same directory,
-//!   created with mode `0600` (owner read and write, nothing for group and
-//!   others) and set to exactly that whatever the umask, fsyncs it, renames
-//!   it over `path` and fsyncs the directory. A crash leaves either the old
-//!   file or the new one, never a torn key, and the key is never readable
-//!   by others, not even for a moment. An existing key at `path` is
-//!   replaced.
+//! - [`save_device_key`] writes it with [`crate::files::write_atomic`]
+//!   and mode `0600` (owner read and write, nothing for group and others),
+//!   exactly that whatever the umask. A crash leaves either the old file
+//!   or the new one, never a torn key, and the key is never readable by
+//!   others, not even for a moment. An existing key at `path` is replaced.
 //! - [`load_device_key`] refuses a file that grants any permission to
 //!   group or others (as OpenSSH does for private keys): one readable by
 //!   them may have been copied, one writable by them may have been swapped.
@@ -22,8 +20,8 @@
 //! the app can reach. The owner of the file is not compared with the
 //! running user; on Android and iOS each app has its own user or sandbox.
 
-use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
+use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use canopy_protocol::auth::DeviceKey;
@@ -72,71 +70,14 @@ fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) ->
 
 /// Writes `key` to `path` atomically, with mode `0600` on Unix.
 pub fn save_device_key(path: &Path, key: &DeviceKey) -> Result<(), KeyStoreError> {
-    let directory = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = path
-        .file_name()
-        .ok_or_else(|| KeyStoreError::NotAFile {
-            path: path.to_path_buf(),
-        })?
-        .to_string_lossy()
-        .into_owned();
-    let temporary = directory.join(format!(
-        ".{name}.{}.{:016x}.tmp",
-        std::process::id(),
-        rand::random::<u64>()
-    ));
     let mut text = hex::encode(key.to_bytes());
     text.push('\n');
-    let written = write_new_private(&temporary, text.as_bytes());
+    let written = crate::files::write_atomic(path, text.as_bytes(), KEY_FILE_MODE);
     // Overwrites the secret's copy; the compiler may elide it, so this is
     // hygiene, not a guarantee.
     let mut bytes = text.into_bytes();
     bytes.fill(0);
-    if let Err(error) = written {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(error);
-    }
-    if let Err(source) = std::fs::rename(&temporary, path) {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(io_error("rename a temporary file over", path)(source));
-    }
-    sync_directory(&directory).map_err(io_error("sync the directory of", path))
-}
-
-fn write_new_private(path: &Path, bytes: &[u8]) -> Result<(), KeyStoreError> {
-    let mut options = OpenOptions::new();
-    options.write(true).create_new(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(KEY_FILE_MODE);
-    }
-    let mut file = options
-        .open(path)
-        .map_err(io_error("create a temporary file for", path))?;
-    // The umask can only take bits away from 0600; this also restores the
-    // owner's bits if it took those.
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        file.set_permissions(std::fs::Permissions::from_mode(KEY_FILE_MODE))
-            .map_err(io_error("set the mode of", path))?;
-    }
-    file.write_all(bytes).map_err(io_error("write", path))?;
-    file.sync_all().map_err(io_error("sync", path))
-}
-
-#[cfg(unix)]
-fn sync_directory(directory: &Path) -> std::io::Result<()> {
-    File::open(directory)?.sync_all()
-}
-
-#[cfg(not(unix))]
-fn sync_directory(_directory: &Path) -> std::io::Result<()> {
-    Ok(())
+    written.map_err(|error| io_error(error.action, path)(error.source))
 }
 
 /// Reads a key written by [`save_device_key`], refusing a file that group

@@ -10,6 +10,8 @@
 //! - [`CancelToken`]: cancels a poll, a download, an upload, the waits
 //!   between retries and local training.
 //! - [`keystore`]: the device key in a file with mode 0600.
+//! - [`files`]: atomic file writes (a crash leaves the old file or the new
+//!   one), for the key store, checkpoints and the apps and agents on top.
 //! - [`backend`]: which engine backend trains, chosen from the device's
 //!   reported capabilities: the CPU, the GPU, or the NPU (ONNX Runtime,
 //!   configured with [`configure_npu`]) for a frozen backbone.
@@ -29,6 +31,7 @@ mod cancel;
 pub mod checkpoint;
 mod client;
 mod error;
+pub mod files;
 pub mod keystore;
 pub mod limits;
 pub mod retry;

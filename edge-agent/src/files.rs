@@ -1,10 +1,10 @@
 //! The data directory's layout, and reading and writing its files: every
-//! read is size-capped, every write is atomic (temporary file, then
-//! rename). The device key goes through the SDK's key store
+//! read is size-capped, every write atomic ([`write_public`], through
+//! `canopy_sdk::files`). The device key goes through the SDK's key store
 //! ([`crate::config::store_key`]).
 
-use std::fs::{self, OpenOptions};
-use std::io::{Read, Write};
+use std::fs;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -147,71 +147,22 @@ pub fn read_text(path: &Path, limit: u64) -> Result<Option<String>> {
     }
 }
 
-/// Writes `contents` to `path` atomically with the given Unix mode: the
-/// data goes to a fresh temporary file in the same folder, created with
-/// that mode (never widened, never changed afterwards), is synced, and is
-/// renamed over `path`. A crash leaves the old file or the new one.
-/// Root writing into another user's folder gives the file to that user
-/// ([`crate::ownership`]).
-pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> std::io::Result<()> {
-    let tmp = temporary_sibling(path);
-    let _ = fs::remove_file(&tmp);
-    let result = (|| {
-        let mut file = create_new_with_mode(&tmp, mode)?;
-        crate::ownership::adopt_folder_owner(&file, &tmp)?;
-        file.write_all(contents)?;
-        file.sync_all()?;
-        drop(file);
-        fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result?;
-    sync_parent(path);
-    Ok(())
-}
+/// The mode of every file the agent writes but the key: exactly 0644
+/// whatever the umask, since systemd reads the unit and the service user
+/// reads what root wrote into its folder.
+pub const PUBLIC_FILE_MODE: u32 = 0o644;
 
-/// Writes an ordinary file: mode 0644 (less the umask).
-pub fn write_public(path: &Path, contents: &[u8]) -> std::io::Result<()> {
-    write_atomic(path, contents, 0o644)
-}
-
-/// `.NAME.tmp-PID` next to `path`, so the rename stays on one file system.
-pub fn temporary_sibling(path: &Path) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
-}
-
-#[cfg(unix)]
-fn create_new_with_mode(path: &Path, mode: u32) -> std::io::Result<fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(mode)
-        .open(path)
-}
-
-#[cfg(not(unix))]
-fn create_new_with_mode(path: &Path, _mode: u32) -> std::io::Result<fs::File> {
-    OpenOptions::new().write(true).create_new(true).open(path)
-}
-
-/// Makes a rename durable; best effort (not every file system supports it).
-fn sync_parent(path: &Path) {
-    if let Some(parent) = path.parent() {
-        if let Ok(dir) = fs::File::open(if parent.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            parent
-        }) {
-            let _ = dir.sync_all();
-        }
-    }
+/// Writes an ordinary file atomically with [`PUBLIC_FILE_MODE`]
+/// (`canopy_sdk::files::write_atomic`: a crash leaves the old file or the
+/// new one). Root writing into another user's folder gives the file to
+/// that user ([`crate::ownership`]) before anything is written to it.
+pub fn write_public(path: &Path, contents: &[u8]) -> Result<(), canopy_sdk::files::WriteError> {
+    canopy_sdk::files::write_atomic_with(
+        path,
+        contents,
+        PUBLIC_FILE_MODE,
+        crate::ownership::adopt_folder_owner,
+    )
 }
 
 /// The permission bits of a file, on Unix.
@@ -266,42 +217,6 @@ mod tests {
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         dir
-    }
-
-    #[cfg(unix)]
-    #[test]
-    fn files_are_created_with_the_mode_asked_for() {
-        let dir = scratch("secret");
-        let key = dir.join("private");
-        write_atomic(&key, b"0123", 0o600).unwrap();
-        assert_eq!(mode_of(&key), Some(0o600));
-        assert_eq!(fs::read(&key).unwrap(), b"0123");
-        assert!(!temporary_sibling(&key).exists(), "no temporary file left");
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    #[cfg(unix)]
-    #[test]
-    fn replacing_a_world_readable_file_yields_the_new_mode() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = scratch("replace");
-        let key = dir.join("private");
-        fs::write(&key, b"old").unwrap();
-        fs::set_permissions(&key, fs::Permissions::from_mode(0o644)).unwrap();
-        write_atomic(&key, b"new", 0o600).unwrap();
-        assert_eq!(mode_of(&key), Some(0o600), "the new inode has the new mode");
-        assert_eq!(fs::read(&key).unwrap(), b"new");
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn a_stale_temporary_file_does_not_block_a_write() {
-        let dir = scratch("stale");
-        let path = dir.join("agent.toml");
-        fs::write(temporary_sibling(&path), b"half").unwrap();
-        write_public(&path, b"whole").unwrap();
-        assert_eq!(fs::read(&path).unwrap(), b"whole");
-        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -504,7 +504,7 @@ mod tests {
         fs::create_dir(&folder).unwrap();
         give_tree(&folder, &account).unwrap();
         let path = folder.join("agent.toml");
-        crate::files::write_atomic(&path, b"x", 0o644).unwrap();
+        crate::files::write_public(&path, b"x").unwrap();
         let meta = fs::metadata(&path).unwrap();
         assert_eq!((meta.uid(), meta.gid()), (account.uid, account.gid));
         let key = folder.join("device.key");
@@ -517,7 +517,7 @@ mod tests {
         }
         // Root's own folder keeps root's files root's.
         let own = tmp.path().join("own.toml");
-        crate::files::write_atomic(&own, b"x", 0o644).unwrap();
+        crate::files::write_public(&own, b"x").unwrap();
         assert_eq!(fs::metadata(&own).unwrap().uid(), my_uid(tmp.path()));
     }
 

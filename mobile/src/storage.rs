@@ -9,13 +9,14 @@
 //! | `checkpoint.bin` | training progress of the task (`canopy_sdk::checkpoint`) |
 //! | `last_outcome.txt` | how the last task ended, for `status` |
 //!
-//! *Invariant:* every file is replaced atomically (written beside, synced,
-//! renamed), so a kill at any instant leaves the old file or the new one,
-//! never half of one. Reads are bounded; a file that does not parse is an
-//! error that names it, never a panic.
+//! *Invariant:* every file is replaced atomically
+//! (`canopy_sdk::files::write_atomic`: written beside, synced, renamed,
+//! the directory synced), so a kill or a power cut at any instant leaves
+//! the old file or the new one, never half of one. Files are the app
+//! user's only (`FILE_MODE`). Reads are bounded; a file that does not
+//! parse is an error that names it, never a panic.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use canopy_protocol::messages::Task;
@@ -29,6 +30,9 @@ use crate::error::CanopyError;
 const MAX_JSON_BYTES: u64 = 16 << 20;
 /// The storage format, so a later library can migrate or refuse.
 const ENROLLMENT_VERSION: u32 = 1;
+/// The permission bits of the files written here (Unix): the app's user
+/// only, like the key; nothing else has reason to read a client's storage.
+const FILE_MODE: u32 = 0o600;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -229,16 +233,9 @@ fn read_bounded(path: &Path, limit: u64) -> Result<Option<Vec<u8>>, CanopyError>
     Ok(Some(bytes))
 }
 
-/// Writes beside `path`, syncs, then renames over it.
 fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), CanopyError> {
-    let temporary = path.with_extension("tmp");
-    let write = || -> std::io::Result<()> {
-        let mut file = fs::File::create(&temporary)?;
-        file.write_all(contents)?;
-        file.sync_all()?;
-        fs::rename(&temporary, path)
-    };
-    write().map_err(|error| io_error("write", path, &error))
+    canopy_sdk::files::write_atomic(path, contents, FILE_MODE)
+        .map_err(|error| io_error(error.action, path, &error.source))
 }
 
 #[cfg(test)]

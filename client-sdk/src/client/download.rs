@@ -157,7 +157,7 @@ impl DeviceClient {
                 });
             }
             std::fs::rename(&part, path).map_err(local_file("rename the download to", path))?;
-            sync_parent(path)?;
+            crate::files::sync_parent(path).map_err(local_file("sync the directory of", path))?;
             return Ok(DownloadedModel {
                 version_id: task.model_version_id,
                 digest,
@@ -468,24 +468,6 @@ impl Sink for FileSink {
         self.len = len;
         Ok(())
     }
-}
-
-/// Makes a rename in `path`'s directory durable (Unix; elsewhere a no-op).
-fn sync_parent(path: &Path) -> Result<(), SdkError> {
-    #[cfg(unix)]
-    if let Some(parent) = path.parent() {
-        let parent = if parent.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            parent
-        };
-        File::open(parent)
-            .and_then(|directory| directory.sync_all())
-            .map_err(local_file("sync the directory of", path))?;
-    }
-    #[cfg(not(unix))]
-    let _ = path;
-    Ok(())
 }
 
 /// Reads a whole file of at most `limit` bytes.
