@@ -6,7 +6,7 @@
 //! so every case runs through the same fast paths.
 
 use canopy_ir::{BinaryOp, DType, UnaryOp};
-use ndarray::{ArrayD, ArrayViewD, Zip};
+use ndarray::{ArrayD, ArrayViewD, IxDyn, Zip};
 use rayon::prelude::*;
 
 use super::Arg;
@@ -86,16 +86,48 @@ fn softplus(v: f32) -> f32 {
 /// Applies `f` to every element, in place when the operand is owned.
 fn map<T: Element>(x: Tensor<'_, T>, f: impl Fn(T) -> T + Sync + Send) -> ArrayD<T> {
     match x {
-        Tensor::Owned(mut a) => {
-            if a.len() >= PAR_THRESHOLD {
-                a.par_mapv_inplace(f);
-            } else {
-                a.mapv_inplace(f);
-            }
+        Tensor::Owned(a) => {
+            let mut a = Tensor::Owned(a).into_standard();
+            let dst = a.as_slice_mut().expect("standard layout");
+            run(dst, &|_, out: &mut [T]| {
+                out.iter_mut().for_each(|v| *v = f(*v))
+            });
             a
         }
-        Tensor::Shared(a) if a.len() >= PAR_THRESHOLD => Zip::from(a).par_map_collect(|&v| f(v)),
-        Tensor::Shared(a) => a.mapv(f),
+        Tensor::Shared(a) => {
+            let source = a.as_standard_layout();
+            let src = source.as_slice().expect("standard layout");
+            let mut out = ArrayD::<T>::default(a.raw_dim());
+            let dst = out.as_slice_mut().expect("standard layout");
+            run(dst, &|offset, out: &mut [T]| {
+                let src = &src[offset..offset + out.len()];
+                out.iter_mut().zip(src).for_each(|(v, &s)| *v = f(s));
+            });
+            out
+        }
+    }
+}
+
+/// Elements one parallel task takes when an op is split across the pool.
+const BLOCK: usize = 32 * 1024;
+
+/// One op's loop over a contiguous run of its output, told where the run
+/// starts in the whole output. Each op has its own small loop, which the
+/// compiler vectorises; [`run`] takes it as `&dyn`, so what splits the
+/// output across threads is compiled once per element type rather than
+/// once per op and layout (half the app library's size was such copies:
+/// docs/mobile.md).
+type Body<'a, T> = dyn Fn(usize, &mut [T]) + Sync + 'a;
+
+/// Runs `body` over all of `dst`: in blocks on the pool from
+/// [`PAR_THRESHOLD`] elements, else at once on this thread.
+fn run<T: Send>(dst: &mut [T], body: &Body<'_, T>) {
+    if dst.len() >= PAR_THRESHOLD {
+        dst.par_chunks_mut(BLOCK)
+            .enumerate()
+            .for_each(|(i, out)| body(i * BLOCK, out));
+    } else {
+        body(0, dst);
     }
 }
 
@@ -164,13 +196,18 @@ where
     F: Fn(T, T) -> T + Sync + Send,
 {
     let shape = broadcast_shapes(a.shape(), b.shape())?;
-    let (mut acc, other, swapped) = match (a, b) {
-        (Tensor::Owned(x), y) if x.shape() == shape.as_slice() => (x, y, false),
-        (x, Tensor::Owned(y)) if y.shape() == shape.as_slice() => (y, x, true),
-        (x, y) if x.shape() == shape.as_slice() => (to_standard(x.view()), y, false),
-        (x, y) if y.shape() == shape.as_slice() => (to_standard(y.view()), x, true),
-        (x, y) => (to_standard(broadcast_to(&x.view(), &shape)?), y, false),
+    let (acc, other, swapped) = match (a, b) {
+        (x, y) if matches!(x, Tensor::Owned(_)) && x.shape() == shape.as_slice() => (x, y, false),
+        (x, y) if matches!(y, Tensor::Owned(_)) && y.shape() == shape.as_slice() => (y, x, true),
+        (x, y) if x.shape() == shape.as_slice() => (x, y, false),
+        (x, y) if y.shape() == shape.as_slice() => (y, x, true),
+        (x, y) => (
+            Tensor::Owned(to_standard(broadcast_to(&x.view(), &shape)?)),
+            y,
+            false,
+        ),
     };
+    let mut acc = acc.into_standard();
     let other = other.view();
     if swapped {
         update(&mut acc, &other, |y, x| f(x, y))?;
@@ -180,139 +217,108 @@ where
     Ok(acc)
 }
 
-/// `acc[i] = f(acc[i], other[i])`, with `other` broadcast to `acc`'s shape.
+/// `acc[i] = f(acc[i], other[i])`, with `other` broadcast to `acc`'s shape
+/// (row major).
 fn update<T, F>(acc: &mut ArrayD<T>, other: &ArrayViewD<'_, T>, f: F) -> Result<(), KernelError>
 where
     T: Element,
     F: Fn(T, T) -> T + Sync + Send,
 {
-    let parallel = acc.len() >= PAR_THRESHOLD;
-    if other.len() == 1 {
-        let scalar = other.iter().copied().next().unwrap_or_default();
-        if parallel {
-            acc.par_mapv_inplace(|x| f(x, scalar));
-        } else {
-            acc.mapv_inplace(|x| f(x, scalar));
-        }
-        return Ok(());
-    }
-    if update_same_layout(acc, other, &f, parallel)
-        || update_trailing_block(acc, other, &f, parallel)
-        || update_leading_block(acc, other, &f, parallel)
-    {
-        return Ok(());
-    }
-    let other = broadcast_to(other, acc.shape())?;
-    let zip = Zip::from(acc.view_mut()).and(&other);
-    if parallel {
-        zip.par_for_each(|x, &y| *x = f(*x, y));
-    } else {
-        zip.for_each(|x, &y| *x = f(*x, y));
-    }
+    let shape = acc.shape().to_vec();
+    let (source, repeat) = match Repeat::of(&shape, other.shape()) {
+        Some(repeat) => (other.as_standard_layout(), repeat),
+        // Broadcast over scattered axes: spelled out once, then zipped.
+        None => (
+            to_standard(broadcast_to(other, &shape)?).into(),
+            Repeat::elementwise(acc.len()),
+        ),
+    };
+    let src = source.as_slice().expect("standard layout");
+    let dst = acc.as_slice_mut().expect("standard layout");
+    run(dst, &|offset, out: &mut [T]| {
+        repeat.for_runs(offset, out, src, &mut |out, run| match run {
+            Run::Zip(src) => out.iter_mut().zip(src).for_each(|(x, &y)| *x = f(*x, y)),
+            Run::Splat(y) => out.iter_mut().for_each(|x| *x = f(*x, y)),
+        });
+    });
     Ok(())
 }
 
-/// Fast path: both operands contiguous with identical layouts, so the
-/// update is a zip of two slices the compiler vectorises.
-fn update_same_layout<T, F>(
-    acc: &mut ArrayD<T>,
-    other: &ArrayViewD<'_, T>,
-    f: &F,
-    parallel: bool,
-) -> bool
-where
-    T: Element,
-    F: Fn(T, T) -> T + Sync + Send,
-{
-    if acc.shape() != other.shape() || acc.strides() != other.strides() {
-        return false;
-    }
-    let (Some(dst), Some(src)) = (
-        acc.as_slice_memory_order_mut(),
-        other.as_slice_memory_order(),
-    ) else {
-        return false;
-    };
-    if parallel {
-        dst.par_iter_mut()
-            .zip(src.par_iter())
-            .for_each(|(x, &y)| *x = f(*x, y));
-    } else {
-        dst.iter_mut().zip(src).for_each(|(x, &y)| *x = f(*x, y));
-    }
-    true
+/// How a broadcast operand lines up with a row-major output: output
+/// element `i` pairs with operand element `(i / inner) % period`. Every
+/// broadcast whose operand varies along one run of adjacent output axes
+/// has this form: the same shape (`inner` 1, `period` the length), a bias
+/// row over a batch (`inner` 1), a statistic per row kept with
+/// `keep_dims`, a per-channel bias over NCHW (`inner` H·W, `period` C), a
+/// scalar (`period` 1, `inner` the length).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Repeat {
+    inner: usize,
+    period: usize,
 }
 
-/// Fast path: `other` fills the trailing axes of `acc` (a bias row added to
-/// a batch), so each row-major block of `acc` zips with all of `other`.
-fn update_trailing_block<T, F>(
-    acc: &mut ArrayD<T>,
-    other: &ArrayViewD<'_, T>,
-    f: &F,
-    parallel: bool,
-) -> bool
-where
-    T: Element,
-    F: Fn(T, T) -> T + Sync + Send,
-{
-    let trimmed = trim_leading_ones(other.shape());
-    if trimmed.len() > acc.ndim() || !acc.shape().ends_with(trimmed) || other.is_empty() {
-        return false;
-    }
-    let block = other.len();
-    let (Some(dst), Some(src)) = (acc.as_slice_mut(), other.as_slice()) else {
-        return false;
-    };
-    let apply = |row: &mut [T]| row.iter_mut().zip(src).for_each(|(x, &y)| *x = f(*x, y));
-    if parallel {
-        dst.par_chunks_exact_mut(block).for_each(apply);
-    } else {
-        dst.chunks_exact_mut(block).for_each(apply);
-    }
-    true
+/// A stretch of output whose operand elements are a slice of the operand
+/// or one element repeated.
+enum Run<'s, T> {
+    Zip(&'s [T]),
+    Splat(T),
 }
 
-/// Fast path: `other` spans the leading axes of `acc` with ones after them
-/// (a per-row statistic kept with `keep_dims`), so each element of `other`
-/// applies to one contiguous block of `acc`.
-fn update_leading_block<T, F>(
-    acc: &mut ArrayD<T>,
-    other: &ArrayViewD<'_, T>,
-    f: &F,
-    parallel: bool,
-) -> bool
-where
-    T: Element,
-    F: Fn(T, T) -> T + Sync + Send,
-{
-    let kept = other.ndim() - other.shape().iter().rev().take_while(|&&d| d == 1).count();
-    if other.ndim() != acc.ndim()
-        || other.shape()[..kept] != acc.shape()[..kept]
-        || other.is_empty()
-    {
-        return false;
+impl Repeat {
+    fn elementwise(len: usize) -> Repeat {
+        Repeat {
+            inner: 1,
+            period: len.max(1),
+        }
     }
-    let block = acc.len() / other.len();
-    let (Some(dst), Some(src)) = (acc.as_slice_mut(), other.as_slice()) else {
-        return false;
-    };
-    if block == 0 {
-        return true;
-    }
-    let apply = |(row, &y): (&mut [T], &T)| row.iter_mut().for_each(|x| *x = f(*x, y));
-    if parallel {
-        dst.par_chunks_exact_mut(block)
-            .zip(src.par_iter())
-            .for_each(apply);
-    } else {
-        dst.chunks_exact_mut(block).zip(src).for_each(apply);
-    }
-    true
-}
 
-fn trim_leading_ones(shape: &[usize]) -> &[usize] {
-    let ones = shape.iter().take_while(|&&d| d == 1).count();
-    &shape[ones..]
+    /// `None` when the operand varies along axes that are not adjacent.
+    fn of(out: &[usize], operand: &[usize]) -> Option<Repeat> {
+        let pad = out.len().checked_sub(operand.len())?;
+        let dim = |axis: usize| if axis < pad { 1 } else { operand[axis - pad] };
+        let varying: Vec<usize> = (0..out.len()).filter(|&a| dim(a) != 1).collect();
+        let len: usize = out.iter().product();
+        let (Some(&first), Some(&last)) = (varying.first(), varying.last()) else {
+            return Some(Repeat {
+                inner: len.max(1),
+                period: 1,
+            });
+        };
+        if (first..=last).any(|a| dim(a) != out[a]) {
+            return None;
+        }
+        Some(Repeat {
+            inner: out[last + 1..].iter().product(),
+            period: out[first..=last].iter().product(),
+        })
+    }
+
+    /// Calls `each` on consecutive stretches of `out`, which starts at
+    /// output element `offset`, with the operand elements that pair with
+    /// them.
+    fn for_runs<'s, O, T: Copy>(
+        self,
+        offset: usize,
+        out: &mut [O],
+        src: &'s [T],
+        each: &mut dyn FnMut(&mut [O], Run<'s, T>),
+    ) {
+        let mut done = 0;
+        while done < out.len() {
+            let at = offset + done;
+            let left = out.len() - done;
+            let (len, run) = if self.inner == 1 {
+                let start = at % self.period;
+                let len = (self.period - start).min(left);
+                (len, Run::Zip(&src[start..start + len]))
+            } else {
+                let len = (self.inner - at % self.inner).min(left);
+                (len, Run::Splat(src[(at / self.inner) % self.period]))
+            };
+            each(&mut out[done..done + len], run);
+            done += len;
+        }
+    }
 }
 
 fn compare<T: Element>(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<Value, KernelError> {
@@ -345,13 +351,42 @@ where
     F: Fn(T, T) -> bool + Sync + Send,
 {
     let shape = broadcast_shapes(a.shape(), b.shape())?;
-    let (a, b) = (broadcast_to(a, &shape)?, broadcast_to(b, &shape)?);
-    let zip = Zip::from(&a).and(&b);
-    Ok(if a.len() >= PAR_THRESHOLD {
-        zip.par_map_collect(|&p, &q| f(p, q))
-    } else {
-        zip.map_collect(|&p, &q| f(p, q))
-    })
+    let left = broadcast_to(a, &shape)?;
+    let left = left.as_standard_layout();
+    let (source, repeat) = match Repeat::of(&shape, b.shape()) {
+        Some(repeat) => (b.as_standard_layout(), repeat),
+        None => (
+            to_standard(broadcast_to(b, &shape)?).into(),
+            Repeat::elementwise(left.len()),
+        ),
+    };
+    let (lhs, rhs) = (
+        left.as_slice().expect("standard layout"),
+        source.as_slice().expect("standard layout"),
+    );
+    let mut out = ArrayD::<bool>::default(IxDyn(&shape));
+    let dst = out.as_slice_mut().expect("standard layout");
+    run(dst, &|offset, out: &mut [bool]| {
+        let mut done = 0;
+        let lhs = &lhs[offset..offset + out.len()];
+        repeat.for_runs(offset, out, rhs, &mut |out, run| {
+            let lhs = &lhs[done..done + out.len()];
+            done += out.len();
+            match run {
+                Run::Zip(rhs) => {
+                    for ((o, &p), &q) in out.iter_mut().zip(lhs).zip(rhs) {
+                        *o = f(p, q);
+                    }
+                }
+                Run::Splat(q) => {
+                    for (o, &p) in out.iter_mut().zip(lhs) {
+                        *o = f(p, q);
+                    }
+                }
+            }
+        });
+    });
+    Ok(out)
 }
 
 /// where(cond, a, b) with broadcasting, into an owned branch of the output
@@ -448,5 +483,89 @@ fn convert<T: Element>(a: &ArrayD<T>, to: DType) -> Value {
         DType::I64 => Value::I64(a.mapv(T::to_i64)),
         DType::I32 => Value::I32(a.mapv(T::to_i32)),
         DType::Bool => Value::Bool(a.mapv(T::to_bool)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The operand index each output element pairs with, by the rule.
+    fn pairs(out: &[usize], operand: &[usize]) -> Option<Vec<usize>> {
+        let repeat = Repeat::of(out, operand)?;
+        let len = out.iter().product();
+        Some(
+            (0..len)
+                .map(|i| (i / repeat.inner) % repeat.period)
+                .collect(),
+        )
+    }
+
+    /// The same pairing through ndarray's broadcasting of the indices.
+    fn broadcast_pairs(out: &[usize], operand: &[usize]) -> Vec<usize> {
+        let len = operand.iter().product();
+        let indices = ArrayD::from_shape_vec(IxDyn(operand), (0..len).collect()).expect("shape");
+        let view = indices.view();
+        broadcast_to(&view, out)
+            .expect("broadcasts")
+            .iter()
+            .copied()
+            .collect()
+    }
+
+    #[test]
+    fn the_repeat_rule_pairs_elements_as_broadcasting_does() {
+        let cases: [(&[usize], &[usize]); 9] = [
+            (&[4, 3], &[4, 3]),
+            (&[4, 3], &[3]),
+            (&[4, 3], &[4, 1]),
+            (&[2, 3, 4, 5], &[1, 3, 1, 1]),
+            (&[2, 3, 4, 5], &[3, 1, 1]),
+            (&[2, 3, 4, 5], &[3, 4, 1]),
+            (&[2, 3], &[]),
+            (&[2, 3], &[1, 1]),
+            (&[5], &[1]),
+        ];
+        for (out, operand) in cases {
+            assert_eq!(
+                pairs(out, operand),
+                Some(broadcast_pairs(out, operand)),
+                "{out:?} with {operand:?}"
+            );
+        }
+        // Varying along axes 0 and 2, not adjacent: no single repeat.
+        assert_eq!(Repeat::of(&[2, 3, 4], &[2, 1, 4]), None);
+    }
+
+    #[test]
+    fn runs_split_at_any_offset_cover_the_output_in_order() {
+        let repeat = Repeat::of(&[3, 4, 5], &[4, 1]).expect("adjacent");
+        let src: Vec<i64> = (0..4).collect();
+        let expected = broadcast_pairs(&[3, 4, 5], &[4, 1]);
+        for split in [1, 7, 20, 59] {
+            let mut out = vec![-1i64; 60];
+            let (head, tail) = out.split_at_mut(split);
+            for (offset, part) in [(0, head), (split, tail)] {
+                repeat.for_runs(offset, part, &src, &mut |out, run| match run {
+                    Run::Zip(src) => out.copy_from_slice(src),
+                    Run::Splat(y) => out.fill(y),
+                });
+            }
+            let got: Vec<usize> = out.iter().map(|&v| v as usize).collect();
+            assert_eq!(got, expected, "split at {split}");
+        }
+    }
+
+    #[test]
+    fn a_large_update_split_across_the_pool_equals_the_sequential_one() {
+        let rows = PAR_THRESHOLD / 64 + 3;
+        let acc: Vec<f32> = (0..rows * 64).map(|i| (i % 97) as f32).collect();
+        let bias: Vec<f32> = (0..64).map(|i| i as f32 * 0.5).collect();
+        let mut big = ArrayD::from_shape_vec(IxDyn(&[rows, 64]), acc.clone()).expect("shape");
+        let bias = ArrayD::from_shape_vec(IxDyn(&[64]), bias).expect("shape");
+        update(&mut big, &bias.view(), |x, y| x * 2.0 + y).expect("updates");
+        for (i, (&got, &x)) in big.iter().zip(&acc).enumerate() {
+            assert_eq!(got, x * 2.0 + (i % 64) as f32 * 0.5, "element {i}");
+        }
     }
 }
