@@ -72,16 +72,29 @@ pub fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>> {
     Ok(fs::read(path)?)
 }
 
-/// Writes atomically (temporary file, then rename), so an interrupted
-/// write never leaves a truncated model behind. Returns the digest.
+/// The mode of the files the commands write (models, ONNX and `.npz`
+/// outputs): made to be shared, so readable by all and writable by their
+/// owner, as the shell makes files under the usual umask.
+pub const OUTPUT_FILE_MODE: u32 = 0o644;
+
+/// Writes atomically, so an interrupted write never leaves a truncated
+/// model behind. Returns the digest.
 pub fn write_model_file(path: &Path, model: &Model) -> Result<[u8; 32]> {
     let bytes = write_model(model).context("cannot serialise the model")?;
     let digest = canopy_ir::format::digest(&bytes).context("cannot digest the model")?;
-    let tmp = path.with_extension("canopy.tmp");
-    fs::write(&tmp, &bytes)
-        .and_then(|()| fs::rename(&tmp, path))
+    write_atomic(path, &bytes, OUTPUT_FILE_MODE)
         .with_context(|| format!("cannot write model file `{}`", path.display()))?;
     Ok(digest)
+}
+
+/// Replaces `path` with `bytes` through [`canopy_sdk::files::write_atomic`]
+/// (a crash leaves the old file or the new one), with exactly `mode` on
+/// Unix. The error names the step that failed and its cause; callers add
+/// which file it was, in their own words.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<()> {
+    canopy_sdk::files::write_atomic(path, bytes, mode).map_err(|error| {
+        anyhow::Error::new(error.source).context(format!("cannot {} it", error.action))
+    })
 }
 
 pub fn short_digest(digest: &[u8; 32]) -> String {

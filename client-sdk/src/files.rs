@@ -1,6 +1,6 @@
-//! Atomic file writes: the one way the device side replaces a file (the
-//! key store, checkpoints, the app client's storage, the edge agent's
-//! files).
+//! Atomic file writes: the one way the device side and the CLI replace a
+//! file (the key store, checkpoints, the app client's storage, the edge
+//! agent's files, the CLI's outputs and saved login).
 //!
 //! [`write_atomic`] writes the bytes to a new temporary file beside the
 //! target, fsyncs it, renames it over the target and fsyncs the directory.

@@ -11,7 +11,8 @@
 //!   between retries and local training.
 //! - [`keystore`]: the device key in a file with mode 0600.
 //! - [`files`]: atomic file writes (a crash leaves the old file or the new
-//!   one), for the key store, checkpoints and the apps and agents on top.
+//!   one), for the key store, checkpoints and the apps, agents and CLI on
+//!   top.
 //! - [`backend`]: which engine backend trains, chosen from the device's
 //!   reported capabilities: the CPU, the GPU, or the NPU (ONNX Runtime,
 //!   configured with [`configure_npu`]) for a frozen backbone.

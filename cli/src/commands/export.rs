@@ -13,7 +13,7 @@ use canopy_onnx::{EXPORT_OPSET, ExportOptions, encode, export_model};
 use clap::Args;
 
 use super::import::onnx_error;
-use crate::files::{read_model_file, short_digest};
+use crate::files::{OUTPUT_FILE_MODE, read_model_file, short_digest, write_atomic};
 use crate::output::outln;
 
 const EXPORT_HINT: &str = "`canopy model export` writes inference graphs (`infer`, `eval`); ARCHITECTURE.md (onnx/) lists what it lowers";
@@ -47,9 +47,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
     let proto = export_model(&model, &args.entry, &options)
         .map_err(|error| onnx_error(&error, format!("cannot export `{shown}`"), EXPORT_HINT))?;
     let bytes = encode(&proto);
-    let tmp = args.out.with_extension("onnx.tmp");
-    std::fs::write(&tmp, &bytes)
-        .and_then(|()| std::fs::rename(&tmp, &args.out))
+    write_atomic(&args.out, &bytes, OUTPUT_FILE_MODE)
         .with_context(|| format!("cannot write ONNX file `{}`", args.out.display()))?;
     let graph = proto.graph.unwrap_or_default();
     let elements: i64 = graph

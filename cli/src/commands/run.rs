@@ -8,7 +8,6 @@
 //! file's length before any array is allocated, and each file is bounded.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
@@ -21,7 +20,7 @@ use clap::Args;
 use ndarray::ArrayD;
 use ndarray_npy::{NpzWriter, ReadNpyExt};
 
-use crate::files::{Hint, read_bounded, read_model_file};
+use crate::files::{Hint, OUTPUT_FILE_MODE, read_bounded, read_model_file, write_atomic};
 use crate::output::outln;
 
 /// The largest `.npy` file read, in bytes.
@@ -239,11 +238,10 @@ fn npy_header(bytes: &[u8]) -> Result<(String, Vec<usize>, usize)> {
     Ok((descr, shape, bytes.len() - start - header_len))
 }
 
+/// Builds the archive in memory, since the outputs are already there and a
+/// file can only be replaced atomically whole.
 fn write_npz<'a>(path: &Path, outputs: impl Iterator<Item = (&'a str, &'a Value)>) -> Result<()> {
-    let tmp = path.with_extension("npz.tmp");
-    let mut npz = NpzWriter::new(
-        File::create(&tmp).with_context(|| format!("cannot create `{}`", tmp.display()))?,
-    );
+    let mut npz = NpzWriter::new(Cursor::new(Vec::new()));
     for (name, value) in outputs {
         match value {
             Value::F32(a) => npz.add_array(name, a),
@@ -255,7 +253,7 @@ fn write_npz<'a>(path: &Path, outputs: impl Iterator<Item = (&'a str, &'a Value)
     }
     npz.finish()
         .context("cannot finish the .npz")
-        .and_then(|_| std::fs::rename(&tmp, path).context("cannot move it into place"))
+        .and_then(|archive| write_atomic(path, &archive.into_inner(), OUTPUT_FILE_MODE))
         .with_context(|| format!("cannot write `{}`", path.display()))
 }
 

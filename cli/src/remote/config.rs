@@ -2,25 +2,26 @@
 //! file, `config.toml`, in `$CANOPY_CONFIG_DIR` or else the user's
 //! configuration directory (`$XDG_CONFIG_HOME/canopy`, `~/.config/canopy`).
 //!
-//! The file holds a bearer token, so it is written like a private key:
-//! a temporary file created mode 0600 in the same directory, synced, then
-//! renamed over the old one. A crash leaves the old login or the new one,
-//! and the token is never readable by others, not even for a moment.
+//! The file holds a bearer token, so it is written like a private key,
+//! through `canopy_sdk::files::write_atomic` with mode 0600 (its directory,
+//! when missing, is created 0700): a crash leaves the old login or the new
+//! one, and the token is never readable by others, not even for a moment.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use canopy_sdk::Trust;
 use serde::{Deserialize, Serialize};
 
-use crate::files::Hint;
+use crate::files::{Hint, write_atomic};
 
 /// Names the directory that holds `config.toml`, overriding the default.
 pub const CONFIG_DIR_VAR: &str = "CANOPY_CONFIG_DIR";
 pub const CONFIG_FILE_NAME: &str = "config.toml";
 /// A login is a URL, a token and a fingerprint: a few hundred bytes.
 pub const MAX_CONFIG_BYTES: u64 = 64 << 10;
+/// Only its owner may read the file: the token is a credential.
+const CONFIG_FILE_MODE: u32 = 0o600;
 
 /// How to reach and authenticate to one server.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -128,17 +129,7 @@ pub fn save_to(path: &Path, login: &Login) -> Result<()> {
     let context = || format!("cannot save the login to {}", path.display());
     create_private_dir(dir).with_context(context)?;
     let text = toml::to_string(login).with_context(context)?;
-    // tempfile creates the file with mode 0600 on Unix, whatever the umask.
-    let mut file = tempfile::Builder::new()
-        .prefix(".config.toml.")
-        .tempfile_in(dir)
-        .with_context(context)?;
-    file.write_all(text.as_bytes()).with_context(context)?;
-    file.as_file().sync_all().with_context(context)?;
-    file.persist(path)
-        .map_err(|e| e.error)
-        .with_context(context)?;
-    Ok(())
+    write_atomic(path, text.as_bytes(), CONFIG_FILE_MODE).with_context(context)
 }
 
 /// Removes the saved login; false when there was none.
