@@ -14,6 +14,10 @@ pub mod data;
 pub mod error;
 pub mod fold;
 pub mod function;
+#[cfg(feature = "gpu")]
+pub mod gpu;
+#[cfg(not(feature = "gpu"))]
+#[path = "gpu_absent.rs"]
 pub mod gpu;
 pub mod nn;
 pub mod optim;

@@ -38,7 +38,7 @@ def npy_payload(path, item):
 if mode == "step":
     per = len(npy_payload(images, 4)) // 4 // (len(npy_payload(labels_path, 8)) // 8)
     features = npy_payload(images, 4)[: batch * per * 4]
-    labels = list(struct.unpack(f"<{batch}q", npy_payload(labels_path, 8)[: batch * 8]))
+    labels = npy_payload(labels_path, 8)[: batch * 8]
     for _ in range(warmup):
         trainer.step_bytes(features, labels)
     start = time.perf_counter()

@@ -102,12 +102,13 @@ fn through_local_trainer(
         1,
     )?;
     let bytes: Vec<u8> = features.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let label_bytes: Vec<u8> = labels.iter().flat_map(|v| v.to_le_bytes()).collect();
     for _ in 0..workload.steps / 10 {
-        trainer.step_bytes(bytes.clone(), labels.to_vec())?;
+        trainer.step_bytes(&bytes, &label_bytes)?;
     }
     let start = Instant::now();
     for _ in 0..workload.steps {
-        trainer.step_bytes(bytes.clone(), labels.to_vec())?;
+        trainer.step_bytes(&bytes, &label_bytes)?;
     }
     Ok(start.elapsed().as_secs_f64() / workload.steps as f64)
 }

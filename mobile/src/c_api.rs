@@ -327,6 +327,7 @@ pub unsafe extern "C" fn canopy_client_new(
                 CanopyBackend::CanopyBackendNpu => BackendPreference::Npu,
             },
             checkpoint_every_steps: 0,
+            progress_interval_ms: crate::DEFAULT_PROGRESS_INTERVAL_MS,
         };
         let client = CanopyClient::new(config)?;
         // SAFETY: `out` is writable, as the caller promises.

@@ -17,17 +17,53 @@ pub const MAX_SAMPLE_RANK: usize = 8;
 /// Little-endian f32 values from bytes; the length must be a multiple
 /// of 4.
 pub(crate) fn f32_from_le_bytes(bytes: &[u8]) -> Result<Vec<f32>, CanopyError> {
-    if !bytes.len().is_multiple_of(4) {
+    from_le_bytes(bytes, "feature", "float32", "<f4", f32::from_le_bytes)
+}
+
+/// Little-endian i64 values from bytes; the length must be a multiple
+/// of 8.
+pub(crate) fn i64_from_le_bytes(bytes: &[u8]) -> Result<Vec<i64>, CanopyError> {
+    from_le_bytes(bytes, "label", "int64", "<i8", i64::from_le_bytes)
+}
+
+/// Values of `N` little-endian bytes each; `what` and the type names
+/// make the error say which array is ragged and how numpy writes it.
+fn from_le_bytes<T, const N: usize>(
+    bytes: &[u8],
+    what: &str,
+    type_name: &str,
+    numpy: &str,
+    decode: fn([u8; N]) -> T,
+) -> Result<Vec<T>, CanopyError> {
+    let chunks = bytes.chunks_exact(N);
+    if !chunks.remainder().is_empty() {
         return Err(CanopyError::data(format!(
-            "the feature bytes are {} long, not a multiple of 4
-hint: pass float32 values,              little-endian (numpy: `array.astype('<f4').tobytes()`)",
+            "the {what} bytes are {} long, not a multiple of {N}\n\
+             hint: pass {type_name} values, little-endian (numpy: `array.astype('{numpy}').tobytes()`)",
             bytes.len()
         )));
     }
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|chunk| f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]))
+    Ok(chunks
+        .map(|chunk| decode(chunk.try_into().expect("chunks_exact gives N bytes")))
         .collect())
+}
+
+/// The index of the first value that is NaN or infinite. Blocks are
+/// checked without an early exit inside them, so the scan vectorises: it
+/// runs on every batch a step is handed and must cost next to nothing
+/// against the step.
+pub(crate) fn first_non_finite(values: &[f32]) -> Option<usize> {
+    const BLOCK: usize = 256;
+    values
+        .chunks(BLOCK)
+        .position(|block| !block.iter().fold(true, |ok, v| ok & v.is_finite()))
+        .and_then(|b| {
+            let start = b * BLOCK;
+            values[start..]
+                .iter()
+                .position(|v| !v.is_finite())
+                .map(|i| start + i)
+        })
 }
 
 pub(crate) fn load(data: TrainingData) -> Result<Dataset, CanopyError> {
@@ -98,7 +134,7 @@ fn from_arrays(
             labels.len()
         )));
     }
-    if let Some(index) = features.iter().position(|v| !v.is_finite()) {
+    if let Some(index) = first_non_finite(&features) {
         return Err(CanopyError::data(format!(
             "feature value {index} (sample {}) is {}; training needs finite numbers\n\
              hint: drop or impute the samples with missing values",
@@ -154,6 +190,44 @@ mod tests {
         assert!(huge.message().contains("more than"), "{huge}");
         let empty = load(arrays(vec![], vec![2], vec![])).unwrap_err();
         assert!(empty.message().contains("no samples"), "{empty}");
+    }
+
+    #[test]
+    fn the_first_non_finite_value_is_found_in_any_block() {
+        let mut values = vec![0.5f32; 1000];
+        assert_eq!(first_non_finite(&values), None);
+        for (index, bad) in [
+            (0, f32::NAN),
+            (255, f32::INFINITY),
+            (256, f32::NEG_INFINITY),
+            (999, f32::NAN),
+        ] {
+            values[index] = bad;
+            assert_eq!(first_non_finite(&values), Some(index));
+            values[index] = 0.5;
+        }
+        values[700] = f32::NAN;
+        values[300] = f32::NAN;
+        assert_eq!(first_non_finite(&values), Some(300));
+        assert_eq!(first_non_finite(&[]), None);
+    }
+
+    #[test]
+    fn feature_bytes_decode_little_endian_and_refuse_a_ragged_length() {
+        let bytes: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        assert_eq!(f32_from_le_bytes(&bytes).expect("decodes"), vec![1.5, -2.0]);
+        let ragged = f32_from_le_bytes(&bytes[..7]).unwrap_err();
+        assert_eq!(ragged.name(), "InvalidData");
+        assert!(ragged.message().contains("7 long"), "{ragged}");
+        assert!(
+            ragged
+                .message()
+                .contains("\nhint: pass float32 values, little-endian"),
+            "{ragged}"
+        );
     }
 
     #[test]

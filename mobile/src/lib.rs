@@ -19,6 +19,7 @@
 //! - `error`: [`CanopyError`], and the panic guard every call runs under.
 //! - `data`: the app's arrays or files as the engine's dataset.
 //! - `local`: [`LocalTrainer`], training step by step with no server.
+//! - `progress`: how often the app's listener hears of training.
 //! - [`c_api`]: the C functions.
 //!
 //! Architecture invariant: nothing here speaks the protocol, verifies a
@@ -32,6 +33,7 @@ mod client;
 mod data;
 mod error;
 mod local;
+mod progress;
 mod run;
 mod storage;
 mod types;
@@ -40,6 +42,7 @@ pub use client::{CancelToken, CanopyClient, EnrollmentInfo, MAX_TASK_WAIT_MS};
 pub use data::{MAX_FEATURE_VALUES, MAX_SAMPLE_RANK};
 pub use error::{CanopyError, guard};
 pub use local::{EpochResult, LocalTrainer, MAX_STEP_SAMPLES, StepResult};
+pub use progress::{DEFAULT_PROGRESS_INTERVAL_MS, MAX_PROGRESS_INTERVAL_MS};
 pub use run::DEFAULT_CHECKPOINT_EVERY_STEPS;
 pub use types::{
     BackendPreference, ClientConfig, ClientStatus, DeviceConditions, DeviceInfo, Limits,

@@ -14,6 +14,7 @@ use canopy_ir::Model;
 
 use crate::client::CancelToken;
 use crate::error::{CanopyError, chain, guard};
+use crate::progress::Pace;
 use crate::types::{BackendPreference, ProgressListener, TrainingProgress};
 
 /// The most samples one `step` takes.
@@ -116,22 +117,33 @@ impl LocalTrainer {
         })
     }
 
-    /// [`Self::step`] with the features as little-endian f32 bytes (numpy's
-    /// `astype('<f4').tobytes()`, a `ByteBuffer` on the JVM): one copy
-    /// across the boundary instead of a conversion per value.
+    /// [`Self::step`] with the batch as little-endian bytes: the features
+    /// as f32 (numpy's `astype('<f4').tobytes()`), the labels as i64
+    /// (`astype('<i8').tobytes()`); a `ByteArray` each on the JVM. Both
+    /// are borrowed from the caller for the call (UniFFI's zero-copy
+    /// `&[u8]` arguments) and decoded once, so a batch costs one pass over
+    /// its bytes instead of a conversion per value on each side.
     pub fn step_bytes(
         &self,
-        features_f32le: Vec<u8>,
-        labels: Vec<i64>,
+        features_f32le: &[u8],
+        labels_i64le: &[u8],
     ) -> Result<StepResult, CanopyError> {
-        guard(|| self.step(crate::data::f32_from_le_bytes(&features_f32le)?, labels))
+        guard(|| {
+            self.step(
+                crate::data::f32_from_le_bytes(features_f32le)?,
+                crate::data::i64_from_le_bytes(labels_i64le)?,
+            )
+        })
     }
 
     /// `epochs` passes over `data` in batches of `batch_size`, reshuffled
     /// each epoch from `seed`, in the engine's one training loop (the
-    /// same as a federated task's): the data crosses the boundary once,
-    /// and `listener` hears of every step. `cancel` stops it between
-    /// steps with `Cancelled`; the steps done so far are kept.
+    /// same as a federated task's): the data crosses the boundary once.
+    /// `listener` hears of the first and the last step and of steps at
+    /// least `progress_interval_ms` apart (0: every step). `cancel` stops
+    /// it between steps with `Cancelled`; the steps done so far are kept.
+    #[uniffi::method(default(progress_interval_ms = 100))]
+    #[allow(clippy::too_many_arguments)]
     pub fn fit(
         &self,
         data: crate::types::TrainingData,
@@ -140,6 +152,7 @@ impl LocalTrainer {
         seed: u64,
         listener: Option<Arc<dyn ProgressListener>>,
         cancel: Option<Arc<CancelToken>>,
+        progress_interval_ms: u64,
     ) -> Result<Vec<EpochResult>, CanopyError> {
         guard(|| {
             let bounds = |error: canopy_protocol::bounds::BoundsError| {
@@ -151,6 +164,7 @@ impl LocalTrainer {
             let data = crate::data::load(data)?;
             let config = FitConfig::new(epochs, batch_size as usize, self.learning_rate, seed);
             let total = u64::from(epochs) * config.batches_per_epoch(data.len()) as u64;
+            let mut pace = Pace::new(progress_interval_ms);
             let mut observe = |progress: FitProgress| {
                 if let (
                     Some(listener),
@@ -162,15 +176,17 @@ impl LocalTrainer {
                     },
                 ) = (&listener, progress)
                 {
-                    listener.on_progress(TrainingProgress {
-                        round_id: 0,
-                        epoch,
-                        epochs,
-                        steps_done: steps,
-                        total_steps: total,
-                        mean_loss,
-                        resumed_from_step: 0,
-                    });
+                    if pace.due(steps, total) {
+                        listener.on_progress(TrainingProgress {
+                            round_id: 0,
+                            epoch,
+                            epochs,
+                            steps_done: steps,
+                            total_steps: total,
+                            mean_loss,
+                            resumed_from_step: 0,
+                        });
+                    }
                 }
                 match &cancel {
                     Some(token) if token.is_cancelled() => ControlFlow::Break(()),
@@ -230,7 +246,7 @@ impl LocalTrainer {
                 features.len()
             )));
         }
-        if let Some(index) = features.iter().position(|v| !v.is_finite()) {
+        if let Some(index) = crate::data::first_non_finite(&features) {
             return Err(CanopyError::data(format!(
                 "feature value {index} is {}; training needs finite numbers",
                 features[index]

@@ -15,6 +15,7 @@ use canopy_sdk::{CancelToken, SdkError};
 
 use crate::client::CanopyClient;
 use crate::error::CanopyError;
+use crate::progress::Pace;
 use crate::types::{
     ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData, TrainingProgress,
 };
@@ -177,7 +178,12 @@ pub(crate) fn run(context: RunContext<'_>, data: TrainingData) -> Result<TaskOut
                 n => n,
             },
         }),
-        progress: Some(progress_callback(task.round_id, listener, resumed.clone())),
+        progress: Some(progress_callback(
+            task.round_id,
+            listener,
+            client.config().progress_interval_ms,
+            resumed.clone(),
+        )),
     };
     let seed = training_seed(enrollment.device_id, task.round_id);
     let model_path = storage.model_path();
@@ -284,11 +290,18 @@ fn what_to_keep(error: &RunTaskError) -> Keep {
 fn progress_callback(
     round_id: i64,
     listener: Option<Arc<dyn ProgressListener>>,
+    interval_ms: u64,
     resumed: Arc<Mutex<u64>>,
 ) -> Arc<dyn Fn(TrainProgress) + Send + Sync> {
+    let pace = Mutex::new(Pace::new(interval_ms));
     Arc::new(move |progress: TrainProgress| {
         *resumed.lock().unwrap_or_else(|p| p.into_inner()) = progress.resumed_from_step;
-        if let Some(listener) = &listener {
+        let due = || {
+            pace.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .due(progress.steps_done, progress.total_steps)
+        };
+        if let Some(listener) = listener.as_ref().filter(|_| due()) {
             listener.on_progress(TrainingProgress {
                 round_id,
                 epoch: progress.epoch,

@@ -92,6 +92,11 @@ pub struct ClientConfig {
     /// Steps between training checkpoints; 0 takes the default.
     #[uniffi(default = 0)]
     pub checkpoint_every_steps: u32,
+    /// The least time between two progress reports to the listener, in
+    /// milliseconds (the first and the last step are always reported); 0
+    /// reports every step.
+    #[uniffi(default = 100)]
+    pub progress_interval_ms: u64,
 }
 
 /// The device's state, as the app reads it from the OS.

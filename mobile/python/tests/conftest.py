@@ -176,6 +176,19 @@ def load_digits():
     return [[float(v) for v in row[:-1]] for row in rows], [int(row[-1]) for row in rows]
 
 
+def new_model(root: Path, name="local"):
+    """A new MLP for the digits (`canopy model new`), as file bytes."""
+    path = root / f"{name}.canopy"
+    done = subprocess.run(
+        [str(bin_dir() / "canopy"), "model", "new", "mlp", "--inputs", "64", "--hidden", "16",
+         "--classes", "10", "-o", str(path)],
+        capture_output=True, text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"canopy model new failed:\n{done.stdout}{done.stderr}")
+    return path.read_bytes()
+
+
 def shard(index, count, samples=None):
     """Every `count`-th sample from `index`, as TrainingData arrays."""
     import canopy
@@ -200,6 +213,8 @@ def new_client(server, storage: Path, **overrides):
         limits=overrides.pop("limits", canopy.Limits()),
         backend=canopy.BackendPreference.CPU,
         checkpoint_every_steps=overrides.pop("checkpoint_every_steps", 5),
+        # Every step reported: the tests stop training at a given step.
+        progress_interval_ms=overrides.pop("progress_interval_ms", 0),
     )
     return canopy.CanopyClient(config)
 
