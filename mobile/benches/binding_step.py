@@ -5,9 +5,9 @@ argv: mode, model file, images .npy, labels .npy, learning rate, batch,
 warm-up steps, timed steps.
 - `step`: LocalTrainer.step_bytes per batch, the batch crossing the
   boundary on every call (the first `batch` samples, again and again).
-- `fit`: LocalTrainer.fit over the files for one epoch, a Python
-  progress listener called before every step: the data crosses once, as
-  in run_task.
+- `fit`: LocalTrainer.fit over the files for `steps` / batches-per-file
+  epochs, a Python progress listener at the default pace: the data
+  crosses once, as in run_task.
 """
 
 import struct
@@ -48,9 +48,10 @@ if mode == "step":
 else:
     data = canopy.TrainingData.FILE(path=images, labels_path=labels_path)
     trainer.fit(data, 1, batch, 1, None, None)
+    per_epoch = len(npy_payload(labels_path, 8)) // 8 // batch
     listener = Count()
     start = time.perf_counter()
-    epochs = trainer.fit(data, 1, batch, 2, listener, None)
+    epochs = trainer.fit(data, steps // per_epoch, batch, 2, listener, None)
     elapsed = time.perf_counter() - start
-    assert listener.calls >= steps, (listener.calls, steps)
+    assert len(epochs) * per_epoch == steps and listener.calls >= 2, (len(epochs), listener.calls)
     print(elapsed / steps)

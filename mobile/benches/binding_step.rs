@@ -1,9 +1,17 @@
-//! The cost of the binding: one training step called from Python through
-//! UniFFI (`LocalTrainer.step_bytes`, the batch copied across on every
-//! call) against the same step called in Rust (`Trainer::step`), measured
-//! in the same run, alternating, the median of each taken.
+//! The cost of the binding: training called from Python through UniFFI
+//! against the same training called in Rust, measured in the same run,
+//! alternating, the median of each taken.
+//! - per step: `LocalTrainer.step_bytes` (the batch handed over on every
+//!   call, borrowed as bytes) against `Trainer::step`;
+//! - `fit`: `LocalTrainer.fit` over `.npy` files (the data crosses once,
+//!   a Python progress listener at the default pace) against the engine's
+//!   `fit` over the same files.
 //!
-//! `cargo bench -p canopy-mobile --bench binding_step`
+//! `cargo bench -p canopy-mobile --bench binding_step` measures the
+//! library the tests build (the release profile). To measure the library
+//! as it ships, point `CANOPY_BINDING_LIBRARY` at the mobile profile's
+//! (`cargo build --profile mobile -p canopy-mobile`, then
+//! `target/mobile/libcanopy_mobile.so`).
 
 use std::path::Path;
 use std::process::Command;
@@ -17,9 +25,13 @@ use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
 use canopy_engine::{CpuBackend, Value};
 
 const LEARNING_RATE: f32 = 0.01;
-const REPEATS: usize = 3;
-/// Steps in the `fit` measurement: one epoch of this many batches.
-const FIT_STEPS: usize = 40;
+/// Runs of each measurement, alternating; the median is reported.
+const REPEATS: usize = 7;
+/// Batches in one epoch of the `fit` measurement.
+const FIT_BATCHES: usize = 40;
+/// Epochs in the `fit` measurement: enough that loading the files is a
+/// small part of it, on both sides alike.
+const FIT_EPOCHS: usize = 5;
 
 struct Workload {
     name: &'static str,
@@ -47,7 +59,7 @@ fn workloads() -> Vec<Workload> {
             architecture: Architecture::LeNet5 { classes: 10 },
             sample: vec![1, 28, 28],
             batch: 32,
-            steps: 40,
+            steps: 100,
         },
     ]
 }
@@ -149,16 +161,19 @@ fn direct_fit(model: &canopy_ir::Model, files: &Path, workload: &Workload) -> Re
     let load = || {
         canopy_engine::data::load_npy_dataset(files.join("images.npy"), files.join("labels.npy"))
     };
-    let config = |seed| FitConfig::new(1, workload.batch, LEARNING_RATE, seed);
-    fit(&mut trainer, &load()?, &config(1), &mut |_| {
+    let config = |epochs, seed| FitConfig::new(epochs, workload.batch, LEARNING_RATE, seed);
+    fit(&mut trainer, &load()?, &config(1, 1), &mut |_| {
         ControlFlow::Continue(())
     })?;
     let start = Instant::now();
     let data = load()?;
-    fit(&mut trainer, &data, &config(2), &mut |_| {
-        ControlFlow::Continue(())
-    })?;
-    Ok(start.elapsed().as_secs_f64() / FIT_STEPS as f64)
+    fit(
+        &mut trainer,
+        &data,
+        &config(FIT_EPOCHS as u32, 2),
+        &mut |_| ControlFlow::Continue(()),
+    )?;
+    Ok(start.elapsed().as_secs_f64() / (FIT_BATCHES * FIT_EPOCHS) as f64)
 }
 
 /// An `.npy` file (format 1.0) of `shape` and `descr`, little-endian.
@@ -188,21 +203,78 @@ fn median(mut values: Vec<f64>) -> f64 {
 #[allow(unused_imports)]
 mod common;
 
+/// Set in a child process of this bench: which Rust measurement to run.
+const CHILD: &str = "CANOPY_BENCH_CHILD";
+
+/// Runs the Rust measurement `measure` of workload `index` in a fresh
+/// process, as the Python side runs in one: a long-lived process has an
+/// allocator already grown to the step's buffers, a fresh one pays its
+/// page faults, and that is no part of the binding's cost.
+fn in_child(measure: &str, index: usize, files: &Path) -> Result<f64> {
+    let output = Command::new(std::env::current_exe()?)
+        .env(CHILD, format!("{measure}:{index}:{}", files.display()))
+        .output()
+        .context("cannot run the bench's child process")?;
+    ensure!(
+        output.status.success(),
+        "the Rust side failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?.trim().parse()?)
+}
+
+/// The child's side of [`in_child`]: prints seconds per step.
+fn child(spec: &str) -> Result<()> {
+    let mut parts = spec.splitn(3, ':');
+    let (Some(measure), Some(index), Some(files)) = (parts.next(), parts.next(), parts.next())
+    else {
+        anyhow::bail!("{CHILD} is `measure:index:files`, not `{spec}`");
+    };
+    let workload = workloads()
+        .into_iter()
+        .nth(index.parse()?)
+        .context("no such workload")?;
+    let files = Path::new(files);
+    let model_bytes = std::fs::read(files.join("model.canopy"))?;
+    let model = canopy_ir::format::read_model(&model_bytes)?;
+    let (features, labels) = samples(&workload, workload.batch);
+    let seconds = match measure {
+        "step" => direct(&model, &workload, &features, &labels)?,
+        "local" => through_local_trainer(&model_bytes, &workload, &features, &labels)?,
+        "fit" => direct_fit(&model, files, &workload)?,
+        other => anyhow::bail!("unknown measurement `{other}`"),
+    };
+    println!("{seconds}");
+    Ok(())
+}
+
 fn main() -> Result<()> {
+    if let Ok(spec) = std::env::var(CHILD) {
+        return child(&spec);
+    }
     let site = tempfile::tempdir()?;
     let package = site.path().join("canopy");
-    common::bindings(canopy_bindgen::Language::Python, &package)?;
-    let library = common::cdylib()?;
-    std::fs::copy(&library, package.join(library.file_name().context("name")?))?;
+    // The bindings come from the library the tests built: a stripped
+    // library (the mobile profile's) has no UniFFI metadata left to read.
+    let built = common::cdylib()?;
+    canopy_bindgen::generate(canopy_bindgen::Language::Python, &built, &package)?;
+    let library = match std::env::var_os("CANOPY_BINDING_LIBRARY") {
+        Some(path) => std::path::PathBuf::from(path),
+        None => built.clone(),
+    };
+    // Under the name the bindings load.
+    std::fs::copy(&library, package.join(built.file_name().context("name")?))?;
     std::fs::write(package.join("__init__.py"), "from .canopy import *\n")?;
     println!(
-        "one training step through the Python binding vs direct Rust, CPU backend, same run (ms per step)"
+        "training through the Python binding vs direct Rust, CPU backend, each run in a fresh \
+         process, alternating, median of {REPEATS} (ms per step); library: {}",
+        library.display()
     );
     println!(
         "{:<26} {:>8} {:>12} {:>10} {:>8} | {:>9} {:>10} {:>8}",
         "workload", "Rust", "LocalTrainer", "Py step", "ratio", "Rust fit", "Py fit", "ratio"
     );
-    for workload in workloads() {
+    for (index, workload) in workloads().into_iter().enumerate() {
         let model = build_model(&ModelConfig {
             architecture: workload.architecture.clone(),
             seed: 1,
@@ -210,7 +282,7 @@ fn main() -> Result<()> {
             frozen_prefixes: Vec::new(),
             producer: "binding_step bench".to_string(),
         })?;
-        let count = workload.batch * FIT_STEPS;
+        let count = workload.batch * FIT_BATCHES;
         let (features, labels) = samples(&workload, count);
         let files = tempfile::tempdir()?;
         let model_bytes = canopy_ir::format::write_model(&model)?;
@@ -231,33 +303,15 @@ fn main() -> Result<()> {
             &[count],
             &label_bytes,
         )?;
-        let per: usize = workload.sample.iter().product();
-        let (batch_features, batch_labels) =
-            (&features[..workload.batch * per], &labels[..workload.batch]);
+        let files = files.path();
         let mut runs: [Vec<f64>; 5] = Default::default();
         for _ in 0..REPEATS {
-            runs[0].push(direct(&model, &workload, batch_features, batch_labels)?);
-            runs[1].push(through_local_trainer(
-                &model_bytes,
-                &workload,
-                batch_features,
-                batch_labels,
-            )?);
-            runs[2].push(through_python(
-                "step",
-                site.path(),
-                files.path(),
-                &workload,
-                workload.steps,
-            )?);
-            runs[3].push(direct_fit(&model, files.path(), &workload)?);
-            runs[4].push(through_python(
-                "fit",
-                site.path(),
-                files.path(),
-                &workload,
-                FIT_STEPS,
-            )?);
+            runs[0].push(in_child("step", index, files)?);
+            runs[1].push(in_child("local", index, files)?);
+            runs[2].push(through_python("step", site.path(), files, &workload, workload.steps)?);
+            runs[3].push(in_child("fit", index, files)?);
+            let fit_steps = FIT_BATCHES * FIT_EPOCHS;
+            runs[4].push(through_python("fit", site.path(), files, &workload, fit_steps)?);
         }
         let [rust, local, python, rust_fit, python_fit] = runs.map(median);
         println!(
