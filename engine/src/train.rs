@@ -233,7 +233,8 @@ impl Trainer {
     pub fn restore_state(&mut self, state: &TrainerState) -> EngineResult<()> {
         if state.seed != self.seed() {
             return Err(EngineError::Setting(format!(
-                "the trainer state was exported by a trainer seeded {}, this trainer is seeded                  {}: its dropout masks would differ; hint: make the trainer with the state's seed",
+                "the trainer state was exported by a trainer seeded {}, this trainer is seeded \
+                 {}: its dropout masks would differ\nhint: make the trainer with the state's seed",
                 state.seed,
                 self.seed()
             )));

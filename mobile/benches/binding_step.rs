@@ -29,16 +29,17 @@ const LEARNING_RATE: f32 = 0.01;
 const REPEATS: usize = 7;
 /// Batches in one epoch of the `fit` measurement.
 const FIT_BATCHES: usize = 40;
-/// Epochs in the `fit` measurement: enough that loading the files is a
-/// small part of it, on both sides alike.
-const FIT_EPOCHS: usize = 5;
 
 struct Workload {
     name: &'static str,
     architecture: Architecture,
     sample: Vec<usize>,
     batch: usize,
+    /// Steps of the per-step measurement.
     steps: usize,
+    /// Epochs of the `fit` measurement: about a second of training, so
+    /// that loading the files and the scheduler's noise are a small part.
+    fit_epochs: usize,
 }
 
 fn workloads() -> Vec<Workload> {
@@ -52,14 +53,16 @@ fn workloads() -> Vec<Workload> {
             },
             sample: vec![784],
             batch: 64,
-            steps: 400,
+            steps: 1000,
+            fit_epochs: 50,
         },
         Workload {
             name: "LeNet-5 28x28, batch 32",
             architecture: Architecture::LeNet5 { classes: 10 },
             sample: vec![1, 28, 28],
             batch: 32,
-            steps: 100,
+            steps: 200,
+            fit_epochs: 6,
         },
     ]
 }
@@ -144,6 +147,7 @@ fn through_python(
         .arg((steps / 10).to_string())
         .arg(steps.to_string())
         .env("PYTHONPATH", site)
+        .env("GLIBC_TUNABLES", MALLOC_TUNABLES)
         .output()
         .context("cannot run python3")?;
     ensure!(
@@ -170,10 +174,10 @@ fn direct_fit(model: &canopy_ir::Model, files: &Path, workload: &Workload) -> Re
     fit(
         &mut trainer,
         &data,
-        &config(FIT_EPOCHS as u32, 2),
+        &config(workload.fit_epochs as u32, 2),
         &mut |_| ControlFlow::Continue(()),
     )?;
-    Ok(start.elapsed().as_secs_f64() / (FIT_BATCHES * FIT_EPOCHS) as f64)
+    Ok(start.elapsed().as_secs_f64() / (FIT_BATCHES * workload.fit_epochs) as f64)
 }
 
 /// An `.npy` file (format 1.0) of `shape` and `descr`, little-endian.
@@ -203,6 +207,15 @@ fn median(mut values: Vec<f64>) -> f64 {
 #[allow(unused_imports)]
 mod common;
 
+/// glibc's malloc with fixed thresholds on both sides. By default it
+/// adapts them to what the process has freed so far, so a fresh process
+/// and a Python interpreter (whose heap its own objects have grown)
+/// serve a step's large buffers differently, mapped anew or reused, by
+/// up to 15 % of a LeNet-5 step: a difference of allocator state, not of
+/// the binding.
+const MALLOC_TUNABLES: &str =
+    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=134217728";
+
 /// Set in a child process of this bench: which Rust measurement to run.
 const CHILD: &str = "CANOPY_BENCH_CHILD";
 
@@ -213,6 +226,7 @@ const CHILD: &str = "CANOPY_BENCH_CHILD";
 fn in_child(measure: &str, index: usize, files: &Path) -> Result<f64> {
     let output = Command::new(std::env::current_exe()?)
         .env(CHILD, format!("{measure}:{index}:{}", files.display()))
+        .env("GLIBC_TUNABLES", MALLOC_TUNABLES)
         .output()
         .context("cannot run the bench's child process")?;
     ensure!(
@@ -308,10 +322,22 @@ fn main() -> Result<()> {
         for _ in 0..REPEATS {
             runs[0].push(in_child("step", index, files)?);
             runs[1].push(in_child("local", index, files)?);
-            runs[2].push(through_python("step", site.path(), files, &workload, workload.steps)?);
+            runs[2].push(through_python(
+                "step",
+                site.path(),
+                files,
+                &workload,
+                workload.steps,
+            )?);
             runs[3].push(in_child("fit", index, files)?);
-            let fit_steps = FIT_BATCHES * FIT_EPOCHS;
-            runs[4].push(through_python("fit", site.path(), files, &workload, fit_steps)?);
+            let fit_steps = FIT_BATCHES * workload.fit_epochs;
+            runs[4].push(through_python(
+                "fit",
+                site.path(),
+                files,
+                &workload,
+                fit_steps,
+            )?);
         }
         let [rust, local, python, rust_fit, python_fit] = runs.map(median);
         println!(

@@ -33,7 +33,7 @@ fn from_le_bytes<T, const N: usize>(
     what: &str,
     type_name: &str,
     numpy: &str,
-    decode: fn([u8; N]) -> T,
+    decode: impl Fn([u8; N]) -> T,
 ) -> Result<Vec<T>, CanopyError> {
     let chunks = bytes.chunks_exact(N);
     if !chunks.remainder().is_empty() {
