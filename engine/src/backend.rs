@@ -299,22 +299,74 @@ impl HostResidency {
 }
 
 /// Whether every element of an f32 value is finite (other dtypes always
-/// are), without a branch per element: `v·0` is 0 for finite `v` and NaN
-/// otherwise, and 16 lanes vectorise.
+/// are); see [`first_non_finite`].
 pub fn is_finite(value: &Value) -> bool {
     let Value::F32(array) = value else {
         return true;
     };
-    let Some(values) = array.as_slice_memory_order() else {
-        return array.iter().all(|v| v.is_finite());
-    };
-    let mut lanes = [0.0f32; 16];
-    let chunks = values.chunks_exact(16);
-    let rest = chunks.remainder();
-    for chunk in chunks {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
-            *lane += v * 0.0;
-        }
+    match array.as_slice_memory_order() {
+        Some(values) => first_non_finite(values).is_none(),
+        None => array.iter().all(|v| v.is_finite()),
     }
-    lanes.iter().all(|l| *l == 0.0) && rest.iter().all(|v| v.is_finite())
+}
+
+/// The index of the first NaN or infinite value. Blocks are checked
+/// without a branch per element (`v·0` is 0 for finite `v` and NaN
+/// otherwise, summed in 16 lanes that vectorise), and only a block that
+/// fails is searched: the scan runs on every step's parameters and every
+/// batch an app hands over, so it must cost next to nothing.
+pub fn first_non_finite(values: &[f32]) -> Option<usize> {
+    const BLOCK: usize = 256;
+    let finite = |block: &[f32]| {
+        let mut lanes = [0.0f32; 16];
+        let chunks = block.chunks_exact(16);
+        let rest = chunks.remainder();
+        for chunk in chunks {
+            for (lane, &v) in lanes.iter_mut().zip(chunk) {
+                *lane += v * 0.0;
+            }
+        }
+        lanes.iter().all(|l| *l == 0.0) && rest.iter().all(|v| v.is_finite())
+    };
+    let block = values.chunks(BLOCK).position(|block| !finite(block))?;
+    let start = block * BLOCK;
+    values[start..]
+        .iter()
+        .position(|v| !v.is_finite())
+        .map(|i| start + i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_non_finite_value_is_found_in_any_block() {
+        let mut values = vec![f32::MAX; 1000];
+        assert_eq!(first_non_finite(&values), None);
+        for (index, bad) in [
+            (0, f32::NAN),
+            (255, f32::INFINITY),
+            (256, f32::NEG_INFINITY),
+            (999, f32::NAN),
+        ] {
+            values[index] = bad;
+            assert_eq!(first_non_finite(&values), Some(index));
+            values[index] = f32::MIN;
+        }
+        values[700] = f32::NAN;
+        values[300] = f32::NAN;
+        assert_eq!(first_non_finite(&values), Some(300));
+        assert_eq!(first_non_finite(&[]), None);
+    }
+
+    #[test]
+    fn a_value_is_finite_whatever_its_layout() {
+        let mut array = ndarray::ArrayD::from_elem(ndarray::IxDyn(&[40, 30]), 1.0f32);
+        assert!(is_finite(&Value::F32(array.clone())));
+        array[[39, 0]] = f32::NAN;
+        assert!(!is_finite(&Value::F32(array.clone())));
+        let transposed = array.t().to_owned();
+        assert!(!is_finite(&Value::F32(transposed)));
+    }
 }

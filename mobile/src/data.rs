@@ -48,24 +48,6 @@ fn from_le_bytes<T, const N: usize>(
         .collect())
 }
 
-/// The index of the first value that is NaN or infinite. Blocks are
-/// checked without an early exit inside them, so the scan vectorises: it
-/// runs on every batch a step is handed and must cost next to nothing
-/// against the step.
-pub(crate) fn first_non_finite(values: &[f32]) -> Option<usize> {
-    const BLOCK: usize = 256;
-    values
-        .chunks(BLOCK)
-        .position(|block| !block.iter().fold(true, |ok, v| ok & v.is_finite()))
-        .and_then(|b| {
-            let start = b * BLOCK;
-            values[start..]
-                .iter()
-                .position(|v| !v.is_finite())
-                .map(|i| start + i)
-        })
-}
-
 pub(crate) fn load(data: TrainingData) -> Result<Dataset, CanopyError> {
     let dataset = match data {
         TrainingData::Arrays {
@@ -134,7 +116,7 @@ fn from_arrays(
             labels.len()
         )));
     }
-    if let Some(index) = first_non_finite(&features) {
+    if let Some(index) = canopy_engine::backend::first_non_finite(&features) {
         return Err(CanopyError::data(format!(
             "feature value {index} (sample {}) is {}; training needs finite numbers\n\
              hint: drop or impute the samples with missing values",
@@ -190,26 +172,6 @@ mod tests {
         assert!(huge.message().contains("more than"), "{huge}");
         let empty = load(arrays(vec![], vec![2], vec![])).unwrap_err();
         assert!(empty.message().contains("no samples"), "{empty}");
-    }
-
-    #[test]
-    fn the_first_non_finite_value_is_found_in_any_block() {
-        let mut values = vec![0.5f32; 1000];
-        assert_eq!(first_non_finite(&values), None);
-        for (index, bad) in [
-            (0, f32::NAN),
-            (255, f32::INFINITY),
-            (256, f32::NEG_INFINITY),
-            (999, f32::NAN),
-        ] {
-            values[index] = bad;
-            assert_eq!(first_non_finite(&values), Some(index));
-            values[index] = 0.5;
-        }
-        values[700] = f32::NAN;
-        values[300] = f32::NAN;
-        assert_eq!(first_non_finite(&values), Some(300));
-        assert_eq!(first_non_finite(&[]), None);
     }
 
     #[test]

@@ -246,7 +246,7 @@ impl LocalTrainer {
                 features.len()
             )));
         }
-        if let Some(index) = crate::data::first_non_finite(&features) {
+        if let Some(index) = canopy_engine::backend::first_non_finite(&features) {
             return Err(CanopyError::data(format!(
                 "feature value {index} is {}; training needs finite numbers",
                 features[index]

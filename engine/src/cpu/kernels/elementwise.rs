@@ -6,7 +6,7 @@
 //! so every case runs through the same fast paths.
 
 use canopy_ir::{BinaryOp, DType, UnaryOp};
-use ndarray::{ArrayD, ArrayViewD, IxDyn, Zip};
+use ndarray::{ArrayD, ArrayViewD, CowArray, IxDyn, Zip};
 use rayon::prelude::*;
 
 use super::Arg;
@@ -86,8 +86,8 @@ fn softplus(v: f32) -> f32 {
 /// Applies `f` to every element, in place when the operand is owned.
 fn map<T: Element>(x: Tensor<'_, T>, f: impl Fn(T) -> T + Sync + Send) -> ArrayD<T> {
     match x {
-        Tensor::Owned(a) => {
-            let mut a = Tensor::Owned(a).into_standard();
+        owned @ Tensor::Owned(_) => {
+            let mut a = owned.into_standard();
             let dst = a.as_slice_mut().expect("standard layout");
             run(dst, &|_, out: &mut [T]| {
                 out.iter_mut().for_each(|v| *v = f(*v))
@@ -225,14 +225,7 @@ where
     F: Fn(T, T) -> T + Sync + Send,
 {
     let shape = acc.shape().to_vec();
-    let (source, repeat) = match Repeat::of(&shape, other.shape()) {
-        Some(repeat) => (other.as_standard_layout(), repeat),
-        // Broadcast over scattered axes: spelled out once, then zipped.
-        None => (
-            to_standard(broadcast_to(other, &shape)?).into(),
-            Repeat::elementwise(acc.len()),
-        ),
-    };
+    let (source, repeat) = lined_up(other, &shape)?;
     let src = source.as_slice().expect("standard layout");
     let dst = acc.as_slice_mut().expect("standard layout");
     run(dst, &|offset, out: &mut [T]| {
@@ -255,6 +248,22 @@ where
 struct Repeat {
     inner: usize,
     period: usize,
+}
+
+/// `operand`'s elements in row-major order and how they pair with an
+/// output of `shape`. A broadcast over axes that are not adjacent is
+/// spelled out once and then pairs element for element.
+fn lined_up<'b, T: Clone>(
+    operand: &'b ArrayViewD<'_, T>,
+    shape: &[usize],
+) -> Result<(CowArray<'b, T, IxDyn>, Repeat), KernelError> {
+    Ok(match Repeat::of(shape, operand.shape()) {
+        Some(repeat) => (operand.as_standard_layout(), repeat),
+        None => (
+            to_standard(broadcast_to(operand, shape)?).into(),
+            Repeat::elementwise(shape.iter().product()),
+        ),
+    })
 }
 
 /// A stretch of output whose operand elements are a slice of the operand
@@ -353,13 +362,7 @@ where
     let shape = broadcast_shapes(a.shape(), b.shape())?;
     let left = broadcast_to(a, &shape)?;
     let left = left.as_standard_layout();
-    let (source, repeat) = match Repeat::of(&shape, b.shape()) {
-        Some(repeat) => (b.as_standard_layout(), repeat),
-        None => (
-            to_standard(broadcast_to(b, &shape)?).into(),
-            Repeat::elementwise(left.len()),
-        ),
-    };
+    let (source, repeat) = lined_up(b, &shape)?;
     let (lhs, rhs) = (
         left.as_slice().expect("standard layout"),
         source.as_slice().expect("standard layout"),
