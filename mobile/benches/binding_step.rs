@@ -150,9 +150,14 @@ fn through_python(
         .env("GLIBC_TUNABLES", MALLOC_TUNABLES)
         .output()
         .context("cannot run python3")?;
+    seconds_printed(output, "Python")
+}
+
+/// The seconds per step a measuring process printed, or its error.
+fn seconds_printed(output: std::process::Output, side: &str) -> Result<f64> {
     ensure!(
         output.status.success(),
-        "the Python side failed: {}",
+        "the {side} side failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
     Ok(String::from_utf8(output.stdout)?.trim().parse()?)
@@ -220,21 +225,16 @@ const MALLOC_TUNABLES: &str =
 const CHILD: &str = "CANOPY_BENCH_CHILD";
 
 /// Runs the Rust measurement `measure` of workload `index` in a fresh
-/// process, as the Python side runs in one: a long-lived process has an
-/// allocator already grown to the step's buffers, a fresh one pays its
-/// page faults, and that is no part of the binding's cost.
+/// process, as the Python side runs in one, so that both start from the
+/// same process state (with [`MALLOC_TUNABLES`], the same allocator
+/// state): only the binding differs.
 fn in_child(measure: &str, index: usize, files: &Path) -> Result<f64> {
     let output = Command::new(std::env::current_exe()?)
         .env(CHILD, format!("{measure}:{index}:{}", files.display()))
         .env("GLIBC_TUNABLES", MALLOC_TUNABLES)
         .output()
         .context("cannot run the bench's child process")?;
-    ensure!(
-        output.status.success(),
-        "the Rust side failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    Ok(String::from_utf8(output.stdout)?.trim().parse()?)
+    seconds_printed(output, "Rust")
 }
 
 /// The child's side of [`in_child`]: prints seconds per step.
