@@ -28,6 +28,10 @@ const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 /// Short, so that tests see silent devices dropped quickly.
 const STAGE_TIMEOUT_MS: u64 = 1_500;
 
+fn version_id(version: &Value) -> i64 {
+    version["id"].as_i64().unwrap_or_default()
+}
+
 fn secure_job(version_id: i64, devices: u32, min: u32, dropout: f64, retries: u32) -> Value {
     json!({
         "name": "secure-test", "model_version_id": version_id, "rounds": 1,
@@ -457,6 +461,22 @@ async fn an_overflowing_configuration_is_refused_at_job_creation() -> Result<()>
     let message = reply.body["error"]["message"].as_str().unwrap_or_default();
     ensure!(reply.status == 422, "{} {}", reply.status, reply.body);
     ensure!(message.contains("bits = 16 could overflow"), "{message}");
+    // 100,000 devices at the default settings: accepted, the weight cap
+    // shrinking with the round (issue 17).
+    let mut spec = secure_job(version_id(&version), 100_000, 3, 0.1, 0);
+    spec["secure_aggregation"] = json!({"enabled": true});
+    let reply = admin.post("/api/v1/jobs", spec).await?;
+    ensure!(reply.status == 201, "{} {}", reply.status, reply.body);
+    // Every size in the selection range is checked, not only its ends.
+    let mut spec = secure_job(version_id(&version), 2_189, 3, 0.1, 0);
+    spec["secure_aggregation"]["max_corrupt_fraction"] = json!(0.2);
+    let reply = admin.post("/api/v1/jobs", spec).await?;
+    let message = reply.body["error"]["message"].as_str().unwrap_or_default();
+    ensure!(reply.status == 422, "{} {}", reply.status, reply.body);
+    ensure!(
+        message.contains("rounds of 2,170 to 2,171, 2,175 to 2,176, 2,180 to 2,182 and 2,185 to 2,188 devices have no plan"),
+        "{message}"
+    );
     // Settings out of range are refused even with secure aggregation off.
     let mut spec = secure_job(version["id"].as_i64().unwrap_or_default(), 4, 4, 0.1, 0);
     spec["secure_aggregation"]["enabled"] = json!(false);

@@ -31,7 +31,8 @@ enum Step {
 }
 
 struct PeerKeys {
-    channel: [u8; 32],
+    /// Agreed once, in ShareKeys, for both directions.
+    channel: crypto::Channel,
     mask: [u8; 32],
 }
 
@@ -154,6 +155,13 @@ impl Client {
                 ));
             }
             verify_advertisement(self.session, id, &device_key, &channel, &mask, &signature)?;
+            let channel = crypto::Channel::agree(
+                &self.channel_secret,
+                &channel,
+                self.session,
+                self.device_id,
+                id,
+            )?;
             if neighbours.insert(id, PeerKeys { channel, mask }).is_some() {
                 return Err(SecAggError::rejected(
                     "NeighbourKeys",
@@ -205,14 +213,7 @@ impl Client {
             for (slot, value) in plain.chunks_exact_mut(8).zip(values) {
                 slot.copy_from_slice(&value.to_le_bytes());
             }
-            let sealed = crypto::seal_share(
-                &self.channel_secret,
-                &keys.channel,
-                self.session,
-                self.device_id,
-                to,
-                &plain,
-            );
+            let sealed = keys.channel.seal(self.session, self.device_id, to, &plain);
             plain.zeroize();
             message.extend_from_slice(&to.to_le_bytes());
             message.extend_from_slice(&sealed?);
@@ -290,14 +291,9 @@ impl Client {
                     ),
                 ));
             };
-            let mut plain = crypto::open_share(
-                &self.channel_secret,
-                &keys.channel,
-                self.session,
-                from,
-                self.device_id,
-                &ciphertext,
-            )?;
+            let mut plain = keys
+                .channel
+                .open(self.session, from, self.device_id, &ciphertext)?;
             let words: Vec<u64> = plain
                 .chunks_exact(8)
                 .map(|w| u64::from_le_bytes(w.try_into().expect("8-byte chunk")))

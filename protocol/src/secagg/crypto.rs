@@ -90,24 +90,91 @@ pub fn pairwise_seed(
     Ok(seed)
 }
 
-fn channel_key(
-    own: &StaticSecret,
-    peer_key: &[u8; 32],
-    session: Session,
-    own_id: u64,
-    peer_id: u64,
-) -> Result<LessSafeKey, SecAggError> {
-    let mut shared = agree(own, peer_key, peer_id)?;
-    let mut key = [0u8; 32];
-    derive(
-        &shared,
-        &info(session, b"share-channel", own_id, peer_id),
-        &mut key,
-    );
-    shared.zeroize();
-    let unbound = UnboundKey::new(&AES_256_GCM, &key).expect("32 bytes is an AES-256 key");
-    key.zeroize();
-    Ok(LessSafeKey::new(unbound))
+/// The AES-256-GCM key two devices' channel keys agree on, which seals
+/// their shares in both directions. A device keeps it from ShareKeys to
+/// MaskedInputCollection, so that each pair's agreement runs once, not
+/// once to seal and again to open (X25519 is most of a device's CPU); it
+/// is zeroized on drop.
+pub struct Channel {
+    key: [u8; 32],
+}
+
+impl Drop for Channel {
+    fn drop(&mut self) {
+        self.key.zeroize();
+    }
+}
+
+impl Channel {
+    pub fn agree(
+        own: &StaticSecret,
+        peer_key: &[u8; 32],
+        session: Session,
+        own_id: u64,
+        peer_id: u64,
+    ) -> Result<Channel, SecAggError> {
+        let mut shared = agree(own, peer_key, peer_id)?;
+        let mut key = [0u8; 32];
+        derive(
+            &shared,
+            &info(session, b"share-channel", own_id, peer_id),
+            &mut key,
+        );
+        shared.zeroize();
+        Ok(Channel { key })
+    }
+
+    fn aead(&self) -> LessSafeKey {
+        let unbound = UnboundKey::new(&AES_256_GCM, &self.key).expect("32 bytes is an AES-256 key");
+        LessSafeKey::new(unbound)
+    }
+
+    /// Seals a share plaintext from `from` to `to`.
+    pub fn seal(
+        &self,
+        session: Session,
+        from: u64,
+        to: u64,
+        plaintext: &[u8; SHARE_PLAINTEXT_BYTES],
+    ) -> Result<[u8; SHARE_CIPHERTEXT_BYTES], SecAggError> {
+        let mut buffer = plaintext.to_vec();
+        self.aead()
+            .seal_in_place_append_tag(nonce(from), Aad::from(aad(session, from, to)), &mut buffer)
+            .map_err(|_| SecAggError::invalid("AES-GCM sealing failed".to_string()))?;
+        let mut out = [0u8; SHARE_CIPHERTEXT_BYTES];
+        out.copy_from_slice(&buffer);
+        buffer.zeroize();
+        Ok(out)
+    }
+
+    /// Opens a share ciphertext that `from` sent to `to`; any change to it,
+    /// or its use in another round or by another pair, fails
+    /// authentication.
+    pub fn open(
+        &self,
+        session: Session,
+        from: u64,
+        to: u64,
+        ciphertext: &[u8; SHARE_CIPHERTEXT_BYTES],
+    ) -> Result<[u8; SHARE_PLAINTEXT_BYTES], SecAggError> {
+        let mut buffer = ciphertext.to_vec();
+        let plain = self
+            .aead()
+            .open_in_place(nonce(from), Aad::from(aad(session, from, to)), &mut buffer)
+            .map_err(|_| {
+                SecAggError::rejected(
+                    "IncomingShares",
+                    format!(
+                        "the share ciphertext from device {from} to device {to} fails \
+                         authentication (tampered, or sealed for another round or device)"
+                    ),
+                )
+            })?;
+        let mut out = [0u8; SHARE_PLAINTEXT_BYTES];
+        out.copy_from_slice(plain);
+        buffer.zeroize();
+        Ok(out)
+    }
 }
 
 /// The pair's key is used once in each direction; the sender's id makes
@@ -129,7 +196,8 @@ fn aad(session: Session, from: u64, to: u64) -> [u8; 32] {
     out
 }
 
-/// Seals a share plaintext from `from` to `to`.
+/// Seals a share plaintext from `from` to `to`: [`Channel::seal`] with
+/// the pair's channel agreed for this one message.
 pub fn seal_share(
     own_channel: &StaticSecret,
     peer_channel: &[u8; 32],
@@ -138,18 +206,10 @@ pub fn seal_share(
     to: u64,
     plaintext: &[u8; SHARE_PLAINTEXT_BYTES],
 ) -> Result<[u8; SHARE_CIPHERTEXT_BYTES], SecAggError> {
-    let key = channel_key(own_channel, peer_channel, session, from, to)?;
-    let mut buffer = plaintext.to_vec();
-    key.seal_in_place_append_tag(nonce(from), Aad::from(aad(session, from, to)), &mut buffer)
-        .map_err(|_| SecAggError::invalid("AES-GCM sealing failed".to_string()))?;
-    let mut out = [0u8; SHARE_CIPHERTEXT_BYTES];
-    out.copy_from_slice(&buffer);
-    buffer.zeroize();
-    Ok(out)
+    Channel::agree(own_channel, peer_channel, session, from, to)?.seal(session, from, to, plaintext)
 }
 
-/// Opens a share ciphertext that `from` sent to `to`; any change to it, or
-/// its use in another round or by another pair, fails authentication.
+/// [`Channel::open`] with the pair's channel agreed for this one message.
 pub fn open_share(
     own_channel: &StaticSecret,
     peer_channel: &[u8; 32],
@@ -158,23 +218,8 @@ pub fn open_share(
     to: u64,
     ciphertext: &[u8; SHARE_CIPHERTEXT_BYTES],
 ) -> Result<[u8; SHARE_PLAINTEXT_BYTES], SecAggError> {
-    let key = channel_key(own_channel, peer_channel, session, to, from)?;
-    let mut buffer = ciphertext.to_vec();
-    let plain = key
-        .open_in_place(nonce(from), Aad::from(aad(session, from, to)), &mut buffer)
-        .map_err(|_| {
-            SecAggError::rejected(
-                "IncomingShares",
-                format!(
-                    "the share ciphertext from device {from} to device {to} fails \
-                     authentication (tampered, or sealed for another round or device)"
-                ),
-            )
-        })?;
-    let mut out = [0u8; SHARE_PLAINTEXT_BYTES];
-    out.copy_from_slice(plain);
-    buffer.zeroize();
-    Ok(out)
+    Channel::agree(own_channel, peer_channel, session, to, from)?
+        .open(session, from, to, ciphertext)
 }
 
 pub fn public_key(secret: &StaticSecret) -> [u8; 32] {

@@ -121,14 +121,49 @@ pub struct Plan {
 }
 
 impl SecAggConfig {
-    /// Checks the settings alone, then that rounds of `min_devices` to
-    /// `max_devices` devices can all run: k and t exist, and the weighted
-    /// sum of `max_devices` updates fits in b bits.
+    /// Checks the settings alone, then that a round of every size from
+    /// `min_devices` to `max_devices` can run: its weighted sum fits in b
+    /// bits, and some degree and threshold meet the targets. Sizes with no
+    /// plan need not sit at the ends of the range (the dropout and corrupt
+    /// counts are floors, and the degree is capped), so each is checked,
+    /// and the error names those that fail.
     pub fn validate(&self, min_devices: usize, max_devices: usize) -> Result<(), SecAggError> {
         self.check_fields()?;
-        self.plan(min_devices, 1)?;
-        self.plan(max_devices, 1)?;
-        Ok(())
+        check_participants(min_devices)?;
+        check_participants(max_devices)?;
+        if min_devices > max_devices {
+            return Err(SecAggError::Config(format!(
+                "the smallest round ({min_devices} devices) is larger than the largest \
+                 ({max_devices})"
+            )));
+        }
+        // The scale only tightens as rounds grow.
+        self.scale_for(max_devices)?;
+        let failing = sizes_without_a_graph(
+            min_devices..=max_devices,
+            self.max_dropout_fraction,
+            self.max_corrupt_fraction,
+        );
+        let Some(first) = failing.ranges.first().map(|range| *range.start()) else {
+            return Ok(());
+        };
+        let cause = choose_degree_and_threshold(
+            first,
+            self.max_dropout_fraction,
+            self.max_corrupt_fraction,
+        )
+        .err()
+        .map(|error| error.to_string())
+        .unwrap_or_default();
+        let unchecked = failing
+            .unchecked_above
+            .map(|above| format!(" (sizes above {} were not checked)", thousands(above)))
+            .unwrap_or_default();
+        Err(SecAggError::Config(format!(
+            "rounds of {} devices have no plan{unchecked}: {}",
+            name_ranges(&failing.ranges),
+            cause.trim_start_matches("secure_aggregation: ")
+        )))
     }
 
     /// Checks each setting's own range, whether or not secure aggregation
@@ -173,14 +208,8 @@ impl SecAggConfig {
     /// `update_len` values each.
     pub fn plan(&self, participants: usize, update_len: usize) -> Result<Plan, SecAggError> {
         self.check_fields()?;
-        if !(MIN_PARTICIPANTS..=MAX_PARTICIPANTS).contains(&participants) {
-            return Err(SecAggError::Config(format!(
-                "secure aggregation needs {MIN_PARTICIPANTS} to {MAX_PARTICIPANTS} devices per \
-                 round, got {participants} (with fewer than {MIN_PARTICIPANTS}, the sum gives \
-                 each device's update away to the others)"
-            )));
-        }
-        let levels = self.levels_for(participants)?;
+        check_participants(participants)?;
+        let Scale { levels, max_weight } = self.scale_for(participants)?;
         let (degree, threshold) = choose_degree_and_threshold(
             participants,
             self.max_dropout_fraction,
@@ -193,44 +222,71 @@ impl SecAggConfig {
             bits: self.bits,
             clip: self.clip,
             levels,
-            max_weight: self.max_weight,
+            max_weight,
             max_dropouts: (self.max_dropout_fraction * participants as f64).floor() as usize,
             update_len,
         })
     }
 
-    /// The widest fixed-point scale under which n updates of weight ≤
-    /// max_weight sum without overflow: |Σ wᵢ·qᵢ| ≤ n·W·L ≤ 2^(b−1) − 1, and
-    /// Σ wᵢ ≤ n·W < 2^b.
-    fn levels_for(&self, participants: usize) -> Result<i64, SecAggError> {
-        let headroom = participants as u128 * u128::from(self.max_weight);
+    /// The fixed-point scale of a round of n devices: the most levels L
+    /// under which n updates of weight at most W sum without overflow,
+    /// |Σ wᵢ·qᵢ| ≤ n·W·L ≤ 2^(b−1) − 1 (and Σ wᵢ ≤ n·W < 2^b).
+    ///
+    /// W is the job's `max_weight` while that leaves at least
+    /// [`MIN_PRECISION_LEVELS`]; past that round size the weight cap
+    /// shrinks with n instead, so that large rounds run at the default
+    /// ring width (b = 31: `max_weight` 1,024 up to 8,256 devices, then
+    /// 845 at 10,000 and 84 at 100,000). The plan carries the cap devices
+    /// apply. Only when not even weight 1 leaves enough levels is the
+    /// round refused, naming the bits it needs.
+    pub fn scale_for(&self, participants: usize) -> Result<Scale, SecAggError> {
         let positive_range = (1u128 << (self.bits - 1)) - 1;
-        let levels = positive_range / headroom;
-        if levels < MIN_PRECISION_LEVELS as u128 {
-            let needed = bits_needed(headroom);
+        let n = participants as u128;
+        let affordable = positive_range / (n * MIN_PRECISION_LEVELS as u128);
+        let max_weight = u128::from(self.max_weight).min(affordable);
+        if max_weight == 0 {
+            let needed = bits_needed(n);
             let remedy = if needed <= MAX_BITS {
-                format!(
-                    "raise bits to {needed}, lower max_weight, or select fewer devices per round"
-                )
+                format!("raise bits to {needed}, or select fewer devices per round")
             } else {
-                format!(
-                    "that is over the {MAX_BITS}-bit limit, so lower max_weight or select fewer \
-                     devices per round"
-                )
+                "that is over the 32-bit limit, so select fewer devices per round".to_string()
             };
             return Err(SecAggError::Config(format!(
-                "bits = {} could overflow: the sum of {participants} updates, each weighted up \
-                 to max_weight = {} at the minimum {MIN_PRECISION_LEVELS} fixed-point levels per \
-                 side, needs {needed} bits; {remedy}",
-                self.bits, self.max_weight
+                "bits = {} could overflow: the sum of {participants} updates at the minimum \
+                 {MIN_PRECISION_LEVELS} fixed-point levels per side needs {needed} bits even at \
+                 weight 1; {remedy}",
+                self.bits
             )));
         }
-        Ok(levels.min(i64::MAX as u128) as i64)
+        let levels = positive_range / (n * max_weight);
+        Ok(Scale {
+            levels: levels.min(i64::MAX as u128) as i64,
+            max_weight: max_weight as u64,
+        })
     }
 }
 
-fn bits_needed(headroom: u128) -> u32 {
-    let max_sum = headroom * MIN_PRECISION_LEVELS as u128;
+/// The fixed-point scale of a round: levels per side and the weight cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scale {
+    pub levels: i64,
+    pub max_weight: u64,
+}
+
+fn check_participants(participants: usize) -> Result<(), SecAggError> {
+    if !(MIN_PARTICIPANTS..=MAX_PARTICIPANTS).contains(&participants) {
+        return Err(SecAggError::Config(format!(
+            "secure aggregation needs {MIN_PARTICIPANTS} to {MAX_PARTICIPANTS} devices per \
+             round, got {participants} (with fewer than {MIN_PARTICIPANTS}, the sum gives \
+             each device's update away to the others)"
+        )));
+    }
+    Ok(())
+}
+
+/// Ring width for `weight_units` (n·W) at the minimum levels.
+fn bits_needed(weight_units: u128) -> u32 {
+    let max_sum = weight_units * MIN_PRECISION_LEVELS as u128;
     // Sign bit plus the magnitude.
     1 + (128 - max_sum.leading_zeros())
 }
@@ -320,48 +376,198 @@ pub fn choose_degree_and_threshold(
     corrupt_fraction: f64,
 ) -> Result<(usize, usize), SecAggError> {
     let n = participants;
-    let log_factorials = LogFactorials::new(n);
-    let dropped = (dropout_fraction * n as f64).floor() as usize;
-    let corrupt = (corrupt_fraction * n as f64).floor() as usize;
-    let union = (n as f64).log2();
-    // The complete graph only while it stays within the message bounds.
-    let candidates = (2..n.saturating_sub(1).min(MAX_DEGREE + 1))
-        .step_by(2)
-        .chain((n - 1 <= MAX_DEGREE).then_some(n - 1));
-    for degree in candidates {
-        let others = n - 1;
-        let tail = |bad: usize, at_least: usize| {
-            log_factorials.hypergeometric_tail_log2(others, bad.min(others), degree, at_least)
-        };
-        let mut threshold = degree / 2 + 1;
-        // Privacy: fewer than 2t − k corrupt neighbours, with margin.
-        while threshold <= degree && tail(corrupt, 2 * threshold - degree) + union > PRIVACY_LOG2 {
-            threshold += 1;
+    let table = LogFactorials::new(n);
+    let round = RoundSize::new(n, dropout_fraction, corrupt_fraction);
+    round.search(&table).ok_or_else(|| {
+        SecAggError::Config(format!(
+            "no graph degree up to {} tolerates {:.0}% dropouts and {:.0}% corrupt devices \
+                 among {n} devices at the targeted failure probabilities (2^{CORRECTNESS_LOG2} \
+                 and 2^{PRIVACY_LOG2}); lower the tolerances or select more devices",
+            MAX_DEGREE.min(n - 1),
+            dropout_fraction * 100.0,
+            corrupt_fraction * 100.0
+        ))
+    })
+}
+
+/// The most sizes without a plan that [`sizes_without_a_graph`] looks
+/// for before it stops: a size with none tries every degree (about a
+/// millisecond), a size with one nearly always its first.
+pub const MAX_FAILING_SIZES_CHECKED: usize = 1_000;
+
+/// The round sizes in `sizes` for which no degree meets the targets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SizesWithoutAGraph {
+    /// Ascending, disjoint.
+    pub ranges: Vec<std::ops::RangeInclusive<usize>>,
+    /// Set when the search stopped after [`MAX_FAILING_SIZES_CHECKED`]
+    /// failing sizes: the sizes above this one were not checked.
+    pub unchecked_above: Option<usize>,
+}
+
+/// Checks each size in `sizes`. Only whether a plan exists matters here,
+/// not which degree is smallest, so each size first tries the degree that
+/// worked for the size before it (which nearly always works), and searches
+/// all only if not: 3..=100,000 at the default tolerances takes tens of
+/// milliseconds.
+pub fn sizes_without_a_graph(
+    sizes: std::ops::RangeInclusive<usize>,
+    dropout_fraction: f64,
+    corrupt_fraction: f64,
+) -> SizesWithoutAGraph {
+    let table = LogFactorials::new(*sizes.end());
+    let mut out = SizesWithoutAGraph {
+        ranges: Vec::new(),
+        unchecked_above: None,
+    };
+    let (mut last_good, mut failed): (Option<usize>, usize) = (None, 0);
+    for n in sizes {
+        if failed == MAX_FAILING_SIZES_CHECKED {
+            out.unchecked_above = Some(n - 1);
+            break;
         }
-        if threshold > degree {
-            continue;
+        let round = RoundSize::new(n, dropout_fraction, corrupt_fraction);
+        let warm = last_good.filter(|&degree| round.is_candidate(degree));
+        let found = warm
+            .filter(|&degree| round.check(&table, degree, None).1)
+            .or_else(|| round.search(&table).map(|(degree, _)| degree));
+        match (found, out.ranges.last_mut()) {
+            (Some(degree), _) => last_good = Some(degree),
+            (None, Some(range)) if *range.end() + 1 == n => *range = *range.start()..=n,
+            (None, _) => out.ranges.push(n..=n),
         }
-        let silent = dropped + corrupt;
-        // Privacy: the honest survivors stay connected, or the server would
-        // learn the sum of each part separately.
-        if degree < n - 1
-            && log_factorials.run_removed_log2(n, silent, degree / 2) + union > PRIVACY_LOG2
-        {
-            continue;
+        failed += usize::from(found.is_none());
+    }
+    out
+}
+
+/// "2,170 to 2,188 and 4,001": ranges as a person reads them, the first
+/// few only.
+fn name_ranges(ranges: &[std::ops::RangeInclusive<usize>]) -> String {
+    const SHOWN: usize = 4;
+    let mut names: Vec<String> = ranges
+        .iter()
+        .take(SHOWN)
+        .map(|range| match range.end() - range.start() {
+            0 => thousands(*range.start()),
+            _ => format!(
+                "{} to {}",
+                thousands(*range.start()),
+                thousands(*range.end())
+            ),
+        })
+        .collect();
+    if ranges.len() > SHOWN {
+        names.push(format!("{} more ranges", ranges.len() - SHOWN));
+    }
+    match names.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+        None => String::new(),
+    }
+}
+
+fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
         }
-        // Correctness: more than k − t silent neighbours is a failure.
-        if tail(silent, degree - threshold + 1) + union <= CORRECTNESS_LOG2 {
-            return Ok((degree, threshold));
+        out.push(c);
+    }
+    out
+}
+
+/// One round size's tolerances, for the degree search.
+struct RoundSize {
+    n: usize,
+    /// ⌊δn⌋ and ⌊γn⌋.
+    dropped: usize,
+    corrupt: usize,
+    /// log₂ n: each target is a union bound over the n devices.
+    union: f64,
+}
+
+impl RoundSize {
+    fn new(n: usize, dropout_fraction: f64, corrupt_fraction: f64) -> RoundSize {
+        RoundSize {
+            n,
+            dropped: (dropout_fraction * n as f64).floor() as usize,
+            corrupt: (corrupt_fraction * n as f64).floor() as usize,
+            union: (n as f64).log2(),
         }
     }
-    Err(SecAggError::Config(format!(
-        "no graph degree up to {} tolerates {:.0}% dropouts and {:.0}% corrupt devices among \
-         {n} devices at the targeted failure probabilities (2^{CORRECTNESS_LOG2} and \
-         2^{PRIVACY_LOG2}); lower the tolerances or select more devices",
-        MAX_DEGREE.min(n - 1),
-        dropout_fraction * 100.0,
-        corrupt_fraction * 100.0
-    )))
+
+    /// Even degrees from 2 up to [`MAX_DEGREE`] below n − 1, then the
+    /// complete graph while it stays within the message bounds.
+    fn candidates(&self) -> impl Iterator<Item = usize> + use<> {
+        let n = self.n;
+        (2..n.saturating_sub(1).min(MAX_DEGREE + 1))
+            .step_by(2)
+            .chain((n - 1 <= MAX_DEGREE).then_some(n - 1))
+    }
+
+    fn is_candidate(&self, degree: usize) -> bool {
+        let complete = self.n - 1;
+        (degree < complete && degree.is_multiple_of(2) && degree <= MAX_DEGREE)
+            || (degree == complete && complete <= MAX_DEGREE)
+    }
+
+    /// The first candidate degree that meets all three targets, with its
+    /// smallest threshold.
+    fn search(&self, table: &LogFactorials) -> Option<(usize, usize)> {
+        let mut known: Option<(usize, usize)> = None;
+        for degree in self.candidates() {
+            let (threshold, meets) = self.check(table, degree, known);
+            if meets {
+                return threshold.map(|t| (degree, t));
+            }
+            if let Some(t) = threshold {
+                known = Some((degree, t));
+            }
+        }
+        None
+    }
+
+    /// Whether `degree` meets all three targets: the smallest private
+    /// threshold (if any), and whether the other two targets hold at it.
+    /// `known`, a smaller degree's smallest private threshold, bounds this
+    /// one's from below: two more neighbours add at most two corrupt ones,
+    /// so t(k + 2j) ≥ t(k) + j, and the search starts there instead of at
+    /// k/2 + 1 (it then nearly always stops at its first or second step).
+    fn check(
+        &self,
+        table: &LogFactorials,
+        degree: usize,
+        known: Option<(usize, usize)>,
+    ) -> (Option<usize>, bool) {
+        let others = self.n - 1;
+        let tail = |bad: usize, at_least: usize| {
+            table.hypergeometric_tail_log2(others, bad.min(others), degree, at_least)
+        };
+        // Privacy: fewer than 2t − k corrupt neighbours, with margin.
+        let private = |t: usize| tail(self.corrupt, 2 * t - degree) + self.union <= PRIVACY_LOG2;
+        let lowest = match known {
+            Some((smaller, t)) if smaller < degree => t + (degree - smaller) / 2,
+            _ => 0,
+        };
+        let threshold = (lowest.max(degree / 2 + 1)..=degree).find(|&t| private(t));
+        let Some(threshold) = threshold else {
+            return (None, false);
+        };
+        let silent = self.dropped + self.corrupt;
+        // Privacy: the honest survivors stay connected, or the server
+        // would learn the sum of each part separately.
+        if degree < others
+            && table.run_removed_log2(self.n, silent, degree / 2) + self.union > PRIVACY_LOG2
+        {
+            return (Some(threshold), false);
+        }
+        // Correctness: more than k − t silent neighbours is a failure.
+        let correct = tail(silent, degree - threshold + 1) + self.union <= CORRECTNESS_LOG2;
+        (Some(threshold), correct)
+    }
 }
 
 struct LogFactorials(Vec<f64>);
@@ -395,6 +601,12 @@ impl LogFactorials {
     }
 
     /// log₂ P[X ≥ at_least] for X ~ Hypergeometric(population, marked, draws).
+    ///
+    /// The terms rise to the mode and fall after it, so the sum starts at
+    /// the largest term in range and walks outwards, stopping in each
+    /// direction once a term is below 2⁻⁶⁰ of the largest: the sum is exact
+    /// to that relative error, and costs a few standard deviations of
+    /// terms instead of all `draws` of them.
     fn hypergeometric_tail_log2(
         &self,
         population: usize,
@@ -408,14 +620,28 @@ impl LogFactorials {
             return f64::NEG_INFINITY;
         }
         let total = self.ln_choose(population, draws);
-        let terms: Vec<f64> = (low..=top)
-            .map(|i| {
-                self.ln_choose(marked, i) + self.ln_choose(population - marked, draws - i) - total
-            })
-            .collect();
-        let peak = terms.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let sum: f64 = terms.iter().map(|t| (t - peak).exp()).sum();
-        (peak + sum.ln()) / std::f64::consts::LN_2
+        let term = |i: usize| {
+            self.ln_choose(marked, i) + self.ln_choose(population - marked, draws - i) - total
+        };
+        let mode = ((draws + 1) * (marked + 1) / (population + 2)).clamp(low, top);
+        let peak = term(mode);
+        let negligible = peak - 60.0 * std::f64::consts::LN_2;
+        let mut sum = 1.0;
+        for i in (mode + 1)..=top {
+            let t = term(i);
+            if t < negligible {
+                break;
+            }
+            sum += (t - peak).exp();
+        }
+        for i in (low..mode).rev() {
+            let t = term(i);
+            if t < negligible {
+                break;
+            }
+            sum += (t - peak).exp();
+        }
+        (peak + f64::ln(sum)) / std::f64::consts::LN_2
     }
 }
 
@@ -442,15 +668,119 @@ mod tests {
     fn an_overflowing_configuration_names_the_bits_it_needs() {
         let config = SecAggConfig {
             enabled: true,
-            bits: 24,
+            bits: 16,
             ..SecAggConfig::default()
         };
         let error = config.validate(10, 1000).unwrap_err().to_string();
-        assert!(error.contains("bits = 24 could overflow"), "{error}");
-        assert!(error.contains("needs 28 bits"), "{error}");
-        SecAggConfig { bits: 28, ..config }
+        assert!(error.contains("bits = 16 could overflow"), "{error}");
+        assert!(error.contains("needs 18 bits even at weight 1"), "{error}");
+        SecAggConfig { bits: 18, ..config }
             .validate(10, 1000)
             .unwrap();
+    }
+
+    #[test]
+    fn the_weight_cap_shrinks_with_the_round_at_the_default_width() {
+        let config = SecAggConfig {
+            enabled: true,
+            ..SecAggConfig::default()
+        };
+        for (n, max_weight) in [
+            (10, 1024),
+            (8_256, 1024),
+            (8_257, 1023),
+            (10_000, 845),
+            (100_000, 84),
+        ] {
+            let plan = config.plan(n, 1000).unwrap();
+            assert_eq!(plan.max_weight, max_weight, "n = {n}");
+            assert!(
+                plan.levels >= MIN_PRECISION_LEVELS,
+                "n = {n}: {}",
+                plan.levels
+            );
+            plan.validate().unwrap();
+        }
+        // The most levels the cap leaves: one more would overflow.
+        let plan = config.plan(100_000, 1).unwrap();
+        let fits = |levels: i64| {
+            100_000u128 * u128::from(plan.max_weight) * (levels as u128) < (1u128 << 30)
+        };
+        assert!(fits(plan.levels) && !fits(plan.levels + 1));
+        config.validate(3, MAX_PARTICIPANTS).unwrap();
+        let too_many = config.validate(3, MAX_PARTICIPANTS + 1).unwrap_err();
+        assert!(
+            too_many
+                .to_string()
+                .contains("3 to 100000 devices per round"),
+            "{too_many}"
+        );
+    }
+
+    #[test]
+    fn every_size_in_the_range_is_checked_and_the_gaps_are_named() {
+        let config = SecAggConfig {
+            enabled: true,
+            max_dropout_fraction: 0.1,
+            max_corrupt_fraction: 0.2,
+            ..SecAggConfig::default()
+        };
+        // Both ends have a plan; sizes inside do not.
+        config.plan(3, 1).unwrap();
+        config.plan(2_189, 1).unwrap();
+        let error = config.validate(3, 2_189).unwrap_err().to_string();
+        assert!(
+            error.contains(
+                "rounds of 2,170 to 2,171, 2,175 to 2,176, 2,180 to 2,182 and 2,185 to 2,188 \
+                 devices have no plan"
+            ),
+            "{error}"
+        );
+        assert!(error.contains("no graph degree up to 1024"), "{error}");
+        config.validate(2_100, 2_169).unwrap();
+        for n in [2_172, 2_174, 2_177, 2_183, 2_184] {
+            config.plan(n, 1).unwrap();
+        }
+        // A long stretch without a plan: named up to where the search
+        // stopped, and said to stop there.
+        let refused = SecAggConfig {
+            max_dropout_fraction: 0.3,
+            max_corrupt_fraction: 0.1,
+            ..config
+        };
+        let error = refused.validate(3, 5_000).unwrap_err().to_string();
+        assert!(
+            error.contains(
+                "rounds of 10 and 1,260 to 2,258 devices have no plan (sizes above 2,258 were \
+                 not checked): no graph degree up to 9 tolerates"
+            ),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn the_range_check_agrees_with_the_search_at_every_size() {
+        for (dropout, corrupt) in [(0.0, 0.0), (0.1, 0.0), (0.3, 0.1), (0.5, 0.3), (0.2, 0.25)] {
+            let failing = sizes_without_a_graph(3..=400, dropout, corrupt);
+            assert_eq!(failing.unchecked_above, None);
+            for n in 3..=400 {
+                let fails = failing.ranges.iter().any(|range| range.contains(&n));
+                let searched = choose_degree_and_threshold(n, dropout, corrupt);
+                assert_eq!(
+                    fails,
+                    searched.is_err(),
+                    "n = {n}, δ = {dropout}, γ = {corrupt}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn ranges_read_as_a_person_writes_them() {
+        assert_eq!(name_ranges(&[2_170..=2_188]), "2,170 to 2,188");
+        assert_eq!(name_ranges(&[5..=5, 7..=9]), "5 and 7 to 9");
+        let many: Vec<_> = (0..6).map(|i| i * 10..=i * 10).collect();
+        assert_eq!(name_ranges(&many), "0, 10, 20, 30 and 2 more ranges");
     }
 
     #[test]

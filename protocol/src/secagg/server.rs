@@ -466,6 +466,39 @@ impl Aggregator {
         &self.graph
     }
 
+    /// The bytes of round state this aggregator holds: ids, keys,
+    /// ciphertexts, commitments, revealed shares and the running sum (the
+    /// payloads, without the maps' own overhead). What a server holding a
+    /// round in memory would hold; Canopy's server keeps the same in its
+    /// database.
+    pub fn held_bytes(&self) -> usize {
+        const ID: usize = std::mem::size_of::<u64>();
+        let sets = |sets: &mut dyn Iterator<Item = &BTreeSet<u64>>| -> usize {
+            sets.map(|set| ID + set.len() * ID).sum()
+        };
+        let keys = self.device_keys.len() * (ID + 32) + self.graph.len() * 2 * ID;
+        let advertised = self.advertisements.len() * (ID + std::mem::size_of::<Advertisement>());
+        let shares: usize = self
+            .uploads
+            .values()
+            .map(|upload| ID + 32 + upload.ciphertexts.len() * (ID + SHARE_CIPHERTEXT_BYTES))
+            .sum();
+        let requested = sets(&mut self.requests.values().flat_map(|(s, d)| [s, d]))
+            + sets(&mut self.sent_keys_of.values());
+        let revealed: usize = [&self.book.seed_shares, &self.book.key_shares]
+            .into_iter()
+            .flat_map(|book| book.values().flatten())
+            .map(|share| ID + share.ys.len() * ID)
+            .sum();
+        let sum = self.sum.len() * std::mem::size_of::<u32>();
+        keys + advertised
+            + shares
+            + requested
+            + revealed
+            + sum
+            + (self.masked.len() + self.answered.len()) * ID
+    }
+
     fn expect(&self, stage: Stage, device: u64) -> Result<(), SecAggError> {
         if self.stage != stage {
             return Err(SecAggError::OutOfOrder(format!(
