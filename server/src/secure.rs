@@ -14,6 +14,7 @@
 //! module decides when stages close and what each device is sent.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use canopy_protocol::secagg::graph::Graph;
 use canopy_protocol::secagg::server::{
@@ -121,16 +122,89 @@ impl RoundGraph {
         })
     }
 
-    /// What a survivor is asked to reveal: the self-mask seed share of each
-    /// neighbour that survived, the mask-key share of each that shared keys
-    /// but sent no masked input.
+    /// [`unmask_sets`] from the whole round's rows.
     pub fn unmask_sets(&self, device: u64) -> (BTreeSet<u64>, BTreeSet<u64>) {
-        self.graph
-            .neighbours(device)
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|n| self.shared.contains(n))
-            .partition(|n| self.survivors.contains(n))
+        unmask_sets(
+            self.graph.neighbours(device).unwrap_or_default(),
+            |n| self.shared.contains(&n),
+            |n| self.survivors.contains(&n),
+        )
+    }
+}
+
+/// What a survivor is asked to reveal, given its neighbours: the self-mask
+/// seed share of each that survived, the mask-key share of each that
+/// shared keys but sent no masked input. (survivors, dropouts).
+pub fn unmask_sets(
+    neighbours: impl IntoIterator<Item = u64>,
+    shared: impl Fn(u64) -> bool,
+    survived: impl Fn(u64) -> bool,
+) -> (BTreeSet<u64>, BTreeSet<u64>) {
+    neighbours
+        .into_iter()
+        .filter(|&n| shared(n))
+        .partition(|&n| survived(n))
+}
+
+/// [`unmask_sets`] from the neighbours' own rows.
+pub fn unmask_sets_of(neighbours: &[SecureParticipant]) -> (BTreeSet<u64>, BTreeSet<u64>) {
+    let rows: BTreeMap<u64, &SecureParticipant> =
+        neighbours.iter().map(|p| (p.device_id as u64, p)).collect();
+    let row = |id: u64| rows.get(&id);
+    unmask_sets(
+        rows.keys().copied(),
+        |n| row(n).is_some_and(|p| p.secagg_commitment.is_some()),
+        |n| row(n).is_some_and(|p| p.state == ParticipantState::Uploaded),
+    )
+}
+
+/// Round graphs the device API has built. A round's graph is fixed once
+/// its participants are selected, and building it per request read every
+/// participant's row for every request: O(n²) rows a stage. Keyed by the
+/// round and its seed, so that a round that starts over (a new seed) is
+/// never served an old graph; the oldest are let go past
+/// [`MAX_CACHED_GRAPHS`].
+#[derive(Default)]
+pub struct GraphCache {
+    graphs: std::sync::Mutex<std::collections::VecDeque<(GraphKey, Arc<Graph>)>>,
+}
+
+/// A round and its graph seed.
+type GraphKey = (i64, [u8; 32]);
+
+/// Rounds whose graphs are kept: more than the secure rounds one server
+/// runs at once; a graph is 16 bytes a participant.
+pub const MAX_CACHED_GRAPHS: usize = 64;
+
+impl GraphCache {
+    pub async fn get(
+        &self,
+        db: &crate::db::Db,
+        round: &SecureRound,
+    ) -> Result<Arc<Graph>, SecureError> {
+        let seed = round.seed.ok_or(SecureError::Ended { round: round.id })?;
+        let key = (round.id, seed);
+        if let Some(graph) = self.lookup(&key) {
+            return Ok(graph);
+        }
+        let ids = secagg::participant_ids(&db.pool, round.id).await?;
+        let built = Arc::new(graph(round, &ids)?);
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        if !graphs.iter().any(|(k, _)| *k == key) {
+            graphs.push_back((key, built.clone()));
+        }
+        while graphs.len() > MAX_CACHED_GRAPHS {
+            graphs.pop_front();
+        }
+        Ok(built)
+    }
+
+    fn lookup(&self, key: &GraphKey) -> Option<Arc<Graph>> {
+        let graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        graphs
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, g)| g.clone())
     }
 }
 

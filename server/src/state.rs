@@ -55,7 +55,11 @@ pub struct Inner {
     /// `Retry-After` has passed.
     pub throttled_devices: crate::inflight::Throttle<i64>,
     /// Uploads waiting to be folded, batched per round.
-    pub folds: crate::api::device::folds::FoldQueue,
+    pub folds: crate::api::device::folds::FoldQueue<crate::store::rounds::AcceptedUpdate>,
+    /// The graphs of secure rounds in progress (`secure::GraphCache`).
+    pub secure_graphs: crate::secure::GraphCache,
+    /// Secure rounds' masked inputs waiting to be folded, batched per round.
+    pub masked_folds: crate::api::device::folds::FoldQueue<crate::store::secagg::MaskedUpload>,
     pub sensitive_limiter: DefaultKeyedRateLimiter<IpAddr>,
     /// `device_requests_per_second`, per device.
     pub device_limiter: DefaultKeyedRateLimiter<i64>,
@@ -103,6 +107,8 @@ impl AppState {
             device_keys: Default::default(),
             throttled_devices: Default::default(),
             folds: Default::default(),
+            masked_folds: Default::default(),
+            secure_graphs: Default::default(),
             sensitive_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
             device_limiter: RateLimiter::keyed(device_quota(limits.device_requests_per_second)),
             db,

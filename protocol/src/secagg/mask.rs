@@ -44,7 +44,20 @@ impl Sign {
 /// a small buffer (no zero-fill and XOR) and added from there, and the
 /// buffer is wiped at the end.
 pub fn apply(acc: &mut [u32], seed: &Seed, sign: Sign) {
-    let mut core = CtrCore::<Aes128, Ctr128LE>::new(seed.into(), &[0u8; 16].into());
+    apply_at(acc, 0, seed, sign);
+}
+
+/// [`apply`] on a window of the vector: `acc` holds its words from
+/// `offset_words` on, which must be a whole number of keystream blocks (a
+/// multiple of 4), so that the window's keystream starts at a block.
+pub fn apply_at(acc: &mut [u32], offset_words: usize, seed: &Seed, sign: Sign) {
+    assert!(
+        offset_words.is_multiple_of(WORDS_PER_BLOCK),
+        "a mask window starts at a keystream block"
+    );
+    // The counter block is the little-endian block index from zero.
+    let first_block = (offset_words / WORDS_PER_BLOCK) as u128;
+    let mut core = CtrCore::<Aes128, Ctr128LE>::new(seed.into(), &first_block.to_le_bytes().into());
     let mut keystream = [Block::<Aes128>::default(); CHUNK_BLOCKS];
     for words in acc.chunks_mut(CHUNK_BLOCKS * WORDS_PER_BLOCK) {
         let blocks = &mut keystream[..words.len().div_ceil(WORDS_PER_BLOCK)];
@@ -59,6 +72,37 @@ pub fn apply(acc: &mut [u32], seed: &Seed, sign: Sign) {
     for block in keystream.iter_mut() {
         block.as_mut_slice().zeroize();
     }
+}
+
+/// Words of the vector below which [`apply_all`] stays on the calling
+/// thread: starting threads costs more than a few masks of this size.
+const MIN_WORDS_PER_THREAD: usize = 1 << 16;
+
+/// Applies every mask in `masks` to `acc`, the vector split by element
+/// range over up to `threads` threads, each expanding its window of every
+/// mask. The server's unmasking: many masks meet one vector, and AES-CTR
+/// can start anywhere, so the work divides with no coordination.
+pub fn apply_all(acc: &mut [u32], masks: &[(Seed, Sign)], threads: usize) {
+    let by_size = acc.len() / MIN_WORDS_PER_THREAD;
+    let threads = threads.min(by_size).max(1);
+    // Whole chunks per window, so that each window starts at a block.
+    let step = CHUNK_BLOCKS * WORDS_PER_BLOCK;
+    let window = acc.len().div_ceil(threads).div_ceil(step) * step;
+    if threads == 1 || window >= acc.len() {
+        masks
+            .iter()
+            .for_each(|(seed, sign)| apply(acc, seed, *sign));
+        return;
+    }
+    std::thread::scope(|scope| {
+        for (index, part) in acc.chunks_mut(window).enumerate() {
+            scope.spawn(move || {
+                for (seed, sign) in masks {
+                    apply_at(part, index * window, seed, *sign);
+                }
+            });
+        }
+    });
 }
 
 #[inline(always)]
@@ -139,6 +183,40 @@ mod tests {
                     start[i].wrapping_sub(expected[i]),
                     "len {len}, word {i}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn masks_applied_over_threads_equal_masks_applied_in_turn() {
+        // Lengths around the window and chunk boundaries, and a partial
+        // last block.
+        for len in [
+            5,
+            MIN_WORDS_PER_THREAD * 3 + 1,
+            MIN_WORDS_PER_THREAD * 4 + 4097,
+        ] {
+            let start: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(40_503)).collect();
+            let masks: Vec<(Seed, Sign)> = (0..5u8)
+                .map(|i| {
+                    (
+                        [i; 16],
+                        if i % 2 == 0 {
+                            Sign::Add
+                        } else {
+                            Sign::Subtract
+                        },
+                    )
+                })
+                .collect();
+            let mut in_turn = start.clone();
+            for (seed, sign) in &masks {
+                apply(&mut in_turn, seed, *sign);
+            }
+            for threads in [1, 2, 3, 8] {
+                let mut parallel = start.clone();
+                apply_all(&mut parallel, &masks, threads);
+                assert!(parallel == in_turn, "len {len}, {threads} threads");
             }
         }
     }

@@ -328,6 +328,38 @@ pub fn unmask(
     session: Session,
     book: &UnmaskBook,
 ) -> Result<(), SecAggError> {
+    // Secrets are rebuilt first, then every mask is expanded at once over
+    // the cores: the expansion (AES over the whole vector, per mask) is
+    // most of unmasking's time.
+    // Sized up front so that no reallocation leaves seeds behind.
+    let count = book.survivors.len()
+        + book
+            .dropped
+            .values()
+            .map(|p| p.masked_with.len())
+            .sum::<usize>();
+    let mut masks: Vec<(mask::Seed, Sign)> = Vec::with_capacity(count);
+    let rebuilt = rebuild_masks(plan, session, book, &mut masks);
+    if rebuilt.is_ok() {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        mask::apply_all(sum, &masks, threads);
+    }
+    masks.iter_mut().for_each(|(seed, _)| seed.zeroize());
+    rebuilt?;
+    let modulus = plan.modulus_mask();
+    sum.iter_mut().for_each(|v| *v &= modulus);
+    Ok(())
+}
+
+/// The masks to remove: each survivor's self mask, and each dropout's
+/// pairwise mask with each surviving neighbour that added one, with the
+/// sign that cancels it.
+fn rebuild_masks(
+    plan: &Plan,
+    session: Session,
+    book: &UnmaskBook,
+    masks: &mut Vec<(mask::Seed, Sign)>,
+) -> Result<(), SecAggError> {
     for (&device, commitment) in &book.survivors {
         let shares = book.seed_shares.get(&device).map_or(&[][..], Vec::as_slice);
         let mut seed = rebuild(
@@ -341,10 +373,11 @@ pub fn unmask(
                 seed_commitment(session, device, &seed) == *commitment
             },
         )?;
-        let mut seed_array: [u8; 16] = seed.as_slice().try_into().expect("16 bytes");
-        mask::apply(sum, &seed_array, Sign::Subtract);
+        masks.push((
+            seed.as_slice().try_into().expect("16 bytes"),
+            Sign::Subtract,
+        ));
         seed.zeroize();
-        seed_array.zeroize();
     }
     for (&device, peer) in &book.dropped {
         let shares = book.key_shares.get(&device).map_or(&[][..], Vec::as_slice);
@@ -358,11 +391,9 @@ pub fn unmask(
         secret_bytes.zeroize();
         for (survivor, survivor_key) in &peer.masked_with {
             let seed = crypto::pairwise_seed(&secret, survivor_key, session, device, *survivor)?;
-            mask::apply(sum, &seed, pairwise_sign(*survivor, device).flip());
+            masks.push((seed, pairwise_sign(*survivor, device).flip()));
         }
     }
-    let modulus = plan.modulus_mask();
-    sum.iter_mut().for_each(|v| *v &= modulus);
     Ok(())
 }
 

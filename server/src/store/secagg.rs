@@ -178,6 +178,34 @@ where
     .await
 }
 
+/// The participants among `device_ids` (a device's graph neighbours, at
+/// most the plan's degree): what one device's request needs, read without
+/// the rest of the round.
+pub async fn participants_among<'e, E>(
+    executor: E,
+    round_id: i64,
+    device_ids: &[u64],
+) -> Result<Vec<SecureParticipant>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    if device_ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let placeholders: Vec<String> = (0..device_ids.len())
+        .map(|i| format!("${}", i + 2))
+        .collect();
+    let sql = format!(
+        "{PARTICIPANT_SELECT} WHERE p.round_id = $1 AND p.device_id IN ({}) ORDER BY p.device_id",
+        placeholders.join(", ")
+    );
+    let mut query = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(round_id);
+    for &id in device_ids {
+        query = query.bind(id as i64);
+    }
+    query.fetch_all(executor).await
+}
+
 /// Every participant of the round, for the orchestrator's stage decisions
 /// and for unmasking: O(n) rows of a few hundred bytes.
 pub async fn participants<'e, E>(
@@ -353,19 +381,29 @@ pub async fn drop_laggards(
     Ok(dropped.rows_affected())
 }
 
-/// Folds a checked masked vector into the round's running sum and marks the
-/// device uploaded, under the round's lock. `fold` returns an error to
-/// refuse the vector, which leaves everything unchanged.
-pub async fn fold_masked<F, E>(
+/// A masked input as it arrived, waiting in the round's fold queue.
+pub struct MaskedUpload {
+    pub device_id: i64,
+    /// The MaskedInput message.
+    pub message: bytes::Bytes,
+}
+
+/// Folds a batch of masked inputs into the round's running sum and marks
+/// each accepted device uploaded, in one transaction under the round's
+/// lock: the sum is read and written once per batch, not once per input
+/// (group commit, as for plain updates). `open` turns the stored sum into
+/// its working form and `close` back; `add` checks one message and adds
+/// it, or refuses it with an error, which leaves the sum and that device
+/// unchanged while the rest of the batch goes on. Per upload in order: the
+/// number of masked inputs accepted so far, or why it was refused.
+pub async fn fold_masked_batch<S, E>(
     db: &Db,
     round_id: i64,
-    device_id: i64,
-    bytes_in: u64,
-    fold: F,
-) -> Result<Result<u64, MaskedRejection<E>>, sqlx::Error>
-where
-    F: FnOnce(Option<Vec<u8>>) -> Result<Vec<u8>, E>,
-{
+    uploads: &[MaskedUpload],
+    open: impl FnOnce(Option<Vec<u8>>) -> Result<S, String>,
+    add: impl Fn(&mut S, &MaskedUpload) -> Result<(), E>,
+    close: impl FnOnce(&S) -> Vec<u8>,
+) -> Result<Vec<Result<u64, MaskedRejection<E>>>, sqlx::Error> {
     let _slot = db.round_write_slot().await;
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
@@ -377,56 +415,110 @@ where
         .bind(round_id)
         .fetch_optional(&mut *tx)
         .await?;
-    let Some((state, stage, sum)) = round else {
-        return Ok(Err(MaskedRejection::Closed));
+    let Some((state, stage, stored)) = round else {
+        return Ok(uploads
+            .iter()
+            .map(|_| Err(MaskedRejection::Closed))
+            .collect());
     };
     let state: RoundState = parse_state("rounds.state", state)?;
     let stage = stage
         .map(|stage| parse_state("rounds.secagg_stage", stage))
         .transpose()?;
     if state != RoundState::Training || stage != Some(SecureStage::Collect) {
-        return Ok(Err(MaskedRejection::Closed));
+        return Ok(uploads
+            .iter()
+            .map(|_| Err(MaskedRejection::Closed))
+            .collect());
     }
+    let mut sum = open(stored).map_err(|message| sqlx::Error::Decode(message.into()))?;
+    let now = now_ms();
+    let mut outcomes = Vec::with_capacity(uploads.len());
+    let (mut accepted, mut bytes_in) = (0i64, 0i64);
+    let mut seen = std::collections::HashSet::new();
+    for upload in uploads {
+        let outcome = match eligibility(&mut tx, round_id, upload.device_id).await? {
+            Err(rejection) => Err(rejection),
+            // Two of one device's inputs in the same batch.
+            Ok(()) if !seen.insert(upload.device_id) => Err(MaskedRejection::Duplicate),
+            Ok(()) => add(&mut sum, upload).map_err(MaskedRejection::Refused),
+        };
+        if outcome.is_ok() {
+            let size = i64::try_from(upload.message.len()).unwrap_or(i64::MAX);
+            mark_uploaded(&mut tx, round_id, upload.device_id, size, now).await?;
+            accepted += 1;
+            bytes_in = bytes_in.saturating_add(size);
+        }
+        outcomes.push(outcome);
+    }
+    if accepted == 0 {
+        return Ok(outcomes.into_iter().map(|o| o.map(|()| 0)).collect());
+    }
+    let (before,): (i64,) = sqlx::query_as(
+        "UPDATE rounds SET update_sum = $1, updates_accepted = updates_accepted + $2, \
+         bytes_in = bytes_in + $3 WHERE id = $4 RETURNING updates_accepted - $2",
+    )
+    .bind(close(&sum))
+    .bind(accepted)
+    .bind(bytes_in)
+    .bind(round_id)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let mut count = before as u64;
+    Ok(outcomes
+        .into_iter()
+        .map(|outcome| {
+            outcome.map(|()| {
+                count += 1;
+                count
+            })
+        })
+        .collect())
+}
+
+/// Whether a device may send its masked input now: it completed ShareKeys,
+/// is still in the round, and has not sent one.
+async fn eligibility<E>(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    device_id: i64,
+) -> Result<Result<(), MaskedRejection<E>>, sqlx::Error> {
     let participant: Option<(String, Option<Vec<u8>>)> = sqlx::query_as(
         "SELECT state, secagg_commitment FROM participants WHERE round_id = $1 AND device_id = $2",
     )
     .bind(round_id)
     .bind(device_id)
-    .fetch_optional(&mut *tx)
+    .fetch_optional(&mut **tx)
     .await?;
     let Some((participant, commitment)) = participant else {
         return Ok(Err(MaskedRejection::NotEligible));
     };
-    match parse_state("participants.state", participant)? {
-        ParticipantState::Uploaded => return Ok(Err(MaskedRejection::Duplicate)),
-        state if state.is_pending() && commitment.is_some() => {}
-        _ => return Ok(Err(MaskedRejection::NotEligible)),
-    }
-    let folded = match fold(sum) {
-        Ok(folded) => folded,
-        Err(error) => return Ok(Err(MaskedRejection::Refused(error))),
-    };
+    Ok(match parse_state("participants.state", participant)? {
+        ParticipantState::Uploaded => Err(MaskedRejection::Duplicate),
+        state if state.is_pending() && commitment.is_some() => Ok(()),
+        _ => Err(MaskedRejection::NotEligible),
+    })
+}
+
+async fn mark_uploaded(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    device_id: i64,
+    size: i64,
+    now: i64,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE participants SET state = 'uploaded', uploaded_ms = $1, update_bytes = $2 \
          WHERE round_id = $3 AND device_id = $4",
     )
-    .bind(now_ms())
-    .bind(i64::try_from(bytes_in).unwrap_or(i64::MAX))
+    .bind(now)
+    .bind(size)
     .bind(round_id)
     .bind(device_id)
-    .execute(&mut *tx)
+    .execute(&mut **tx)
     .await?;
-    let (accepted,): (i64,) = sqlx::query_as(
-        "UPDATE rounds SET update_sum = $1, updates_accepted = updates_accepted + 1, \
-         bytes_in = bytes_in + $2 WHERE id = $3 RETURNING updates_accepted",
-    )
-    .bind(folded)
-    .bind(i64::try_from(bytes_in).unwrap_or(i64::MAX))
-    .bind(round_id)
-    .fetch_one(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(Ok(accepted as u64))
+    Ok(())
 }
 
 /// Why a masked vector was not folded in.

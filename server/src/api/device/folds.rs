@@ -4,9 +4,12 @@
 //! update per transaction makes the database the bottleneck. Uploads to
 //! the same round queue here instead; one worker per round drains whatever
 //! has queued into a single transaction and answers every upload after
-//! the commit, so an upload is acknowledged only once it is durable.
+//! the commit, so an upload is acknowledged only once it is durable. Plain
+//! updates and secure rounds' masked inputs each have a queue, and this
+//! one loop drains both ([`Foldable`]).
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::Mutex;
 
 use tokio::sync::oneshot;
@@ -16,36 +19,80 @@ use crate::state::AppState;
 use crate::store::rounds::{self, AcceptedUpdate, UploadRejection};
 use canopy_term::error_chain as chain;
 
-type Reply = oneshot::Sender<Result<u64, FoldError>>;
+type Reply<R> = oneshot::Sender<Result<u64, FoldError<R>>>;
+/// An item waiting in a round's queue, and where its answer goes.
+type Queued<T> = (T, Reply<<T as Foldable>::Refusal>);
 
 #[derive(Debug)]
-pub enum FoldError {
-    Refused(UploadRejection),
+pub enum FoldError<R> {
+    Refused(R),
     Failed(ApiError),
 }
 
-#[derive(Default)]
-pub struct FoldQueue {
-    inner: Mutex<Queues>,
+/// What a round's fold worker folds, a batch per transaction.
+pub trait Foldable: Sized + Send + 'static {
+    /// Why one item of a batch was refused (the others still fold).
+    type Refusal: Send + 'static;
+
+    /// This kind's queue in the server's state.
+    fn queue(state: &AppState) -> &FoldQueue<Self>;
+
+    /// Folds `batch` into round `round_id` in one transaction: per item in
+    /// order, the number accepted so far or why it was refused. An error
+    /// fails the whole batch, and nothing of it is kept.
+    fn fold_batch(
+        state: &AppState,
+        round_id: i64,
+        batch: Vec<Self>,
+    ) -> impl Future<Output = Result<Vec<Result<u64, Self::Refusal>>, sqlx::Error>> + Send;
 }
 
-#[derive(Default)]
-struct Queues {
-    pending: HashMap<i64, Vec<(AcceptedUpdate, Reply)>>,
+impl Foldable for AcceptedUpdate {
+    type Refusal = UploadRejection;
+
+    fn queue(state: &AppState) -> &FoldQueue<Self> {
+        &state.folds
+    }
+
+    async fn fold_batch(
+        state: &AppState,
+        round_id: i64,
+        batch: Vec<Self>,
+    ) -> Result<Vec<Result<u64, UploadRejection>>, sqlx::Error> {
+        rounds::accept_updates(&state.db, round_id, &batch).await
+    }
+}
+
+pub struct FoldQueue<T: Foldable> {
+    inner: Mutex<Queues<T>>,
+}
+
+impl<T: Foldable> Default for FoldQueue<T> {
+    fn default() -> Self {
+        FoldQueue {
+            inner: Mutex::new(Queues {
+                pending: HashMap::new(),
+                active: HashSet::new(),
+            }),
+        }
+    }
+}
+
+struct Queues<T: Foldable> {
+    pending: HashMap<i64, Vec<Queued<T>>>,
     /// Rounds with a worker draining them.
     active: HashSet<i64>,
 }
 
-/// Queues an update and waits until it is committed or refused.
-pub async fn submit(
+/// Queues an item and waits until it is committed or refused.
+pub async fn submit<T: Foldable>(
     state: &AppState,
     round_id: i64,
-    update: AcceptedUpdate,
-) -> Result<u64, FoldError> {
+    item: T,
+) -> Result<u64, FoldError<T::Refusal>> {
     let (reply, answer) = oneshot::channel();
     let start_worker = {
-        let mut queues = state
-            .folds
+        let mut queues = T::queue(state)
             .inner
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -53,11 +100,11 @@ pub async fn submit(
             .pending
             .entry(round_id)
             .or_default()
-            .push((update, reply));
+            .push((item, reply));
         queues.active.insert(round_id)
     };
     if start_worker {
-        tokio::spawn(drain(state.clone(), round_id));
+        tokio::spawn(drain::<T>(state.clone(), round_id));
     }
     answer.await.unwrap_or_else(|_| {
         Err(FoldError::Failed(ApiError::internal(
@@ -69,11 +116,10 @@ pub async fn submit(
 /// Folds batches until the round's queue is empty, then retires. Taking
 /// the batch and retiring happen under the same lock as `submit`'s check,
 /// so an update is never left queued without a worker.
-async fn drain(state: AppState, round_id: i64) {
+async fn drain<T: Foldable>(state: AppState, round_id: i64) {
     loop {
         let batch = {
-            let mut queues = state
-                .folds
+            let mut queues = T::queue(&state)
                 .inner
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -86,8 +132,8 @@ async fn drain(state: AppState, round_id: i64) {
             let take = queue.len().min(state.settings.limits.max_fold_batch);
             queue.drain(..take).collect::<Vec<_>>()
         };
-        let (updates, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
-        match rounds::accept_updates(&state.db, round_id, &updates).await {
+        let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+        match T::fold_batch(&state, round_id, items).await {
             Ok(outcomes) => {
                 for (reply, outcome) in replies.into_iter().zip(outcomes) {
                     let _ = reply.send(outcome.map_err(FoldError::Refused));
@@ -97,7 +143,7 @@ async fn drain(state: AppState, round_id: i64) {
             Err(error) => {
                 let busy = matches!(error, sqlx::Error::PoolTimedOut);
                 let message = chain(&error);
-                tracing::error!(round = round_id, error = %message, "cannot fold a batch of updates");
+                tracing::error!(round = round_id, error = %message, "cannot fold a batch");
                 for reply in replies {
                     let failure = if busy {
                         ApiError::unavailable("the database is busy; retry the upload shortly")

@@ -23,15 +23,16 @@ use canopy_protocol::secagg::wire::Stage;
 
 use super::POLL_RECHECK_MS;
 use super::auth::DeviceAuth;
+use super::folds::{self, FoldError, FoldQueue, Foldable};
 use super::poll_wait;
 use super::tasks::PollQuery;
 use crate::api::admin::models::read_limited;
 use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::api::{upload_slot, within_upload_timeout};
-use crate::secure::{self, RoundGraph};
+use crate::secure;
 use crate::state::AppState;
 use crate::store::rounds::{ParticipantState, RoundState};
-use crate::store::secagg::{self, SecureParticipant, SecureRound, SecureStage};
+use crate::store::secagg::{self, MaskedUpload, SecureParticipant, SecureRound, SecureStage};
 
 /// The stage during which a device posts to `endpoint`, and its message.
 fn posted_stage(endpoint: &str) -> ApiResult<(SecureStage, Stage)> {
@@ -228,14 +229,22 @@ async fn advertised_neighbours(
     round: &SecureRound,
     device_id: i64,
 ) -> ApiResult<Vec<SecureParticipant>> {
-    let all = secagg::participants(&state.db.pool, round.id).await?;
-    let graph = RoundGraph::build(round, &all)?.graph;
-    Ok(all
+    let neighbours = neighbour_rows(state, round, device_id).await?;
+    Ok(neighbours
         .into_iter()
-        .filter(|p| {
-            p.secagg_keys.is_some() && graph.are_neighbours(device_id as u64, p.device_id as u64)
-        })
+        .filter(|p| p.secagg_keys.is_some())
         .collect())
+}
+
+/// The rows of a device's graph neighbours: O(k) rows, not the round's n.
+async fn neighbour_rows(
+    state: &AppState,
+    round: &SecureRound,
+    device_id: i64,
+) -> ApiResult<Vec<SecureParticipant>> {
+    let graph = state.secure_graphs.get(&state.db, round).await?;
+    let neighbours = graph.neighbours(device_id as u64).unwrap_or_default();
+    Ok(secagg::participants_among(&state.db.pool, round.id, &neighbours).await?)
 }
 
 async fn share_keys(
@@ -291,20 +300,11 @@ async fn masked_input(
     device_id: i64,
     bytes: Bytes,
 ) -> ApiResult<()> {
-    let session = secure::session(round);
-    let plan = round.plan.clone();
-    let size = bytes.len() as u64;
-    let outcome = secagg::fold_masked(&state.db, round.id, device_id, size, |stored| {
-        // Decoding and folding are a few milliseconds per million values;
-        // the round's lock is held for them, so folds are serial per round.
-        let mut sum = secure::decode_masked_sum(stored.as_deref().unwrap_or_default(), &plan)
-            .map_err(ApiError::internal)?;
-        secagg_server::fold_masked_input(&mut sum, &bytes, session, device_id as u64, &plan)
-            .map_err(refusal)?;
-        Ok(secure::encode_masked_sum(&sum))
-    })
-    .await?;
-    match outcome {
+    let upload = MaskedUpload {
+        device_id,
+        message: bytes,
+    };
+    let rejection = match folds::submit(state, round.id, upload).await {
         Ok(accepted) => {
             tracing::info!(
                 round = round.id,
@@ -312,20 +312,61 @@ async fn masked_input(
                 accepted,
                 "masked input folded"
             );
-            Ok(())
+            return Ok(());
         }
-        Err(secagg::MaskedRejection::Refused(error)) => Err(error),
-        Err(secagg::MaskedRejection::Duplicate) => {
-            Err(duplicate(Stage::MaskedInput, round, device_id))
-        }
-        Err(secagg::MaskedRejection::Closed) => Err(ApiError::gone(format!(
+        Err(FoldError::Failed(error)) => return Err(error),
+        Err(FoldError::Refused(rejection)) => rejection,
+    };
+    Err(match rejection {
+        secagg::MaskedRejection::Refused(error) => error,
+        secagg::MaskedRejection::Duplicate => duplicate(Stage::MaskedInput, round, device_id),
+        secagg::MaskedRejection::Closed => ApiError::gone(format!(
             "round {} no longer collects masked inputs",
             round.id
-        ))),
-        Err(secagg::MaskedRejection::NotEligible) => Err(ApiError::conflict(format!(
+        )),
+        secagg::MaskedRejection::NotEligible => ApiError::conflict(format!(
             "device {device_id} did not complete ShareKeys in round {}, or was dropped",
             round.id
-        ))),
+        )),
+    })
+}
+
+/// Masked inputs fold a batch per transaction, like plain updates: the
+/// masked sum is decoded and rewritten once per batch. Checking and adding
+/// a message is a few milliseconds per million values, under the round's
+/// lock.
+impl Foldable for MaskedUpload {
+    type Refusal = secagg::MaskedRejection<ApiError>;
+
+    fn queue(state: &AppState) -> &FoldQueue<Self> {
+        &state.masked_folds
+    }
+
+    async fn fold_batch(
+        state: &AppState,
+        round_id: i64,
+        batch: Vec<Self>,
+    ) -> Result<Vec<Result<u64, Self::Refusal>>, sqlx::Error> {
+        let Some(round) = secagg::get(&state.db.pool, round_id).await? else {
+            return Ok(batch
+                .iter()
+                .map(|_| Err(secagg::MaskedRejection::Closed))
+                .collect());
+        };
+        let (session, plan) = (secure::session(&round), &round.plan);
+        secagg::fold_masked_batch(
+            &state.db,
+            round_id,
+            &batch,
+            |stored| secure::decode_masked_sum(stored.as_deref().unwrap_or_default(), plan),
+            |sum, upload| {
+                let sender = upload.device_id as u64;
+                secagg_server::fold_masked_input(sum, &upload.message, session, sender, plan)
+                    .map_err(refusal)
+            },
+            |sum| secure::encode_masked_sum(sum),
+        )
+        .await
     }
 }
 
@@ -335,8 +376,8 @@ async fn unmask_sets(
     round: &SecureRound,
     device_id: i64,
 ) -> ApiResult<(BTreeSet<u64>, BTreeSet<u64>)> {
-    let all = secagg::participants(&state.db.pool, round.id).await?;
-    Ok(RoundGraph::build(round, &all)?.unmask_sets(device_id as u64))
+    let neighbours = neighbour_rows(state, round, device_id).await?;
+    Ok(secure::unmask_sets_of(&neighbours))
 }
 
 async fn unmask_response(
