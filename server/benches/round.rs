@@ -68,12 +68,21 @@ use support::{Admin, Database, TestServer, enroll_device, model_bytes};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
-const ARCHITECTURE: Architecture = Architecture::Mlp {
-    inputs: 784,
-    hidden: 128,
-    classes: 10,
-};
-const EXPECTED_PARAMETERS: i64 = 101_770;
+/// The MLP 784-h-10's hidden width: 101,770 parameters at the default
+/// 128, 1,009,660 at 1,270.
+const DEFAULT_HIDDEN: usize = 128;
+
+fn architecture(hidden: usize) -> Architecture {
+    Architecture::Mlp {
+        inputs: 784,
+        hidden,
+        classes: 10,
+    }
+}
+
+fn expected_parameters(hidden: usize) -> i64 {
+    (784 * hidden + hidden + hidden * 10 + 10) as i64
+}
 const DEFAULT_DEVICES: &[usize] = &[1_000, 2_000];
 const DEFAULT_IN_FLIGHT: usize = 256;
 /// Enrollments at once: each is one short write transaction.
@@ -103,10 +112,16 @@ struct Options {
     devices: Vec<usize>,
     database: Database,
     in_flight: usize,
+    hidden: usize,
+    /// Each N runs twice, plain then with secure aggregation at its
+    /// defaults, each on a fresh server, and the ratio is printed.
+    secure: bool,
 }
 
 fn usage() -> String {
-    "usage: round [--devices N[,N…]] [--postgres | --sqlite] [--in-flight N]".to_string()
+    "usage: round [--devices N[,N…]] [--postgres | --sqlite] [--in-flight N] [--hidden H] \
+     [--secure]"
+        .to_string()
 }
 
 fn parse_devices(text: &str) -> Result<Vec<usize>> {
@@ -126,6 +141,8 @@ fn parse_options() -> Result<Options> {
         devices: DEFAULT_DEVICES.to_vec(),
         database: Database::Sqlite,
         in_flight: DEFAULT_IN_FLIGHT,
+        hidden: DEFAULT_HIDDEN,
+        secure: false,
     };
     if let Ok(text) = std::env::var("CANOPY_BENCH_DEVICES") {
         options.devices = parse_devices(&text)?;
@@ -157,6 +174,8 @@ fn parse_options() -> Result<Options> {
             "--in-flight" => {
                 options.in_flight = value()?.parse().context("--in-flight")?;
             }
+            "--hidden" => options.hidden = value()?.parse().context("--hidden")?,
+            "--secure" => options.secure = true,
             "--postgres" => options.database = Database::Postgres,
             "--sqlite" => options.database = Database::Sqlite,
             // `cargo bench` passes `--bench` to every bench binary.
@@ -170,6 +189,9 @@ fn parse_options() -> Result<Options> {
     }
     if options.in_flight == 0 {
         bail!("--in-flight must be at least 1");
+    }
+    if options.hidden == 0 {
+        bail!("--hidden must be at least 1");
     }
     Ok(options)
 }
@@ -337,7 +359,11 @@ async fn attempt<T, F: Future<Output = Result<T, SdkError>>>(
 }
 
 /// One device's part in the round: poll, download, "train", upload.
-async fn simulate_device(device: DeviceClient, stats: Arc<DeviceStats>) -> Result<()> {
+async fn simulate_device(
+    device: DeviceClient,
+    stats: Arc<DeviceStats>,
+    secure: bool,
+) -> Result<()> {
     let give_up = Instant::now() + JOB_TIMEOUT;
     let task = loop {
         if let Some(task) = attempt(&stats, "poll", || device.next_task(POLL_WAIT_MS)).await? {
@@ -360,6 +386,26 @@ async fn simulate_device(device: DeviceClient, stats: Arc<DeviceStats>) -> Resul
         .map(|_| rng.random_range(-0.01f32..0.01))
         .collect();
     let samples = rng.random_range(10..=100u64);
+    if secure {
+        // The four stages through the SDK; the "upload" is the masked
+        // input, and its latency the whole secure exchange.
+        let sent_ms = unix_ms();
+        stats.first_upload_ms.fetch_min(sent_ms, Ordering::Relaxed);
+        let started = Instant::now();
+        let receipt = device
+            .run_secure_round(&task, &values, samples)
+            .await
+            .inspect_err(|error| stats.record_error("secure round", error))
+            .context("secure round")?;
+        stats
+            .bytes_up
+            .fetch_add(receipt.masked_input_bytes, Ordering::Relaxed);
+        stats.uploads_done.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut latencies) = stats.upload_latency_ms.lock() {
+            latencies.push(started.elapsed().as_millis() as u64);
+        }
+        return Ok(());
+    }
     let encoded = Bytes::from(encode_update(&task.layout, samples, &values)?);
     drop(values);
     if encoded.len() as u64 != task.upload_size_bytes {
@@ -422,6 +468,7 @@ async fn run_devices(
     in_flight: usize,
     stats: Arc<DeviceStats>,
     label: &str,
+    secure: bool,
 ) -> Vec<anyhow::Error> {
     let n = devices.len();
     let permits = Arc::new(Semaphore::new(in_flight));
@@ -430,7 +477,7 @@ async fn run_devices(
         let (permits, stats) = (permits.clone(), stats.clone());
         set.spawn(async move {
             let _permit = permits.acquire_owned().await?;
-            simulate_device(device, stats).await
+            simulate_device(device, stats, secure).await
         });
     }
     let mut failures = Vec::new();
@@ -541,6 +588,11 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
 
 struct RunReport {
     devices: usize,
+    secure: bool,
+    /// Secure rounds: seconds in AdvertiseKeys, ShareKeys,
+    /// MaskedInputCollection (training included) and Unmasking, from the
+    /// server log's stage events.
+    stages: Option<[f64; 4]>,
     update_bytes: u64,
     enroll_s: f64,
     /// Job `started_ms` → `finished_ms`, server stamps.
@@ -575,9 +627,10 @@ struct RunReport {
     wall_s: f64,
 }
 
-async fn run_once(options: &Options, n: usize) -> Result<RunReport> {
+async fn run_once(options: &Options, n: usize, secure: bool) -> Result<RunReport> {
     let bench_started = Instant::now();
-    let label = format!("[{} N={n}]", db_name(options.database));
+    let mode = if secure { " secure" } else { "" };
+    let label = format!("[{} N={n}{mode}]", db_name(options.database));
     let config_dir = tempfile::tempdir()?;
     let config_path = config_dir.path().join("server.toml");
     std::fs::write(&config_path, SERVER_CONFIG)?;
@@ -598,12 +651,13 @@ async fn run_once(options: &Options, n: usize) -> Result<RunReport> {
     );
 
     let version = admin
-        .upload_model("bench-mlp", model_bytes(ARCHITECTURE, 7))
+        .upload_model("bench-mlp", model_bytes(architecture(options.hidden), 7))
         .await?;
     let version_id = version["id"].as_i64().context("version id")?;
     let elements = version["trainable_elements"].as_i64().unwrap_or(0);
-    if elements != EXPECTED_PARAMETERS {
-        bail!("the model has {elements} trainable parameters, expected {EXPECTED_PARAMETERS}");
+    let expected = expected_parameters(options.hidden);
+    if elements != expected {
+        bail!("the model has {elements} trainable parameters, expected {expected}");
     }
     eprintln!(
         "{label} uploaded model version {version_id}: {elements} parameters, {} bytes",
@@ -636,6 +690,9 @@ async fn run_once(options: &Options, n: usize) -> Result<RunReport> {
             "batch_size": 32,
             "learning_rate": 0.1,
             "max_round_retries": 0,
+            // The defaults: 10% dropout tolerance, 31 bits, max_weight
+            // 1,024; the random updates stay inside the default clip.
+            "secure_aggregation": {"enabled": secure},
         }))
         .await?;
     eprintln!(
@@ -643,7 +700,7 @@ async fn run_once(options: &Options, n: usize) -> Result<RunReport> {
         options.in_flight
     );
     let stats = Arc::new(DeviceStats::new());
-    let failures = run_devices(devices, options.in_flight, stats.clone(), &label).await;
+    let failures = run_devices(devices, options.in_flight, stats.clone(), &label, secure).await;
     if !failures.is_empty() {
         let _ = admin
             .post(&format!("/api/v1/jobs/{job_id}/cancel"), json!({}))
@@ -701,8 +758,12 @@ async fn run_once(options: &Options, n: usize) -> Result<RunReport> {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let rss_settled = proc_status_bytes(pid, "VmRSS").unwrap_or(0);
     let client_bytes_up = stats.bytes_up.load(Ordering::Relaxed);
+    let log = server.log();
+    let stages = secure.then(|| secure_stages(&log)).flatten();
     let report = RunReport {
         devices: n,
+        secure,
+        stages,
         update_bytes: client_bytes_up / n as u64,
         enroll_s,
         job_s,
@@ -724,7 +785,7 @@ async fn run_once(options: &Options, n: usize) -> Result<RunReport> {
         client_bytes_up,
         client_bytes_down: stats.bytes_down.load(Ordering::Relaxed),
         errors: stats.error_summary(),
-        log_problems: summarize_problems(&server.log()),
+        log_problems: summarize_problems(&log),
         load: (load_before, load_average()),
         error_count: stats.error_count(),
         wall_s: bench_started.elapsed().as_secs_f64(),
@@ -739,12 +800,58 @@ async fn run_once(options: &Options, n: usize) -> Result<RunReport> {
     Ok(report)
 }
 
+/// Seconds of the day of a JSON log event's RFC 3339 `timestamp`: stage
+/// lengths need only differences within one run.
+fn event_seconds(event: &Value) -> Option<f64> {
+    let stamp = event["timestamp"].as_str()?;
+    let time = stamp.split('T').nth(1)?.trim_end_matches('Z');
+    let time = time.split(['+', '-']).next()?;
+    let mut parts = time.split(':');
+    let (h, m, s) = (parts.next()?, parts.next()?, parts.next()?);
+    Some(h.parse::<f64>().ok()? * 3600.0 + m.parse::<f64>().ok()? * 60.0 + s.parse::<f64>().ok()?)
+}
+
+/// The secure round's stage lengths from the server log: AdvertiseKeys
+/// opens, then each next stage, then "unmasked".
+fn secure_stages(log: &str) -> Option<[f64; 4]> {
+    let mut marks: BTreeMap<&str, f64> = BTreeMap::new();
+    for line in log.lines() {
+        let Ok(event) = serde_json::from_str::<Value>(line) else {
+            continue;
+        };
+        let fields = &event["fields"];
+        let key = match (fields["message"].as_str(), fields["stage"].as_str()) {
+            (Some("secure round: AdvertiseKeys open"), _) => "advertise",
+            (Some("secure round: stage open"), Some("share")) => "share",
+            (Some("secure round: stage open"), Some("collect")) => "collect",
+            (Some("secure round: stage open"), Some("unmask")) => "unmask",
+            (Some("secure round: unmasked"), _) => "done",
+            _ => continue,
+        };
+        if let Some(at) = event_seconds(&event) {
+            marks.entry(key).or_insert(at);
+        }
+    }
+    let at = |key: &str| marks.get(key).copied();
+    let (a, s, c, u, d) = (
+        at("advertise")?,
+        at("share")?,
+        at("collect")?,
+        at("unmask")?,
+        at("done")?,
+    );
+    Some([s - a, c - s, u - c, d - u])
+}
+
 /// How one row of the table shows a run.
 type Cell = Box<dyn Fn(&RunReport) -> String>;
 
 fn print_table(options: &Options, reports: &[RunReport]) {
     let mib = |bytes: u64| format!("{:.1}", bytes as f64 / MIB);
     let mb = |bytes: i64| format!("{:.1}", bytes as f64 / 1e6);
+    let stage = |i: usize| -> Cell {
+        Box::new(move |r: &RunReport| r.stages.map_or("-".to_string(), |s| format!("{:.2}", s[i])))
+    };
     let rows: Vec<(&str, Cell)> = vec![
         (
             "enroll N devices (s)",
@@ -762,6 +869,13 @@ fn print_table(options: &Options, reports: &[RunReport]) {
             "  of which aggregating: closed → new version (s)",
             Box::new(|r| format!("{:.2}", r.aggregating_s)),
         ),
+        ("  secure: AdvertiseKeys (s)", stage(0)),
+        ("  secure: ShareKeys (s)", stage(1)),
+        (
+            "  secure: MaskedInputCollection, training included (s)",
+            stage(2),
+        ),
+        ("  secure: Unmasking (s)", stage(3)),
         (
             "first upload sent → round succeeded (s)",
             Box::new(|r| format!("{:.2}", r.first_upload_to_done_s)),
@@ -851,14 +965,17 @@ fn print_table(options: &Options, reports: &[RunReport]) {
     let update_bytes = reports.first().map(|r| r.update_bytes).unwrap_or(0);
     println!();
     println!(
-        "Canopy round benchmark: {}, MLP 784-128-10 ({EXPECTED_PARAMETERS} f32 parameters, \
+        "Canopy round benchmark: {}, MLP 784-{}-10 ({} f32 parameters, \
          {update_bytes}-byte updates), {} devices in flight, loopback HTTPS",
         db_name(options.database),
+        options.hidden,
+        expected_parameters(options.hidden),
         options.in_flight
     );
     print!("{:width$}", "");
     for report in reports {
-        print!("  {:>14}", format!("N={}", report.devices));
+        let mode = if report.secure { " secure" } else { "" };
+        print!("  {:>14}", format!("N={}{mode}", report.devices));
     }
     println!();
     for (name, cell) in &rows {
@@ -881,9 +998,25 @@ fn print_table(options: &Options, reports: &[RunReport]) {
             println!("  {count}× {what}");
         }
     }
+    for secure in reports.iter().filter(|r| r.secure) {
+        if let Some(plain) = reports
+            .iter()
+            .find(|r| !r.secure && r.devices == secure.devices)
+        {
+            println!(
+                "secure / plain at N={}: round wall {:.2} s / {:.2} s = {:.2}x; server CPU {:.2}x",
+                secure.devices,
+                secure.job_s,
+                plain.job_s,
+                secure.job_s / plain.job_s,
+                secure.server_cpu_s / plain.server_cpu_s.max(1e-9)
+            );
+        }
+    }
+    let plain: Vec<&RunReport> = reports.iter().filter(|r| !r.secure).collect();
     if let (Some(small), Some(large)) = (
-        reports.iter().min_by_key(|r| r.devices),
-        reports.iter().max_by_key(|r| r.devices),
+        plain.iter().min_by_key(|r| r.devices),
+        plain.iter().max_by_key(|r| r.devices),
     ) && large.devices > small.devices
     {
         let above = |r: &RunReport| r.hwm.saturating_sub(r.rss_idle).max(1) as f64;
@@ -903,7 +1036,10 @@ async fn main() -> Result<()> {
     let started = Instant::now();
     let mut reports = Vec::new();
     for &n in &options.devices {
-        reports.push(run_once(&options, n).await?);
+        reports.push(run_once(&options, n, false).await?);
+        if options.secure {
+            reports.push(run_once(&options, n, true).await?);
+        }
     }
     print_table(&options, &reports);
     println!("total bench time: {:.1} s", started.elapsed().as_secs_f64());
