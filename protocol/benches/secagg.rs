@@ -188,15 +188,7 @@ fn fmt_ratio(x: f64) -> String {
 }
 
 fn fmt_count(n: usize) -> String {
-    let digits = n.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
+    canopy_protocol::secagg::params::thousands(n)
 }
 
 /// Rows of (label, one cell per column), right-aligned under the headers.

@@ -467,7 +467,8 @@ fn name_ranges(ranges: &[std::ops::RangeInclusive<usize>]) -> String {
     }
 }
 
-fn thousands(n: usize) -> String {
+/// `n` with commas between thousands: 2,189.
+pub fn thousands(n: usize) -> String {
     let digits = n.to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {

@@ -843,8 +843,14 @@ pub async fn accept_updates(
     .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
-    let mut count = before as u64;
-    Ok(outcomes
+    Ok(numbered(outcomes, before as u64))
+}
+
+/// A batch's outcomes in order, each accepted one numbered by how many the
+/// round had accepted with it (counting on from `before`).
+pub fn numbered<E>(outcomes: Vec<Result<(), E>>, before: u64) -> Vec<Result<u64, E>> {
+    let mut count = before;
+    outcomes
         .into_iter()
         .map(|outcome| {
             outcome.map(|()| {
@@ -852,7 +858,7 @@ pub async fn accept_updates(
                 count
             })
         })
-        .collect())
+        .collect()
 }
 
 /// Checks one participant and folds its update into `sum`; an error in

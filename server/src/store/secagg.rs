@@ -465,16 +465,7 @@ pub async fn fold_masked_batch<S, E>(
     .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
-    let mut count = before as u64;
-    Ok(outcomes
-        .into_iter()
-        .map(|outcome| {
-            outcome.map(|()| {
-                count += 1;
-                count
-            })
-        })
-        .collect())
+    Ok(super::rounds::numbered(outcomes, before as u64))
 }
 
 /// Whether a device may send its masked input now: it completed ShareKeys,
