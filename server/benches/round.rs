@@ -22,6 +22,8 @@
 //! cargo bench -p canopy-server --bench round -- --devices 1000,2000 --postgres
 //! ```
 //!
+//! `CANOPY_BENCH_LOG=DIR` keeps each run's server log in DIR.
+//!
 //! Options (or environment variables): `--devices N[,N…]`
 //! (`CANOPY_BENCH_DEVICES`), `--postgres` / `--sqlite` (`CANOPY_BENCH_DB`),
 //! `--in-flight N` (`CANOPY_BENCH_IN_FLIGHT`). PostgreSQL is reached at
@@ -759,6 +761,13 @@ async fn run_once(options: &Options, n: usize, secure: bool) -> Result<RunReport
     let rss_settled = proc_status_bytes(pid, "VmRSS").unwrap_or(0);
     let client_bytes_up = stats.bytes_up.load(Ordering::Relaxed);
     let log = server.log();
+    // `CANOPY_BENCH_LOG=DIR` keeps each run's server log there, to read
+    // what the table sums up (per-request timings, stage events).
+    if let Ok(dir) = std::env::var("CANOPY_BENCH_LOG") {
+        let mode = if secure { "secure" } else { "plain" };
+        let path = std::path::Path::new(&dir).join(format!("round-{n}-{mode}.log"));
+        std::fs::write(&path, &log).with_context(|| format!("cannot write {}", path.display()))?;
+    }
     let stages = secure.then(|| secure_stages(&log)).flatten();
     let report = RunReport {
         devices: n,

@@ -368,6 +368,7 @@ async fn unmask_round(
     participants: &[SecureParticipant],
     answered: usize,
 ) -> Result<StageClosed, SecureError> {
+    let started = std::time::Instant::now();
     let sum = rounds::update_sum(tx, secure.id).await?.unwrap_or_default();
     let secure_round = secure.clone();
     let rows = participants.to_vec();
@@ -382,9 +383,12 @@ async fn unmask_round(
         Err(reason) => return Ok(StageClosed::Failed(reason)),
     };
     secagg::store_aggregate(tx, secure.id, &fedavg::encode_sum(&values), weight_total).await?;
+    // How long reading the masked sum, removing the masks and storing
+    // the aggregate took, apart from waiting for the devices' shares.
     tracing::info!(
         round = secure.id,
         survivors = answered,
+        unmask_ms = started.elapsed().as_millis() as u64,
         "secure round: unmasked"
     );
     Ok(StageClosed::Unmasked)
