@@ -124,38 +124,42 @@ impl RoundGraph {
 
     /// [`unmask_sets`] from the whole round's rows.
     pub fn unmask_sets(&self, device: u64) -> (BTreeSet<u64>, BTreeSet<u64>) {
+        let neighbours = self.graph.neighbours(device).unwrap_or_default();
         unmask_sets(
-            self.graph.neighbours(device).unwrap_or_default(),
-            |n| self.shared.contains(&n),
-            |n| self.survivors.contains(&n),
+            neighbours
+                .into_iter()
+                .map(|n| (n, self.shared.contains(&n), self.survivors.contains(&n))),
         )
     }
 }
 
-/// What a survivor is asked to reveal, given its neighbours: the self-mask
-/// seed share of each that survived, the mask-key share of each that
-/// shared keys but sent no masked input. (survivors, dropouts).
+/// What a survivor is asked to reveal, given each neighbour as (id, shared
+/// keys, survived): the self-mask seed share of each that survived, the
+/// mask-key share of each that shared keys but sent no masked input.
+/// (survivors, dropouts).
 pub fn unmask_sets(
-    neighbours: impl IntoIterator<Item = u64>,
-    shared: impl Fn(u64) -> bool,
-    survived: impl Fn(u64) -> bool,
+    neighbours: impl IntoIterator<Item = (u64, bool, bool)>,
 ) -> (BTreeSet<u64>, BTreeSet<u64>) {
-    neighbours
-        .into_iter()
-        .filter(|&n| shared(n))
-        .partition(|&n| survived(n))
+    let (mut survivors, mut dropouts) = (BTreeSet::new(), BTreeSet::new());
+    for (id, _, survived) in neighbours.into_iter().filter(|&(_, shared, _)| shared) {
+        if survived {
+            survivors.insert(id);
+        } else {
+            dropouts.insert(id);
+        }
+    }
+    (survivors, dropouts)
 }
 
 /// [`unmask_sets`] from the neighbours' own rows.
 pub fn unmask_sets_of(neighbours: &[SecureParticipant]) -> (BTreeSet<u64>, BTreeSet<u64>) {
-    let rows: BTreeMap<u64, &SecureParticipant> =
-        neighbours.iter().map(|p| (p.device_id as u64, p)).collect();
-    let row = |id: u64| rows.get(&id);
-    unmask_sets(
-        rows.keys().copied(),
-        |n| row(n).is_some_and(|p| p.secagg_commitment.is_some()),
-        |n| row(n).is_some_and(|p| p.state == ParticipantState::Uploaded),
-    )
+    unmask_sets(neighbours.iter().map(|p| {
+        (
+            p.device_id as u64,
+            p.secagg_commitment.is_some(),
+            p.state == ParticipantState::Uploaded,
+        )
+    }))
 }
 
 /// Round graphs the device API has built. A round's graph is fixed once

@@ -71,6 +71,23 @@ fn derive(ikm: &[u8; 32], info: &[u8], out: &mut [u8]) {
         .expect("HKDF output length is within bounds");
 }
 
+/// An `N`-byte key for one pair, one round and one `purpose`: the X25519
+/// agreement through HKDF, the raw agreement wiped.
+fn pair_key<const N: usize>(
+    own: &StaticSecret,
+    peer_key: &[u8; 32],
+    session: Session,
+    purpose: &[u8],
+    own_id: u64,
+    peer_id: u64,
+) -> Result<[u8; N], SecAggError> {
+    let mut shared = agree(own, peer_key, peer_id)?;
+    let mut key = [0u8; N];
+    derive(&shared, &info(session, purpose, own_id, peer_id), &mut key);
+    shared.zeroize();
+    Ok(key)
+}
+
 /// The seed of the mask two devices share, the same from either side.
 pub fn pairwise_seed(
     own: &StaticSecret,
@@ -79,15 +96,7 @@ pub fn pairwise_seed(
     own_id: u64,
     peer_id: u64,
 ) -> Result<Seed, SecAggError> {
-    let mut shared = agree(own, peer_key, peer_id)?;
-    let mut seed = [0u8; 16];
-    derive(
-        &shared,
-        &info(session, b"pairwise-mask", own_id, peer_id),
-        &mut seed,
-    );
-    shared.zeroize();
-    Ok(seed)
+    pair_key(own, peer_key, session, b"pairwise-mask", own_id, peer_id)
 }
 
 /// The AES-256-GCM key two devices' channel keys agree on, which seals
@@ -113,14 +122,7 @@ impl Channel {
         own_id: u64,
         peer_id: u64,
     ) -> Result<Channel, SecAggError> {
-        let mut shared = agree(own, peer_key, peer_id)?;
-        let mut key = [0u8; 32];
-        derive(
-            &shared,
-            &info(session, b"share-channel", own_id, peer_id),
-            &mut key,
-        );
-        shared.zeroize();
+        let key = pair_key(own, peer_key, session, b"share-channel", own_id, peer_id)?;
         Ok(Channel { key })
     }
 

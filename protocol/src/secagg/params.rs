@@ -249,7 +249,7 @@ impl SecAggConfig {
             let remedy = if needed <= MAX_BITS {
                 format!("raise bits to {needed}, or select fewer devices per round")
             } else {
-                "that is over the 32-bit limit, so select fewer devices per round".to_string()
+                format!("that is over the {MAX_BITS}-bit limit, so select fewer devices per round")
             };
             return Err(SecAggError::Config(format!(
                 "bits = {} could overflow: the sum of {participants} updates at the minimum \
