@@ -21,7 +21,10 @@ use std::time::{Duration, Instant};
 use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::secagg::mask::{self, Sign};
 use canopy_protocol::secagg::params::Plan;
-use canopy_protocol::secagg::server::{fold_masked_input, unmask_request_message};
+use canopy_protocol::secagg::server::{
+    fold_masked_input, survivor_set_message, unmask_request_message,
+};
+use canopy_protocol::secagg::wire::survivors_signed_bytes;
 use canopy_protocol::secagg::{Aggregator, Client, SecAggConfig, Session, arith};
 use canopy_protocol::update::{TensorSpec, UpdateLayout, decode_update, encode_update};
 use rand::rngs::SmallRng;
@@ -407,6 +410,8 @@ struct Setup {
     server: Aggregator,
     /// Devices that shared keys, by id, minus those that drop out later.
     clients: Vec<(u64, Client)>,
+    /// Every device's enrolled key, device i at i − 1.
+    keys: Vec<DeviceKey>,
     /// Each sharing device's IncomingShares message.
     incoming: BTreeMap<u64, Vec<u8>>,
     advertise_bytes: BTreeMap<u64, usize>,
@@ -481,6 +486,7 @@ fn setup_round(plan: Plan, measured: &[u64]) -> Setup {
     Setup {
         server,
         clients,
+        keys,
         incoming,
         advertise_bytes,
         share_bytes,
@@ -499,21 +505,27 @@ struct DeviceRow {
     start: Duration,
     share_keys: Duration,
     masked_input: Duration,
+    sign: Duration,
     unmask: Duration,
     advertise_bytes: usize,
     share_bytes: usize,
     masked_bytes: usize,
+    sign_bytes: usize,
     unmask_bytes: usize,
     fold: Duration,
 }
 
 impl DeviceRow {
     fn total(&self) -> Duration {
-        self.quantize + self.start + self.share_keys + self.masked_input + self.unmask
+        self.quantize + self.start + self.share_keys + self.masked_input + self.sign + self.unmask
     }
 
     fn upload(&self) -> usize {
-        self.advertise_bytes + self.share_bytes + self.masked_bytes + self.unmask_bytes
+        self.advertise_bytes
+            + self.share_bytes
+            + self.masked_bytes
+            + self.sign_bytes
+            + self.unmask_bytes
     }
 }
 
@@ -529,6 +541,8 @@ fn measure_device(label: String, plan: Plan) -> DeviceRow {
     let mut quantize = Vec::new();
     let mut masked_input = Vec::new();
     let mut unmask = Vec::new();
+    let mut sign = Vec::new();
+    let mut sign_bytes = Vec::new();
     let mut masked_bytes = Vec::new();
     let mut unmask_bytes = Vec::new();
     let mut fold = Vec::new();
@@ -558,15 +572,24 @@ fn measure_device(label: String, plan: Plan) -> DeviceRow {
         result.expect("fold");
         fold.push(t);
         drop(message);
-        // Every neighbour survived: the request asks for self-mask shares.
-        let neighbours: BTreeSet<u64> = setup
+        // Every device survived and every neighbour signed the set.
+        let all: Vec<u64> = (1..=n).collect();
+        let survivor_set = survivor_set_message(SESSION, id, &all);
+        let key = &setup.keys[id as usize - 1];
+        let (signature, t) =
+            timed(|| client.sign_survivors(&survivor_set, key).expect("signed"));
+        sign.push(t);
+        sign_bytes.push(signature.len());
+        let signed = survivors_signed_bytes(SESSION, &all);
+        let signatures: Vec<(u64, [u8; 64])> = setup
             .server
             .graph()
             .neighbours(id)
             .expect("a participant")
             .into_iter()
+            .map(|peer| (peer, setup.keys[peer as usize - 1].sign_message(&signed)))
             .collect();
-        let request = unmask_request_message(SESSION, id, &neighbours, &BTreeSet::new());
+        let request = unmask_request_message(SESSION, id, &signatures);
         let (response, t) = timed(|| client.unmask(&request).expect("unmask"));
         unmask.push(t);
         unmask_bytes.push(response.len());
@@ -580,10 +603,12 @@ fn measure_device(label: String, plan: Plan) -> DeviceRow {
         start: pick(&setup.start_time),
         share_keys: pick(&setup.share_time),
         masked_input: median(masked_input),
+        sign: median(sign),
         unmask: median(unmask),
         advertise_bytes: pick_bytes(&setup.advertise_bytes),
         share_bytes: pick_bytes(&setup.share_bytes),
         masked_bytes: median_usize(masked_bytes),
+        sign_bytes: median_usize(sign_bytes),
         unmask_bytes: median_usize(unmask_bytes),
         fold: median(fold),
         plan,
@@ -658,7 +683,8 @@ fn device_side(args: &Args) {
         row("Client::start (ms)", &|r| fmt_ms(r.start)),
         row("share_keys (ms)", &|r| fmt_ms(r.share_keys)),
         row("masked_input, k+1 masks (ms)", &|r| fmt_ms(r.masked_input)),
-        row("unmask (ms)", &|r| fmt_ms(r.unmask)),
+        row("sign_survivors (ms)", &|r| fmt_ms(r.sign)),
+        row("unmask, k signatures checked (ms)", &|r| fmt_ms(r.unmask)),
         row("device total (ms)", &|r| fmt_ms(r.total())),
         row("device total per 1M params (ms)", &|r| {
             format!("{:.1}", per_million(r.total()))
@@ -853,8 +879,19 @@ fn measure_server(n: usize, params: usize, dropout: f64) -> ServerRow {
         folds.push(t);
     }
 
-    // Unmasking: every survivor answers.
-    let requests = server.close_collection().expect("close_collection");
+    // ConsistencyCheck and Unmasking: every survivor answers.
+    let survivor_sets = server.close_collection().expect("close_collection");
+    for (id, survivor_set) in survivor_sets {
+        let at = survivors
+            .binary_search_by_key(&id, |(i, _)| *i)
+            .expect("a survivor");
+        let key = &setup.keys[id as usize - 1];
+        let signature = survivors[at].1.sign_survivors(&survivor_set, key);
+        server
+            .receive_survivor_signature(id, &signature.expect("signed"))
+            .expect("survivor signature");
+    }
+    let requests = server.close_consistency().expect("close_consistency");
     for (id, request) in requests {
         let at = survivors
             .binary_search_by_key(&id, |(i, _)| *i)

@@ -76,7 +76,7 @@ fn main() {
 fn print_report(report: &scale::Report, n: usize, dropout: f64) {
     let plan = &report.plan;
     println!(
-        "\n{:.0}% dropouts ({} of {n}, a quarter before each stage): k = {}, t = {}, \
+        "\n{:.0}% dropouts ({} of {n}, a fifth before each of the five stages): k = {}, t = {}, \
          max_weight {} at {} levels; {} survivors; the unmasked sum equals theirs exactly",
         dropout * 100.0,
         report.dropouts,

@@ -17,8 +17,9 @@ use std::fmt::Debug;
 use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::secagg::client::{pairwise_sign, seed_commitment};
 use canopy_protocol::secagg::crypto::{self, public_key, random_secret};
+use canopy_protocol::secagg::graph::Graph;
 use canopy_protocol::secagg::params::Plan;
-use canopy_protocol::secagg::server::{self, DroppedPeer, UnmaskBook};
+use canopy_protocol::secagg::server::{self, UnmaskBook};
 use canopy_protocol::secagg::wire::{
     self, HEADER_BYTES, SHARE_CIPHERTEXT_BYTES, SHARE_PLAINTEXT_BYTES, Stage,
 };
@@ -84,6 +85,17 @@ fn out_of_order<T: Debug>(result: Result<T, SecAggError>, says: &[&str]) {
     let text = match result {
         Err(SecAggError::OutOfOrder(text)) => text,
         other => panic!("expected an OutOfOrder error, got {other:?}"),
+    };
+    for needle in says {
+        assert!(text.contains(needle), "{text}\n  should say: {needle}");
+    }
+}
+
+#[track_caller]
+fn unrecoverable<T: Debug>(result: Result<T, SecAggError>, says: &[&str]) {
+    let text = match result {
+        Err(SecAggError::Unrecoverable(text)) => text,
+        other => panic!("expected an Unrecoverable error, got {other:?}"),
     };
     for needle in says {
         assert!(text.contains(needle), "{text}\n  should say: {needle}");
@@ -225,19 +237,22 @@ fn response_bytes(session: Session, device: u64, entries: &[Revealed]) -> Vec<u8
     out
 }
 
-/// An UnmaskRequest with lists as given, repeats included.
-fn raw_unmask_request(
-    session: Session,
-    device: u64,
-    survivors: &[u64],
-    dropped: &[u64],
-) -> Vec<u8> {
-    let mut out = wire::header(session, Stage::UnmaskRequest, device);
-    for ids in [survivors, dropped] {
-        out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
-        ids.iter()
-            .for_each(|id| out.extend_from_slice(&id.to_le_bytes()));
-    }
+/// The survivor-set signatures an UnmaskRequest carries, as (signer,
+/// signature).
+fn request_signatures(bytes: &[u8]) -> Vec<(u64, [u8; 64])> {
+    List::parse(bytes, HEADER_BYTES, 8 + 64)
+        .entries
+        .iter()
+        .map(|e| (u64_at(e, 0), e[8..].try_into().unwrap()))
+        .collect()
+}
+
+/// A SurvivorSet with the ids as given, order and repeats included.
+fn raw_survivor_set(session: Session, device: u64, ids: &[u64]) -> Vec<u8> {
+    let mut out = wire::header(session, Stage::SurvivorSet, device);
+    out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+    ids.iter()
+        .for_each(|id| out.extend_from_slice(&id.to_le_bytes()));
     out
 }
 
@@ -311,6 +326,8 @@ struct Transcript {
     share_keys: Messages,
     incoming_shares: Messages,
     masked_inputs: Messages,
+    survivor_sets: Messages,
+    survivor_signatures: Messages,
     unmask_requests: Messages,
     unmask_responses: Messages,
 }
@@ -326,6 +343,9 @@ enum Step {
     Mask,
     DeliverMaskedInputs,
     CloseCollection,
+    Sign,
+    DeliverSignatures,
+    CloseConsistency,
     Unmask,
     DeliverResponses,
     Finish,
@@ -513,7 +533,30 @@ impl Round {
                 Step::CloseCollection
             }
             Step::CloseCollection => {
-                self.sent.unmask_requests = self.server.close_collection().expect("collection");
+                self.sent.survivor_sets = self.server.close_collection().expect("collection");
+                Step::Sign
+            }
+            Step::Sign => {
+                for (id, m) in speaking(&self.sent.survivor_sets, &self.silent) {
+                    let key = self.keys[&id].clone();
+                    let reply = self
+                        .client(id)
+                        .sign_survivors(&m, &key)
+                        .unwrap_or_else(|e| fail(id, "sign the survivor set", e));
+                    self.sent.survivor_signatures.insert(id, reply);
+                }
+                Step::DeliverSignatures
+            }
+            Step::DeliverSignatures => {
+                for (id, m) in speaking(&self.sent.survivor_signatures, &self.silent) {
+                    self.server
+                        .receive_survivor_signature(id, &m)
+                        .unwrap_or_else(|e| fail(id, "upload its signature", e));
+                }
+                Step::CloseConsistency
+            }
+            Step::CloseConsistency => {
+                self.sent.unmask_requests = self.server.close_consistency().expect("consistency");
                 Step::Unmask
             }
             Step::Unmask => {
@@ -1071,66 +1114,136 @@ fn a_second_copy_of_a_message_in_the_same_round_is_refused() {
 }
 
 // ---------------------------------------------------------------------------
-// Both kinds of share of one peer.
+// ConsistencyCheck: the survivor set and its signatures.
 
 #[test]
-fn an_unmask_request_for_both_shares_of_a_peer_is_refused() {
+fn a_survivor_set_without_the_device_or_below_the_tolerance_is_refused() {
+    let mut round = Round::new(14);
+    round.run_until(Step::Sign);
+    let session = round.session;
+    let (a, b) = (round.ids()[0], round.ids()[1]);
+    let key = round.keys[&b].clone();
+    let without_b: Vec<u64> = round.ids().into_iter().filter(|&id| id != b).collect();
+    rejected(
+        round
+            .client(b)
+            .sign_survivors(&raw_survivor_set(session, b, &without_b), &key),
+        "SurvivorSet",
+        &[&format!(
+            "it leaves out device {b} itself, which sent its masked input"
+        )],
+    );
+    // More dropouts than the plan tolerates.
+    let needed = DEVICES - round.plan.max_dropouts;
+    let too_few: Vec<u64> = round.ids()[1..needed].to_vec();
+    unrecoverable(
+        round
+            .client(b)
+            .sign_survivors(&raw_survivor_set(session, b, &too_few), &key),
+        &[&format!(
+            "the survivor set device {b} was sent has {} devices; the round needs {needed}",
+            needed - 1
+        )],
+    );
+    // B's set, signed by A, and A's signature passed off as B's.
+    round.run_until(Step::DeliverSignatures);
+    let a_key = round.keys[&a].clone();
+    let mut over_other = wire::header(session, Stage::SurvivorSignature, a);
+    over_other.extend_from_slice(
+        &a_key.sign_message(&wire::survivors_signed_bytes(session, &without_b)),
+    );
+    let not_covered = format!(
+        "device {a}'s signature does not cover this round's survivor set with its enrolled key"
+    );
+    rejected(
+        round.server.receive_survivor_signature(a, &over_other),
+        "SurvivorSignature",
+        &[&not_covered],
+    );
+    let mut a_as_b = round.sent.survivor_signatures[&a].clone();
+    a_as_b[HEADER_BYTES - 8..HEADER_BYTES].copy_from_slice(&b.to_le_bytes());
+    rejected(
+        round.server.receive_survivor_signature(b, &a_as_b),
+        "SurvivorSignature",
+        &[&format!(
+            "device {b}'s signature does not cover this round's survivor set"
+        )],
+    );
+    round.run_until(Step::CloseConsistency);
+    let copy = round.sent.survivor_signatures[&a].clone();
+    rejected(
+        round.server.receive_survivor_signature(a, &copy),
+        "SurvivorSignature",
+        &[&format!("device {a} already sent one")],
+    );
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+#[test]
+fn an_unmask_request_the_neighbours_did_not_confirm_is_refused() {
     let mut round = Round::new(8);
     round.run_until(Step::Unmask);
     let session = round.session;
+    let t = round.plan.threshold;
     let b = round.ids()[1];
     let neighbours: BTreeSet<u64> = round.neighbours(b).into_iter().collect();
-    let (p, q) = {
-        let mut it = neighbours.iter().copied();
-        (it.next().unwrap(), it.next().unwrap())
-    };
+    let signed = request_signatures(&round.sent.unmask_requests[&b]);
+    let signers: BTreeSet<u64> = signed.iter().map(|(id, _)| *id).collect();
+    assert_eq!(signers, neighbours, "every neighbour signed");
+    let (p, q) = (signed[0].0, signed[1].0);
     let stranger = round.stranger_to(b);
+    let request = |signatures: &[(u64, [u8; 64])]| {
+        server::unmask_request_message(session, b, signatures)
+    };
 
-    // P listed both as a survivor (self-mask share) and as dropped (key share).
-    let both = server::unmask_request_message(session, b, &neighbours, &BTreeSet::from([p]));
+    // P's signature over another survivor set: the server told P and B
+    // different things.
+    let other_set: Vec<u64> = round.ids().into_iter().filter(|&id| id != q).collect();
+    let mut forged = signed.clone();
+    forged[0].1 = round.keys[&p].sign_message(&wire::survivors_signed_bytes(session, &other_set));
+    let did_not_sign = format!("device {p} did not sign the survivor set device {b} was sent");
     rejected(
-        round.client(b).unmask(&both),
+        round.client(b).unmask(&request(&forged)),
+        "UnmaskRequest",
+        &[&did_not_sign],
+    );
+    // Q's signature passed off as P's.
+    let mut forged = signed.clone();
+    forged[0].1 = signed[1].1;
+    rejected(
+        round.client(b).unmask(&request(&forged)),
+        "UnmaskRequest",
+        &[&did_not_sign],
+    );
+    // A genuine signature over the same set, by a device that is not B's
+    // neighbour.
+    let mut forged = signed.clone();
+    let all_ids = round.ids();
+    let by_stranger = round.keys[&stranger].sign_message(&wire::survivors_signed_bytes(session, &all_ids));
+    forged[0] = (stranger, by_stranger);
+    rejected(
+        round.client(b).unmask(&request(&forged)),
         "UnmaskRequest",
         &[&format!(
-            "it asks for both the self-mask share and the key share of device {p}"
+            "it carries a signature of device {stranger}, which is not a surviving neighbour of \
+             device {b}"
         )],
     );
-    // Every neighbour as a survivor, and every one as dropped.
-    let everything = server::unmask_request_message(session, b, &neighbours, &neighbours);
-    rejected(
-        round.client(b).unmask(&everything),
-        "UnmaskRequest",
-        &["both the self-mask share and the key share"],
-    );
-    // A device B holds no shares of, and one left out.
-    let mut with_stranger = neighbours.clone();
-    with_stranger.remove(&q);
-    let request =
-        server::unmask_request_message(session, b, &with_stranger, &BTreeSet::from([stranger]));
-    rejected(
-        round.client(b).unmask(&request),
-        "UnmaskRequest",
+    // Fewer than t confirmations.
+    unrecoverable(
+        round.client(b).unmask(&request(&signed[..t - 1])),
         &[&format!(
-            "it names device {stranger}, which did not share keys with device {b}"
-        )],
-    );
-    let request = server::unmask_request_message(session, b, &with_stranger, &BTreeSet::new());
-    rejected(
-        round.client(b).unmask(&request),
-        "UnmaskRequest",
-        &[&format!(
-            "it leaves out device {q}, which shared keys with device {b}"
+            "only {} of device {b}'s surviving neighbours signed the survivor set it was sent; \
+             revealing shares needs {t}",
+            t - 1
         )],
     );
 
-    // B answers the honest request once, and nothing after it: not even a
-    // request that now calls P dropped, to get P's key share.
+    // B answers the honest request once, and nothing after it.
     round.run_until(Step::DeliverResponses);
-    let mut without_p = neighbours.clone();
-    without_p.remove(&p);
-    let second = server::unmask_request_message(session, b, &without_p, &BTreeSet::from([p]));
     out_of_order(
-        round.client(b).unmask(&second),
+        round.client(b).unmask(&request(&signed)),
         &[&format!("device {b} cannot answer an unmask request now")],
     );
 
@@ -1204,140 +1317,211 @@ fn an_unmask_request_for_both_shares_of_a_peer_is_refused() {
     round.finish_exactly(&all);
 }
 
-/// The attack the refusal above prevents, tried the only way left to a
-/// server: it tells some of D's neighbours that D survived (to get D's
-/// self-mask seed shares) and the others that D dropped (to get its mask
-/// key shares). Each honest neighbour reveals one kind, and t > k/2, so the
-/// server gets at most one of the two secrets, and D's input stays hidden.
-#[test]
-fn a_server_that_splits_its_requests_still_cannot_unmask_one_device() {
-    let mut round = Round::new(9);
-    round.run_until(Step::Unmask);
-    let (session, plan) = (round.session, round.plan.clone());
-    let t = plan.threshold;
-    let d = round.ids()[0];
-    let d_neighbours = round.neighbours(d);
-    // Key shares from t neighbours, self-mask shares from the other k - t.
-    let told_dropped: BTreeSet<u64> = d_neighbours[..t].iter().copied().collect();
-    assert!(d_neighbours.len() - t < t);
+// ---------------------------------------------------------------------------
+// A server that tells devices different survivor sets.
 
-    let mut book = UnmaskBook::default();
-    for id in round.ids() {
-        let mut survivors: BTreeSet<u64> = round.neighbours(id).into_iter().collect();
-        let mut dropped = BTreeSet::new();
-        if told_dropped.contains(&id) {
-            survivors.remove(&d);
-            dropped.insert(d);
-            // Asking the same neighbour for both is refused outright.
-            let mut with_d = survivors.clone();
-            with_d.insert(d);
-            let both = server::unmask_request_message(session, id, &with_d, &dropped);
-            rejected(
-                round.client(id).unmask(&both),
-                "UnmaskRequest",
-                &[&format!(
-                    "both the self-mask share and the key share of device {d}"
-                )],
-            );
+/// A round in which a server without ConsistencyCheck can unmask one
+/// device's input: 100 devices on a sparse graph, and a tolerance of 30 %
+/// dropouts, which leaves room to tell every device that k − t of its
+/// neighbours dropped out.
+fn attack_plan() -> (Plan, Vec<u64>) {
+    let ids: Vec<u64> = (101..).take(100).collect();
+    let config = SecAggConfig {
+        max_dropout_fraction: 0.3,
+        ..config(24)
+    };
+    let plan = config.plan(ids.len(), UPDATE_LEN).expect("a feasible plan");
+    assert!(plan.degree < ids.len() - 1, "a sparse graph");
+    (plan, ids)
+}
+
+/// Which of D's neighbours the server tells each device dropped out (it
+/// tells everyone that D survived): each neighbour v of D is called
+/// dropped by t of v's own neighbours, who then reveal v's mask-key share,
+/// while every device is still told that t of its neighbours survived (or
+/// it would refuse anyway) and is sent a set within the dropout tolerance.
+/// D's neighbours, told D survived, reveal D's self-mask seed. No device
+/// is asked for both shares of one peer. None if the graph leaves no such
+/// assignment around D.
+fn lies_around(graph: &Graph, plan: &Plan, d: u64) -> Option<BTreeMap<u64, BTreeSet<u64>>> {
+    let capacity = (plan.degree - plan.threshold).min(plan.max_dropouts);
+    let mut told: BTreeMap<u64, BTreeSet<u64>> = BTreeMap::new();
+    let lies = |told: &BTreeMap<u64, BTreeSet<u64>>, x: u64| told.get(&x).map_or(0, BTreeSet::len);
+    for v in graph.neighbours(d)? {
+        let mut candidates: Vec<u64> = graph
+            .neighbours(v)?
+            .into_iter()
+            .filter(|&x| x != d && lies(&told, x) < capacity)
+            .collect();
+        if candidates.len() < plan.threshold {
+            return None;
         }
-        let request = server::unmask_request_message(session, id, &survivors, &dropped);
-        let response = round
-            .client(id)
-            .unmask(&request)
-            .expect("an honest device cannot tell the lie from a dropout");
-        let reveals = server::read_unmask_response(&response, session, id, &survivors, &dropped)
-            .expect("a well-formed response");
-        book.add(reveals);
-        // It will not answer again, whatever it is asked.
-        out_of_order(round.client(id).unmask(&request), &["cannot answer"]);
+        candidates.sort_by_key(|&x| lies(&told, x));
+        for &x in &candidates[..plan.threshold] {
+            told.entry(x).or_default().insert(v);
+        }
+    }
+    Some(told)
+}
+
+/// What the server got out of the attack.
+struct Attack {
+    /// Devices that answered their unmask request.
+    answered: BTreeSet<u64>,
+    /// Why the others refused.
+    refusals: Vec<SecAggError>,
+    /// D's input, if the server could strip every mask from D's vector.
+    recovered: Option<Vec<u32>>,
+    target_input: Vec<u32>,
+}
+
+/// Runs the attack on a fresh round. The server sends each device its
+/// tailored survivor set, collects the signatures, and forwards to each
+/// device those of its neighbours that signed the same set: all a server
+/// can do with honest devices' signatures. With `forge`, it forwards
+/// signatures it made with the neighbours' own keys instead: a round in
+/// which the check is no obstacle, which is what the round was before
+/// ConsistencyCheck.
+fn attack(forge: bool) -> Attack {
+    let (plan, ids) = attack_plan();
+    let mut round = Round::with(15, plan.clone(), enrol(&ids), [15; 32]);
+    round.run_until(Step::CloseCollection);
+    let session = round.session;
+    let graph = round.server.graph().clone();
+    let (d, lies) = ids
+        .iter()
+        .find_map(|&d| Some((d, lies_around(&graph, &plan, d)?)))
+        .expect("a device the attack can target");
+    let set_for = |x: u64| -> Vec<u64> {
+        let told = lies.get(&x).cloned().unwrap_or_default();
+        ids.iter().copied().filter(|id| !told.contains(id)).collect()
+    };
+
+    let mut signed_set = BTreeMap::new();
+    let mut signature = BTreeMap::new();
+    for &x in &ids {
+        let key = round.keys[&x].clone();
+        let set = raw_survivor_set(session, x, &set_for(x));
+        let message = round
+            .client(x)
+            .sign_survivors(&set, &key)
+            .expect("a set within the tolerance is signed");
+        let bytes: [u8; 64] = message[HEADER_BYTES..].try_into().unwrap();
+        signature.insert(x, bytes);
+        signed_set.insert(x, set_for(x));
     }
 
-    let d_mask_key: [u8; 32] = round.sent.advertisements[&d][HEADER_BYTES + 32..HEADER_BYTES + 64]
+    let mut outcome = Attack {
+        answered: BTreeSet::new(),
+        refusals: Vec::new(),
+        recovered: None,
+        target_input: round.inputs[&d].clone(),
+    };
+    let mut book = UnmaskBook::default();
+    for &x in &ids {
+        let told = lies.get(&x).cloned().unwrap_or_default();
+        let alive: BTreeSet<u64> = graph
+            .neighbours(x)
+            .unwrap()
+            .into_iter()
+            .filter(|y| !told.contains(y))
+            .collect();
+        let confirmations: Vec<(u64, [u8; 64])> = alive
+            .iter()
+            .filter_map(|&y| {
+                if forge {
+                    let statement = wire::survivors_signed_bytes(session, &set_for(x));
+                    Some((y, round.keys[&y].sign_message(&statement)))
+                } else {
+                    (signed_set[&y] == signed_set[&x]).then(|| (y, signature[&y]))
+                }
+            })
+            .collect();
+        let request = server::unmask_request_message(session, x, &confirmations);
+        match round.client(x).unmask(&request) {
+            Ok(response) => {
+                let reveals = server::read_unmask_response(&response, session, x, &alive, &told)
+                    .expect("the shares the server asked for");
+                book.add(reveals);
+                outcome.answered.insert(x);
+            }
+            Err(refusal) => outcome.refusals.push(refusal),
+        }
+    }
+    outcome.recovered = strip_every_mask(&round, &plan, &graph, d, &book);
+    outcome
+}
+
+/// D's masked vector with its self mask and every pairwise mask removed,
+/// if the revealed shares rebuild D's self-mask seed and the mask key of
+/// each of D's neighbours.
+fn strip_every_mask(
+    round: &Round,
+    plan: &Plan,
+    graph: &Graph,
+    d: u64,
+    book: &UnmaskBook,
+) -> Option<Vec<u32>> {
+    let session = round.session;
+    let t = plan.threshold;
+    let seed_shares = book.seed_shares.get(&d)?;
+    let seed: [u8; 16] = shamir::reconstruct(seed_shares, t, 16).ok()?.try_into().ok()?;
+    let commitment: [u8; 32] = round.sent.share_keys[&d][HEADER_BYTES..SHARE_KEYS_HEAD]
         .try_into()
         .unwrap();
-    let d_commitment: [u8; 32] = round.sent.share_keys[&d][HEADER_BYTES..SHARE_KEYS_HEAD]
-        .try_into()
-        .unwrap();
-
-    // The server does rebuild D's mask key from the t key shares...
-    let key_shares = &book.key_shares[&d];
-    assert_eq!(key_shares.len(), t);
-    let key: [u8; 32] = shamir::reconstruct(key_shares, t, 32)
-        .expect("t shares")
-        .try_into()
-        .unwrap();
-    let d_key = StaticSecret::from(key);
-    assert_eq!(
-        public_key(&d_key),
-        d_mask_key,
-        "the server has D's mask key"
-    );
-
-    // ...but holds fewer than t shares of D's self-mask seed, and those
-    // interpolate to something other than the committed seed.
-    let seed_shares = &book.seed_shares[&d];
-    assert_eq!(seed_shares.len(), d_neighbours.len() - t);
-    assert!(seed_shares.len() < t);
-    assert!(shamir::reconstruct(seed_shares, t, 16).is_err());
-    let guess = shamir::reconstruct(seed_shares, seed_shares.len(), 16)
-        .ok()
-        .and_then(|seed| <[u8; 16]>::try_from(seed).ok())
-        .map(|seed| seed_commitment(session, d, &seed));
-    assert_ne!(guess, Some(d_commitment), "the self-mask seed stays secret");
-
-    // The shares it got are genuine: treating D as dropped, they unmask the
-    // other nine devices' sum exactly (so the pairwise masks computed from
-    // D's rebuilt key are the right ones).
-    let mut others_sum = vec![0u32; plan.masked_len()];
-    let mut expected = vec![0u32; plan.masked_len()];
+    if seed_commitment(session, d, &seed) != commitment {
+        return None;
+    }
     let mask_key_of = |id: u64| -> [u8; 32] {
         round.sent.advertisements[&id][HEADER_BYTES + 32..HEADER_BYTES + 64]
             .try_into()
             .unwrap()
     };
-    for id in round.ids().into_iter().filter(|&id| id != d) {
-        server::fold_masked_input(
-            &mut others_sum,
-            &round.sent.masked_inputs[&id],
-            session,
-            id,
-            &plan,
-        )
-        .unwrap();
-        for (e, v) in expected.iter_mut().zip(&round.inputs[&id]) {
-            *e = e.wrapping_add(*v);
+    let mut stripped = unpack(plan, &round.sent.masked_inputs[&d]);
+    mask::apply(&mut stripped, &seed, mask::Sign::Subtract);
+    for v in graph.neighbours(d).unwrap() {
+        let shares = book.key_shares.get(&v)?;
+        let key: [u8; 32] = shamir::reconstruct(shares, t, 32).ok()?.try_into().ok()?;
+        let secret = StaticSecret::from(key);
+        if public_key(&secret) != mask_key_of(v) {
+            return None;
         }
-        let commitment = round.sent.share_keys[&id][HEADER_BYTES..SHARE_KEYS_HEAD]
-            .try_into()
-            .unwrap();
-        book.survivors.insert(id, commitment);
+        let seed = crypto::pairwise_seed(&secret, &mask_key_of(d), session, v, d).unwrap();
+        mask::apply(&mut stripped, &seed, pairwise_sign(d, v).flip());
     }
-    book.dropped.insert(
-        d,
-        DroppedPeer {
-            mask_key: d_mask_key,
-            masked_with: d_neighbours.iter().map(|&n| (n, mask_key_of(n))).collect(),
-        },
-    );
-    server::unmask(&mut others_sum, &plan, session, &book).expect("the others unmask");
-    expected.iter_mut().for_each(|e| *e &= plan.modulus_mask());
-    assert_eq!(others_sum, expected);
+    stripped.iter_mut().for_each(|v| *v &= plan.modulus_mask());
+    Some(stripped)
+}
 
-    // D's own vector, stripped of every pairwise mask: the self mask still
-    // hides D's input in nearly every position.
-    let d_input = &round.inputs[&d];
-    let mut stripped = unpack(&plan, &round.sent.masked_inputs[&d]);
-    assert_hidden(&plan, &stripped, d_input, "D's masked vector");
-    for &n in &d_neighbours {
-        let seed = crypto::pairwise_seed(&d_key, &mask_key_of(n), session, d, n).unwrap();
-        mask::apply(&mut stripped, &seed, pairwise_sign(d, n).flip());
-    }
-    assert_hidden(
-        &plan,
-        &stripped,
-        d_input,
-        "D's vector without its pairwise masks",
+/// Acceptance 3: the attack that ConsistencyCheck stops. With signatures
+/// it could forge, the server strips every mask from D's vector and reads
+/// D's input; with the devices' own signatures, every device it lied to
+/// refuses, and D's input stays hidden.
+#[test]
+fn a_server_that_tells_devices_different_survivor_sets_learns_no_input() {
+    let without_the_check = attack(true);
+    assert_eq!(
+        without_the_check.recovered.as_ref(),
+        Some(&without_the_check.target_input),
+        "with signatures it can forge, the server reads D's input"
     );
+    assert!(without_the_check.refusals.is_empty());
+
+    let with_the_check = attack(false);
+    assert_eq!(with_the_check.recovered, None, "D's input stays hidden");
+    assert!(!with_the_check.refusals.is_empty());
+    for refusal in &with_the_check.refusals {
+        let text = refusal.to_string();
+        assert!(
+            matches!(refusal, SecAggError::Unrecoverable(_))
+                && text.contains("surviving neighbours signed the survivor set it was sent"),
+            "{text}"
+        );
+    }
+    // The devices that answered are those the server told the same thing
+    // as t of their neighbours; what they revealed is consistent with one
+    // survivor set, which is not enough.
+    assert!(with_the_check.answered.len() < without_the_check.answered.len());
 }
 
 // ---------------------------------------------------------------------------
@@ -1412,33 +1596,42 @@ fn duplicate_device_ids_are_refused() {
         &[&format!("device {first}'s shares appear twice")],
     );
 
-    // An UnmaskRequest that lists a device twice.
+    // A SurvivorSet that lists a device twice, and one out of order.
+    round.run_until(Step::Sign);
+    let survivors: Vec<u64> = round.ids();
+    let twice = [&survivors[..2], &survivors[1..DEVICES - 1]].concat();
+    let key = round.keys[&b].clone();
+    let session = round.session;
+    rejected(
+        round
+            .client(b)
+            .sign_survivors(&raw_survivor_set(session, b, &twice), &key),
+        "SurvivorSet",
+        &[&format!(
+            "device {} is out of order or repeated; ids must ascend",
+            survivors[1]
+        )],
+    );
+    let mut swapped = survivors.clone();
+    swapped.swap(0, 1);
+    rejected(
+        round
+            .client(b)
+            .sign_survivors(&raw_survivor_set(session, b, &swapped), &key),
+        "SurvivorSet",
+        &[&format!("device {} is out of order or repeated", survivors[0])],
+    );
+
+    // An UnmaskRequest that carries one neighbour's signature twice.
     round.run_until(Step::Unmask);
-    let neighbours = round.neighbours(b);
-    let mut survivors = neighbours.clone();
-    survivors[1] = survivors[0];
-    let request = raw_unmask_request(round.session, b, &survivors, &[]);
+    let signatures = request_signatures(&round.sent.unmask_requests[&b]);
+    let mut doubled = signatures.clone();
+    doubled[1] = signatures[0];
+    let request = server::unmask_request_message(round.session, b, &doubled);
     rejected(
         round.client(b).unmask(&request),
         "UnmaskRequest",
-        &[&format!(
-            "device {} appears twice among the survivors",
-            neighbours[0]
-        )],
-    );
-    let request = raw_unmask_request(
-        round.session,
-        b,
-        &neighbours[1..],
-        &[neighbours[0], neighbours[0]],
-    );
-    rejected(
-        round.client(b).unmask(&request),
-        "UnmaskRequest",
-        &[&format!(
-            "device {} appears twice among the dropouts",
-            neighbours[0]
-        )],
+        &[&format!("device {}'s signature appears twice", signatures[0].0)],
     );
 
     // The round runs on A's first keys; the second client never joined.

@@ -10,12 +10,14 @@ use canopy_protocol::secagg::{Aggregator, Client, SecAggConfig, SecAggError, Ses
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 
-/// Which devices go silent before each of the four stages.
+/// Which devices go silent before each of the five stages. One silent
+/// before ConsistencyCheck has its masked input in the sum all the same.
 #[derive(Clone, Debug, Default)]
 struct Dropouts {
     before_advertise: BTreeSet<u64>,
     before_share: BTreeSet<u64>,
     before_masked_input: BTreeSet<u64>,
+    before_sign: BTreeSet<u64>,
     before_unmask: BTreeSet<u64>,
 }
 
@@ -72,8 +74,18 @@ fn run_round(
         server.receive_masked_input(id, &masked)?;
         inputs.insert(id, input);
     }
-    for (id, request) in server.close_collection()? {
-        if dropouts.before_unmask.contains(&id) {
+    for (id, survivor_set) in server.close_collection()? {
+        if dropouts.before_sign.contains(&id) {
+            continue;
+        }
+        let signature = clients
+            .get_mut(&id)
+            .unwrap()
+            .sign_survivors(&survivor_set, &keys[&id])?;
+        server.receive_survivor_signature(id, &signature)?;
+    }
+    for (id, request) in server.close_consistency()? {
+        if dropouts.before_sign.contains(&id) || dropouts.before_unmask.contains(&id) {
             continue;
         }
         let response = clients.get_mut(&id).unwrap().unmask(&request)?;
@@ -97,7 +109,7 @@ fn expected_sum(outcome: &Outcome, plan: &Plan) -> Vec<u32> {
     expected.iter().map(|v| v & plan.modulus_mask()).collect()
 }
 
-/// Spreads up to `budget` dropouts over the four stages at random.
+/// Spreads up to `budget` dropouts over the five stages at random.
 fn dropout_pattern(ids: &[u64], budget: usize, seed: u64) -> Dropouts {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut pool: Vec<u64> = ids.to_vec();
@@ -105,10 +117,11 @@ fn dropout_pattern(ids: &[u64], budget: usize, seed: u64) -> Dropouts {
     let count = rng.random_range(0..=budget);
     for _ in 0..count {
         let id = pool.swap_remove(rng.random_range(0..pool.len()));
-        match rng.random_range(0..4) {
+        match rng.random_range(0..5) {
             0 => dropouts.before_advertise.insert(id),
             1 => dropouts.before_share.insert(id),
             2 => dropouts.before_masked_input.insert(id),
+            3 => dropouts.before_sign.insert(id),
             _ => dropouts.before_unmask.insert(id),
         };
     }
@@ -237,6 +250,12 @@ fn quantized_updates_average_back_to_the_float_mean() {
         server.receive_masked_input(id, &reply).unwrap();
     }
     for (id, message) in server.close_collection().unwrap() {
+        let reply = clients[id as usize - 1]
+            .sign_survivors(&message, &keys[id as usize - 1])
+            .unwrap();
+        server.receive_survivor_signature(id, &reply).unwrap();
+    }
+    for (id, message) in server.close_consistency().unwrap() {
         let reply = clients[id as usize - 1].unmask(&message).unwrap();
         server.receive_unmask_response(id, &reply).unwrap();
     }

@@ -4,8 +4,19 @@
 //! The device keeps its secrets (two X25519 keys and the self-mask seed)
 //! for the round only; they are zeroized when the `Client` is dropped. It
 //! answers the unmask request once, and never reveals both kinds of share
-//! of the same neighbour: that is what keeps its neighbours' inputs hidden
-//! even from a server that lies about who dropped out.
+//! of the same neighbour.
+//!
+//! Against a server that lies about who dropped out, telling different
+//! devices different things, the device takes part in a ConsistencyCheck
+//! (Bonawitz et al. 2017, §6, on the sparse graph of Bell et al. 2020): the
+//! server sends every survivor the whole survivor set, each signs it with
+//! its enrolled key, and a device reveals shares only once t of its
+//! surviving neighbours have signed the very set it was sent. An honest
+//! device signs one set, so two sets that disagree about a device D cannot
+//! both gather t signatures among D's neighbours while 2t > k + (corrupt
+//! neighbours), which the plan's (k, t) guarantee: the server cannot get
+//! D's self-mask seed from some of them and the mask keys that remove D's
+//! pairwise masks from others.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -27,6 +38,7 @@ enum Step {
     Advertised,
     Shared,
     Masked,
+    Signed,
     Unmasked,
 }
 
@@ -34,6 +46,18 @@ struct PeerKeys {
     /// Agreed once, in ShareKeys, for both directions.
     channel: crypto::Channel,
     mask: [u8; 32],
+    /// The neighbour's enrolled Ed25519 key, which signed its round keys
+    /// and signs its survivor set.
+    device_key: [u8; 32],
+}
+
+/// The survivor set a device signed.
+struct SurvivorView {
+    /// What its signature and its neighbours' must cover.
+    signed: Vec<u8>,
+    /// Neighbours that shared keys with it and survived; the rest of those
+    /// that shared dropped out.
+    alive: BTreeSet<u64>,
 }
 
 pub struct Client {
@@ -48,6 +72,7 @@ pub struct Client {
     /// Shares received from each neighbour that completed ShareKeys: the
     /// neighbours whose pairwise masks this device adds.
     received: BTreeMap<u64, (Share, Share)>,
+    view: Option<SurvivorView>,
 }
 
 impl Drop for Client {
@@ -109,6 +134,7 @@ impl Client {
             step: Step::Advertised,
             neighbours: BTreeMap::new(),
             received: BTreeMap::new(),
+            view: None,
         };
         Ok((client, message))
     }
@@ -162,7 +188,12 @@ impl Client {
                 self.device_id,
                 id,
             )?;
-            if neighbours.insert(id, PeerKeys { channel, mask }).is_some() {
+            let peer = PeerKeys {
+                channel,
+                mask,
+                device_key,
+            };
+            if neighbours.insert(id, peer).is_some() {
                 return Err(SecAggError::rejected(
                     "NeighbourKeys",
                     format!("device {id} appears twice"),
@@ -336,12 +367,66 @@ impl Client {
         Ok(received)
     }
 
-    /// Unmasking: for each neighbour the server says survived, the share of
-    /// its self-mask seed; for each it says dropped, the share of its mask
-    /// key. Refuses a request that asks for both of one neighbour, names a
-    /// device that did not share with it, or leaves one out.
+    /// ConsistencyCheck: reads the survivor set the server claims (every
+    /// device whose masked input is in the sum), checks that it includes
+    /// this device and enough of the round and of its neighbours, and signs
+    /// it with the device's enrolled key.
+    pub fn sign_survivors(
+        &mut self,
+        survivor_set: &[u8],
+        device_key: &DeviceKey,
+    ) -> Result<Vec<u8>, SecAggError> {
+        self.expect(Step::Masked, "sign the survivor set")?;
+        let survivors = read_survivor_set(survivor_set, self.session, self.device_id, &self.plan)?;
+        if survivors.binary_search(&self.device_id).is_err() {
+            return Err(SecAggError::rejected(
+                "SurvivorSet",
+                format!(
+                    "it leaves out device {} itself, which sent its masked input",
+                    self.device_id
+                ),
+            ));
+        }
+        let needed = self.plan.participants - self.plan.max_dropouts;
+        if survivors.len() < needed {
+            return Err(SecAggError::Unrecoverable(format!(
+                "the survivor set device {} was sent has {} devices; the round needs {needed}",
+                self.device_id,
+                survivors.len()
+            )));
+        }
+        let alive: BTreeSet<u64> = self
+            .received
+            .keys()
+            .copied()
+            .filter(|id| survivors.binary_search(id).is_ok())
+            .collect();
+        self.check_enough_alive(alive.len())?;
+        let signed = wire::survivors_signed_bytes(self.session, &survivors);
+        let mut message = wire::header(self.session, Stage::SurvivorSignature, self.device_id);
+        message.extend_from_slice(&device_key.sign_message(&signed));
+        self.view = Some(SurvivorView { signed, alive });
+        self.step = Step::Signed;
+        Ok(message)
+    }
+
+    fn check_enough_alive(&self, alive: usize) -> Result<(), SecAggError> {
+        if alive < self.plan.threshold {
+            return Err(SecAggError::Unrecoverable(format!(
+                "only {alive} of device {}'s neighbours survived; unmasking needs {}",
+                self.device_id, self.plan.threshold
+            )));
+        }
+        Ok(())
+    }
+
+    /// Unmasking: checks that t of its surviving neighbours signed the
+    /// survivor set this device signed, then reveals, for each neighbour
+    /// that shared keys with it, the share of its self-mask seed if it is
+    /// in that set, and of its mask key if not. Answers once.
     pub fn unmask(&mut self, request: &[u8]) -> Result<Vec<u8>, SecAggError> {
-        self.expect(Step::Masked, "answer an unmask request")?;
+        self.expect(Step::Signed, "answer an unmask request")?;
+        let view = self.view.as_ref().expect("a signed survivor set");
         let max = Stage::UnmaskRequest.max_bytes(0);
         let mut reader = Reader::open(
             request,
@@ -350,17 +435,30 @@ impl Client {
             self.device_id,
             max,
         )?;
-        let survivors = read_ids(&mut reader, self.plan.degree, "survivors")?;
-        let dropped = read_ids(&mut reader, self.plan.degree, "dropouts")?;
+        let count = reader.count(self.plan.degree, "signatures")?;
+        let mut confirmed = BTreeSet::new();
+        for _ in 0..count {
+            let (peer, signature) = (reader.u64()?, reader.array::<64>()?);
+            self.check_confirmation(view, &confirmed, peer, &signature)?;
+            confirmed.insert(peer);
+        }
         reader.finish()?;
-        self.check_unmask_request(&survivors, &dropped)?;
+        if confirmed.len() < self.plan.threshold {
+            return Err(SecAggError::Unrecoverable(format!(
+                "only {} of device {}'s surviving neighbours signed the survivor set it was \
+                 sent; revealing shares needs {}",
+                confirmed.len(),
+                self.device_id,
+                self.plan.threshold
+            )));
+        }
         // Past this point the device has answered; a second request for
         // this round gets nothing.
         self.step = Step::Unmasked;
         let mut message = wire::header(self.session, Stage::UnmaskResponse, self.device_id);
         message.extend_from_slice(&(self.received.len() as u32).to_le_bytes());
         for (&peer, (seed_share, key_share)) in &self.received {
-            let (kind, share) = if survivors.contains(&peer) {
+            let (kind, share) = if view.alive.contains(&peer) {
                 (ShareKind::SelfMaskSeed, seed_share)
             } else {
                 (ShareKind::MaskKey, key_share)
@@ -374,57 +472,64 @@ impl Client {
         Ok(message)
     }
 
-    fn check_unmask_request(
+    /// One neighbour's signature in an unmask request: from a surviving
+    /// neighbour, once, over the set this device signed.
+    fn check_confirmation(
         &self,
-        survivors: &BTreeSet<u64>,
-        dropped: &BTreeSet<u64>,
+        view: &SurvivorView,
+        confirmed: &BTreeSet<u64>,
+        peer: u64,
+        signature: &[u8; 64],
     ) -> Result<(), SecAggError> {
         let reject = |cause: String| Err(SecAggError::rejected("UnmaskRequest", cause));
-        if let Some(both) = survivors.intersection(dropped).next() {
+        if !view.alive.contains(&peer) {
             return reject(format!(
-                "it asks for both the self-mask share and the key share of device {both}, which \
-                 would reveal that device's input"
-            ));
-        }
-        let listed: BTreeSet<u64> = survivors.union(dropped).copied().collect();
-        let shared: BTreeSet<u64> = self.received.keys().copied().collect();
-        if let Some(stranger) = listed.difference(&shared).next() {
-            return reject(format!(
-                "it names device {stranger}, which did not share keys with device {}",
+                "it carries a signature of device {peer}, which is not a surviving neighbour of \
+                 device {}",
                 self.device_id
             ));
         }
-        if let Some(missing) = shared.difference(&listed).next() {
+        if confirmed.contains(&peer) {
+            return reject(format!("device {peer}'s signature appears twice"));
+        }
+        let key = crate::keys::verifying_key(&self.neighbours[&peer].device_key)
+            .map_err(|cause| SecAggError::rejected("UnmaskRequest", cause))?;
+        let signature = ed25519_dalek::Signature::from_bytes(signature);
+        if key.verify_strict(&view.signed, &signature).is_err() {
             return reject(format!(
-                "it leaves out device {missing}, which shared keys with device {}",
+                "device {peer} did not sign the survivor set device {} was sent: the server \
+                 sent the two devices different sets, or altered the signature",
                 self.device_id
             ));
-        }
-        if survivors.len() < self.plan.threshold {
-            return Err(SecAggError::Unrecoverable(format!(
-                "only {} of device {}'s neighbours survived; unmasking needs {}",
-                survivors.len(),
-                self.device_id,
-                self.plan.threshold
-            )));
         }
         Ok(())
     }
 }
 
-fn read_ids(reader: &mut Reader<'_>, max: usize, of: &str) -> Result<BTreeSet<u64>, SecAggError> {
-    let count = reader.count(max, of)?;
-    let mut ids = BTreeSet::new();
+/// Reads a SurvivorSet: at most the round's participants, in strictly
+/// ascending order (one spelling per set, so equal sets hash equal).
+pub fn read_survivor_set(
+    bytes: &[u8],
+    session: Session,
+    device_id: u64,
+    plan: &Plan,
+) -> Result<Vec<u64>, SecAggError> {
+    let max = Stage::SurvivorSet.max_bytes(0);
+    let mut reader = Reader::open(bytes, session, Stage::SurvivorSet, device_id, max)?;
+    let count = reader.count(plan.participants, "survivors")?;
+    let mut survivors = Vec::with_capacity(count);
     for _ in 0..count {
         let id = reader.u64()?;
-        if !ids.insert(id) {
+        if survivors.last().is_some_and(|&last| last >= id) {
             return Err(SecAggError::rejected(
-                "UnmaskRequest",
-                format!("device {id} appears twice among the {of}"),
+                "SurvivorSet",
+                format!("device {id} is out of order or repeated; ids must ascend"),
             ));
         }
+        survivors.push(id);
     }
-    Ok(ids)
+    reader.finish()?;
+    Ok(survivors)
 }
 
 /// The lower id adds the pair's mask and the higher subtracts it, so the

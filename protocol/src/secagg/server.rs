@@ -195,18 +195,59 @@ pub fn fold_masked_input(
         .map_err(|e| SecAggError::rejected("MaskedInput", format!("device {sender}: {e}")))
 }
 
+/// The survivor set, sent to each survivor for ConsistencyCheck: every
+/// device whose masked input is in the sum, ascending.
+pub fn survivor_set_message(session: Session, recipient: u64, survivors: &[u64]) -> Vec<u8> {
+    let mut out = wire::header(session, Stage::SurvivorSet, recipient);
+    out.reserve(4 + survivors.len() * 8);
+    out.extend_from_slice(&(survivors.len() as u32).to_le_bytes());
+    for id in survivors {
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    out
+}
+
+/// Checks a SurvivorSignature: the sender's enrolled key over the survivor
+/// set it was sent. A signature that does not verify is refused here, so
+/// that one device's garbage never reaches its neighbours' unmask requests
+/// (where any bad signature makes a device refuse).
+pub fn read_survivor_signature(
+    bytes: &[u8],
+    session: Session,
+    sender: u64,
+    device_key: &[u8; 32],
+    survivors: &[u64],
+) -> Result<[u8; 64], SecAggError> {
+    let max = Stage::SurvivorSignature.max_bytes(0);
+    let mut reader = Reader::open(bytes, session, Stage::SurvivorSignature, sender, max)?;
+    let signature: [u8; 64] = reader.array()?;
+    reader.finish()?;
+    let reject = |cause: String| SecAggError::rejected("SurvivorSignature", cause);
+    let key = crate::keys::verifying_key(device_key)
+        .map_err(|cause| reject(format!("device {sender}'s key: {cause}")))?;
+    let signed = wire::survivors_signed_bytes(session, survivors);
+    key.verify_strict(&signed, &ed25519_dalek::Signature::from_bytes(&signature))
+        .map_err(|_| {
+            reject(format!(
+                "device {sender}'s signature does not cover this round's survivor set with its \
+                 enrolled key"
+            ))
+        })?;
+    Ok(signature)
+}
+
+/// A survivor's unmask request: the survivor-set signatures of its
+/// neighbours that signed, as (id, signature).
 pub fn unmask_request_message(
     session: Session,
     recipient: u64,
-    survivors: &BTreeSet<u64>,
-    dropped: &BTreeSet<u64>,
+    signatures: &[(u64, [u8; 64])],
 ) -> Vec<u8> {
     let mut out = wire::header(session, Stage::UnmaskRequest, recipient);
-    for ids in [survivors, dropped] {
-        out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
-        for id in ids {
-            out.extend_from_slice(&id.to_le_bytes());
-        }
+    out.extend_from_slice(&(signatures.len() as u32).to_le_bytes());
+    for (id, signature) in signatures {
+        out.extend_from_slice(&id.to_le_bytes());
+        out.extend_from_slice(signature);
     }
     out
 }
@@ -453,6 +494,8 @@ pub struct Aggregator {
     uploads: BTreeMap<u64, ShareUpload>,
     sum: Vec<u32>,
     masked: BTreeSet<u64>,
+    survivors: Vec<u64>,
+    signatures: BTreeMap<u64, [u8; 64]>,
     requests: BTreeMap<u64, (BTreeSet<u64>, BTreeSet<u64>)>,
     book: UnmaskBook,
     answered: BTreeSet<u64>,
@@ -487,6 +530,8 @@ impl Aggregator {
             sent_keys_of: BTreeMap::new(),
             uploads: BTreeMap::new(),
             masked: BTreeSet::new(),
+            survivors: Vec::new(),
+            signatures: BTreeMap::new(),
             requests: BTreeMap::new(),
             book: UnmaskBook::default(),
             answered: BTreeSet::new(),
@@ -522,7 +567,9 @@ impl Aggregator {
             .map(|share| ID + share.ys.len() * ID)
             .sum();
         let sum = self.sum.len() * std::mem::size_of::<u32>();
+        let consistency = self.survivors.len() * ID + self.signatures.len() * (ID + 64);
         keys + advertised
+            + consistency
             + shares
             + requested
             + revealed
@@ -645,21 +692,62 @@ impl Aggregator {
         Ok(())
     }
 
-    /// Ends MaskedInputCollection and returns each survivor's UnmaskRequest.
+    /// Ends MaskedInputCollection and returns each survivor's SurvivorSet.
     pub fn close_collection(&mut self) -> Result<BTreeMap<u64, Vec<u8>>, SecAggError> {
         check_dropouts(&self.plan, self.masked.len(), Stage::MaskedInput)?;
+        self.stage = Stage::SurvivorSignature;
+        self.survivors = self.masked.iter().copied().collect();
+        Ok(self
+            .masked
+            .iter()
+            .map(|&device| {
+                let message = survivor_set_message(self.session, device, &self.survivors);
+                (device, message)
+            })
+            .collect())
+    }
+
+    pub fn receive_survivor_signature(
+        &mut self,
+        device: u64,
+        bytes: &[u8],
+    ) -> Result<(), SecAggError> {
+        self.expect(Stage::SurvivorSignature, device)?;
+        if !self.masked.contains(&device) {
+            return Err(SecAggError::rejected(
+                "SurvivorSignature",
+                format!("device {device} sent no masked input"),
+            ));
+        }
+        if self.signatures.contains_key(&device) {
+            return Err(Self::duplicate(Stage::SurvivorSignature, device));
+        }
+        let key = &self.device_keys[&device];
+        let signature =
+            read_survivor_signature(bytes, self.session, device, key, &self.survivors)?;
+        self.signatures.insert(device, signature);
+        Ok(())
+    }
+
+    /// Ends ConsistencyCheck and returns each survivor's UnmaskRequest.
+    pub fn close_consistency(&mut self) -> Result<BTreeMap<u64, Vec<u8>>, SecAggError> {
+        check_dropouts(&self.plan, self.signatures.len(), Stage::SurvivorSignature)?;
         self.stage = Stage::UnmaskResponse;
         let shared = |id: &u64| self.uploads.contains_key(id);
         let mut out = BTreeMap::new();
         for &device in &self.masked {
             let neighbours = self.graph.neighbours(device).unwrap_or_default();
+            let signatures: Vec<(u64, [u8; 64])> = neighbours
+                .iter()
+                .filter_map(|n| Some((*n, *self.signatures.get(n)?)))
+                .collect();
             let (survivors, dropped): (BTreeSet<u64>, BTreeSet<u64>) = neighbours
                 .into_iter()
                 .filter(shared)
                 .partition(|id| self.masked.contains(id));
             out.insert(
                 device,
-                unmask_request_message(self.session, device, &survivors, &dropped),
+                unmask_request_message(self.session, device, &signatures),
             );
             self.requests.insert(device, (survivors, dropped));
         }

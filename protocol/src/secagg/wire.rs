@@ -1,4 +1,4 @@
-//! The binary messages of the four rounds.
+//! The binary messages of the five rounds.
 //!
 //! Every message starts with the same 30-byte header: magic `CNSA`, format
 //! version, stage, job id, round id and the device the message is from (to
@@ -9,10 +9,12 @@
 //! [`MAX_DEGREE`](super::params::MAX_DEGREE) and every length is exact.
 
 use super::SecAggError;
-use super::params::MAX_DEGREE;
+use super::params::{MAX_DEGREE, MAX_PARTICIPANTS};
 
 pub const MAGIC: [u8; 4] = *b"CNSA";
-pub const VERSION: u8 = 1;
+/// 2: the ConsistencyCheck round (SurvivorSet, SurvivorSignature), and an
+/// UnmaskRequest that carries the neighbours' signatures instead of lists.
+pub const VERSION: u8 = 2;
 pub const HEADER_BYTES: usize = 30;
 
 /// A share ciphertext: sender, recipient, the self-mask seed's share and the
@@ -37,6 +39,8 @@ pub enum Stage {
     MaskedInput = 5,
     UnmaskRequest = 6,
     UnmaskResponse = 7,
+    SurvivorSet = 8,
+    SurvivorSignature = 9,
 }
 
 impl Stage {
@@ -49,6 +53,8 @@ impl Stage {
             5 => Stage::MaskedInput,
             6 => Stage::UnmaskRequest,
             7 => Stage::UnmaskResponse,
+            8 => Stage::SurvivorSet,
+            9 => Stage::SurvivorSignature,
             _ => return None,
         })
     }
@@ -62,7 +68,21 @@ impl Stage {
             Stage::MaskedInput => "MaskedInput",
             Stage::UnmaskRequest => "UnmaskRequest",
             Stage::UnmaskResponse => "UnmaskResponse",
+            Stage::SurvivorSet => "SurvivorSet",
+            Stage::SurvivorSignature => "SurvivorSignature",
         }
+    }
+
+    /// Whether devices send this message (else the server does).
+    pub fn sent_by_device(self) -> bool {
+        matches!(
+            self,
+            Stage::AdvertiseKeys
+                | Stage::ShareKeys
+                | Stage::MaskedInput
+                | Stage::SurvivorSignature
+                | Stage::UnmaskResponse
+        )
     }
 
     /// The largest body a message of this stage may have, for a plan with
@@ -75,7 +95,9 @@ impl Stage {
                 Stage::ShareKeys => 32 + 4 + MAX_DEGREE * (8 + SHARE_CIPHERTEXT_BYTES),
                 Stage::IncomingShares => 4 + MAX_DEGREE * (8 + SHARE_CIPHERTEXT_BYTES),
                 Stage::MaskedInput => 1 + 8 + masked_bytes,
-                Stage::UnmaskRequest => 8 + MAX_DEGREE * 8,
+                Stage::SurvivorSet => 4 + MAX_PARTICIPANTS * 8,
+                Stage::SurvivorSignature => 64,
+                Stage::UnmaskRequest => 4 + MAX_DEGREE * (8 + 64),
                 Stage::UnmaskResponse => 4 + MAX_DEGREE * (8 + 1 + 5 * 8),
             }
     }
@@ -218,6 +240,23 @@ pub fn advertisement_signed_bytes(
     let mut out = header(session, Stage::AdvertiseKeys, device_id);
     out.extend_from_slice(channel_key);
     out.extend_from_slice(mask_key);
+    out
+}
+
+/// The bytes a survivor's ConsistencyCheck signature covers: the session
+/// and a hash of the whole survivor set, so that two devices' signatures
+/// agree exactly when they were sent the same set.
+pub fn survivors_signed_bytes(session: Session, survivors: &[u64]) -> Vec<u8> {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for id in survivors {
+        hasher.update(id.to_le_bytes());
+    }
+    let mut out = b"canopy-secagg-v2 survivors".to_vec();
+    out.extend_from_slice(&session.job_id.to_le_bytes());
+    out.extend_from_slice(&session.round_id.to_le_bytes());
+    out.extend_from_slice(&(survivors.len() as u64).to_le_bytes());
+    out.extend_from_slice(&hasher.finalize());
     out
 }
 

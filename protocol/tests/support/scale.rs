@@ -4,7 +4,7 @@
 //!
 //! The devices run on every core between the server's calls; the server's
 //! calls run on the calling thread alone and are timed per stage.
-//! Dropouts are spread evenly over the four stages.
+//! Dropouts are spread evenly over the five stages.
 
 use std::collections::BTreeMap;
 use std::thread;
@@ -77,11 +77,11 @@ pub fn simulate(n: usize, params: usize, dropout: f64) -> Result<Report, String>
         .collect();
     let public: Vec<(u64, [u8; 32])> = keys.iter().map(|(id, k)| (*id, k.public_key())).collect();
     let mut rng = SmallRng::seed_from_u64(n as u64);
-    // Which stage each dropout goes silent before: 0..4, evenly.
+    // Which stage each dropout goes silent before: 0..5, evenly.
     let dropouts = (dropout * n as f64).floor() as usize;
     let mut silent_before: BTreeMap<u64, usize> = BTreeMap::new();
     while silent_before.len() < dropouts {
-        let stage = silent_before.len() % 4;
+        let stage = silent_before.len() % 5;
         silent_before
             .entry(rng.random_range(1..=n as u64))
             .or_insert(stage);
@@ -204,6 +204,26 @@ pub fn simulate(n: usize, params: usize, dropout: f64) -> Result<Report, String>
     let held_bytes = server.held_bytes();
     hand_out(&mut devices, replies);
 
+    // ConsistencyCheck.
+    let begun = Instant::now();
+    on_devices(&mut devices, |id, device| {
+        let inbox = device.inbox.take().expect("SurvivorSet");
+        let key = &keys[id as usize - 1].1;
+        let signature = device.client.sign_survivors(&inbox, key);
+        device.outbox = Some(signature.expect("sign_survivors"));
+    });
+    device_time += begun.elapsed();
+    let start = Instant::now();
+    deliver(&mut devices, 3, &mut |id, m| {
+        server
+            .receive_survivor_signature(id, m)
+            .map_err(|e| e.to_string())
+    })?;
+    let replies = server.close_consistency().map_err(|e| e.to_string())?;
+    timings.push(("ConsistencyCheck", start.elapsed()));
+    let held_bytes = held_bytes.max(server.held_bytes());
+    hand_out(&mut devices, replies);
+
     // Unmasking.
     let begun = Instant::now();
     on_devices(&mut devices, |_, device| {
@@ -212,7 +232,7 @@ pub fn simulate(n: usize, params: usize, dropout: f64) -> Result<Report, String>
     });
     device_time += begun.elapsed();
     let start = Instant::now();
-    deliver(&mut devices, 3, &mut |id, m| {
+    deliver(&mut devices, 4, &mut |id, m| {
         server
             .receive_unmask_response(id, m)
             .map_err(|e| e.to_string())
