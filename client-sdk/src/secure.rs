@@ -1,16 +1,18 @@
 //! The device's side of a secure-aggregation (SecAgg+) round over HTTP.
 //!
 //! A task whose `secure_aggregation` is set replaces the float upload with
-//! the four stages of [`canopy_protocol::secagg`], against the endpoints
+//! the five stages of [`canopy_protocol::secagg`], against the endpoints
 //! under [`SecureTask::path`]:
 //!
 //! 1. AdvertiseKeys: `POST advertise-keys`, then `GET neighbour-keys`;
 //! 2. ShareKeys: `POST share-keys`, then `GET incoming-shares`;
-//! 3. MaskedInputCollection: `POST masked-input`, then `GET unmask-request`;
-//! 4. Unmasking: `POST unmask-response`.
+//! 3. MaskedInputCollection: `POST masked-input`, then `GET survivor-set`;
+//! 4. ConsistencyCheck: `POST survivor-signature` (the survivor set, signed
+//!    with the device's key), then `GET unmask-request`;
+//! 5. Unmasking: `POST unmask-response`.
 //!
-//! The two key stages are short (each closes once every device has
-//! answered, or after [`SecureTask::stage_timeout_ms`]), while collection
+//! The key stages and ConsistencyCheck are short (each closes once every
+//! device has answered, or after [`SecureTask::stage_timeout_ms`]), while collection
 //! stays open until the task's deadline. So a device exchanges keys before
 //! it trains and trains while the others do:
 //! [`DeviceClient::begin_secure_round`] runs AdvertiseKeys and sends its
@@ -41,13 +43,14 @@
 //! [`MAX_STAGE_POLL_WAIT_MS`] per request; 202 means "not yet"). Each wait
 //! is bounded, and ends in [`SdkError::StageTimeout`]:
 //!
-//! - NeighbourKeys and IncomingShares: the server closes a key stage at
-//!   most `stage_timeout_ms` after it opened, which was before the device
-//!   sent its own message for it; so the device waits `stage_timeout_ms`
-//!   plus [`STAGE_CLOSE_GRACE_MS`] from when it sent that message;
-//! - UnmaskRequest: collection closes at the task's deadline, and the
-//!   Unmasking stage runs `stage_timeout_ms` past it; the device waits
-//!   until `deadline_unix_ms + stage_timeout_ms` plus
+//! - NeighbourKeys, IncomingShares and UnmaskRequest: the server closes a
+//!   short stage at most `stage_timeout_ms` after it opened, which was
+//!   before the device sent its own message for it; so the device waits
+//!   `stage_timeout_ms` plus [`STAGE_CLOSE_GRACE_MS`] from when it sent
+//!   that message;
+//! - SurvivorSet: collection closes at the task's deadline; the device
+//!   waits until the round's end, `deadline_unix_ms` plus two stage
+//!   timeouts (ConsistencyCheck and Unmasking) plus
 //!   [`DEADLINE_CLOCK_SKEW_MS`], by its own clock;
 //! - and no wait runs past that round bound either.
 //!
@@ -104,7 +107,7 @@ pub struct StageProgress {
 impl StageProgress {
     /// Whether the device sent this message (else it received it).
     pub fn sent(&self) -> bool {
-        sent_by_device(self.stage)
+        self.stage.sent_by_device()
     }
 }
 
@@ -147,13 +150,6 @@ impl fmt::Debug for SecureRound {
     }
 }
 
-fn sent_by_device(stage: Stage) -> bool {
-    matches!(
-        stage,
-        Stage::AdvertiseKeys | Stage::ShareKeys | Stage::MaskedInput | Stage::UnmaskResponse
-    )
-}
-
 fn endpoint(stage: Stage) -> &'static str {
     match stage {
         Stage::AdvertiseKeys => secagg_endpoints::ADVERTISE_KEYS,
@@ -161,6 +157,8 @@ fn endpoint(stage: Stage) -> &'static str {
         Stage::ShareKeys => secagg_endpoints::SHARE_KEYS,
         Stage::IncomingShares => secagg_endpoints::INCOMING_SHARES,
         Stage::MaskedInput => secagg_endpoints::MASKED_INPUT,
+        Stage::SurvivorSet => secagg_endpoints::SURVIVOR_SET,
+        Stage::SurvivorSignature => secagg_endpoints::SURVIVOR_SIGNATURE,
         Stage::UnmaskRequest => secagg_endpoints::UNMASK_REQUEST,
         Stage::UnmaskResponse => secagg_endpoints::UNMASK_RESPONSE,
     }
@@ -174,6 +172,8 @@ fn message_name(stage: Stage) -> &'static str {
         Stage::ShareKeys => "ShareKeys message",
         Stage::IncomingShares => "IncomingShares message",
         Stage::MaskedInput => "MaskedInput message",
+        Stage::SurvivorSet => "SurvivorSet message",
+        Stage::SurvivorSignature => "SurvivorSignature message",
         Stage::UnmaskRequest => "UnmaskRequest message",
         Stage::UnmaskResponse => "UnmaskResponse message",
     }
@@ -262,18 +262,23 @@ pub(crate) fn wait_limit_ms(
     sent_ms_ago: u64,
     now_unix_ms: u64,
 ) -> u64 {
+    // Past the deadline run ConsistencyCheck and Unmasking.
     let round_left_ms = deadline_unix_ms
-        .saturating_add(stage_timeout_ms)
+        .saturating_add(stage_timeout_ms.saturating_mul(2))
         .saturating_add(DEADLINE_CLOCK_SKEW_MS)
         .saturating_sub(now_unix_ms);
     match stage {
-        Stage::NeighbourKeys | Stage::IncomingShares => stage_timeout_ms
+        Stage::NeighbourKeys | Stage::IncomingShares | Stage::UnmaskRequest => stage_timeout_ms
             .saturating_add(STAGE_CLOSE_GRACE_MS)
             .saturating_sub(sent_ms_ago)
             .min(round_left_ms),
-        Stage::UnmaskRequest => round_left_ms,
+        Stage::SurvivorSet => round_left_ms,
         // The device's own messages are sent, never waited for.
-        Stage::AdvertiseKeys | Stage::ShareKeys | Stage::MaskedInput | Stage::UnmaskResponse => 0,
+        Stage::AdvertiseKeys
+        | Stage::ShareKeys
+        | Stage::MaskedInput
+        | Stage::SurvivorSignature
+        | Stage::UnmaskResponse => 0,
     }
 }
 
@@ -283,7 +288,7 @@ fn elapsed_ms(since: Instant) -> u64 {
 
 impl DeviceClient {
     /// Sends this device's message for `stage` (AdvertiseKeys, ShareKeys,
-    /// MaskedInput or UnmaskResponse): `POST {path}/{endpoint}`, expecting
+    /// MaskedInput, SurvivorSignature or UnmaskResponse): `POST {path}/{endpoint}`, expecting
     /// 204. Retried under the client's policy. After an attempt that may
     /// have landed (see [`crate::retry`]), a 409 counts as taken, and so
     /// does a 410 for the stages the device fetches an answer to: the
@@ -296,7 +301,7 @@ impl DeviceClient {
         message: Bytes,
     ) -> Result<(), SdkError> {
         let secure = secure_task(task)?;
-        if !sent_by_device(stage) {
+        if !stage.sent_by_device() {
             return Err(wrong_direction(task, stage, "send"));
         }
         let limit_bytes = stage.max_bytes(secure.plan.packed_bytes());
@@ -352,7 +357,7 @@ impl DeviceClient {
     }
 
     /// One long poll for the server's message of `stage` (NeighbourKeys,
-    /// IncomingShares or UnmaskRequest): `GET {path}/{endpoint}?wait_ms=N`.
+    /// IncomingShares, SurvivorSet or UnmaskRequest): `GET {path}/{endpoint}?wait_ms=N`.
     /// `Some` with the message on 200, `None` on 202 (the previous stage is
     /// still open). Retried under the client's policy.
     pub async fn poll_secure_message(
@@ -362,7 +367,7 @@ impl DeviceClient {
         wait_ms: u64,
     ) -> Result<Option<Bytes>, SdkError> {
         let secure = secure_task(task)?;
-        if sent_by_device(stage) {
+        if stage.sent_by_device() {
             return Err(wrong_direction(task, stage, "fetch"));
         }
         let path = format!("{}?wait_ms={wait_ms}", stage_path(task, secure, stage)?);
@@ -557,8 +562,9 @@ impl SecureRound {
     /// Finishes the round with the trained update: `delta` is the change
     /// of the trainable parameters in layout order (what the float upload
     /// would carry), `num_samples` its sample count. Waits for the
-    /// neighbours' shares, sends the masked input, then answers the unmask
-    /// request, which comes after the task's deadline at the latest.
+    /// neighbours' shares, sends the masked input, signs the survivor set
+    /// (which comes after the task's deadline at the latest), then answers
+    /// the unmask request.
     pub async fn finish(
         mut self,
         delta: &[f32],
@@ -578,7 +584,14 @@ impl SecureRound {
             .map_err(|source| protocol_error(&self.task, Stage::MaskedInput, source))?;
         let masked_input_bytes = masked.len() as u64;
         self.send(Stage::MaskedInput, masked).await?;
-        let request = self.receive(Stage::UnmaskRequest, Instant::now()).await?;
+        let survivor_set = self.receive(Stage::SurvivorSet, Instant::now()).await?;
+        let signature = self
+            .state
+            .sign_survivors(&survivor_set, self.client.key())
+            .map_err(|source| protocol_error(&self.task, Stage::SurvivorSignature, source))?;
+        self.send(Stage::SurvivorSignature, signature).await?;
+        let signed_at = Instant::now();
+        let request = self.receive(Stage::UnmaskRequest, signed_at).await?;
         let response = self
             .state
             .unmask(&request)

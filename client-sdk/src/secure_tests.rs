@@ -100,6 +100,7 @@ impl FakeRound {
             Stage::AdvertiseKeys => aggregator.receive_advertisement(device, body),
             Stage::ShareKeys => aggregator.receive_shares(device, body),
             Stage::MaskedInput => aggregator.receive_masked_input(device, body),
+            Stage::SurvivorSignature => aggregator.receive_survivor_signature(device, body),
             Stage::UnmaskResponse => aggregator.receive_unmask_response(device, body),
             _ => return Err("not a device stage".to_string()),
         };
@@ -112,7 +113,8 @@ impl FakeRound {
         let (next, messages) = match stage {
             Stage::AdvertiseKeys => (Stage::NeighbourKeys, aggregator.close_advertising()),
             Stage::ShareKeys => (Stage::IncomingShares, aggregator.close_sharing()),
-            Stage::MaskedInput => (Stage::UnmaskRequest, aggregator.close_collection()),
+            Stage::MaskedInput => (Stage::SurvivorSet, aggregator.close_collection()),
+            Stage::SurvivorSignature => (Stage::UnmaskRequest, aggregator.close_consistency()),
             _ => {
                 let aggregator = self.aggregator.take().ok_or("the round is over")?;
                 self.sum = Some(aggregator.finish().map_err(|error| error.to_string())?);
@@ -133,6 +135,8 @@ fn stage_of(endpoint: &str) -> Option<Stage> {
         Stage::ShareKeys,
         Stage::IncomingShares,
         Stage::MaskedInput,
+        Stage::SurvivorSet,
+        Stage::SurvivorSignature,
         Stage::UnmaskRequest,
         Stage::UnmaskResponse,
     ]
@@ -356,6 +360,8 @@ fn three_devices_run_a_whole_round_and_the_server_learns_only_the_sum() {
             (Stage::ShareKeys, true),
             (Stage::IncomingShares, false),
             (Stage::MaskedInput, true),
+            (Stage::SurvivorSet, false),
+            (Stage::SurvivorSignature, true),
             (Stage::UnmaskRequest, false),
             (Stage::UnmaskResponse, true),
         ]
@@ -427,21 +433,26 @@ fn wait_limits_follow_the_stage_timeout_and_the_deadline() {
         wait_limit_ms(timeout, far, Stage::IncomingShares, 10 * key_wait, now),
         0
     );
-    // UnmaskRequest: until the deadline, plus the Unmasking stage and the
-    // clock allowance.
+    // UnmaskRequest: from the device's signature, like a key stage.
+    assert_eq!(
+        wait_limit_ms(timeout, far, Stage::UnmaskRequest, 5_000, now),
+        key_wait - 5_000
+    );
+    // SurvivorSet: until the deadline, plus ConsistencyCheck, Unmasking
+    // and the clock allowance.
     let deadline = now + 120_000;
     assert_eq!(
-        wait_limit_ms(timeout, deadline, Stage::UnmaskRequest, 0, now),
-        120_000 + timeout + DEADLINE_CLOCK_SKEW_MS
+        wait_limit_ms(timeout, deadline, Stage::SurvivorSet, 0, now),
+        120_000 + 2 * timeout + DEADLINE_CLOCK_SKEW_MS
     );
     // No wait outlives the round: here it ends 20 s from now.
-    let passed = now - (timeout + DEADLINE_CLOCK_SKEW_MS) + 20_000;
+    let passed = now - (2 * timeout + DEADLINE_CLOCK_SKEW_MS) + 20_000;
     assert_eq!(
         wait_limit_ms(timeout, passed, Stage::NeighbourKeys, 0, now),
         20_000
     );
     assert_eq!(
-        wait_limit_ms(timeout, 0, Stage::UnmaskRequest, 0, now),
+        wait_limit_ms(timeout, 0, Stage::SurvivorSet, 0, now),
         0,
         "a round long over"
     );
@@ -454,6 +465,7 @@ fn wait_limits_follow_the_stage_timeout_and_the_deadline() {
         Stage::AdvertiseKeys,
         Stage::ShareKeys,
         Stage::MaskedInput,
+        Stage::SurvivorSignature,
         Stage::UnmaskResponse,
     ] {
         assert_eq!(wait_limit_ms(timeout, far, stage, 0, now), 0);

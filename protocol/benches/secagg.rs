@@ -576,8 +576,7 @@ fn measure_device(label: String, plan: Plan) -> DeviceRow {
         let all: Vec<u64> = (1..=n).collect();
         let survivor_set = survivor_set_message(SESSION, id, &all);
         let key = &setup.keys[id as usize - 1];
-        let (signature, t) =
-            timed(|| client.sign_survivors(&survivor_set, key).expect("signed"));
+        let (signature, t) = timed(|| client.sign_survivors(&survivor_set, key).expect("signed"));
         sign.push(t);
         sign_bytes.push(signature.len());
         let signed = survivors_signed_bytes(SESSION, &all);

@@ -605,6 +605,8 @@ pub mod secagg_endpoints {
     pub const SHARE_KEYS: &str = "share-keys";
     pub const INCOMING_SHARES: &str = "incoming-shares";
     pub const MASKED_INPUT: &str = "masked-input";
+    pub const SURVIVOR_SET: &str = "survivor-set";
+    pub const SURVIVOR_SIGNATURE: &str = "survivor-signature";
     pub const UNMASK_REQUEST: &str = "unmask-request";
     pub const UNMASK_RESPONSE: &str = "unmask-response";
 }

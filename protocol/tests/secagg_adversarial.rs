@@ -1149,9 +1149,8 @@ fn a_survivor_set_without_the_device_or_below_the_tolerance_is_refused() {
     round.run_until(Step::DeliverSignatures);
     let a_key = round.keys[&a].clone();
     let mut over_other = wire::header(session, Stage::SurvivorSignature, a);
-    over_other.extend_from_slice(
-        &a_key.sign_message(&wire::survivors_signed_bytes(session, &without_b)),
-    );
+    over_other
+        .extend_from_slice(&a_key.sign_message(&wire::survivors_signed_bytes(session, &without_b)));
     let not_covered = format!(
         "device {a}'s signature does not cover this round's survivor set with its enrolled key"
     );
@@ -1193,9 +1192,8 @@ fn an_unmask_request_the_neighbours_did_not_confirm_is_refused() {
     assert_eq!(signers, neighbours, "every neighbour signed");
     let (p, q) = (signed[0].0, signed[1].0);
     let stranger = round.stranger_to(b);
-    let request = |signatures: &[(u64, [u8; 64])]| {
-        server::unmask_request_message(session, b, signatures)
-    };
+    let request =
+        |signatures: &[(u64, [u8; 64])]| server::unmask_request_message(session, b, signatures);
 
     // P's signature over another survivor set: the server told P and B
     // different things.
@@ -1220,7 +1218,8 @@ fn an_unmask_request_the_neighbours_did_not_confirm_is_refused() {
     // neighbour.
     let mut forged = signed.clone();
     let all_ids = round.ids();
-    let by_stranger = round.keys[&stranger].sign_message(&wire::survivors_signed_bytes(session, &all_ids));
+    let by_stranger =
+        round.keys[&stranger].sign_message(&wire::survivors_signed_bytes(session, &all_ids));
     forged[0] = (stranger, by_stranger);
     rejected(
         round.client(b).unmask(&request(&forged)),
@@ -1394,7 +1393,10 @@ fn attack(forge: bool) -> Attack {
         .expect("a device the attack can target");
     let set_for = |x: u64| -> Vec<u64> {
         let told = lies.get(&x).cloned().unwrap_or_default();
-        ids.iter().copied().filter(|id| !told.contains(id)).collect()
+        ids.iter()
+            .copied()
+            .filter(|id| !told.contains(id))
+            .collect()
     };
 
     let mut signed_set = BTreeMap::new();
@@ -1465,7 +1467,10 @@ fn strip_every_mask(
     let session = round.session;
     let t = plan.threshold;
     let seed_shares = book.seed_shares.get(&d)?;
-    let seed: [u8; 16] = shamir::reconstruct(seed_shares, t, 16).ok()?.try_into().ok()?;
+    let seed: [u8; 16] = shamir::reconstruct(seed_shares, t, 16)
+        .ok()?
+        .try_into()
+        .ok()?;
     let commitment: [u8; 32] = round.sent.share_keys[&d][HEADER_BYTES..SHARE_KEYS_HEAD]
         .try_into()
         .unwrap();
@@ -1619,7 +1624,10 @@ fn duplicate_device_ids_are_refused() {
             .client(b)
             .sign_survivors(&raw_survivor_set(session, b, &swapped), &key),
         "SurvivorSet",
-        &[&format!("device {} is out of order or repeated", survivors[0])],
+        &[&format!(
+            "device {} is out of order or repeated",
+            survivors[0]
+        )],
     );
 
     // An UnmaskRequest that carries one neighbour's signature twice.
@@ -1631,7 +1639,10 @@ fn duplicate_device_ids_are_refused() {
     rejected(
         round.client(b).unmask(&request),
         "UnmaskRequest",
-        &[&format!("device {}'s signature appears twice", signatures[0].0)],
+        &[&format!(
+            "device {}'s signature appears twice",
+            signatures[0].0
+        )],
     );
 
     // The round runs on A's first keys; the second client never joined.

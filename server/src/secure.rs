@@ -1,9 +1,10 @@
 //! Secure rounds (SecAgg+), on top of the durable round state.
 //!
 //! A secure round is `training` while its `secagg_stage` walks through
-//! advertise → share → collect → unmask. Each stage closes when every live
-//! participant has answered or its deadline passes; whoever has not
-//! answered by then is dropped, and the round fails as soon as more devices
+//! advertise → share → collect → consistency → unmask. Each stage closes
+//! when every live participant has answered or its deadline passes; whoever
+//! has not answered a key stage or sent its masked input by then is dropped
+//! (a survivor that misses ConsistencyCheck or Unmasking stays in the sum), and the round fails as soon as more devices
 //! have dropped out than the plan tolerates. Closing Unmasking rebuilds the
 //! survivors' self-mask seeds and the dropouts' mask keys, removes every
 //! mask from the running sum, and leaves the round `aggregating` with the
@@ -162,54 +163,83 @@ pub fn unmask_sets_of(neighbours: &[SecureParticipant]) -> (BTreeSet<u64>, BTree
     }))
 }
 
-/// Round graphs the device API has built. A round's graph is fixed once
-/// its participants are selected, and building it per request read every
-/// participant's row for every request: O(n²) rows a stage. Keyed by the
-/// round and its seed, so that a round that starts over (a new seed) is
-/// never served an old graph; the oldest are let go past
-/// [`MAX_CACHED_GRAPHS`].
-#[derive(Default)]
-pub struct GraphCache {
-    graphs: std::sync::Mutex<std::collections::VecDeque<(GraphKey, Arc<Graph>)>>,
+/// What the device API derives once per secure round and keeps: building
+/// it per request read every participant's row for every request, O(n²)
+/// rows a stage. Keyed by the round and its seed, so that a round that
+/// starts over (a new seed) is never served an old value; the oldest are
+/// let go past [`MAX_CACHED_ROUNDS`].
+pub struct RoundCache<T> {
+    entries: std::sync::Mutex<std::collections::VecDeque<(RoundKey, Arc<T>)>>,
+}
+
+impl<T> Default for RoundCache<T> {
+    fn default() -> Self {
+        RoundCache {
+            entries: Default::default(),
+        }
+    }
 }
 
 /// A round and its graph seed.
-type GraphKey = (i64, [u8; 32]);
+type RoundKey = (i64, [u8; 32]);
 
-/// Rounds whose graphs are kept: more than the secure rounds one server
-/// runs at once; a graph is 16 bytes a participant.
-pub const MAX_CACHED_GRAPHS: usize = 64;
+/// Rounds whose values are kept: more than the secure rounds one server
+/// runs at once; a graph is 16 bytes a participant, a survivor set 8.
+pub const MAX_CACHED_ROUNDS: usize = 64;
 
-impl GraphCache {
-    pub async fn get(
-        &self,
-        db: &crate::db::Db,
-        round: &SecureRound,
-    ) -> Result<Arc<Graph>, SecureError> {
+impl<T> RoundCache<T> {
+    /// The round's value, built by `build` the first time. Build only what
+    /// is fixed from the round's current stage on.
+    pub async fn get<F>(&self, round: &SecureRound, build: F) -> Result<Arc<T>, SecureError>
+    where
+        F: std::future::Future<Output = Result<T, SecureError>>,
+    {
         let seed = round.seed.ok_or(SecureError::Ended { round: round.id })?;
         let key = (round.id, seed);
-        if let Some(graph) = self.lookup(&key) {
-            return Ok(graph);
+        if let Some(value) = self.lookup(&key) {
+            return Ok(value);
         }
-        let ids = secagg::participant_ids(&db.pool, round.id).await?;
-        let built = Arc::new(graph(round, &ids)?);
-        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        if !graphs.iter().any(|(k, _)| *k == key) {
-            graphs.push_back((key, built.clone()));
+        let built = Arc::new(build.await?);
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        if !entries.iter().any(|(k, _)| *k == key) {
+            entries.push_back((key, built.clone()));
         }
-        while graphs.len() > MAX_CACHED_GRAPHS {
-            graphs.pop_front();
+        while entries.len() > MAX_CACHED_ROUNDS {
+            entries.pop_front();
         }
         Ok(built)
     }
 
-    fn lookup(&self, key: &GraphKey) -> Option<Arc<Graph>> {
-        let graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
-        graphs
+    fn lookup(&self, key: &RoundKey) -> Option<Arc<T>> {
+        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries
             .iter()
             .find(|(k, _)| k == key)
-            .map(|(_, g)| g.clone())
+            .map(|(_, v)| v.clone())
     }
+}
+
+/// The round's graph, fixed once its participants are selected.
+pub async fn cached_graph(
+    state: &AppState,
+    round: &SecureRound,
+) -> Result<Arc<Graph>, SecureError> {
+    let build = async {
+        let ids = secagg::participant_ids(&state.db.pool, round.id).await?;
+        graph(round, &ids)
+    };
+    state.secure_graphs.get(round, build).await
+}
+
+/// The survivor set, fixed once MaskedInputCollection has closed: call it
+/// from ConsistencyCheck on.
+pub async fn cached_survivors(
+    state: &AppState,
+    round: &SecureRound,
+) -> Result<Arc<Vec<u64>>, SecureError> {
+    debug_assert!(round.stage >= SecureStage::Consistency);
+    let build = async { Ok(secagg::survivor_ids(&state.db, round.id).await?) };
+    state.secure_survivors.get(round, build).await
 }
 
 /// Whether a selected round could be made secure.
@@ -315,6 +345,7 @@ fn has_answered(stage: SecureStage, participant: &SecureParticipant) -> bool {
         SecureStage::Advertise => participant.secagg_keys.is_some(),
         SecureStage::Share => participant.secagg_commitment.is_some(),
         SecureStage::Collect => participant.state == ParticipantState::Uploaded,
+        SecureStage::Consistency => participant.secagg_signature.is_some(),
         SecureStage::Unmask => participant.secagg_reveal.is_some(),
     }
 }
@@ -334,7 +365,8 @@ fn stage_message(stage: SecureStage) -> (Stage, Option<SecureStage>) {
     match stage {
         SecureStage::Advertise => (Stage::AdvertiseKeys, Some(SecureStage::Share)),
         SecureStage::Share => (Stage::ShareKeys, Some(SecureStage::Collect)),
-        SecureStage::Collect => (Stage::MaskedInput, Some(SecureStage::Unmask)),
+        SecureStage::Collect => (Stage::MaskedInput, Some(SecureStage::Consistency)),
+        SecureStage::Consistency => (Stage::SurvivorSignature, Some(SecureStage::Unmask)),
         SecureStage::Unmask => (Stage::UnmaskResponse, None),
     }
 }

@@ -56,8 +56,9 @@ pub struct Inner {
     pub throttled_devices: crate::inflight::Throttle<i64>,
     /// Uploads waiting to be folded, batched per round.
     pub folds: crate::api::device::folds::FoldQueue<crate::store::rounds::AcceptedUpdate>,
-    /// The graphs of secure rounds in progress (`secure::GraphCache`).
-    pub secure_graphs: crate::secure::GraphCache,
+    /// The graphs and survivor sets of secure rounds in progress.
+    pub secure_graphs: crate::secure::RoundCache<canopy_protocol::secagg::graph::Graph>,
+    pub secure_survivors: crate::secure::RoundCache<Vec<u64>>,
     /// Secure rounds' masked inputs waiting to be folded, batched per round.
     pub masked_folds: crate::api::device::folds::FoldQueue<crate::store::secagg::MaskedUpload>,
     pub sensitive_limiter: DefaultKeyedRateLimiter<IpAddr>,
@@ -109,6 +110,7 @@ impl AppState {
             folds: Default::default(),
             masked_folds: Default::default(),
             secure_graphs: Default::default(),
+            secure_survivors: Default::default(),
             sensitive_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
             device_limiter: RateLimiter::keyed(device_quota(limits.device_requests_per_second)),
             db,

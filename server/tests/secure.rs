@@ -194,6 +194,22 @@ impl Device {
         post_ok(&self.client, &self.task, endpoints::MASKED_INPUT, message).await
     }
 
+    async fn sign(&mut self) -> Result<()> {
+        let survivors = fetch(&self.client, &self.task, endpoints::SURVIVOR_SET).await?;
+        let message = self
+            .protocol
+            .as_mut()
+            .context("started")?
+            .sign_survivors(&survivors, self.client.key())?;
+        post_ok(
+            &self.client,
+            &self.task,
+            endpoints::SURVIVOR_SIGNATURE,
+            message,
+        )
+        .await
+    }
+
     async fn unmask(&mut self) -> Result<()> {
         let request = fetch(&self.client, &self.task, endpoints::UNMASK_REQUEST).await?;
         let message = self
@@ -214,6 +230,18 @@ impl Device {
         self.client.decline_task(&self.task, "test dropout").await?;
         Ok(())
     }
+}
+
+/// ConsistencyCheck, then Unmasking, for every device: each stage closes
+/// once all have answered.
+async fn sign_then_unmask(devices: &mut [Device]) -> Result<()> {
+    for device in devices.iter_mut() {
+        device.sign().await?;
+    }
+    for device in devices.iter_mut() {
+        device.unmask().await?;
+    }
+    Ok(())
 }
 
 async fn enroll_all(server: &TestServer, admin: &Admin, n: usize) -> Result<Vec<DeviceClient>> {
@@ -327,9 +355,7 @@ async fn secure_round_matches_survivors(database: Database) -> Result<()> {
     for (i, device) in devices[..5].iter_mut().enumerate() {
         device.masked_input(900 + i as u64).await?;
     }
-    for device in &mut devices[..5] {
-        device.unmask().await?;
-    }
+    sign_then_unmask(&mut devices[..5]).await?;
     let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
     ensure!(finished["state"] == "completed", "job: {finished}");
     let round = admin
@@ -572,9 +598,7 @@ async fn bad_messages_are_refused_and_the_round_goes_on() -> Result<()> {
     for (i, device) in devices.iter_mut().enumerate() {
         device.masked_input(i as u64).await?;
     }
-    for device in &mut devices {
-        device.unmask().await?;
-    }
+    sign_then_unmask(&mut devices).await?;
     let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
     ensure!(finished["state"] == "completed", "job: {finished}");
     Ok(())
@@ -617,9 +641,7 @@ async fn no_plaintext_update_reaches_the_database_blobs_or_logs() -> Result<()> 
         mid_round.is_empty(),
         "plaintext update bytes found mid-round in {mid_round:?}"
     );
-    for device in &mut devices {
-        device.unmask().await?;
-    }
+    sign_then_unmask(&mut devices).await?;
     let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
     ensure!(finished["state"] == "completed", "job: {finished}");
     let after = find_any(server.data_dir.path(), &needles)?;
@@ -782,9 +804,7 @@ async fn a_secure_round_survives_kill_9() -> Result<()> {
     for (i, device) in devices[2..].iter_mut().enumerate() {
         device.masked_input(42 + i as u64).await?;
     }
-    for device in &mut devices {
-        device.unmask().await?;
-    }
+    sign_then_unmask(&mut devices).await?;
     let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
     ensure!(finished["state"] == "completed", "job: {finished}");
     let next = fetch_model(&admin, "logreg", 2).await?;

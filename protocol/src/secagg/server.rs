@@ -723,8 +723,7 @@ impl Aggregator {
             return Err(Self::duplicate(Stage::SurvivorSignature, device));
         }
         let key = &self.device_keys[&device];
-        let signature =
-            read_survivor_signature(bytes, self.session, device, key, &self.survivors)?;
+        let signature = read_survivor_signature(bytes, self.session, device, key, &self.survivors)?;
         self.signatures.insert(device, signature);
         Ok(())
     }

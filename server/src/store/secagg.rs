@@ -1,7 +1,7 @@
 //! The durable state of secure-aggregation rounds: the round's stage, plan
-//! and graph seed, each participant's advertised keys, seed commitment and
-//! revealed shares, and the share ciphertexts in transit between devices.
-//! No individual plaintext update is ever stored: masked vectors are folded
+//! and graph seed, each participant's advertised keys, seed commitment,
+//! survivor-set signature and revealed shares, and the share ciphertexts
+//! in transit between devices. No individual plaintext update is ever stored: masked vectors are folded
 //! into `rounds.update_sum` as they arrive and not kept.
 
 use canopy_protocol::secagg::Plan;
@@ -21,6 +21,8 @@ text_enum! {
         Share = "share",
         /// MaskedInputCollection, which includes training.
         Collect = "collect",
+        /// ConsistencyCheck: survivors sign the survivor set.
+        Consistency = "consistency",
         /// Unmasking.
         Unmask = "unmask",
     }
@@ -154,11 +156,14 @@ pub struct SecureParticipant {
     pub secagg_keys: Option<Vec<u8>>,
     pub secagg_commitment: Option<Vec<u8>>,
     pub secagg_reveal: Option<Vec<u8>>,
+    /// The survivor set, signed in ConsistencyCheck.
+    pub secagg_signature: Option<Vec<u8>>,
     pub public_key: Vec<u8>,
 }
 
 const PARTICIPANT_SELECT: &str = "SELECT p.device_id, p.state, p.secagg_keys, \
-     p.secagg_commitment, p.secagg_reveal, d.public_key FROM participants p \
+     p.secagg_commitment, p.secagg_reveal, p.secagg_signature, d.public_key \
+     FROM participants p \
      JOIN devices d ON d.id = p.device_id";
 
 pub async fn participant<'e, E>(
@@ -308,6 +313,41 @@ pub async fn incoming_shares(
     Ok(rows.into_iter().map(|(from, c)| (from as u64, c)).collect())
 }
 
+/// The devices whose masked input is in the sum, ascending: once
+/// MaskedInputCollection has closed, the survivor set of ConsistencyCheck.
+pub async fn survivor_ids(db: &Db, round_id: i64) -> Result<Vec<u64>, sqlx::Error> {
+    let rows: Vec<(i64,)> = sqlx::query_as(
+        "SELECT device_id FROM participants WHERE round_id = $1 AND state = 'uploaded' \
+         ORDER BY device_id",
+    )
+    .bind(round_id)
+    .fetch_all(&db.pool)
+    .await?;
+    Ok(rows.into_iter().map(|(id,)| id as u64).collect())
+}
+
+/// Records a survivor's signature of the survivor set, once, while
+/// ConsistencyCheck is open.
+pub async fn save_signature(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    signature: &[u8; 64],
+) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let saved = sqlx::query(
+        "UPDATE participants SET secagg_signature = $1 WHERE round_id = $2 AND device_id = $3 \
+         AND secagg_signature IS NULL AND state = 'uploaded' AND EXISTS (SELECT 1 FROM rounds r \
+           WHERE r.id = $2 AND r.state = 'training' AND r.secagg_stage = 'consistency')",
+    )
+    .bind(signature.to_vec())
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(saved.rows_affected() == 1)
+}
+
 /// Records a survivor's revealed shares, once, while Unmasking is open.
 pub async fn save_reveal(
     db: &Db,
@@ -361,6 +401,8 @@ pub async fn drop_laggards(
         SecureStage::Advertise => "secagg_keys",
         SecureStage::Share => "secagg_commitment",
         SecureStage::Collect => "uploaded_ms",
+        // Survivors are no longer pending: nobody is dropped for these.
+        SecureStage::Consistency => "secagg_signature",
         SecureStage::Unmask => "secagg_reveal",
     };
     let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -554,7 +596,7 @@ pub async fn purge(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
         .await?;
     sqlx::query(
         "UPDATE participants SET secagg_keys = NULL, secagg_commitment = NULL, \
-         secagg_reveal = NULL WHERE round_id = $1",
+         secagg_reveal = NULL, secagg_signature = NULL WHERE round_id = $1",
     )
     .bind(round_id)
     .execute(&mut **tx)

@@ -1,5 +1,5 @@
-//! The device side of secure rounds: seven endpoints under
-//! `/device/v1/rounds/{round_id}/secagg/`, one per message of the four
+//! The device side of secure rounds: nine endpoints under
+//! `/device/v1/rounds/{round_id}/secagg/`, one per message of the five
 //! stages (see `canopy_protocol::messages::SecureTask`).
 //!
 //! Every message is checked by `canopy_protocol::secagg` before anything is
@@ -40,6 +40,7 @@ fn posted_stage(endpoint: &str) -> ApiResult<(SecureStage, Stage)> {
         endpoints::ADVERTISE_KEYS => (SecureStage::Advertise, Stage::AdvertiseKeys),
         endpoints::SHARE_KEYS => (SecureStage::Share, Stage::ShareKeys),
         endpoints::MASKED_INPUT => (SecureStage::Collect, Stage::MaskedInput),
+        endpoints::SURVIVOR_SIGNATURE => (SecureStage::Consistency, Stage::SurvivorSignature),
         endpoints::UNMASK_RESPONSE => (SecureStage::Unmask, Stage::UnmaskResponse),
         other => return Err(unknown_endpoint(other)),
     })
@@ -51,6 +52,7 @@ fn fetched_stage(endpoint: &str) -> ApiResult<SecureStage> {
     Ok(match endpoint {
         endpoints::NEIGHBOUR_KEYS => SecureStage::Share,
         endpoints::INCOMING_SHARES => SecureStage::Collect,
+        endpoints::SURVIVOR_SET => SecureStage::Consistency,
         endpoints::UNMASK_REQUEST => SecureStage::Unmask,
         other => return Err(unknown_endpoint(other)),
     })
@@ -161,6 +163,9 @@ pub async fn post_message(
         Stage::AdvertiseKeys => advertise(&state, &round, &participant, &bytes).await?,
         Stage::ShareKeys => share_keys(&state, &round, &participant, &bytes).await?,
         Stage::MaskedInput => masked_input(&state, &round, device_id, bytes).await?,
+        Stage::SurvivorSignature => {
+            survivor_signature(&state, &round, &participant, &bytes).await?
+        }
         _ => unmask_response(&state, &round, &participant, &bytes).await?,
     }
     if message != Stage::MaskedInput {
@@ -205,9 +210,7 @@ async fn advertise(
     if participant.secagg_keys.is_some() {
         return Err(duplicate(Stage::AdvertiseKeys, round, device_id));
     }
-    let device_key: [u8; 32] = participant.public_key.as_slice().try_into().map_err(|_| {
-        ApiError::internal(format!("device {device_id}'s stored key is not 32 bytes"))
-    })?;
+    let device_key = enrolled_key(participant)?;
     let advertisement = secagg_server::read_advertisement(
         bytes,
         secure::session(round),
@@ -242,7 +245,7 @@ async fn neighbour_rows(
     round: &SecureRound,
     device_id: i64,
 ) -> ApiResult<Vec<SecureParticipant>> {
-    let graph = state.secure_graphs.get(&state.db, round).await?;
+    let graph = secure::cached_graph(state, round).await?;
     let neighbours = graph.neighbours(device_id as u64).unwrap_or_default();
     Ok(secagg::participants_among(&state.db.pool, round.id, &neighbours).await?)
 }
@@ -368,6 +371,48 @@ impl Foldable for MaskedUpload {
         )
         .await
     }
+}
+
+fn enrolled_key(participant: &SecureParticipant) -> ApiResult<[u8; 32]> {
+    participant.public_key.as_slice().try_into().map_err(|_| {
+        ApiError::internal(format!(
+            "device {}'s stored key is not 32 bytes",
+            participant.device_id
+        ))
+    })
+}
+
+/// Only a survivor signs, once, and only the set the round holds; the
+/// signature is checked here, so that no neighbour is ever sent a bad one.
+async fn survivor_signature(
+    state: &AppState,
+    round: &SecureRound,
+    participant: &SecureParticipant,
+    bytes: &[u8],
+) -> ApiResult<()> {
+    let device_id = participant.device_id;
+    if participant.secagg_signature.is_some() {
+        return Err(duplicate(Stage::SurvivorSignature, round, device_id));
+    }
+    if participant.state != ParticipantState::Uploaded {
+        return Err(ApiError::conflict(format!(
+            "device {device_id} sent no masked input in round {}, so it is not a survivor",
+            round.id
+        )));
+    }
+    let survivors = secure::cached_survivors(state, round).await?;
+    let signature = secagg_server::read_survivor_signature(
+        bytes,
+        secure::session(round),
+        device_id as u64,
+        &enrolled_key(participant)?,
+        &survivors,
+    )
+    .map_err(refusal)?;
+    if !secagg::save_signature(&state.db, round.id, device_id, &signature).await? {
+        return Err(not_taken(Stage::SurvivorSignature, round, device_id));
+    }
+    Ok(())
 }
 
 /// The survivors and dropouts a survivor is asked about.
@@ -502,20 +547,45 @@ async fn build_message(
                 &shares,
             ))
         }
-        _ => {
-            if participant.state != ParticipantState::Uploaded {
-                return Err(ApiError::gone(format!(
-                    "device {device_id} sent no masked input in round {}",
-                    round.id
-                )));
-            }
-            let (survivors, dropped) = unmask_sets(state, round, device_id).await?;
-            Ok(secagg_server::unmask_request_message(
+        endpoints::SURVIVOR_SET => {
+            check_survivor(round, participant)?;
+            let survivors = secure::cached_survivors(state, round).await?;
+            Ok(secagg_server::survivor_set_message(
                 session,
                 device_id as u64,
                 &survivors,
-                &dropped,
+            ))
+        }
+        _ => {
+            check_survivor(round, participant)?;
+            let neighbours = neighbour_rows(state, round, device_id).await?;
+            let signatures = neighbours
+                .iter()
+                .filter_map(|p| Some((p.device_id as u64, p.secagg_signature.as_deref()?)))
+                .map(|(id, signature)| {
+                    let signature: [u8; 64] = signature.try_into().map_err(|_| {
+                        ApiError::internal(format!("device {id}'s stored signature is malformed"))
+                    })?;
+                    Ok((id, signature))
+                })
+                .collect::<ApiResult<Vec<_>>>()?;
+            Ok(secagg_server::unmask_request_message(
+                session,
+                device_id as u64,
+                &signatures,
             ))
         }
     }
+}
+
+/// 410 for a device whose masked input is not in the sum: it has no part
+/// in ConsistencyCheck or Unmasking.
+fn check_survivor(round: &SecureRound, participant: &SecureParticipant) -> ApiResult<()> {
+    if participant.state != ParticipantState::Uploaded {
+        return Err(ApiError::gone(format!(
+            "device {} sent no masked input in round {}",
+            participant.device_id, round.id
+        )));
+    }
+    Ok(())
 }
