@@ -32,7 +32,10 @@ fn plan(update_len: usize) -> Plan {
     }
     .plan(3, update_len)
     .expect("plan")
+    .commit_graph(&GRAPH_SEED)
 }
+
+const GRAPH_SEED: [u8; 32] = [9; 32];
 
 fn secure_task(update_len: usize, deadline_unix_ms: u64) -> Task {
     Task {
@@ -249,7 +252,7 @@ fn round_fixture(update_len: usize) -> RoundFixture {
             round_id: ROUND_ID as u64,
         },
         plan.clone(),
-        &[9; 32],
+        &GRAPH_SEED,
         &public,
     )
     .expect("aggregator");

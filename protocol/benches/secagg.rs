@@ -426,6 +426,7 @@ struct Setup {
 /// share their keys on scoped threads.
 fn setup_round(plan: Plan, measured: &[u64]) -> Setup {
     let n = plan.participants;
+    let plan = plan.commit_graph(&GRAPH_SEED);
     let ids: Vec<u64> = (1..=n as u64).collect();
     let keys: Vec<DeviceKey> = ids.iter().map(|_| DeviceKey::generate()).collect();
     let public: Vec<(u64, [u8; 32])> = ids

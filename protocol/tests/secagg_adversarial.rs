@@ -190,8 +190,16 @@ impl List {
     }
 }
 
+/// Where NeighbourKeys' list of keys starts: after the graph seed and the
+/// participants.
+fn neighbour_keys_head(bytes: &[u8]) -> usize {
+    let at = HEADER_BYTES + 32;
+    let participants = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    at + 4 + participants * 8
+}
+
 fn neighbour_keys(bytes: &[u8]) -> List {
-    List::parse(bytes, HEADER_BYTES, KEYS_ENTRY)
+    List::parse(bytes, neighbour_keys_head(bytes), KEYS_ENTRY)
 }
 
 fn share_keys(bytes: &[u8]) -> List {
@@ -385,6 +393,7 @@ impl Round {
             job_id: JOB,
             round_id,
         };
+        let plan = plan.commit_graph(&graph_seed);
         let public: Vec<(u64, [u8; 32])> =
             keys.iter().map(|(&id, k)| (id, k.public_key())).collect();
         let server =
@@ -1530,6 +1539,154 @@ fn a_server_that_tells_devices_different_survivor_sets_learns_no_input() {
 }
 
 // ---------------------------------------------------------------------------
+// A server that picks the graph after seeing the keys.
+
+/// The round keys an advertisement carries, as NeighbourKeys lists them.
+fn advertised(round: &Round, id: u64, message: &[u8]) -> (u64, [u8; 32], server::Advertisement) {
+    let at = HEADER_BYTES;
+    let advertisement = server::Advertisement {
+        channel_key: message[at..at + 32].try_into().unwrap(),
+        mask_key: message[at + 32..at + 64].try_into().unwrap(),
+        signature: message[at + 64..at + 128].try_into().unwrap(),
+    };
+    (id, round.keys[&id].public_key(), advertisement)
+}
+
+/// Acceptance 3: the server, having seen which devices advertised (its own
+/// among them), picks a graph in which most of the target's neighbours are
+/// devices it controls. Had the plan not committed to the seed before any
+/// key existed, the target would share its secrets with them, and the
+/// server would rebuild both of the target's secrets from their shares;
+/// with the commitment, the target refuses the graph.
+#[test]
+fn a_graph_picked_after_the_keys_is_refused() {
+    let mut round = Round::new(16);
+    let session = round.session;
+    let t = round.plan.threshold;
+    let ids = round.ids();
+    let target = ids[0];
+    // Half the round is the server's: devices it enrolled, with keys it holds.
+    let rogues: BTreeMap<u64, Rogue> = ids[5..]
+        .iter()
+        .map(|&id| (id, Rogue::new(id, round.keys[&id].clone())))
+        .collect();
+    for &id in rogues.keys() {
+        round.silence(id);
+    }
+    round.run_until(Step::CloseAdvertising);
+    let mut adverts: BTreeMap<u64, Vec<u8>> = round.sent.advertisements.clone();
+    for (&id, rogue) in &rogues {
+        adverts.insert(id, rogue.advertisement(session));
+    }
+    // A seed whose graph gives the target t of the server's devices.
+    let (picked, graph) = (0u8..=255)
+        .map(|b| [b; 32])
+        .map(|seed| (seed, Graph::new(&seed, &ids, round.plan.degree).unwrap()))
+        .find(|(_, graph)| {
+            let neighbours = graph.neighbours(target).unwrap();
+            neighbours.iter().filter(|n| rogues.contains_key(n)).count() >= t
+        })
+        .expect("a graph that surrounds the target");
+    let keys_in = |graph: &Graph| -> Vec<(u64, [u8; 32], server::Advertisement)> {
+        let neighbours = graph.neighbours(target).unwrap();
+        neighbours
+            .into_iter()
+            .map(|n| advertised(&round, n, &adverts[&n]))
+            .collect()
+    };
+    let picked_keys = keys_in(&graph);
+    // And the committed seed, with one of the server's devices slipped in.
+    let committed = [16u8; 32];
+    let honest_graph = Graph::new(&committed, &ids, round.plan.degree).unwrap();
+    let stranger = round.stranger_to(target);
+    let mut slipped = keys_in(&honest_graph);
+    slipped[0] = advertised(&round, stranger, &adverts[&stranger]);
+    let message =
+        server::neighbour_keys_message(session, target, &picked, ids.iter().copied(), &picked_keys);
+    rejected(
+        round.client(target).share_keys(&message),
+        "NeighbourKeys",
+        &["its graph seed is not the one the plan committed to before any round key existed"],
+    );
+    let message =
+        server::neighbour_keys_message(session, target, &committed, ids.iter().copied(), &slipped);
+    rejected(
+        round.client(target).share_keys(&message),
+        "NeighbourKeys",
+        &[&format!(
+            "device {stranger} is not device {target}'s neighbour in the committed graph"
+        )],
+    );
+
+    // Without the commitment: a device given the picked seed as its plan's
+    // (as if the seed were fixed after the keys) shares with the server's
+    // devices, whose t shares rebuild both of its secrets.
+    let plan = round.plan.clone().commit_graph(&picked);
+    let (mut client, advertisement) =
+        Client::start(session, target, plan, &round.keys[&target]).unwrap();
+    let message =
+        server::neighbour_keys_message(session, target, &picked, ids.iter().copied(), &picked_keys);
+    let shares = client
+        .share_keys(&message)
+        .expect("the picked graph is taken");
+    let target_channel: [u8; 32] = advertisement[HEADER_BYTES..HEADER_BYTES + 32]
+        .try_into()
+        .unwrap();
+    let target_mask: [u8; 32] = advertisement[HEADER_BYTES + 32..HEADER_BYTES + 64]
+        .try_into()
+        .unwrap();
+    let (mut seed_shares, mut key_shares) = (Vec::new(), Vec::new());
+    for entry in share_keys(&shares).entries {
+        let Some(rogue) = rogues.get(&u64_at(&entry, 0)) else {
+            continue;
+        };
+        let ciphertext: [u8; SHARE_CIPHERTEXT_BYTES] = entry[8..].try_into().unwrap();
+        let plain = crypto::open_share(
+            &rogue.channel,
+            &target_channel,
+            session,
+            target,
+            rogue.id,
+            &ciphertext,
+        )
+        .expect("sealed to the server's device");
+        let words: Vec<u64> = plain
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        let x = shamir::point_of(rogue.id).unwrap();
+        seed_shares.push(shamir::Share {
+            x,
+            ys: words[2..5].to_vec(),
+        });
+        key_shares.push(shamir::Share {
+            x,
+            ys: words[5..10].to_vec(),
+        });
+    }
+    assert!(seed_shares.len() >= t);
+    let seed: [u8; 16] = shamir::reconstruct(&seed_shares, t, 16)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let commitment: [u8; 32] = shares[HEADER_BYTES..SHARE_KEYS_HEAD].try_into().unwrap();
+    assert_eq!(
+        seed_commitment(session, target, &seed),
+        commitment,
+        "the self-mask seed leaks"
+    );
+    let key: [u8; 32] = shamir::reconstruct(&key_shares, t, 32)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    assert_eq!(
+        public_key(&StaticSecret::from(key)),
+        target_mask,
+        "the mask key leaks"
+    );
+}
+
+// ---------------------------------------------------------------------------
 // Duplicate device ids.
 
 #[test]
@@ -1543,7 +1700,13 @@ fn duplicate_device_ids_are_refused() {
         job_id: JOB,
         round_id: 10,
     };
-    let result = Aggregator::new(session, plan(24), &[1; 32], &repeated).map(|_| ());
+    let result = Aggregator::new(
+        session,
+        plan(24).commit_graph(&[1; 32]),
+        &[1; 32],
+        &repeated,
+    )
+    .map(|_| ());
     invalid(
         result,
         &[&format!(
@@ -1585,7 +1748,9 @@ fn duplicate_device_ids_are_refused() {
     rejected(
         round.client(b).share_keys(&own.bytes()),
         "NeighbourKeys",
-        &[&format!("it lists device {b} as its own neighbour")],
+        &[&format!(
+            "device {b} is not device {b}'s neighbour in the committed graph"
+        )],
     );
 
     // IncomingShares with one sender's shares twice.
@@ -1807,7 +1972,8 @@ fn truncated_or_overlong_messages_are_refused_at_every_stage() {
     // A count above the degree is refused before anything is read.
     let mut inflated = keys.clone();
     let degree = round.plan.degree;
-    inflated[HEADER_BYTES..HEADER_BYTES + 4].copy_from_slice(&(degree as u32 + 1).to_le_bytes());
+    let head = neighbour_keys_head(&keys);
+    inflated[head..head + 4].copy_from_slice(&(degree as u32 + 1).to_le_bytes());
     rejected(
         round.client(b).share_keys(&inflated),
         "NeighbourKeys",

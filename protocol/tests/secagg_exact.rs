@@ -41,7 +41,9 @@ fn run_round(
     let keys: BTreeMap<u64, DeviceKey> =
         ids.iter().map(|&id| (id, DeviceKey::generate())).collect();
     let public: Vec<(u64, [u8; 32])> = keys.iter().map(|(&id, k)| (id, k.public_key())).collect();
-    let mut server = Aggregator::new(session, plan.clone(), &rng.random(), &public)?;
+    let graph_seed: [u8; 32] = rng.random();
+    let plan = &plan.clone().commit_graph(&graph_seed);
+    let mut server = Aggregator::new(session, plan.clone(), &graph_seed, &public)?;
     let mut clients = BTreeMap::new();
     for &id in ids {
         if dropouts.before_advertise.contains(&id) {
@@ -209,7 +211,7 @@ fn quantized_updates_average_back_to_the_float_mean() {
         ..SecAggConfig::default()
     };
     let n = 12;
-    let plan = config.plan(n, 100).unwrap();
+    let plan = config.plan(n, 100).unwrap().commit_graph(&[5; 32]);
     let ids: Vec<u64> = (1..=n as u64).collect();
     let session = Session {
         job_id: 1,

@@ -259,12 +259,14 @@ pub async fn begin(
     participants: usize,
     update_len: usize,
 ) -> Result<Begun, SecureError> {
-    let plan = match spec.secure_aggregation.plan(participants, update_len) {
-        Ok(plan) => plan,
-        Err(error) => return Ok(Begun::Refused(error.to_string())),
-    };
     let mut seed = [0u8; 32];
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut seed);
+    // Committed before any device has made its keys: devices check the
+    // seed they are later sent against it.
+    let plan = match spec.secure_aggregation.plan(participants, update_len) {
+        Ok(plan) => plan.commit_graph(&seed),
+        Err(error) => return Ok(Begun::Refused(error.to_string())),
+    };
     let deadline = now_ms() + stage_timeout_ms(state);
     secagg::begin(tx, round_id, &plan, &seed, deadline).await?;
     tracing::info!(

@@ -26,6 +26,7 @@ use x25519_dalek::StaticSecret;
 use zeroize::Zeroize;
 
 use super::crypto::{self, public_key, random_secret};
+use super::graph::{self, Graph};
 use super::mask::{self, Seed, Sign};
 use super::params::Plan;
 use super::shamir::{self, Share};
@@ -166,20 +167,24 @@ impl Client {
             self.device_id,
             max,
         )?;
+        let graph_neighbours = self.read_graph(&mut reader)?;
         let count = reader.count(self.plan.degree, "neighbours")?;
         let mut neighbours = BTreeMap::new();
         for _ in 0..count {
             let id = reader.u64()?;
+            if !graph_neighbours.contains(&id) {
+                return Err(SecAggError::rejected(
+                    "NeighbourKeys",
+                    format!(
+                        "device {id} is not device {}'s neighbour in the committed graph",
+                        self.device_id
+                    ),
+                ));
+            }
             let device_key: [u8; 32] = reader.array()?;
             let channel: [u8; 32] = reader.array()?;
             let mask: [u8; 32] = reader.array()?;
             let signature: [u8; 64] = reader.array()?;
-            if id == self.device_id {
-                return Err(SecAggError::rejected(
-                    "NeighbourKeys",
-                    format!("it lists device {id} as its own neighbour"),
-                ));
-            }
             verify_advertisement(self.session, id, &device_key, &channel, &mask, &signature)?;
             let channel = crypto::Channel::agree(
                 &self.channel_secret,
@@ -213,6 +218,38 @@ impl Client {
         self.neighbours = neighbours;
         self.step = Step::Shared;
         Ok(message)
+    }
+
+    /// The graph seed and the participants that open NeighbourKeys:
+    /// checked against the plan's commitment, then this device's
+    /// neighbours in the graph they make.
+    fn read_graph(&self, reader: &mut Reader<'_>) -> Result<BTreeSet<u64>, SecAggError> {
+        let reject = |cause: String| SecAggError::rejected("NeighbourKeys", cause);
+        let seed: [u8; 32] = reader.array()?;
+        if graph::commitment(&seed) != self.plan.graph_commitment {
+            return Err(reject(
+                "its graph seed is not the one the plan committed to before any round key \
+                 existed: the server picked another graph"
+                    .to_string(),
+            ));
+        }
+        let count = reader.count(self.plan.participants, "participants")?;
+        if count != self.plan.participants {
+            return Err(reject(format!(
+                "it lists {count} participants; the plan has {}",
+                self.plan.participants
+            )));
+        }
+        let participants = reader.ascending_ids(count)?;
+        let graph = Graph::new(&seed, &participants, self.plan.degree)
+            .map_err(|e| reject(format!("its graph: {e}")))?;
+        let neighbours = graph.neighbours(self.device_id).ok_or_else(|| {
+            reject(format!(
+                "its participants leave out device {}",
+                self.device_id
+            ))
+        })?;
+        Ok(neighbours.into_iter().collect())
     }
 
     fn seal_shares(&self, neighbours: &BTreeMap<u64, PeerKeys>) -> Result<Vec<u8>, SecAggError> {
@@ -517,17 +554,7 @@ pub fn read_survivor_set(
     let max = Stage::SurvivorSet.max_bytes(0);
     let mut reader = Reader::open(bytes, session, Stage::SurvivorSet, device_id, max)?;
     let count = reader.count(plan.participants, "survivors")?;
-    let mut survivors = Vec::with_capacity(count);
-    for _ in 0..count {
-        let id = reader.u64()?;
-        if survivors.last().is_some_and(|&last| last >= id) {
-            return Err(SecAggError::rejected(
-                "SurvivorSet",
-                format!("device {id} is out of order or repeated; ids must ascend"),
-            ));
-        }
-        survivors.push(id);
-    }
+    let survivors = reader.ascending_ids(count)?;
     reader.finish()?;
     Ok(survivors)
 }

@@ -16,6 +16,16 @@ use sha2::{Digest, Sha256};
 
 use super::SecAggError;
 
+/// What a round's plan carries in place of its graph seed: the seed is
+/// sent only once every device has made its keys, and checked against
+/// this.
+pub fn commitment(seed: &[u8; 32]) -> [u8; 32] {
+    let mut hasher = Sha256::new();
+    hasher.update(b"canopy-secagg-v2 graph seed");
+    hasher.update(seed);
+    hasher.finalize().into()
+}
+
 #[derive(Clone, Debug)]
 pub struct Graph {
     order: Vec<u64>,
@@ -70,6 +80,11 @@ impl Graph {
 
     pub fn is_empty(&self) -> bool {
         self.order.is_empty()
+    }
+
+    /// The participants in ascending id order.
+    pub fn participants(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.position.keys().copied()
     }
 
     pub fn contains(&self, id: u64) -> bool {

@@ -118,6 +118,31 @@ pub struct Plan {
     /// Trainable values per update; the masked vector has one more, the
     /// weight.
     pub update_len: usize,
+    /// [`graph::commitment`](super::graph::commitment) of the round's graph
+    /// seed, sent with the task, before any device has made its round
+    /// keys. A device checks the seed it is sent in NeighbourKeys against
+    /// it, so the server cannot pick the graph after seeing the keys.
+    /// Zero until [`Plan::commit_graph`].
+    #[serde(default, with = "hex_32")]
+    pub graph_commitment: [u8; 32],
+}
+
+/// 32 bytes as 64 lowercase hex digits in JSON.
+mod hex_32 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8; 32], serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&hex::encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<[u8; 32], D::Error> {
+        let text = String::deserialize(deserializer)?;
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(&text, &mut out).map_err(|e| {
+            serde::de::Error::custom(format!("graph_commitment: expected 64 hex digits: {e}"))
+        })?;
+        Ok(out)
+    }
 }
 
 impl SecAggConfig {
@@ -225,6 +250,7 @@ impl SecAggConfig {
             max_weight,
             max_dropouts: (self.max_dropout_fraction * participants as f64).floor() as usize,
             update_len,
+            graph_commitment: [0; 32],
         })
     }
 
@@ -292,6 +318,12 @@ fn bits_needed(weight_units: u128) -> u32 {
 }
 
 impl Plan {
+    /// The plan with its commitment to the round's graph seed.
+    pub fn commit_graph(mut self, graph_seed: &[u8; 32]) -> Plan {
+        self.graph_commitment = super::graph::commitment(graph_seed);
+        self
+    }
+
     /// Length of the masked vector: the update and its weight.
     pub fn masked_len(&self) -> usize {
         self.update_len + 1

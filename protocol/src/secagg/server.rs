@@ -59,14 +59,24 @@ pub fn read_advertisement(
     Ok(advertisement)
 }
 
-/// The keys of a device's neighbours that advertised, with the enrolled
-/// keys that signed them: (id, Ed25519 key, advertisement).
+/// The graph (its seed, which the plan committed to, and the participants,
+/// ascending), then the keys of the device's neighbours that advertised,
+/// with the enrolled keys that signed them: (id, Ed25519 key,
+/// advertisement).
 pub fn neighbour_keys_message(
     session: Session,
     recipient: u64,
+    graph_seed: &[u8; 32],
+    participants: impl ExactSizeIterator<Item = u64>,
     neighbours: &[(u64, [u8; 32], Advertisement)],
 ) -> Vec<u8> {
     let mut out = wire::header(session, Stage::NeighbourKeys, recipient);
+    out.extend_from_slice(graph_seed);
+    out.reserve(4 + participants.len() * 8 + 4 + neighbours.len() * (8 + 32 + 128));
+    out.extend_from_slice(&(participants.len() as u32).to_le_bytes());
+    for id in participants {
+        out.extend_from_slice(&id.to_le_bytes());
+    }
     out.extend_from_slice(&(neighbours.len() as u32).to_le_bytes());
     for (id, device_key, advertisement) in neighbours {
         out.extend_from_slice(&id.to_le_bytes());
@@ -486,6 +496,7 @@ pub fn check_dropouts(plan: &Plan, remaining: usize, stage: Stage) -> Result<(),
 pub struct Aggregator {
     session: Session,
     plan: Plan,
+    graph_seed: [u8; 32],
     graph: Graph,
     device_keys: BTreeMap<u64, [u8; 32]>,
     stage: Stage,
@@ -518,11 +529,17 @@ impl Aggregator {
                 ids.len()
             )));
         }
+        if plan.graph_commitment != super::graph::commitment(graph_seed) {
+            return Err(SecAggError::invalid(
+                "the plan commits to another graph seed (see Plan::commit_graph)".to_string(),
+            ));
+        }
         let graph = Graph::new(graph_seed, &ids, plan.degree)?;
         Ok(Aggregator {
             session,
             sum: vec![0; plan.masked_len()],
             plan,
+            graph_seed: *graph_seed,
             graph,
             device_keys: device_keys.iter().copied().collect(),
             stage: Stage::AdvertiseKeys,
@@ -627,10 +644,15 @@ impl Aggregator {
                 .collect();
             self.sent_keys_of
                 .insert(device, neighbours.iter().map(|(n, _, _)| *n).collect());
-            out.insert(
+            let participants = self.graph.participants();
+            let message = neighbour_keys_message(
+                self.session,
                 device,
-                neighbour_keys_message(self.session, device, &neighbours),
+                &self.graph_seed,
+                participants,
+                &neighbours,
             );
+            out.insert(device, message);
         }
         Ok(out)
     }

@@ -12,8 +12,9 @@ use super::SecAggError;
 use super::params::{MAX_DEGREE, MAX_PARTICIPANTS};
 
 pub const MAGIC: [u8; 4] = *b"CNSA";
-/// 2: the ConsistencyCheck round (SurvivorSet, SurvivorSignature), and an
-/// UnmaskRequest that carries the neighbours' signatures instead of lists.
+/// 2: the ConsistencyCheck round (SurvivorSet, SurvivorSignature), an
+/// UnmaskRequest that carries the neighbours' signatures instead of lists,
+/// and NeighbourKeys that carry the graph seed and the participants.
 pub const VERSION: u8 = 2;
 pub const HEADER_BYTES: usize = 30;
 
@@ -91,7 +92,9 @@ impl Stage {
         HEADER_BYTES
             + match self {
                 Stage::AdvertiseKeys => 128,
-                Stage::NeighbourKeys => 4 + MAX_DEGREE * (8 + 32 + 128),
+                Stage::NeighbourKeys => {
+                    32 + 4 + MAX_PARTICIPANTS * 8 + 4 + MAX_DEGREE * (8 + 32 + 128)
+                }
                 Stage::ShareKeys => 32 + 4 + MAX_DEGREE * (8 + SHARE_CIPHERTEXT_BYTES),
                 Stage::IncomingShares => 4 + MAX_DEGREE * (8 + SHARE_CIPHERTEXT_BYTES),
                 Stage::MaskedInput => 1 + 8 + masked_bytes,
@@ -213,6 +216,23 @@ impl<'a> Reader<'a> {
         let out = &self.bytes[self.at..];
         self.at = self.bytes.len();
         out
+    }
+
+    /// `count` device ids in strictly ascending order (one spelling per
+    /// set, so that equal sets hash equal).
+    pub fn ascending_ids(&mut self, count: usize) -> Result<Vec<u64>, SecAggError> {
+        let mut ids: Vec<u64> = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = self.u64()?;
+            if ids.last().is_some_and(|&last| last >= id) {
+                return Err(SecAggError::rejected(
+                    self.what,
+                    format!("device {id} is out of order or repeated; ids must ascend"),
+                ));
+            }
+            ids.push(id);
+        }
+        Ok(ids)
     }
 
     /// Refuses trailing bytes.

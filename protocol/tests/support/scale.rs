@@ -93,8 +93,10 @@ pub fn simulate(n: usize, params: usize, dropout: f64) -> Result<Report, String>
     let mut device_time = Duration::ZERO;
 
     let start = Instant::now();
-    let mut server = Aggregator::new(SESSION, plan.clone(), &rng.random(), &public)
-        .map_err(|e| e.to_string())?;
+    let graph_seed: [u8; 32] = rng.random();
+    let plan = plan.commit_graph(&graph_seed);
+    let mut server =
+        Aggregator::new(SESSION, plan.clone(), &graph_seed, &public).map_err(|e| e.to_string())?;
     timings.push(("set up (graph)", start.elapsed()));
 
     // AdvertiseKeys.

@@ -516,9 +516,18 @@ async fn build_message(
                     }
                 })
                 .collect::<ApiResult<Vec<_>>>()?;
+            let graph = secure::cached_graph(state, round).await?;
+            let seed = round.seed.ok_or_else(|| {
+                ApiError::gone(format!(
+                    "round {} has ended; its graph is deleted",
+                    round.id
+                ))
+            })?;
             Ok(secagg_server::neighbour_keys_message(
                 session,
                 device_id as u64,
+                &seed,
+                graph.participants(),
                 &entries,
             ))
         }
