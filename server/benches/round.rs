@@ -389,7 +389,7 @@ async fn simulate_device(
         .collect();
     let samples = rng.random_range(10..=100u64);
     if secure {
-        // The four stages through the SDK; the "upload" is the masked
+        // The five stages through the SDK; the "upload" is the masked
         // input, and its latency the whole secure exchange.
         let sent_ms = unix_ms();
         stats.first_upload_ms.fetch_min(sent_ms, Ordering::Relaxed);
@@ -592,9 +592,9 @@ struct RunReport {
     devices: usize,
     secure: bool,
     /// Secure rounds: seconds in AdvertiseKeys, ShareKeys,
-    /// MaskedInputCollection (training included) and Unmasking, from the
-    /// server log's stage events.
-    stages: Option<[f64; 4]>,
+    /// MaskedInputCollection (training included), ConsistencyCheck and
+    /// Unmasking, from the server log's stage events.
+    stages: Option<[f64; 5]>,
     update_bytes: u64,
     enroll_s: f64,
     /// Job `started_ms` → `finished_ms`, server stamps.
@@ -822,7 +822,7 @@ fn event_seconds(event: &Value) -> Option<f64> {
 
 /// The secure round's stage lengths from the server log: AdvertiseKeys
 /// opens, then each next stage, then "unmasked".
-fn secure_stages(log: &str) -> Option<[f64; 4]> {
+fn secure_stages(log: &str) -> Option<[f64; 5]> {
     let mut marks: BTreeMap<&str, f64> = BTreeMap::new();
     for line in log.lines() {
         let Ok(event) = serde_json::from_str::<Value>(line) else {
@@ -833,6 +833,7 @@ fn secure_stages(log: &str) -> Option<[f64; 4]> {
             (Some("secure round: AdvertiseKeys open"), _) => "advertise",
             (Some("secure round: stage open"), Some("share")) => "share",
             (Some("secure round: stage open"), Some("collect")) => "collect",
+            (Some("secure round: stage open"), Some("consistency")) => "consistency",
             (Some("secure round: stage open"), Some("unmask")) => "unmask",
             (Some("secure round: unmasked"), _) => "done",
             _ => continue,
@@ -842,14 +843,15 @@ fn secure_stages(log: &str) -> Option<[f64; 4]> {
         }
     }
     let at = |key: &str| marks.get(key).copied();
-    let (a, s, c, u, d) = (
+    let (a, s, c, k, u, d) = (
         at("advertise")?,
         at("share")?,
         at("collect")?,
+        at("consistency")?,
         at("unmask")?,
         at("done")?,
     );
-    Some([s - a, c - s, u - c, d - u])
+    Some([s - a, c - s, k - c, u - k, d - u])
 }
 
 /// How one row of the table shows a run.
@@ -884,7 +886,8 @@ fn print_table(options: &Options, reports: &[RunReport]) {
             "  secure: MaskedInputCollection, training included (s)",
             stage(2),
         ),
-        ("  secure: Unmasking (s)", stage(3)),
+        ("  secure: ConsistencyCheck (s)", stage(3)),
+        ("  secure: Unmasking (s)", stage(4)),
         (
             "first upload sent → round succeeded (s)",
             Box::new(|r| format!("{:.2}", r.first_upload_to_done_s)),

@@ -61,6 +61,8 @@ pub struct Inner {
     pub secure_survivors: crate::secure::RoundCache<Vec<u64>>,
     /// Secure rounds' masked inputs waiting to be folded, batched per round.
     pub masked_folds: crate::api::device::folds::FoldQueue<crate::store::secagg::MaskedUpload>,
+    /// Secure rounds' key-stage, ConsistencyCheck and Unmasking messages.
+    pub stage_writes: crate::api::device::folds::FoldQueue<crate::store::secagg::QueuedWrite>,
     pub sensitive_limiter: DefaultKeyedRateLimiter<IpAddr>,
     /// `device_requests_per_second`, per device.
     pub device_limiter: DefaultKeyedRateLimiter<i64>,
@@ -109,6 +111,7 @@ impl AppState {
             throttled_devices: Default::default(),
             folds: Default::default(),
             masked_folds: Default::default(),
+            stage_writes: Default::default(),
             secure_graphs: Default::default(),
             secure_survivors: Default::default(),
             sensitive_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),

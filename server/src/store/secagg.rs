@@ -228,69 +228,160 @@ where
     .await
 }
 
-/// Records a device's advertised keys, once, while AdvertiseKeys is open.
-/// False when the stage or the device's state no longer allow it.
-pub async fn save_keys(
-    db: &Db,
-    round_id: i64,
-    device_id: i64,
-    keys: &[u8],
-) -> Result<bool, sqlx::Error> {
-    let _writer = db.write_lock().await;
-    let saved = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET secagg_keys = $1, delivered_ms = COALESCE(delivered_ms, $2) \
-         WHERE round_id = $3 AND device_id = $4 AND secagg_keys IS NULL \
-         AND state IN {PENDING_STATES} AND EXISTS (SELECT 1 FROM rounds r \
-           WHERE r.id = $3 AND r.state = 'training' AND r.secagg_stage = 'advertise')"
-    )))
-    .bind(keys.to_vec())
-    .bind(now_ms())
-    .bind(round_id)
-    .bind(device_id)
-    .execute(&db.pool)
-    .await?;
-    Ok(saved.rows_affected() == 1)
+/// A device's message of a key stage, ConsistencyCheck or Unmasking, as
+/// stored: each is taken once, while its stage is open, and a round's
+/// queued writes commit together (group commit, as for updates), since a
+/// transaction per message made the database the bottleneck of those
+/// stages.
+pub enum StageWrite {
+    /// AdvertiseKeys: channel key, mask key and signature.
+    Keys { device_id: i64, keys: Vec<u8> },
+    /// ShareKeys: the seed commitment and the ciphertexts sealed for the
+    /// neighbours, as (recipient, ciphertext).
+    Shares {
+        device_id: i64,
+        commitment: [u8; 32],
+        ciphertexts: Vec<(u64, Vec<u8>)>,
+    },
+    /// ConsistencyCheck: the signed survivor set.
+    Signature { device_id: i64, signature: [u8; 64] },
+    /// Unmasking: the revealed shares.
+    Reveal { device_id: i64, reveal: Vec<u8> },
+    /// A server message sent to a device: counted as the round's traffic
+    /// out, and always taken.
+    Sent { bytes: u64 },
 }
 
-/// Records a device's seed commitment and the ciphertexts it sealed for
-/// its neighbours, in one transaction, while ShareKeys is open.
-pub async fn save_shares(
+/// A queued write with the size of the message it came in, counted as
+/// the round's traffic once taken.
+pub struct QueuedWrite {
+    pub write: StageWrite,
+    pub message_bytes: u64,
+}
+
+/// Applies a batch of one round's writes in one transaction: per write,
+/// whether it was taken (false: the device already sent one, or the stage
+/// or the device's state no longer allow it).
+pub async fn save_stage_writes(
     db: &Db,
     round_id: i64,
-    device_id: i64,
-    commitment: &[u8; 32],
-    ciphertexts: &[(u64, Vec<u8>)],
-) -> Result<bool, sqlx::Error> {
+    writes: &[QueuedWrite],
+) -> Result<Vec<bool>, sqlx::Error> {
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
-    let saved = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET secagg_commitment = $1 WHERE round_id = $2 AND device_id = $3 \
-         AND secagg_commitment IS NULL AND secagg_keys IS NOT NULL \
-         AND state IN {PENDING_STATES} AND EXISTS (SELECT 1 FROM rounds r \
-           WHERE r.id = $2 AND r.state = 'training' AND r.secagg_stage = 'share')"
-    )))
-    .bind(commitment.to_vec())
+    let mut taken = Vec::with_capacity(writes.len());
+    let (mut bytes_in, mut bytes_out) = (0u64, 0u64);
+    for queued in writes {
+        if let StageWrite::Sent { bytes } = queued.write {
+            bytes_out = bytes_out.saturating_add(bytes);
+            taken.push(true);
+            continue;
+        }
+        let saved = save_write(&mut tx, round_id, &queued.write).await?;
+        if saved {
+            bytes_in = bytes_in.saturating_add(queued.message_bytes);
+        }
+        taken.push(saved);
+    }
+    sqlx::query(
+        "UPDATE rounds SET bytes_in = bytes_in + $1, bytes_out = bytes_out + $2 WHERE id = $3",
+    )
+    .bind(i64::try_from(bytes_in).unwrap_or(i64::MAX))
+    .bind(i64::try_from(bytes_out).unwrap_or(i64::MAX))
     .bind(round_id)
-    .bind(device_id)
     .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
+    Ok(taken)
+}
+
+async fn save_write(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    write: &StageWrite,
+) -> Result<bool, sqlx::Error> {
+    let (sql, device_id, value): (String, i64, Vec<u8>) = match write {
+        StageWrite::Keys { device_id, keys } => (
+            format!(
+                "UPDATE participants SET secagg_keys = $1, \
+                 delivered_ms = COALESCE(delivered_ms, {now}) WHERE round_id = $2 \
+                 AND device_id = $3 AND secagg_keys IS NULL AND state IN {PENDING_STATES} \
+                 AND {open}",
+                now = now_ms(),
+                open = stage_open("advertise"),
+            ),
+            *device_id,
+            keys.clone(),
+        ),
+        StageWrite::Shares {
+            device_id,
+            commitment,
+            ..
+        } => (
+            format!(
+                "UPDATE participants SET secagg_commitment = $1 WHERE round_id = $2 \
+                 AND device_id = $3 AND secagg_commitment IS NULL AND secagg_keys IS NOT NULL \
+                 AND state IN {PENDING_STATES} AND {}",
+                stage_open("share")
+            ),
+            *device_id,
+            commitment.to_vec(),
+        ),
+        StageWrite::Signature {
+            device_id,
+            signature,
+        } => (
+            format!(
+                "UPDATE participants SET secagg_signature = $1 WHERE round_id = $2 \
+                 AND device_id = $3 AND secagg_signature IS NULL AND state = 'uploaded' AND {}",
+                stage_open("consistency")
+            ),
+            *device_id,
+            signature.to_vec(),
+        ),
+        StageWrite::Sent { .. } => return Ok(true),
+        StageWrite::Reveal { device_id, reveal } => (
+            format!(
+                "UPDATE participants SET secagg_reveal = $1 WHERE round_id = $2 \
+                 AND device_id = $3 AND secagg_reveal IS NULL AND state = 'uploaded' AND {}",
+                stage_open("unmask")
+            ),
+            *device_id,
+            reveal.clone(),
+        ),
+    };
+    let saved = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(value)
+        .bind(round_id)
+        .bind(device_id)
+        .execute(&mut **tx)
+        .await?;
     if saved.rows_affected() != 1 {
         return Ok(false);
     }
-    for (to, ciphertext) in ciphertexts {
-        sqlx::query(
-            "INSERT INTO secagg_shares (round_id, to_device, from_device, ciphertext) \
-             VALUES ($1, $2, $3, $4)",
-        )
-        .bind(round_id)
-        .bind(*to as i64)
-        .bind(device_id)
-        .bind(ciphertext.clone())
-        .execute(&mut *tx)
-        .await?;
+    if let StageWrite::Shares { ciphertexts, .. } = write {
+        for (to, ciphertext) in ciphertexts {
+            sqlx::query(
+                "INSERT INTO secagg_shares (round_id, to_device, from_device, ciphertext) \
+                 VALUES ($1, $2, $3, $4)",
+            )
+            .bind(round_id)
+            .bind(*to as i64)
+            .bind(device_id)
+            .bind(ciphertext.clone())
+            .execute(&mut **tx)
+            .await?;
+        }
     }
-    tx.commit().await?;
     Ok(true)
+}
+
+/// The condition that round $2 is training in `stage`.
+fn stage_open(stage: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM rounds r WHERE r.id = $2 AND r.state = 'training' \
+         AND r.secagg_stage = '{stage}')"
+    )
 }
 
 /// The ciphertexts sealed for `device_id`, as (sender, ciphertext).
@@ -324,69 +415,6 @@ pub async fn survivor_ids(db: &Db, round_id: i64) -> Result<Vec<u64>, sqlx::Erro
     .fetch_all(&db.pool)
     .await?;
     Ok(rows.into_iter().map(|(id,)| id as u64).collect())
-}
-
-/// Records a survivor's signature of the survivor set, once, while
-/// ConsistencyCheck is open.
-pub async fn save_signature(
-    db: &Db,
-    round_id: i64,
-    device_id: i64,
-    signature: &[u8; 64],
-) -> Result<bool, sqlx::Error> {
-    let _writer = db.write_lock().await;
-    let saved = sqlx::query(
-        "UPDATE participants SET secagg_signature = $1 WHERE round_id = $2 AND device_id = $3 \
-         AND secagg_signature IS NULL AND state = 'uploaded' AND EXISTS (SELECT 1 FROM rounds r \
-           WHERE r.id = $2 AND r.state = 'training' AND r.secagg_stage = 'consistency')",
-    )
-    .bind(signature.to_vec())
-    .bind(round_id)
-    .bind(device_id)
-    .execute(&db.pool)
-    .await?;
-    Ok(saved.rows_affected() == 1)
-}
-
-/// Records a survivor's revealed shares, once, while Unmasking is open.
-pub async fn save_reveal(
-    db: &Db,
-    round_id: i64,
-    device_id: i64,
-    reveal: &[u8],
-) -> Result<bool, sqlx::Error> {
-    let _writer = db.write_lock().await;
-    let saved = sqlx::query(
-        "UPDATE participants SET secagg_reveal = $1 WHERE round_id = $2 AND device_id = $3 \
-         AND secagg_reveal IS NULL AND state = 'uploaded' AND EXISTS (SELECT 1 FROM rounds r \
-           WHERE r.id = $2 AND r.state = 'training' AND r.secagg_stage = 'unmask')",
-    )
-    .bind(reveal.to_vec())
-    .bind(round_id)
-    .bind(device_id)
-    .execute(&db.pool)
-    .await?;
-    Ok(saved.rows_affected() == 1)
-}
-
-/// Counts a key-stage message against the round's traffic (masked inputs
-/// are counted as they are folded).
-pub async fn add_traffic(
-    db: &Db,
-    round_id: i64,
-    bytes_in: u64,
-    bytes_out: u64,
-) -> Result<(), sqlx::Error> {
-    let _writer = db.write_lock().await;
-    sqlx::query(
-        "UPDATE rounds SET bytes_in = bytes_in + $1, bytes_out = bytes_out + $2 WHERE id = $3",
-    )
-    .bind(i64::try_from(bytes_in).unwrap_or(i64::MAX))
-    .bind(i64::try_from(bytes_out).unwrap_or(i64::MAX))
-    .bind(round_id)
-    .execute(&db.pool)
-    .await?;
-    Ok(())
 }
 
 /// Drops the live participants that did not send what `stage` waits for

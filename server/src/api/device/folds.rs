@@ -5,8 +5,9 @@
 //! the same round queue here instead; one worker per round drains whatever
 //! has queued into a single transaction and answers every upload after
 //! the commit, so an upload is acknowledged only once it is durable. Plain
-//! updates and secure rounds' masked inputs each have a queue, and this
-//! one loop drains both ([`Foldable`]).
+//! updates, secure rounds' masked inputs and their smaller stage messages
+//! (keys, shares, signatures, revealed shares) each have a queue, and this
+//! one loop drains them all ([`Foldable`]).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -148,7 +149,7 @@ async fn drain<T: Foldable>(state: AppState, round_id: i64) {
                     let failure = if busy {
                         ApiError::unavailable("the database is busy; retry the upload shortly")
                     } else {
-                        ApiError::internal(format!("cannot fold the update: {message}"))
+                        ApiError::internal(format!("cannot commit the batch: {message}"))
                     };
                     let _ = reply.send(Err(FoldError::Failed(failure)));
                 }

@@ -32,7 +32,9 @@ use crate::api::{upload_slot, within_upload_timeout};
 use crate::secure;
 use crate::state::AppState;
 use crate::store::rounds::{ParticipantState, RoundState};
-use crate::store::secagg::{self, MaskedUpload, SecureParticipant, SecureRound, SecureStage};
+use crate::store::secagg::{
+    self, MaskedUpload, QueuedWrite, SecureParticipant, SecureRound, SecureStage, StageWrite,
+};
 
 /// The stage during which a device posts to `endpoint`, and its message.
 fn posted_stage(endpoint: &str) -> ApiResult<(SecureStage, Stage)> {
@@ -158,7 +160,6 @@ pub async fn post_message(
         )));
     }
     let device_id = device.device_id;
-    let size = bytes.len() as u64;
     match message {
         Stage::AdvertiseKeys => advertise(&state, &round, &participant, &bytes).await?,
         Stage::ShareKeys => share_keys(&state, &round, &participant, &bytes).await?,
@@ -167,9 +168,6 @@ pub async fn post_message(
             survivor_signature(&state, &round, &participant, &bytes).await?
         }
         _ => unmask_response(&state, &round, &participant, &bytes).await?,
-    }
-    if message != Stage::MaskedInput {
-        secagg::add_traffic(&state.db, round_id, size, 0).await?;
     }
     tracing::debug!(
         round = round_id,
@@ -219,10 +217,16 @@ async fn advertise(
     )
     .map_err(refusal)?;
     let keys = secure::keys_bytes(&advertisement);
-    if !secagg::save_keys(&state.db, round.id, device_id, &keys).await? {
-        return Err(not_taken(Stage::AdvertiseKeys, round, device_id));
-    }
-    Ok(())
+    let write = StageWrite::Keys { device_id, keys };
+    save(
+        state,
+        round,
+        Stage::AdvertiseKeys,
+        device_id,
+        write,
+        bytes.len(),
+    )
+    .await
 }
 
 /// The neighbours of `device_id` that advertised keys: the set it was sent
@@ -283,18 +287,20 @@ async fn share_keys(
         .iter()
         .map(|(to, c)| (*to, c.to_vec()))
         .collect();
-    let saved = secagg::save_shares(
-        &state.db,
-        round.id,
+    let write = StageWrite::Shares {
         device_id,
-        &upload.seed_commitment,
-        &ciphertexts,
+        commitment: upload.seed_commitment,
+        ciphertexts,
+    };
+    save(
+        state,
+        round,
+        Stage::ShareKeys,
+        device_id,
+        write,
+        bytes.len(),
     )
-    .await?;
-    if !saved {
-        return Err(not_taken(Stage::ShareKeys, round, device_id));
-    }
-    Ok(())
+    .await
 }
 
 async fn masked_input(
@@ -409,10 +415,80 @@ async fn survivor_signature(
         &survivors,
     )
     .map_err(refusal)?;
-    if !secagg::save_signature(&state.db, round.id, device_id, &signature).await? {
-        return Err(not_taken(Stage::SurvivorSignature, round, device_id));
+    let write = StageWrite::Signature {
+        device_id,
+        signature,
+    };
+    save(
+        state,
+        round,
+        Stage::SurvivorSignature,
+        device_id,
+        write,
+        bytes.len(),
+    )
+    .await
+}
+
+/// Queues a device's message for the round's next group commit and waits
+/// for it: 409 if it was not taken.
+async fn save(
+    state: &AppState,
+    round: &SecureRound,
+    message: Stage,
+    device_id: i64,
+    write: StageWrite,
+    message_bytes: usize,
+) -> ApiResult<()> {
+    let queued = QueuedWrite {
+        write,
+        message_bytes: message_bytes as u64,
+    };
+    match folds::submit(state, round.id, queued).await {
+        Ok(_) => Ok(()),
+        Err(FoldError::Refused(NotTaken)) => Err(not_taken(message, round, device_id)),
+        Err(FoldError::Failed(error)) => Err(error),
     }
-    Ok(())
+}
+
+/// Counts a server message against the round's traffic, in the round's
+/// next group commit.
+async fn count_sent(state: &AppState, round_id: i64, bytes: usize) -> ApiResult<()> {
+    let queued = QueuedWrite {
+        write: StageWrite::Sent {
+            bytes: bytes as u64,
+        },
+        message_bytes: 0,
+    };
+    match folds::submit(state, round_id, queued).await {
+        Ok(_) | Err(FoldError::Refused(NotTaken)) => Ok(()),
+        Err(FoldError::Failed(error)) => Err(error),
+    }
+}
+
+/// A stage write that changed nothing.
+pub struct NotTaken;
+
+/// Stage messages commit a batch per transaction, like updates: one
+/// write transaction (and one fsync) per batch instead of per message.
+impl Foldable for QueuedWrite {
+    type Refusal = NotTaken;
+
+    fn queue(state: &AppState) -> &FoldQueue<Self> {
+        &state.stage_writes
+    }
+
+    async fn fold_batch(
+        state: &AppState,
+        round_id: i64,
+        batch: Vec<Self>,
+    ) -> Result<Vec<Result<u64, NotTaken>>, sqlx::Error> {
+        let taken = secagg::save_stage_writes(&state.db, round_id, &batch).await?;
+        Ok(taken
+            .into_iter()
+            .map(|taken| if taken { Ok(0) } else { Err(NotTaken) })
+            .collect())
+    }
 }
 
 /// The survivors and dropouts a survivor is asked about.
@@ -450,10 +526,19 @@ async fn unmask_response(
         &dropped,
     )
     .map_err(refusal)?;
-    if !secagg::save_reveal(&state.db, round.id, device_id, bytes).await? {
-        return Err(not_taken(Stage::UnmaskResponse, round, device_id));
-    }
-    Ok(())
+    let write = StageWrite::Reveal {
+        device_id,
+        reveal: bytes.to_vec(),
+    };
+    save(
+        state,
+        round,
+        Stage::UnmaskResponse,
+        device_id,
+        write,
+        bytes.len(),
+    )
+    .await
 }
 
 pub async fn get_message(
@@ -471,7 +556,7 @@ pub async fn get_message(
         check_live(&round, &participant)?;
         if round.stage >= ready_stage {
             let body = build_message(&state, &round, &participant, &endpoint).await?;
-            secagg::add_traffic(&state.db, round_id, 0, body.len() as u64).await?;
+            count_sent(&state, round_id, body.len()).await?;
             return Ok((
                 StatusCode::OK,
                 [(header::CONTENT_TYPE, "application/octet-stream")],
