@@ -579,11 +579,12 @@ pub struct Task {
 ///
 /// Stage endpoints, relative to `path`, all signed like every device call:
 /// - `POST advertise-keys`, `POST share-keys`, `POST masked-input`,
-///   `POST unmask-response`: the device's message as an
+///   `POST survivor-signature`, `POST unmask-response`: the device's message as an
 ///   `application/octet-stream` body; 204 when taken, 409 when the device
 ///   already sent it, 422 when refused (the body says why), 410 when the
 ///   stage is over or the round failed.
-/// - `GET neighbour-keys`, `GET incoming-shares`, `GET unmask-request`, with
+/// - `GET neighbour-keys`, `GET incoming-shares`, `GET survivor-set`,
+///   `GET unmask-request`, with
 ///   an optional `wait_ms` long-poll: 200 with the server's message once the
 ///   previous stage has closed, 202 with an empty body while it is still
 ///   open, 410 when the device was dropped from the round or it failed.
@@ -593,8 +594,9 @@ pub struct SecureTask {
     pub plan: crate::secagg::Plan,
     /// Base path of the stage endpoints, e.g. `/device/v1/rounds/12/secagg`.
     pub path: String,
-    /// How long each key stage stays open; a device that has not heard back
-    /// within about this long after its deadline should give up.
+    /// How long each key stage and ConsistencyCheck stays open; a device
+    /// that has not heard back within about two of these after its
+    /// deadline should give up.
     pub stage_timeout_ms: u64,
 }
 

@@ -192,6 +192,13 @@ fn parse_options() -> Result<Options> {
     if options.in_flight == 0 {
         bail!("--in-flight must be at least 1");
     }
+    // A secure round's stages close only once every participant has
+    // answered (or at a timeout that fails the round): all of them must be
+    // in flight at once.
+    if options.secure {
+        let largest = options.devices.iter().copied().max().unwrap_or(0);
+        options.in_flight = options.in_flight.max(largest);
+    }
     if options.hidden == 0 {
         bail!("--hidden must be at least 1");
     }
