@@ -365,7 +365,7 @@ pub struct RoundView {
     pub deadline_ms: Option<i64>,
     pub finished_ms: Option<i64>,
     /// For secure rounds, the SecAgg+ stage reached: advertise, share,
-    /// collect or unmask.
+    /// collect, consistency or unmask.
     pub secure_stage: Option<String>,
 }
 

@@ -388,6 +388,28 @@ fn enrolled_key(participant: &SecureParticipant) -> ApiResult<[u8; 32]> {
     })
 }
 
+/// A message only survivors send, once each: 409 for a second, or from a
+/// device whose masked input is not in the sum.
+fn check_survivor_message(
+    round: &SecureRound,
+    participant: &SecureParticipant,
+    message: Stage,
+    already_sent: bool,
+) -> ApiResult<()> {
+    let device_id = participant.device_id;
+    if already_sent {
+        return Err(duplicate(message, round, device_id));
+    }
+    if participant.state != ParticipantState::Uploaded {
+        return Err(ApiError::conflict(format!(
+            "device {device_id} sent no masked input in round {}, so it has no {} to send",
+            round.id,
+            message.name()
+        )));
+    }
+    Ok(())
+}
+
 /// Only a survivor signs, once, and only the set the round holds; the
 /// signature is checked here, so that no neighbour is ever sent a bad one.
 async fn survivor_signature(
@@ -397,15 +419,8 @@ async fn survivor_signature(
     bytes: &[u8],
 ) -> ApiResult<()> {
     let device_id = participant.device_id;
-    if participant.secagg_signature.is_some() {
-        return Err(duplicate(Stage::SurvivorSignature, round, device_id));
-    }
-    if participant.state != ParticipantState::Uploaded {
-        return Err(ApiError::conflict(format!(
-            "device {device_id} sent no masked input in round {}, so it is not a survivor",
-            round.id
-        )));
-    }
+    let already = participant.secagg_signature.is_some();
+    check_survivor_message(round, participant, Stage::SurvivorSignature, already)?;
     let survivors = secure::cached_survivors(state, round).await?;
     let signature = secagg_server::read_survivor_signature(
         bytes,
@@ -508,15 +523,8 @@ async fn unmask_response(
     bytes: &[u8],
 ) -> ApiResult<()> {
     let device_id = participant.device_id;
-    if participant.secagg_reveal.is_some() {
-        return Err(duplicate(Stage::UnmaskResponse, round, device_id));
-    }
-    if participant.state != ParticipantState::Uploaded {
-        return Err(ApiError::conflict(format!(
-            "device {device_id} sent no masked input in round {}, so it has nothing to unmask",
-            round.id
-        )));
-    }
+    let already = participant.secagg_reveal.is_some();
+    check_survivor_message(round, participant, Stage::UnmaskResponse, already)?;
     let (survivors, dropped) = unmask_sets(state, round, device_id).await?;
     secagg_server::read_unmask_response(
         bytes,
