@@ -308,7 +308,7 @@ async fn save_write(
                  AND device_id = $3 AND secagg_keys IS NULL AND state IN {PENDING_STATES} \
                  AND {open}",
                 now = now_ms(),
-                open = stage_open("advertise"),
+                open = stage_open(SecureStage::Advertise),
             ),
             *device_id,
             keys.clone(),
@@ -322,7 +322,7 @@ async fn save_write(
                 "UPDATE participants SET secagg_commitment = $1 WHERE round_id = $2 \
                  AND device_id = $3 AND secagg_commitment IS NULL AND secagg_keys IS NOT NULL \
                  AND state IN {PENDING_STATES} AND {}",
-                stage_open("share")
+                stage_open(SecureStage::Share)
             ),
             *device_id,
             commitment.to_vec(),
@@ -334,7 +334,7 @@ async fn save_write(
             format!(
                 "UPDATE participants SET secagg_signature = $1 WHERE round_id = $2 \
                  AND device_id = $3 AND secagg_signature IS NULL AND state = 'uploaded' AND {}",
-                stage_open("consistency")
+                stage_open(SecureStage::Consistency)
             ),
             *device_id,
             signature.to_vec(),
@@ -344,7 +344,7 @@ async fn save_write(
             format!(
                 "UPDATE participants SET secagg_reveal = $1 WHERE round_id = $2 \
                  AND device_id = $3 AND secagg_reveal IS NULL AND state = 'uploaded' AND {}",
-                stage_open("unmask")
+                stage_open(SecureStage::Unmask)
             ),
             *device_id,
             reveal.clone(),
@@ -377,10 +377,11 @@ async fn save_write(
 }
 
 /// The condition that round $2 is training in `stage`.
-fn stage_open(stage: &str) -> String {
+fn stage_open(stage: SecureStage) -> String {
     format!(
         "EXISTS (SELECT 1 FROM rounds r WHERE r.id = $2 AND r.state = 'training' \
-         AND r.secagg_stage = '{stage}')"
+         AND r.secagg_stage = '{}')",
+        stage.as_str()
     )
 }
 
