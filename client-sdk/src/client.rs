@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use canopy_protocol::auth::{self, DeviceKey};
+use canopy_protocol::device_cert::{self, Certificate, KeyTrust};
 use canopy_protocol::messages::{
-    Capabilities, DeviceConditions, ERROR_ALREADY_WITHDRAWN, EnrollRequest, EnrollResponse,
-    Heartbeat, HeartbeatResponse, MAX_DECLINE_REASON_CHARS, RoundMetrics, Task, UploadReceipt,
-    WithdrawTask,
+    CERTIFICATE_PATH, Capabilities, DeviceCertificate, DeviceConditions, ERROR_ALREADY_WITHDRAWN,
+    EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, MAX_DECLINE_REASON_CHARS,
+    RoundMetrics, Task, UploadReceipt, WithdrawTask,
 };
 use canopy_protocol::model_sig::TrustedKeys;
 use reqwest::{Method, StatusCode};
@@ -108,6 +109,8 @@ pub struct DeviceClient {
     pub device_id: i64,
     key: DeviceKey,
     trust: Arc<Mutex<TrustedKeys>>,
+    /// Whose word secure rounds take on neighbours' enrolled keys.
+    key_trust: KeyTrust,
     retry: RetryPolicy,
     cancel: CancelToken,
     observer: Observer,
@@ -162,10 +165,44 @@ impl DeviceClient {
             device_id,
             key,
             trust: Arc::new(Mutex::new(trusted)),
+            key_trust: KeyTrust::Server,
             retry: RetryPolicy::none(),
             cancel: CancelToken::new(),
             observer: Observer::default(),
         }
+    }
+
+    /// The client pinning a device authority (its Ed25519 public key): in
+    /// secure rounds it takes a neighbour's enrolled key only with the
+    /// authority's certificate, so that a server cannot substitute keys
+    /// (see [`canopy_protocol::device_cert`]). Install this device's own
+    /// certificate with [`DeviceClient::install_certificate`].
+    pub fn with_device_authority(mut self, authority: [u8; 32]) -> DeviceClient {
+        self.key_trust = KeyTrust::Authority(authority);
+        self
+    }
+
+    pub fn key_trust(&self) -> KeyTrust {
+        self.key_trust
+    }
+
+    /// Hands the server the device authority's certificate of this
+    /// device's id and key, to relay to its neighbours in secure rounds.
+    /// Checked first against the pinned authority, if there is one.
+    pub async fn install_certificate(&self, certificate: &Certificate) -> Result<(), SdkError> {
+        if let KeyTrust::Authority(authority) = self.key_trust {
+            let device_id = self.device_id;
+            let id = u64::try_from(device_id).unwrap_or(u64::MAX);
+            device_cert::verify(&authority, id, &self.key.public_key(), certificate)
+                .map_err(|source| SdkError::Certificate { device_id, source })?;
+        }
+        let body = DeviceCertificate::new(certificate);
+        self.retrying(|| async {
+            self.signed_json(CERTIFICATE_PATH, "certificate", &body)
+                .await?;
+            Ok(())
+        })
+        .await
     }
 
     /// The client with this retry policy; e.g. `RetryPolicy::default()`.

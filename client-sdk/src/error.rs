@@ -85,6 +85,17 @@ pub enum SdkError {
         #[source]
         source: std::io::Error,
     },
+    /// A certificate that the device authority this client pins did not
+    /// make for this device's id and key; nothing was sent.
+    #[error(
+        "the certificate given to device {device_id} does not hold under the pinned device \
+         authority"
+    )]
+    Certificate {
+        device_id: i64,
+        #[source]
+        source: canopy_protocol::device_cert::CertificateError,
+    },
     /// A secure-aggregation call (see [`crate::secure`]) was given a task
     /// that has no `secure_aggregation`.
     #[error("round {round_id}'s task does not run secure aggregation")]

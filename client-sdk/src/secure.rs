@@ -526,9 +526,14 @@ impl SecureRound {
                 secure.plan.update_len
             ))));
         }
-        let (state, advertisement) =
-            Client::start(session, device_id, secure.plan.clone(), client.key())
-                .map_err(start_error)?;
+        let (state, advertisement) = Client::start(
+            session,
+            device_id,
+            secure.plan.clone(),
+            client.key(),
+            client.key_trust(),
+        )
+        .map_err(start_error)?;
         let mut round = SecureRound {
             client: client.clone(),
             task: task.clone(),

@@ -862,6 +862,7 @@ fn an_update_that_does_not_fit_the_plan_fails_before_masking() {
         5,
         secure.plan,
         device.key(),
+        device.key_trust(),
     )
     .expect("start");
     let round = SecureRound {

@@ -180,7 +180,8 @@ impl From<SdkError> for CanopyError {
     fn from(error: SdkError) -> CanopyError {
         let message = chain(&error, sdk_hint(&error));
         match error {
-            SdkError::Trust(_) => CanopyError::Trust { message },
+            // A device certificate is trust in the device authority.
+            SdkError::Trust(_) | SdkError::Certificate { .. } => CanopyError::Trust { message },
             SdkError::BadUrl(_) => CanopyError::BadUrl { message },
             SdkError::Transport { .. } => CanopyError::Transport { message },
             SdkError::Server { .. } => CanopyError::Server { message },
@@ -212,6 +213,9 @@ fn sdk_hint(error: &SdkError) -> Option<&'static str> {
         SdkError::Trust(_) => Some(
             "pin the fingerprint `canopy-server serve` prints (`sha256:` and 64 hex digits), or \
              give the PEM of the CA that signed the server's certificate",
+        ),
+        SdkError::Certificate { .. } => Some(
+            "ask the device authority for a certificate of this device's id and enrolled key",
         ),
         SdkError::ModelVerification { .. } => Some(
             "the download does not match what the server signed; it was discarded and nothing \

@@ -19,6 +19,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::device_cert::KeyTrust;
 use canopy_protocol::secagg::mask::{self, Sign};
 use canopy_protocol::secagg::params::Plan;
 use canopy_protocol::secagg::server::{
@@ -440,8 +441,9 @@ fn setup_round(plan: Plan, measured: &[u64]) -> Setup {
     let mut advertise_bytes = BTreeMap::new();
     let mut start_time = BTreeMap::new();
     for (&id, key) in ids.iter().zip(&keys) {
-        let ((client, advert), elapsed) =
-            timed(|| Client::start(SESSION, id, plan.clone(), key).expect("Client::start"));
+        let ((client, advert), elapsed) = timed(|| {
+            Client::start(SESSION, id, plan.clone(), key, KeyTrust::Server).expect("Client::start")
+        });
         if measured.contains(&id) {
             start_time.insert(id, elapsed);
         }

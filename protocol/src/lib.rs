@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod bounds;
+pub mod device_cert;
 pub mod messages;
 pub mod model_sig;
 pub mod secagg;

@@ -903,6 +903,35 @@ pub const MAX_DECLINE_REASON_CHARS: usize = 512;
 /// `{}`): the server revokes its key, as an operator's revoke does.
 pub const UNENROLL_PATH: &str = "/device/v1/unenroll";
 
+/// Where a device hands the server the device authority's certificate of
+/// its enrolled key (a signed `POST` of [`DeviceCertificate`]), for the
+/// server to relay to its neighbours in secure rounds (see
+/// [`crate::device_cert`]).
+pub const CERTIFICATE_PATH: &str = "/device/v1/certificate";
+
+/// The device authority's certificate of the sender's id and enrolled key.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceCertificate {
+    /// 128 lowercase hex digits: the authority's Ed25519 signature.
+    pub certificate: String,
+}
+
+impl DeviceCertificate {
+    pub fn new(certificate: &crate::device_cert::Certificate) -> DeviceCertificate {
+        DeviceCertificate {
+            certificate: hex::encode(certificate),
+        }
+    }
+
+    /// The certificate's bytes, or why `certificate` is not one.
+    pub fn bytes(&self) -> Result<crate::device_cert::Certificate, String> {
+        crate::keys::parse_signature_hex(&self.certificate)
+            .map(|signature| signature.to_bytes())
+            .map_err(|cause| format!("`certificate`: {cause}"))
+    }
+}
+
 /// A device gives up a task it cannot do (a model that fails verification,
 /// one over its memory limit), so the server stops handing it out and the
 /// round need not wait for the deadline on its account.

@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
 
 use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::device_cert::{Certificate, DeviceAuthority, KeyTrust};
 use canopy_protocol::secagg::client::{pairwise_sign, seed_commitment};
 use canopy_protocol::secagg::crypto::{self, public_key, random_secret};
 use canopy_protocol::secagg::graph::Graph;
@@ -35,8 +36,16 @@ const DEVICES: usize = 10;
 const UPDATE_LEN: usize = 64;
 /// Where the header keeps the round id: after magic, version, stage and job.
 const ROUND_ID_AT: usize = 4 + 1 + 1 + 8;
-/// NeighbourKeys entry: id, enrolled key, channel key, mask key, signature.
-const KEYS_ENTRY: usize = 8 + 32 + 32 + 32 + 64;
+/// NeighbourKeys entry: id, enrolled key, certificate, channel key, mask
+/// key, signature.
+const KEYS_ENTRY: usize = wire::NEIGHBOUR_ENTRY_BYTES;
+/// Where a NeighbourKeys entry keeps the enrolled key, the certificate and
+/// the round keys with their signature.
+const ENROLLED_AT: std::ops::Range<usize> = 8..40;
+const CERTIFICATE_AT: std::ops::Range<usize> = 40..104;
+const CHANNEL_AT: std::ops::Range<usize> = 104..136;
+const MASK_AT: std::ops::Range<usize> = 136..168;
+const ROUND_KEYS_FROM: usize = 104;
 /// ShareKeys and IncomingShares entry: the other device's id and a ciphertext.
 const SHARE_ENTRY: usize = 8 + SHARE_CIPHERTEXT_BYTES;
 /// ShareKeys starts with the seed commitment.
@@ -363,6 +372,8 @@ struct Round {
     session: Session,
     plan: Plan,
     keys: BTreeMap<u64, DeviceKey>,
+    /// Whose word the honest devices take on their neighbours' keys.
+    trust: KeyTrust,
     server: Aggregator,
     clients: BTreeMap<u64, Client>,
     /// Devices the honest steps leave out: dropped, or driven by the test.
@@ -402,6 +413,7 @@ impl Round {
             session,
             plan,
             keys,
+            trust: KeyTrust::Server,
             server,
             clients: BTreeMap::new(),
             silent: BTreeSet::new(),
@@ -410,6 +422,20 @@ impl Round {
             next: Step::Advertise,
             sent: Transcript::default(),
         }
+    }
+
+    /// A round whose devices the authority certified, and whose honest
+    /// devices pin it.
+    fn certified(round_id: u64, authority: &DeviceAuthority) -> Round {
+        let mut round = Round::new(round_id);
+        round.trust = KeyTrust::Authority(authority.public_key());
+        let certificates: Vec<(u64, Certificate)> = round
+            .keys
+            .iter()
+            .map(|(&id, key)| (id, authority.certify(id, &key.public_key())))
+            .collect();
+        round.server.set_certificates(certificates);
+        round
     }
 
     fn ids(&self) -> Vec<u64> {
@@ -475,7 +501,7 @@ impl Round {
                         continue;
                     }
                     let (client, advertisement) =
-                        Client::start(session, id, self.plan.clone(), &self.keys[&id])
+                        Client::start(session, id, self.plan.clone(), &self.keys[&id], self.trust)
                             .unwrap_or_else(|e| fail(id, "start", e));
                     self.clients.insert(id, client);
                     self.sent.advertisements.insert(id, advertisement);
@@ -667,7 +693,7 @@ impl Rogue {
         let peers: Vec<(u64, [u8; 32])> = neighbour_keys(neighbour_keys_message)
             .entries
             .iter()
-            .map(|e| (u64_at(e, 0), e[40..72].try_into().unwrap()))
+            .map(|e| (u64_at(e, 0), e[CHANNEL_AT].try_into().unwrap()))
             .collect();
         let points: Vec<u64> = peers
             .iter()
@@ -948,18 +974,18 @@ fn neighbour_keys_with_a_swapped_advertisement_are_refused_by_the_device() {
 
     let mut attempts: Vec<List> = Vec::new();
     // An attacker's channel key, then mask key, in place of A's.
-    for range in [40..72, 72..104] {
+    for range in [CHANNEL_AT, MASK_AT] {
         let mut forged = honest.clone();
         forged.entry_mut(a)[range].copy_from_slice(&public_key(&random_secret()));
         attempts.push(forged);
     }
     // C's keys and signature under A's id and enrolled key.
     let mut swapped = honest.clone();
-    swapped.entry_mut(a)[40..].copy_from_slice(&c_entry[40..]);
+    swapped.entry_mut(a)[ROUND_KEYS_FROM..].copy_from_slice(&c_entry[ROUND_KEYS_FROM..]);
     attempts.push(swapped);
     // A's keys, vouched for by C's enrolled key.
     let mut wrong_key = honest.clone();
-    wrong_key.entry_mut(a)[8..40].copy_from_slice(&c_entry[8..40]);
+    wrong_key.entry_mut(a)[ENROLLED_AT].copy_from_slice(&c_entry[ENROLLED_AT]);
     attempts.push(wrong_key);
 
     for forged in attempts {
@@ -1542,14 +1568,19 @@ fn a_server_that_tells_devices_different_survivor_sets_learns_no_input() {
 // A server that picks the graph after seeing the keys.
 
 /// The round keys an advertisement carries, as NeighbourKeys lists them.
-fn advertised(round: &Round, id: u64, message: &[u8]) -> (u64, [u8; 32], server::Advertisement) {
+fn advertised(round: &Round, id: u64, message: &[u8]) -> server::NeighbourEntry {
     let at = HEADER_BYTES;
     let advertisement = server::Advertisement {
         channel_key: message[at..at + 32].try_into().unwrap(),
         mask_key: message[at + 32..at + 64].try_into().unwrap(),
         signature: message[at + 64..at + 128].try_into().unwrap(),
     };
-    (id, round.keys[&id].public_key(), advertisement)
+    server::NeighbourEntry {
+        id,
+        device_key: round.keys[&id].public_key(),
+        certificate: [0; 64],
+        advertisement,
+    }
 }
 
 /// Acceptance 3: the server, having seen which devices advertised (its own
@@ -1587,7 +1618,7 @@ fn a_graph_picked_after_the_keys_is_refused() {
             neighbours.iter().filter(|n| rogues.contains_key(n)).count() >= t
         })
         .expect("a graph that surrounds the target");
-    let keys_in = |graph: &Graph| -> Vec<(u64, [u8; 32], server::Advertisement)> {
+    let keys_in = |graph: &Graph| -> Vec<server::NeighbourEntry> {
         let neighbours = graph.neighbours(target).unwrap();
         neighbours
             .into_iter()
@@ -1622,13 +1653,34 @@ fn a_graph_picked_after_the_keys_is_refused() {
     // (as if the seed were fixed after the keys) shares with the server's
     // devices, whose t shares rebuild both of its secrets.
     let plan = round.plan.clone().commit_graph(&picked);
-    let (mut client, advertisement) =
-        Client::start(session, target, plan, &round.keys[&target]).unwrap();
+    let (mut client, advertisement) = Client::start(
+        session,
+        target,
+        plan,
+        &round.keys[&target],
+        KeyTrust::Server,
+    )
+    .unwrap();
     let message =
         server::neighbour_keys_message(session, target, &picked, ids.iter().copied(), &picked_keys);
     let shares = client
         .share_keys(&message)
         .expect("the picked graph is taken");
+    assert_secrets_leak(session, target, t, &advertisement, &shares, &rogues);
+}
+
+/// What a server that holds the channel keys of `rogues` learns from the
+/// target's ShareKeys: it opens their shares and rebuilds the target's
+/// self-mask seed (checked against its commitment) and its mask key
+/// (checked against the advertised public key), which unmask its input.
+fn assert_secrets_leak(
+    session: Session,
+    target: u64,
+    t: usize,
+    advertisement: &[u8],
+    shares: &[u8],
+    rogues: &BTreeMap<u64, Rogue>,
+) {
     let target_channel: [u8; 32] = advertisement[HEADER_BYTES..HEADER_BYTES + 32]
         .try_into()
         .unwrap();
@@ -1636,7 +1688,7 @@ fn a_graph_picked_after_the_keys_is_refused() {
         .try_into()
         .unwrap();
     let (mut seed_shares, mut key_shares) = (Vec::new(), Vec::new());
-    for entry in share_keys(&shares).entries {
+    for entry in share_keys(shares).entries {
         let Some(rogue) = rogues.get(&u64_at(&entry, 0)) else {
             continue;
         };
@@ -1687,6 +1739,94 @@ fn a_graph_picked_after_the_keys_is_refused() {
 }
 
 // ---------------------------------------------------------------------------
+// A server that substitutes neighbours' keys.
+
+/// Acceptance 3: the server puts keys it made in place of t of the target's
+/// neighbours' enrolled keys (and round keys signed by them), under the
+/// neighbours' own ids. A device that takes enrolled keys on the server's
+/// word seals its shares to the server, which rebuilds both of its secrets.
+/// A device that pins the device authority refuses every substitution by
+/// the neighbour's name, whatever certificate goes with it: none, the
+/// neighbour's own (for its real key), one from another authority, or a
+/// genuine one the authority made for a device the server enrolled.
+#[test]
+fn a_neighbour_key_the_server_substitutes_is_refused() {
+    let authority = DeviceAuthority::generate();
+    let mut round = Round::certified(18, &authority);
+    let session = round.session;
+    let t = round.plan.threshold;
+    let target = round.ids()[0];
+    round.run_until(Step::Share);
+    let replaced = round.neighbours(target)[..t].to_vec();
+    let impostors: BTreeMap<u64, Rogue> = replaced
+        .iter()
+        .map(|&id| (id, Rogue::new(id, DeviceKey::generate())))
+        .collect();
+    let honest = neighbour_keys(&round.sent.neighbour_keys[&target]);
+    let enrolled_by_server = 999;
+    let substituted = |certify: &dyn Fn(&Rogue, &[u8]) -> Certificate| -> Vec<u8> {
+        let mut forged = honest.clone();
+        for (&id, impostor) in &impostors {
+            let entry = forged.entry_mut(id);
+            let certificate = certify(impostor, entry);
+            entry[ENROLLED_AT].copy_from_slice(&impostor.key.public_key());
+            entry[CERTIFICATE_AT].copy_from_slice(&certificate);
+            let advertisement = impostor.advertisement(session);
+            entry[ROUND_KEYS_FROM..].copy_from_slice(&advertisement[HEADER_BYTES..]);
+        }
+        forged.bytes()
+    };
+    let other_authority = DeviceAuthority::generate();
+    type Certify<'a> = &'a dyn Fn(&Rogue, &[u8]) -> Certificate;
+    let attempts: [(Certify, &str); 4] = [
+        (
+            &|_, _| [0; 64],
+            "has no certificate from the device authority",
+        ),
+        (
+            &|_, entry| entry[CERTIFICATE_AT].try_into().unwrap(),
+            "certificate was not made by the device authority for this id and key",
+        ),
+        (
+            &|rogue, _| other_authority.certify(rogue.id, &rogue.key.public_key()),
+            "certificate was not made by the device authority for this id and key",
+        ),
+        (
+            &|rogue, _| authority.certify(enrolled_by_server, &rogue.key.public_key()),
+            "certificate was not made by the device authority for this id and key",
+        ),
+    ];
+    for (certify, says) in attempts {
+        let first = format!("device {}", replaced[0]);
+        rejected(
+            round.client(target).share_keys(&substituted(certify)),
+            "NeighbourKeys",
+            &[&first, says, "the authority it pins"],
+        );
+    }
+
+    // Without the pin, the same substitution hands the target's secrets over.
+    let plan = round.plan.clone();
+    let (mut trusting, advertisement) = Client::start(
+        session,
+        target,
+        plan,
+        &round.keys[&target],
+        KeyTrust::Server,
+    )
+    .unwrap();
+    let forged = substituted(&|_, _| [0; 64]);
+    let shares = trusting
+        .share_keys(&forged)
+        .expect("the server's word is taken");
+    assert_secrets_leak(session, target, t, &advertisement, &shares, &impostors);
+
+    // The pinning target still takes the genuine keys, and the round sums.
+    let all = round.all();
+    round.finish_exactly(&all);
+}
+
+// ---------------------------------------------------------------------------
 // Duplicate device ids.
 
 #[test]
@@ -1719,8 +1859,14 @@ fn duplicate_device_ids_are_refused() {
     let a = ids[0];
     // A second advertisement from A, with fresh, validly signed keys.
     round.run_until(Step::CloseAdvertising);
-    let (_impostor, second) =
-        Client::start(round.session, a, round.plan.clone(), &round.keys[&a]).unwrap();
+    let (_impostor, second) = Client::start(
+        round.session,
+        a,
+        round.plan.clone(),
+        &round.keys[&a],
+        KeyTrust::Server,
+    )
+    .unwrap();
     rejected(
         round.server.receive_advertisement(a, &second),
         "AdvertiseKeys",

@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::device_cert::KeyTrust;
 use canopy_protocol::secagg::params::Plan;
 use canopy_protocol::secagg::{Aggregator, Client, SecAggConfig, SecAggError, Session, arith};
 use proptest::prelude::*;
@@ -49,7 +50,8 @@ fn run_round(
         if dropouts.before_advertise.contains(&id) {
             continue;
         }
-        let (client, advertisement) = Client::start(session, id, plan.clone(), &keys[&id])?;
+        let (client, advertisement) =
+            Client::start(session, id, plan.clone(), &keys[&id], KeyTrust::Server)?;
         server.receive_advertisement(id, &advertisement)?;
         clients.insert(id, client);
     }
@@ -235,7 +237,8 @@ fn quantized_updates_average_back_to_the_float_mean() {
         .collect();
     let mut clients = Vec::new();
     for (i, &id) in ids.iter().enumerate() {
-        let (client, advert) = Client::start(session, id, plan.clone(), &keys[i]).unwrap();
+        let (client, advert) =
+            Client::start(session, id, plan.clone(), &keys[i], KeyTrust::Server).unwrap();
         server.receive_advertisement(id, &advert).unwrap();
         clients.push(client);
     }

@@ -61,6 +61,10 @@ pub struct ServeArgs {
     pub insecure_http: bool,
     #[arg(long, env = "CANOPY_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Hex Ed25519 public key of the device authority that certifies
+    /// devices' keys for secure rounds (see docs/secure-aggregation.md).
+    #[arg(long, env = "CANOPY_DEVICE_AUTHORITY")]
+    pub device_authority: Option<String>,
 }
 
 /// The TOML file: the same settings plus the limits.
@@ -76,6 +80,7 @@ pub struct FileConfig {
     pub tls: Option<TlsMode>,
     pub insecure_http: Option<bool>,
     pub log_format: Option<LogFormat>,
+    pub device_authority: Option<String>,
     #[serde(default)]
     pub limits: Limits,
 }
@@ -408,6 +413,9 @@ pub struct Settings {
     pub blob_store: String,
     pub tls: TlsSetting,
     pub log_format: LogFormat,
+    /// With one, the server takes only certificates this authority made,
+    /// and selects only certified devices for secure rounds.
+    pub device_authority: Option<[u8; 32]>,
     pub limits: Limits,
 }
 
@@ -495,6 +503,17 @@ impl Settings {
                 ));
             }
         };
+        let device_authority = match args.device_authority.clone().or(file.device_authority) {
+            Some(hex) => Some(canopy_protocol::auth::parse_public_key_hex(&hex).map_err(
+                |cause| {
+                    ConfigError::Invalid(format!(
+                        "device_authority is not an Ed25519 public key: {cause}; hint: give the \
+                         64 hex digits of the authority's public key"
+                    ))
+                },
+            )?),
+            None => None,
+        };
         let limits = file.limits;
         limits.validate()?;
         Ok(Settings {
@@ -507,6 +526,7 @@ impl Settings {
                 .log_format
                 .or(file.log_format)
                 .unwrap_or(LogFormat::Pretty),
+            device_authority,
             limits,
         })
     }

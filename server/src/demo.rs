@@ -265,6 +265,7 @@ fn demo_settings(dir: &Path) -> Settings {
         blob_store: dir.join("server/blobs").display().to_string(),
         tls: TlsSetting::SelfSigned,
         log_format: LogFormat::Pretty,
+        device_authority: None,
         limits,
     }
 }

@@ -453,6 +453,9 @@ struct Eligibility {
     /// Devices whose latest reported conditions violate the job's device
     /// policy (not charging, on a metered network, ...).
     ineligible_conditions: usize,
+    /// Devices without a device authority's certificate, which a secure
+    /// job's devices would refuse as neighbours.
+    uncertified: usize,
     /// Devices that do not report the job's dataset.
     lacking_dataset: usize,
     /// Devices whose copy of the dataset has another sample shape, with
@@ -469,6 +472,12 @@ impl Eligibility {
             reasons.push(format!(
                 "{} report conditions the job's `device_policy` excludes",
                 self.ineligible_conditions
+            ));
+        }
+        if self.uncertified > 0 {
+            reasons.push(format!(
+                "{} have no certificate from the device authority, which a secure round needs",
+                self.uncertified
             ));
         }
         if let Some(dataset) = dataset {
@@ -503,8 +512,10 @@ impl Eligibility {
 /// reservoir sampling, so memory is bounded by the sample however many
 /// devices are online. A device is eligible when it passes the job's
 /// filters, its latest reported conditions (if it reported any) meet the
-/// job's device policy, and, for a job that names a dataset, it reports
-/// that dataset with samples of the model's input shape.
+/// job's device policy, it holds a device certificate if the job is secure
+/// and the server has a device authority, and, for a job that names a
+/// dataset, it reports that dataset with samples of the model's input
+/// shape.
 async fn sample_eligible(
     state: &AppState,
     tx: &mut Tx<'_>,
@@ -516,6 +527,10 @@ async fn sample_eligible(
     let mut rng = rand::rngs::StdRng::from_os_rng();
     let mut chosen: Vec<i64> = Vec::with_capacity(capacity);
     let mut eligibility = Eligibility::default();
+    // Devices that pin the authority refuse an uncertified neighbour, so
+    // selecting one would fail its neighbours' round.
+    let needs_certificate =
+        spec.secure_aggregation.enabled && state.settings.device_authority.is_some();
     let mut candidates = rounds::candidates(tx, now_ms() - window);
     while let Some(candidate) = candidates.next().await {
         let candidate = candidate?;
@@ -524,6 +539,10 @@ async fn sample_eligible(
         }
         if !meets_policy(&candidate, &spec.device_policy)? {
             eligibility.ineligible_conditions += 1;
+            continue;
+        }
+        if needs_certificate && candidate.certified == 0 {
+            eligibility.uncertified += 1;
             continue;
         }
         if let Some(name) = &spec.dataset {

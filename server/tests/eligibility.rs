@@ -67,21 +67,6 @@ fn participant(round: &Value, device: &DeviceClient) -> Value {
 }
 
 /// Waits until the job's status says `fragment`.
-async fn wait_for_status(admin: &Admin, job: i64, fragment: &str) -> Result<Value> {
-    let deadline = Instant::now() + JOB_TIMEOUT;
-    loop {
-        let view = admin.ok(&format!("/api/v1/jobs/{job}")).await?;
-        let status = view["status_message"].as_str().unwrap_or_default();
-        if status.contains(fragment) {
-            return Ok(view);
-        }
-        if Instant::now() > deadline {
-            bail!("job {job}'s status never said `{fragment}`: {view}");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 async fn assert_no_task(device: &DeviceClient, why: &str) -> Result<()> {
     let task = device.next_task(500).await?;
     ensure!(
@@ -196,12 +181,13 @@ async fn eligibility(database: Database) -> Result<()> {
     );
 
     // Round 2: `a` (its withdrawal said 12%), `c` and `d` are out.
-    wait_for_status(
-        &admin,
-        job,
-        "3 report conditions the job's `device_policy` excludes",
-    )
-    .await?;
+    admin
+        .wait_for_status(
+            job,
+            "3 report conditions the job's `device_policy` excludes",
+            JOB_TIMEOUT,
+        )
+        .await?;
     let shown = admin
         .ok(&format!("/api/v1/devices/{}", d.device_id))
         .await?;

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use canopy_ir::Buffer;
-use canopy_protocol::messages::{Task, secagg_endpoints as endpoints};
+use canopy_protocol::device_cert::DeviceAuthority;
+use canopy_protocol::messages::{CERTIFICATE_PATH, Task, secagg_endpoints as endpoints};
 use canopy_protocol::secagg::{Client, Plan, Session, arith, wire};
 use canopy_sdk::DeviceClient;
 use rand::SeedableRng;
@@ -55,11 +56,21 @@ fn start_timed(
     rust_log: &str,
     stage_timeout_ms: u64,
 ) -> Result<(TestServer, tempfile::TempDir)> {
+    start_configured(database, rust_log, stage_timeout_ms, "")
+}
+
+/// As [`start_timed`], with `settings` (TOML lines) before the limits.
+fn start_configured(
+    database: Database,
+    rust_log: &str,
+    stage_timeout_ms: u64,
+    settings: &str,
+) -> Result<(TestServer, tempfile::TempDir)> {
     let dir = tempfile::tempdir()?;
     let config = dir.path().join("server.toml");
     std::fs::write(
         &config,
-        format!("[limits]\nsecagg_stage_timeout_ms = {stage_timeout_ms}\n"),
+        format!("{settings}[limits]\nsecagg_stage_timeout_ms = {stage_timeout_ms}\n"),
     )?;
     let server = TestServer::start_logging(
         database,
@@ -166,6 +177,7 @@ impl Device {
             self.client.device_id as u64,
             self.plan(),
             self.client.key(),
+            self.client.key_trust(),
         )?;
         self.protocol = Some(client);
         post_ok(&self.client, &self.task, endpoints::ADVERTISE_KEYS, message).await
@@ -412,6 +424,116 @@ async fn secure_round_on_postgres() -> Result<()> {
 
 /// Past the dropout tolerance the round fails with the reason in its
 /// status, and no model version is written.
+/// Devices that pin a device authority, on a server configured with it:
+/// the server refuses a certificate the authority did not make for the
+/// sender (422, with a hint) before it can fail anyone's round, selects
+/// only certified devices for the secure job (saying why the others
+/// wait), relays the certificates in NeighbourKeys, and the round sums
+/// exactly the certified devices' inputs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certified_devices_run_a_secure_round_and_uncertified_ones_wait() -> Result<()> {
+    let authority = DeviceAuthority::generate();
+    let settings = format!("device_authority = \"{}\"\n", authority.public_key_hex());
+    let (server, _config) = start_configured(
+        Database::Sqlite,
+        "info,sqlx=warn",
+        STAGE_TIMEOUT_MS,
+        &settings,
+    )?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(5)).await?;
+    let clients: Vec<DeviceClient> = enroll_all(&server, &admin, 5)
+        .await?
+        .into_iter()
+        .map(|client| client.with_device_authority(authority.public_key()))
+        .collect();
+    let certify = |client: &DeviceClient| {
+        authority.certify(client.device_id as u64, &client.key().public_key())
+    };
+
+    // The SDK checks a certificate against the authority it pins...
+    let other = certify(&clients[1]);
+    let error = clients[0].install_certificate(&other).await.unwrap_err();
+    ensure!(
+        error
+            .to_string()
+            .contains("does not hold under the pinned device authority"),
+        "{error}"
+    );
+    // ...and the server against its own, whatever a device sends.
+    let unpinned = clients[0].clone().with_device_authority([0; 32]);
+    let body = json!({ "certificate": hex::encode(other) });
+    let (status, text) = signed_post(&unpinned, CERTIFICATE_PATH, &body).await?;
+    ensure!(
+        status == 422
+            && text.contains("not made by the device authority for this id and key")
+            && text.contains("hint: ask the device authority"),
+        "{status} {text}"
+    );
+
+    for client in &clients[..3] {
+        client.install_certificate(&certify(client)).await?;
+    }
+    let job = admin
+        .create_job(secure_job(version_id(&version), 5, 4, 0.25, 0))
+        .await?;
+    // Three certified devices are too few; the job says why the others wait.
+    let waiting = admin
+        .wait_for_status(
+            job,
+            "have no certificate from the device authority",
+            JOB_TIMEOUT,
+        )
+        .await?;
+    ensure!(
+        waiting["status_message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("3 eligible"),
+        "{waiting}"
+    );
+    clients[3]
+        .install_certificate(&certify(&clients[3]))
+        .await?;
+
+    let certified: Vec<DeviceClient> = clients[..4].to_vec();
+    let base = fetch_model(&admin, "logreg", 1).await?;
+    let mut devices = start_devices(certified).await?;
+    ensure!(
+        clients[4].next_task(500).await?.is_none(),
+        "the uncertified device was selected"
+    );
+    let plan = devices[0].plan();
+    ensure!(plan.participants == 4, "plan: {plan:?}");
+    for device in devices.iter_mut() {
+        device.advertise().await?;
+    }
+    for device in devices.iter_mut() {
+        device.share().await?;
+    }
+    for (i, device) in devices.iter_mut().enumerate() {
+        device.masked_input(700 + i as u64).await?;
+    }
+    sign_then_unmask(&mut devices).await?;
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "completed", "job: {finished}");
+    let next = fetch_model(&admin, "logreg", 2).await?;
+    let survivors: Vec<&Device> = devices.iter().collect();
+    let expected = expected_params(&base, &plan, &survivors)?;
+    for (i, (g, e)) in trainable(&next).iter().zip(&expected).enumerate() {
+        ensure!((g - e).abs() <= 1e-6, "parameter {i}: {g} vs {e}");
+    }
+    Ok(())
+}
+
+/// Posts a signed JSON body; returns the status and the answer's text.
+async fn signed_post(device: &DeviceClient, path: &str, body: &Value) -> Result<(u16, String)> {
+    let bytes = Bytes::from(serde_json::to_vec(body)?);
+    let response = device.signed(Method::POST, path, bytes).await?;
+    let status = response.status().as_u16();
+    Ok((status, response.text().await.unwrap_or_default()))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_tolerance_the_round_fails_cleanly() -> Result<()> {
     let (server, _config) = start(Database::Sqlite, "info,sqlx=warn")?;
@@ -550,6 +672,7 @@ async fn bad_messages_are_refused_and_the_round_goes_on() -> Result<()> {
         devices[0].client.device_id as u64,
         devices[0].plan(),
         devices[0].client.key(),
+        devices[0].client.key_trust(),
     )?;
     let (status, text) = post(
         &devices[0].client,

@@ -33,6 +33,7 @@ use super::shamir::{self, Share};
 use super::wire::{self, Reader, SHARE_CIPHERTEXT_BYTES, SHARE_PLAINTEXT_BYTES, Session, Stage};
 use super::{SecAggError, ShareKind, arith};
 use crate::auth::DeviceKey;
+use crate::device_cert::{self, Certificate, KeyTrust};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
@@ -65,6 +66,8 @@ pub struct Client {
     session: Session,
     device_id: u64,
     plan: Plan,
+    /// Who vouches for the neighbours' enrolled keys.
+    trust: KeyTrust,
     channel_secret: StaticSecret,
     mask_secret: StaticSecret,
     self_seed: Seed,
@@ -110,11 +113,14 @@ pub fn seed_commitment(session: Session, device_id: u64, seed: &Seed) -> [u8; 32
 
 impl Client {
     /// Starts a round: fresh keys, and the signed AdvertiseKeys message.
+    /// `trust` says whose word a neighbour's enrolled key is taken on: with
+    /// [`KeyTrust::Authority`] the server cannot substitute keys.
     pub fn start(
         session: Session,
         device_id: u64,
         plan: Plan,
         device_key: &DeviceKey,
+        trust: KeyTrust,
     ) -> Result<(Client, Vec<u8>), SecAggError> {
         plan.validate()?;
         shamir::point_of(device_id)?;
@@ -129,6 +135,7 @@ impl Client {
             session,
             device_id,
             plan,
+            trust,
             channel_secret,
             mask_secret,
             self_seed,
@@ -182,6 +189,8 @@ impl Client {
                 ));
             }
             let device_key: [u8; 32] = reader.array()?;
+            let certificate: Certificate = reader.array()?;
+            self.check_certificate(id, &device_key, &certificate)?;
             let channel: [u8; 32] = reader.array()?;
             let mask: [u8; 32] = reader.array()?;
             let signature: [u8; 64] = reader.array()?;
@@ -218,6 +227,31 @@ impl Client {
         self.neighbours = neighbours;
         self.step = Step::Shared;
         Ok(message)
+    }
+
+    /// A neighbour's enrolled key, taken on the pinned authority's word
+    /// when there is one.
+    fn check_certificate(
+        &self,
+        id: u64,
+        device_key: &[u8; 32],
+        certificate: &Certificate,
+    ) -> Result<(), SecAggError> {
+        match self.trust {
+            KeyTrust::Server => Ok(()),
+            KeyTrust::Authority(authority) => {
+                device_cert::verify(&authority, id, device_key, certificate).map_err(|cause| {
+                    SecAggError::rejected(
+                        "NeighbourKeys",
+                        format!(
+                            "{cause}; device {} takes a neighbour's key only on the word of the \
+                             authority it pins",
+                            self.device_id
+                        ),
+                    )
+                })
+            }
+        }
     }
 
     /// The graph seed and the participants that open NeighbourKeys:

@@ -21,6 +21,7 @@ use super::params::Plan;
 use super::shamir::{self, Share};
 use super::wire::{self, Reader, SHARE_CIPHERTEXT_BYTES, Session, Stage};
 use super::{SecAggError, ShareKind, arith};
+use crate::device_cert::Certificate;
 
 /// A device's signed round keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,31 +60,41 @@ pub fn read_advertisement(
     Ok(advertisement)
 }
 
+/// One neighbour's keys in NeighbourKeys, with the enrolled key that
+/// signed them and the device authority's certificate of that key (all
+/// zero when the device has none).
+#[derive(Clone, Debug)]
+pub struct NeighbourEntry {
+    pub id: u64,
+    pub device_key: [u8; 32],
+    pub certificate: Certificate,
+    pub advertisement: Advertisement,
+}
+
 /// The graph (its seed, which the plan committed to, and the participants,
-/// ascending), then the keys of the device's neighbours that advertised,
-/// with the enrolled keys that signed them: (id, Ed25519 key,
-/// advertisement).
+/// ascending), then the keys of the device's neighbours that advertised.
 pub fn neighbour_keys_message(
     session: Session,
     recipient: u64,
     graph_seed: &[u8; 32],
     participants: impl ExactSizeIterator<Item = u64>,
-    neighbours: &[(u64, [u8; 32], Advertisement)],
+    neighbours: &[NeighbourEntry],
 ) -> Vec<u8> {
     let mut out = wire::header(session, Stage::NeighbourKeys, recipient);
     out.extend_from_slice(graph_seed);
-    out.reserve(4 + participants.len() * 8 + 4 + neighbours.len() * (8 + 32 + 128));
+    out.reserve(4 + participants.len() * 8 + 4 + neighbours.len() * wire::NEIGHBOUR_ENTRY_BYTES);
     out.extend_from_slice(&(participants.len() as u32).to_le_bytes());
     for id in participants {
         out.extend_from_slice(&id.to_le_bytes());
     }
     out.extend_from_slice(&(neighbours.len() as u32).to_le_bytes());
-    for (id, device_key, advertisement) in neighbours {
-        out.extend_from_slice(&id.to_le_bytes());
-        out.extend_from_slice(device_key);
-        out.extend_from_slice(&advertisement.channel_key);
-        out.extend_from_slice(&advertisement.mask_key);
-        out.extend_from_slice(&advertisement.signature);
+    for entry in neighbours {
+        out.extend_from_slice(&entry.id.to_le_bytes());
+        out.extend_from_slice(&entry.device_key);
+        out.extend_from_slice(&entry.certificate);
+        out.extend_from_slice(&entry.advertisement.channel_key);
+        out.extend_from_slice(&entry.advertisement.mask_key);
+        out.extend_from_slice(&entry.advertisement.signature);
     }
     out
 }
@@ -499,6 +510,8 @@ pub struct Aggregator {
     graph_seed: [u8; 32],
     graph: Graph,
     device_keys: BTreeMap<u64, [u8; 32]>,
+    /// Device certificates relayed with the keys; absent ones go as zeros.
+    certificates: BTreeMap<u64, Certificate>,
     stage: Stage,
     advertisements: BTreeMap<u64, Advertisement>,
     sent_keys_of: BTreeMap<u64, BTreeSet<u64>>,
@@ -542,6 +555,7 @@ impl Aggregator {
             graph_seed: *graph_seed,
             graph,
             device_keys: device_keys.iter().copied().collect(),
+            certificates: BTreeMap::new(),
             stage: Stage::AdvertiseKeys,
             advertisements: BTreeMap::new(),
             sent_keys_of: BTreeMap::new(),
@@ -553,6 +567,12 @@ impl Aggregator {
             book: UnmaskBook::default(),
             answered: BTreeSet::new(),
         })
+    }
+
+    /// The device authority's certificates of the participants' enrolled
+    /// keys, relayed in NeighbourKeys to devices that pin the authority.
+    pub fn set_certificates(&mut self, certificates: impl IntoIterator<Item = (u64, Certificate)>) {
+        self.certificates = certificates.into_iter().collect();
     }
 
     pub fn graph(&self) -> &Graph {
@@ -569,7 +589,9 @@ impl Aggregator {
         let sets = |sets: &mut dyn Iterator<Item = &BTreeSet<u64>>| -> usize {
             sets.map(|set| ID + set.len() * ID).sum()
         };
-        let keys = self.device_keys.len() * (ID + 32) + self.graph.len() * 2 * ID;
+        let keys = self.device_keys.len() * (ID + 32)
+            + self.certificates.len() * (ID + 64)
+            + self.graph.len() * 2 * ID;
         let advertised = self.advertisements.len() * (ID + std::mem::size_of::<Advertisement>());
         let shares: usize = self
             .uploads
@@ -632,18 +654,22 @@ impl Aggregator {
         self.stage = Stage::ShareKeys;
         let mut out = BTreeMap::new();
         for &device in self.advertisements.keys() {
-            let neighbours: Vec<(u64, [u8; 32], Advertisement)> = self
+            let neighbours: Vec<NeighbourEntry> = self
                 .graph
                 .neighbours(device)
                 .unwrap_or_default()
                 .into_iter()
                 .filter_map(|n| {
-                    let advertisement = self.advertisements.get(&n)?;
-                    Some((n, self.device_keys[&n], advertisement.clone()))
+                    Some(NeighbourEntry {
+                        id: n,
+                        device_key: self.device_keys[&n],
+                        certificate: self.certificates.get(&n).copied().unwrap_or([0; 64]),
+                        advertisement: self.advertisements.get(&n)?.clone(),
+                    })
                 })
                 .collect();
             self.sent_keys_of
-                .insert(device, neighbours.iter().map(|(n, _, _)| *n).collect());
+                .insert(device, neighbours.iter().map(|entry| entry.id).collect());
             let participants = self.graph.participants();
             let message = neighbour_keys_message(
                 self.session,

@@ -15,8 +15,12 @@ pub const MAGIC: [u8; 4] = *b"CNSA";
 /// 2: the ConsistencyCheck round (SurvivorSet, SurvivorSignature), an
 /// UnmaskRequest that carries the neighbours' signatures instead of lists,
 /// and NeighbourKeys that carry the graph seed and the participants.
-pub const VERSION: u8 = 2;
+/// 3: NeighbourKeys carry each neighbour's device certificate.
+pub const VERSION: u8 = 3;
 pub const HEADER_BYTES: usize = 30;
+/// One neighbour in NeighbourKeys: id, enrolled key, certificate (zero when
+/// none), channel key, mask key, signature.
+pub const NEIGHBOUR_ENTRY_BYTES: usize = 8 + 32 + 64 + 32 + 32 + 64;
 
 /// A share ciphertext: sender, recipient, the self-mask seed's share and the
 /// mask key's share, sealed with AES-256-GCM.
@@ -93,7 +97,7 @@ impl Stage {
             + match self {
                 Stage::AdvertiseKeys => 128,
                 Stage::NeighbourKeys => {
-                    32 + 4 + MAX_PARTICIPANTS * 8 + 4 + MAX_DEGREE * (8 + 32 + 128)
+                    32 + 4 + MAX_PARTICIPANTS * 8 + 4 + MAX_DEGREE * NEIGHBOUR_ENTRY_BYTES
                 }
                 Stage::ShareKeys => 32 + 4 + MAX_DEGREE * (8 + SHARE_CIPHERTEXT_BYTES),
                 Stage::IncomingShares => 4 + MAX_DEGREE * (8 + SHARE_CIPHERTEXT_BYTES),

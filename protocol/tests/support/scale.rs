@@ -11,6 +11,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::device_cert::KeyTrust;
 use canopy_protocol::secagg::{Aggregator, Client, Plan, SecAggConfig, Session};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -110,8 +111,9 @@ pub fn simulate(n: usize, params: usize, dropout: f64) -> Result<Report, String>
                 scope.spawn(move || {
                     part.iter()
                         .map(|(id, key)| {
-                            let (client, message) = Client::start(SESSION, *id, plan.clone(), key)
-                                .expect("Client::start");
+                            let (client, message) =
+                                Client::start(SESSION, *id, plan.clone(), key, KeyTrust::Server)
+                                    .expect("Client::start");
                             let device = Device {
                                 client,
                                 outbox: Some(message),

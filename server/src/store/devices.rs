@@ -272,6 +272,19 @@ pub async fn revoke(db: &Db, id: i64) -> Result<bool, sqlx::Error> {
     Ok(result.rows_affected() == 1)
 }
 
+/// Stores the device authority's certificate of a device's key, replacing
+/// any earlier one. False when no such unrevoked device exists.
+pub async fn set_certificate(db: &Db, id: i64, certificate: &[u8]) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let result =
+        sqlx::query("UPDATE devices SET certificate = $1 WHERE id = $2 AND revoked_ms IS NULL")
+            .bind(certificate)
+            .bind(id)
+            .execute(&db.pool)
+            .await?;
+    Ok(result.rows_affected() == 1)
+}
+
 pub async fn count_online(db: &Db, online_since_ms: i64) -> Result<i64, sqlx::Error> {
     let (count,): (i64,) = sqlx::query_as(
         "SELECT COUNT(*) FROM devices WHERE revoked_ms IS NULL AND last_seen_ms >= $1",

@@ -292,6 +292,9 @@ pub struct CandidateRow {
     pub gpu: Option<String>,
     /// JSON device conditions from the latest heartbeat that had them.
     pub conditions: Option<String>,
+    /// 1 when it installed a device authority's certificate, else 0 (an
+    /// integer: SQLite has no boolean to decode).
+    pub certified: i64,
 }
 
 /// Online, unrevoked devices that are not busy in another open round.
@@ -301,7 +304,9 @@ pub fn candidates<'a>(
     online_since_ms: i64,
 ) -> futures_util::stream::BoxStream<'a, Result<CandidateRow, sqlx::Error>> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT d.id, d.tier, d.backends, d.tags, d.datasets, d.gpu, d.conditions FROM devices d \
+        "SELECT d.id, d.tier, d.backends, d.tags, d.datasets, d.gpu, d.conditions, \
+         CAST(CASE WHEN d.certificate IS NULL THEN 0 ELSE 1 END AS BIGINT) AS certified \
+         FROM devices d \
          WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $1 AND NOT EXISTS ( \
            SELECT 1 FROM participants p JOIN rounds r ON r.id = p.round_id \
            WHERE p.device_id = d.id AND p.state IN {PENDING_STATES} \

@@ -159,10 +159,12 @@ pub struct SecureParticipant {
     /// The survivor set, signed in ConsistencyCheck.
     pub secagg_signature: Option<Vec<u8>>,
     pub public_key: Vec<u8>,
+    /// The device authority's certificate of that key, if it has one.
+    pub certificate: Option<Vec<u8>>,
 }
 
 const PARTICIPANT_SELECT: &str = "SELECT p.device_id, p.state, p.secagg_keys, \
-     p.secagg_commitment, p.secagg_reveal, p.secagg_signature, d.public_key \
+     p.secagg_commitment, p.secagg_reveal, p.secagg_signature, d.public_key, d.certificate \
      FROM participants p \
      JOIN devices d ON d.id = p.device_id";
 

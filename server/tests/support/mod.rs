@@ -514,6 +514,27 @@ impl Admin {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+
+    /// Polls a job until its status message contains `fragment`.
+    pub async fn wait_for_status(
+        &self,
+        id: i64,
+        fragment: &str,
+        timeout: Duration,
+    ) -> Result<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let view = self.ok(&format!("/api/v1/jobs/{id}")).await?;
+            let status = view["status_message"].as_str().unwrap_or_default();
+            if status.contains(fragment) {
+                return Ok(view);
+            }
+            if Instant::now() > deadline {
+                bail!("job {id}'s status never said `{fragment}`: {view}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
 }
 
 async fn reply(response: reqwest::Response) -> Result<Reply> {

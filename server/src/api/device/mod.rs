@@ -14,6 +14,8 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post, put};
+use canopy_protocol::device_cert;
+use canopy_protocol::messages::DeviceCertificate;
 use canopy_protocol::messages::{
     DeclineTask, ERROR_ALREADY_WITHDRAWN, EnrollRequest, EnrollResponse, EvaluationReport,
     Heartbeat, HeartbeatResponse, Ineligible, RoundMetrics, WithdrawTask,
@@ -24,6 +26,7 @@ use serde::de::DeserializeOwned;
 use crate::api::admin::models::read_limited;
 use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::db::now_ms;
+use crate::device_keys::DeviceKey;
 use crate::state::AppState;
 use crate::store::devices::{self, EnrollError};
 use crate::store::tokens::EnrollmentTokenError;
@@ -36,6 +39,10 @@ pub fn router() -> Router<AppState> {
         .route("/device/v1/server-key", get(server_key))
         .route("/device/v1/signing-keys", get(signing_keys))
         .route("/device/v1/heartbeat", post(heartbeat))
+        .route(
+            canopy_protocol::messages::CERTIFICATE_PATH,
+            post(install_certificate),
+        )
         .route(
             canopy_protocol::messages::UNENROLL_PATH,
             post(unenroll::unenroll),
@@ -155,6 +162,50 @@ async fn heartbeat(
         server_time_ms: u64::try_from(now_ms()).unwrap_or(0),
         heartbeat_interval_ms: state.settings.limits.heartbeat_interval_ms,
     }))
+}
+
+/// Stores the device authority's certificate of the calling device's id and
+/// key, checked against the authority the server is configured with: a
+/// certificate that would make the device's neighbours refuse it is
+/// refused here, by name, instead.
+async fn install_certificate(
+    State(state): State<AppState>,
+    device: DeviceAuth,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<StatusCode> {
+    let request: DeviceCertificate = signed_json(&state, &device, &headers, body).await?;
+    let certificate = request.bytes().map_err(ApiError::unprocessable)?;
+    let Some(authority) = state.settings.device_authority else {
+        return Err(ApiError::conflict(
+            "this server has no device authority, so it cannot check or relay certificates; \
+             hint: start it with --device-authority and the authority's public key",
+        ));
+    };
+    let Some(DeviceKey::Active(key)) = state
+        .device_keys
+        .lookup(&state.db, device.device_id)
+        .await?
+    else {
+        return Err(ApiError::gone(format!(
+            "device {} is no longer enrolled",
+            device.device_id
+        )));
+    };
+    let id = u64::try_from(device.device_id).unwrap_or(u64::MAX);
+    device_cert::verify(&authority, id, &key, &certificate).map_err(|cause| {
+        ApiError::unprocessable(format!(
+            "{cause}; hint: ask the device authority for a certificate of device {id}'s enrolled key"
+        ))
+    })?;
+    if !devices::set_certificate(&state.db, device.device_id, &certificate).await? {
+        return Err(ApiError::gone(format!(
+            "device {} is no longer enrolled",
+            device.device_id
+        )));
+    }
+    tracing::info!(device = device.device_id, "stored device certificate");
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn report_metrics(

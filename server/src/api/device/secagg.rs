@@ -388,6 +388,32 @@ fn enrolled_key(participant: &SecureParticipant) -> ApiResult<[u8; 32]> {
     })
 }
 
+/// A neighbour as NeighbourKeys lists it: its advertised keys, the enrolled
+/// key that signed them and the authority's certificate (zeros if none).
+fn neighbour_entry(participant: &SecureParticipant) -> ApiResult<secagg_server::NeighbourEntry> {
+    let malformed = |what: &str| {
+        ApiError::internal(format!(
+            "device {}'s stored {what} is malformed",
+            participant.device_id
+        ))
+    };
+    let advertisement = participant
+        .secagg_keys
+        .as_deref()
+        .and_then(secure::advertisement)
+        .ok_or_else(|| malformed("advertisement"))?;
+    let certificate = match participant.certificate.as_deref() {
+        Some(bytes) => bytes.try_into().map_err(|_| malformed("certificate"))?,
+        None => [0; 64],
+    };
+    Ok(secagg_server::NeighbourEntry {
+        id: participant.device_id as u64,
+        device_key: enrolled_key(participant)?,
+        certificate,
+        advertisement,
+    })
+}
+
 /// A message only survivors send, once each: 409 for a second, or from a
 /// device whose masked input is not in the sum.
 fn check_survivor_message(
@@ -597,17 +623,7 @@ async fn build_message(
             let neighbours = advertised_neighbours(state, round, device_id).await?;
             let entries = neighbours
                 .iter()
-                .map(|p| {
-                    let advertisement = p.secagg_keys.as_deref().and_then(secure::advertisement);
-                    let key: Option<[u8; 32]> = p.public_key.as_slice().try_into().ok();
-                    match (advertisement, key) {
-                        (Some(a), Some(k)) => Ok((p.device_id as u64, k, a)),
-                        _ => Err(ApiError::internal(format!(
-                            "device {}'s stored keys are malformed",
-                            p.device_id
-                        ))),
-                    }
-                })
+                .map(neighbour_entry)
                 .collect::<ApiResult<Vec<_>>>()?;
             let graph = secure::cached_graph(state, round).await?;
             let seed = round.seed.ok_or_else(|| {
