@@ -48,6 +48,20 @@ enum Command {
     /// Datasets kept on the server, for central evaluation.
     #[command(subcommand)]
     Dataset(DatasetCommand),
+    /// A device authority: certifies devices' keys for secure rounds. Run
+    /// it where the server cannot read its key.
+    #[command(subcommand)]
+    Authority(AuthorityCommand),
+}
+
+#[derive(Subcommand)]
+enum AuthorityCommand {
+    /// Make an authority key; prints its public key (for the server's
+    /// --device-authority and the apps that pin it).
+    New(commands::authority::NewArgs),
+    /// Print the certificate of a device's id and enrolled key, which the
+    /// device installs (`DeviceClient::install_certificate`).
+    Certify(commands::authority::CertifyArgs),
 }
 
 #[derive(Subcommand)]
@@ -180,6 +194,8 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Dataset(DatasetCommand::Push(args)) => commands::datasets::push(args),
         Command::Dataset(DatasetCommand::Ls(args)) => commands::datasets::list(args),
         Command::Dataset(DatasetCommand::Rm(args)) => commands::datasets::remove(args),
+        Command::Authority(AuthorityCommand::New(args)) => commands::authority::new(args),
+        Command::Authority(AuthorityCommand::Certify(args)) => commands::authority::certify(args),
     }
 }
 

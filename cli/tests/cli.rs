@@ -736,3 +736,72 @@ fn model_stats_errors_name_the_cause() {
     ]));
     assert!(error.contains("cannot read model file"), "{error}");
 }
+
+/// `canopy authority new` writes a 0600 key and prints its public key;
+/// `certify` prints a certificate that holds for that id and key only; a
+/// key that exists, a malformed device key and a file that is not a key
+/// are refused with the house error style.
+#[test]
+fn an_authority_certifies_a_device_key() {
+    use canopy_protocol::auth::DeviceKey;
+    use canopy_protocol::device_cert;
+
+    let dir = scratch("authority");
+    let key_file = dir.join("authority.key");
+    let key = key_file.to_str().unwrap();
+    let public_hex = ok(canopy(&["authority", "new", "--out", key]));
+    let mut public = [0u8; 32];
+    hex::decode_to_slice(public_hex.trim(), &mut public).expect("64 hex digits");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&key_file).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "the key is a secret");
+    }
+    let stderr = fails(canopy(&["authority", "new", "--out", key]));
+    assert!(
+        stderr.contains("already exists") && stderr.contains("--force"),
+        "{stderr}"
+    );
+
+    let device = DeviceKey::generate();
+    let certify = |id: &str, device_key: &str| {
+        canopy(&[
+            "authority",
+            "certify",
+            "--key",
+            key,
+            "--device",
+            id,
+            "--device-key",
+            device_key,
+        ])
+    };
+    let printed = ok(certify("17", &device.public_key_hex()));
+    let mut certificate = [0u8; 64];
+    hex::decode_to_slice(printed.trim(), &mut certificate).expect("128 hex digits");
+    assert_eq!(
+        device_cert::verify(&public, 17, &device.public_key(), &certificate),
+        Ok(())
+    );
+    assert!(device_cert::verify(&public, 18, &device.public_key(), &certificate).is_err());
+
+    let stderr = fails(certify("17", "not-a-key"));
+    assert!(
+        stderr.contains("--device-key is not an Ed25519 public key"),
+        "{stderr}"
+    );
+    std::fs::write(dir.join("bad.key"), "zz\n").unwrap();
+    let bad = dir.join("bad.key");
+    let stderr = fails(canopy(&[
+        "authority",
+        "certify",
+        "--key",
+        bad.to_str().unwrap(),
+        "--device",
+        "1",
+        "--device-key",
+        &device.public_key_hex(),
+    ]));
+    assert!(stderr.contains("is not an authority key"), "{stderr}");
+}

@@ -214,9 +214,9 @@ fn sdk_hint(error: &SdkError) -> Option<&'static str> {
             "pin the fingerprint `canopy-server serve` prints (`sha256:` and 64 hex digits), or \
              give the PEM of the CA that signed the server's certificate",
         ),
-        SdkError::Certificate { .. } => Some(
-            "ask the device authority for a certificate of this device's id and enrolled key",
-        ),
+        SdkError::Certificate { .. } => {
+            Some("ask the device authority for a certificate of this device's id and enrolled key")
+        }
         SdkError::ModelVerification { .. } => Some(
             "the download does not match what the server signed; it was discarded and nothing \
              was trained",

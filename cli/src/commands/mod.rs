@@ -1,3 +1,4 @@
+pub mod authority;
 pub mod bench;
 pub mod datasets;
 pub mod devices;
