@@ -59,6 +59,8 @@ pub struct Inner {
     /// The graphs and survivor sets of secure rounds in progress.
     pub secure_graphs: crate::secure::RoundCache<canopy_protocol::secagg::graph::Graph>,
     pub secure_survivors: crate::secure::RoundCache<Vec<u64>>,
+    /// Secure rounds' stages, as long polls re-check them.
+    pub secure_progress: crate::secure::ProgressSnapshots,
     /// Secure rounds' masked inputs waiting to be folded, batched per round.
     pub masked_folds: crate::api::device::folds::FoldQueue<crate::store::secagg::MaskedUpload>,
     /// Secure rounds' key-stage, ConsistencyCheck and Unmasking messages.
@@ -114,6 +116,7 @@ impl AppState {
             stage_writes: Default::default(),
             secure_graphs: Default::default(),
             secure_survivors: Default::default(),
+            secure_progress: Default::default(),
             sensitive_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
             device_limiter: RateLimiter::keyed(device_quota(limits.device_requests_per_second)),
             db,

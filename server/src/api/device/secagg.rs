@@ -598,14 +598,40 @@ pub async fn get_message(
             )
                 .into_response());
         }
-        let now = tokio::time::Instant::now();
-        if now >= deadline || state.is_shutting_down() {
+        if !wait_for_progress(&state, &round, woken, deadline).await? {
             return Ok(StatusCode::ACCEPTED.into_response());
         }
-        let recheck = now + std::time::Duration::from_millis(POLL_RECHECK_MS);
+    }
+}
+
+/// Waits until this process is told that rounds moved, a re-check finds
+/// that this one did (another server process may have moved it), or
+/// `deadline`. False at the deadline or on shutdown. The re-checks read
+/// the snapshot every poll of this process shares.
+async fn wait_for_progress(
+    state: &AppState,
+    round: &SecureRound,
+    woken: tokio::sync::futures::Notified<'_>,
+    deadline: tokio::time::Instant,
+) -> ApiResult<bool> {
+    let seen = secure::Progress::of(round);
+    let interval = std::time::Duration::from_millis(POLL_RECHECK_MS);
+    tokio::pin!(woken);
+    loop {
+        let now = tokio::time::Instant::now();
+        if now >= deadline || state.is_shutting_down() {
+            return Ok(false);
+        }
         tokio::select! {
-            _ = woken => {}
-            _ = tokio::time::sleep_until(recheck.min(deadline)) => {}
+            _ = &mut woken => return Ok(true),
+            _ = tokio::time::sleep_until((now + interval).min(deadline)) => {}
+        }
+        let current = state
+            .secure_progress
+            .read(&state.db, round.id, interval)
+            .await?;
+        if current != Some(seen) {
+            return Ok(true);
         }
     }
 }
