@@ -61,6 +61,16 @@ impl Agent {
 
     /// Enrolls offering `backend`'s backends (`--backend`), and runs on it.
     fn enroll_offering(server: &TestServer, token: &str, backend: &str) -> Result<Agent> {
+        Agent::enroll_with(server, token, backend, &[])
+    }
+
+    /// Enrolls with `extra` flags after the usual ones.
+    fn enroll_with(
+        server: &TestServer,
+        token: &str,
+        backend: &str,
+        extra: &[&str],
+    ) -> Result<Agent> {
         let agent = Agent {
             dir: tempfile::tempdir()?,
             child: None,
@@ -77,6 +87,7 @@ impl Agent {
         ];
         let backend_args = agent.backend_args();
         args.extend(backend_args.iter().map(String::as_str));
+        args.extend_from_slice(extra);
         let output = agent.output(&args)?;
         ensure!(
             output.status.success(),
@@ -950,6 +961,89 @@ async fn mnist_job(alpha: f64, strategy: Value) -> Result<MnistRun> {
 
 /// An agent killed with SIGKILL mid-round: the round completes with the
 /// others at its deadline; restarted, the agent rejoins later rounds.
+/// Agents that pin a device authority run a secure job on a server that
+/// knows it: `canopy-agent status --json` shows what the authority
+/// certifies (id and public key), `canopy-agent certify` installs the
+/// certificate (one made for another device's key is refused before it is
+/// sent), and the secure rounds, whose NeighbourKeys now carry and are
+/// checked against the certificates, complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_pinning_a_device_authority_run_a_secure_job() -> Result<()> {
+    use canopy_protocol::device_cert::DeviceAuthority;
+
+    let authority = DeviceAuthority::generate();
+    let authority_hex = authority.public_key_hex();
+    let (train, test) = digits()?;
+    let server = TestServer::start_with(Database::Sqlite, &["--device-authority", &authority_hex])?;
+    let admin = server.admin();
+    let version = admin.upload_model("digits", digits_model(&train)?).await?;
+    let token = admin.enrollment_token(5).await?;
+    let mut agents = Vec::new();
+    let mut certificates = Vec::new();
+    for shard in partition_dirichlet(&train, 5, 0.5, 4)? {
+        let agent = Agent::enroll_with(
+            &server,
+            &token,
+            "cpu",
+            &["--device-authority", &authority_hex],
+        )?;
+        agent.add_data(&shard)?;
+        let status: Value = serde_json::from_slice(&agent.output(&["status", "--json"])?.stdout)?;
+        ensure!(
+            status["device_authority"] == authority_hex.as_str(),
+            "{status}"
+        );
+        let id = status["device_id"].as_u64().context("a device id")?;
+        let mut key = [0u8; 32];
+        hex::decode_to_slice(status["public_key"].as_str().unwrap_or_default(), &mut key)?;
+        certificates.push(hex::encode(authority.certify(id, &key)));
+        agents.push(agent);
+    }
+    let swapped = agents[0].output(&["certify", "--certificate", &certificates[1]])?;
+    let stderr = String::from_utf8_lossy(&swapped.stderr);
+    ensure!(
+        !swapped.status.success()
+            && stderr.contains("does not hold under the pinned device authority"),
+        "{stderr}"
+    );
+    for (agent, certificate) in agents.iter_mut().zip(&certificates) {
+        let output = agent.output(&["certify", "--certificate", certificate])?;
+        ensure!(
+            output.status.success(),
+            "certify failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        agent.start()?;
+    }
+    let mut spec = job(version["id"].as_i64().unwrap_or_default(), 2, 5, 5, 60_000);
+    spec["secure_aggregation"] =
+        json!({"enabled": true, "max_dropout_fraction": 0.2, "clip": 1.0, "bits": 31});
+    let id = admin.create_job(spec).await?;
+    let finished = admin.wait_for_job(id, JOB_TIMEOUT).await?;
+    ensure!(
+        finished["state"] == "completed",
+        "{finished}\n{}",
+        logs(&agents)
+    );
+    let (before, after) = (
+        accuracy(&admin, 1, &test).await?,
+        accuracy(&admin, 3, &test).await?,
+    );
+    ensure!(after > before, "accuracy {before} -> {after}");
+    let rounds = admin.ok(&format!("/api/v1/jobs/{id}/rounds")).await?;
+    let stages: Vec<&Value> = rounds["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|round| &round["secure_stage"])
+        .collect();
+    ensure!(
+        stages.len() == 2 && stages.iter().all(|stage| *stage == "unmask"),
+        "{rounds}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_agent_misses_a_round_and_rejoins() -> Result<()> {
     let mut fleet = fleet(4, 2).await?;

@@ -77,6 +77,11 @@ pub struct AgentConfig {
     pub trust: TrustConfig,
     #[serde(default)]
     pub tags: BTreeMap<String, String>,
+    /// Hex Ed25519 public key of the device authority this device pins:
+    /// in secure rounds it takes a neighbour's key only with the
+    /// authority's certificate. Absent: it takes the server's word.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_authority: Option<String>,
 }
 
 impl AgentConfig {
@@ -115,6 +120,7 @@ impl AgentConfig {
             bail!("`device_id` {} is not a valid id", self.device_id);
         }
         self.trusted_keys()?;
+        self.pinned_authority()?;
         if self.tags.len() > canopy_protocol::messages::MAX_TAGS {
             bail!(
                 "`tags` has {} entries, the limit is {}",
@@ -123,6 +129,15 @@ impl AgentConfig {
             );
         }
         Ok(())
+    }
+
+    /// The device authority this device pins, if any.
+    pub fn pinned_authority(&self) -> Result<Option<[u8; 32]>> {
+        self.device_authority
+            .as_deref()
+            .map(canopy_protocol::auth::parse_public_key_hex)
+            .transpose()
+            .context("`device_authority` is not an Ed25519 public key")
     }
 
     /// The model-signing keys this device trusts.
@@ -290,6 +305,7 @@ mod tests {
                 sha256: format!("sha256:{}", "cd".repeat(32)),
             },
             tags: BTreeMap::from([("site".to_string(), "lab".to_string())]),
+            device_authority: Some(DeviceKey::generate().public_key_hex()),
         };
         let text = toml::to_string(&config).unwrap();
         let back: AgentConfig = toml::from_str(&text).unwrap();

@@ -66,6 +66,9 @@ enum Command {
     /// Generate this device's key and enroll it with a server using a
     /// one-time token. Nothing is written unless the server accepts.
     Enroll(commands::enroll::EnrollArgs),
+    /// Install the device authority's certificate of this device's key, so
+    /// that neighbours that pin the authority accept it in secure rounds.
+    Certify(commands::certify::CertifyArgs),
     /// Register and list local datasets.
     #[command(subcommand)]
     Data(commands::data::DataCommand),
@@ -102,6 +105,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Install(args) => commands::install::run(&dir, args),
         Command::Enroll(args) => commands::enroll::run(&dir, args),
+        Command::Certify(args) => commands::certify::run(&dir, args),
         Command::Data(command) => commands::data::run(&dir, command),
         Command::Run(args) => daemon::run(&dir, args),
         Command::Status(args) => status::run(&dir, args.json),

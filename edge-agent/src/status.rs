@@ -265,6 +265,10 @@ pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
     let registry = Registry::load(dir)?;
     let reachable = agent.as_ref().map(check_server);
     let key_mode = mode_of(&dir.key());
+    // What `canopy authority certify` needs: the id and this public key.
+    let public_key = crate::config::load_key(&dir.key())
+        .ok()
+        .map(|key| key.public_key_hex());
     let running = status
         .as_ref()
         .and_then(|s| s.pid.filter(|_| s.state != AgentState::Stopped))
@@ -278,6 +282,8 @@ pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
             "trust": agent.as_ref().map(|a| a.trust.describe()),
             "tags": agent.as_ref().map(|a| a.tags.clone()),
             "key_mode": key_mode.map(|m| format!("{m:o}")),
+            "public_key": public_key,
+            "device_authority": agent.as_ref().and_then(|a| a.device_authority.clone()),
             "server_reachable": reachable.as_ref().map(|r| r.is_ok()),
             "server_error": reachable.as_ref().and_then(|r| r.as_ref().err().cloned()),
             "datasets": registry.datasets.len(),
@@ -307,6 +313,12 @@ pub fn run(dir: &DataDir, as_json: bool) -> Result<()> {
                     ""
                 };
                 outln!("device key:    mode {mode:o}{warning}")?;
+            }
+            if let Some(public_key) = &public_key {
+                outln!("public key:    {public_key}")?;
+            }
+            if let Some(authority) = &agent.device_authority {
+                outln!("authority:     {authority} (pinned for secure rounds)")?;
             }
             match reachable.as_ref() {
                 Some(Ok(())) => outln!("reachable:     yes (/healthz ok)")?,

@@ -40,6 +40,11 @@ pub struct EnrollArgs {
     /// most 32).
     #[arg(long = "tag", value_name = "KEY=VALUE")]
     tags: Vec<String>,
+    /// Pin this device authority (hex Ed25519 public key): in secure
+    /// rounds, take a neighbour's key only with its certificate. Install
+    /// this device's own with `canopy-agent certify`.
+    #[arg(long)]
+    device_authority: Option<String>,
     /// Replace an existing enrollment (and its device key).
     #[arg(long)]
     force: bool,
@@ -117,6 +122,14 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
         .map_err(|reason| anyhow::anyhow!("the device's capabilities are invalid: {reason}"))?;
     // Nothing is written until the server has accepted the key, so a
     // failed enrollment leaves the data directory as it was.
+    if let Some(authority) = &args.device_authority {
+        canopy_protocol::auth::parse_public_key_hex(authority).map_err(|cause| {
+            hinted(
+                format!("--device-authority is not an Ed25519 public key: {cause}"),
+                "give the 64 hex digits `canopy authority new` printed",
+            )
+        })?;
+    }
     let key = DeviceKey::generate();
     let transport = canopy_sdk::Transport::new(&server, &trust.to_trust())
         .with_context(|| format!("cannot set up a connection to `{server}`"))?;
@@ -162,6 +175,7 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
         enrolled_unix_ms: now_ms(),
         trust,
         tags,
+        device_authority: args.device_authority,
     };
     dir.create()?;
     let key_path = dir.key();
