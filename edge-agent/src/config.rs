@@ -140,6 +140,24 @@ impl AgentConfig {
             .context("`device_authority` is not an Ed25519 public key")
     }
 
+    /// The client this enrollment makes with `key`: its server and TLS
+    /// trust, the model-signing keys it trusts and the device authority it
+    /// pins, so that no command that talks to the server forgets one.
+    pub fn device_client(&self, key: DeviceKey) -> Result<canopy_sdk::DeviceClient> {
+        let transport = canopy_sdk::Transport::new(&self.server, &self.trust.to_trust())
+            .with_context(|| format!("cannot set up a connection to `{}`", self.server))?;
+        let client = canopy_sdk::DeviceClient::with_trusted_keys(
+            transport,
+            self.device_id,
+            key,
+            self.trusted_keys()?,
+        );
+        Ok(match self.pinned_authority()? {
+            Some(authority) => client.with_device_authority(authority),
+            None => client,
+        })
+    }
+
     /// The model-signing keys this device trusts.
     pub fn trusted_keys(&self) -> Result<TrustedKeys> {
         TrustedKeys::from_hex(

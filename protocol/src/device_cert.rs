@@ -28,6 +28,9 @@ const DOMAIN: &[u8] = b"canopy device certificate v1\0";
 
 /// An authority's signature over (device id, enrolled key).
 pub type Certificate = [u8; CERTIFICATE_BYTES];
+/// How NeighbourKeys says a device has no certificate: no Ed25519
+/// signature is all zeros.
+pub const NO_CERTIFICATE: Certificate = [0; CERTIFICATE_BYTES];
 
 signing_key_type!(
     /// The signing key of a device authority. Keep it away from the server:
@@ -75,14 +78,14 @@ pub fn signed_bytes(device_id: u64, device_key: &[u8; 32]) -> Vec<u8> {
 }
 
 /// Checks that `authority` certified `device_key` as device `device_id`'s
-/// key. An all-zero certificate is how the wire says "none".
+/// key. [`NO_CERTIFICATE`] is how the wire says "none".
 pub fn verify(
     authority: &[u8; 32],
     device_id: u64,
     device_key: &[u8; 32],
     certificate: &Certificate,
 ) -> Result<(), CertificateError> {
-    if certificate.iter().all(|&byte| byte == 0) {
+    if *certificate == NO_CERTIFICATE {
         return Err(CertificateError::Missing { device_id });
     }
     let authority = verifying_key(authority).map_err(CertificateError::AuthorityKey)?;

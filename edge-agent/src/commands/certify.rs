@@ -29,17 +29,7 @@ pub fn run(dir: &DataDir, args: CertifyArgs) -> Result<()> {
             "paste the 128 hex digits `canopy authority certify` printed",
         )
     })?;
-    let transport = canopy_sdk::Transport::new(&agent.server, &agent.trust.to_trust())
-        .with_context(|| format!("cannot set up a connection to `{}`", agent.server))?;
-    let mut client = canopy_sdk::DeviceClient::with_trusted_keys(
-        transport,
-        agent.device_id,
-        key,
-        agent.trusted_keys()?,
-    );
-    if let Some(authority) = agent.pinned_authority()? {
-        client = client.with_device_authority(authority);
-    }
+    let client = agent.device_client(key)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

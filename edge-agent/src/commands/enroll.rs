@@ -120,8 +120,6 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
     capabilities
         .validate()
         .map_err(|reason| anyhow::anyhow!("the device's capabilities are invalid: {reason}"))?;
-    // Nothing is written until the server has accepted the key, so a
-    // failed enrollment leaves the data directory as it was.
     if let Some(authority) = &args.device_authority {
         canopy_protocol::auth::parse_public_key_hex(authority).map_err(|cause| {
             hinted(
@@ -130,6 +128,8 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
             )
         })?;
     }
+    // Nothing is written until the server has accepted the key, so a
+    // failed enrollment leaves the data directory as it was.
     let key = DeviceKey::generate();
     let transport = canopy_sdk::Transport::new(&server, &trust.to_trust())
         .with_context(|| format!("cannot set up a connection to `{server}`"))?;

@@ -160,14 +160,9 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
             .build_global()
             .context("cannot size the training thread pool")?;
     }
-    let transport = canopy_sdk::Transport::new(&agent.server, &agent.trust.to_trust())
-        .with_context(|| format!("cannot set up a connection to `{}`", agent.server))?;
-    let mut client =
-        DeviceClient::with_trusted_keys(transport, agent.device_id, key, agent.trusted_keys()?)
-            .with_retry_policy(task::TASK_RETRY);
-    if let Some(authority) = agent.pinned_authority()? {
-        client = client.with_device_authority(authority);
-    }
+    let client = agent
+        .device_client(key)?
+        .with_retry_policy(task::TASK_RETRY);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(4)

@@ -21,7 +21,7 @@ use super::params::Plan;
 use super::shamir::{self, Share};
 use super::wire::{self, Reader, SHARE_CIPHERTEXT_BYTES, Session, Stage};
 use super::{SecAggError, ShareKind, arith};
-use crate::device_cert::Certificate;
+use crate::device_cert::{Certificate, NO_CERTIFICATE};
 
 /// A device's signed round keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -663,7 +663,7 @@ impl Aggregator {
                     Some(NeighbourEntry {
                         id: n,
                         device_key: self.device_keys[&n],
-                        certificate: self.certificates.get(&n).copied().unwrap_or([0; 64]),
+                        certificate: self.certificates.get(&n).copied().unwrap_or(NO_CERTIFICATE),
                         advertisement: self.advertisements.get(&n)?.clone(),
                     })
                 })

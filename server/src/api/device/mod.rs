@@ -182,15 +182,13 @@ async fn install_certificate(
              hint: start it with --device-authority and the authority's public key",
         ));
     };
+    let gone = || ApiError::gone(format!("device {} is no longer enrolled", device.device_id));
     let Some(DeviceKey::Active(key)) = state
         .device_keys
         .lookup(&state.db, device.device_id)
         .await?
     else {
-        return Err(ApiError::gone(format!(
-            "device {} is no longer enrolled",
-            device.device_id
-        )));
+        return Err(gone());
     };
     let id = u64::try_from(device.device_id).unwrap_or(u64::MAX);
     device_cert::verify(&authority, id, &key, &certificate).map_err(|cause| {
@@ -199,10 +197,7 @@ async fn install_certificate(
         ))
     })?;
     if !devices::set_certificate(&state.db, device.device_id, &certificate).await? {
-        return Err(ApiError::gone(format!(
-            "device {} is no longer enrolled",
-            device.device_id
-        )));
+        return Err(gone());
     }
     tracing::info!(device = device.device_id, "stored device certificate");
     Ok(StatusCode::NO_CONTENT)

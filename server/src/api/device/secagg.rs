@@ -16,6 +16,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use canopy_protocol::device_cert;
 use canopy_protocol::messages::secagg_endpoints as endpoints;
 use canopy_protocol::secagg::SecAggError;
 use canopy_protocol::secagg::server as secagg_server;
@@ -404,7 +405,7 @@ fn neighbour_entry(participant: &SecureParticipant) -> ApiResult<secagg_server::
         .ok_or_else(|| malformed("advertisement"))?;
     let certificate = match participant.certificate.as_deref() {
         Some(bytes) => bytes.try_into().map_err(|_| malformed("certificate"))?,
-        None => [0; 64],
+        None => device_cert::NO_CERTIFICATE,
     };
     Ok(secagg_server::NeighbourEntry {
         id: participant.device_id as u64,
