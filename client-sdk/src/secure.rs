@@ -1,23 +1,26 @@
 //! The device's side of a secure-aggregation (SecAgg+) round over HTTP.
 //!
 //! A task whose `secure_aggregation` is set replaces the float upload with
-//! the five stages of [`canopy_protocol::secagg`], against the endpoints
+//! the six stages of [`canopy_protocol::secagg`], against the endpoints
 //! under [`SecureTask::path`]:
 //!
 //! 1. AdvertiseKeys: `POST advertise-keys`, then `GET neighbour-keys`;
 //! 2. ShareKeys: `POST share-keys`, then `GET incoming-shares`;
-//! 3. MaskedInputCollection: `POST masked-input`, then `GET survivor-set`;
-//! 4. ConsistencyCheck: `POST survivor-signature` (the survivor set, signed
+//! 3. ShareCheck: `POST share-receipt` (the neighbours whose shares would
+//!    not open), then `GET exclusions` (the neighbours the server excluded
+//!    for it);
+//! 4. MaskedInputCollection: `POST masked-input`, then `GET survivor-set`;
+//! 5. ConsistencyCheck: `POST survivor-signature` (the survivor set, signed
 //!    with the device's key), then `GET unmask-request`;
-//! 5. Unmasking: `POST unmask-response`.
+//! 6. Unmasking: `POST unmask-response`.
 //!
-//! The key stages and ConsistencyCheck are short (each closes once every
-//! device has answered, or after [`SecureTask::stage_timeout_ms`]), while collection
-//! stays open until the task's deadline. So a device exchanges keys before
-//! it trains and trains while the others do:
-//! [`DeviceClient::begin_secure_round`] runs AdvertiseKeys and sends its
-//! ShareKeys message, and [`SecureRound::finish`] takes the trained update
-//! and does the rest. [`DeviceClient::run_secure_round`] does both for an
+//! The key stages, ShareCheck and ConsistencyCheck are short (each closes
+//! once every device has answered, or after
+//! [`SecureTask::stage_timeout_ms`]), while collection stays open until the
+//! task's deadline. So a device exchanges and checks keys before it trains
+//! and trains while the others do: [`DeviceClient::begin_secure_round`]
+//! runs AdvertiseKeys and ShareKeys and sends its ShareReceipt, and
+//! [`SecureRound::finish`] takes the trained update and does the rest. [`DeviceClient::run_secure_round`] does both for an
 //! update trained beforehand.
 //!
 //! # Requests
@@ -43,7 +46,8 @@
 //! [`MAX_STAGE_POLL_WAIT_MS`] per request; 202 means "not yet"). Each wait
 //! is bounded, and ends in [`SdkError::StageTimeout`]:
 //!
-//! - NeighbourKeys, IncomingShares and UnmaskRequest: the server closes a
+//! - NeighbourKeys, IncomingShares, Exclusions and UnmaskRequest: the
+//!   server closes a
 //!   short stage at most `stage_timeout_ms` after it opened, which was
 //!   before the device sent its own message for it; so the device waits
 //!   `stage_timeout_ms` plus [`STAGE_CLOSE_GRACE_MS`] from when it sent
@@ -134,9 +138,9 @@ pub struct SecureRound {
     client: DeviceClient,
     task: Task,
     state: Client,
-    /// When the ShareKeys message went out: IncomingShares' wait counts
-    /// from there, however long training took.
-    shared_at: Instant,
+    /// When the ShareReceipt went out: Exclusions' wait counts from there,
+    /// however long training took.
+    checked_at: Instant,
     observer: Option<StageObserver>,
 }
 
@@ -156,6 +160,8 @@ fn endpoint(stage: Stage) -> &'static str {
         Stage::NeighbourKeys => secagg_endpoints::NEIGHBOUR_KEYS,
         Stage::ShareKeys => secagg_endpoints::SHARE_KEYS,
         Stage::IncomingShares => secagg_endpoints::INCOMING_SHARES,
+        Stage::ShareReceipt => secagg_endpoints::SHARE_RECEIPT,
+        Stage::Exclusions => secagg_endpoints::EXCLUSIONS,
         Stage::MaskedInput => secagg_endpoints::MASKED_INPUT,
         Stage::SurvivorSet => secagg_endpoints::SURVIVOR_SET,
         Stage::SurvivorSignature => secagg_endpoints::SURVIVOR_SIGNATURE,
@@ -171,6 +177,8 @@ fn message_name(stage: Stage) -> &'static str {
         Stage::NeighbourKeys => "NeighbourKeys message",
         Stage::ShareKeys => "ShareKeys message",
         Stage::IncomingShares => "IncomingShares message",
+        Stage::ShareReceipt => "ShareReceipt message",
+        Stage::Exclusions => "Exclusions message",
         Stage::MaskedInput => "MaskedInput message",
         Stage::SurvivorSet => "SurvivorSet message",
         Stage::SurvivorSignature => "SurvivorSignature message",
@@ -268,14 +276,17 @@ pub(crate) fn wait_limit_ms(
         .saturating_add(DEADLINE_CLOCK_SKEW_MS)
         .saturating_sub(now_unix_ms);
     match stage {
-        Stage::NeighbourKeys | Stage::IncomingShares | Stage::UnmaskRequest => stage_timeout_ms
-            .saturating_add(STAGE_CLOSE_GRACE_MS)
-            .saturating_sub(sent_ms_ago)
-            .min(round_left_ms),
+        Stage::NeighbourKeys | Stage::IncomingShares | Stage::Exclusions | Stage::UnmaskRequest => {
+            stage_timeout_ms
+                .saturating_add(STAGE_CLOSE_GRACE_MS)
+                .saturating_sub(sent_ms_ago)
+                .min(round_left_ms)
+        }
         Stage::SurvivorSet => round_left_ms,
         // The device's own messages are sent, never waited for.
         Stage::AdvertiseKeys
         | Stage::ShareKeys
+        | Stage::ShareReceipt
         | Stage::MaskedInput
         | Stage::SurvivorSignature
         | Stage::UnmaskResponse => 0,
@@ -288,7 +299,7 @@ fn elapsed_ms(since: Instant) -> u64 {
 
 impl DeviceClient {
     /// Sends this device's message for `stage` (AdvertiseKeys, ShareKeys,
-    /// MaskedInput, SurvivorSignature or UnmaskResponse): `POST {path}/{endpoint}`, expecting
+    /// ShareReceipt, MaskedInput, SurvivorSignature or UnmaskResponse): `POST {path}/{endpoint}`, expecting
     /// 204. Retried under the client's policy. After an attempt that may
     /// have landed (see [`crate::retry`]), a 409 counts as taken, and so
     /// does a 410 for the stages the device fetches an answer to: the
@@ -357,7 +368,7 @@ impl DeviceClient {
     }
 
     /// One long poll for the server's message of `stage` (NeighbourKeys,
-    /// IncomingShares, SurvivorSet or UnmaskRequest): `GET {path}/{endpoint}?wait_ms=N`.
+    /// IncomingShares, Exclusions, SurvivorSet or UnmaskRequest): `GET {path}/{endpoint}?wait_ms=N`.
     /// `Some` with the message on 200, `None` on 202 (the previous stage is
     /// still open). Retried under the client's policy.
     pub async fn poll_secure_message(
@@ -460,7 +471,8 @@ impl DeviceClient {
     }
 
     /// Starts a secure round: fresh round keys, AdvertiseKeys, the
-    /// neighbours' keys, and this device's ShareKeys message sent. Call it
+    /// neighbours' keys, this device's ShareKeys message sent, and its
+    /// neighbours' shares checked (ShareCheck's receipt sent). Call it
     /// before training; see [`SecureRound::finish`].
     pub async fn begin_secure_round(&self, task: &Task) -> Result<SecureRound, SdkError> {
         SecureRound::begin(self, task, None).await
@@ -538,7 +550,7 @@ impl SecureRound {
             client: client.clone(),
             task: task.clone(),
             state,
-            shared_at: Instant::now(),
+            checked_at: Instant::now(),
             observer,
         };
         round.send(Stage::AdvertiseKeys, advertisement).await?;
@@ -548,7 +560,13 @@ impl SecureRound {
             .share_keys(&neighbour_keys)
             .map_err(|source| protocol_error(&round.task, Stage::ShareKeys, source))?;
         round.send(Stage::ShareKeys, shares).await?;
-        round.shared_at = Instant::now();
+        let incoming = round.receive(Stage::IncomingShares, Instant::now()).await?;
+        let receipt = round
+            .state
+            .check_shares(&incoming)
+            .map_err(|source| protocol_error(&round.task, Stage::ShareReceipt, source))?;
+        round.send(Stage::ShareReceipt, receipt).await?;
+        round.checked_at = Instant::now();
         Ok(round)
     }
 
@@ -567,7 +585,7 @@ impl SecureRound {
     /// Finishes the round with the trained update: `delta` is the change
     /// of the trainable parameters in layout order (what the float upload
     /// would carry), `num_samples` its sample count. Waits for the
-    /// neighbours' shares, sends the masked input, signs the survivor set
+    /// Exclusions, sends the masked input, signs the survivor set
     /// (which comes after the task's deadline at the latest), then answers
     /// the unmask request.
     pub async fn finish(
@@ -582,10 +600,10 @@ impl SecureRound {
             arith::quantize(self.state.plan(), delta, num_samples, &mut rng)
         }
         .map_err(|source| protocol_error(&self.task, Stage::MaskedInput, source))?;
-        let incoming = self.receive(Stage::IncomingShares, self.shared_at).await?;
+        let exclusions = self.receive(Stage::Exclusions, self.checked_at).await?;
         let masked = self
             .state
-            .masked_input(&incoming, &input)
+            .masked_input(&exclusions, &input)
             .map_err(|source| protocol_error(&self.task, Stage::MaskedInput, source))?;
         let masked_input_bytes = masked.len() as u64;
         self.send(Stage::MaskedInput, masked).await?;

@@ -102,6 +102,7 @@ impl FakeRound {
         let taken = match stage {
             Stage::AdvertiseKeys => aggregator.receive_advertisement(device, body),
             Stage::ShareKeys => aggregator.receive_shares(device, body),
+            Stage::ShareReceipt => aggregator.receive_share_receipt(device, body),
             Stage::MaskedInput => aggregator.receive_masked_input(device, body),
             Stage::SurvivorSignature => aggregator.receive_survivor_signature(device, body),
             Stage::UnmaskResponse => aggregator.receive_unmask_response(device, body),
@@ -116,6 +117,7 @@ impl FakeRound {
         let (next, messages) = match stage {
             Stage::AdvertiseKeys => (Stage::NeighbourKeys, aggregator.close_advertising()),
             Stage::ShareKeys => (Stage::IncomingShares, aggregator.close_sharing()),
+            Stage::ShareReceipt => (Stage::Exclusions, aggregator.close_checking()),
             Stage::MaskedInput => (Stage::SurvivorSet, aggregator.close_collection()),
             Stage::SurvivorSignature => (Stage::UnmaskRequest, aggregator.close_consistency()),
             _ => {
@@ -137,6 +139,8 @@ fn stage_of(endpoint: &str) -> Option<Stage> {
         Stage::NeighbourKeys,
         Stage::ShareKeys,
         Stage::IncomingShares,
+        Stage::ShareReceipt,
+        Stage::Exclusions,
         Stage::MaskedInput,
         Stage::SurvivorSet,
         Stage::SurvivorSignature,
@@ -352,7 +356,7 @@ fn three_devices_run_a_whole_round_and_the_server_learns_only_the_sum() {
         round.content_types,
         BTreeSet::from(["application/octet-stream".to_string()])
     );
-    assert!(round.polls_with_wait >= 9, "{}", round.polls_with_wait);
+    assert!(round.polls_with_wait >= 15, "{}", round.polls_with_wait);
     let events = events.lock().expect("events");
     let stages: Vec<(Stage, bool)> = events.iter().map(|e| (e.stage, e.sent())).collect();
     assert_eq!(
@@ -362,6 +366,8 @@ fn three_devices_run_a_whole_round_and_the_server_learns_only_the_sum() {
             (Stage::NeighbourKeys, false),
             (Stage::ShareKeys, true),
             (Stage::IncomingShares, false),
+            (Stage::ShareReceipt, true),
+            (Stage::Exclusions, false),
             (Stage::MaskedInput, true),
             (Stage::SurvivorSet, false),
             (Stage::SurvivorSignature, true),
@@ -869,7 +875,7 @@ fn an_update_that_does_not_fit_the_plan_fails_before_masking() {
         client: device,
         task,
         state,
-        shared_at: Instant::now(),
+        checked_at: Instant::now(),
         observer: None,
     };
     let outcome = runtime().block_on(round.finish(&[f32::NAN, 0.0], 3));

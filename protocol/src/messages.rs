@@ -578,13 +578,14 @@ pub struct Task {
 /// The secure-aggregation side of a task.
 ///
 /// Stage endpoints, relative to `path`, all signed like every device call:
-/// - `POST advertise-keys`, `POST share-keys`, `POST masked-input`,
-///   `POST survivor-signature`, `POST unmask-response`: the device's message as an
+/// - `POST advertise-keys`, `POST share-keys`, `POST share-receipt`,
+///   `POST masked-input`, `POST survivor-signature`, `POST unmask-response`:
+///   the device's message as an
 ///   `application/octet-stream` body; 204 when taken, 409 when the device
 ///   already sent it, 422 when refused (the body says why), 410 when the
 ///   stage is over or the round failed.
-/// - `GET neighbour-keys`, `GET incoming-shares`, `GET survivor-set`,
-///   `GET unmask-request`, with
+/// - `GET neighbour-keys`, `GET incoming-shares`, `GET exclusions`,
+///   `GET survivor-set`, `GET unmask-request`, with
 ///   an optional `wait_ms` long-poll: 200 with the server's message once the
 ///   previous stage has closed, 202 with an empty body while it is still
 ///   open, 410 when the device was dropped from the round or it failed.
@@ -594,7 +595,8 @@ pub struct SecureTask {
     pub plan: crate::secagg::Plan,
     /// Base path of the stage endpoints, e.g. `/device/v1/rounds/12/secagg`.
     pub path: String,
-    /// How long each key stage and ConsistencyCheck stays open; a device
+    /// How long each key stage, ShareCheck and ConsistencyCheck stays
+    /// open; a device
     /// that has not heard back within about two of these after its
     /// deadline should give up.
     pub stage_timeout_ms: u64,
@@ -606,6 +608,8 @@ pub mod secagg_endpoints {
     pub const NEIGHBOUR_KEYS: &str = "neighbour-keys";
     pub const SHARE_KEYS: &str = "share-keys";
     pub const INCOMING_SHARES: &str = "incoming-shares";
+    pub const SHARE_RECEIPT: &str = "share-receipt";
+    pub const EXCLUSIONS: &str = "exclusions";
     pub const MASKED_INPUT: &str = "masked-input";
     pub const SURVIVOR_SET: &str = "survivor-set";
     pub const SURVIVOR_SIGNATURE: &str = "survivor-signature";

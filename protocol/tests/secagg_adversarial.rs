@@ -128,6 +128,14 @@ fn fails_authentication(from: u64, to: u64) -> String {
 // ---------------------------------------------------------------------------
 // Message surgery.
 
+/// The neighbours a ShareReceipt reports.
+fn reported(receipt: &[u8]) -> Vec<u64> {
+    let count = u32::from_le_bytes(receipt[HEADER_BYTES..][..4].try_into().unwrap()) as usize;
+    (0..count)
+        .map(|i| u64_at(receipt, HEADER_BYTES + 4 + i * 8))
+        .collect()
+}
+
 fn u64_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
 }
@@ -342,6 +350,8 @@ struct Transcript {
     neighbour_keys: Messages,
     share_keys: Messages,
     incoming_shares: Messages,
+    share_receipts: Messages,
+    exclusions: Messages,
     masked_inputs: Messages,
     survivor_sets: Messages,
     survivor_signatures: Messages,
@@ -357,6 +367,9 @@ enum Step {
     Share,
     DeliverShares,
     CloseSharing,
+    Check,
+    DeliverReceipts,
+    CloseChecking,
     Mask,
     DeliverMaskedInputs,
     CloseCollection,
@@ -463,6 +476,18 @@ impl Round {
         self.clients.get_mut(&id).expect("a started client")
     }
 
+    /// `id` checks `incoming` in place of its IncomingShares; its receipt
+    /// goes to the server with the others'. The neighbours it reports.
+    fn check_with(&mut self, id: u64, incoming: &[u8]) -> Vec<u64> {
+        assert_eq!(self.next, Step::Check, "check_with runs at Step::Check");
+        let receipt = self
+            .client(id)
+            .check_shares(incoming)
+            .unwrap_or_else(|e| panic!("device {id} could not check its shares: {e}"));
+        self.sent.share_receipts.insert(id, receipt.clone());
+        reported(&receipt)
+    }
+
     fn silence(&mut self, id: u64) {
         self.silent.insert(id);
     }
@@ -542,10 +567,38 @@ impl Round {
             }
             Step::CloseSharing => {
                 self.sent.incoming_shares = self.server.close_sharing().expect("sharing");
+                Step::Check
+            }
+            Step::Check => {
+                for (id, m) in speaking(&self.sent.incoming_shares, &self.silent) {
+                    // A receipt the test made already (see `check_with`).
+                    if self.sent.share_receipts.contains_key(&id) {
+                        continue;
+                    }
+                    let Some(client) = self.clients.get_mut(&id) else {
+                        continue;
+                    };
+                    let reply = client
+                        .check_shares(&m)
+                        .unwrap_or_else(|e| fail(id, "check its shares", e));
+                    self.sent.share_receipts.insert(id, reply);
+                }
+                Step::DeliverReceipts
+            }
+            Step::DeliverReceipts => {
+                for (id, m) in speaking(&self.sent.share_receipts, &self.silent) {
+                    self.server
+                        .receive_share_receipt(id, &m)
+                        .unwrap_or_else(|e| fail(id, "upload its receipt", e));
+                }
+                Step::CloseChecking
+            }
+            Step::CloseChecking => {
+                self.sent.exclusions = self.server.close_checking().expect("checking");
                 Step::Mask
             }
             Step::Mask => {
-                for (id, m) in speaking(&self.sent.incoming_shares, &self.silent) {
+                for (id, m) in speaking(&self.sent.exclusions, &self.silent) {
                     if !self.clients.contains_key(&id) {
                         continue;
                     }
@@ -728,9 +781,9 @@ impl Rogue {
 // Shares addressed to the wrong device.
 
 #[test]
-fn a_share_the_server_forwards_to_the_wrong_device_is_refused_by_that_device() {
+fn a_share_the_server_forwards_to_the_wrong_device_costs_the_round_only_its_sender() {
     let mut round = Round::new(1);
-    round.run_until(Step::Mask);
+    round.run_until(Step::Check);
     let b = round.ids()[0];
     let a = round.neighbours(b)[0];
     let c = round
@@ -738,31 +791,33 @@ fn a_share_the_server_forwards_to_the_wrong_device_is_refused_by_that_device() {
         .into_iter()
         .find(|&c| c != b)
         .expect("another neighbour");
-    let input = round.random_input();
 
-    // The ciphertext A sealed for C, handed to B in place of A's share for B.
-    let a_to_c = share_keys(&round.sent.share_keys[&a]).entry(c)[8..].to_vec();
-    let mut incoming = incoming_shares(&round.sent.incoming_shares[&b]);
-    incoming.entry_mut(a)[8..].copy_from_slice(&a_to_c);
-    let result = round.client(b).masked_input(&incoming.bytes(), &input);
-    rejected(result, "IncomingShares", &[&fails_authentication(a, b)]);
-
-    // C's whole IncomingShares, delivered to B.
+    // C's whole IncomingShares, delivered to B: refused whole, and B's
+    // state is unchanged.
     let for_c = round.sent.incoming_shares[&c].clone();
-    let result = round.client(b).masked_input(&for_c, &input);
+    let result = round.client(b).check_shares(&for_c);
     rejected(
         result,
         "IncomingShares",
         &[&format!("it names device {c}, not device {b}")],
     );
 
-    // B refused without changing state: it goes on with its own shares.
-    let all = round.all();
-    round.finish_exactly(&all);
+    // The ciphertext A sealed for C, handed to B in place of A's share for
+    // B: B cannot open it, reports A instead of aborting, and the server
+    // excludes A. The other nine devices' sum comes out exactly.
+    let a_to_c = share_keys(&round.sent.share_keys[&a]).entry(c)[8..].to_vec();
+    let mut incoming = incoming_shares(&round.sent.incoming_shares[&b]);
+    incoming.entry_mut(a)[8..].copy_from_slice(&a_to_c);
+    assert_eq!(round.check_with(b, &incoming.bytes()), vec![a]);
+    round.run_until(Step::Mask);
+    assert_eq!(round.server.excluded(), &BTreeSet::from([a]));
+    let mut survivors = round.all();
+    survivors.remove(&a);
+    round.finish_exactly(&survivors);
 }
 
 #[test]
-fn a_share_sealed_for_one_device_but_addressed_to_another_is_refused() {
+fn a_share_sealed_for_one_device_but_addressed_to_another_is_reported() {
     let mut round = Round::new(2);
     let rogue_id = round.ids()[0];
     let rogue = Rogue::new(rogue_id, round.keys[&rogue_id].clone());
@@ -791,27 +846,15 @@ fn a_share_sealed_for_one_device_but_addressed_to_another_is_refused() {
         .server
         .receive_shares(rogue_id, &upload)
         .expect("the server cannot see inside the ciphertexts");
-    round.run_until(Step::Mask);
+    round.run_until(Step::Check);
 
-    let input = round.random_input();
+    // B takes the misaddressed share for one it cannot open: it reports
+    // the rogue, which the server excludes, and goes on. The other nine
+    // devices' sum comes out exactly.
     let incoming = round.sent.incoming_shares[&b].clone();
-    let result = round.client(b).masked_input(&incoming, &input);
-    rejected(
-        result,
-        "IncomingShares",
-        &[&format!(
-            "a share sealed by device {rogue_id} is addressed from device {rogue_id} to device \
-             {c}, not to device {b}"
-        )],
-    );
-
-    // B refuses to go on; the rogue never sends a masked input. Both drop
-    // out, and the other eight devices' sum comes out exactly (the rogue's
-    // honest shares to them let the server remove its pairwise masks).
-    round.silence(b);
+    assert_eq!(round.check_with(b, &incoming), vec![rogue_id]);
     let mut survivors = round.all();
     survivors.remove(&rogue_id);
-    survivors.remove(&b);
     round.finish_exactly(&survivors);
 }
 
@@ -888,37 +931,40 @@ fn the_server_refuses_shares_addressed_to_a_device_that_was_not_sent_keys() {
 // Tampered ciphertexts and signatures.
 
 #[test]
-fn a_tampered_share_ciphertext_fails_authentication() {
-    let mut round = Round::new(4);
-    round.run_until(Step::Mask);
-    let b = round.ids()[3];
-    let (a, other) = {
-        let neighbours = round.neighbours(b);
-        (neighbours[0], neighbours[1])
-    };
-    let input = round.random_input();
-    let honest = incoming_shares(&round.sent.incoming_shares[&b]);
-    // The first byte of the ciphertext, one in the middle, the last of the tag.
-    for at in [8, 8 + SHARE_PLAINTEXT_BYTES / 2, SHARE_ENTRY - 1] {
-        let mut tampered = honest.clone();
-        let entry = tampered.entry_mut(a);
-        entry[at] ^= 0x01;
-        let result = round.client(b).masked_input(&tampered.bytes(), &input);
-        rejected(
-            result,
-            "IncomingShares",
-            &[&fails_authentication(a, b), "tampered"],
-        );
+fn a_tampered_share_ciphertext_is_reported_and_its_sender_excluded() {
+    // The first byte of the ciphertext, one in the middle, the last of the
+    // tag; then A's ciphertext relabelled as coming from another neighbour.
+    let tampers = [
+        Some(8),
+        Some(8 + SHARE_PLAINTEXT_BYTES / 2),
+        Some(SHARE_ENTRY - 1),
+        None,
+    ];
+    for (round_id, tamper) in (40..).zip(tampers) {
+        let mut round = Round::new(round_id);
+        round.run_until(Step::Check);
+        let b = round.ids()[3];
+        let (a, other) = {
+            let neighbours = round.neighbours(b);
+            (neighbours[0], neighbours[1])
+        };
+        let mut tampered = incoming_shares(&round.sent.incoming_shares[&b]);
+        let sender = match tamper {
+            Some(at) => {
+                tampered.entry_mut(a)[at] ^= 0x01;
+                a
+            }
+            None => {
+                let a_ciphertext = tampered.entry(a)[8..].to_vec();
+                tampered.entry_mut(other)[8..].copy_from_slice(&a_ciphertext);
+                other
+            }
+        };
+        assert_eq!(round.check_with(b, &tampered.bytes()), vec![sender]);
+        let mut survivors = round.all();
+        survivors.remove(&sender);
+        round.finish_exactly(&survivors);
     }
-    // A's ciphertext relabelled as coming from another neighbour.
-    let mut relabelled = honest.clone();
-    let a_ciphertext = relabelled.entry(a)[8..].to_vec();
-    relabelled.entry_mut(other)[8..].copy_from_slice(&a_ciphertext);
-    let result = round.client(b).masked_input(&relabelled.bytes(), &input);
-    rejected(result, "IncomingShares", &[&fails_authentication(other, b)]);
-
-    let all = round.all();
-    round.finish_exactly(&all);
 }
 
 #[test]
@@ -1044,21 +1090,32 @@ fn messages_replayed_from_an_earlier_round_are_refused() {
         rejected(result, "ShareKeys", &says);
     }
 
+    round.run_until(Step::Check);
+    let result = round.client(a).check_shares(&old.incoming_shares[&a]);
+    rejected(result, "IncomingShares", &says);
+    // Re-stamped, none of round 1's ciphertexts open in round 2, and a
+    // device that cannot open t shares cannot go on.
+    let restamped = restamp(&old.incoming_shares[&a], 2);
+    let result = round.client(a).check_shares(&restamped);
+    unrecoverable(
+        result,
+        &[&format!(
+            "only 0 of device {a}'s neighbours shared keys that it could open"
+        )],
+    );
+
+    round.run_until(Step::DeliverReceipts);
+    for &id in &ids {
+        let result = round
+            .server
+            .receive_share_receipt(id, &old.share_receipts[&id]);
+        rejected(result, "ShareReceipt", &says);
+    }
+
     round.run_until(Step::Mask);
     let input = round.random_input();
-    let result = round
-        .client(a)
-        .masked_input(&old.incoming_shares[&a], &input);
-    rejected(result, "IncomingShares", &says);
-    // Re-stamped, round 1's ciphertexts fail authentication in round 2.
-    let restamped = restamp(&old.incoming_shares[&a], 2);
-    let first_sender = incoming_shares(&restamped).ids()[0];
-    let result = round.client(a).masked_input(&restamped, &input);
-    rejected(
-        result,
-        "IncomingShares",
-        &[&fails_authentication(first_sender, a)],
-    );
+    let result = round.client(a).masked_input(&old.exclusions[&a], &input);
+    rejected(result, "Exclusions", &says);
 
     round.run_until(Step::DeliverMaskedInputs);
     for &id in &ids {
@@ -1112,11 +1169,24 @@ fn a_second_copy_of_a_message_in_the_same_round_is_refused() {
         &[&again],
     );
 
-    round.run_until(Step::DeliverMaskedInputs);
-    let (copy, input) = (
-        round.sent.incoming_shares[&a].clone(),
-        round.inputs[&a].clone(),
+    round.run_until(Step::DeliverReceipts);
+    let copy = round.sent.incoming_shares[&a].clone();
+    out_of_order(
+        round.client(a).check_shares(&copy),
+        &[&format!(
+            "device {a} cannot check its neighbours' shares now"
+        )],
     );
+    round.run_until(Step::CloseChecking);
+    let copy = round.sent.share_receipts[&a].clone();
+    rejected(
+        round.server.receive_share_receipt(a, &copy),
+        "ShareReceipt",
+        &[&again],
+    );
+
+    round.run_until(Step::DeliverMaskedInputs);
+    let (copy, input) = (round.sent.exclusions[&a].clone(), round.inputs[&a].clone());
     out_of_order(
         round.client(a).masked_input(&copy, &input),
         &[&format!("device {a} cannot send its masked input now")],
@@ -1900,16 +1970,32 @@ fn duplicate_device_ids_are_refused() {
     );
 
     // IncomingShares with one sender's shares twice.
-    round.run_until(Step::Mask);
-    let input = round.random_input();
+    round.run_until(Step::Check);
     let honest = incoming_shares(&round.sent.incoming_shares[&b]);
     let first = honest.ids()[0];
     let mut twice = honest.clone();
     twice.entries[1] = twice.entries[0].clone();
     rejected(
-        round.client(b).masked_input(&twice.bytes(), &input),
+        round.client(b).check_shares(&twice.bytes()),
         "IncomingShares",
         &[&format!("device {first}'s shares appear twice")],
+    );
+
+    // A ShareReceipt, and Exclusions, that name a device twice.
+    round.run_until(Step::DeliverReceipts);
+    let twice = wire::id_list_message(round.session, Stage::ShareReceipt, b, [first, first].iter());
+    rejected(
+        round.server.receive_share_receipt(b, &twice),
+        "ShareReceipt",
+        &[&format!("device {first} is out of order or repeated")],
+    );
+    round.run_until(Step::Mask);
+    let input = round.random_input();
+    let twice = wire::id_list_message(round.session, Stage::Exclusions, b, [first, first].iter());
+    rejected(
+        round.client(b).masked_input(&twice, &input),
+        "Exclusions",
+        &[&format!("device {first} is out of order or repeated")],
     );
 
     // A SurvivorSet that lists a device twice, and one out of order.
@@ -2138,13 +2224,37 @@ fn truncated_or_overlong_messages_are_refused_at_every_stage() {
         &["3 unexpected bytes follow its body"],
     );
 
-    round.run_until(Step::Mask);
-    let input = round.random_input();
+    round.run_until(Step::Check);
     let incoming = round.sent.incoming_shares[&b].clone();
     let short = &incoming[..incoming.len() - SHARE_ENTRY / 2];
     rejected(
-        round.client(b).masked_input(short, &input),
+        round.client(b).check_shares(short),
         "IncomingShares",
+        &[&ends_early(short)],
+    );
+
+    // A receipt that reports more than k − t neighbours: its sender could
+    // not go on, and it would exclude too many.
+    round.run_until(Step::DeliverReceipts);
+    let limit = round.plan.degree - round.plan.threshold;
+    let too_many: Vec<u64> = round.neighbours(a)[..limit + 1].to_vec();
+    let receipt = wire::id_list_message(round.session, Stage::ShareReceipt, a, too_many.iter());
+    rejected(
+        round.server.receive_share_receipt(a, &receipt),
+        "ShareReceipt",
+        &[&format!(
+            "it lists {} neighbours whose shares would not open, the limit is {limit}",
+            limit + 1
+        )],
+    );
+
+    round.run_until(Step::Mask);
+    let input = round.random_input();
+    let exclusions = round.sent.exclusions[&b].clone();
+    let short = &exclusions[..exclusions.len() - 1];
+    rejected(
+        round.client(b).masked_input(short, &input),
+        "Exclusions",
         &[&ends_early(short)],
     );
 
@@ -2168,4 +2278,140 @@ fn truncated_or_overlong_messages_are_refused_at_every_stage() {
 
     let all = round.all();
     round.finish_exactly(&all);
+}
+
+// ---------------------------------------------------------------------------
+// Fewer aborts: a device whose shares do not open is excluded, not fatal.
+
+/// Every ciphertext of a ShareKeys message with one bit flipped: what the
+/// server cannot tell from an honest upload.
+fn garbled(share_keys_message: &[u8]) -> Vec<u8> {
+    let mut list = share_keys(share_keys_message);
+    for entry in &mut list.entries {
+        entry[8 + 3] ^= 0x80;
+    }
+    list.bytes()
+}
+
+#[test]
+fn one_device_that_seals_garbage_shares_costs_the_round_only_itself() {
+    let mut round = Round::new(50);
+    let g = round.ids()[2];
+    round.run_until(Step::DeliverShares);
+    let garbage = garbled(&round.sent.share_keys[&g]);
+    round.sent.share_keys.insert(g, garbage);
+    round.run_until(Step::DeliverReceipts);
+
+    // Every neighbour of G reports G, and only G; G itself reports nobody.
+    let neighbours = round.neighbours(g);
+    assert!(neighbours.len() >= round.plan.threshold);
+    for (&id, receipt) in &round.sent.share_receipts {
+        let expected = if neighbours.contains(&id) {
+            vec![g]
+        } else {
+            vec![]
+        };
+        assert_eq!(reported(receipt), expected, "device {id}'s receipt");
+    }
+    round.run_until(Step::Mask);
+    assert_eq!(round.server.excluded(), &BTreeSet::from([g]));
+    assert!(
+        !round.sent.exclusions.contains_key(&g),
+        "an excluded device is sent no Exclusions"
+    );
+    // G's neighbours were told, and none of them masks with G.
+    for n in &neighbours {
+        let told = wire::read_id_list(
+            &round.sent.exclusions[n],
+            round.session,
+            Stage::Exclusions,
+            *n,
+            round.plan.degree,
+            "excluded",
+        )
+        .unwrap();
+        assert_eq!(told, vec![g], "device {n}'s Exclusions");
+    }
+
+    // G masks anyway, with Exclusions it made itself: the server refuses it.
+    let forged = wire::id_list_message(round.session, Stage::Exclusions, g, [].iter());
+    let input = round.random_input();
+    let masked = round.client(g).masked_input(&forged, &input).unwrap();
+    round.run_until(Step::DeliverMaskedInputs);
+    rejected(
+        round.server.receive_masked_input(g, &masked),
+        "MaskedInput",
+        &[&format!("device {g} was excluded from the round")],
+    );
+
+    // The round loses G alone: the other nine devices' sum is exact.
+    let mut survivors = round.all();
+    survivors.remove(&g);
+    round.finish_exactly(&survivors);
+}
+
+#[test]
+fn a_device_keeps_its_shares_to_itself_when_the_server_breaks_too_many_or_hides_a_report() {
+    // The server corrupts all but t - 1 of B's incoming shares: B cannot
+    // mask with t neighbours, so it refuses to go on and sends nothing.
+    let mut round = Round::new(51);
+    round.run_until(Step::Check);
+    let b = round.ids()[1];
+    let mut corrupted = incoming_shares(&round.sent.incoming_shares[&b]);
+    let t = round.plan.threshold;
+    let senders = corrupted.ids();
+    for &id in &senders[t - 1..] {
+        corrupted.entry_mut(id)[8] ^= 1;
+    }
+    unrecoverable(
+        round.client(b).check_shares(&corrupted.bytes()),
+        &[&format!(
+            "only {} of device {b}'s neighbours shared keys that it could open ({} would not open)",
+            t - 1,
+            senders.len() + 1 - t
+        )],
+    );
+
+    // One corrupted share: B reports its sender A. Exclusions that keep A
+    // in the round, or that name a device that is not B's neighbour, are
+    // refused; so is a survivor set that lists A after it was excluded.
+    let a = senders[0];
+    let mut one = incoming_shares(&round.sent.incoming_shares[&b]);
+    one.entry_mut(a)[8] ^= 1;
+    assert_eq!(round.check_with(b, &one.bytes()), vec![a]);
+    round.run_until(Step::Mask);
+    let session = round.session;
+    let exclusions = |ids: &[u64]| wire::id_list_message(session, Stage::Exclusions, b, ids.iter());
+    let input = round.random_input();
+    rejected(
+        round.client(b).masked_input(&exclusions(&[]), &input),
+        "Exclusions",
+        &[&format!(
+            "it keeps device {a} in the round, though device {b} reported that device's shares \
+             unreadable"
+        )],
+    );
+    let stranger = round.stranger_to(b);
+    let mut both = vec![a, stranger];
+    both.sort();
+    rejected(
+        round.client(b).masked_input(&exclusions(&both), &input),
+        "Exclusions",
+        &[&format!(
+            "it excludes device {stranger}, which is not one of device {b}'s neighbours"
+        )],
+    );
+    round.run_until(Step::Sign);
+    let with_a = raw_survivor_set(session, b, &round.ids());
+    let key = round.keys[&b].clone();
+    rejected(
+        round.client(b).sign_survivors(&with_a, &key),
+        "SurvivorSet",
+        &[&format!(
+            "it lists device {a}, which the server excluded from the round"
+        )],
+    );
+    let mut survivors = round.all();
+    survivors.remove(&a);
+    round.finish_exactly(&survivors);
 }

@@ -7,16 +7,21 @@ use std::collections::{BTreeMap, BTreeSet};
 use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::device_cert::KeyTrust;
 use canopy_protocol::secagg::params::Plan;
+use canopy_protocol::secagg::wire::SHARE_CIPHERTEXT_BYTES;
 use canopy_protocol::secagg::{Aggregator, Client, SecAggConfig, SecAggError, Session, arith};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 
-/// Which devices go silent before each of the five stages. One silent
-/// before ConsistencyCheck has its masked input in the sum all the same.
+/// Which devices go silent before each of the six stages, and which seal
+/// garbage for their neighbours in ShareKeys (they are excluded, as if they
+/// had dropped out). One silent before ConsistencyCheck has its masked
+/// input in the sum all the same.
 #[derive(Clone, Debug, Default)]
 struct Dropouts {
     before_advertise: BTreeSet<u64>,
     before_share: BTreeSet<u64>,
+    garbage_shares: BTreeSet<u64>,
+    before_check: BTreeSet<u64>,
     before_masked_input: BTreeSet<u64>,
     before_sign: BTreeSet<u64>,
     before_unmask: BTreeSet<u64>,
@@ -59,12 +64,22 @@ fn run_round(
         if dropouts.before_share.contains(&id) {
             continue;
         }
-        let shares = clients.get_mut(&id).unwrap().share_keys(&neighbour_keys)?;
+        let mut shares = clients.get_mut(&id).unwrap().share_keys(&neighbour_keys)?;
+        if dropouts.garbage_shares.contains(&id) {
+            shares = garble_ciphertexts(&shares);
+        }
         server.receive_shares(id, &shares)?;
+    }
+    for (id, incoming) in server.close_sharing()? {
+        if dropouts.before_check.contains(&id) {
+            continue;
+        }
+        let receipt = clients.get_mut(&id).unwrap().check_shares(&incoming)?;
+        server.receive_share_receipt(id, &receipt)?;
     }
     let mut inputs = BTreeMap::new();
     let mask = plan.modulus_mask();
-    for (id, incoming) in server.close_sharing()? {
+    for (id, incoming) in server.close_checking()? {
         if dropouts.before_masked_input.contains(&id) {
             continue;
         }
@@ -103,6 +118,19 @@ fn run_round(
     })
 }
 
+/// A ShareKeys message with one bit of every ciphertext flipped: what the
+/// server cannot tell from a good one.
+fn garble_ciphertexts(shares: &[u8]) -> Vec<u8> {
+    const HEADER_AND_COMMITMENT: usize = 30 + 32;
+    const ENTRY: usize = 8 + SHARE_CIPHERTEXT_BYTES;
+    let mut out = shares.to_vec();
+    let count = u32::from_le_bytes(out[HEADER_AND_COMMITMENT..][..4].try_into().unwrap());
+    for i in 0..count as usize {
+        out[HEADER_AND_COMMITMENT + 4 + i * ENTRY + 8 + 5] ^= 1;
+    }
+    out
+}
+
 fn expected_sum(outcome: &Outcome, plan: &Plan) -> Vec<u32> {
     let mut expected = vec![0u32; plan.masked_len()];
     for id in &outcome.survivors {
@@ -113,7 +141,8 @@ fn expected_sum(outcome: &Outcome, plan: &Plan) -> Vec<u32> {
     expected.iter().map(|v| v & plan.modulus_mask()).collect()
 }
 
-/// Spreads up to `budget` dropouts over the five stages at random.
+/// Spreads up to `budget` dropouts over the six stages and garbage shares
+/// at random.
 fn dropout_pattern(ids: &[u64], budget: usize, seed: u64) -> Dropouts {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut pool: Vec<u64> = ids.to_vec();
@@ -121,11 +150,13 @@ fn dropout_pattern(ids: &[u64], budget: usize, seed: u64) -> Dropouts {
     let count = rng.random_range(0..=budget);
     for _ in 0..count {
         let id = pool.swap_remove(rng.random_range(0..pool.len()));
-        match rng.random_range(0..5) {
+        match rng.random_range(0..7) {
             0 => dropouts.before_advertise.insert(id),
             1 => dropouts.before_share.insert(id),
-            2 => dropouts.before_masked_input.insert(id),
-            3 => dropouts.before_sign.insert(id),
+            2 => dropouts.garbage_shares.insert(id),
+            3 => dropouts.before_check.insert(id),
+            4 => dropouts.before_masked_input.insert(id),
+            5 => dropouts.before_sign.insert(id),
             _ => dropouts.before_unmask.insert(id),
         };
     }
@@ -162,7 +193,13 @@ proptest! {
         let ids: Vec<u64> = (0..n as u64).map(|i| 1 + i * 7919 % 100_003).collect();
         let dropouts = dropout_pattern(&ids, plan.max_dropouts, seed);
         let outcome = run_round(&plan, &ids, &dropouts, seed).expect("a round within tolerance completes");
-        let dropped: usize = [&dropouts.before_advertise, &dropouts.before_share, &dropouts.before_masked_input]
+        let dropped: usize = [
+            &dropouts.before_advertise,
+            &dropouts.before_share,
+            &dropouts.garbage_shares,
+            &dropouts.before_check,
+            &dropouts.before_masked_input,
+        ]
             .iter().map(|s| s.len()).sum();
         prop_assert_eq!(outcome.survivors.len(), n - dropped);
         let expected = expected_sum(&outcome, &plan);
@@ -247,6 +284,10 @@ fn quantized_updates_average_back_to_the_float_mean() {
         server.receive_shares(id, &reply).unwrap();
     }
     for (id, message) in server.close_sharing().unwrap() {
+        let receipt = clients[id as usize - 1].check_shares(&message).unwrap();
+        server.receive_share_receipt(id, &receipt).unwrap();
+    }
+    for (id, message) in server.close_checking().unwrap() {
         let (delta, samples) = &updates[id as usize - 1];
         let input = arith::quantize(&plan, delta, *samples, &mut rng).unwrap();
         let reply = clients[id as usize - 1]

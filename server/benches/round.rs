@@ -396,7 +396,7 @@ async fn simulate_device(
         .collect();
     let samples = rng.random_range(10..=100u64);
     if secure {
-        // The five stages through the SDK; the "upload" is the masked
+        // The six stages through the SDK; the "upload" is the masked
         // input, and its latency the whole secure exchange.
         let sent_ms = unix_ms();
         stats.first_upload_ms.fetch_min(sent_ms, Ordering::Relaxed);
@@ -601,7 +601,7 @@ struct RunReport {
     /// Secure rounds: seconds in AdvertiseKeys, ShareKeys,
     /// MaskedInputCollection (training included), ConsistencyCheck and
     /// Unmasking, from the server log's stage events.
-    stages: Option<[f64; 5]>,
+    stages: Option<[f64; 6]>,
     update_bytes: u64,
     enroll_s: f64,
     /// Job `started_ms` → `finished_ms`, server stamps.
@@ -829,7 +829,7 @@ fn event_seconds(event: &Value) -> Option<f64> {
 
 /// The secure round's stage lengths from the server log: AdvertiseKeys
 /// opens, then each next stage, then "unmasked".
-fn secure_stages(log: &str) -> Option<[f64; 5]> {
+fn secure_stages(log: &str) -> Option<[f64; 6]> {
     let mut marks: BTreeMap<&str, f64> = BTreeMap::new();
     for line in log.lines() {
         let Ok(event) = serde_json::from_str::<Value>(line) else {
@@ -839,6 +839,7 @@ fn secure_stages(log: &str) -> Option<[f64; 5]> {
         let key = match (fields["message"].as_str(), fields["stage"].as_str()) {
             (Some("secure round: AdvertiseKeys open"), _) => "advertise",
             (Some("secure round: stage open"), Some("share")) => "share",
+            (Some("secure round: stage open"), Some("check")) => "check",
             (Some("secure round: stage open"), Some("collect")) => "collect",
             (Some("secure round: stage open"), Some("consistency")) => "consistency",
             (Some("secure round: stage open"), Some("unmask")) => "unmask",
@@ -850,15 +851,16 @@ fn secure_stages(log: &str) -> Option<[f64; 5]> {
         }
     }
     let at = |key: &str| marks.get(key).copied();
-    let (a, s, c, k, u, d) = (
+    let (a, s, h, c, k, u, d) = (
         at("advertise")?,
         at("share")?,
+        at("check")?,
         at("collect")?,
         at("consistency")?,
         at("unmask")?,
         at("done")?,
     );
-    Some([s - a, c - s, k - c, u - k, d - u])
+    Some([s - a, h - s, c - h, k - c, u - k, d - u])
 }
 
 /// How one row of the table shows a run.
@@ -889,12 +891,13 @@ fn print_table(options: &Options, reports: &[RunReport]) {
         ),
         ("  secure: AdvertiseKeys (s)", stage(0)),
         ("  secure: ShareKeys (s)", stage(1)),
+        ("  secure: ShareCheck (s)", stage(2)),
         (
             "  secure: MaskedInputCollection, training included (s)",
-            stage(2),
+            stage(3),
         ),
-        ("  secure: ConsistencyCheck (s)", stage(3)),
-        ("  secure: Unmasking (s)", stage(4)),
+        ("  secure: ConsistencyCheck (s)", stage(4)),
+        ("  secure: Unmasking (s)", stage(5)),
         (
             "first upload sent → round succeeded (s)",
             Box::new(|r| format!("{:.2}", r.first_upload_to_done_s)),

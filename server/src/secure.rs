@@ -1,9 +1,12 @@
 //! Secure rounds (SecAgg+), on top of the durable round state.
 //!
 //! A secure round is `training` while its `secagg_stage` walks through
-//! advertise → share → collect → consistency → unmask. Each stage closes
-//! when every live participant has answered or its deadline passes; whoever
-//! has not answered a key stage or sent its masked input by then is dropped
+//! advertise → share → check → collect → consistency → unmask. Each stage
+//! closes when every live participant has answered or its deadline passes;
+//! whoever has not answered a key stage or sent its masked input by then is
+//! dropped. Closing ShareCheck also excludes every device a neighbour
+//! reported it could not open the shares of ([`excluded_by_receipts`]), as
+//! if it had never shared
 //! (a survivor that misses ConsistencyCheck or Unmasking stays in the sum), and the round fails as soon as more devices
 //! have dropped out than the plan tolerates. Closing Unmasking rebuilds the
 //! survivors' self-mask seeds and the dropouts' mask keys, removes every
@@ -413,6 +416,7 @@ fn has_answered(stage: SecureStage, participant: &SecureParticipant) -> bool {
     match stage {
         SecureStage::Advertise => participant.secagg_keys.is_some(),
         SecureStage::Share => participant.secagg_commitment.is_some(),
+        SecureStage::Check => participant.secagg_receipt.is_some(),
         SecureStage::Collect => participant.state == ParticipantState::Uploaded,
         SecureStage::Consistency => participant.secagg_signature.is_some(),
         SecureStage::Unmask => participant.secagg_reveal.is_some(),
@@ -433,7 +437,8 @@ enum StageClosed {
 fn stage_message(stage: SecureStage) -> (Stage, Option<SecureStage>) {
     match stage {
         SecureStage::Advertise => (Stage::AdvertiseKeys, Some(SecureStage::Share)),
-        SecureStage::Share => (Stage::ShareKeys, Some(SecureStage::Collect)),
+        SecureStage::Share => (Stage::ShareKeys, Some(SecureStage::Check)),
+        SecureStage::Check => (Stage::ShareReceipt, Some(SecureStage::Collect)),
         SecureStage::Collect => (Stage::MaskedInput, Some(SecureStage::Consistency)),
         SecureStage::Consistency => (Stage::SurvivorSignature, Some(SecureStage::Unmask)),
         SecureStage::Unmask => (Stage::UnmaskResponse, None),
@@ -446,9 +451,14 @@ async fn close_stage(
     secure: &SecureRound,
     participants: &[SecureParticipant],
 ) -> Result<StageClosed, SecureError> {
+    let reporters = match secure.stage {
+        SecureStage::Check => excluded_by_receipts(participants),
+        _ => BTreeMap::new(),
+    };
     let remaining = participants
         .iter()
         .filter(|p| !p.state.has_left() && has_answered(secure.stage, p))
+        .filter(|p| !reporters.contains_key(&(p.device_id as u64)))
         .count();
     let (message, next) = stage_message(secure.stage);
     if let Err(error) = secagg_server::check_dropouts(&secure.plan, remaining, message) {
@@ -457,6 +467,14 @@ async fn close_stage(
     let Some(next) = next else {
         return unmask_round(tx, secure, participants, remaining).await;
     };
+    if !reporters.is_empty() {
+        secagg::exclude(tx, secure.id, &reporters).await?;
+        tracing::warn!(
+            round = secure.id,
+            excluded = ?reporters.keys().collect::<Vec<_>>(),
+            "secure round: devices excluded, their neighbours could not open their shares"
+        );
+    }
     secagg::drop_laggards(tx, secure.id, secure.stage).await?;
     let deadline = match next {
         SecureStage::Collect => secure.deadline_ms,
@@ -464,6 +482,46 @@ async fn close_stage(
     };
     secagg::set_stage(tx, secure.id, next, deadline).await?;
     Ok(StageClosed::Next(next))
+}
+
+/// The devices ShareCheck excludes, each with the devices that reported
+/// it: the rule is `canopy_protocol::secagg::server::excluded_devices`, over
+/// every receipt stored (receipts are taken only while ShareCheck is open,
+/// so after it closes this never changes).
+pub fn excluded_by_receipts(participants: &[SecureParticipant]) -> BTreeMap<u64, Vec<u64>> {
+    let receipts: Vec<(u64, Vec<u64>)> = participants
+        .iter()
+        .filter_map(|p| {
+            let reported = secagg::receipt_ids(p.secagg_receipt.as_deref()?);
+            Some((p.device_id as u64, reported))
+        })
+        .collect();
+    let excluded = secagg_server::excluded_devices(receipts.iter().map(|(_, r)| r.as_slice()));
+    excluded
+        .into_iter()
+        .map(|device| {
+            let by = receipts
+                .iter()
+                .filter(|(_, reported)| reported.contains(&device))
+                .map(|(reporter, _)| *reporter)
+                .collect();
+            (device, by)
+        })
+        .collect()
+}
+
+/// The devices ShareCheck excluded, fixed once it has closed: call it from
+/// MaskedInputCollection on.
+pub async fn cached_exclusions(
+    state: &AppState,
+    round: &SecureRound,
+) -> Result<Arc<BTreeSet<u64>>, SecureError> {
+    debug_assert!(round.stage >= SecureStage::Collect);
+    let build = async {
+        let participants = secagg::participants(&state.db.pool, round.id).await?;
+        Ok(excluded_by_receipts(&participants).into_keys().collect())
+    };
+    state.secure_exclusions.get(round, build).await
 }
 
 /// Rebuilds the secrets, removes the masks and stores the aggregate.

@@ -59,6 +59,8 @@ pub struct Inner {
     /// The graphs and survivor sets of secure rounds in progress.
     pub secure_graphs: crate::secure::RoundCache<canopy_protocol::secagg::graph::Graph>,
     pub secure_survivors: crate::secure::RoundCache<Vec<u64>>,
+    /// Each secure round's devices excluded at ShareCheck, once it closed.
+    pub secure_exclusions: crate::secure::RoundCache<std::collections::BTreeSet<u64>>,
     /// Secure rounds' stages, as long polls re-check them.
     pub secure_progress: crate::secure::ProgressSnapshots,
     /// Secure rounds' masked inputs waiting to be folded, batched per round.
@@ -116,6 +118,7 @@ impl AppState {
             stage_writes: Default::default(),
             secure_graphs: Default::default(),
             secure_survivors: Default::default(),
+            secure_exclusions: Default::default(),
             secure_progress: Default::default(),
             sensitive_limiter: RateLimiter::keyed(Quota::per_minute(per_minute)),
             device_limiter: RateLimiter::keyed(device_quota(limits.device_requests_per_second)),

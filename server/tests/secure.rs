@@ -193,8 +193,36 @@ impl Device {
         post_ok(&self.client, &self.task, endpoints::SHARE_KEYS, message).await
     }
 
-    async fn masked_input(&mut self, seed: u64) -> Result<()> {
+    /// ShareKeys with every ciphertext's first byte flipped: garbage the
+    /// server cannot tell from shares.
+    async fn share_garbled(&mut self) -> Result<()> {
+        let keys = fetch(&self.client, &self.task, endpoints::NEIGHBOUR_KEYS).await?;
+        let mut message = self
+            .protocol
+            .as_mut()
+            .context("started")?
+            .share_keys(&keys)?;
+        let entries_at = wire::HEADER_BYTES + 32 + 4;
+        let entry = 8 + wire::SHARE_CIPHERTEXT_BYTES;
+        for at in (entries_at..message.len()).step_by(entry) {
+            message[at + 8] ^= 0xff;
+        }
+        post_ok(&self.client, &self.task, endpoints::SHARE_KEYS, message).await
+    }
+
+    /// ShareCheck: opens the neighbours' shares and sends the receipt.
+    async fn check(&mut self) -> Result<()> {
         let incoming = fetch(&self.client, &self.task, endpoints::INCOMING_SHARES).await?;
+        let receipt = self
+            .protocol
+            .as_mut()
+            .context("started")?
+            .check_shares(&incoming)?;
+        post_ok(&self.client, &self.task, endpoints::SHARE_RECEIPT, receipt).await
+    }
+
+    async fn masked_input(&mut self, seed: u64) -> Result<()> {
+        let exclusions = fetch(&self.client, &self.task, endpoints::EXCLUSIONS).await?;
         let plan = self.plan();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         self.input = arith::quantize(&plan, &self.delta, self.samples, &mut rng)?;
@@ -202,7 +230,7 @@ impl Device {
             .protocol
             .as_mut()
             .context("started")?
-            .masked_input(&incoming, &self.input)?;
+            .masked_input(&exclusions, &self.input)?;
         post_ok(&self.client, &self.task, endpoints::MASKED_INPUT, message).await
     }
 
@@ -362,6 +390,9 @@ async fn secure_round_matches_survivors(database: Database) -> Result<()> {
         device.share().await?;
     }
     // Device 6 stays silent; ShareKeys closes at its timeout without it.
+    for device in &mut devices[..5] {
+        device.check().await?;
+    }
     devices[5].masked_input_fetch_only().await?;
     devices[5].decline().await?;
     for (i, device) in devices[..5].iter_mut().enumerate() {
@@ -405,7 +436,7 @@ async fn secure_round_matches_survivors(database: Database) -> Result<()> {
 
 impl Device {
     /// Fetches IncomingShares and stops there, as a device that crashes
-    /// before masking.
+    /// before checking them.
     async fn masked_input_fetch_only(&mut self) -> Result<()> {
         fetch(&self.client, &self.task, endpoints::INCOMING_SHARES).await?;
         Ok(())
@@ -511,6 +542,9 @@ async fn certified_devices_run_a_secure_round_and_uncertified_ones_wait() -> Res
     for device in devices.iter_mut() {
         device.share().await?;
     }
+    for device in devices.iter_mut() {
+        device.check().await?;
+    }
     for (i, device) in devices.iter_mut().enumerate() {
         device.masked_input(700 + i as u64).await?;
     }
@@ -551,6 +585,9 @@ async fn past_the_tolerance_the_round_fails_cleanly() -> Result<()> {
     }
     for device in &mut devices {
         device.share().await?;
+    }
+    for device in &mut devices {
+        device.check().await?;
     }
     devices[4].decline().await?;
     devices[5].decline().await?;
@@ -691,6 +728,9 @@ async fn bad_messages_are_refused_and_the_round_goes_on() -> Result<()> {
     for device in &mut devices {
         device.share().await?;
     }
+    for device in &mut devices {
+        device.check().await?;
+    }
     // A masked vector one value short.
     let plan = devices[0].plan();
     let mut short = wire::header(
@@ -701,12 +741,7 @@ async fn bad_messages_are_refused_and_the_round_goes_on() -> Result<()> {
     short.push(plan.bits as u8);
     short.extend_from_slice(&(plan.masked_len() as u64 - 1).to_le_bytes());
     short.extend_from_slice(&vec![0u8; (plan.masked_len() - 1) * 4]);
-    fetch(
-        &devices[0].client,
-        &devices[0].task,
-        endpoints::INCOMING_SHARES,
-    )
-    .await?;
+    fetch(&devices[0].client, &devices[0].task, endpoints::EXCLUSIONS).await?;
     let (status, text) = post(
         &devices[0].client,
         &devices[0].task,
@@ -749,6 +784,9 @@ async fn no_plaintext_update_reaches_the_database_blobs_or_logs() -> Result<()> 
     }
     for device in &mut devices {
         device.share().await?;
+    }
+    for device in &mut devices {
+        device.check().await?;
     }
     for (i, device) in devices.iter_mut().enumerate() {
         device.masked_input(i as u64).await?;
@@ -881,6 +919,9 @@ async fn a_secure_round_survives_kill_9() -> Result<()> {
     for device in &mut devices {
         device.share().await?;
     }
+    for device in &mut devices {
+        device.check().await?;
+    }
     for (i, device) in devices[..2].iter_mut().enumerate() {
         device.masked_input(40 + i as u64).await?;
     }
@@ -932,6 +973,74 @@ async fn a_secure_round_survives_kill_9() -> Result<()> {
     ensure!(finished["state"] == "completed", "job: {finished}");
     let next = fetch_model(&admin, "logreg", 2).await?;
     let expected = expected_params(&base, &plan, &devices.iter().collect::<Vec<_>>())?;
+    for (i, (g, e)) in trainable(&next).iter().zip(&expected).enumerate() {
+        ensure!((g - e).abs() <= 1e-6, "parameter {i}: {g} vs {e}");
+    }
+    Ok(())
+}
+
+/// Issue 17, acceptance 4: a device that seals garbage for its neighbours
+/// costs the round that device only. Its neighbours report it in
+/// ShareCheck instead of aborting; the server excludes it before anyone
+/// masks, turns its masked input away, and the others' FedAvg comes out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_whose_shares_do_not_open_costs_the_round_only_itself() -> Result<()> {
+    let (server, _config) = start(Database::Sqlite, "info")?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(9)).await?;
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let clients = enroll_all(&server, &admin, 5).await?;
+    let job = admin
+        .create_job(secure_job(version_id, 5, 4, 0.2, 0))
+        .await?;
+    let base = fetch_model(&admin, "logreg", 1).await?;
+    let mut devices = start_devices(clients).await?;
+    let plan = devices[0].plan();
+    ensure!(plan.degree > plan.threshold, "plan: {plan:?}");
+    for device in &mut devices {
+        device.advertise().await?;
+    }
+    for device in &mut devices[..4] {
+        device.share().await?;
+    }
+    devices[4].share_garbled().await?;
+    for device in &mut devices {
+        device.check().await?;
+    }
+    let garbage = devices[4].client.device_id;
+    for (i, device) in devices[..4].iter_mut().enumerate() {
+        device.masked_input(60 + i as u64).await?;
+    }
+    // The excluded device is out of the round: it gets no Exclusions and
+    // its masked input is turned away.
+    let refused = devices[4].masked_input(64).await;
+    let refused = format!(
+        "{:#}",
+        refused.err().context("the excluded device's input")?
+    );
+    ensure!(
+        refused.contains("410") && refused.contains(&format!("device {garbage} was dropped")),
+        "{refused}"
+    );
+    sign_then_unmask(&mut devices[..4]).await?;
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "completed", "job: {finished}");
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", devices[0].task.round_id))
+        .await?;
+    ensure!(round["metrics"]["updates_accepted"] == 4, "round: {round}");
+    ensure!(round["metrics"]["dropouts"] == 1, "round: {round}");
+    let excluded = round["participants"]
+        .as_array()
+        .and_then(|all| all.iter().find(|p| p["device_id"] == garbage))
+        .context("the excluded participant")?;
+    let reason = excluded["drop_reason"].as_str().unwrap_or_default();
+    ensure!(
+        excluded["state"] == "dropped" && reason.starts_with("excluded: device(s) "),
+        "participant: {excluded}"
+    );
+    let next = fetch_model(&admin, "logreg", 2).await?;
+    let expected = expected_params(&base, &plan, &devices[..4].iter().collect::<Vec<_>>())?;
     for (i, (g, e)) in trainable(&next).iter().zip(&expected).enumerate() {
         ensure!((g - e).abs() <= 1e-6, "parameter {i}: {g} vs {e}");
     }

@@ -39,6 +39,7 @@ use crate::device_cert::{self, Certificate, KeyTrust};
 enum Step {
     Advertised,
     Shared,
+    Checked,
     Masked,
     Signed,
     Unmasked,
@@ -52,6 +53,10 @@ struct PeerKeys {
     /// and signs its survivor set.
     device_key: [u8; 32],
 }
+
+/// What a device got in IncomingShares: the shares it opened, by sender,
+/// and the senders whose share it could not open.
+type OpenedShares = (BTreeMap<u64, (Share, Share)>, BTreeSet<u64>);
 
 /// The survivor set a device signed.
 struct SurvivorView {
@@ -73,9 +78,15 @@ pub struct Client {
     self_seed: Seed,
     step: Step,
     neighbours: BTreeMap<u64, PeerKeys>,
-    /// Shares received from each neighbour that completed ShareKeys: the
-    /// neighbours whose pairwise masks this device adds.
+    /// Shares received from each neighbour that completed ShareKeys and
+    /// was not excluded: the neighbours whose pairwise masks this device
+    /// adds.
     received: BTreeMap<u64, (Share, Share)>,
+    /// Neighbours whose shares this device could not open, as reported in
+    /// its ShareReceipt: the server must exclude every one of them.
+    unreadable: BTreeSet<u64>,
+    /// Neighbours the server excluded from the round in Exclusions.
+    excluded: BTreeSet<u64>,
     view: Option<SurvivorView>,
 }
 
@@ -142,6 +153,8 @@ impl Client {
             step: Step::Advertised,
             neighbours: BTreeMap::new(),
             received: BTreeMap::new(),
+            unreadable: BTreeSet::new(),
+            excluded: BTreeSet::new(),
             view: None,
         };
         Ok((client, message))
@@ -323,15 +336,37 @@ impl Client {
         Ok(message)
     }
 
-    /// MaskedInputCollection: opens the shares the neighbours sent, then
-    /// masks `input` (from [`arith::quantize`]) with the self mask and one
-    /// pairwise mask per neighbour that shared, and bit-packs the result.
+    /// ShareCheck: opens the shares the neighbours sent and answers with a
+    /// ShareReceipt naming each neighbour whose share would not open
+    /// (tampered with, sealed for another device, or garbage). Such a
+    /// neighbour is not a reason to abort: the server excludes it from the
+    /// round before anyone masks, as if it had never shared, so it costs
+    /// the round only itself. Needs t readable shares, as masking does.
+    pub fn check_shares(&mut self, incoming_shares: &[u8]) -> Result<Vec<u8>, SecAggError> {
+        self.expect(Step::Shared, "check its neighbours' shares")?;
+        let (received, unreadable) = self.open_incoming(incoming_shares)?;
+        self.received = received;
+        self.unreadable = unreadable;
+        self.step = Step::Checked;
+        Ok(wire::id_list_message(
+            self.session,
+            Stage::ShareReceipt,
+            self.device_id,
+            self.unreadable.iter(),
+        ))
+    }
+
+    /// MaskedInputCollection: reads the server's Exclusions (which must
+    /// name every neighbour this device reported), forgets the excluded
+    /// neighbours' shares, then masks `input` (from [`arith::quantize`])
+    /// with the self mask and one pairwise mask per remaining neighbour
+    /// that shared, and bit-packs the result.
     pub fn masked_input(
         &mut self,
-        incoming_shares: &[u8],
+        exclusions: &[u8],
         input: &[u32],
     ) -> Result<Vec<u8>, SecAggError> {
-        self.expect(Step::Shared, "send its masked input")?;
+        self.expect(Step::Checked, "send its masked input")?;
         if input.len() != self.plan.masked_len() {
             return Err(SecAggError::invalid(format!(
                 "the input vector has {} values, the round expects {}",
@@ -339,7 +374,6 @@ impl Client {
                 self.plan.masked_len()
             )));
         }
-        let received = self.open_incoming(incoming_shares)?;
         let modulus = self.plan.modulus_mask();
         if let Some(index) = input.iter().position(|&v| v & !modulus != 0) {
             return Err(SecAggError::invalid(format!(
@@ -347,9 +381,10 @@ impl Client {
                 self.plan.bits
             )));
         }
+        self.apply_exclusions(exclusions)?;
         let mut masked = input.to_vec();
         mask::apply(&mut masked, &self.self_seed, Sign::Add);
-        for &peer in received.keys() {
+        for &peer in self.received.keys() {
             let keys = &self.neighbours[&peer];
             let seed = crypto::pairwise_seed(
                 &self.mask_secret,
@@ -360,7 +395,6 @@ impl Client {
             )?;
             mask::apply(&mut masked, &seed, pairwise_sign(self.device_id, peer));
         }
-        self.received = received;
         self.step = Step::Masked;
         let mut message = wire::header(self.session, Stage::MaskedInput, self.device_id);
         message.push(self.plan.bits as u8);
@@ -369,7 +403,57 @@ impl Client {
         Ok(message)
     }
 
-    fn open_incoming(&self, incoming: &[u8]) -> Result<BTreeMap<u64, (Share, Share)>, SecAggError> {
+    /// Checks the server's Exclusions against this device's receipt and
+    /// drops the excluded neighbours' shares.
+    fn apply_exclusions(&mut self, exclusions: &[u8]) -> Result<(), SecAggError> {
+        let reject = |cause: String| SecAggError::rejected("Exclusions", cause);
+        let excluded: BTreeSet<u64> = wire::read_id_list(
+            exclusions,
+            self.session,
+            Stage::Exclusions,
+            self.device_id,
+            self.plan.degree,
+            "excluded neighbours",
+        )?
+        .into_iter()
+        .collect();
+        if let Some(stranger) = excluded.iter().find(|id| !self.neighbours.contains_key(id)) {
+            return Err(reject(format!(
+                "it excludes device {stranger}, which is not one of device {}'s neighbours",
+                self.device_id
+            )));
+        }
+        if let Some(kept) = self.unreadable.difference(&excluded).next() {
+            return Err(reject(format!(
+                "it keeps device {kept} in the round, though device {} reported that device's \
+                 shares unreadable: the server must exclude every device reported",
+                self.device_id
+            )));
+        }
+        for id in &excluded {
+            if let Some((mut seed_share, mut key_share)) = self.received.remove(id) {
+                seed_share.ys.zeroize();
+                key_share.ys.zeroize();
+            }
+        }
+        self.excluded = excluded;
+        if self.received.len() < self.plan.threshold {
+            return Err(SecAggError::Unrecoverable(format!(
+                "only {} of device {}'s neighbours shared keys and were not excluded; the round \
+                 needs {}",
+                self.received.len(),
+                self.device_id,
+                self.plan.threshold
+            )));
+        }
+        Ok(())
+    }
+
+    /// The shares in IncomingShares, by sender, and the senders whose
+    /// share would not open or was addressed to someone else. A message
+    /// that is malformed, or carries a share from a device that is not a
+    /// neighbour, is refused whole: only the server can have made it so.
+    fn open_incoming(&self, incoming: &[u8]) -> Result<OpenedShares, SecAggError> {
         let max = Stage::IncomingShares.max_bytes(0);
         let mut reader = Reader::open(
             incoming,
@@ -380,7 +464,7 @@ impl Client {
         )?;
         let count = reader.count(self.plan.degree, "shares")?;
         let own_point = shamir::point_of(self.device_id)?;
-        let mut received = BTreeMap::new();
+        let (mut received, mut unreadable) = (BTreeMap::new(), BTreeSet::new());
         for _ in 0..count {
             let from = reader.u64()?;
             let ciphertext: [u8; SHARE_CIPHERTEXT_BYTES] = reader.array()?;
@@ -393,49 +477,62 @@ impl Client {
                     ),
                 ));
             };
-            let mut plain = keys
-                .channel
-                .open(self.session, from, self.device_id, &ciphertext)?;
-            let words: Vec<u64> = plain
-                .chunks_exact(8)
-                .map(|w| u64::from_le_bytes(w.try_into().expect("8-byte chunk")))
-                .collect();
-            plain.zeroize();
-            if words[0] != from || words[1] != self.device_id {
-                return Err(SecAggError::rejected(
-                    "IncomingShares",
-                    format!(
-                        "a share sealed by device {from} is addressed from device {} to device \
-                         {}, not to device {}",
-                        words[0], words[1], self.device_id
-                    ),
-                ));
-            }
-            let seed_share = Share {
-                x: own_point,
-                ys: words[2..5].to_vec(),
-            };
-            let key_share = Share {
-                x: own_point,
-                ys: words[5..10].to_vec(),
-            };
-            if received.insert(from, (seed_share, key_share)).is_some() {
+            if received.contains_key(&from) || unreadable.contains(&from) {
                 return Err(SecAggError::rejected(
                     "IncomingShares",
                     format!("device {from}'s shares appear twice"),
                 ));
             }
+            match self.open_share(keys, from, own_point, &ciphertext) {
+                Some(shares) => received.insert(from, shares),
+                None => {
+                    unreadable.insert(from);
+                    None
+                }
+            };
         }
         reader.finish()?;
         if received.len() < self.plan.threshold {
             return Err(SecAggError::Unrecoverable(format!(
-                "only {} of device {}'s neighbours shared keys; the round needs {}",
+                "only {} of device {}'s neighbours shared keys that it could open ({} would not \
+                 open); the round needs {}",
                 received.len(),
                 self.device_id,
+                unreadable.len(),
                 self.plan.threshold
             )));
         }
-        Ok(received)
+        Ok((received, unreadable))
+    }
+
+    /// One neighbour's shares, or `None` when the ciphertext fails
+    /// authentication or is addressed from or to another device.
+    fn open_share(
+        &self,
+        keys: &PeerKeys,
+        from: u64,
+        own_point: u64,
+        ciphertext: &[u8; SHARE_CIPHERTEXT_BYTES],
+    ) -> Option<(Share, Share)> {
+        let mut plain = keys
+            .channel
+            .open(self.session, from, self.device_id, ciphertext)
+            .ok()?;
+        let mut words: Vec<u64> = plain
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8-byte chunk")))
+            .collect();
+        plain.zeroize();
+        let addressed = words[0] == from && words[1] == self.device_id;
+        let shares = addressed.then(|| {
+            let share = |ys: &[u64]| Share {
+                x: own_point,
+                ys: ys.to_vec(),
+            };
+            (share(&words[2..5]), share(&words[5..10]))
+        });
+        words.zeroize();
+        shares
     }
 
     /// ConsistencyCheck: reads the survivor set the server claims (every
@@ -455,6 +552,19 @@ impl Client {
                 format!(
                     "it leaves out device {} itself, which sent its masked input",
                     self.device_id
+                ),
+            ));
+        }
+        if let Some(excluded) = self
+            .excluded
+            .iter()
+            .find(|id| survivors.binary_search(id).is_ok())
+        {
+            return Err(SecAggError::rejected(
+                "SurvivorSet",
+                format!(
+                    "it lists device {excluded}, which the server excluded from the round before \
+                     masking"
                 ),
             ));
         }
@@ -585,12 +695,14 @@ pub fn read_survivor_set(
     device_id: u64,
     plan: &Plan,
 ) -> Result<Vec<u64>, SecAggError> {
-    let max = Stage::SurvivorSet.max_bytes(0);
-    let mut reader = Reader::open(bytes, session, Stage::SurvivorSet, device_id, max)?;
-    let count = reader.count(plan.participants, "survivors")?;
-    let survivors = reader.ascending_ids(count)?;
-    reader.finish()?;
-    Ok(survivors)
+    wire::read_id_list(
+        bytes,
+        session,
+        Stage::SurvivorSet,
+        device_id,
+        plan.participants,
+        "survivors",
+    )
 }
 
 /// The lower id adds the pair's mask and the higher subtracts it, so the

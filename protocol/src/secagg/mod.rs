@@ -1,6 +1,8 @@
-//! Secure aggregation: SecAgg+ (Bell et al., CCS 2020) over the four rounds
-//! of Bonawitz et al. (CCS 2017), so that the server learns only the sum of
-//! the devices' updates. `docs/secure-aggregation.md` says what this
+//! Secure aggregation: SecAgg+ (Bell et al., CCS 2020) over the rounds of
+//! Bonawitz et al. (CCS 2017), so that the server learns only the sum of
+//! the devices' updates. Besides their ConsistencyCheck, a ShareCheck round
+//! of our own lets a device whose shares do not open be excluded before
+//! anyone masks, instead of making its neighbours abort. `docs/secure-aggregation.md` says what this
 //! implements and what it guarantees against whom.
 //!
 //! - [`params`]: the job's settings, and the (k, t, b, scale) of a round.

@@ -168,6 +168,59 @@ pub fn incoming_shares_message(
     out
 }
 
+/// Checks a ShareReceipt: the neighbours whose shares `sender` could not
+/// open, each one of its neighbours in the graph. A device can go on only
+/// while it holds t shares, so a receipt naming more than k - t is refused:
+/// that also bounds how many neighbours one lying device can have
+/// excluded.
+pub fn read_share_receipt(
+    bytes: &[u8],
+    session: Session,
+    sender: u64,
+    neighbours: &BTreeSet<u64>,
+    plan: &Plan,
+) -> Result<Vec<u64>, SecAggError> {
+    let max_reports = plan.degree.saturating_sub(plan.threshold);
+    let reported = wire::read_id_list(
+        bytes,
+        session,
+        Stage::ShareReceipt,
+        sender,
+        max_reports,
+        "neighbours whose shares would not open",
+    )?;
+    if let Some(stranger) = reported.iter().find(|id| !neighbours.contains(id)) {
+        return Err(SecAggError::rejected(
+            "ShareReceipt",
+            format!("device {sender} reports device {stranger}, which is not its neighbour"),
+        ));
+    }
+    Ok(reported)
+}
+
+/// Who is excluded when ShareCheck closes: every device that some device
+/// reported. The server cannot tell whether the sender sealed garbage or
+/// the recipient lied, and either way excluding the sender before anyone
+/// masks costs the round that one device, as if it had never shared; its
+/// neighbours then neither mask with it nor hold its shares.
+pub fn excluded_devices<'a>(receipts: impl IntoIterator<Item = &'a [u64]>) -> BTreeSet<u64> {
+    receipts.into_iter().flatten().copied().collect()
+}
+
+/// The Exclusions sent to `recipient`: its neighbours that were excluded.
+pub fn exclusions_message(
+    session: Session,
+    recipient: u64,
+    excluded_neighbours: &BTreeSet<u64>,
+) -> Vec<u8> {
+    wire::id_list_message(
+        session,
+        Stage::Exclusions,
+        recipient,
+        excluded_neighbours.iter(),
+    )
+}
+
 /// Checks a MaskedInput message and adds its vector into `sum`, modulo
 /// 2^b. The individual vector is never materialised: it is added as it is
 /// unpacked.
@@ -219,13 +272,7 @@ pub fn fold_masked_input(
 /// The survivor set, sent to each survivor for ConsistencyCheck: every
 /// device whose masked input is in the sum, ascending.
 pub fn survivor_set_message(session: Session, recipient: u64, survivors: &[u64]) -> Vec<u8> {
-    let mut out = wire::header(session, Stage::SurvivorSet, recipient);
-    out.reserve(4 + survivors.len() * 8);
-    out.extend_from_slice(&(survivors.len() as u32).to_le_bytes());
-    for id in survivors {
-        out.extend_from_slice(&id.to_le_bytes());
-    }
-    out
+    wire::id_list_message(session, Stage::SurvivorSet, recipient, survivors.iter())
 }
 
 /// Checks a SurvivorSignature: the sender's enrolled key over the survivor
@@ -515,7 +562,10 @@ pub struct Aggregator {
     stage: Stage,
     advertisements: BTreeMap<u64, Advertisement>,
     sent_keys_of: BTreeMap<u64, BTreeSet<u64>>,
+    /// Who shared keys and was not excluded.
     uploads: BTreeMap<u64, ShareUpload>,
+    receipts: BTreeMap<u64, Vec<u64>>,
+    excluded: BTreeSet<u64>,
     sum: Vec<u32>,
     masked: BTreeSet<u64>,
     survivors: Vec<u64>,
@@ -560,6 +610,8 @@ impl Aggregator {
             advertisements: BTreeMap::new(),
             sent_keys_of: BTreeMap::new(),
             uploads: BTreeMap::new(),
+            receipts: BTreeMap::new(),
+            excluded: BTreeSet::new(),
             masked: BTreeSet::new(),
             survivors: Vec::new(),
             signatures: BTreeMap::new(),
@@ -607,7 +659,14 @@ impl Aggregator {
             .sum();
         let sum = self.sum.len() * std::mem::size_of::<u32>();
         let consistency = self.survivors.len() * ID + self.signatures.len() * (ID + 64);
+        let receipts: usize = self
+            .receipts
+            .values()
+            .map(|r| ID + r.len() * ID)
+            .sum::<usize>()
+            + self.excluded.len() * ID;
         keys + advertised
+            + receipts
             + consistency
             + shares
             + requested
@@ -702,7 +761,7 @@ impl Aggregator {
     /// Ends ShareKeys and returns each sharing device's IncomingShares.
     pub fn close_sharing(&mut self) -> Result<BTreeMap<u64, Vec<u8>>, SecAggError> {
         check_dropouts(&self.plan, self.uploads.len(), Stage::ShareKeys)?;
-        self.stage = Stage::MaskedInput;
+        self.stage = Stage::ShareReceipt;
         let mut inbox: BTreeMap<u64, Vec<(u64, Ciphertext)>> = BTreeMap::new();
         for (&from, upload) in &self.uploads {
             for (to, ciphertext) in &upload.ciphertexts {
@@ -724,8 +783,75 @@ impl Aggregator {
             .collect())
     }
 
+    pub fn receive_share_receipt(&mut self, device: u64, bytes: &[u8]) -> Result<(), SecAggError> {
+        self.expect(Stage::ShareReceipt, device)?;
+        if !self.uploads.contains_key(&device) {
+            return Err(SecAggError::rejected(
+                "ShareReceipt",
+                format!("device {device} did not share its keys"),
+            ));
+        }
+        if self.receipts.contains_key(&device) {
+            return Err(Self::duplicate(Stage::ShareReceipt, device));
+        }
+        let neighbours = self.graph.neighbours(device).unwrap_or_default();
+        let neighbours = neighbours.into_iter().collect();
+        let reported = read_share_receipt(bytes, self.session, device, &neighbours, &self.plan)?;
+        self.receipts.insert(device, reported);
+        Ok(())
+    }
+
+    /// Ends ShareCheck: excludes every device reported (it counts as one
+    /// that never shared), and returns each remaining device's Exclusions.
+    pub fn close_checking(&mut self) -> Result<BTreeMap<u64, Vec<u8>>, SecAggError> {
+        self.excluded = excluded_devices(self.receipts.values().map(Vec::as_slice));
+        let excluded = &self.excluded;
+        let remaining = self
+            .receipts
+            .keys()
+            .filter(|id| !excluded.contains(id))
+            .count();
+        check_dropouts(&self.plan, remaining, Stage::ShareReceipt)?;
+        self.uploads.retain(|id, _| !excluded.contains(id));
+        self.stage = Stage::MaskedInput;
+        Ok(self
+            .receipts
+            .keys()
+            .filter(|id| !excluded.contains(id))
+            .map(|&device| {
+                let neighbours = self.graph.neighbours(device).unwrap_or_default();
+                let excluded_neighbours = neighbours
+                    .into_iter()
+                    .filter(|id| excluded.contains(id))
+                    .collect();
+                let message = exclusions_message(self.session, device, &excluded_neighbours);
+                (device, message)
+            })
+            .collect())
+    }
+
+    /// The devices excluded when ShareCheck closed.
+    pub fn excluded(&self) -> &BTreeSet<u64> {
+        &self.excluded
+    }
+
     pub fn receive_masked_input(&mut self, device: u64, bytes: &[u8]) -> Result<(), SecAggError> {
         self.expect(Stage::MaskedInput, device)?;
+        if self.excluded.contains(&device) {
+            return Err(SecAggError::rejected(
+                "MaskedInput",
+                format!(
+                    "device {device} was excluded from the round: a neighbour could not open \
+                     its shares"
+                ),
+            ));
+        }
+        if !self.receipts.contains_key(&device) {
+            return Err(SecAggError::rejected(
+                "MaskedInput",
+                format!("device {device} sent no ShareReceipt"),
+            ));
+        }
         if !self.uploads.contains_key(&device) {
             return Err(SecAggError::rejected(
                 "MaskedInput",

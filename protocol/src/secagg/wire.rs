@@ -1,4 +1,4 @@
-//! The binary messages of the five rounds.
+//! The binary messages of the six rounds.
 //!
 //! Every message starts with the same 30-byte header: magic `CNSA`, format
 //! version, stage, job id, round id and the device the message is from (to
@@ -16,7 +16,9 @@ pub const MAGIC: [u8; 4] = *b"CNSA";
 /// UnmaskRequest that carries the neighbours' signatures instead of lists,
 /// and NeighbourKeys that carry the graph seed and the participants.
 /// 3: NeighbourKeys carry each neighbour's device certificate.
-pub const VERSION: u8 = 3;
+/// 4: the ShareCheck round (ShareReceipt, Exclusions) between ShareKeys and
+/// MaskedInputCollection.
+pub const VERSION: u8 = 4;
 pub const HEADER_BYTES: usize = 30;
 /// One neighbour in NeighbourKeys: id, enrolled key, certificate (zero when
 /// none), channel key, mask key, signature.
@@ -46,6 +48,8 @@ pub enum Stage {
     UnmaskResponse = 7,
     SurvivorSet = 8,
     SurvivorSignature = 9,
+    ShareReceipt = 10,
+    Exclusions = 11,
 }
 
 impl Stage {
@@ -60,6 +64,8 @@ impl Stage {
             7 => Stage::UnmaskResponse,
             8 => Stage::SurvivorSet,
             9 => Stage::SurvivorSignature,
+            10 => Stage::ShareReceipt,
+            11 => Stage::Exclusions,
             _ => return None,
         })
     }
@@ -75,6 +81,8 @@ impl Stage {
             Stage::UnmaskResponse => "UnmaskResponse",
             Stage::SurvivorSet => "SurvivorSet",
             Stage::SurvivorSignature => "SurvivorSignature",
+            Stage::ShareReceipt => "ShareReceipt",
+            Stage::Exclusions => "Exclusions",
         }
     }
 
@@ -87,6 +95,7 @@ impl Stage {
                 | Stage::MaskedInput
                 | Stage::SurvivorSignature
                 | Stage::UnmaskResponse
+                | Stage::ShareReceipt
         )
     }
 
@@ -101,6 +110,7 @@ impl Stage {
                 }
                 Stage::ShareKeys => 32 + 4 + MAX_DEGREE * (8 + SHARE_CIPHERTEXT_BYTES),
                 Stage::IncomingShares => 4 + MAX_DEGREE * (8 + SHARE_CIPHERTEXT_BYTES),
+                Stage::ShareReceipt | Stage::Exclusions => 4 + MAX_DEGREE * 8,
                 Stage::MaskedInput => 1 + 8 + masked_bytes,
                 Stage::SurvivorSet => 4 + MAX_PARTICIPANTS * 8,
                 Stage::SurvivorSignature => 64,
@@ -252,6 +262,39 @@ impl<'a> Reader<'a> {
         }
         Ok(())
     }
+}
+
+/// A message whose body is a set of device ids: a count, then the ids in
+/// strictly ascending order (SurvivorSet, ShareReceipt, Exclusions).
+pub fn id_list_message<'a>(
+    session: Session,
+    stage: Stage,
+    device_id: u64,
+    ids: impl ExactSizeIterator<Item = &'a u64>,
+) -> Vec<u8> {
+    let mut out = header(session, stage, device_id);
+    out.reserve(4 + ids.len() * 8);
+    out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+    for id in ids {
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    out
+}
+
+/// Reads an [`id_list_message`] of at most `max_count` ids.
+pub fn read_id_list(
+    bytes: &[u8],
+    session: Session,
+    stage: Stage,
+    device_id: u64,
+    max_count: usize,
+    of: &str,
+) -> Result<Vec<u64>, SecAggError> {
+    let mut reader = Reader::open(bytes, session, stage, device_id, stage.max_bytes(0))?;
+    let count = reader.count(max_count, of)?;
+    let ids = reader.ascending_ids(count)?;
+    reader.finish()?;
+    Ok(ids)
 }
 
 /// The bytes a device's advertisement signature covers.

@@ -173,6 +173,24 @@ pub fn simulate(n: usize, params: usize, dropout: f64) -> Result<Report, String>
     timings.push(("ShareKeys", start.elapsed()));
     hand_out(&mut devices, replies);
 
+    // ShareCheck (nobody goes silent here: those that do before masking
+    // are the same to the round).
+    let begun = Instant::now();
+    on_devices(&mut devices, |_, device| {
+        let inbox = device.inbox.take().expect("IncomingShares");
+        device.outbox = Some(device.client.check_shares(&inbox).expect("check_shares"));
+    });
+    device_time += begun.elapsed();
+    let start = Instant::now();
+    deliver(&mut devices, usize::MAX, &mut |id, m| {
+        server
+            .receive_share_receipt(id, m)
+            .map_err(|e| e.to_string())
+    })?;
+    let replies = server.close_checking().map_err(|e| e.to_string())?;
+    timings.push(("ShareCheck", start.elapsed()));
+    hand_out(&mut devices, replies);
+
     // MaskedInputCollection.
     let begun = Instant::now();
     let modulus = plan.modulus_mask();
@@ -180,7 +198,7 @@ pub fn simulate(n: usize, params: usize, dropout: f64) -> Result<Report, String>
     on_devices(&mut devices, |id, device| {
         let mut rng = SmallRng::seed_from_u64(id);
         device.input = (0..len).map(|_| rng.random::<u32>() & modulus).collect();
-        let inbox = device.inbox.take().expect("IncomingShares");
+        let inbox = device.inbox.take().expect("Exclusions");
         device.outbox = Some(
             device
                 .client

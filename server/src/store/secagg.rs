@@ -19,6 +19,9 @@ text_enum! {
         Advertise = "advertise",
         /// ShareKeys.
         Share = "share",
+        /// ShareCheck: devices report the neighbours whose shares would
+        /// not open; those are excluded before anyone masks.
+        Check = "check",
         /// MaskedInputCollection, which includes training.
         Collect = "collect",
         /// ConsistencyCheck: survivors sign the survivor set.
@@ -156,6 +159,9 @@ pub struct SecureParticipant {
     pub secagg_keys: Option<Vec<u8>>,
     pub secagg_commitment: Option<Vec<u8>>,
     pub secagg_reveal: Option<Vec<u8>>,
+    /// ShareCheck's receipt: the neighbours whose shares the device could
+    /// not open (see [`receipt_ids`]).
+    pub secagg_receipt: Option<Vec<u8>>,
     /// The survivor set, signed in ConsistencyCheck.
     pub secagg_signature: Option<Vec<u8>>,
     pub public_key: Vec<u8>,
@@ -164,7 +170,8 @@ pub struct SecureParticipant {
 }
 
 const PARTICIPANT_SELECT: &str = "SELECT p.device_id, p.state, p.secagg_keys, \
-     p.secagg_commitment, p.secagg_reveal, p.secagg_signature, d.public_key, d.certificate \
+     p.secagg_commitment, p.secagg_reveal, p.secagg_receipt, p.secagg_signature, d.public_key, \
+     d.certificate \
      FROM participants p \
      JOIN devices d ON d.id = p.device_id";
 
@@ -245,6 +252,8 @@ pub enum StageWrite {
         commitment: [u8; 32],
         ciphertexts: Vec<(u64, Vec<u8>)>,
     },
+    /// ShareCheck: the neighbours whose shares would not open.
+    Receipt { device_id: i64, reported: Vec<u64> },
     /// ConsistencyCheck: the signed survivor set.
     Signature { device_id: i64, signature: [u8; 64] },
     /// Unmasking: the revealed shares.
@@ -328,6 +337,19 @@ async fn save_write(
             ),
             *device_id,
             commitment.to_vec(),
+        ),
+        StageWrite::Receipt {
+            device_id,
+            reported,
+        } => (
+            format!(
+                "UPDATE participants SET secagg_receipt = $1 WHERE round_id = $2 \
+                 AND device_id = $3 AND secagg_receipt IS NULL AND secagg_commitment IS NOT NULL \
+                 AND state IN {PENDING_STATES} AND {}",
+                stage_open(SecureStage::Check)
+            ),
+            *device_id,
+            reported.iter().flat_map(|id| id.to_le_bytes()).collect(),
         ),
         StageWrite::Signature {
             device_id,
@@ -431,6 +453,7 @@ pub async fn drop_laggards(
     let missing_column = match stage {
         SecureStage::Advertise => "secagg_keys",
         SecureStage::Share => "secagg_commitment",
+        SecureStage::Check => "secagg_receipt",
         SecureStage::Collect => "uploaded_ms",
         // Survivors are no longer pending: nobody is dropped for these.
         SecureStage::Consistency => "secagg_signature",
@@ -452,6 +475,52 @@ pub async fn drop_laggards(
         .execute(&mut **tx)
         .await?;
     Ok(dropped.rows_affected())
+}
+
+/// The neighbours a stored ShareCheck receipt reports (8-byte
+/// little-endian ids, as [`StageWrite::Receipt`] stores them).
+pub fn receipt_ids(stored: &[u8]) -> Vec<u64> {
+    stored
+        .chunks_exact(8)
+        .map(|id| u64::from_le_bytes(id.try_into().expect("8-byte chunk")))
+        .collect()
+}
+
+/// Takes the devices ShareCheck excluded out of the round, as if they had
+/// never shared: dropped, with the reason, their seed commitment cleared
+/// (so nothing of theirs is rebuilt) and their ciphertexts deleted.
+/// `reporters` names, per excluded device, who reported it.
+pub async fn exclude(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    reporters: &std::collections::BTreeMap<u64, Vec<u64>>,
+) -> Result<(), sqlx::Error> {
+    for (&device_id, by) in reporters {
+        let by: Vec<String> = by.iter().map(u64::to_string).collect();
+        sqlx::query(
+            "UPDATE participants SET state = 'dropped', drop_reason = $3, \
+             secagg_commitment = NULL WHERE round_id = $1 AND device_id = $2",
+        )
+        .bind(round_id)
+        .bind(device_id as i64)
+        .bind(format!(
+            "excluded: device(s) {} could not open the shares it sealed for them",
+            by.join(", ")
+        ))
+        .execute(&mut **tx)
+        .await?;
+        sqlx::query("DELETE FROM secagg_shares WHERE round_id = $1 AND from_device = $2")
+            .bind(round_id)
+            .bind(device_id as i64)
+            .execute(&mut **tx)
+            .await?;
+    }
+    sqlx::query("UPDATE rounds SET dropouts = dropouts + $1 WHERE id = $2")
+        .bind(reporters.len() as i64)
+        .bind(round_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
 }
 
 /// A masked input as it arrived, waiting in the round's fold queue.
@@ -627,7 +696,8 @@ pub async fn purge(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
         .await?;
     sqlx::query(
         "UPDATE participants SET secagg_keys = NULL, secagg_commitment = NULL, \
-         secagg_reveal = NULL, secagg_signature = NULL WHERE round_id = $1",
+         secagg_reveal = NULL, secagg_receipt = NULL, secagg_signature = NULL \
+         WHERE round_id = $1",
     )
     .bind(round_id)
     .execute(&mut **tx)

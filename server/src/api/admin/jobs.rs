@@ -365,7 +365,7 @@ pub struct RoundView {
     pub deadline_ms: Option<i64>,
     pub finished_ms: Option<i64>,
     /// For secure rounds, the SecAgg+ stage reached: advertise, share,
-    /// collect, consistency or unmask.
+    /// check, collect, consistency or unmask.
     pub secure_stage: Option<String>,
 }
 
@@ -407,7 +407,8 @@ pub struct ParticipantView {
     pub uploaded_ms: Option<i64>,
     /// Why a dropped device dropped out: the reason it gave when it
     /// declined (a model it refused, data that does not fit, ...), a
-    /// timeout, or the round's failure. For an `ineligible` one, the
+    /// timeout, its exclusion from a secure round (neighbours could not
+    /// open its shares), or the round's failure. For an `ineligible` one, the
     /// requirements of the job's `device_policy` it no longer met.
     pub drop_reason: Option<String>,
 }

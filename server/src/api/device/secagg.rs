@@ -1,5 +1,5 @@
-//! The device side of secure rounds: nine endpoints under
-//! `/device/v1/rounds/{round_id}/secagg/`, one per message of the five
+//! The device side of secure rounds: eleven endpoints under
+//! `/device/v1/rounds/{round_id}/secagg/`, one per message of the six
 //! stages (see `canopy_protocol::messages::SecureTask`).
 //!
 //! Every message is checked by `canopy_protocol::secagg` before anything is
@@ -42,6 +42,7 @@ fn posted_stage(endpoint: &str) -> ApiResult<(SecureStage, Stage)> {
     Ok(match endpoint {
         endpoints::ADVERTISE_KEYS => (SecureStage::Advertise, Stage::AdvertiseKeys),
         endpoints::SHARE_KEYS => (SecureStage::Share, Stage::ShareKeys),
+        endpoints::SHARE_RECEIPT => (SecureStage::Check, Stage::ShareReceipt),
         endpoints::MASKED_INPUT => (SecureStage::Collect, Stage::MaskedInput),
         endpoints::SURVIVOR_SIGNATURE => (SecureStage::Consistency, Stage::SurvivorSignature),
         endpoints::UNMASK_RESPONSE => (SecureStage::Unmask, Stage::UnmaskResponse),
@@ -54,7 +55,8 @@ fn posted_stage(endpoint: &str) -> ApiResult<(SecureStage, Stage)> {
 fn fetched_stage(endpoint: &str) -> ApiResult<SecureStage> {
     Ok(match endpoint {
         endpoints::NEIGHBOUR_KEYS => SecureStage::Share,
-        endpoints::INCOMING_SHARES => SecureStage::Collect,
+        endpoints::INCOMING_SHARES => SecureStage::Check,
+        endpoints::EXCLUSIONS => SecureStage::Collect,
         endpoints::SURVIVOR_SET => SecureStage::Consistency,
         endpoints::UNMASK_REQUEST => SecureStage::Unmask,
         other => return Err(unknown_endpoint(other)),
@@ -164,6 +166,7 @@ pub async fn post_message(
     match message {
         Stage::AdvertiseKeys => advertise(&state, &round, &participant, &bytes).await?,
         Stage::ShareKeys => share_keys(&state, &round, &participant, &bytes).await?,
+        Stage::ShareReceipt => share_receipt(&state, &round, &participant, &bytes).await?,
         Stage::MaskedInput => masked_input(&state, &round, device_id, bytes).await?,
         Stage::SurvivorSignature => {
             survivor_signature(&state, &round, &participant, &bytes).await?
@@ -297,6 +300,49 @@ async fn share_keys(
         state,
         round,
         Stage::ShareKeys,
+        device_id,
+        write,
+        bytes.len(),
+    )
+    .await
+}
+
+/// A device's ShareCheck receipt, once, after its ShareKeys: at most
+/// k - t of its graph neighbours, which the stage's close excludes.
+async fn share_receipt(
+    state: &AppState,
+    round: &SecureRound,
+    participant: &SecureParticipant,
+    bytes: &[u8],
+) -> ApiResult<()> {
+    let device_id = participant.device_id;
+    if participant.secagg_receipt.is_some() {
+        return Err(duplicate(Stage::ShareReceipt, round, device_id));
+    }
+    if participant.secagg_commitment.is_none() {
+        return Err(ApiError::conflict(format!(
+            "device {device_id} did not complete ShareKeys in round {}",
+            round.id
+        )));
+    }
+    let graph = secure::cached_graph(state, round).await?;
+    let neighbours = graph.neighbours(device_id as u64).unwrap_or_default();
+    let reported = secagg_server::read_share_receipt(
+        bytes,
+        secure::session(round),
+        device_id as u64,
+        &neighbours.into_iter().collect(),
+        &round.plan,
+    )
+    .map_err(refusal)?;
+    let write = StageWrite::Receipt {
+        device_id,
+        reported,
+    };
+    save(
+        state,
+        round,
+        Stage::ShareReceipt,
         device_id,
         write,
         bytes.len(),
@@ -690,6 +736,20 @@ async fn build_message(
                 session,
                 device_id as u64,
                 &shares,
+            ))
+        }
+        endpoints::EXCLUSIONS => {
+            let excluded = secure::cached_exclusions(state, round).await?;
+            let graph = secure::cached_graph(state, round).await?;
+            let neighbours = graph.neighbours(device_id as u64).unwrap_or_default();
+            let excluded_neighbours = neighbours
+                .into_iter()
+                .filter(|id| excluded.contains(id))
+                .collect();
+            Ok(secagg_server::exclusions_message(
+                session,
+                device_id as u64,
+                &excluded_neighbours,
             ))
         }
         endpoints::SURVIVOR_SET => {
