@@ -155,19 +155,7 @@ impl fmt::Debug for SecureRound {
 }
 
 fn endpoint(stage: Stage) -> &'static str {
-    match stage {
-        Stage::AdvertiseKeys => secagg_endpoints::ADVERTISE_KEYS,
-        Stage::NeighbourKeys => secagg_endpoints::NEIGHBOUR_KEYS,
-        Stage::ShareKeys => secagg_endpoints::SHARE_KEYS,
-        Stage::IncomingShares => secagg_endpoints::INCOMING_SHARES,
-        Stage::ShareReceipt => secagg_endpoints::SHARE_RECEIPT,
-        Stage::Exclusions => secagg_endpoints::EXCLUSIONS,
-        Stage::MaskedInput => secagg_endpoints::MASKED_INPUT,
-        Stage::SurvivorSet => secagg_endpoints::SURVIVOR_SET,
-        Stage::SurvivorSignature => secagg_endpoints::SURVIVOR_SIGNATURE,
-        Stage::UnmaskRequest => secagg_endpoints::UNMASK_REQUEST,
-        Stage::UnmaskResponse => secagg_endpoints::UNMASK_RESPONSE,
-    }
+    secagg_endpoints::of(stage)
 }
 
 /// What [`SdkError::BadResponse`] calls a server message.
@@ -293,6 +281,30 @@ pub(crate) fn wait_limit_ms(
     }
 }
 
+/// The server's `stage` message in a 200 answer, refused unread over
+/// `limit_bytes`.
+async fn read_answer(
+    task: &Task,
+    stage: Stage,
+    response: &mut reqwest::Response,
+    limit_bytes: usize,
+) -> Result<Bytes, SdkError> {
+    let url = response.url().to_string();
+    match read_limited(response, limit_bytes).await {
+        Ok(LimitedBody::Complete(body)) => Ok(Bytes::from(body)),
+        Ok(LimitedBody::TooLong { announced_bytes }) => Err(SdkError::BadResponse {
+            what: message_name(stage),
+            reason: format!(
+                "round {}: it is {}, over its stage's limit of {limit_bytes} bytes",
+                task.round_id,
+                announced_bytes
+                    .map_or_else(|| "longer".to_string(), |bytes| format!("{bytes} bytes"))
+            ),
+        }),
+        Err(source) => Err(SdkError::Transport { url, source }),
+    }
+}
+
 fn elapsed_ms(since: Instant) -> u64 {
     u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
@@ -311,6 +323,35 @@ impl DeviceClient {
         stage: Stage,
         message: Bytes,
     ) -> Result<(), SdkError> {
+        self.send_secure_message(task, stage, message, None)
+            .await
+            .map(drop)
+    }
+
+    /// [`DeviceClient::post_secure_message`] that asks the server to hold
+    /// its answer up to `wait_ms` for the server's next message to this
+    /// device ([`Stage::answer`]) and return it: `Some` with that message,
+    /// `None` when the message was taken but the answer is not ready (fetch
+    /// it with [`DeviceClient::wait_secure_message`]). One request instead
+    /// of two per stage, for the device and the server.
+    pub async fn post_secure_message_and_wait(
+        &self,
+        task: &Task,
+        stage: Stage,
+        message: Bytes,
+        wait_ms: u64,
+    ) -> Result<Option<Bytes>, SdkError> {
+        self.send_secure_message(task, stage, message, Some(wait_ms))
+            .await
+    }
+
+    async fn send_secure_message(
+        &self,
+        task: &Task,
+        stage: Stage,
+        message: Bytes,
+        wait_ms: Option<u64>,
+    ) -> Result<Option<Bytes>, SdkError> {
         let secure = secure_task(task)?;
         if !stage.sent_by_device() {
             return Err(wrong_direction(task, stage, "send"));
@@ -326,17 +367,29 @@ impl DeviceClient {
                 )),
             ));
         }
-        let path = stage_path(task, secure, stage)?;
+        let answer = wait_ms.and(stage.answer());
+        let path = match (answer, wait_ms) {
+            (Some(_), Some(wait_ms)) => {
+                format!("{}?wait_ms={wait_ms}", stage_path(task, secure, stage)?)
+            }
+            _ => stage_path(task, secure, stage)?,
+        };
         let policy = self.retry_policy().normalized();
         let cancel = self.cancel_token();
         let mut failures = 0u32;
         let mut maybe_delivered = false;
         loop {
             let attempt = async {
-                let response = self.signed(Method::POST, &path, message.clone()).await?;
-                match response.status() {
-                    StatusCode::NO_CONTENT => Ok(()),
-                    status if status.is_success() => Err(SdkError::BadResponse {
+                let mut response = self.signed(Method::POST, &path, message.clone()).await?;
+                match (response.status(), answer) {
+                    (StatusCode::NO_CONTENT, _) => Ok(None),
+                    (StatusCode::OK, Some(answer)) => {
+                        let limit_bytes = answer.max_bytes(secure.plan.packed_bytes());
+                        read_answer(task, answer, &mut response, limit_bytes)
+                            .await
+                            .map(Some)
+                    }
+                    (status, _) if status.is_success() => Err(SdkError::BadResponse {
                         what: message_name(stage),
                         reason: format!(
                             "round {}: the server answered {status} to it, not 204",
@@ -348,13 +401,13 @@ impl DeviceClient {
             };
             let error = match cancel.run(attempt).await {
                 None => return Err(SdkError::Cancelled),
-                Some(Ok(())) => return Ok(()),
+                Some(Ok(answer)) => return Ok(answer),
                 Some(Err(error)) => error,
             };
             if maybe_delivered {
                 match error.status() {
-                    Some(409) => return Ok(()),
-                    Some(410) if stage != Stage::UnmaskResponse => return Ok(()),
+                    Some(409) => return Ok(None),
+                    Some(410) if stage != Stage::UnmaskResponse => return Ok(None),
                     _ => {}
                 }
             }
@@ -386,27 +439,9 @@ impl DeviceClient {
         self.retrying(|| async {
             let mut response = self.signed(Method::GET, &path, Bytes::new()).await?;
             match response.status() {
-                StatusCode::OK => {
-                    let url = response.url().to_string();
-                    match read_limited(&mut response, limit_bytes).await {
-                        Ok(LimitedBody::Complete(body)) => Ok(Some(Bytes::from(body))),
-                        Ok(LimitedBody::TooLong { announced_bytes }) => {
-                            Err(SdkError::BadResponse {
-                                what: message_name(stage),
-                                reason: format!(
-                                    "round {}: it is {}, over its stage's limit of {limit_bytes} \
-                                     bytes",
-                                    task.round_id,
-                                    announced_bytes.map_or_else(
-                                        || "longer".to_string(),
-                                        |bytes| format!("{bytes} bytes")
-                                    )
-                                ),
-                            })
-                        }
-                        Err(source) => Err(SdkError::Transport { url, source }),
-                    }
-                }
+                StatusCode::OK => read_answer(task, stage, &mut response, limit_bytes)
+                    .await
+                    .map(Some),
                 StatusCode::ACCEPTED => Ok(None),
                 status if status.is_success() => Err(SdkError::BadResponse {
                     what: message_name(stage),
@@ -553,14 +588,12 @@ impl SecureRound {
             checked_at: Instant::now(),
             observer,
         };
-        round.send(Stage::AdvertiseKeys, advertisement).await?;
-        let neighbour_keys = round.receive(Stage::NeighbourKeys, Instant::now()).await?;
+        let neighbour_keys = round.exchange(Stage::AdvertiseKeys, advertisement).await?;
         let shares = round
             .state
             .share_keys(&neighbour_keys)
             .map_err(|source| protocol_error(&round.task, Stage::ShareKeys, source))?;
-        round.send(Stage::ShareKeys, shares).await?;
-        let incoming = round.receive(Stage::IncomingShares, Instant::now()).await?;
+        let incoming = round.exchange(Stage::ShareKeys, shares).await?;
         let receipt = round
             .state
             .check_shares(&incoming)
@@ -606,15 +639,12 @@ impl SecureRound {
             .masked_input(&exclusions, &input)
             .map_err(|source| protocol_error(&self.task, Stage::MaskedInput, source))?;
         let masked_input_bytes = masked.len() as u64;
-        self.send(Stage::MaskedInput, masked).await?;
-        let survivor_set = self.receive(Stage::SurvivorSet, Instant::now()).await?;
+        let survivor_set = self.exchange(Stage::MaskedInput, masked).await?;
         let signature = self
             .state
             .sign_survivors(&survivor_set, self.client.key())
             .map_err(|source| protocol_error(&self.task, Stage::SurvivorSignature, source))?;
-        self.send(Stage::SurvivorSignature, signature).await?;
-        let signed_at = Instant::now();
-        let request = self.receive(Stage::UnmaskRequest, signed_at).await?;
+        let request = self.exchange(Stage::SurvivorSignature, signature).await?;
         let response = self
             .state
             .unmask(&request)
@@ -651,18 +681,50 @@ impl SecureRound {
         Ok(())
     }
 
-    /// Waits for the server's `stage` message; `sent_at` is when the
-    /// device sent the message it answers.
-    async fn receive(&self, stage: Stage, sent_at: Instant) -> Result<Bytes, SdkError> {
+    /// Sends `message` and gets the server's answer to it: with the POST
+    /// when it is ready in time (one request), else by long poll. A message
+    /// answered with its POST reports the wait in both its events.
+    async fn exchange(&self, stage: Stage, message: Vec<u8>) -> Result<Bytes, SdkError> {
+        let answer = stage
+            .answer()
+            .expect("exchange is called for messages the server answers");
         let started = Instant::now();
+        let bytes = message.len();
+        let wait_ms = self
+            .wait_limit_ms(answer, started)?
+            .min(MAX_STAGE_POLL_WAIT_MS);
+        let answered = self
+            .client
+            .post_secure_message_and_wait(&self.task, stage, Bytes::from(message), wait_ms)
+            .await?;
+        self.report(stage, bytes, started);
+        match answered {
+            Some(body) => {
+                self.report(answer, body.len(), started);
+                Ok(body)
+            }
+            None => self.receive(answer, started).await,
+        }
+    }
+
+    /// How long, from now, to wait for the server's `stage` message; see
+    /// [`wait_limit_ms`].
+    fn wait_limit_ms(&self, stage: Stage, sent_at: Instant) -> Result<u64, SdkError> {
         let secure = secure_task(&self.task)?;
-        let limit_ms = wait_limit_ms(
+        Ok(wait_limit_ms(
             secure.stage_timeout_ms,
             self.task.deadline_unix_ms,
             stage,
             elapsed_ms(sent_at),
             now_ms(),
-        );
+        ))
+    }
+
+    /// Waits for the server's `stage` message; `sent_at` is when the
+    /// device sent the message it answers.
+    async fn receive(&self, stage: Stage, sent_at: Instant) -> Result<Bytes, SdkError> {
+        let started = Instant::now();
+        let limit_ms = self.wait_limit_ms(stage, sent_at)?;
         let message = self
             .client
             .wait_secure_message(&self.task, stage, limit_ms)

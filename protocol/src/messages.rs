@@ -604,6 +604,8 @@ pub struct SecureTask {
 
 /// The stage endpoints under [`SecureTask::path`].
 pub mod secagg_endpoints {
+    use crate::secagg::wire::Stage;
+
     pub const ADVERTISE_KEYS: &str = "advertise-keys";
     pub const NEIGHBOUR_KEYS: &str = "neighbour-keys";
     pub const SHARE_KEYS: &str = "share-keys";
@@ -615,6 +617,23 @@ pub mod secagg_endpoints {
     pub const SURVIVOR_SIGNATURE: &str = "survivor-signature";
     pub const UNMASK_REQUEST: &str = "unmask-request";
     pub const UNMASK_RESPONSE: &str = "unmask-response";
+
+    /// The endpoint of a stage's message.
+    pub fn of(stage: Stage) -> &'static str {
+        match stage {
+            Stage::AdvertiseKeys => ADVERTISE_KEYS,
+            Stage::NeighbourKeys => NEIGHBOUR_KEYS,
+            Stage::ShareKeys => SHARE_KEYS,
+            Stage::IncomingShares => INCOMING_SHARES,
+            Stage::ShareReceipt => SHARE_RECEIPT,
+            Stage::Exclusions => EXCLUSIONS,
+            Stage::MaskedInput => MASKED_INPUT,
+            Stage::SurvivorSet => SURVIVOR_SET,
+            Stage::SurvivorSignature => SURVIVOR_SIGNATURE,
+            Stage::UnmaskRequest => UNMASK_REQUEST,
+            Stage::UnmaskResponse => UNMASK_RESPONSE,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

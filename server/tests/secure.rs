@@ -997,9 +997,33 @@ async fn a_device_whose_shares_do_not_open_costs_the_round_only_itself() -> Resu
     let mut devices = start_devices(clients).await?;
     let plan = devices[0].plan();
     ensure!(plan.degree > plan.threshold, "plan: {plan:?}");
-    for device in &mut devices {
+    for device in &mut devices[..4] {
         device.advertise().await?;
     }
+    // The last advertisement asks the server to wait for the stage to
+    // close and carries NeighbourKeys back with it (post-and-wait).
+    let last = &mut devices[4];
+    let (client, advertisement) = Client::start(
+        last.session(),
+        last.client.device_id as u64,
+        last.plan(),
+        last.client.key(),
+        last.client.key_trust(),
+    )?;
+    last.protocol = Some(client);
+    let with_wait = format!("{}?wait_ms=20000", endpoints::ADVERTISE_KEYS);
+    let response = last
+        .client
+        .signed(
+            Method::POST,
+            &stage_path(&last.task, &with_wait)?,
+            Bytes::from(advertisement),
+        )
+        .await?;
+    ensure!(response.status() == 200, "post-and-wait: {}", response.status());
+    let answered = response.bytes().await?.to_vec();
+    let fetched = fetch(&last.client, &last.task, endpoints::NEIGHBOUR_KEYS).await?;
+    ensure!(answered == fetched, "the answer is the NeighbourKeys message");
     for device in &mut devices[..4] {
         device.share().await?;
     }

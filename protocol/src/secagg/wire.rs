@@ -99,6 +99,19 @@ impl Stage {
         )
     }
 
+    /// The server's message that answers this device message, if any: what
+    /// the device fetches next, and what a POST with `wait_ms` returns.
+    pub fn answer(self) -> Option<Stage> {
+        match self {
+            Stage::AdvertiseKeys => Some(Stage::NeighbourKeys),
+            Stage::ShareKeys => Some(Stage::IncomingShares),
+            Stage::ShareReceipt => Some(Stage::Exclusions),
+            Stage::MaskedInput => Some(Stage::SurvivorSet),
+            Stage::SurvivorSignature => Some(Stage::UnmaskRequest),
+            _ => None,
+        }
+    }
+
     /// The largest body a message of this stage may have, for a plan with
     /// `masked_bytes` bytes of packed vector.
     pub fn max_bytes(self, masked_bytes: usize) -> usize {

@@ -124,14 +124,48 @@ fn check_live(round: &SecureRound, participant: &SecureParticipant) -> ApiResult
     Ok(())
 }
 
+/// Takes a device's stage message: 204. With `wait_ms`, the answer waits
+/// for the server's next message to that device (NeighbourKeys after
+/// AdvertiseKeys, and so on) and carries it with 200, which saves the
+/// device the request that would fetch it; 204 still means "taken", when
+/// it is not ready by then or cannot be built (the device then fetches it
+/// and learns why).
 pub async fn post_message(
     State(state): State<AppState>,
     device: DeviceAuth,
     Path((round_id, endpoint)): Path<(i64, String)>,
+    Query(query): Query<PollQuery>,
     headers: HeaderMap,
     body: Body,
-) -> ApiResult<StatusCode> {
-    let (open_stage, message) = posted_stage(&endpoint)?;
+) -> ApiResult<Response> {
+    let (_, message) = posted_stage(&endpoint)?;
+    let device_id = device.device_id;
+    take_message(&state, device, round_id, &endpoint, headers, body).await?;
+    let taken = StatusCode::NO_CONTENT.into_response();
+    let (Some(wait_ms), Some(answer)) = (query.wait_ms, message.answer()) else {
+        return Ok(taken);
+    };
+    let wait = poll_wait(Some(wait_ms), state.settings.limits.long_poll_max_ms);
+    let deadline = tokio::time::Instant::now() + wait;
+    let endpoint = endpoints::of(answer);
+    match await_message(&state, round_id, device_id, endpoint, deadline).await {
+        Ok(Some(answer)) => Ok(answer),
+        Ok(None) | Err(_) => Ok(taken),
+    }
+}
+
+/// Checks and stores a device's stage message. Whatever it holds (an
+/// upload slot for a masked input) is released on return, before any wait.
+async fn take_message(
+    state: &AppState,
+    device: DeviceAuth,
+    round_id: i64,
+    endpoint: &str,
+    headers: HeaderMap,
+    body: Body,
+) -> ApiResult<()> {
+    let state = state.clone();
+    let (open_stage, message) = posted_stage(endpoint)?;
     let (round, participant) = load(&state, round_id, device.device_id).await?;
     check_live(&round, &participant)?;
     let limit = message.max_bytes(round.plan.packed_bytes()) as u64;
@@ -180,7 +214,7 @@ pub async fn post_message(
         "secure message taken"
     );
     state.orchestrator_wake.notify_one();
-    Ok(StatusCode::NO_CONTENT)
+    Ok(())
 }
 
 fn duplicate(message: Stage, round: &SecureRound, device_id: i64) -> ApiError {
@@ -628,25 +662,38 @@ pub async fn get_message(
     Path((round_id, endpoint)): Path<(i64, String)>,
     Query(query): Query<PollQuery>,
 ) -> ApiResult<Response> {
-    let ready_stage = fetched_stage(&endpoint)?;
     let wait = poll_wait(query.wait_ms, state.settings.limits.long_poll_max_ms);
     let deadline = tokio::time::Instant::now() + wait;
+    let answer = await_message(&state, round_id, device.device_id, &endpoint, deadline).await?;
+    Ok(answer.unwrap_or_else(|| StatusCode::ACCEPTED.into_response()))
+}
+
+/// The server's message at `endpoint` for the device (200), once the stage
+/// that produces it has closed; `None` if that is not by `deadline`.
+async fn await_message(
+    state: &AppState,
+    round_id: i64,
+    device_id: i64,
+    endpoint: &str,
+    deadline: tokio::time::Instant,
+) -> ApiResult<Option<Response>> {
+    let ready_stage = fetched_stage(endpoint)?;
     loop {
         let woken = state.secagg_progress.notified();
-        let (round, participant) = load(&state, round_id, device.device_id).await?;
+        let (round, participant) = load(state, round_id, device_id).await?;
         check_live(&round, &participant)?;
         if round.stage >= ready_stage {
-            let body = build_message(&state, &round, &participant, &endpoint).await?;
-            count_sent(&state, round_id, body.len()).await?;
-            return Ok((
+            let body = build_message(state, &round, &participant, endpoint).await?;
+            count_sent(state, round_id, body.len()).await?;
+            let response = (
                 StatusCode::OK,
                 [(header::CONTENT_TYPE, "application/octet-stream")],
                 body,
-            )
-                .into_response());
+            );
+            return Ok(Some(response.into_response()));
         }
-        if !wait_for_progress(&state, &round, woken, deadline).await? {
-            return Ok(StatusCode::ACCEPTED.into_response());
+        if !wait_for_progress(state, &round, woken, deadline).await? {
+            return Ok(None);
         }
     }
 }
