@@ -1020,10 +1020,17 @@ async fn a_device_whose_shares_do_not_open_costs_the_round_only_itself() -> Resu
             Bytes::from(advertisement),
         )
         .await?;
-    ensure!(response.status() == 200, "post-and-wait: {}", response.status());
+    ensure!(
+        response.status() == 200,
+        "post-and-wait: {}",
+        response.status()
+    );
     let answered = response.bytes().await?.to_vec();
     let fetched = fetch(&last.client, &last.task, endpoints::NEIGHBOUR_KEYS).await?;
-    ensure!(answered == fetched, "the answer is the NeighbourKeys message");
+    ensure!(
+        answered == fetched,
+        "the answer is the NeighbourKeys message"
+    );
     for device in &mut devices[..4] {
         device.share().await?;
     }
