@@ -138,9 +138,10 @@ pub async fn post_message(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<Response> {
-    let (_, message) = posted_stage(&endpoint)?;
+    let (open_stage, message) = posted_stage(&endpoint)?;
     let device_id = device.device_id;
-    take_message(&state, device, round_id, &endpoint, headers, body).await?;
+    let posted = (open_stage, message);
+    take_message(&state, device, round_id, posted, headers, body).await?;
     let taken = StatusCode::NO_CONTENT.into_response();
     let (Some(wait_ms), Some(answer)) = (query.wait_ms, message.answer()) else {
         return Ok(taken);
@@ -160,20 +161,18 @@ async fn take_message(
     state: &AppState,
     device: DeviceAuth,
     round_id: i64,
-    endpoint: &str,
+    (open_stage, message): (SecureStage, Stage),
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<()> {
-    let state = state.clone();
-    let (open_stage, message) = posted_stage(endpoint)?;
-    let (round, participant) = load(&state, round_id, device.device_id).await?;
+    let (round, participant) = load(state, round_id, device.device_id).await?;
     check_live(&round, &participant)?;
     let limit = message.max_bytes(round.plan.packed_bytes()) as u64;
     let what = format!("{} message", message.name());
     let _slot = match message {
         Stage::MaskedInput => Some(
             upload_slot(
-                &state,
+                state,
                 &state.upload_slots,
                 Some((device.device_id, round_id)),
             )
@@ -182,7 +181,7 @@ async fn take_message(
         _ => None,
     };
     let bytes =
-        within_upload_timeout(&state, &what, read_limited(&headers, body, limit, &what)).await?;
+        within_upload_timeout(state, &what, read_limited(&headers, body, limit, &what)).await?;
     device.check_body(&bytes)?;
     if round.stage != open_stage {
         let (verb, code): (&str, fn(String) -> ApiError) = if round.stage > open_stage {
@@ -198,14 +197,12 @@ async fn take_message(
     }
     let device_id = device.device_id;
     match message {
-        Stage::AdvertiseKeys => advertise(&state, &round, &participant, &bytes).await?,
-        Stage::ShareKeys => share_keys(&state, &round, &participant, &bytes).await?,
-        Stage::ShareReceipt => share_receipt(&state, &round, &participant, &bytes).await?,
-        Stage::MaskedInput => masked_input(&state, &round, device_id, bytes).await?,
-        Stage::SurvivorSignature => {
-            survivor_signature(&state, &round, &participant, &bytes).await?
-        }
-        _ => unmask_response(&state, &round, &participant, &bytes).await?,
+        Stage::AdvertiseKeys => advertise(state, &round, &participant, &bytes).await?,
+        Stage::ShareKeys => share_keys(state, &round, &participant, &bytes).await?,
+        Stage::ShareReceipt => share_receipt(state, &round, &participant, &bytes).await?,
+        Stage::MaskedInput => masked_input(state, &round, device_id, bytes).await?,
+        Stage::SurvivorSignature => survivor_signature(state, &round, &participant, &bytes).await?,
+        _ => unmask_response(state, &round, &participant, &bytes).await?,
     }
     tracing::debug!(
         round = round_id,
