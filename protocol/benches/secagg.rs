@@ -319,6 +319,18 @@ fn hot_paths(params: usize) {
     let delta = random_delta(params, 1);
     let mut acc = vec![0u32; len];
     let apply = bench(|| mask::apply(&mut acc, &[3; 16], Sign::Add));
+    // A device's masking at this plan: its self mask and one pairwise mask
+    // a neighbour, one pass over the vector each (the baseline), against
+    // all of them chunk by chunk in one pass.
+    let masks: Vec<(mask::Seed, Sign)> = (0..=plan.degree)
+        .map(|i| ([i as u8; 16], Sign::Add))
+        .collect();
+    let one_at_a_time = bench(|| {
+        for (seed, sign) in &masks {
+            mask::apply(&mut acc, seed, *sign);
+        }
+    });
+    let fused = bench(|| mask::apply_many_at(&mut acc, 0, &masks));
     let mut rng = SmallRng::seed_from_u64(2);
     let quantize = bench(|| arith::quantize(&plan, &delta, NUM_SAMPLES, &mut rng).expect("q"));
     let mut thread_rng = rand::rng();
@@ -343,6 +355,25 @@ fn hot_paths(params: usize) {
                 fmt_ms(apply),
                 format!("{:.2}", per_m(apply)),
                 format!("{keystream_gbps:.2} GB/s keystream"),
+            ],
+        ),
+        (
+            format!("{} masks, one pass each (baseline)", masks.len()),
+            vec![
+                fmt_ms(one_at_a_time),
+                format!("{:.2}", per_m(one_at_a_time)),
+                String::new(),
+            ],
+        ),
+        (
+            format!("{} masks, one pass (mask::apply_many_at)", masks.len()),
+            vec![
+                fmt_ms(fused),
+                format!("{:.2}", per_m(fused)),
+                format!(
+                    "{} of the baseline",
+                    fmt_ratio(fused.as_secs_f64() / one_at_a_time.as_secs_f64())
+                ),
             ],
         ),
         (

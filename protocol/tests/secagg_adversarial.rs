@@ -121,10 +121,6 @@ fn not_signed(device: u64, round_id: u64) -> String {
     )
 }
 
-fn fails_authentication(from: u64, to: u64) -> String {
-    format!("the share ciphertext from device {from} to device {to} fails authentication")
-}
-
 // ---------------------------------------------------------------------------
 // Message surgery.
 

@@ -644,9 +644,14 @@ async fn run_once(options: &Options, n: usize, secure: bool) -> Result<RunReport
     let config_path = config_dir.path().join("server.toml");
     std::fs::write(&config_path, SERVER_CONFIG)?;
     eprintln!("{label} starting canopy-server");
-    let server = Arc::new(TestServer::start_with(
+    // `CANOPY_BENCH_RUST_LOG=FILTER` sets the server's log filter (e.g.
+    // `debug` for each request's timing, read with CANOPY_BENCH_LOG).
+    let rust_log =
+        std::env::var("CANOPY_BENCH_RUST_LOG").unwrap_or_else(|_| "info,sqlx=warn".to_string());
+    let server = Arc::new(TestServer::start_logging(
         options.database,
         &["--config", config_path.to_str().context("temp path")?],
+        &rust_log,
     )?);
     let pid = server.pid().context("server pid")?;
     let admin = server.admin();

@@ -24,7 +24,7 @@ use crate::store::jobs::{self, DeviceFilter, JobRow, JobSpec, JobState};
 use crate::store::models::{self, NewVersion, VersionRow};
 use crate::store::rounds::{self, CandidateRow, RoundKind, RoundRow, RoundState, Tx};
 use crate::store::strategy as strategy_store;
-use crate::store::{devices, from_json};
+use crate::store::{devices, from_json, secagg};
 use crate::strategy::{OptimizerState, ServerOptimizer};
 use canopy_term::error_chain as chain;
 
@@ -311,6 +311,9 @@ fn derive_proximal(base: &[u8], mu: f64) -> Result<Vec<u8>, String> {
 
 /// Advances one round by as many states as it can go now.
 async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorError> {
+    if !worth_advancing(state, round_id).await? {
+        return Ok(());
+    }
     let _writer = state.db.write_lock().await;
     let mut tx = state.db.pool.begin().await?;
     let Some(round) = rounds::claim(&state.db, &mut tx, round_id).await? else {
@@ -377,6 +380,20 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
         state.metrics.round_finished(outcome.as_str());
     }
     Ok(())
+}
+
+/// Whether [`advance`] could change the round now, from a few reads and
+/// no lock: a secure round whose running job's stage still waits for its
+/// devices cannot (see [`secure::may_advance`]).
+async fn worth_advancing(state: &AppState, round_id: i64) -> Result<bool, OrchestratorError> {
+    let Some(secure) = secagg::get(&state.db.pool, round_id).await? else {
+        return Ok(true);
+    };
+    let job = jobs::get_with(&state.db.pool, secure.job_id).await?;
+    if job.is_none_or(|job| job.state != JobState::Running) {
+        return Ok(true);
+    }
+    Ok(secure::may_advance(&state.db, &secure).await?)
 }
 
 async fn reload(tx: &mut Tx<'_>, id: i64) -> Result<RoundRow, OrchestratorError> {

@@ -381,15 +381,8 @@ pub async fn advance(
     let all_answered = participants
         .iter()
         .filter(|p| !p.state.has_left())
-        .all(|p| has_answered(secure.stage, p));
-    // MaskedInputCollection includes training, so it runs to the round's
-    // deadline; the key stages have their own.
-    let deadline = if secure.stage == SecureStage::Collect {
-        secure.deadline_ms
-    } else {
-        secure.stage_deadline_ms
-    };
-    if !all_answered && now_ms() < deadline {
+        .all(|p| secure.stage.answered_by(p));
+    if !all_answered && now_ms() < stage_deadline_ms(&secure) {
         return Ok(Advanced::Waiting {
             stage_changed: false,
         });
@@ -411,16 +404,28 @@ pub async fn advance(
     }
 }
 
-/// Whether a participant has sent what `stage` waits for.
-fn has_answered(stage: SecureStage, participant: &SecureParticipant) -> bool {
-    match stage {
-        SecureStage::Advertise => participant.secagg_keys.is_some(),
-        SecureStage::Share => participant.secagg_commitment.is_some(),
-        SecureStage::Check => participant.secagg_receipt.is_some(),
-        SecureStage::Collect => participant.state == ParticipantState::Uploaded,
-        SecureStage::Consistency => participant.secagg_signature.is_some(),
-        SecureStage::Unmask => participant.secagg_reveal.is_some(),
+/// When the round's current stage closes whoever has answered:
+/// MaskedInputCollection includes training, so it runs to the round's
+/// deadline; the key stages have their own.
+fn stage_deadline_ms(secure: &SecureRound) -> i64 {
+    if secure.stage == SecureStage::Collect {
+        secure.deadline_ms
+    } else {
+        secure.stage_deadline_ms
     }
+}
+
+/// Whether [`advance`] could move the round now, read without the write
+/// lock or any participant's row: false only while a secure round's stage
+/// still waits for answers before its deadline. Every stage message wakes
+/// the orchestrator; without this each wake took the write lock and read
+/// every participant, so devices' writes queued behind N reads of N rows.
+/// `advance` decides again under the lock, from the rows.
+pub async fn may_advance(db: &Db, round: &SecureRound) -> Result<bool, SecureError> {
+    if round.state != RoundState::Training || now_ms() >= stage_deadline_ms(round) {
+        return Ok(true);
+    }
+    Ok(secagg::unanswered(&db.pool, round.id, round.stage).await? == 0)
 }
 
 /// What closing a stage did.
@@ -457,7 +462,7 @@ async fn close_stage(
     };
     let remaining = participants
         .iter()
-        .filter(|p| !p.state.has_left() && has_answered(secure.stage, p))
+        .filter(|p| !p.state.has_left() && secure.stage.answered_by(p))
         .filter(|p| !reporters.contains_key(&(p.device_id as u64)))
         .count();
     let (message, next) = stage_message(secure.stage);

@@ -113,19 +113,20 @@ pub fn pack(values: &[u32], bits: u32) -> Vec<u8> {
     }
     let mut out = Vec::with_capacity((values.len() * bits as usize).div_ceil(8));
     let mask = (1u64 << bits) - 1;
+    // Fewer than 32 bits wait in the buffer between values, so adding one
+    // of at most 31 never overflows it; whole 32-bit words leave at once.
     let (mut buffer, mut filled) = (0u64, 0u32);
     for &value in values {
         buffer |= (u64::from(value) & mask) << filled;
         filled += bits;
-        while filled >= 8 {
-            out.push(buffer as u8);
-            buffer >>= 8;
-            filled -= 8;
+        if filled >= 32 {
+            out.extend_from_slice(&(buffer as u32).to_le_bytes());
+            buffer >>= 32;
+            filled -= 32;
         }
     }
-    if filled > 0 {
-        out.push(buffer as u8);
-    }
+    let last_bytes = filled.div_ceil(8) as usize;
+    out.extend_from_slice(&buffer.to_le_bytes()[..last_bytes]);
     out
 }
 

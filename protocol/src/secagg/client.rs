@@ -382,8 +382,30 @@ impl Client {
             )));
         }
         self.apply_exclusions(exclusions)?;
+        let mut masks = Vec::with_capacity(self.received.len() + 1);
+        masks.push((self.self_seed, Sign::Add));
+        let derived = self.pairwise_masks(&mut masks);
         let mut masked = input.to_vec();
-        mask::apply(&mut masked, &self.self_seed, Sign::Add);
+        if derived.is_ok() {
+            // All masks at once, over the device's cores: the expansion is
+            // nearly all of a device's secure-aggregation time.
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            mask::apply_all(&mut masked, &masks, threads);
+        }
+        masks.iter_mut().for_each(|(seed, _)| seed.zeroize());
+        derived?;
+        self.step = Step::Masked;
+        let mut message = wire::header(self.session, Stage::MaskedInput, self.device_id);
+        message.push(self.plan.bits as u8);
+        message.extend_from_slice(&(masked.len() as u64).to_le_bytes());
+        message.extend_from_slice(&arith::pack(&masked, self.plan.bits));
+        Ok(message)
+    }
+
+    /// Appends the pairwise mask of each neighbour whose shares this device
+    /// holds, with its sign; on an error the caller still wipes what was
+    /// appended.
+    fn pairwise_masks(&self, masks: &mut Vec<(Seed, Sign)>) -> Result<(), SecAggError> {
         for &peer in self.received.keys() {
             let keys = &self.neighbours[&peer];
             let seed = crypto::pairwise_seed(
@@ -393,14 +415,9 @@ impl Client {
                 self.device_id,
                 peer,
             )?;
-            mask::apply(&mut masked, &seed, pairwise_sign(self.device_id, peer));
+            masks.push((seed, pairwise_sign(self.device_id, peer)));
         }
-        self.step = Step::Masked;
-        let mut message = wire::header(self.session, Stage::MaskedInput, self.device_id);
-        message.push(self.plan.bits as u8);
-        message.extend_from_slice(&(masked.len() as u64).to_le_bytes());
-        message.extend_from_slice(&arith::pack(&masked, self.plan.bits));
-        Ok(message)
+        Ok(())
     }
 
     /// Checks the server's Exclusions against this device's receipt and

@@ -86,6 +86,8 @@ impl ParticipantState {
 pub const OPEN_STATES: &str = "('selecting', 'training', 'aggregating')";
 /// The pending participant states ([`ParticipantState::is_pending`]), as SQL.
 pub const PENDING_STATES: &str = "('selected', 'delivered')";
+/// The states of participants that have left ([`ParticipantState::has_left`]), as SQL.
+pub const LEFT_STATES: &str = "('dropped', 'ineligible')";
 
 #[derive(Clone, Debug, FromRow)]
 pub struct RoundRow {
@@ -373,12 +375,38 @@ pub async fn close(tx: &mut Tx<'_>, round_id: i64, drop_reason: &str) -> Result<
 }
 
 /// The weighted sum of the round's accepted updates, `None` before any.
+/// It lives in `round_sums`, apart from the round's row, so that reading or
+/// updating the row never touches a model-sized value (see the migration
+/// `0017_round_sums.sql`).
 pub async fn update_sum(tx: &mut Tx<'_>, round_id: i64) -> Result<Option<Vec<u8>>, sqlx::Error> {
-    let (sum,): (Option<Vec<u8>>,) = sqlx::query_as("SELECT update_sum FROM rounds WHERE id = $1")
+    let sum: Option<(Vec<u8>,)> =
+        sqlx::query_as("SELECT update_sum FROM round_sums WHERE round_id = $1")
+            .bind(round_id)
+            .fetch_optional(&mut **tx)
+            .await?;
+    Ok(sum.map(|(sum,)| sum))
+}
+
+/// Replaces the round's running sum.
+pub async fn store_sum(tx: &mut Tx<'_>, round_id: i64, sum: Vec<u8>) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO round_sums (round_id, update_sum) VALUES ($1, $2) \
+         ON CONFLICT (round_id) DO UPDATE SET update_sum = excluded.update_sum",
+    )
+    .bind(round_id)
+    .bind(sum)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Deletes the round's running sum once the round has ended.
+pub async fn clear_sum(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::Error> {
+    sqlx::query("DELETE FROM round_sums WHERE round_id = $1")
         .bind(round_id)
-        .fetch_one(&mut **tx)
+        .execute(&mut **tx)
         .await?;
-    Ok(sum)
+    Ok(())
 }
 
 /// `aggregating` → `succeeded`, and the job moves on to the new version.
@@ -398,9 +426,10 @@ pub async fn succeed(
     };
     let now = now_ms();
     super::secagg::purge(tx, round.id).await?;
+    clear_sum(tx, round.id).await?;
     sqlx::query(
         "UPDATE rounds SET state = 'succeeded', result_version_id = $1, finished_ms = $2, \
-         update_sum = NULL, status_message = '' WHERE id = $3",
+         status_message = '' WHERE id = $3",
     )
     .bind(new_version_id)
     .bind(now)
@@ -432,9 +461,10 @@ pub async fn succeed_statistics(
     fitted_version_id: i64,
 ) -> Result<(), sqlx::Error> {
     let now = now_ms();
+    clear_sum(tx, round.id).await?;
     sqlx::query(
         "UPDATE rounds SET state = 'succeeded', result_version_id = $1, finished_ms = $2, \
-         update_sum = NULL, status_message = '' WHERE id = $3 AND state = 'aggregating'",
+         status_message = '' WHERE id = $3 AND state = 'aggregating'",
     )
     .bind(fitted_version_id)
     .bind(now)
@@ -461,6 +491,7 @@ pub async fn fail(
 ) -> Result<(), sqlx::Error> {
     let now = now_ms();
     super::secagg::purge(tx, round.id).await?;
+    clear_sum(tx, round.id).await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET state = 'dropped', drop_reason = $2 WHERE round_id = $1 \
          AND state IN {PENDING_STATES}"
@@ -471,7 +502,7 @@ pub async fn fail(
     .await?;
     sqlx::query(
         "UPDATE rounds SET state = 'failed', finished_ms = $1, closed_ms = COALESCE(closed_ms, $1), \
-         update_sum = NULL, status_message = $2 WHERE id = $3",
+         status_message = $2 WHERE id = $3",
     )
     .bind(now)
     .bind(reason)
@@ -510,7 +541,7 @@ pub async fn fail_open_round(
     .bind(job_id)
     .fetch_all(&mut **tx)
     .await?;
-    for (round_id,) in open {
+    for &(round_id,) in &open {
         super::secagg::purge(tx, round_id).await?;
     }
     sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -523,13 +554,18 @@ pub async fn fail_open_round(
     .await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE rounds SET state = 'failed', finished_ms = $1, closed_ms = COALESCE(closed_ms, $1), \
-         update_sum = NULL, status_message = $2 WHERE job_id = $3 AND state IN {OPEN_STATES}"
+         status_message = $2 WHERE job_id = $3 AND state IN {OPEN_STATES}"
     )))
     .bind(now)
     .bind(reason)
     .bind(job_id)
     .execute(&mut **tx)
     .await?;
+    // After the rounds' rows, which a fold locks before the sum: the same
+    // order, so the two never wait on each other.
+    for (round_id,) in open {
+        clear_sum(tx, round_id).await?;
+    }
     Ok(())
 }
 
@@ -770,7 +806,6 @@ struct LockedRound {
     #[sqlx(try_from = "String")]
     state: RoundState,
     deadline_ms: Option<i64>,
-    update_sum: Option<Vec<u8>>,
     weight_total: i64,
 }
 
@@ -798,7 +833,7 @@ pub async fn accept_updates(
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
     let round: Option<LockedRound> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT state, deadline_ms, update_sum, weight_total FROM rounds WHERE id = $1{}",
+        "SELECT state, deadline_ms, weight_total FROM rounds WHERE id = $1{}",
         db.for_update()
     )))
     .bind(round_id)
@@ -819,7 +854,8 @@ pub async fn accept_updates(
         deadline_ms: round.deadline_ms,
     };
     let mut weight_total = round.weight_total;
-    let mut sum = round.update_sum.map(|bytes| fedavg::decode_sum(&bytes));
+    let stored = update_sum(&mut tx, round_id).await?;
+    let mut sum = stored.map(|bytes| fedavg::decode_sum(&bytes));
     let mut outcomes = Vec::with_capacity(updates.len());
     let (mut accepted, mut bytes_in) = (0i64, 0i64);
     for update in updates {
@@ -836,11 +872,13 @@ pub async fn accept_updates(
         let refusals = outcomes.into_iter().map(|outcome| outcome.map(|()| 0));
         return Ok(refusals.collect());
     }
+    if let Some(sum) = &sum {
+        store_sum(&mut tx, round_id, fedavg::encode_sum(sum)).await?;
+    }
     let (before,): (i64,) = sqlx::query_as(
-        "UPDATE rounds SET update_sum = $1, weight_total = $2, updates_accepted = updates_accepted + $3, \
-         bytes_in = bytes_in + $4 WHERE id = $5 RETURNING updates_accepted - $3",
+        "UPDATE rounds SET weight_total = $1, updates_accepted = updates_accepted + $2, \
+         bytes_in = bytes_in + $3 WHERE id = $4 RETURNING updates_accepted - $2",
     )
-    .bind(sum.as_deref().map(fedavg::encode_sum))
     .bind(weight_total)
     .bind(accepted)
     .bind(bytes_in)

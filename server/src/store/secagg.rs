@@ -2,12 +2,12 @@
 //! and graph seed, each participant's advertised keys, seed commitment,
 //! survivor-set signature and revealed shares, and the share ciphertexts
 //! in transit between devices. No individual plaintext update is ever stored: masked vectors are folded
-//! into `rounds.update_sum` as they arrive and not kept.
+//! into the round's running sum (`round_sums`) as they arrive and not kept.
 
 use canopy_protocol::secagg::Plan;
 use sqlx::FromRow;
 
-use super::rounds::{PENDING_STATES, ParticipantState, RoundState, Tx};
+use super::rounds::{LEFT_STATES, PENDING_STATES, ParticipantState, RoundState, Tx};
 use super::{parse_state, text_enum};
 use crate::db::{Db, now_ms};
 
@@ -28,6 +28,28 @@ text_enum! {
         Consistency = "consistency",
         /// Unmasking.
         Unmask = "unmask",
+    }
+}
+
+impl SecureStage {
+    /// What the stage waits for from each live participant, spelled for
+    /// SQL and for Rust side by side so the two cannot drift: the column
+    /// left empty, and whether a participant's row holds it.
+    pub fn answer(self) -> (&'static str, fn(&SecureParticipant) -> bool) {
+        match self {
+            SecureStage::Advertise => ("secagg_keys", |p| p.secagg_keys.is_some()),
+            SecureStage::Share => ("secagg_commitment", |p| p.secagg_commitment.is_some()),
+            SecureStage::Check => ("secagg_receipt", |p| p.secagg_receipt.is_some()),
+            // `uploaded_ms` is set exactly when the state becomes uploaded.
+            SecureStage::Collect => ("uploaded_ms", |p| p.state == ParticipantState::Uploaded),
+            SecureStage::Consistency => ("secagg_signature", |p| p.secagg_signature.is_some()),
+            SecureStage::Unmask => ("secagg_reveal", |p| p.secagg_reveal.is_some()),
+        }
+    }
+
+    /// Whether `participant` has sent what this stage waits for.
+    pub fn answered_by(self, participant: &SecureParticipant) -> bool {
+        (self.answer().1)(participant)
     }
 }
 
@@ -442,6 +464,28 @@ pub async fn survivor_ids(db: &Db, round_id: i64) -> Result<Vec<u64>, sqlx::Erro
     Ok(rows.into_iter().map(|(id,)| id as u64).collect())
 }
 
+/// How many live participants have not yet sent what `stage` waits for:
+/// one count, without the rows, so that the orchestrator can tell a stage
+/// that still waits without taking the write lock.
+pub async fn unanswered<'e, E>(
+    executor: E,
+    round_id: i64,
+    stage: SecureStage,
+) -> Result<i64, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    let (missing_column, _) = stage.answer();
+    let (count,): (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM participants WHERE round_id = $1 \
+         AND state NOT IN {LEFT_STATES} AND {missing_column} IS NULL"
+    )))
+    .bind(round_id)
+    .fetch_one(executor)
+    .await?;
+    Ok(count)
+}
+
 /// Drops the live participants that did not send what `stage` waits for
 /// by its close; returns how many.
 pub async fn drop_laggards(
@@ -449,16 +493,9 @@ pub async fn drop_laggards(
     round_id: i64,
     stage: SecureStage,
 ) -> Result<u64, sqlx::Error> {
-    // The column left empty by whoever did not send the stage's message.
-    let missing_column = match stage {
-        SecureStage::Advertise => "secagg_keys",
-        SecureStage::Share => "secagg_commitment",
-        SecureStage::Check => "secagg_receipt",
-        SecureStage::Collect => "uploaded_ms",
-        // Survivors are no longer pending: nobody is dropped for these.
-        SecureStage::Consistency => "secagg_signature",
-        SecureStage::Unmask => "secagg_reveal",
-    };
+    let (missing_column, _) = stage.answer();
+    // Survivors of Collect are no longer pending: nobody is dropped for
+    // ConsistencyCheck or Unmasking.
     let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE participants SET state = 'dropped', drop_reason = $2 WHERE round_id = $1 \
          AND state IN {PENDING_STATES} AND {missing_column} IS NULL"
@@ -549,15 +586,14 @@ pub async fn fold_masked_batch<S, E>(
     let _slot = db.round_write_slot().await;
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
-    let round: Option<(String, Option<String>, Option<Vec<u8>>)> =
-        sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT state, secagg_stage, update_sum FROM rounds WHERE id = $1{}",
-            db.for_update()
-        )))
-        .bind(round_id)
-        .fetch_optional(&mut *tx)
-        .await?;
-    let Some((state, stage, stored)) = round else {
+    let round: Option<(String, Option<String>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT state, secagg_stage FROM rounds WHERE id = $1{}",
+        db.for_update()
+    )))
+    .bind(round_id)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some((state, stage)) = round else {
         return Ok(uploads
             .iter()
             .map(|_| Err(MaskedRejection::Closed))
@@ -573,6 +609,7 @@ pub async fn fold_masked_batch<S, E>(
             .map(|_| Err(MaskedRejection::Closed))
             .collect());
     }
+    let stored = super::rounds::update_sum(&mut tx, round_id).await?;
     let mut sum = open(stored).map_err(|message| sqlx::Error::Decode(message.into()))?;
     let now = now_ms();
     let mut outcomes = Vec::with_capacity(uploads.len());
@@ -596,11 +633,11 @@ pub async fn fold_masked_batch<S, E>(
     if accepted == 0 {
         return Ok(outcomes.into_iter().map(|o| o.map(|()| 0)).collect());
     }
+    super::rounds::store_sum(&mut tx, round_id, close(&sum)).await?;
     let (before,): (i64,) = sqlx::query_as(
-        "UPDATE rounds SET update_sum = $1, updates_accepted = updates_accepted + $2, \
-         bytes_in = bytes_in + $3 WHERE id = $4 RETURNING updates_accepted - $2",
+        "UPDATE rounds SET updates_accepted = updates_accepted + $1, \
+         bytes_in = bytes_in + $2 WHERE id = $3 RETURNING updates_accepted - $1",
     )
-    .bind(close(&sum))
     .bind(accepted)
     .bind(bytes_in)
     .bind(round_id)
@@ -674,16 +711,18 @@ pub async fn store_aggregate(
     sum: &[u8],
     weight_total: u64,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE rounds SET update_sum = $1, weight_total = $2, state = 'aggregating', \
-         closed_ms = $3 WHERE id = $4 AND state = 'training'",
+    let closed = sqlx::query(
+        "UPDATE rounds SET weight_total = $1, state = 'aggregating', \
+         closed_ms = $2 WHERE id = $3 AND state = 'training'",
     )
-    .bind(sum.to_vec())
     .bind(i64::try_from(weight_total).unwrap_or(i64::MAX))
     .bind(now_ms())
     .bind(round_id)
     .execute(&mut **tx)
     .await?;
+    if closed.rows_affected() == 1 {
+        super::rounds::store_sum(tx, round_id, sum.to_vec()).await?;
+    }
     Ok(())
 }
 
