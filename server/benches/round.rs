@@ -615,6 +615,8 @@ struct RunReport {
     folded_per_s: f64,
     /// Server CPU seconds from job start to job completed.
     server_cpu_s: f64,
+    /// CPU time of this process, where the devices run, over the same span.
+    devices_cpu_s: f64,
     upload_p50_ms: u64,
     upload_p99_ms: u64,
     rss_idle: u64,
@@ -689,6 +691,7 @@ async fn run_once(options: &Options, n: usize, secure: bool) -> Result<RunReport
     );
 
     let cpu_before = cpu_seconds(pid).unwrap_or(0.0);
+    let devices_cpu_before = cpu_seconds(std::process::id()).unwrap_or(0.0);
     let load_before = load_average();
     let n32 = u32::try_from(n)?;
     let job_id = admin
@@ -729,6 +732,7 @@ async fn run_once(options: &Options, n: usize, secure: bool) -> Result<RunReport
     }
     let job = admin.wait_for_job(job_id, JOB_TIMEOUT).await?;
     let server_cpu_s = cpu_seconds(pid).unwrap_or(0.0) - cpu_before;
+    let devices_cpu_s = cpu_seconds(std::process::id()).unwrap_or(0.0) - devices_cpu_before;
     let rss_after = proc_status_bytes(pid, "VmRSS").context("VmRSS")?;
     let rss_peak_round = sampler.take_peak(pid);
     let hwm = proc_status_bytes(pid, "VmHWM").context("VmHWM")?;
@@ -793,6 +797,7 @@ async fn run_once(options: &Options, n: usize, secure: bool) -> Result<RunReport
         first_upload_to_done_s: (round_done_ms - first_sent) as f64 / 1e3,
         folded_per_s: accepted as f64 / ((last_accept - first_accept).max(1) as f64 / 1e3),
         server_cpu_s,
+        devices_cpu_s,
         upload_p50_ms: percentile(&latencies, 0.5),
         upload_p99_ms: percentile(&latencies, 0.99),
         rss_idle,
@@ -916,6 +921,10 @@ fn print_table(options: &Options, reports: &[RunReport]) {
             Box::new(|r| format!("{:.1}", r.server_cpu_s)),
         ),
         (
+            "devices' CPU time (this process, same span) (s)",
+            Box::new(|r| format!("{:.1}", r.devices_cpu_s)),
+        ),
+        (
             "upload latency p50 / p99 (ms)",
             Box::new(|r| format!("{} / {}", r.upload_p50_ms, r.upload_p99_ms)),
         ),
@@ -1031,12 +1040,14 @@ fn print_table(options: &Options, reports: &[RunReport]) {
             .find(|r| !r.secure && r.devices == secure.devices)
         {
             println!(
-                "secure / plain at N={}: round wall {:.2} s / {:.2} s = {:.2}x; server CPU {:.2}x",
+                "secure / plain at N={}: round wall {:.2} s / {:.2} s = {:.2}x; server CPU {:.2}x; \
+                 devices' CPU {:.2}x",
                 secure.devices,
                 secure.job_s,
                 plain.job_s,
                 secure.job_s / plain.job_s,
-                secure.server_cpu_s / plain.server_cpu_s.max(1e-9)
+                secure.server_cpu_s / plain.server_cpu_s.max(1e-9),
+                secure.devices_cpu_s / plain.devices_cpu_s.max(1e-9)
             );
         }
     }
