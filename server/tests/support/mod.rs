@@ -32,7 +32,7 @@ pub fn postgres_admin_url() -> String {
 }
 
 /// A fresh PostgreSQL database for one test, dropped with the server.
-fn create_postgres_database() -> Result<(String, String)> {
+pub fn create_postgres_database() -> Result<(String, String)> {
     static COUNTER: AtomicU32 = AtomicU32::new(0);
     let admin = postgres_admin_url();
     let name = format!(
@@ -51,7 +51,7 @@ fn create_postgres_database() -> Result<(String, String)> {
     Ok((format!("{base}/{name}"), name))
 }
 
-fn psql(url: &str, statement: &str) -> Result<()> {
+pub fn psql(url: &str, statement: &str) -> Result<()> {
     let output = Command::new("psql")
         .args([url, "-v", "ON_ERROR_STOP=1", "-q", "-c", statement])
         .output()

@@ -1,0 +1,100 @@
+//! Upgrading a database keeps what it holds. A round that is open when
+//! the server is upgraded keeps its running sum: before migration
+//! `round_sums` (SQLite 0017, PostgreSQL 0018) the sum was the column
+//! `rounds.update_sum`; after it, the same bytes are in `round_sums`, and
+//! `rounds` no longer has the column.
+
+mod support;
+
+use anyhow::{Context, Result, ensure};
+use sqlx::any::AnyPoolOptions;
+use sqlx::migrate::Migrator;
+
+static SQLITE: Migrator = sqlx::migrate!("../migrations/sqlite");
+static POSTGRES: Migrator = sqlx::migrate!("../migrations/postgres");
+
+/// A sum as a round of a few parameters would hold it, and large enough
+/// to span SQLite overflow pages.
+fn sum_bytes() -> Vec<u8> {
+    (0..20_000u32)
+        .flat_map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes())
+        .collect()
+}
+
+async fn an_upgrade_keeps_a_running_sum(
+    url: &str,
+    migrator: &Migrator,
+    last_before: i64,
+) -> Result<()> {
+    sqlx::any::install_default_drivers();
+    // One connection, so that the session setting below holds for every
+    // statement.
+    let pool = AnyPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await?;
+    migrator
+        .run_to(last_before, &pool)
+        .await
+        .context("migrating to the old schema")?;
+    // The rounds' jobs and versions are beside the point: this session
+    // checks no foreign keys. (Each round has a job of its own, since a job
+    // has at most one open round.)
+    let no_foreign_keys = if url.starts_with("postgres") {
+        "SET session_replication_role = replica"
+    } else {
+        "PRAGMA foreign_keys = OFF"
+    };
+    sqlx::query(no_foreign_keys).execute(&pool).await?;
+    let sum = sum_bytes();
+    for (id, stored) in [(1i64, Some(sum.clone())), (2, None)] {
+        sqlx::query(
+            "INSERT INTO rounds (id, job_id, number, attempt, state, base_version_id, \
+             target_devices, min_devices, created_ms, update_sum) \
+             VALUES ($1, $1, 1, 1, 'training', 1, 10, 2, 0, $2)",
+        )
+        .bind(id)
+        .bind(stored)
+        .execute(&pool)
+        .await?;
+    }
+    migrator.run(&pool).await.context("upgrading")?;
+    let rows: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT round_id, update_sum FROM round_sums ORDER BY round_id")
+            .fetch_all(&pool)
+            .await?;
+    ensure!(
+        rows.len() == 1,
+        "round_sums has {} rows, expected 1",
+        rows.len()
+    );
+    ensure!(rows[0].0 == 1, "the sum moved to round {}", rows[0].0);
+    ensure!(rows[0].1 == sum, "the sum changed on the way");
+    let old_column = sqlx::query("SELECT update_sum FROM rounds")
+        .fetch_all(&pool)
+        .await;
+    ensure!(old_column.is_err(), "rounds still has update_sum");
+    pool.close().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn an_sqlite_upgrade_keeps_a_running_sum() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let url = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("canopy.db").display()
+    );
+    an_upgrade_keeps_a_running_sum(&url, &SQLITE, 16).await
+}
+
+#[tokio::test]
+async fn a_postgres_upgrade_keeps_a_running_sum() -> Result<()> {
+    let (url, name) = support::create_postgres_database()?;
+    let outcome = an_upgrade_keeps_a_running_sum(&url, &POSTGRES, 17).await;
+    support::psql(
+        &support::postgres_admin_url(),
+        &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+    )?;
+    outcome
+}
