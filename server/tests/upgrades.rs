@@ -92,9 +92,6 @@ async fn an_sqlite_upgrade_keeps_a_running_sum() -> Result<()> {
 async fn a_postgres_upgrade_keeps_a_running_sum() -> Result<()> {
     let (url, name) = support::create_postgres_database()?;
     let outcome = an_upgrade_keeps_a_running_sum(&url, &POSTGRES, 17).await;
-    support::psql(
-        &support::postgres_admin_url(),
-        &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
-    )?;
+    support::drop_postgres_database(&name)?;
     outcome
 }

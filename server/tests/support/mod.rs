@@ -51,7 +51,15 @@ pub fn create_postgres_database() -> Result<(String, String)> {
     Ok((format!("{base}/{name}"), name))
 }
 
-pub fn psql(url: &str, statement: &str) -> Result<()> {
+/// Drops a database that [`create_postgres_database`] made.
+pub fn drop_postgres_database(name: &str) -> Result<()> {
+    psql(
+        &postgres_admin_url(),
+        &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+    )
+}
+
+fn psql(url: &str, statement: &str) -> Result<()> {
     let output = Command::new("psql")
         .args([url, "-v", "ON_ERROR_STOP=1", "-q", "-c", statement])
         .output()
@@ -387,10 +395,7 @@ impl Drop for TestServer {
     fn drop(&mut self) {
         self.kill9();
         if let Some(name) = &self.pg_name {
-            let _ = psql(
-                &postgres_admin_url(),
-                &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
-            );
+            let _ = drop_postgres_database(name);
         }
     }
 }
