@@ -259,6 +259,14 @@ impl DeviceClient {
         self.block_on(self.inner.unenroll())?
     }
 
+    /// See [`crate::DeviceClient::install_certificate`].
+    pub fn install_certificate(
+        &self,
+        certificate: &canopy_protocol::device_cert::Certificate,
+    ) -> Result<(), SdkError> {
+        self.block_on(self.inner.install_certificate(certificate))?
+    }
+
     /// See [`crate::DeviceClient::decline_task`].
     pub fn decline_task(&self, task: &Task, reason: &str) -> Result<(), SdkError> {
         self.block_on(self.inner.decline_task(task, reason))?

@@ -69,7 +69,7 @@ fn status_of(error: &CanopyError) -> CanopyStatus {
         E::Training { .. } | E::InvalidTask { .. } => CanopyStatus::CanopyTraining,
         E::Transport { .. } | E::Incomplete { .. } => CanopyStatus::CanopyNetwork,
         E::Server { .. } | E::BadResponse { .. } => CanopyStatus::CanopyServer,
-        E::ModelVerification { .. } => CanopyStatus::CanopyVerification,
+        E::ModelVerification { .. } | E::Certificate { .. } => CanopyStatus::CanopyVerification,
         E::SecureAggregation { .. }
         | E::SecureRoundGone { .. }
         | E::SecureMessageRefused { .. }
@@ -276,8 +276,10 @@ pub unsafe extern "C" fn canopy_string_free(text: *mut c_char) {
 /// Makes a client. `pinned_sha256` (the fingerprint `canopy-server serve`
 /// prints) or else `ca_file` (a PEM path) says how the server's
 /// certificate is trusted; both NULL trusts public roots. `limits` may be
-/// NULL. On success `*out` is the client, to free with
-/// `canopy_client_free`.
+/// NULL. `device_authority` (64 hex digits) pins the device authority
+/// whose certificates neighbours' keys must carry in secure rounds; NULL
+/// takes them on the server's word. On success `*out` is the client, to
+/// free with `canopy_client_free`.
 ///
 /// # Safety
 /// Strings are NULL or NUL-terminated; `limits` is NULL or readable;
@@ -290,16 +292,18 @@ pub unsafe extern "C" fn canopy_client_new(
     storage_dir: *const c_char,
     limits: *const CanopyLimits,
     backend: CanopyBackend,
+    device_authority: *const c_char,
     out: *mut *mut CanopyClient,
 ) -> CanopyStatus {
     status(|| {
         // SAFETY: the caller's promises on each pointer, forwarded.
-        let (url, pin, ca, dir) = unsafe {
+        let (url, pin, ca, dir, authority) = unsafe {
             (
                 text(server_url, "server_url")?,
                 optional_text(pinned_sha256, "pinned_sha256")?,
                 optional_text(ca_file, "ca_file")?,
                 text(storage_dir, "storage_dir")?,
+                optional_text(device_authority, "device_authority")?,
             )
         };
         let trust = match (pin, ca) {
@@ -328,6 +332,7 @@ pub unsafe extern "C" fn canopy_client_new(
             },
             checkpoint_every_steps: 0,
             progress_interval_ms: crate::DEFAULT_PROGRESS_INTERVAL_MS,
+            device_authority: authority,
         };
         let client = CanopyClient::new(config)?;
         // SAFETY: `out` is writable, as the caller promises.
@@ -550,6 +555,7 @@ pub unsafe extern "C" fn canopy_client_status_json(
         let value = serde_json::json!({
             "enrolled": status.enrolled,
             "device_id": status.device_id,
+            "device_key": status.device_key,
             "server_url": status.server_url,
             "backends": status.backends,
             "training_backend": status.training_backend,
@@ -559,6 +565,24 @@ pub unsafe extern "C" fn canopy_client_status_json(
         });
         // SAFETY: writable, as the caller promises.
         unsafe { put(json, c_string(&value.to_string()).into_raw(), "json") }
+    })
+}
+
+/// Installs the device authority's certificate of this device (128 hex
+/// digits), checked first against the pinned authority, if any.
+///
+/// # Safety
+/// `client` is live; `certificate` is NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn canopy_client_install_certificate(
+    client: *const CanopyClient,
+    certificate: *const c_char,
+) -> CanopyStatus {
+    status(|| {
+        // SAFETY: the caller's promises, forwarded.
+        let (client, certificate) =
+            unsafe { (self::client(client)?, text(certificate, "certificate")?) };
+        client.install_certificate(certificate)
     })
 }
 

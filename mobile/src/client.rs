@@ -12,7 +12,7 @@
 use std::sync::{Arc, Mutex};
 
 use canopy_protocol::auth::{self, DeviceKey};
-use canopy_protocol::messages::{Capabilities, Heartbeat, Task, Tier};
+use canopy_protocol::messages::{Capabilities, DeviceCertificate, Heartbeat, Task, Tier};
 use canopy_protocol::model_sig::TrustedKeys;
 use canopy_sdk::{BackendChoice, RetryPolicy, Transport, blocking};
 
@@ -54,6 +54,9 @@ impl CancelToken {
 #[derive(Clone, Debug, PartialEq, Eq, uniffi::Record)]
 pub struct EnrollmentInfo {
     pub device_id: i64,
+    /// The device's enrolled Ed25519 public key, 64 hex digits: with the
+    /// id, what a device authority certifies.
+    pub device_key: String,
     /// The backends reported to the server (`cpu`, `gpu`, `npu`).
     pub backends: Vec<String>,
 }
@@ -64,6 +67,8 @@ pub struct CanopyClient {
     config: ClientConfig,
     storage: Storage,
     transport: Transport,
+    /// `config.device_authority`, parsed once.
+    authority: Option<[u8; 32]>,
     conditions: Mutex<Option<DeviceConditions>>,
 }
 
@@ -127,12 +132,23 @@ impl CanopyClient {
     pub fn unenroll(&self) -> Result<(), CanopyError> {
         guard(|| self.unenroll_inner())
     }
+
+    /// Hands the server the device authority's certificate of this
+    /// device's id and enrolled key (128 hex digits), for it to relay to
+    /// the device's neighbours in secure rounds. With `device_authority`
+    /// set, the certificate is checked against it first. Call it once
+    /// after `enroll`, with what the app's backend made of
+    /// `EnrollmentInfo`'s `device_id` and `device_key`.
+    pub fn install_certificate(&self, certificate: String) -> Result<(), CanopyError> {
+        guard(|| self.install_certificate_inner(&certificate))
+    }
 }
 
 impl CanopyClient {
     pub fn open(config: ClientConfig) -> Result<CanopyClient, CanopyError> {
         check_limits(&config.limits)?;
         let transport = Transport::new(&config.server_url, &config.trust.to_sdk())?;
+        let authority = parse_authority(config.device_authority.as_deref())?;
         let storage = Storage::open(&config.storage_dir)?;
         if let Some(enrolled) = storage.enrollment()?
             && enrolled.server_url != config.server_url
@@ -147,6 +163,7 @@ impl CanopyClient {
             config,
             storage,
             transport,
+            authority,
             conditions: Mutex::new(None),
         })
     }
@@ -182,13 +199,8 @@ impl CanopyClient {
         cancel: canopy_sdk::CancelToken,
     ) -> Result<(blocking::DeviceClient, Enrollment), CanopyError> {
         let enrollment = self.enrollment()?;
-        let key = canopy_sdk::load_device_key(&self.storage.key_path()).map_err(|error| {
-            CanopyError::storage(crate::error::chain(
-                &error,
-                Some("the device key is gone or damaged; unenroll and enroll again"),
-            ))
-        })?;
-        let client = canopy_sdk::DeviceClient::with_trusted_keys(
+        let key = self.device_key()?;
+        let mut client = canopy_sdk::DeviceClient::with_trusted_keys(
             self.transport.clone(),
             enrollment.device_id,
             key,
@@ -196,7 +208,20 @@ impl CanopyClient {
         )
         .with_retry_policy(RetryPolicy::default())
         .with_cancel_token(cancel);
+        if let Some(authority) = self.authority {
+            client = client.with_device_authority(authority);
+        }
         Ok((blocking::DeviceClient::from_async(client)?, enrollment))
+    }
+
+    /// The key the device enrolled with, from the storage directory.
+    fn device_key(&self) -> Result<DeviceKey, CanopyError> {
+        canopy_sdk::load_device_key(&self.storage.key_path()).map_err(|error| {
+            CanopyError::storage(crate::error::chain(
+                &error,
+                Some("the device key is gone or damaged; unenroll and enroll again"),
+            ))
+        })
     }
 
     /// Keeps a model-signing key the server rotated to.
@@ -258,6 +283,7 @@ impl CanopyClient {
         self.storage.save_enrollment(&enrollment)?;
         Ok(EnrollmentInfo {
             device_id: enrolled.device_id,
+            device_key: hex::encode(key.public_key()),
             backends,
         })
     }
@@ -366,9 +392,14 @@ impl CanopyClient {
     fn status_inner(&self) -> Result<ClientStatus, CanopyError> {
         let enrollment = self.storage.enrollment()?;
         let pending_task = self.storage.task()?.map(|task| self.task_info(&task));
+        let device_key = match enrollment {
+            Some(_) => Some(hex::encode(self.device_key()?.public_key())),
+            None => None,
+        };
         Ok(ClientStatus {
             enrolled: enrollment.is_some(),
             device_id: enrollment.as_ref().map(|e| e.device_id),
+            device_key,
             server_url: self.config.server_url.clone(),
             backends: enrollment.map(|e| e.backends).unwrap_or_default(),
             training_backend: self.training_backend().kind().to_string(),
@@ -391,11 +422,40 @@ impl CanopyClient {
         }
     }
 
+    fn install_certificate_inner(&self, certificate: &str) -> Result<(), CanopyError> {
+        let body = DeviceCertificate {
+            certificate: certificate.trim().to_string(),
+        };
+        let certificate = body.bytes().map_err(|cause| {
+            CanopyError::config(format!(
+                "the certificate is not a device certificate: {cause}\nhint: pass the 128 hex \
+                 digits the device authority made (`canopy authority certify` prints them)"
+            ))
+        })?;
+        let (device, _) = self.device(canopy_sdk::CancelToken::new())?;
+        device.install_certificate(&certificate)?;
+        Ok(())
+    }
+
     /// The backend tasks train on: the pinned one, or the best the device
     /// has.
     pub(crate) fn training_backend(&self) -> BackendChoice {
         backend_choice(self.config.backend)
     }
+}
+
+/// The device authority's public key from its 64 hex digits.
+fn parse_authority(hex: Option<&str>) -> Result<Option<[u8; 32]>, CanopyError> {
+    hex.map(|hex| {
+        auth::parse_public_key_hex(hex.trim()).map_err(|cause| {
+            CanopyError::config(format!(
+                "device_authority is not an Ed25519 public key: {cause}\nhint: give the 64 hex \
+                 digits `canopy authority new` printed, or leave it unset to take neighbours' \
+                 keys on the server's word"
+            ))
+        })
+    })
+    .transpose()
 }
 
 /// The engine backend for a preference: the pinned one (the CPU, with

@@ -60,6 +60,10 @@ pub enum CanopyError {
     /// The server certificate settings (pin, CA file) are unusable.
     #[error("{message}")]
     Trust { message: String },
+    /// A device certificate the pinned device authority did not make for
+    /// this device's id and enrolled key.
+    #[error("{message}")]
+    Certificate { message: String },
     #[error("{message}")]
     BadUrl { message: String },
     /// The server could not be reached.
@@ -120,6 +124,7 @@ impl CanopyError {
             Cancelled { .. } => "Cancelled",
             Training { .. } => "Training",
             Trust { .. } => "Trust",
+            Certificate { .. } => "Certificate",
             BadUrl { .. } => "BadUrl",
             Transport { .. } => "Transport",
             Server { .. } => "Server",
@@ -180,8 +185,8 @@ impl From<SdkError> for CanopyError {
     fn from(error: SdkError) -> CanopyError {
         let message = chain(&error, sdk_hint(&error));
         match error {
-            // A device certificate is trust in the device authority.
-            SdkError::Trust(_) | SdkError::Certificate { .. } => CanopyError::Trust { message },
+            SdkError::Trust(_) => CanopyError::Trust { message },
+            SdkError::Certificate { .. } => CanopyError::Certificate { message },
             SdkError::BadUrl(_) => CanopyError::BadUrl { message },
             SdkError::Transport { .. } => CanopyError::Transport { message },
             SdkError::Server { .. } => CanopyError::Server { message },
@@ -295,6 +300,21 @@ mod tests {
         assert!(
             server.message().contains("403 (forbidden): revoked"),
             "{server}"
+        );
+        let certificate: CanopyError = SdkError::Certificate {
+            device_id: 7,
+            source: canopy_protocol::device_cert::CertificateError::Forged { device_id: 7 },
+        }
+        .into();
+        assert_eq!(certificate.name(), "Certificate");
+        assert!(
+            certificate
+                .message()
+                .contains("device 7's certificate was not made")
+                && certificate
+                    .message()
+                    .contains("hint: ask the device authority"),
+            "{certificate}"
         );
     }
 }

@@ -97,6 +97,14 @@ pub struct ClientConfig {
     /// reports every step.
     #[uniffi(default = 100)]
     pub progress_interval_ms: u64,
+    /// The device authority's Ed25519 public key, 64 hex digits, when the
+    /// app's backend certifies its devices (`canopy authority`): in secure
+    /// rounds the client then takes a neighbour's key only with the
+    /// authority's certificate, so that the server cannot put a key of its
+    /// own in an honest neighbour's place. Install this device's own
+    /// certificate with `install_certificate` after `enroll`.
+    #[uniffi(default = None)]
+    pub device_authority: Option<String>,
 }
 
 /// The device's state, as the app reads it from the OS.
@@ -212,6 +220,9 @@ pub struct TaskOutcome {
 pub struct ClientStatus {
     pub enrolled: bool,
     pub device_id: Option<i64>,
+    /// The device's enrolled Ed25519 public key, 64 hex digits: what the
+    /// device authority certifies, with the id.
+    pub device_key: Option<String>,
     pub server_url: String,
     /// The backends reported at enrollment.
     pub backends: Vec<String>,

@@ -9,6 +9,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
 use canopy_bindgen::Language;
+use canopy_protocol::device_cert::DeviceAuthority;
 
 fn compile(out: &Path) -> Result<std::path::PathBuf> {
     common::bindings(Language::C, out)?;
@@ -62,6 +63,10 @@ async fn a_c_program_enrolls_trains_and_uploads_under_valgrind() -> Result<()> {
         .env("CANOPY_FINGERPRINT", &server.fingerprint)
         .env("CANOPY_TOKEN", &token)
         .env("CANOPY_STORAGE", &storage)
+        .env(
+            "CANOPY_AUTHORITY",
+            DeviceAuthority::generate().public_key_hex(),
+        )
         .output()
         .context("cannot run valgrind; install it (apt-get install valgrind)")?;
     let stdout = String::from_utf8_lossy(&run.stdout);

@@ -15,6 +15,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
 use canopy_bindgen::Language;
+use canopy_protocol::device_cert::DeviceAuthority;
 
 const JNA_JAR: &str = "/usr/share/java/jna.jar";
 
@@ -108,6 +109,10 @@ async fn generated_kotlin_enrolls_trains_and_uploads_on_the_jvm() -> Result<()> 
     .env("CANOPY_FINGERPRINT", &server.fingerprint)
     .env("CANOPY_TOKEN", &token)
     .env("CANOPY_STORAGE", out.path().join("storage"))
+    .env(
+        "CANOPY_AUTHORITY",
+        DeviceAuthority::generate().public_key_hex(),
+    )
     .output()?;
     let stdout = String::from_utf8_lossy(&run.stdout);
     ensure!(

@@ -35,6 +35,8 @@ fn swift_bindings_are_generated_with_the_whole_api() -> Result<()> {
         "func runTask(",
         "func status(",
         "func unenroll(",
+        "func installCertificate(",
+        "deviceAuthority",
         "protocol ProgressListener",
         "enum CanopyError",
         "struct ClientConfig",

@@ -49,9 +49,12 @@ def _free_port():
 
 
 class Server:
-    """One `canopy-server serve` process on SQLite, self-signed TLS."""
+    """One `canopy-server serve` process on SQLite, self-signed TLS; with
+    `device_authority`, one that takes devices' certificates from that
+    authority (its public key) and selects only certified devices for
+    secure jobs."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, device_authority=None):
         self.data_dir = root / "server"
         self.data_dir.mkdir(mode=0o700)
         self.config_dir = root / "cli-config"
@@ -64,6 +67,7 @@ class Server:
                 "--listen", f"127.0.0.1:{self.port}",
                 "--tls", "self-signed",
                 "--log-format", "json",
+                *(["--device-authority", device_authority] if device_authority else []),
             ],
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -169,6 +173,40 @@ def server(tmp_path):
     server.stop()
 
 
+class Authority:
+    """A device authority run apart from the server, as an app's backend
+    would run it: `canopy authority new` and `canopy authority certify`."""
+
+    def __init__(self, root: Path):
+        self.key_path = root / "authority.key"
+        self.public_key = self._canopy("authority", "new", "--out", str(self.key_path)).strip()
+
+    def certify(self, device_id, device_key):
+        return self._canopy(
+            "authority", "certify", "--key", str(self.key_path),
+            "--device", str(device_id), "--device-key", device_key,
+        ).strip()
+
+    @staticmethod
+    def _canopy(*args):
+        done = subprocess.run([str(bin_dir() / "canopy"), *args], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"canopy {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
+        return done.stdout
+
+
+@pytest.fixture
+def authority(tmp_path):
+    return Authority(tmp_path)
+
+
+@pytest.fixture
+def server_with_authority(tmp_path, authority):
+    server = Server(tmp_path, device_authority=authority.public_key)
+    yield server
+    server.stop()
+
+
 def load_digits():
     """The bundled UCI digits: (features as rows of 64 floats, labels)."""
     path = _required_env("CANOPY_DIGITS", "point it at datasets/digits/digits.csv.gz")
@@ -215,6 +253,7 @@ def new_client(server, storage: Path, **overrides):
         checkpoint_every_steps=overrides.pop("checkpoint_every_steps", 5),
         # Every step reported: the tests stop training at a given step.
         progress_interval_ms=overrides.pop("progress_interval_ms", 0),
+        device_authority=overrides.pop("device_authority", None),
     )
     return canopy.CanopyClient(config)
 

@@ -22,13 +22,14 @@ def trainable(model_bytes):
     return {p.name: p.values for p in canopy.read_model_parameters(model_bytes) if p.trainable}
 
 
-def enrolled_clients(server, tmp_path, count):
+def enrolled_clients(server, tmp_path, count, **overrides):
     token = server.enrollment_token(uses=count + 2)
     clients = []
     for i in range(count):
-        client = new_client(server, tmp_path / f"device-{i}")
+        client = new_client(server, tmp_path / f"device-{i}", **overrides)
         info = client.enroll(token, canopy.DeviceInfo(os="python-test", memory_mb=2048, tags={}))
         assert info.device_id > 0 and "cpu" in info.backends
+        assert len(info.device_key) == 64 and client.status().device_key == info.device_key
         client.report_conditions(good_conditions())
         clients.append(client)
     return clients
@@ -221,9 +222,31 @@ def test_rust_errors_are_python_exceptions_with_the_rust_message(server, tmp_pat
     assert "hint:" in str(bad_model.value)
 
 
-def test_a_python_client_takes_part_in_a_secure_round(server, tmp_path):
+def test_python_clients_that_pin_a_device_authority_take_part_in_a_secure_round(
+    server_with_authority, authority, tmp_path
+):
+    """The server relays enrolled keys in a secure round; clients that pin
+    the device authority take a neighbour's key only with its certificate,
+    so the server cannot substitute one."""
+    server = server_with_authority
     server.push_digits_model(tmp_path, fitted=True)
-    clients = enrolled_clients(server, tmp_path, 4)
+    with pytest.raises(canopy.CanopyError.InvalidConfig) as bad_pin:
+        new_client(server, tmp_path / "bad-pin", device_authority="not hex")
+    assert "device_authority is not an Ed25519 public key" in str(bad_pin.value), str(bad_pin.value)
+    clients = enrolled_clients(server, tmp_path, 4, device_authority=authority.public_key)
+    statuses = [client.status() for client in clients]
+    certificates = [authority.certify(s.device_id, s.device_key) for s in statuses]
+    with pytest.raises(canopy.CanopyError.InvalidConfig) as garbled:
+        clients[0].install_certificate("zz")
+    assert "is not a device certificate" in str(garbled.value), str(garbled.value)
+    # Another device's certificate: refused by the client's own check,
+    # with the SDK's error name and message.
+    with pytest.raises(canopy.CanopyError.Certificate) as forged:
+        clients[0].install_certificate(certificates[1])
+    assert f"device {statuses[0].device_id}" in str(forged.value), str(forged.value)
+    assert "hint: ask the device authority" in str(forged.value), str(forged.value)
+    for client, certificate in zip(clients, certificates):
+        client.install_certificate(certificate)
     spec = dict(PLAIN_JOB, name="secure", rounds=1, min_devices=4, target_devices=4,
                 secure_aggregation={"enabled": True, "max_dropout_fraction": 0.0, "clip": 1.0, "bits": 31})
     job_id = server.create_job(tmp_path, spec)

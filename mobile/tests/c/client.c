@@ -48,15 +48,21 @@ static int check_errors_are_values(void) {
     /* NULL arguments and a bad fingerprint come back as errors with a
      * message, never a crash. */
     CanopyClient *client = NULL;
-    CanopyStatus status = canopy_client_new(NULL, NULL, NULL, "/tmp", NULL, CANOPY_BACKEND_CPU, &client);
+    CanopyStatus status = canopy_client_new(NULL, NULL, NULL, "/tmp", NULL, CANOPY_BACKEND_CPU, NULL, &client);
     if (status != CANOPY_INVALID_CONFIG || strstr(canopy_last_error_message(), "server_url") == NULL) {
         fprintf(stderr, "error: a NULL server_url gave %d: %s\n", (int)status, canopy_last_error_message());
         return 1;
     }
     status = canopy_client_new("https://127.0.0.1:9", "xyz", NULL, env("CANOPY_STORAGE"), NULL,
-                               CANOPY_BACKEND_CPU, &client);
+                               CANOPY_BACKEND_CPU, NULL, &client);
     if (status != CANOPY_INVALID_CONFIG || strcmp(canopy_last_error_name(), "Trust") != 0) {
         fprintf(stderr, "error: a bad fingerprint gave %d (%s)\n", (int)status, canopy_last_error_name());
+        return 1;
+    }
+    status = canopy_client_new(env("CANOPY_URL"), env("CANOPY_FINGERPRINT"), NULL, env("CANOPY_STORAGE"), NULL,
+                               CANOPY_BACKEND_CPU, "abc", &client);
+    if (status != CANOPY_INVALID_CONFIG || strstr(canopy_last_error_message(), "device_authority") == NULL) {
+        fprintf(stderr, "error: a bad device authority gave %d: %s\n", (int)status, canopy_last_error_message());
         return 1;
     }
     canopy_client_free(NULL);
@@ -72,7 +78,8 @@ int main(void) {
     CanopyLimits limits = {.max_memory_mb = 512, .max_threads = 1, .max_download_bytes = 0, .time_limit_ms = 0};
     CanopyClient *client = NULL;
     CanopyStatus status = canopy_client_new(env("CANOPY_URL"), env("CANOPY_FINGERPRINT"), NULL,
-                                            env("CANOPY_STORAGE"), &limits, CANOPY_BACKEND_CPU, &client);
+                                            env("CANOPY_STORAGE"), &limits, CANOPY_BACKEND_CPU,
+                                            env("CANOPY_AUTHORITY"), &client);
     if (status != CANOPY_OK) {
         return failed("canopy_client_new", status);
     }
@@ -83,6 +90,17 @@ int main(void) {
         return failed("canopy_client_enroll", status);
     }
     printf("enrolled as device %lld\n", (long long)device_id);
+    /* A certificate the pinned authority did not make is refused before
+     * it is sent, by the SDK's error name. */
+    char forged[129];
+    memset(forged, '1', 128);
+    forged[128] = '\0';
+    status = canopy_client_install_certificate(client, forged);
+    if (status != CANOPY_VERIFICATION || strcmp(canopy_last_error_name(), "Certificate") != 0) {
+        fprintf(stderr, "error: a forged certificate gave %d (%s)\n", (int)status, canopy_last_error_name());
+        canopy_client_free(client);
+        return 1;
+    }
     CanopyConditions conditions = {.charging = true, .unmetered_network = true, .idle = true, .battery_percent = 80};
     if ((status = canopy_client_report_conditions(client, &conditions)) != CANOPY_OK) {
         canopy_client_free(client);

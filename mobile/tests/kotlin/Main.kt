@@ -20,6 +20,7 @@ fun config(storage: String, fingerprint: String) = ClientConfig(
     limits = Limits(maxMemoryMb = 512uL, maxThreads = 2u, maxDownloadBytes = null, timeLimitMs = null),
     backend = BackendPreference.CPU,
     checkpointEverySteps = 0u,
+    deviceAuthority = env("CANOPY_AUTHORITY"),
 )
 
 fun main() {
@@ -35,6 +36,15 @@ fun main() {
     val client = CanopyClient(config(env("CANOPY_STORAGE"), env("CANOPY_FINGERPRINT")))
     val enrolled = client.enroll(env("CANOPY_TOKEN"), DeviceInfo(os = "jvm-test", memoryMb = 1024uL, tags = mapOf()))
     println("enrolled as device ${enrolled.deviceId} with ${enrolled.backends}")
+    check(enrolled.deviceKey.length == 64 && client.status().deviceKey == enrolled.deviceKey)
+    // A certificate the pinned device authority did not make is refused
+    // before it is sent, as the SDK's `Certificate` error.
+    try {
+        client.installCertificate("11".repeat(64))
+        error("a forged certificate was installed")
+    } catch (e: CanopyException.Certificate) {
+        check(e.message!!.contains("device ${enrolled.deviceId}")) { e.message!! }
+    }
     client.reportConditions(DeviceConditions(charging = true, unmeteredNetwork = true, idle = true, batteryPercent = 80u))
 
     var task: TaskInfo? = null
