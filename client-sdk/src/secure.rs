@@ -657,18 +657,11 @@ impl SecureRound {
         })
     }
 
-    /// [`SecureRound::finish`] with the update [`crate::train`] produced,
-    /// decoded from its float encoding.
+    /// [`SecureRound::finish`] with the update [`crate::train`] produced:
+    /// its values, which its float encoding holds exactly (f32), so they
+    /// are not decoded again; `finish` checks their count and finiteness.
     pub async fn finish_update(self, update: &LocalUpdate) -> Result<SecureReceipt, SdkError> {
-        let decoded = canopy_protocol::update::decode_update(&update.encoded, &self.task.layout)
-            .map_err(|error| {
-                protocol_error(
-                    &self.task,
-                    Stage::MaskedInput,
-                    SecAggError::Invalid(format!("the trained update does not decode: {error}")),
-                )
-            })?;
-        self.finish(&decoded.values, decoded.num_samples).await
+        self.finish(&update.delta, update.num_samples).await
     }
 
     async fn send(&self, stage: Stage, message: Vec<u8>) -> Result<(), SdkError> {
