@@ -106,7 +106,9 @@ pub struct LocalUpdate {
     pub encoded: Vec<u8>,
     /// The values `encoded` holds, in the task's layout order: for a
     /// training task the change of each trainable parameter, for a
-    /// statistics task the moments. For display; `encoded` is what leaves.
+    /// statistics task the moments. `encoded` is what a plain upload
+    /// sends; a secure round masks these values (they are the same
+    /// numbers: the encoding is f32).
     pub delta: Vec<f32>,
     pub num_samples: u64,
     /// Sample-weighted mean loss over the last epoch.
