@@ -14,24 +14,27 @@
 //! Cancellation is permanent: a cancelled token stays cancelled. To go on
 //! working after a cancellation, give the client a fresh token
 //! ([`crate::DeviceClient::set_cancel_token`]).
+//!
+//! A [`CancelToken::child`] is cancelled at the moment its parent is, and
+//! can also be cancelled alone: a caller that stops work for reasons of
+//! its own (a time limit) besides its user's token watches a child, so
+//! that the user's cancel reaches the work before its next step rather
+//! than when some watcher next looks (a cancel noticed late lands after
+//! training, where there is no progress left to keep).
+//!
+//! The token is tokio-util's `CancellationToken`, whose tree of children
+//! is the well-kept form of this; this type fixes the few operations the
+//! SDK promises.
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
-use tokio::sync::Notify;
-
-#[derive(Default)]
-struct Inner {
-    cancelled: AtomicBool,
-    notify: Notify,
-}
+use tokio_util::sync::CancellationToken;
 
 /// A cheap, cloneable cancellation flag that can also be awaited.
 #[derive(Clone, Default)]
 pub struct CancelToken {
-    inner: Arc<Inner>,
+    inner: CancellationToken,
 }
 
 impl CancelToken {
@@ -39,31 +42,28 @@ impl CancelToken {
         CancelToken::default()
     }
 
-    /// Cancels every operation observing this token or a clone of it.
-    /// Idempotent.
-    pub fn cancel(&self) {
-        if !self.inner.cancelled.swap(true, Ordering::SeqCst) {
-            self.inner.notify.notify_waiters();
+    /// A token cancelled when this one is (at once, on the cancelling
+    /// thread) or on its own; cancelling it leaves this one alone. A child
+    /// of a cancelled token starts cancelled.
+    pub fn child(&self) -> CancelToken {
+        CancelToken {
+            inner: self.inner.child_token(),
         }
     }
 
+    /// Cancels every operation observing this token, a clone of it or a
+    /// child. Idempotent.
+    pub fn cancel(&self) {
+        self.inner.cancel();
+    }
+
     pub fn is_cancelled(&self) -> bool {
-        self.inner.cancelled.load(Ordering::SeqCst)
+        self.inner.is_cancelled()
     }
 
     /// Completes once the token is cancelled (at once if it already is).
     pub async fn cancelled(&self) {
-        loop {
-            let notified = self.inner.notify.notified();
-            tokio::pin!(notified);
-            // Registers interest before looking at the flag, so a `cancel`
-            // between the look and the wait is not lost.
-            notified.as_mut().enable();
-            if self.is_cancelled() {
-                return;
-            }
-            notified.await;
-        }
+        self.inner.cancelled().await;
     }
 
     /// Runs `future` unless the token fires first; `None` when cancelled.
@@ -137,6 +137,23 @@ mod tests {
         assert_eq!(outcome, None);
         assert!(started.elapsed() < Duration::from_secs(5));
         thread.join().expect("canceller");
+    }
+
+    #[test]
+    fn a_child_is_cancelled_with_its_parent_at_once_but_not_the_other_way() {
+        let parent = CancelToken::new();
+        let (child, sibling) = (parent.child(), parent.child());
+        child.cancel();
+        assert!(child.is_cancelled() && !parent.is_cancelled() && !sibling.is_cancelled());
+        // No watcher thread in between: the parent's cancel has reached
+        // the child when `cancel` returns.
+        parent.cancel();
+        assert!(sibling.is_cancelled());
+        assert!(
+            parent.child().is_cancelled(),
+            "a late child starts cancelled"
+        );
+        runtime().block_on(sibling.cancelled());
     }
 
     #[test]

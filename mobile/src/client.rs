@@ -353,10 +353,7 @@ impl CanopyClient {
     }
 
     fn task_info(&self, task: &Task) -> TaskInfo {
-        let checkpointed_step = canopy_sdk::checkpoint::peek(&self.storage.checkpoint_path())
-            .filter(|info| info.round_id == task.round_id)
-            .map(|info| info.steps_done);
-        run::task_info(task, checkpointed_step)
+        run::task_info(task, run::checkpointed_step(&self.storage, task))
     }
 
     fn run_task_inner(

@@ -47,11 +47,13 @@ pub enum CanopyError {
     /// The task's deadline passed; it was given up.
     #[error("{message}")]
     TaskExpired { message: String },
-    /// The run hit the client's time limit; progress is checkpointed and a
-    /// later `run_task` resumes it.
+    /// The run hit the client's time limit; progress made in training is
+    /// checkpointed (the message says at which step) and a later
+    /// `run_task` resumes it.
     #[error("{message}")]
     TimeLimit { message: String },
-    /// The cancel token fired; progress is checkpointed.
+    /// The cancel token fired; as for `TimeLimit`, the message says which
+    /// step is checkpointed, or that none is.
     #[error("{message}")]
     Cancelled { message: String },
     /// Local training failed.

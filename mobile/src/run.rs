@@ -16,6 +16,7 @@ use canopy_sdk::{CancelToken, SdkError};
 use crate::client::CanopyClient;
 use crate::error::CanopyError;
 use crate::progress::Pace;
+use crate::storage::Storage;
 use crate::types::{
     ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData, TrainingProgress,
 };
@@ -24,7 +25,7 @@ use crate::types::{
 pub const DEFAULT_CHECKPOINT_EVERY_STEPS: u32 = 20;
 /// A device clock may be this far off the server's.
 const CLOCK_SKEW_MS: u64 = 5_000;
-/// How often the stop watcher looks at the app's token and the clock.
+/// How often the stop watcher looks at the clocks.
 const WATCH_INTERVAL: Duration = Duration::from_millis(20);
 
 pub(crate) struct RunContext<'a> {
@@ -64,11 +65,16 @@ enum StopCause {
     Deadline = 3,
 }
 
-/// Fires `token` when the app's token fires, the time limit passes or the
-/// round's deadline passes, remembering which; stops watching when
+/// The run's stop signal: `token` is a child of the app's token, so the
+/// app's cancel reaches training before its next step (a watcher that
+/// looked at the app's token every few milliseconds let a short training
+/// run to its end first, and the cancel then landed in the upload, with no
+/// progress left to keep). A thread fires `token` when the time limit or
+/// the round's deadline passes, remembering which; it stops watching when
 /// dropped.
 struct StopWatcher {
     token: CancelToken,
+    app: Option<CancelToken>,
     cause: Arc<AtomicU8>,
     done: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -80,17 +86,17 @@ impl StopWatcher {
         time_limit_ms: Option<u64>,
         deadline_unix_ms: u64,
     ) -> StopWatcher {
-        let token = CancelToken::new();
+        let token = app
+            .as_ref()
+            .map_or_else(CancelToken::new, CancelToken::child);
         let cause = Arc::new(AtomicU8::new(StopCause::None as u8));
         let done = Arc::new(AtomicBool::new(false));
         let limit = time_limit_ms.map(|ms| Instant::now() + Duration::from_millis(ms));
         let deadline = deadline_unix_ms.saturating_add(CLOCK_SKEW_MS);
         let (fire, why, finished) = (token.clone(), cause.clone(), done.clone());
         let thread = std::thread::spawn(move || {
-            while !finished.load(Ordering::Acquire) {
-                let stop = if app.as_ref().is_some_and(CancelToken::is_cancelled) {
-                    StopCause::App
-                } else if limit.is_some_and(|at| Instant::now() >= at) {
+            while !finished.load(Ordering::Acquire) && !fire.is_cancelled() {
+                let stop = if limit.is_some_and(|at| Instant::now() >= at) {
                     StopCause::TimeLimit
                 } else if now_ms() > deadline {
                     StopCause::Deadline
@@ -107,17 +113,19 @@ impl StopWatcher {
         });
         StopWatcher {
             token,
+            app,
             cause,
             done,
             thread: Some(thread),
         }
     }
 
+    /// The first of the clocks to fire, else the app when its token did.
     fn cause(&self) -> StopCause {
         match self.cause.load(Ordering::Acquire) {
-            1 => StopCause::App,
             2 => StopCause::TimeLimit,
             3 => StopCause::Deadline,
+            _ if self.app.as_ref().is_some_and(CancelToken::is_cancelled) => StopCause::App,
             _ => StopCause::None,
         }
     }
@@ -221,12 +229,10 @@ fn ended(
     );
     let round = task.round_id;
     if cancelled {
+        let kept = kept_progress(checkpointed_step(storage, task));
         return Ok(match cause {
             StopCause::TimeLimit => CanopyError::TimeLimit {
-                message: format!(
-                    "round {round}'s run reached the client's time limit; its progress is \
-                     checkpointed\nhint: call run_task again to resume"
-                ),
+                message: format!("round {round}'s run reached the client's time limit; {kept}"),
             },
             StopCause::Deadline => {
                 storage.clear_task()?;
@@ -240,10 +246,7 @@ fn ended(
                 }
             }
             _ => CanopyError::Cancelled {
-                message: format!(
-                    "round {round}'s run was cancelled; its progress is checkpointed\nhint: call \
-                     run_task again to resume"
-                ),
+                message: format!("round {round}'s run was cancelled; {kept}"),
             },
         });
     }
@@ -261,6 +264,30 @@ fn ended(
     let converted: CanopyError = error.into();
     storage.save_outcome(&format!("round {round}: failed: {}", converted.message()))?;
     Ok(converted)
+}
+
+/// The step of `task`'s checkpoint in `storage`, if one of this round's
+/// training reads back.
+pub(crate) fn checkpointed_step(storage: &Storage, task: &Task) -> Option<u64> {
+    canopy_sdk::checkpoint::peek(&storage.checkpoint_path())
+        .filter(|info| info.round_id == task.round_id)
+        .map(|info| info.steps_done)
+}
+
+/// What a stopped run kept, as the error says it: what is on disk, not
+/// what was meant to be (a stop before training began, or after it ended,
+/// keeps no checkpoint).
+fn kept_progress(checkpointed_step: Option<u64>) -> String {
+    match checkpointed_step {
+        Some(step) => format!(
+            "its progress is checkpointed at step {step}\nhint: call run_task again to resume \
+             from it"
+        ),
+        None => "no training progress was checkpointed (it stopped before the first checkpoint \
+                 or after training ended)\nhint: call run_task again; it trains from the first \
+                 step"
+            .to_string(),
+    }
 }
 
 /// What a run that failed leaves for the next one.
@@ -405,5 +432,50 @@ fn describe(outcome: &TaskOutcome) -> String {
             outcome.num_samples,
             outcome.uploaded_bytes
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deadline an hour away: only the app or the time limit stops.
+    fn later_ms() -> u64 {
+        now_ms() + 3_600_000
+    }
+
+    #[test]
+    fn the_apps_cancel_reaches_the_run_before_cancel_returns() {
+        let app = CancelToken::new();
+        let watcher = StopWatcher::start(Some(app.clone()), None, later_ms());
+        assert!(!watcher.token.is_cancelled());
+        app.cancel();
+        // No wait: training checks the token before its next step, and a
+        // cancel seen later lets a short training finish first (the
+        // resume test's flake).
+        assert!(watcher.token.is_cancelled());
+        assert_eq!(watcher.cause(), StopCause::App);
+    }
+
+    #[test]
+    fn the_run_stopping_leaves_the_apps_token_alone() {
+        let app = CancelToken::new();
+        let watcher = StopWatcher::start(Some(app.clone()), Some(0), later_ms());
+        let until = Instant::now() + Duration::from_secs(10);
+        while !watcher.token.is_cancelled() && Instant::now() < until {
+            std::thread::sleep(WATCH_INTERVAL);
+        }
+        assert!(
+            watcher.token.is_cancelled(),
+            "the time limit fires the run's token"
+        );
+        assert_eq!(watcher.cause(), StopCause::TimeLimit);
+        assert!(!app.is_cancelled(), "the app may use its token again");
+    }
+
+    #[test]
+    fn the_error_says_what_is_on_disk() {
+        assert!(kept_progress(Some(12)).starts_with("its progress is checkpointed at step 12\n"));
+        assert!(kept_progress(None).starts_with("no training progress was checkpointed"));
     }
 }
