@@ -636,7 +636,7 @@ impl SecureRound {
         let exclusions = self.receive(Stage::Exclusions, self.checked_at).await?;
         let masked = self
             .state
-            .masked_input(&exclusions, &input)
+            .masked_input_owned(&exclusions, input)
             .map_err(|source| protocol_error(&self.task, Stage::MaskedInput, source))?;
         let masked_input_bytes = masked.len() as u64;
         let survivor_set = self.exchange(Stage::MaskedInput, masked).await?;

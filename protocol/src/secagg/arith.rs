@@ -107,11 +107,21 @@ pub fn decode_sum(plan: &Plan, sum: &[u32]) -> Result<(Vec<f64>, u64), SecAggErr
 
 /// Packs each value's low `bits` bits into a little-endian bit stream.
 pub fn pack(values: &[u32], bits: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    pack_into(values, bits, &mut out);
+    out
+}
+
+/// [`pack`] appended to `out` (a message after its header), so that a
+/// masked input of the model's size is written once rather than packed
+/// and then copied into its message.
+pub fn pack_into(values: &[u32], bits: u32, out: &mut Vec<u8>) {
     debug_assert!((1..=32).contains(&bits));
+    out.reserve_exact((values.len() * bits as usize).div_ceil(8));
     if bits == 32 {
-        return values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        return;
     }
-    let mut out = Vec::with_capacity((values.len() * bits as usize).div_ceil(8));
     let mask = (1u64 << bits) - 1;
     // Fewer than 32 bits wait in the buffer between values, so adding one
     // of at most 31 never overflows it; whole 32-bit words leave at once.
@@ -127,7 +137,6 @@ pub fn pack(values: &[u32], bits: u32) -> Vec<u8> {
     }
     let last_bytes = filled.div_ceil(8) as usize;
     out.extend_from_slice(&buffer.to_le_bytes()[..last_bytes]);
-    out
 }
 
 /// acc[i] += the i-th packed value, modulo 2³². `packed` must hold exactly
@@ -244,6 +253,49 @@ mod tests {
         assert!((mean(0) - 0.3).abs() < 1e-4, "{}", mean(0));
         assert_eq!(mean(1), -1.0, "clipped");
         assert!(mean(2).abs() < 1e-5);
+    }
+
+    #[test]
+    fn every_value_takes_its_own_coin() {
+        // The rule, one value at a time: value 2i rounds with draw i's low
+        // half, 2i+1 with its high half, a last odd value with a fresh
+        // draw's high half; the same seed gives the same input.
+        for len in [1, 2, 3, 1023, 1024, 1025, 2047, 2048, 2049, 5000] {
+            let config = SecAggConfig {
+                enabled: true,
+                clip: 1.0,
+                ..SecAggConfig::default()
+            };
+            let mut plan = config.plan(100, 10).unwrap();
+            plan.update_len = len;
+            let delta: Vec<f32> = (0..len)
+                .map(|i| ((i * 37) % 200) as f32 / 100.0 - 1.0)
+                .collect();
+            let quantized =
+                quantize(&plan, &delta, 7, &mut rand::rngs::StdRng::seed_from_u64(9)).unwrap();
+            let mut coins = SmallRng::from_rng(&mut rand::rngs::StdRng::seed_from_u64(9));
+            let mut expected_coins = Vec::with_capacity(len);
+            while expected_coins.len() + 1 < len {
+                let draw = coins.next_u64();
+                expected_coins.extend([draw as u32, (draw >> 32) as u32]);
+            }
+            if expected_coins.len() < len {
+                expected_coins.push(coins.next_u32());
+            }
+            let scale = plan.levels as f64 / plan.clip;
+            for (i, (&q, &coin)) in quantized.iter().zip(&expected_coins).enumerate() {
+                let scaled = f64::from(delta[i]) * scale;
+                let fraction = scaled - scaled.floor();
+                let up = f64::from(coin) < fraction * TWO_TO_32;
+                let level = scaled.floor() as i64 + i64::from(up);
+                assert_eq!(
+                    q,
+                    ((level * 7) as u32) & plan.modulus_mask(),
+                    "len {len}, value {i}"
+                );
+            }
+            assert_eq!(quantized[len], 7, "the weight follows the values");
+        }
     }
 
     #[test]

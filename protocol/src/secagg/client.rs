@@ -366,6 +366,16 @@ impl Client {
         exclusions: &[u8],
         input: &[u32],
     ) -> Result<Vec<u8>, SecAggError> {
+        self.masked_input_owned(exclusions, input.to_vec())
+    }
+
+    /// [`Client::masked_input`] masking `input` where it lies: a device
+    /// keeps one vector of the model's size fewer, and does not copy it.
+    pub fn masked_input_owned(
+        &mut self,
+        exclusions: &[u8],
+        mut input: Vec<u32>,
+    ) -> Result<Vec<u8>, SecAggError> {
         self.expect(Step::Checked, "send its masked input")?;
         if input.len() != self.plan.masked_len() {
             return Err(SecAggError::invalid(format!(
@@ -385,20 +395,19 @@ impl Client {
         let mut masks = Vec::with_capacity(self.received.len() + 1);
         masks.push((self.self_seed, Sign::Add));
         let derived = self.pairwise_masks(&mut masks);
-        let mut masked = input.to_vec();
         if derived.is_ok() {
             // All masks at once, over the device's cores: the expansion is
             // nearly all of a device's secure-aggregation time.
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            mask::apply_all(&mut masked, &masks, threads);
+            mask::apply_all(&mut input, &masks, threads);
         }
         masks.iter_mut().for_each(|(seed, _)| seed.zeroize());
         derived?;
         self.step = Step::Masked;
         let mut message = wire::header(self.session, Stage::MaskedInput, self.device_id);
         message.push(self.plan.bits as u8);
-        message.extend_from_slice(&(masked.len() as u64).to_le_bytes());
-        message.extend_from_slice(&arith::pack(&masked, self.plan.bits));
+        message.extend_from_slice(&(input.len() as u64).to_le_bytes());
+        arith::pack_into(&input, self.plan.bits, &mut message);
         Ok(message)
     }
 

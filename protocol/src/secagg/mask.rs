@@ -114,28 +114,16 @@ pub fn apply_all(acc: &mut [u32], masks: &[(Seed, Sign)], threads: usize) {
     });
 }
 
+/// `words[i] = op(words[i], keystream word i)`. The keystream is read as
+/// one flat run of little-endian words, with no per-block indexing, so the
+/// loop compiles to vector adds: with AES-NI or VAES writing the keystream,
+/// this add is what bounds a mask's expansion.
 #[inline(always)]
 fn combine(words: &mut [u32], blocks: &[Block<Aes128>], op: impl Fn(u32, u32) -> u32) {
-    let word = |block: &Block<Aes128>, i: usize| {
-        u32::from_le_bytes([
-            block[4 * i],
-            block[4 * i + 1],
-            block[4 * i + 2],
-            block[4 * i + 3],
-        ])
-    };
-    let full_blocks = words.len() / WORDS_PER_BLOCK;
-    let mut quads = words.chunks_exact_mut(WORDS_PER_BLOCK);
-    for (quad, block) in (&mut quads).zip(blocks) {
-        for (i, w) in quad.iter_mut().enumerate() {
-            *w = op(*w, word(block, i));
-        }
-    }
-    let tail = quads.into_remainder();
-    if let Some(block) = blocks.get(full_blocks) {
-        for (i, w) in tail.iter_mut().enumerate() {
-            *w = op(*w, word(block, i));
-        }
+    let keystream = Block::<Aes128>::slice_as_flattened(blocks);
+    debug_assert!(keystream.len() >= words.len() * 4);
+    for (w, k) in words.iter_mut().zip(keystream.chunks_exact(4)) {
+        *w = op(*w, u32::from_le_bytes([k[0], k[1], k[2], k[3]]));
     }
 }
 
