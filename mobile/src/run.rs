@@ -229,10 +229,15 @@ fn ended(
     );
     let round = task.round_id;
     if cancelled {
-        let kept = kept_progress(checkpointed_step(storage, task));
+        // Read only where the error names it: a given-up task's checkpoint
+        // is not worth reading (a few times the model's size).
+        let kept = || kept_progress(checkpointed_step(storage, task));
         return Ok(match cause {
             StopCause::TimeLimit => CanopyError::TimeLimit {
-                message: format!("round {round}'s run reached the client's time limit; {kept}"),
+                message: format!(
+                    "round {round}'s run reached the client's time limit; {}",
+                    kept()
+                ),
             },
             StopCause::Deadline => {
                 storage.clear_task()?;
@@ -246,7 +251,7 @@ fn ended(
                 }
             }
             _ => CanopyError::Cancelled {
-                message: format!("round {round}'s run was cancelled; {kept}"),
+                message: format!("round {round}'s run was cancelled; {}", kept()),
             },
         });
     }
