@@ -626,17 +626,15 @@ impl SecureRound {
         delta: &[f32],
         num_samples: u64,
     ) -> Result<SecureReceipt, SdkError> {
-        // Quantizing first: an update that does not fit the plan fails
-        // here, before any more of the round's time is spent.
-        let input = {
-            let mut rng = rand::rng();
-            arith::quantize(self.state.plan(), delta, num_samples, &mut rng)
-        }
-        .map_err(|source| protocol_error(&self.task, Stage::MaskedInput, source))?;
+        // Checked first: an update that does not fit the plan fails here,
+        // before any more of the round's time is spent. It is quantized
+        // where it is masked.
+        let update = arith::Quantizer::new(self.state.plan(), delta, num_samples)
+            .map_err(|source| protocol_error(&self.task, Stage::MaskedInput, source))?;
         let exclusions = self.receive(Stage::Exclusions, self.checked_at).await?;
         let masked = self
             .state
-            .masked_input_owned(&exclusions, input)
+            .masked_update(&exclusions, &update, &mut rand::rng())
             .map_err(|source| protocol_error(&self.task, Stage::MaskedInput, source))?;
         let masked_input_bytes = masked.len() as u64;
         let survivor_set = self.exchange(Stage::MaskedInput, masked).await?;

@@ -250,7 +250,10 @@ fn quantized_updates_average_back_to_the_float_mean() {
         ..SecAggConfig::default()
     };
     let n = 12;
-    let plan = config.plan(n, 100).unwrap().commit_graph(&[5; 32]);
+    // Long enough for the device's windows over two or more cores, each
+    // quantizing with its own coins: some chunks start past the first.
+    let len = 2 * 65_536 + 1_001;
+    let plan = config.plan(n, len).unwrap().commit_graph(&[5; 32]);
     let ids: Vec<u64> = (1..=n as u64).collect();
     let session = Session {
         job_id: 1,
@@ -267,7 +270,7 @@ fn quantized_updates_average_back_to_the_float_mean() {
     let updates: Vec<(Vec<f32>, u64)> = (0..n)
         .map(|_| {
             (
-                (0..100).map(|_| rng.random_range(-0.5f32..0.5)).collect(),
+                (0..len).map(|_| rng.random_range(-0.5f32..0.5)).collect(),
                 rng.random_range(10..300),
             )
         })
@@ -289,9 +292,25 @@ fn quantized_updates_average_back_to_the_float_mean() {
     }
     for (id, message) in server.close_checking().unwrap() {
         let (delta, samples) = &updates[id as usize - 1];
-        let input = arith::quantize(&plan, delta, *samples, &mut rng).unwrap();
+        if id == 1 {
+            // Rounded for another plan, the update is refused, and the
+            // device can still send the right one.
+            let other = Plan {
+                levels: plan.levels - 1,
+                ..plan.clone()
+            };
+            let wrong = arith::Quantizer::new(&other, delta, *samples).unwrap();
+            let error = clients[0]
+                .masked_update(&message, &wrong, &mut rng)
+                .unwrap_err();
+            assert!(
+                error.to_string().contains("another round's plan"),
+                "{error}"
+            );
+        }
+        let update = arith::Quantizer::new(&plan, delta, *samples).unwrap();
         let reply = clients[id as usize - 1]
-            .masked_input(&message, &input)
+            .masked_update(&message, &update, &mut rng)
             .unwrap();
         server.receive_masked_input(id, &reply).unwrap();
     }
@@ -309,7 +328,7 @@ fn quantized_updates_average_back_to_the_float_mean() {
     let (weighted, weight) = arith::decode_sum(&plan, &sum).unwrap();
     let expected_weight: u64 = updates.iter().map(|(_, w)| *w).sum();
     assert_eq!(weight, expected_weight);
-    for i in 0..100 {
+    for i in 0..len {
         let exact: f64 = updates
             .iter()
             .map(|(d, w)| f64::from(d[i]) * *w as f64)

@@ -14,69 +14,114 @@ use super::SecAggError;
 use super::params::Plan;
 
 /// The device's input to the masking stage: the weighted, quantized update
-/// followed by the weight, each reduced modulo 2^b.
+/// followed by the weight, each reduced modulo 2^b. Value 2i rounds with
+/// the low half of the coin generator's draw i, value 2i + 1 with its high
+/// half.
 pub fn quantize<R: Rng + ?Sized>(
     plan: &Plan,
     delta: &[f32],
     num_samples: u64,
     rng: &mut R,
 ) -> Result<Vec<u32>, SecAggError> {
-    if delta.len() != plan.update_len {
-        return Err(SecAggError::invalid(format!(
-            "the update has {} values, the round expects {}",
-            delta.len(),
-            plan.update_len
-        )));
-    }
-    if num_samples == 0 {
-        return Err(SecAggError::invalid(
-            "an update trained on zero samples has no weight".to_string(),
-        ));
-    }
-    if let Some(index) = delta.iter().position(|v| !v.is_finite()) {
-        return Err(SecAggError::invalid(format!(
-            "update element {index} is {}; only finite values can be aggregated",
-            delta[index]
-        )));
-    }
-    let weight = num_samples.min(plan.max_weight) as i64;
-    // Q32.32 fixed point: a coordinate scaled to levels carries its
-    // fraction in the low 32 bits, so that rounding is a shift and one
-    // comparison with the coin, with no float floor or compare (half the
-    // time of rounding in f64, measured). |levels| < 2³¹ (the plan checks
-    // its ring), so ±levels·2³² fits in an i64.
-    debug_assert!(plan.levels < 1 << 31);
-    let fixed_per_unit = plan.levels as f64 / plan.clip * TWO_TO_32;
-    let fixed_limit = plan.levels as f64 * TWO_TO_32;
-    let mask = plan.modulus_mask();
-    // The rounding needs unbiased coins, not secret ones (the masks hide
-    // the input, rounding included): 32 bits per element from a fast
-    // generator seeded from the caller's, two elements per draw.
+    let update = Quantizer::new(plan, delta, num_samples)?;
     let mut caller = &mut *rng;
     let mut coins = SmallRng::from_rng(&mut caller);
-    let round = |value: f32, coin: u32| {
+    let mut out = vec![0u32; plan.masked_len()];
+    update.fill(0, &mut out, &mut coins);
+    Ok(out)
+}
+
+/// An update checked against a round's plan, rounded a window at a time
+/// where it is masked ([`crate::secagg::client::Client::masked_update`]),
+/// so that no quantized vector of the model's size is ever written.
+pub struct Quantizer<'a> {
+    plan: Plan,
+    delta: &'a [f32],
+    weight: i64,
+    /// Q32.32 fixed point: a coordinate scaled to levels carries its
+    /// fraction in the low 32 bits, so that rounding is a shift and one
+    /// comparison with the coin, with no float floor or compare (half the
+    /// time of rounding in f64, measured).
+    fixed_per_unit: f64,
+    fixed_limit: f64,
+}
+
+impl<'a> Quantizer<'a> {
+    /// Refuses an update of the wrong length, with no samples, or with a
+    /// value that is not finite.
+    pub fn new(plan: &Plan, delta: &'a [f32], num_samples: u64) -> Result<Self, SecAggError> {
+        if delta.len() != plan.update_len {
+            return Err(SecAggError::invalid(format!(
+                "the update has {} values, the round expects {}",
+                delta.len(),
+                plan.update_len
+            )));
+        }
+        if num_samples == 0 {
+            return Err(SecAggError::invalid(
+                "an update trained on zero samples has no weight".to_string(),
+            ));
+        }
+        if let Some(index) = delta.iter().position(|v| !v.is_finite()) {
+            return Err(SecAggError::invalid(format!(
+                "update element {index} is {}; only finite values can be aggregated",
+                delta[index]
+            )));
+        }
+        // |levels| < 2³¹ (the plan checks its ring), so ±levels·2³² fits
+        // in an i64.
+        debug_assert!(plan.levels < 1 << 31);
+        Ok(Quantizer {
+            plan: plan.clone(),
+            delta,
+            weight: num_samples.min(plan.max_weight) as i64,
+            fixed_per_unit: plan.levels as f64 / plan.clip * TWO_TO_32,
+            fixed_limit: plan.levels as f64 * TWO_TO_32,
+        })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Words `first..first + out.len()` of the input, the values rounded in
+    /// order with coins from `coins`, two a draw (a last odd one takes a
+    /// draw's high half). The rounding needs unbiased coins, not secret
+    /// ones: the masks hide the input, rounding included.
+    pub fn fill(&self, first: usize, out: &mut [u32], coins: &mut SmallRng) {
+        let mask = self.plan.modulus_mask();
+        let values_end = self.plan.update_len.saturating_sub(first).min(out.len());
+        let (values, weight_slot) = out.split_at_mut(values_end);
+        let delta = &self.delta[first.min(self.delta.len())..][..values_end];
+        let mut value_pairs = values.chunks_exact_mut(2);
+        let mut delta_pairs = delta.chunks_exact(2);
+        for (slots, pair) in (&mut value_pairs).zip(&mut delta_pairs) {
+            let draw = coins.next_u64();
+            slots[0] = self.round(pair[0], draw as u32) & mask;
+            slots[1] = self.round(pair[1], (draw >> 32) as u32) & mask;
+        }
+        if let ([slot], [value]) = (value_pairs.into_remainder(), delta_pairs.remainder()) {
+            *slot = self.round(*value, coins.next_u32()) & mask;
+        }
+        // The weight is the word after the values, and the last.
+        debug_assert!(weight_slot.len() <= 1);
+        if let Some(slot) = weight_slot.first_mut() {
+            *slot = self.weight as u32 & mask;
+        }
+    }
+
+    /// The value's level times the weight, modulo 2³².
+    #[inline(always)]
+    fn round(&self, value: f32, coin: u32) -> u32 {
         // Truncated toward zero: within 2⁻³² of a level of the value.
-        let fixed = (f64::from(value) * fixed_per_unit).clamp(-fixed_limit, fixed_limit) as i64;
+        let fixed = (f64::from(value) * self.fixed_per_unit)
+            .clamp(-self.fixed_limit, self.fixed_limit) as i64;
         // Up with probability (fraction · 2³²) / 2³²; never past ±levels,
         // whose fraction is zero.
         let up = (fixed as u32) > coin;
         let level = (fixed >> 32) + i64::from(up);
-        ((level * weight) as u32) & mask
-    };
-    let mut out = vec![0u32; plan.masked_len()];
-    let (values, weight_slot) = out.split_at_mut(plan.update_len);
-    let mut value_pairs = values.chunks_exact_mut(2);
-    let mut delta_pairs = delta.chunks_exact(2);
-    for (slots, pair) in (&mut value_pairs).zip(&mut delta_pairs) {
-        let draw = coins.next_u64();
-        slots[0] = round(pair[0], draw as u32);
-        slots[1] = round(pair[1], (draw >> 32) as u32);
+        (level * self.weight) as u32
     }
-    if let ([slot], [value]) = (value_pairs.into_remainder(), delta_pairs.remainder()) {
-        *slot = round(*value, coins.next_u32());
-    }
-    weight_slot[0] = weight as u32 & mask;
-    Ok(out)
 }
 
 const TWO_TO_32: f64 = 4_294_967_296.0;
@@ -111,36 +156,44 @@ pub fn decode_sum(plan: &Plan, sum: &[u32]) -> Result<(Vec<f64>, u64), SecAggErr
 
 /// Packs each value's low `bits` bits into a little-endian bit stream.
 pub fn pack(values: &[u32], bits: u32) -> Vec<u8> {
-    let mut out = Vec::new();
-    pack_into(values, bits, &mut out);
+    let mut out = vec![0u8; packed_len(values.len(), bits)];
+    pack_to(values, bits, &mut out);
     out
 }
 
-/// [`pack`] appended to `out` (a message after its header), so that a
-/// masked input of the model's size is written once rather than packed
-/// and then copied into its message.
-pub fn pack_into(values: &[u32], bits: u32, out: &mut Vec<u8>) {
+/// Bytes that `count` values take at `bits` bits.
+pub fn packed_len(count: usize, bits: u32) -> usize {
+    (count * bits as usize).div_ceil(8)
+}
+
+/// [`pack`] into `out`, which must be exactly [`packed_len`] bytes: a
+/// window of a message, so that the masked input is written once, where
+/// it is sent from.
+pub fn pack_to(values: &[u32], bits: u32, out: &mut [u8]) {
     debug_assert!((1..=32).contains(&bits));
-    out.reserve_exact((values.len() * bits as usize).div_ceil(8));
+    assert_eq!(out.len(), packed_len(values.len(), bits), "packed length");
     if bits == 32 {
-        out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+        for (bytes, value) in out.chunks_exact_mut(4).zip(values) {
+            bytes.copy_from_slice(&value.to_le_bytes());
+        }
         return;
     }
     let mask = (1u64 << bits) - 1;
     // Fewer than 32 bits wait in the buffer between values, so adding one
     // of at most 31 never overflows it; whole 32-bit words leave at once.
-    let (mut buffer, mut filled) = (0u64, 0u32);
+    let (mut buffer, mut filled, mut written) = (0u64, 0u32, 0usize);
     for &value in values {
         buffer |= (u64::from(value) & mask) << filled;
         filled += bits;
         if filled >= 32 {
-            out.extend_from_slice(&(buffer as u32).to_le_bytes());
+            out[written..written + 4].copy_from_slice(&(buffer as u32).to_le_bytes());
+            written += 4;
             buffer >>= 32;
             filled -= 32;
         }
     }
-    let last_bytes = filled.div_ceil(8) as usize;
-    out.extend_from_slice(&buffer.to_le_bytes()[..last_bytes]);
+    let tail = &mut out[written..];
+    tail.copy_from_slice(&buffer.to_le_bytes()[..tail.len()]);
 }
 
 /// acc[i] += the i-th packed value, modulo 2³². `packed` must hold exactly

@@ -20,7 +20,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use rand::RngCore;
+use rand::rngs::SmallRng;
+use rand::{RngCore, SeedableRng};
 use sha2::{Digest, Sha256};
 use x25519_dalek::StaticSecret;
 use zeroize::Zeroize;
@@ -366,16 +367,6 @@ impl Client {
         exclusions: &[u8],
         input: &[u32],
     ) -> Result<Vec<u8>, SecAggError> {
-        self.masked_input_owned(exclusions, input.to_vec())
-    }
-
-    /// [`Client::masked_input`] masking `input` where it lies: a device
-    /// keeps one vector of the model's size fewer, and does not copy it.
-    pub fn masked_input_owned(
-        &mut self,
-        exclusions: &[u8],
-        mut input: Vec<u32>,
-    ) -> Result<Vec<u8>, SecAggError> {
         self.expect(Step::Checked, "send its masked input")?;
         if input.len() != self.plan.masked_len() {
             return Err(SecAggError::invalid(format!(
@@ -391,7 +382,55 @@ impl Client {
                 self.plan.bits
             )));
         }
+        self.mask_and_pack(exclusions, |_| {
+            |first: usize, chunk: &mut [u32]| {
+                chunk.copy_from_slice(&input[first..first + chunk.len()]);
+            }
+        })
+    }
+
+    /// [`Client::masked_input`] of the update itself, quantized a window
+    /// at a time where it is masked and packed: what a device sends. Each
+    /// window of the vector rounds with its own coins, seeded from `rng`.
+    pub fn masked_update<R: RngCore + ?Sized>(
+        &mut self,
+        exclusions: &[u8],
+        update: &arith::Quantizer<'_>,
+        rng: &mut R,
+    ) -> Result<Vec<u8>, SecAggError> {
+        self.expect(Step::Checked, "send its masked input")?;
+        if update.plan() != &self.plan {
+            return Err(SecAggError::invalid(
+                "the update was checked against another round's plan".to_string(),
+            ));
+        }
+        let coin_seed = rng.next_u64();
+        self.mask_and_pack(exclusions, |first| {
+            let mut coins = SmallRng::seed_from_u64(coin_seed.wrapping_add(first as u64));
+            move |first: usize, chunk: &mut [u32]| update.fill(first, chunk, &mut coins)
+        })
+    }
+
+    /// The MaskedInput message: the vector that `window_filler` makes
+    /// (see [`mask::fill_mask_pack`]) under every mask, packed after the
+    /// header.
+    fn mask_and_pack<W, F>(
+        &mut self,
+        exclusions: &[u8],
+        window_filler: W,
+    ) -> Result<Vec<u8>, SecAggError>
+    where
+        W: Fn(usize) -> F + Sync,
+        F: FnMut(usize, &mut [u32]),
+    {
         self.apply_exclusions(exclusions)?;
+        let len = self.plan.masked_len();
+        let bits = self.plan.bits;
+        let mut message = wire::header(self.session, Stage::MaskedInput, self.device_id);
+        message.push(bits as u8);
+        message.extend_from_slice(&(len as u64).to_le_bytes());
+        let header_len = message.len();
+        message.resize(header_len + arith::packed_len(len, bits), 0);
         let mut masks = Vec::with_capacity(self.received.len() + 1);
         masks.push((self.self_seed, Sign::Add));
         let derived = self.pairwise_masks(&mut masks);
@@ -399,15 +438,12 @@ impl Client {
             // All masks at once, over the device's cores: the expansion is
             // nearly all of a device's secure-aggregation time.
             let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            mask::apply_all(&mut input, &masks, threads);
+            let packed = &mut message[header_len..];
+            mask::fill_mask_pack(len, &masks, bits, threads, packed, window_filler);
         }
         masks.iter_mut().for_each(|(seed, _)| seed.zeroize());
         derived?;
         self.step = Step::Masked;
-        let mut message = wire::header(self.session, Stage::MaskedInput, self.device_id);
-        message.push(self.plan.bits as u8);
-        message.extend_from_slice(&(input.len() as u64).to_le_bytes());
-        arith::pack_into(&input, self.plan.bits, &mut message);
         Ok(message)
     }
 
