@@ -689,6 +689,37 @@ async fn bad_messages_are_refused_and_the_round_goes_on() -> Result<()> {
         .create_job(secure_job(version_id, 4, 4, 0.0, 0))
         .await?;
     let mut devices = start_devices(clients).await?;
+    // Enrolled after the round chose its devices: not in it.
+    let bystander = enroll_all(&server, &admin, 1).await?.remove(0);
+    let (status, text) = post(
+        &bystander,
+        &devices[0].task,
+        endpoints::ADVERTISE_KEYS,
+        vec![1],
+    )
+    .await?;
+    ensure!(
+        status == 404
+            && text.contains(&format!(
+                "device {} was not selected for round {}",
+                bystander.device_id, devices[0].task.round_id
+            )),
+        "a device outside the round: {status} {text}"
+    );
+    let elsewhere = stage_path(&devices[0].task, endpoints::ADVERTISE_KEYS)?.replace(
+        &format!("/rounds/{}/", devices[0].task.round_id),
+        &format!("/rounds/{}/", devices[0].task.round_id + 1000),
+    );
+    let response = devices[0]
+        .client
+        .signed(Method::POST, &elsewhere, Bytes::from(vec![1]))
+        .await?;
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap_or_default();
+    ensure!(
+        status == 404 && text.contains("does not run secure aggregation"),
+        "a round that does not exist: {status} {text}"
+    );
     let (status, _) = post(
         &devices[0].client,
         &devices[0].task,

@@ -57,7 +57,9 @@ impl SecureStage {
 struct SecureRoundRow {
     id: i64,
     job_id: i64,
-    #[sqlx(try_from = "String")]
+    /// Named apart from the participant's state, which a joined read
+    /// ([`round_and_participant`]) selects beside it.
+    #[sqlx(rename = "round_state", try_from = "String")]
     state: RoundState,
     status_message: String,
     secagg_stage: Option<String>,
@@ -87,14 +89,58 @@ pub async fn get<'e, E>(executor: E, round_id: i64) -> Result<Option<SecureRound
 where
     E: sqlx::Executor<'e, Database = sqlx::Any>,
 {
-    let row: Option<SecureRoundRow> = sqlx::query_as(
-        "SELECT id, job_id, state, status_message, secagg_stage, secagg_plan, secagg_seed, \
-         stage_deadline_ms, deadline_ms FROM rounds WHERE id = $1",
-    )
+    let row: Option<SecureRoundRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ROUND_COLUMNS} FROM rounds r WHERE r.id = $1"
+    )))
     .bind(round_id)
     .fetch_optional(executor)
     .await?;
-    let Some(row) = row else { return Ok(None) };
+    row.map_or(Ok(None), secure_round)
+}
+
+const ROUND_COLUMNS: &str = "r.id, r.job_id, r.state AS round_state, r.status_message, \
+     r.secagg_stage, r.secagg_plan, r.secagg_seed, r.stage_deadline_ms, r.deadline_ms";
+
+#[derive(FromRow)]
+struct RoundAndParticipantRow {
+    #[sqlx(flatten)]
+    round: SecureRoundRow,
+    #[sqlx(flatten)]
+    participant: SecureParticipant,
+}
+
+/// The round and one of its participants in one read: what every device
+/// request of a secure round starts with (each read is a hand-off to the
+/// database's worker, and at 1,000 devices a secure round makes tens of
+/// thousands). `None` when the device is not the round's participant or
+/// the round does not exist; the round part is `None` when it is not a
+/// secure round.
+pub async fn round_and_participant<'e, E>(
+    executor: E,
+    round_id: i64,
+    device_id: i64,
+) -> Result<Option<(Option<SecureRound>, SecureParticipant)>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
+    let row: Option<RoundAndParticipantRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ROUND_COLUMNS}, {PARTICIPANT_COLUMNS} FROM rounds r \
+         JOIN participants p ON p.round_id = r.id \
+         JOIN devices d ON d.id = p.device_id \
+         WHERE r.id = $1 AND p.device_id = $2"
+    )))
+    .bind(round_id)
+    .bind(device_id)
+    .fetch_optional(executor)
+    .await?;
+    let Some(RoundAndParticipantRow { round, participant }) = row else {
+        return Ok(None);
+    };
+    Ok(Some((secure_round(round)?, participant)))
+}
+
+/// The row as a secure round; `None` for a plain round.
+fn secure_round(row: SecureRoundRow) -> Result<Option<SecureRound>, sqlx::Error> {
     let (Some(stage), Some(plan)) = (row.secagg_stage, row.secagg_plan) else {
         return Ok(None);
     };
@@ -191,28 +237,11 @@ pub struct SecureParticipant {
     pub certificate: Option<Vec<u8>>,
 }
 
-const PARTICIPANT_SELECT: &str = "SELECT p.device_id, p.state, p.secagg_keys, \
+const PARTICIPANT_COLUMNS: &str = "p.device_id, p.state, p.secagg_keys, \
      p.secagg_commitment, p.secagg_reveal, p.secagg_receipt, p.secagg_signature, d.public_key, \
-     d.certificate \
-     FROM participants p \
-     JOIN devices d ON d.id = p.device_id";
+     d.certificate";
 
-pub async fn participant<'e, E>(
-    executor: E,
-    round_id: i64,
-    device_id: i64,
-) -> Result<Option<SecureParticipant>, sqlx::Error>
-where
-    E: sqlx::Executor<'e, Database = sqlx::Any>,
-{
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "{PARTICIPANT_SELECT} WHERE p.round_id = $1 AND p.device_id = $2"
-    )))
-    .bind(round_id)
-    .bind(device_id)
-    .fetch_optional(executor)
-    .await
-}
+const PARTICIPANT_FROM: &str = "FROM participants p JOIN devices d ON d.id = p.device_id";
 
 /// The participants among `device_ids` (a device's graph neighbours, at
 /// most the plan's degree): what one device's request needs, read without
@@ -232,7 +261,7 @@ where
         .map(|i| format!("${}", i + 2))
         .collect();
     let sql = format!(
-        "{PARTICIPANT_SELECT} WHERE p.round_id = $1 AND p.device_id IN ({}) ORDER BY p.device_id",
+        "SELECT {PARTICIPANT_COLUMNS} {PARTICIPANT_FROM} WHERE p.round_id = $1 AND p.device_id IN ({}) ORDER BY p.device_id",
         placeholders.join(", ")
     );
     let mut query = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(round_id);
@@ -252,7 +281,7 @@ where
     E: sqlx::Executor<'e, Database = sqlx::Any>,
 {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "{PARTICIPANT_SELECT} WHERE p.round_id = $1 ORDER BY p.device_id"
+        "SELECT {PARTICIPANT_COLUMNS} {PARTICIPANT_FROM} WHERE p.round_id = $1 ORDER BY p.device_id"
     )))
     .bind(round_id)
     .fetch_all(executor)

@@ -81,19 +81,20 @@ async fn load(
     round_id: i64,
     device_id: i64,
 ) -> ApiResult<(SecureRound, SecureParticipant)> {
-    let round = secagg::get(&state.db.pool, round_id)
-        .await?
-        .ok_or_else(|| {
-            ApiError::not_found(format!("round {round_id} does not run secure aggregation"))
-        })?;
-    let participant = secagg::participant(&state.db.pool, round_id, device_id)
-        .await?
-        .ok_or_else(|| {
-            ApiError::not_found(format!(
+    let not_secure =
+        || ApiError::not_found(format!("round {round_id} does not run secure aggregation"));
+    match secagg::round_and_participant(&state.db.pool, round_id, device_id).await? {
+        Some((Some(round), participant)) => Ok((round, participant)),
+        Some((None, _)) => Err(not_secure()),
+        // Which is missing, the round or the device's place in it: a
+        // second read, on this rare path only.
+        None => match secagg::get(&state.db.pool, round_id).await? {
+            None => Err(not_secure()),
+            Some(_) => Err(ApiError::not_found(format!(
                 "device {device_id} was not selected for round {round_id}"
-            ))
-        })?;
-    Ok((round, participant))
+            ))),
+        },
+    }
 }
 
 /// 410 when the round is over or the device was dropped from it.
