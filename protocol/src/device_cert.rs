@@ -20,6 +20,8 @@
 //! Architecture Invariant: this module is pure; the bytes a certificate
 //! signs are defined once, in [`signed_bytes`].
 
+use ed25519_dalek::VerifyingKey;
+
 use crate::keys::{signing_key_type, verifying_key};
 
 pub const CERTIFICATE_BYTES: usize = 64;
@@ -85,10 +87,22 @@ pub fn verify(
     device_key: &[u8; 32],
     certificate: &Certificate,
 ) -> Result<(), CertificateError> {
+    let authority = verifying_key(authority).map_err(CertificateError::AuthorityKey)?;
+    verify_with(&authority, device_id, device_key, certificate)
+}
+
+/// [`verify`] with the authority's key already parsed: a device checking
+/// all its neighbours' certificates parses it once, not once a neighbour
+/// (each parse is a point decompression, a square root in the field).
+pub fn verify_with(
+    authority: &VerifyingKey,
+    device_id: u64,
+    device_key: &[u8; 32],
+    certificate: &Certificate,
+) -> Result<(), CertificateError> {
     if *certificate == NO_CERTIFICATE {
         return Err(CertificateError::Missing { device_id });
     }
-    let authority = verifying_key(authority).map_err(CertificateError::AuthorityKey)?;
     authority
         .verify_strict(
             &signed_bytes(device_id, device_key),

@@ -20,6 +20,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use ed25519_dalek::VerifyingKey;
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use sha2::{Digest, Sha256};
@@ -51,8 +52,8 @@ struct PeerKeys {
     channel: crypto::Channel,
     mask: [u8; 32],
     /// The neighbour's enrolled Ed25519 key, which signed its round keys
-    /// and signs its survivor set.
-    device_key: [u8; 32],
+    /// and signs its survivor set: parsed once (a point decompression).
+    device_key: VerifyingKey,
 }
 
 /// What a device got in IncomingShares: the shares it opened, by sender,
@@ -189,6 +190,7 @@ impl Client {
             max,
         )?;
         let graph_neighbours = self.read_graph(&mut reader)?;
+        let authority = self.pinned_authority()?;
         let count = reader.count(self.plan.degree, "neighbours")?;
         let mut neighbours = BTreeMap::new();
         for _ in 0..count {
@@ -204,11 +206,12 @@ impl Client {
             }
             let device_key: [u8; 32] = reader.array()?;
             let certificate: Certificate = reader.array()?;
-            self.check_certificate(id, &device_key, &certificate)?;
+            self.check_certificate(authority.as_ref(), id, &device_key, &certificate)?;
             let channel: [u8; 32] = reader.array()?;
             let mask: [u8; 32] = reader.array()?;
             let signature: [u8; 64] = reader.array()?;
-            verify_advertisement(self.session, id, &device_key, &channel, &mask, &signature)?;
+            let device_key =
+                verify_advertisement(self.session, id, &device_key, &channel, &mask, &signature)?;
             let channel = crypto::Channel::agree(
                 &self.channel_secret,
                 &channel,
@@ -243,29 +246,44 @@ impl Client {
         Ok(message)
     }
 
+    /// The authority's key when the device pins one, parsed once for all
+    /// its neighbours' certificates.
+    fn pinned_authority(&self) -> Result<Option<VerifyingKey>, SecAggError> {
+        match self.trust {
+            KeyTrust::Server => Ok(None),
+            KeyTrust::Authority(authority) => crate::keys::verifying_key(&authority)
+                .map(Some)
+                .map_err(|cause| {
+                    self.untrusted_neighbour(device_cert::CertificateError::AuthorityKey(cause))
+                }),
+        }
+    }
+
     /// A neighbour's enrolled key, taken on the pinned authority's word
     /// when there is one.
     fn check_certificate(
         &self,
+        authority: Option<&VerifyingKey>,
         id: u64,
         device_key: &[u8; 32],
         certificate: &Certificate,
     ) -> Result<(), SecAggError> {
-        match self.trust {
-            KeyTrust::Server => Ok(()),
-            KeyTrust::Authority(authority) => {
-                device_cert::verify(&authority, id, device_key, certificate).map_err(|cause| {
-                    SecAggError::rejected(
-                        "NeighbourKeys",
-                        format!(
-                            "{cause}; device {} takes a neighbour's key only on the word of the \
-                             authority it pins",
-                            self.device_id
-                        ),
-                    )
-                })
-            }
-        }
+        let Some(authority) = authority else {
+            return Ok(());
+        };
+        device_cert::verify_with(authority, id, device_key, certificate)
+            .map_err(|cause| self.untrusted_neighbour(cause))
+    }
+
+    fn untrusted_neighbour(&self, cause: device_cert::CertificateError) -> SecAggError {
+        SecAggError::rejected(
+            "NeighbourKeys",
+            format!(
+                "{cause}; device {} takes a neighbour's key only on the word of the authority it \
+                 pins",
+                self.device_id
+            ),
+        )
     }
 
     /// The graph seed and the participants that open NeighbourKeys:
@@ -735,8 +753,7 @@ impl Client {
         if confirmed.contains(&peer) {
             return reject(format!("device {peer}'s signature appears twice"));
         }
-        let key = crate::keys::verifying_key(&self.neighbours[&peer].device_key)
-            .map_err(|cause| SecAggError::rejected("UnmaskRequest", cause))?;
+        let key = &self.neighbours[&peer].device_key;
         let signature = ed25519_dalek::Signature::from_bytes(signature);
         if key.verify_strict(&view.signed, &signature).is_err() {
             return reject(format!(
@@ -777,7 +794,8 @@ pub fn pairwise_sign(own_id: u64, peer_id: u64) -> Sign {
     }
 }
 
-/// Checks a neighbour's advertisement against its enrolled Ed25519 key.
+/// Checks a neighbour's advertisement against its enrolled Ed25519 key, and
+/// returns that key, parsed.
 pub fn verify_advertisement(
     session: Session,
     device_id: u64,
@@ -785,7 +803,7 @@ pub fn verify_advertisement(
     channel: &[u8; 32],
     mask: &[u8; 32],
     signature: &[u8; 64],
-) -> Result<(), SecAggError> {
+) -> Result<VerifyingKey, SecAggError> {
     let key = crate::keys::verifying_key(device_key).map_err(|cause| {
         SecAggError::rejected(
             "AdvertiseKeys",
@@ -794,6 +812,7 @@ pub fn verify_advertisement(
     })?;
     let signed = wire::advertisement_signed_bytes(session, device_id, channel, mask);
     key.verify_strict(&signed, &ed25519_dalek::Signature::from_bytes(signature))
+        .map(|()| key)
         .map_err(|_| {
             SecAggError::rejected(
                 "AdvertiseKeys",
