@@ -212,8 +212,9 @@ pub fn apply_all(acc: &mut [u32], masks: &[(Seed, Sign)], threads: usize) {
 
 /// `words[i] = op(words[i], keystream word i)`. The keystream is read as
 /// one flat run of little-endian words, with no per-block indexing, so the
-/// loop compiles to vector adds (in a profiled secure round of 1M values
-/// the add took about half the time of the VAES keystream it adds).
+/// loop compiles to vector adds (in profiled secure rounds of 1M values
+/// the add took a quarter to a half of the time of the VAES keystream it
+/// adds).
 #[inline(always)]
 fn combine(words: &mut [u32], blocks: &[Block<Aes128>], op: impl Fn(u32, u32) -> u32) {
     let keystream = Block::<Aes128>::slice_as_flattened(blocks);
