@@ -205,17 +205,63 @@ pub async fn list(db: &Db, page: Page) -> Result<Vec<DeviceRow>, sqlx::Error> {
     .await
 }
 
+/// How closely `last_seen_ms` follows a device's requests. Seen-times
+/// need no millisecond precision, and skipping most writes keeps a busy
+/// device from rewriting its row on every request.
+pub const SEEN_PRECISION_MS: i64 = 1_000;
+
+/// Devices whose last seen-write this process remembers at most; past it
+/// the map starts over (a write each).
+const MAX_SEEN_MARKS: usize = 65_536;
+
+/// When this process last wrote each device's `last_seen_ms`: a request
+/// within [`SEEN_PRECISION_MS`] of that write costs no statement, where a
+/// conditional UPDATE that changes nothing still costs a hand-off to
+/// SQLite's worker thread (a secure round makes nine signed requests a
+/// device). Another process's writes are still seen by the UPDATE's own
+/// condition, so the column lags a device's last request by less than
+/// [`SEEN_PRECISION_MS`] whichever process took it.
+#[derive(Default)]
+pub struct SeenMarks {
+    written_ms: std::sync::Mutex<std::collections::HashMap<i64, i64>>,
+}
+
+impl SeenMarks {
+    fn due(&self, device_id: i64, now_ms: i64) -> bool {
+        let written = self.lock();
+        written
+            .get(&device_id)
+            .is_none_or(|&at| now_ms - at >= SEEN_PRECISION_MS)
+    }
+
+    fn record(&self, device_id: i64, now_ms: i64) {
+        let mut written = self.lock();
+        if written.len() >= MAX_SEEN_MARKS {
+            written.clear();
+        }
+        written.insert(device_id, now_ms);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<i64, i64>> {
+        self.written_ms
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 /// Records a nonce; false when the device already used it (a replay).
-/// Also marks the device as seen.
+/// A fresh one also marks the device as seen, when [`SeenMarks`] says
+/// its row is due. Each is one statement, committed on its own: a nonce
+/// recorded without the seen-time that follows it costs nothing.
 pub async fn use_nonce(
     db: &Db,
+    seen: &SeenMarks,
     device_id: i64,
     nonce: &str,
     expires_ms: i64,
 ) -> Result<bool, sqlx::Error> {
     let now = now_ms();
     let _writer = db.write_lock().await;
-    let mut tx = db.pool.begin().await?;
     let inserted = sqlx::query(
         "INSERT INTO device_nonces (device_id, nonce, expires_ms) VALUES ($1, $2, $3) \
          ON CONFLICT (device_id, nonce) DO NOTHING",
@@ -223,18 +269,19 @@ pub async fn use_nonce(
     .bind(device_id)
     .bind(nonce)
     .bind(expires_ms)
-    .execute(&mut *tx)
+    .execute(&db.pool)
     .await?;
-    // Seen-times need no millisecond precision; skipping most writes keeps
-    // polling devices from rewriting their row on every request.
-    sqlx::query("UPDATE devices SET last_seen_ms = $1 WHERE id = $2 AND last_seen_ms < $3")
-        .bind(now)
-        .bind(device_id)
-        .bind(now - 1_000)
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(inserted.rows_affected() == 1)
+    let fresh = inserted.rows_affected() == 1;
+    if fresh && seen.due(device_id, now) {
+        sqlx::query("UPDATE devices SET last_seen_ms = $1 WHERE id = $2 AND last_seen_ms < $3")
+            .bind(now)
+            .bind(device_id)
+            .bind(now - SEEN_PRECISION_MS)
+            .execute(&db.pool)
+            .await?;
+        seen.record(device_id, now);
+    }
+    Ok(fresh)
 }
 
 /// Forgets nonces whose timestamps can no longer pass the clock check.

@@ -116,7 +116,15 @@ impl FromRequestParts<AppState> for DeviceAuth {
         // A nonce must outlive every timestamp that could still pass the
         // clock check, so it is kept for twice the allowed skew.
         let expires_ms = now_ms() + 2 * auth::MAX_CLOCK_SKEW_MS as i64;
-        if !devices::use_nonce(&state.db, device_id, &request.nonce, expires_ms).await? {
+        if !devices::use_nonce(
+            &state.db,
+            &state.seen_marks,
+            device_id,
+            &request.nonce,
+            expires_ms,
+        )
+        .await?
+        {
             return Err(ApiError::unauthorized(format!(
                 "replayed request: device {} already used nonce {}",
                 device_id, request.nonce

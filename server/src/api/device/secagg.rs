@@ -142,7 +142,10 @@ pub async fn post_message(
     let (open_stage, message) = posted_stage(&endpoint)?;
     let device_id = device.device_id;
     let posted = (open_stage, message);
-    take_message(&state, device, round_id, posted, headers, body).await?;
+    // Listening before the message is taken, so that a stage that closes
+    // on it is never missed.
+    let woken = state.secagg_progress.notified();
+    let round = take_message(&state, device, round_id, posted, headers, body).await?;
     let taken = StatusCode::NO_CONTENT.into_response();
     let (Some(wait_ms), Some(answer)) = (query.wait_ms, message.answer()) else {
         return Ok(taken);
@@ -150,14 +153,23 @@ pub async fn post_message(
     let wait = poll_wait(Some(wait_ms), state.settings.limits.long_poll_max_ms);
     let deadline = tokio::time::Instant::now() + wait;
     let endpoint = endpoints::of(answer);
+    // The round was read just before the message was stored, in the stage
+    // the message belongs to, so the answer (from the next stage) cannot
+    // be ready: wait for the stage to move before reading the round again,
+    // one read a message less.
+    match wait_for_progress(&state, &round, woken, deadline).await {
+        Ok(true) => {}
+        Ok(false) | Err(_) => return Ok(taken),
+    }
     match await_message(&state, round_id, device_id, endpoint, deadline).await {
         Ok(Some(answer)) => Ok(answer),
         Ok(None) | Err(_) => Ok(taken),
     }
 }
 
-/// Checks and stores a device's stage message. Whatever it holds (an
-/// upload slot for a masked input) is released on return, before any wait.
+/// Checks and stores a device's stage message; the round as it was read
+/// before, in the message's stage. Whatever it holds (an upload slot for a
+/// masked input) is released on return, before any wait.
 async fn take_message(
     state: &AppState,
     device: DeviceAuth,
@@ -165,7 +177,7 @@ async fn take_message(
     (open_stage, message): (SecureStage, Stage),
     headers: HeaderMap,
     body: Body,
-) -> ApiResult<()> {
+) -> ApiResult<SecureRound> {
     let (round, participant) = load(state, round_id, device.device_id).await?;
     check_live(&round, &participant)?;
     let limit = message.max_bytes(round.plan.packed_bytes()) as u64;
@@ -212,7 +224,7 @@ async fn take_message(
         "secure message taken"
     );
     state.orchestrator_wake.notify_one();
-    Ok(())
+    Ok(round)
 }
 
 fn duplicate(message: Stage, round: &SecureRound, device_id: i64) -> ApiError {
