@@ -62,7 +62,7 @@ impl<'a> Quantizer<'a> {
                 "an update trained on zero samples has no weight".to_string(),
             ));
         }
-        if let Some(index) = delta.iter().position(|v| !v.is_finite()) {
+        if let Some(index) = first_non_finite(delta) {
             return Err(SecAggError::invalid(format!(
                 "update element {index} is {}; only finite values can be aggregated",
                 delta[index]
@@ -125,6 +125,24 @@ impl<'a> Quantizer<'a> {
 }
 
 const TWO_TO_32: f64 = 4_294_967_296.0;
+
+/// Values checked together by [`first_non_finite`].
+const FINITE_CHECK_RUN: usize = 256;
+
+/// The index of the first value that is not finite. Runs of values are
+/// checked with no early exit, which compiles to vector compares (a
+/// search that stops at the first hit checks one value at a time); only
+/// a run that holds one is searched.
+fn first_non_finite(values: &[f32]) -> Option<usize> {
+    values
+        .chunks(FINITE_CHECK_RUN)
+        .enumerate()
+        .find(|(_, run)| run.iter().fold(false, |bad, v| bad | !v.is_finite()))
+        .and_then(|(index, run)| {
+            let within = run.iter().position(|v| !v.is_finite())?;
+            Some(index * FINITE_CHECK_RUN + within)
+        })
+}
 
 /// Turns the unmasked sum back into Σwᵢ·Δᵢ (in the update's units) and Σwᵢ.
 pub fn decode_sum(plan: &Plan, sum: &[u32]) -> Result<(Vec<f64>, u64), SecAggError> {
@@ -403,6 +421,33 @@ mod tests {
             }
             assert_eq!(quantized[len], 7, "the weight follows the values");
         }
+    }
+
+    #[test]
+    fn the_first_non_finite_value_is_found_in_any_run() {
+        let len = FINITE_CHECK_RUN * 3 + 17;
+        assert_eq!(first_non_finite(&vec![1.5f32; len]), None);
+        assert_eq!(first_non_finite(&[]), None);
+        let edges = [
+            0,
+            1,
+            FINITE_CHECK_RUN - 1,
+            FINITE_CHECK_RUN,
+            2 * FINITE_CHECK_RUN + 5,
+            len - 1,
+        ];
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for &at in &edges {
+                let mut values = vec![-2.0f32; len];
+                values[at] = bad;
+                // A later one does not hide the first.
+                values[len - 1] = f32::NAN;
+                assert_eq!(first_non_finite(&values), Some(at), "{bad} at {at}");
+            }
+        }
+        // The largest finite values and subnormals are finite.
+        let extremes = [f32::MAX, f32::MIN, f32::MIN_POSITIVE / 2.0, -0.0];
+        assert_eq!(first_non_finite(&extremes), None);
     }
 
     #[test]

@@ -190,7 +190,7 @@ async fn stage_body(
 }
 
 /// 413 from the headers alone when the declared length is over `limit`.
-fn refuse_declared_over(headers: &HeaderMap, limit: u64, what: &str) -> ApiResult<()> {
+pub fn refuse_declared_over(headers: &HeaderMap, limit: u64, what: &str) -> ApiResult<()> {
     match content_length(headers) {
         Some(length) if length > limit => Err(ApiError::too_large(format!(
             "{what} is {length} bytes, over the {limit}-byte limit"

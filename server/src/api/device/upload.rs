@@ -11,11 +11,8 @@
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use bytes::BytesMut;
 use canopy_protocol::messages::UploadReceipt;
 use canopy_protocol::update::decode_update;
-use futures_util::StreamExt;
-use sha2::{Digest, Sha256};
 
 use super::auth::DeviceAuth;
 use super::folds::{self, FoldError};
@@ -50,10 +47,15 @@ pub async fn upload_update(
         Some((device.device_id, round_id)),
     )
     .await?;
+    let over_limit = || {
+        ApiError::too_large(format!(
+            "the update is over {limit} bytes, the exact size of an update of this model"
+        ))
+    };
     let bytes = within_upload_timeout(
         &state,
         "update",
-        read_hashed(body, limit, &device.content_sha256),
+        device.read_body(body, limit, "upload", over_limit),
     )
     .await?;
     let decoded = {
@@ -155,31 +157,4 @@ fn check_moments(count: u64, values: &[f32]) -> Result<(), String> {
     moments
         .validate()
         .map_err(|error| canopy_term::error_chain(&error))
-}
-
-/// Reads at most `limit` bytes, hashing as it goes, and checks the digest
-/// the signature covers.
-async fn read_hashed(body: Body, limit: u64, expected_sha256: &str) -> ApiResult<bytes::Bytes> {
-    let capacity = usize::try_from(limit).unwrap_or(usize::MAX);
-    let mut buffer = BytesMut::with_capacity(capacity.min(64 << 20));
-    let mut hasher = Sha256::new();
-    let mut stream = body.into_data_stream();
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk
-            .map_err(|error| ApiError::bad_request(format!("the upload was cut off: {error}")))?;
-        if (buffer.len() + chunk.len()) as u64 > limit {
-            return Err(ApiError::too_large(format!(
-                "the update is over {limit} bytes, the exact size of an update of this model"
-            )));
-        }
-        hasher.update(&chunk);
-        buffer.extend_from_slice(&chunk);
-    }
-    let actual = hex::encode(hasher.finalize());
-    if actual != expected_sha256 {
-        return Err(ApiError::unauthorized(format!(
-            "the body's SHA-256 is {actual}, but the signed header says {expected_sha256}"
-        )));
-    }
-    Ok(buffer.freeze())
 }
