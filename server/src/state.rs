@@ -61,6 +61,10 @@ pub struct Inner {
     /// The graphs and survivor sets of secure rounds in progress.
     pub secure_graphs: crate::secure::RoundCache<canopy_protocol::secagg::graph::Graph>,
     pub secure_survivors: crate::secure::RoundCache<Vec<u64>>,
+    /// Secure rounds' participant rows once ShareKeys, and once
+    /// Unmasking, has opened.
+    pub secure_key_rows: crate::secure::RoundCache<Vec<crate::store::secagg::SecureParticipant>>,
+    pub secure_unmask_rows: crate::secure::RoundCache<Vec<crate::store::secagg::SecureParticipant>>,
     /// Each secure round's devices excluded at ShareCheck, once it closed.
     pub secure_exclusions: crate::secure::RoundCache<std::collections::BTreeSet<u64>>,
     /// Secure rounds' stages, as long polls re-check them.
@@ -120,6 +124,12 @@ impl AppState {
             masked_folds: Default::default(),
             stage_writes: Default::default(),
             secure_graphs: Default::default(),
+            secure_key_rows: crate::secure::RoundCache::with_capacity(
+                crate::secure::MAX_CACHED_ROW_ROUNDS,
+            ),
+            secure_unmask_rows: crate::secure::RoundCache::with_capacity(
+                crate::secure::MAX_CACHED_ROW_ROUNDS,
+            ),
             secure_survivors: Default::default(),
             secure_exclusions: Default::default(),
             secure_progress: Default::default(),

@@ -243,34 +243,6 @@ const PARTICIPANT_COLUMNS: &str = "p.device_id, p.state, p.secagg_keys, \
 
 const PARTICIPANT_FROM: &str = "FROM participants p JOIN devices d ON d.id = p.device_id";
 
-/// The participants among `device_ids` (a device's graph neighbours, at
-/// most the plan's degree): what one device's request needs, read without
-/// the rest of the round.
-pub async fn participants_among<'e, E>(
-    executor: E,
-    round_id: i64,
-    device_ids: &[u64],
-) -> Result<Vec<SecureParticipant>, sqlx::Error>
-where
-    E: sqlx::Executor<'e, Database = sqlx::Any>,
-{
-    if device_ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    let placeholders: Vec<String> = (0..device_ids.len())
-        .map(|i| format!("${}", i + 2))
-        .collect();
-    let sql = format!(
-        "SELECT {PARTICIPANT_COLUMNS} {PARTICIPANT_FROM} WHERE p.round_id = $1 AND p.device_id IN ({}) ORDER BY p.device_id",
-        placeholders.join(", ")
-    );
-    let mut query = sqlx::query_as(sqlx::AssertSqlSafe(sql)).bind(round_id);
-    for &id in device_ids {
-        query = query.bind(id as i64);
-    }
-    query.fetch_all(executor).await
-}
-
 /// Every participant of the round, for the orchestrator's stage decisions
 /// and for unmasking: O(n) rows of a few hundred bytes.
 pub async fn participants<'e, E>(

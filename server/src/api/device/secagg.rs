@@ -279,28 +279,30 @@ async fn advertise(
 }
 
 /// The neighbours of `device_id` that advertised keys: the set it was sent
-/// in NeighbourKeys and must address shares to.
+/// in NeighbourKeys and must address shares to. From ShareKeys on.
 async fn advertised_neighbours(
     state: &AppState,
     round: &SecureRound,
     device_id: i64,
 ) -> ApiResult<Vec<SecureParticipant>> {
-    let neighbours = neighbour_rows(state, round, device_id).await?;
+    let rows = secure::cached_key_rows(state, round).await?;
+    let neighbours = neighbour_rows(state, round, &rows, device_id).await?;
     Ok(neighbours
         .into_iter()
         .filter(|p| p.secagg_keys.is_some())
         .collect())
 }
 
-/// The rows of a device's graph neighbours: O(k) rows, not the round's n.
+/// The rows of a device's graph neighbours, from a round's cached `rows`.
 async fn neighbour_rows(
     state: &AppState,
     round: &SecureRound,
+    rows: &[SecureParticipant],
     device_id: i64,
 ) -> ApiResult<Vec<SecureParticipant>> {
     let graph = secure::cached_graph(state, round).await?;
     let neighbours = graph.neighbours(device_id as u64).unwrap_or_default();
-    Ok(secagg::participants_among(&state.db.pool, round.id, &neighbours).await?)
+    Ok(secure::rows_among(rows, &neighbours))
 }
 
 async fn share_keys(
@@ -630,7 +632,8 @@ async fn unmask_sets(
     round: &SecureRound,
     device_id: i64,
 ) -> ApiResult<(BTreeSet<u64>, BTreeSet<u64>)> {
-    let neighbours = neighbour_rows(state, round, device_id).await?;
+    let rows = secure::cached_unmask_rows(state, round).await?;
+    let neighbours = neighbour_rows(state, round, &rows, device_id).await?;
     Ok(secure::unmask_sets_of(&neighbours))
 }
 
@@ -821,7 +824,8 @@ async fn build_message(
         }
         _ => {
             check_survivor(round, participant)?;
-            let neighbours = neighbour_rows(state, round, device_id).await?;
+            let rows = secure::cached_unmask_rows(state, round).await?;
+            let neighbours = neighbour_rows(state, round, &rows, device_id).await?;
             let signatures = neighbours
                 .iter()
                 .filter_map(|p| Some((p.device_id as u64, p.secagg_signature.as_deref()?)))
