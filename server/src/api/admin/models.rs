@@ -199,28 +199,6 @@ pub fn refuse_declared_over(headers: &HeaderMap, limit: u64, what: &str) -> ApiR
     }
 }
 
-/// Reads a body up to `limit` bytes; 413 as soon as it is known to be over.
-pub async fn read_limited(
-    headers: &HeaderMap,
-    body: Body,
-    limit: u64,
-    what: &str,
-) -> ApiResult<Bytes> {
-    refuse_declared_over(headers, limit, what)?;
-    let limit_usize = usize::try_from(limit).unwrap_or(usize::MAX);
-    axum::body::to_bytes(body, limit_usize)
-        .await
-        .map_err(|error| {
-            let over = std::error::Error::source(&error)
-                .is_some_and(|source| source.is::<http_body_util::LengthLimitError>());
-            if over {
-                ApiError::too_large(format!("{what} is over the {limit}-byte limit"))
-            } else {
-                ApiError::bad_request(format!("cannot read the {what}: {}", chain(&error)))
-            }
-        })
-}
-
 pub fn content_length(headers: &HeaderMap) -> Option<u64> {
     headers
         .get(header::CONTENT_LENGTH)?

@@ -16,16 +16,17 @@
 //! database nothing, and other devices' requests do not queue behind it.
 //! (The refused request was not carried out, so its nonce stays unused.)
 
-use axum::body::Body;
+use axum::body::{Body, HttpBody};
 use axum::extract::FromRequestParts;
-use axum::http::Method;
 use axum::http::request::Parts;
+use axum::http::{HeaderMap, Method};
 use bytes::{Bytes, BytesMut};
 use canopy_protocol::auth::{self, SignedRequest};
 use futures_util::StreamExt;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
+use crate::api::admin::models::refuse_declared_over;
 use crate::api::error::{ApiError, ApiResult};
 use crate::db::now_ms;
 use crate::device_keys::DeviceKey;
@@ -33,8 +34,8 @@ use crate::inflight::InFlightGuard;
 use crate::state::AppState;
 use crate::store::devices;
 
-/// Bytes reserved up front for a body, whatever its limit: more arrive
-/// as it is read.
+/// Bytes reserved up front for a body, whatever its declared length: more
+/// arrive as it is read.
 const MAX_BODY_PREALLOCATION_BYTES: usize = 64 << 20;
 
 /// SHA-256 of the empty body, which GET requests must declare.
@@ -181,7 +182,10 @@ impl DeviceAuth {
         what: &str,
         over_limit: impl FnOnce() -> ApiError,
     ) -> ApiResult<Bytes> {
-        let capacity = usize::try_from(limit).unwrap_or(usize::MAX);
+        // Room for the declared length, as far as the limit allows; a
+        // body of unknown length grows as it arrives.
+        let declared = HttpBody::size_hint(&body).lower().min(limit);
+        let capacity = usize::try_from(declared).unwrap_or(usize::MAX);
         let mut buffer = BytesMut::with_capacity(capacity.min(MAX_BODY_PREALLOCATION_BYTES));
         let mut hasher = Sha256::new();
         let mut stream = body.into_data_stream();
@@ -199,9 +203,19 @@ impl DeviceAuth {
         Ok(buffer.freeze())
     }
 
-    /// Checks that a body read in full is the one the signature covers.
-    pub fn check_body(&self, body: &[u8]) -> Result<(), ApiError> {
-        self.check_digest(&auth::sha256_hex(body))
+    /// [`DeviceAuth::read_body`] for a message with a byte limit of its
+    /// own: refused from its declared length before any of it is read,
+    /// and as `what` over the limit past it.
+    pub async fn read_message(
+        &self,
+        headers: &HeaderMap,
+        body: Body,
+        limit: u64,
+        what: &str,
+    ) -> ApiResult<Bytes> {
+        refuse_declared_over(headers, limit, what)?;
+        let over_limit = || ApiError::too_large(format!("{what} is over the {limit}-byte limit"));
+        self.read_body(body, limit, what, over_limit).await
     }
 
     fn check_digest(&self, actual: &str) -> Result<(), ApiError> {

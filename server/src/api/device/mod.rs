@@ -23,7 +23,6 @@ use canopy_protocol::messages::{
 use canopy_protocol::model_sig::SigningKeys;
 use serde::de::DeserializeOwned;
 
-use crate::api::admin::models::read_limited;
 use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::db::now_ms;
 use crate::device_keys::DeviceKey;
@@ -82,8 +81,9 @@ async fn signed_json<T: DeserializeOwned>(
     body: Body,
 ) -> ApiResult<T> {
     let limit = state.settings.limits.max_json_bytes as u64;
-    let bytes = read_limited(headers, body, limit, "request body").await?;
-    device.check_body(&bytes)?;
+    let bytes = device
+        .read_message(headers, body, limit, "request body")
+        .await?;
     serde_json::from_slice(&bytes)
         .map_err(|error| ApiError::unprocessable(format!("the JSON body is invalid: {error}")))
 }

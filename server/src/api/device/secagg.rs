@@ -27,7 +27,6 @@ use super::auth::DeviceAuth;
 use super::folds::{self, FoldError, FoldQueue, Foldable};
 use super::poll_wait;
 use super::tasks::PollQuery;
-use crate::api::admin::models::refuse_declared_over;
 use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::api::{upload_slot, within_upload_timeout};
 use crate::secure;
@@ -193,9 +192,7 @@ async fn take_message(
         ),
         _ => None,
     };
-    refuse_declared_over(&headers, limit, &what)?;
-    let over_limit = || ApiError::too_large(format!("{what} is over the {limit}-byte limit"));
-    let read = device.read_body(body, limit, &what, over_limit);
+    let read = device.read_message(&headers, body, limit, &what);
     let bytes = within_upload_timeout(state, &what, read).await?;
     if round.stage != open_stage {
         let (verb, code): (&str, fn(String) -> ApiError) = if round.stage > open_stage {
