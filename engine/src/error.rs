@@ -108,6 +108,14 @@ pub enum EngineError {
     Stats(#[from] crate::stats::StatsError),
     #[error("data error in {path}: {cause}")]
     Data { path: String, cause: String },
+    /// A data file past a bound its loader was given
+    /// ([`DataBounds`](crate::data::limits::DataBounds)), told apart from
+    /// [`EngineError::Data`] so that a caller can name the setting behind it.
+    #[error("data error in {path}: {over}")]
+    OverBound {
+        path: String,
+        over: crate::data::limits::OverBound,
+    },
     /// A broken invariant of the engine itself, never bad input.
     #[error("internal error: {0}")]
     Internal(String),

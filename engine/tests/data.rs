@@ -410,8 +410,11 @@ fn npy_arrays_of_each_dtype_load() {
         &few,
         "labels file has 2 items but images file has 3",
     );
-    let frac: Vec<u8> = [0.5f32].iter().flat_map(|x| x.to_le_bytes()).collect();
-    let frac = write(&dir, "frac.npy", &npy("<f4", false, "(1,)", &frac));
+    let frac: Vec<u8> = [1.0f32, 0.5, 0.0]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let frac = write(&dir, "frac.npy", &npy("<f4", false, "(3,)", &frac));
     assert_data_err(load_npy_dataset(&images, &frac), &frac, "not a class index");
     std::fs::remove_dir_all(dir).ok();
 }

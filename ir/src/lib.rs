@@ -11,6 +11,7 @@
 
 pub mod autodiff;
 mod composite;
+pub mod cost;
 pub mod data;
 pub mod error;
 pub mod format;
@@ -22,6 +23,7 @@ pub mod passes;
 pub mod types;
 pub mod verify;
 
+pub use cost::{GraphCost, graph_cost};
 pub use data::{Buffer, TensorData};
 pub use error::{IrError, IrResult, NodeError};
 pub use graph::{Graph, Node, ValueId};

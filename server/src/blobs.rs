@@ -5,8 +5,15 @@
 //! committing the row that names it leaves only an orphan, never a torn
 //! file. Local disk by default; an `s3://`, `gs://` or `az://` URL selects a
 //! cloud store when the server is built with the `cloud-blobs` feature.
+//!
+//! On local disk the blobs are the server's private files (`file_modes`):
+//! the directories 0700 and the files 0600, whatever the umask. Each blob
+//! is written here rather than by `object_store`, which creates files
+//! and directories by the umask: to a temporary file made 0600, synced,
+//! then renamed into place.
 
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -47,6 +54,8 @@ pub struct BlobStore {
     store: Arc<dyn ObjectStore>,
     prefix: StorePath,
     pub location: String,
+    /// The directory of a local store, whose blobs this module writes.
+    local_root: Option<PathBuf>,
 }
 
 /// A blob's bytes, streamed, with its total size and the byte range sent.
@@ -64,12 +73,9 @@ impl BlobStore {
             return open_url(location);
         }
         let dir = location.trim_start_matches("file://");
-        std::fs::create_dir_all(dir).map_err(|error| BlobError::Open {
+        open_private_dir(Path::new(dir)).map_err(|error| BlobError::Open {
             location: dir.to_string(),
-            source: object_store::Error::Generic {
-                store: "local",
-                source: Box::new(error),
-            },
+            source: local_error(error),
         })?;
         let store = LocalFileSystem::new_with_prefix(dir).map_err(|source| BlobError::Open {
             location: dir.to_string(),
@@ -79,6 +85,7 @@ impl BlobStore {
             store: Arc::new(store),
             prefix: StorePath::default(),
             location: dir.to_string(),
+            local_root: Some(PathBuf::from(dir)),
         })
     }
 
@@ -105,13 +112,21 @@ impl BlobStore {
                 });
             }
         }
+        let io = |source| BlobError::Io {
+            digest: digest.to_string(),
+            source,
+        };
+        if let Some(root) = &self.local_root {
+            let path = root.join(key.as_ref());
+            return tokio::task::spawn_blocking(move || write_private(&path, &bytes))
+                .await
+                .map_err(|error| io(local_error(std::io::Error::other(error))))?
+                .map_err(|error| io(local_error(error)));
+        }
         self.store
             .put(&key, PutPayload::from_bytes(bytes))
             .await
-            .map_err(|source| BlobError::Io {
-                digest: digest.to_string(),
-                source,
-            })?;
+            .map_err(io)?;
         Ok(())
     }
 
@@ -159,6 +174,77 @@ impl BlobStore {
     }
 }
 
+fn local_error(error: std::io::Error) -> object_store::Error {
+    object_store::Error::Generic {
+        store: "local",
+        source: Box::new(error),
+    }
+}
+
+/// Creates the store's directory private, or makes an existing one
+/// private: one created by an earlier version followed the umask (0755,
+/// usually), but sat in the private data directory unless placed
+/// elsewhere, so it is tightened with a warning rather than refused.
+fn open_private_dir(dir: &Path) -> std::io::Result<()> {
+    create_private_dirs(dir)?;
+    let meta = std::fs::metadata(dir)?;
+    if let Some(mode) = crate::file_modes::open_to_others(&meta) {
+        tracing::warn!(
+            path = %dir.display(),
+            mode = format!("{mode:04o}"),
+            "the blob store could be read by other users; made it 0700"
+        );
+        crate::file_modes::make_private(dir)?;
+    }
+    Ok(())
+}
+
+/// `create_dir_all` with every directory it creates 0700.
+fn create_private_dirs(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(crate::file_modes::PRIVATE_DIR_MODE);
+    }
+    builder.create(dir)
+}
+
+/// Writes a blob as a private file: a temporary file beside it, created
+/// 0600 (the umask can only take bits away), synced, renamed into place,
+/// so that a reader sees no blob or the whole one.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let parent = path
+        .parent()
+        .ok_or_else(|| std::io::Error::other("a blob path has a directory"))?;
+    create_private_dirs(parent)?;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let unique = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{}.{unique}.tmp", std::process::id()));
+    let temporary = parent.join(name);
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(crate::file_modes::PRIVATE_FILE_MODE);
+    }
+    let written = options.open(&temporary).and_then(|mut file| {
+        file.write_all(bytes)?;
+        file.sync_all()
+    });
+    match written.and_then(|()| std::fs::rename(&temporary, path)) {
+        Ok(()) => Ok(()),
+        Err(error) => {
+            let _ = std::fs::remove_file(&temporary);
+            Err(error)
+        }
+    }
+}
+
 fn not_found_or_io(digest: &str, source: object_store::Error) -> BlobError {
     match source {
         object_store::Error::NotFound { .. } => BlobError::Missing {
@@ -185,6 +271,7 @@ fn open_url(location: &str) -> Result<BlobStore, BlobError> {
         store: Arc::from(store),
         prefix,
         location: location.to_string(),
+        local_root: None,
     })
 }
 
@@ -196,4 +283,39 @@ fn open_url(location: &str) -> Result<BlobStore, BlobError> {
                  `--features cloud-blobs` for S3, GCS and Azure"
             .to_string(),
     })
+}
+
+#[cfg(all(test, unix))]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn mode(path: &Path) -> u32 {
+        std::fs::metadata(path).expect("meta").permissions().mode() & 0o777
+    }
+
+    /// A store directory an earlier version left 0755 is made 0700, and a
+    /// blob is written 0600 in 0700 directories, then read back whole.
+    #[tokio::test]
+    async fn local_blobs_are_private_and_whole() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().join("blobs");
+        std::fs::create_dir(&root).expect("mkdir");
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let store = BlobStore::open(root.to_str().expect("utf-8")).expect("open");
+        assert_eq!(mode(&root), 0o700);
+        let digest = "ab".repeat(32);
+        let bytes = Bytes::from(vec![7u8; 100_000]);
+        store.put(&digest, bytes.clone()).await.expect("put");
+        store.put(&digest, bytes.clone()).await.expect("put again");
+        let file = root.join("sha256").join("ab").join(&digest);
+        assert_eq!(mode(&file), 0o600);
+        assert_eq!(mode(&root.join("sha256")), 0o700);
+        assert_eq!(mode(&root.join("sha256/ab")), 0o700);
+        assert_eq!(store.get(&digest, 1 << 20).await.expect("get"), bytes);
+        let entries = std::fs::read_dir(root.join("sha256/ab"))
+            .expect("dir")
+            .count();
+        assert_eq!(entries, 1, "a temporary file was left behind");
+    }
 }

@@ -97,16 +97,42 @@ pub struct Limits {
     /// refuse to download past.
     pub max_model_bytes: u64,
     /// Largest dataset upload (`PUT /api/v1/datasets/{name}`): the data
-    /// and labels parts together. Parsing holds the file and its samples
-    /// (4 bytes per value) in memory, one upload at a time.
+    /// and labels parts together, counted as they arrive and again as
+    /// they decompress, so a gzipped part stops at this many bytes.
     pub max_dataset_bytes: u64,
+    /// Most values (samples × values per sample) one dataset's features
+    /// may hold, checked against an IDX or NPY header before anything is
+    /// allocated; parsing holds 4 bytes per value and 8 per sample, one
+    /// upload at a time. At most `canopy_engine::data::limits::MAX_ELEMENTS`.
+    pub max_dataset_values: usize,
     /// Datasets the server keeps; past it an upload is refused until one is
     /// deleted.
     pub max_datasets: usize,
-    /// Parsed datasets kept in memory for central evaluation (each up to
-    /// its samples × 4 bytes per value); a dataset not among them is parsed
-    /// again from its blob.
-    pub max_cached_datasets: usize,
+    /// Most bytes the values of a model's `eval` graph may hold at once
+    /// in central evaluation, computed from its shapes before anything
+    /// runs (`canopy_ir::cost`). Over it at the evaluation batch (256) the
+    /// batch is halved until it fits; over it at batch 1 the evaluation
+    /// is refused, at job creation and before each evaluation.
+    pub central_eval_memory_bytes: u64,
+    /// Most floating-point operations one central evaluation (every
+    /// batch of the dataset) may take, from the same static count.
+    pub central_eval_flops: u64,
+    /// The address space of a central evaluation's worker process: the
+    /// graph's values, the parsed dataset, the model and the process
+    /// itself. An evaluation past it ends its worker, never the server.
+    pub central_eval_worker_memory_bytes: u64,
+    /// Wall-clock time one central evaluation's worker may run; it is
+    /// killed past it. Also each job's longest wait behind another job.
+    pub central_eval_timeout_ms: u64,
+    /// Workers started for one round's central evaluation before it is
+    /// recorded as failed (each start is counted before the worker runs,
+    /// so a server killed by every attempt cannot retry forever).
+    pub central_eval_attempts: u32,
+    /// Removed: parsed datasets are no longer cached (central evaluation
+    /// parses its dataset in its worker). Kept only to refuse it by name.
+    #[doc(hidden)]
+    #[serde(rename = "max_cached_datasets")]
+    pub removed_max_cached_datasets: Option<serde::de::IgnoredAny>,
     /// Largest JSON request body.
     pub max_json_bytes: usize,
     /// Device uploads (updates, masked inputs) read at once; each holds one
@@ -122,10 +148,36 @@ pub struct Limits {
     /// staging file; they are verified one at a time, so a model upload
     /// needs about twice the model's size in memory, once.
     pub max_concurrent_model_uploads: usize,
-    /// Requests served at once, all routes together; more wait up to
-    /// `request_queue_timeout_ms`, then get 503.
+    /// Requests served at once from the general pool (every route but
+    /// probes, enrollments and waiting task polls; see
+    /// `request_slots.rs`); more wait up to `request_queue_timeout_ms`,
+    /// then get 503.
     pub max_concurrent_requests: usize,
     pub request_queue_timeout_ms: u64,
+    /// Places only the admin API takes (it takes general ones past them),
+    /// so that device traffic filling the general pool never locks
+    /// operators out.
+    pub reserved_admin_requests: usize,
+    /// Places only device uploads take (then general ones); at least
+    /// `max_concurrent_uploads`, so every upload slot can be filled.
+    pub reserved_upload_requests: usize,
+    /// Task polls waiting at once, in their own pool: a waiting poll holds
+    /// no general place. At least `max_connections`, since every device
+    /// holds a connection with a poll waiting (the default leaves room for
+    /// two, `max_polls_per_device`); 503 past it.
+    pub max_waiting_polls: usize,
+    /// Enrollments (the one body from clients with no credentials) served
+    /// at once, in their own pool; more wait up to
+    /// `request_queue_timeout_ms`, then get 503.
+    pub max_concurrent_enrollments: usize,
+    /// Enrollments in progress from one client address (an IPv6 client by
+    /// its /64); 429 past it.
+    pub max_enrollments_per_address: usize,
+    /// An enrollment's body must arrive within this, before its handler
+    /// runs; 408 past it.
+    pub enrollment_body_timeout_ms: u64,
+    /// And at this rate at least, after its first second; 408 below it.
+    pub min_enrollment_body_bytes_per_second: u64,
     /// Requests one device may have in flight at once (429 past it).
     pub max_requests_per_device: usize,
     /// Task polls one device may have waiting at once (429 past it).
@@ -164,7 +216,8 @@ pub struct Limits {
     /// A device is online if it was seen this recently.
     pub online_window_ms: u64,
     pub heartbeat_interval_ms: u64,
-    /// Enrollment and token-creation requests per minute, per client address.
+    /// Enrollments, and token creations, per minute from one client
+    /// address (an IPv6 client by its /64); each has its own bucket.
     pub sensitive_requests_per_minute: u32,
     pub orchestrator_tick_ms: u64,
     /// Open rounds the orchestrator advances per tick; the rest wait for
@@ -210,8 +263,14 @@ impl Default for Limits {
         Limits {
             max_model_bytes: 512 << 20,
             max_dataset_bytes: 256 << 20,
+            max_dataset_values: 64 << 20,
             max_datasets: 64,
-            max_cached_datasets: 2,
+            central_eval_memory_bytes: 2 << 30,
+            central_eval_flops: 2_000_000_000_000,
+            central_eval_worker_memory_bytes: 6 << 30,
+            central_eval_timeout_ms: 300_000,
+            central_eval_attempts: 3,
+            removed_max_cached_datasets: None,
             max_json_bytes: 64 << 10,
             max_concurrent_uploads: 32,
             upload_slot_wait_ms: 10_000,
@@ -219,6 +278,13 @@ impl Default for Limits {
             max_concurrent_model_uploads: 2,
             max_concurrent_requests: 4096,
             request_queue_timeout_ms: 2_000,
+            reserved_admin_requests: 64,
+            reserved_upload_requests: 64,
+            max_waiting_polls: 20_000,
+            max_concurrent_enrollments: 64,
+            max_enrollments_per_address: 8,
+            enrollment_body_timeout_ms: 5_000,
+            min_enrollment_body_bytes_per_second: 1_024,
             max_requests_per_device: 8,
             max_polls_per_device: 2,
             device_requests_per_second: 20,
@@ -261,8 +327,29 @@ impl Limits {
         self.check_durations()?;
         self.check_request_heads()?;
         self.check_connections()?;
+        self.check_request_pools()?;
         self.check_database()?;
-        self.check_model_bytes()
+        self.check_central_evaluation()?;
+        self.check_upload_sizes()
+    }
+
+    /// The worker needs room for itself; a removed setting is named.
+    fn check_central_evaluation(&self) -> Result<(), ConfigError> {
+        if self.removed_max_cached_datasets.is_some() {
+            return Err(invalid(
+                "limits.max_cached_datasets was removed: central evaluation parses its dataset \
+                 in a worker process and keeps none in memory; delete the setting"
+                    .to_string(),
+            ));
+        }
+        if self.central_eval_worker_memory_bytes < MIN_WORKER_MEMORY_BYTES {
+            return Err(invalid(format!(
+                "limits.central_eval_worker_memory_bytes is {}; use at least \
+                 {MIN_WORKER_MEMORY_BYTES} (128 MiB), which the worker process needs for itself",
+                self.central_eval_worker_memory_bytes
+            )));
+        }
+        Ok(())
     }
 
     /// Counts and sizes of zero would refuse everything.
@@ -274,6 +361,21 @@ impl Limits {
                 self.max_concurrent_model_uploads,
             ),
             ("max_concurrent_requests", self.max_concurrent_requests),
+            ("reserved_admin_requests", self.reserved_admin_requests),
+            ("reserved_upload_requests", self.reserved_upload_requests),
+            ("max_waiting_polls", self.max_waiting_polls),
+            (
+                "max_concurrent_enrollments",
+                self.max_concurrent_enrollments,
+            ),
+            (
+                "max_enrollments_per_address",
+                self.max_enrollments_per_address,
+            ),
+            (
+                "min_enrollment_body_bytes_per_second",
+                usize::try_from(self.min_enrollment_body_bytes_per_second).unwrap_or(usize::MAX),
+            ),
             ("max_requests_per_device", self.max_requests_per_device),
             ("max_polls_per_device", self.max_polls_per_device),
             (
@@ -291,7 +393,16 @@ impl Limits {
             ("max_fold_batch", self.max_fold_batch),
             ("max_cached_layouts", self.max_cached_layouts),
             ("max_datasets", self.max_datasets),
-            ("max_cached_datasets", self.max_cached_datasets),
+            ("max_dataset_values", self.max_dataset_values),
+            (
+                "central_eval_memory_bytes",
+                usize::try_from(self.central_eval_memory_bytes).unwrap_or(usize::MAX),
+            ),
+            (
+                "central_eval_flops",
+                usize::try_from(self.central_eval_flops).unwrap_or(usize::MAX),
+            ),
+            ("central_eval_attempts", self.central_eval_attempts as usize),
             (
                 "max_dataset_bytes",
                 usize::try_from(self.max_dataset_bytes).unwrap_or(usize::MAX),
@@ -317,6 +428,10 @@ impl Limits {
             ("upload_timeout_ms", self.upload_timeout_ms),
             ("request_queue_timeout_ms", self.request_queue_timeout_ms),
             ("request_timeout_ms", self.request_timeout_ms),
+            (
+                "enrollment_body_timeout_ms",
+                self.enrollment_body_timeout_ms,
+            ),
             ("tls_handshake_timeout_ms", self.tls_handshake_timeout_ms),
             ("header_read_timeout_ms", self.header_read_timeout_ms),
             ("idle_timeout_ms", self.idle_timeout_ms),
@@ -326,6 +441,7 @@ impl Limits {
                 self.database_acquire_timeout_ms,
             ),
             ("sqlite_busy_timeout_ms", self.sqlite_busy_timeout_ms),
+            ("central_eval_timeout_ms", self.central_eval_timeout_ms),
         ];
         for (name, value) in durations {
             if value == 0 || value > MAX_TIMEOUT_MS {
@@ -370,6 +486,39 @@ impl Limits {
         Ok(())
     }
 
+    /// The pools of `request_slots.rs` against what they serve.
+    fn check_request_pools(&self) -> Result<(), ConfigError> {
+        if self.max_waiting_polls < self.max_connections {
+            return Err(invalid(format!(
+                "limits.max_waiting_polls ({}) is below limits.max_connections ({}); every \
+                 device holds a connection with a task poll waiting, so polls past it would be \
+                 refused; raise it",
+                self.max_waiting_polls, self.max_connections
+            )));
+        }
+        if self.reserved_upload_requests < self.max_concurrent_uploads {
+            return Err(invalid(format!(
+                "limits.reserved_upload_requests ({}) is below limits.max_concurrent_uploads \
+                 ({}), so device traffic could keep upload slots empty; raise it",
+                self.reserved_upload_requests, self.max_concurrent_uploads
+            )));
+        }
+        if self.max_enrollments_per_address > self.max_concurrent_enrollments {
+            return Err(invalid(format!(
+                "limits.max_enrollments_per_address ({}) is over limits.max_concurrent_enrollments \
+                 ({}), so one address could take every enrollment place",
+                self.max_enrollments_per_address, self.max_concurrent_enrollments
+            )));
+        }
+        if self.enrollment_body_timeout_ms > self.request_timeout_ms {
+            return Err(invalid(format!(
+                "limits.enrollment_body_timeout_ms ({}) is over limits.request_timeout_ms ({})",
+                self.enrollment_body_timeout_ms, self.request_timeout_ms
+            )));
+        }
+        Ok(())
+    }
+
     fn check_database(&self) -> Result<(), ConfigError> {
         if self.round_write_connections >= self.database_connections as usize {
             return Err(invalid(format!(
@@ -381,8 +530,17 @@ impl Limits {
         Ok(())
     }
 
-    /// A model devices would refuse to download must not be accepted.
-    fn check_model_bytes(&self) -> Result<(), ConfigError> {
+    /// A model devices would refuse to download must not be accepted, nor
+    /// a dataset bound the engine cannot load to.
+    fn check_upload_sizes(&self) -> Result<(), ConfigError> {
+        use canopy_engine::data::limits::MAX_ELEMENTS;
+        if self.max_dataset_values > MAX_ELEMENTS {
+            return Err(invalid(format!(
+                "limits.max_dataset_values is {}; use 1 to {MAX_ELEMENTS}, the most values the \
+                 engine loads into one dataset",
+                self.max_dataset_values
+            )));
+        }
         if self.max_model_bytes == 0 || self.max_model_bytes > MAX_MODEL_BYTES {
             return Err(invalid(format!(
                 "limits.max_model_bytes is {}; use 1 to {MAX_MODEL_BYTES}, the largest model \
@@ -399,6 +557,8 @@ const MAX_TIMEOUT_MS: u64 = 24 * 3600 * 1000;
 /// hyper's HTTP/1 read buffer, twice `max_header_bytes`, must be at least 8 KiB.
 const MIN_HEADER_BYTES: usize = 4 << 10;
 const MAX_HEADER_BYTES: usize = 1 << 20;
+/// The central evaluation worker's own code, threads and allocator.
+const MIN_WORKER_MEMORY_BYTES: u64 = 128 << 20;
 
 fn invalid(message: String) -> ConfigError {
     ConfigError::Invalid(message)
@@ -596,6 +756,16 @@ mod tests {
         };
         at.validate()
             .expect("the protocol's bound itself is allowed");
+        for values in [0, canopy_engine::data::limits::MAX_ELEMENTS + 1] {
+            let error = Limits {
+                max_dataset_values: values,
+                ..Limits::default()
+            }
+            .validate()
+            .unwrap_err()
+            .to_string();
+            assert!(error.contains("limits.max_dataset_values"), "{error}");
+        }
         let starved = Limits {
             database_connections: 4,
             round_write_connections: 4,
@@ -603,6 +773,65 @@ mod tests {
         };
         let error = starved.validate().unwrap_err().to_string();
         assert!(error.contains("limits.round_write_connections"), "{error}");
+        for (pools, setting) in [
+            (
+                Limits {
+                    max_waiting_polls: 9_999,
+                    ..Limits::default()
+                },
+                "limits.max_waiting_polls",
+            ),
+            (
+                Limits {
+                    reserved_upload_requests: 31,
+                    ..Limits::default()
+                },
+                "limits.reserved_upload_requests",
+            ),
+            (
+                Limits {
+                    max_enrollments_per_address: 65,
+                    ..Limits::default()
+                },
+                "limits.max_enrollments_per_address",
+            ),
+            (
+                Limits {
+                    enrollment_body_timeout_ms: 120_001,
+                    ..Limits::default()
+                },
+                "limits.enrollment_body_timeout_ms",
+            ),
+        ] {
+            let error = pools.validate().unwrap_err().to_string();
+            assert!(error.contains(setting), "{error}");
+        }
+    }
+
+    #[test]
+    fn central_evaluation_limits_are_checked_and_the_removed_cache_is_named() {
+        let old: FileConfig = toml::from_str("[limits]\nmax_cached_datasets = 2\n")
+            .expect("the old key still parses");
+        let error = old.limits.validate().unwrap_err().to_string();
+        assert!(
+            error.contains("limits.max_cached_datasets was removed"),
+            "{error}"
+        );
+        let cramped = Limits {
+            central_eval_worker_memory_bytes: 1 << 20,
+            ..Limits::default()
+        };
+        let error = cramped.validate().unwrap_err().to_string();
+        assert!(
+            error.contains("limits.central_eval_worker_memory_bytes"),
+            "{error}"
+        );
+        let never = Limits {
+            central_eval_attempts: 0,
+            ..Limits::default()
+        };
+        let error = never.validate().unwrap_err().to_string();
+        assert!(error.contains("limits.central_eval_attempts"), "{error}");
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //!    and `max_connections_per_address` from one address (one /64 for IPv6),
 //!    else it is closed at once, before any TLS work. The admitted socket is
 //!    an [`Admitted`] stream, closed when no byte moves either way for
-//!    `idle_timeout_ms`, whatever the protocol state.
+//!    `idle_timeout_ms`, whatever the protocol state, or when no request
+//!    has been open on it for as long ([`RequestActivity`]): HTTP/2 PINGs
+//!    and other frames that are not requests move bytes but do not count.
 //! 2. The TLS handshake, within `tls_handshake_timeout_ms`.
 //! 3. [`FirstByteDeadline`]: the first byte of the first request within
 //!    `header_read_timeout_ms`. Until it arrives, hyper is still deciding
@@ -24,10 +26,14 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, Response};
+use http_body_util::BodyExt;
 
 use axum_server::accept::Accept;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -64,18 +70,34 @@ pub fn configure_http(builder: &mut Builder<TokioExecutor>, limits: &Limits) {
         .max_pending_accept_reset_streams(Some(limits.http2_max_concurrent_streams as usize));
 }
 
-/// The key connections are counted under: the address, or an IPv6 client's
-/// /64, since one host is routinely given a whole /64.
-fn address_key(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V4(_) => ip,
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
-            Some(v4) => IpAddr::V4(v4),
-            None => {
-                let prefix = u128::from(v6) & !((1u128 << 64) - 1);
-                IpAddr::V6(Ipv6Addr::from(prefix))
-            }
-        },
+/// A client as every per-address cap and rate counts it (connections,
+/// enrollments in progress, credential requests): its address, an IPv6
+/// client by its /64, since one host is routinely given a whole /64, and an
+/// IPv4-mapped IPv6 address as the IPv4 address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClientAddress(IpAddr);
+
+impl From<IpAddr> for ClientAddress {
+    fn from(ip: IpAddr) -> ClientAddress {
+        ClientAddress(match ip {
+            IpAddr::V4(_) => ip,
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => {
+                    let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+                    IpAddr::V6(Ipv6Addr::from(prefix))
+                }
+            },
+        })
+    }
+}
+
+impl std::fmt::Display for ClientAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            IpAddr::V4(v4) => write!(f, "{v4}"),
+            IpAddr::V6(v6) => write!(f, "{v6}/64"),
+        }
     }
 }
 
@@ -83,7 +105,7 @@ fn address_key(ip: IpAddr) -> IpAddr {
 #[derive(Clone)]
 pub struct ConnectionGate {
     all: Arc<InFlight<()>>,
-    per_address: Arc<InFlight<IpAddr>>,
+    per_address: Arc<InFlight<ClientAddress>>,
     idle: Duration,
     metrics: Arc<Metrics>,
     last_refusal_log_ms: Arc<AtomicI64>,
@@ -116,9 +138,13 @@ impl ConnectionGate {
         }
     }
 
-    fn admit(&self, stream: TcpStream) -> io::Result<Admitted<TcpStream>> {
+    fn admit(
+        &self,
+        stream: TcpStream,
+        activity: Arc<RequestActivity>,
+    ) -> io::Result<Admitted<TcpStream>> {
         let peer = stream.peer_addr()?;
-        let key = address_key(peer.ip());
+        let key = ClientAddress::from(peer.ip());
         let Some(address) = self.per_address.try_enter(key) else {
             return Err(self.refuse(Refusal::AddressFull, peer));
         };
@@ -135,6 +161,7 @@ impl ConnectionGate {
             metrics: self.metrics.clone(),
             idle: self.idle,
             last_activity: Instant::now(),
+            requests: activity,
             timer: Box::pin(tokio::time::sleep(self.idle)),
         })
     }
@@ -162,11 +189,99 @@ impl ConnectionGate {
 
 impl<S> Accept<TcpStream, S> for ConnectionGate {
     type Stream = Admitted<TcpStream>;
-    type Service = S;
-    type Future = std::future::Ready<io::Result<(Admitted<TcpStream>, S)>>;
+    type Service = Tracked<S>;
+    type Future = std::future::Ready<io::Result<(Admitted<TcpStream>, Tracked<S>)>>;
 
     fn accept(&self, stream: TcpStream, service: S) -> Self::Future {
-        std::future::ready(self.admit(stream).map(|admitted| (admitted, service)))
+        let activity = Arc::new(RequestActivity::new());
+        let service = Tracked {
+            inner: service,
+            activity: activity.clone(),
+        };
+        std::future::ready(
+            self.admit(stream, activity)
+                .map(|admitted| (admitted, service)),
+        )
+    }
+}
+
+/// The requests open on one connection, and when the last one ended.
+#[derive(Debug)]
+pub struct RequestActivity {
+    open: AtomicUsize,
+    last_end: Mutex<Instant>,
+}
+
+impl RequestActivity {
+    fn new() -> RequestActivity {
+        RequestActivity {
+            open: AtomicUsize::new(0),
+            last_end: Mutex::new(Instant::now()),
+        }
+    }
+
+    fn begin(self: &Arc<Self>) -> OpenRequest {
+        self.open.fetch_add(1, Ordering::SeqCst);
+        OpenRequest(self.clone())
+    }
+
+    /// Since when no request has been open; `None` while one is.
+    fn idle_since(&self) -> Option<Instant> {
+        let last_end = *self.last_end.lock().unwrap_or_else(PoisonError::into_inner);
+        (self.open.load(Ordering::SeqCst) == 0).then_some(last_end)
+    }
+}
+
+/// A request open on a connection, until its answer's body is sent (or
+/// dropped).
+struct OpenRequest(Arc<RequestActivity>);
+
+impl Drop for OpenRequest {
+    fn drop(&mut self) {
+        *self
+            .0
+            .last_end
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A connection's service, counting its requests open in the connection's
+/// [`RequestActivity`] from their head to the end of their answer.
+#[derive(Clone)]
+pub struct Tracked<S> {
+    inner: S,
+    activity: Arc<RequestActivity>,
+}
+
+impl<S, B> tower::Service<Request<B>> for Tracked<S>
+where
+    S: tower::Service<Request<B>, Response = Response<Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<Result<Response<Body>, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let open = self.activity.begin();
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let response = answer.await?;
+            Ok(response.map(|body| {
+                // The body holds the request open until it is sent: a long
+                // download is a request in progress.
+                Body::new(body.map_frame(move |frame| {
+                    let _open = &open;
+                    frame
+                }))
+            }))
+        })
     }
 }
 
@@ -176,10 +291,12 @@ impl<S> Accept<TcpStream, S> for ConnectionGate {
 pub struct Admitted<S> {
     inner: S,
     _all: InFlightGuard<()>,
-    _address: InFlightGuard<IpAddr>,
+    _address: InFlightGuard<ClientAddress>,
     metrics: Arc<Metrics>,
     idle: Duration,
+    /// When a byte last moved either way.
     last_activity: Instant,
+    requests: Arc<RequestActivity>,
     timer: Pin<Box<Sleep>>,
 }
 
@@ -188,18 +305,35 @@ impl<S> Admitted<S> {
     /// otherwise registers the timer with `cx` and stays pending.
     fn poll_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
         loop {
-            let deadline = self.last_activity + self.idle;
+            let deadline = self.idle_deadline();
             if self.timer.deadline() != deadline {
                 self.timer.as_mut().reset(deadline);
             }
             ready!(self.timer.as_mut().poll(cx));
-            if self.last_activity + self.idle <= Instant::now() {
-                return Poll::Ready(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "connection idle past limits.idle_timeout_ms",
-                ));
+            if let Some(idle) = self.idle_past_deadline() {
+                return Poll::Ready(idle);
             }
         }
+    }
+
+    /// When the connection becomes idle: no byte moving, or no request
+    /// open, for the idle timeout. Neither moves earlier as time passes,
+    /// so a timer set to it never fires late.
+    fn idle_deadline(&self) -> Instant {
+        let bytes = self.last_activity + self.idle;
+        match self.requests.idle_since() {
+            Some(since) => bytes.min(since + self.idle),
+            None => bytes,
+        }
+    }
+
+    fn idle_past_deadline(&self) -> Option<io::Error> {
+        (self.idle_deadline() <= Instant::now()).then(|| {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                "connection idle past limits.idle_timeout_ms",
+            )
+        })
     }
 }
 
@@ -220,6 +354,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Admitted<S> {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
                     self.last_activity = Instant::now();
+                    // Bytes that are not a request (HTTP/2 PINGs) keep
+                    // arriving, but do not keep the connection.
+                    if let Some(idle) = self.idle_past_deadline() {
+                        return Poll::Ready(Err(idle));
+                    }
                 }
                 Poll::Ready(Ok(()))
             }
@@ -392,9 +531,11 @@ mod tests {
         let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
         let b: IpAddr = "2001:db8:1:2:bbbb::9".parse().unwrap();
         let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
-        assert_eq!(address_key(a), address_key(b));
-        assert_ne!(address_key(a), address_key(other));
+        let key = ClientAddress::from;
+        assert_eq!(key(a), key(b));
+        assert_ne!(key(a), key(other));
+        assert_eq!(key(a).to_string(), "2001:db8:1:2::/64");
         let mapped: IpAddr = "::ffff:10.1.2.3".parse().unwrap();
-        assert_eq!(address_key(mapped), "10.1.2.3".parse::<IpAddr>().unwrap());
+        assert_eq!(key(mapped), key("10.1.2.3".parse().unwrap()));
     }
 }

@@ -1,21 +1,29 @@
 //! Held-out datasets on the server: which format an upload is (told from
-//! its bytes, never its name), parsing it with `canopy-engine`'s loaders,
-//! and the parsed datasets kept in memory for central evaluation.
+//! its bytes, never its name), and parsing it with `canopy-engine`'s
+//! loaders (at upload, and in central evaluation's worker process).
 //!
 //! The loaders read files, so the parts are staged as files named `data`
 //! and `labels` in a temporary directory under the data directory's
 //! `staging/` (which the server empties at start); the engine's errors
 //! name those files, which is how a refusal names the part at fault.
+//! They are staged as uploaded, gzipped or not (the stored blob is the
+//! upload's bytes); the loaders stream them through gzip under
+//! [`bounds`], so a dataset stops decompressing at
+//! `limits.max_dataset_bytes`, and a header declaring more than
+//! `limits.max_dataset_values` values is refused before anything is
+//! allocated for them.
 
-use std::collections::VecDeque;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
 use canopy_engine::EngineError;
-use canopy_engine::data::limits::MAX_SAMPLES;
-use canopy_engine::data::{Dataset, LabelColumn, load_csv, load_idx, load_npy_dataset};
+use canopy_engine::data::limits::{DataBounds, MAX_SAMPLES, OverBound};
+use canopy_engine::data::{
+    CsvOptions, Dataset, LabelColumn, load_csv_within, load_idx_within, load_npy_dataset_within,
+};
+use canopy_protocol::messages::{MAX_DATASET_NAME_CHARS, check_dataset_name};
 
+use crate::config::Limits;
 use crate::store::datasets::DatasetKind;
 
 /// The file names the parts are staged under.
@@ -28,6 +36,45 @@ const NPY_MAGIC: &[u8] = b"\x93NUMPY";
 const IDX_TYPES: [u8; 6] = [0x08, 0x09, 0x0b, 0x0c, 0x0d, 0x0e];
 /// Bytes read to tell the format.
 const SNIFF_BYTES: u64 = 8;
+
+/// What one dataset may cost to load, from the operator's limits.
+pub fn bounds(limits: &Limits) -> DataBounds {
+    DataBounds {
+        max_bytes: limits.max_dataset_bytes,
+        max_values: limits.max_dataset_values,
+    }
+}
+
+/// The setting behind a bound a dataset went past.
+pub fn setting(over: &OverBound) -> &'static str {
+    match over {
+        OverBound::Bytes { .. } => "limits.max_dataset_bytes",
+        OverBound::Values { .. } => "limits.max_dataset_values",
+    }
+}
+
+/// The rule for a new dataset's name: 1 to 64 characters of
+/// `[A-Za-z0-9_.-]`, starting with a letter or digit, so that a name is
+/// never a path segment (`.`, `..`), a hidden file (`.x`) or an option
+/// (`-rf`) wherever an operator's tools put it. Names stored before the
+/// rule are still looked up with the wider character rule alone
+/// (`check_dataset_name`), so they can be read and removed.
+pub fn check_new_name(name: &str) -> Result<(), String> {
+    let starts_well = name
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphanumeric());
+    if starts_well && check_dataset_name("dataset name", name).is_ok() {
+        return Ok(());
+    }
+    Err(format!(
+        "dataset name `{}` must be 1 to {MAX_DATASET_NAME_CHARS} characters of [A-Za-z0-9_.-], \
+         starting with a letter or digit",
+        name.chars()
+            .take(MAX_DATASET_NAME_CHARS + 1)
+            .collect::<String>()
+    ))
+}
 
 /// Why an upload's bytes are not a dataset the server can evaluate on.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +95,8 @@ pub enum ParseError {
     Empty,
     #[error("it has {samples} samples, over the limit of {MAX_SAMPLES}")]
     TooManySamples { samples: usize },
+    #[error("the `{part}` part {over} ({})", setting(.over))]
+    OverBound { part: &'static str, over: OverBound },
     #[error("cannot read the staged parts")]
     Io(#[from] std::io::Error),
 }
@@ -78,16 +127,26 @@ fn kind_of(head: &[u8]) -> DatasetKind {
     }
 }
 
-/// Parses staged parts with the engine's loader for `kind`. Blocking.
-pub fn parse(kind: DatasetKind, data: &Path, labels: Option<&Path>) -> Result<Dataset, ParseError> {
+/// Parses staged parts with the engine's loader for `kind` under
+/// `bounds` (see [`bounds`]). Blocking.
+pub fn parse_within(
+    kind: DatasetKind,
+    data: &Path,
+    labels: Option<&Path>,
+    bounds: &DataBounds,
+) -> Result<Dataset, ParseError> {
+    let csv = CsvOptions {
+        label: LabelColumn::Last,
+        ..CsvOptions::default()
+    };
     let loaded = match (kind, labels) {
-        (DatasetKind::Csv, None) => load_csv(data, LabelColumn::Last),
+        (DatasetKind::Csv, None) => load_csv_within(data, &csv, bounds),
         (DatasetKind::Csv, Some(_)) => return Err(ParseError::UnexpectedLabels),
         (DatasetKind::Idx | DatasetKind::Npy, None) => {
             return Err(ParseError::MissingLabels { kind });
         }
-        (DatasetKind::Idx, Some(labels)) => load_idx(data, labels),
-        (DatasetKind::Npy, Some(labels)) => load_npy_dataset(data, labels),
+        (DatasetKind::Idx, Some(labels)) => load_idx_within(data, labels, bounds),
+        (DatasetKind::Npy, Some(labels)) => load_npy_dataset_within(data, labels, bounds),
     };
     let dataset = loaded.map_err(|error| invalid(kind, error))?;
     if dataset.is_empty() {
@@ -104,19 +163,29 @@ pub fn parse(kind: DatasetKind, data: &Path, labels: Option<&Path>) -> Result<Da
 /// The engine's error, with the staged file's path replaced by its part.
 fn invalid(kind: DatasetKind, error: EngineError) -> ParseError {
     match error {
-        EngineError::Data { path, cause } => {
-            let part = if Path::new(&path).file_name() == Some(LABELS_PART.as_ref()) {
-                LABELS_PART
-            } else {
-                DATA_PART
-            };
-            ParseError::Invalid { part, kind, cause }
-        }
+        EngineError::Data { path, cause } => ParseError::Invalid {
+            part: part_of(&path),
+            kind,
+            cause,
+        },
+        EngineError::OverBound { path, over } => ParseError::OverBound {
+            part: part_of(&path),
+            over,
+        },
         other => ParseError::Invalid {
             part: DATA_PART,
             kind,
             cause: canopy_term::error_chain(&other),
         },
+    }
+}
+
+/// The part a staged file holds.
+fn part_of(path: &str) -> &'static str {
+    if Path::new(path).file_name() == Some(LABELS_PART.as_ref()) {
+        LABELS_PART
+    } else {
+        DATA_PART
     }
 }
 
@@ -143,49 +212,12 @@ impl Staged {
         self.dir.path().join(LABELS_PART)
     }
 
-    /// The format, then the parsed dataset. Blocking.
-    pub fn parse(&self) -> Result<(DatasetKind, Dataset), ParseError> {
+    /// The format, then the dataset parsed under `bounds`. Blocking.
+    pub fn parse(&self, bounds: &DataBounds) -> Result<(DatasetKind, Dataset), ParseError> {
         let kind = sniff(&self.data())?;
         let labels = self.has_labels.then(|| self.labels());
-        Ok((kind, parse(kind, &self.data(), labels.as_deref())?))
-    }
-}
-
-/// Parsed datasets by digest and sample shape, least recently used
-/// dropped first past `capacity` (`limits.max_cached_datasets`).
-pub struct DatasetCache {
-    entries: Mutex<VecDeque<(String, Arc<Dataset>)>>,
-    capacity: usize,
-}
-
-impl DatasetCache {
-    pub fn new(capacity: usize) -> DatasetCache {
-        DatasetCache {
-            entries: Mutex::new(VecDeque::new()),
-            capacity: capacity.max(1),
-        }
-    }
-
-    /// The dataset with this digest whose samples have `shape`.
-    pub fn get(&self, digest: &str, shape: &[usize]) -> Option<Arc<Dataset>> {
-        let mut entries = self.entries.lock().ok()?;
-        let position = entries
-            .iter()
-            .position(|(d, data)| d == digest && data.feature_shape() == shape)?;
-        let entry = entries.remove(position)?;
-        let found = entry.1.clone();
-        entries.push_front(entry);
-        Some(found)
-    }
-
-    pub fn insert(&self, digest: &str, dataset: Arc<Dataset>) {
-        if let Ok(mut entries) = self.entries.lock() {
-            entries.retain(|(d, data)| {
-                !(d == digest && data.feature_shape() == dataset.feature_shape())
-            });
-            entries.push_front((digest.to_string(), dataset));
-            entries.truncate(self.capacity);
-        }
+        let dataset = parse_within(kind, &self.data(), labels.as_deref(), bounds)?;
+        Ok((kind, dataset))
     }
 }
 
@@ -206,21 +238,28 @@ mod tests {
     }
 
     #[test]
-    fn the_cache_keeps_the_most_recently_used() {
-        let dataset = |shape: Vec<usize>| {
-            let features = vec![0.0; shape.iter().product::<usize>() * 2];
-            Arc::new(Dataset::new(features, shape, vec![0, 1], 2).expect("dataset"))
-        };
-        let cache = DatasetCache::new(2);
-        cache.insert("a", dataset(vec![4]));
-        cache.insert("b", dataset(vec![4]));
-        assert!(cache.get("a", &[4]).is_some(), "a is now the most recent");
-        cache.insert("c", dataset(vec![4]));
-        assert!(cache.get("b", &[4]).is_none(), "b was the least recent");
-        assert!(cache.get("a", &[4]).is_some());
-        assert!(
-            cache.get("a", &[2, 2]).is_none(),
-            "another shape is another entry"
-        );
+    fn new_names_start_with_a_letter_or_digit() {
+        for good in ["a", "9", "digits", "x.y-z_1", &"n".repeat(64)] {
+            assert!(check_new_name(good).is_ok(), "{good:?}");
+        }
+        for bad in [
+            "",
+            "..",
+            ".",
+            ".hidden",
+            "-rf",
+            "_x",
+            "a b",
+            "a/b",
+            "é",
+            &"n".repeat(65),
+        ] {
+            let error = check_new_name(bad).expect_err(bad);
+            assert!(error.contains("starting with a letter or digit"), "{error}");
+        }
+        // Names stored before the rule are still names to look up.
+        for legacy in ["..", ".hidden", "-rf"] {
+            assert!(check_dataset_name("name", legacy).is_ok(), "{legacy:?}");
+        }
     }
 }

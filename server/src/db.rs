@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
-use sqlx::{AnyPool, Executor};
+use sqlx::{AnyPool, ConnectOptions, Connection, Executor};
 use tokio::sync::{Mutex, MutexGuard, Semaphore, SemaphorePermit};
 
 use crate::config::{Limits, Settings};
@@ -172,17 +172,36 @@ impl Db {
             url: redact(url),
             source,
         })?;
-        let busy_timeout_ms = limits.sqlite_busy_timeout_ms;
+        let pragmas = format!(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+             PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {};",
+            limits.sqlite_busy_timeout_ms
+        );
+        if let Some(path) = sqlite_path(url) {
+            probe_sqlite(&options, &pragmas)
+                .await
+                .map_err(|source| match source {
+                    sqlx::Error::Database(error)
+                        if is_sqlite_corruption(error.code().as_deref()) =>
+                    {
+                        DbError::Integrity {
+                            path,
+                            problems: vec![error.message().to_string()],
+                        }
+                    }
+                    source => DbError::Connect {
+                        url: redact(url),
+                        source,
+                    },
+                })?;
+        }
         let pool = AnyPoolOptions::new()
             .max_connections(limits.database_connections)
             .acquire_timeout(Duration::from_millis(limits.database_acquire_timeout_ms))
             .after_connect(move |conn, _meta| {
+                let pragmas = pragmas.clone();
                 Box::pin(async move {
                     if backend == Backend::Sqlite {
-                        let pragmas = format!(
-                            "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
-                             PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {busy_timeout_ms};"
-                        );
                         conn.execute(sqlx::AssertSqlSafe(pragmas)).await?;
                     }
                     Ok(())
@@ -281,6 +300,18 @@ impl Db {
             Backend::Postgres => " FOR UPDATE",
         }
     }
+}
+
+/// Opens one connection and sets the pragmas every pooled connection
+/// sets, before the pool exists: the pool retries a connection whose setup
+/// fails until its acquire timeout (10 s by default) and then reports a
+/// timeout, whereas a damaged file fails the same way every time and is
+/// named here at once.
+async fn probe_sqlite(options: &AnyConnectOptions, pragmas: &str) -> Result<(), sqlx::Error> {
+    let mut conn = options.connect().await?;
+    let set = conn.execute(sqlx::AssertSqlSafe(pragmas.to_string())).await;
+    let _ = conn.close().await;
+    set.map(|_| ())
 }
 
 /// SQLITE_CORRUPT (11) or SQLITE_NOTADB (26), in any extended form (the

@@ -10,6 +10,7 @@
 
 pub mod api;
 pub mod blobs;
+pub mod bootstrap;
 pub mod central;
 pub mod config;
 pub mod conn;
@@ -17,9 +18,11 @@ pub mod datasets;
 pub mod db;
 pub mod device_keys;
 pub mod fedavg;
+pub mod file_modes;
 pub mod inflight;
 pub mod metrics;
 pub mod orchestrator;
+pub mod request_slots;
 pub mod secure;
 pub mod server;
 pub mod signing;

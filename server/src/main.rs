@@ -48,6 +48,9 @@ enum Command {
         #[command(subcommand)]
         command: SigningKeyCommand,
     },
+    /// One central evaluation, in a process of its own; `serve` starts it.
+    #[command(hide = true, name = canopy_server::central::worker::SUBCOMMAND)]
+    CentralWorker(canopy_server::central::worker::WorkerArgs),
 }
 
 #[derive(Subcommand)]
@@ -142,6 +145,12 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => return canopy_term::clap_exit(&error),
     };
+    // The worker needs no runtime: its threads would only count against
+    // its address-space limit.
+    let cli = match cli.command {
+        Command::CentralWorker(args) => return canopy_server::central::worker::run(args),
+        command => Cli { command },
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -210,6 +219,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Token { command } => token(command).await?,
         Command::SigningKey { command } => signing_key(command).await?,
+        // Dispatched in `main`, before the runtime starts.
+        Command::CentralWorker(_) => anyhow::bail!("the central worker runs without a runtime"),
         Command::Demo(args) => {
             let filter = if args.json { "error" } else { "warn" };
             let filter = tracing_subscriber::EnvFilter::try_from_default_env()

@@ -23,6 +23,12 @@ pub struct LimitLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// A request pool (`request_slots::Pool::label`); a fixed set of names.
+    pub pool: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
 }
@@ -39,6 +45,8 @@ pub struct Metrics {
     pub online_devices: Gauge,
     pub open_connections: Gauge,
     pub refusals: Family<LimitLabels, Counter>,
+    /// Places taken in each request pool, set when `/metrics` is read.
+    pub request_slots_in_use: Family<PoolLabels, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -93,8 +101,15 @@ impl Metrics {
             "Connections and requests refused at a limit, by the limit's setting",
             refusals.clone(),
         );
+        let request_slots_in_use = Family::<PoolLabels, Gauge>::default();
+        registry.register(
+            "request_slots_in_use",
+            "Places taken in each request pool (task_polls: polls waiting)",
+            request_slots_in_use.clone(),
+        );
         Metrics {
             registry,
+            request_slots_in_use,
             open_connections,
             refusals,
             request_seconds,

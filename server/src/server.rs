@@ -8,6 +8,7 @@ use tokio::sync::watch;
 
 use crate::api;
 use crate::blobs::{BlobError, BlobStore};
+use crate::bootstrap;
 use crate::config::{Settings, TlsSetting};
 use crate::conn;
 use crate::db::{Db, DbError};
@@ -50,6 +51,8 @@ pub enum ServeError {
     Keys(#[source] sqlx::Error),
     #[error("cannot load the model-signing keys from the database")]
     SigningKeys(#[source] signing_keys::SigningKeyError),
+    #[error(transparent)]
+    Bootstrap(#[from] bootstrap::BootstrapError),
     #[error("cannot serve on {listen}")]
     Bind {
         listen: SocketAddr,
@@ -75,6 +78,8 @@ impl ServeError {
                 "another process is listening there; stop it or pick another --listen address"
                     .to_string(),
             ),
+            ServeError::Bootstrap(error) => error.hint(),
+            ServeError::Tls(error) => error.hint(),
             _ => None,
         }
     }
@@ -136,27 +141,19 @@ mod private_files {
         }
     }
 
-    #[cfg(unix)]
     fn check_private(
         path: &Path,
         meta: &std::fs::Metadata,
         what: &'static str,
     ) -> Result<(), ServeError> {
-        use std::os::unix::fs::PermissionsExt;
-        let mode = meta.permissions().mode() & 0o7777;
-        if mode & 0o077 != 0 {
-            return Err(ServeError::OpenToOthers {
+        match crate::file_modes::open_to_others(meta) {
+            Some(mode) => Err(ServeError::OpenToOthers {
                 what,
                 path: path.to_path_buf(),
                 mode,
-            });
+            }),
+            None => Ok(()),
         }
-        Ok(())
-    }
-
-    #[cfg(not(unix))]
-    fn check_private(_: &Path, _: &std::fs::Metadata, _: &'static str) -> Result<(), ServeError> {
-        Ok(())
     }
 
     fn create_dir(dir: &Path) -> Result<(), ServeError> {
@@ -256,11 +253,15 @@ pub async fn start(settings: Settings) -> Result<Running, ServeError> {
     tls::install_crypto_provider();
     let listen = settings.listen;
     let listener = bind(listen)?;
+    if let TlsSetting::Files { key, .. } = &settings.tls {
+        tls::check_key_private(key)?;
+    }
     private_files::prepare_dir(&settings.data_dir)?;
     remove_stale_staging(&settings.data_dir.join("staging"));
     raise_file_limit(&settings.limits);
     let db = open_database(&settings).await?;
     let blobs = BlobStore::open(&settings.blob_store)?;
+    bootstrap::prepare(&db, &settings.data_dir, &settings.database_url).await?;
     let ring = signing_keys::load_ring(&db)
         .await
         .map_err(ServeError::SigningKeys)?;
@@ -343,6 +344,7 @@ pub async fn start(settings: Settings) -> Result<Running, ServeError> {
     let admin_token = settings::bootstrap_admin_token(&state.db)
         .await
         .map_err(ServeError::Keys)?;
+    bootstrap::record(&state.settings.data_dir, &state.settings.database_url)?;
     tracing::info!(%addr, "serving");
     Ok(Running {
         addr,

@@ -7,7 +7,12 @@
 //! - a damaged write-ahead log. On opening, SQLite replays the `-wal` file
 //!   up to the first frame whose salts or checksum do not match and
 //!   silently discards everything after it, committed transactions
-//!   included (<https://www.sqlite.org/fileformat2.html#walformat>).
+//!   included (<https://www.sqlite.org/fileformat2.html#walformat>); and
+//!   a log whose header is damaged it ignores whole, so that a database
+//!   never checkpointed opens empty and `serve` would start it afresh;
+//! - a file that starts like a database but whose header fields or first
+//!   page no SQLite database has, which SQLite reports as "file is not a
+//!   database" on every connection until the pool gives up.
 //!
 //! Everything here is a pure function of the files' bytes, so each rule is
 //! unit-tested on bytes built by hand as well as on files SQLite wrote.
@@ -24,6 +29,13 @@ const WAL_MAGIC_BE: u32 = 0x377f_0683;
 const WAL_FORMAT_VERSION: u32 = 3_007_000;
 const WAL_HEADER_BYTES: usize = 32;
 const WAL_FRAME_HEADER_BYTES: usize = 24;
+/// The database header, and the first byte of page 1's b-tree header.
+const DATABASE_HEADER_BYTES: usize = 100;
+const DATABASE_HEAD_BYTES: usize = DATABASE_HEADER_BYTES + 1;
+/// Page 1 is the root of the schema table: a table b-tree page, leaf or
+/// interior.
+const TABLE_LEAF_PAGE: u8 = 0x0d;
+const TABLE_INTERIOR_PAGE: u8 = 0x05;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SqliteFileError {
@@ -35,6 +47,8 @@ pub enum SqliteFileError {
     },
     #[error("{path} is not a SQLite database (its first bytes are not the SQLite header)")]
     NotADatabase { path: PathBuf },
+    #[error("the SQLite database {path} is damaged: {reason}")]
+    DamagedDatabaseHeader { path: PathBuf, reason: String },
     #[error(
         "the write-ahead log {path} is damaged at frame {frame}: SQLite would stop replaying \
          there and silently drop the {lost_frames} frame(s) after it, {lost_commits} of them \
@@ -47,6 +61,56 @@ pub enum SqliteFileError {
         lost_frames: u64,
         lost_commits: u64,
     },
+    #[error(
+        "the write-ahead log {path} has a damaged header ({fault}): SQLite would ignore the \
+         whole log and silently drop {lost}"
+    )]
+    DamagedWalHeader {
+        path: PathBuf,
+        fault: WalHeaderFault,
+        lost: WalLoss,
+    },
+}
+
+/// Why SQLite would ignore a write-ahead log's header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WalHeaderFault {
+    Magic,
+    Version,
+    PageSize,
+    Checksum,
+}
+
+impl std::fmt::Display for WalHeaderFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WalHeaderFault::Magic => "its magic number is not SQLite's",
+            WalHeaderFault::Version => "its format version is not 3007000",
+            WalHeaderFault::PageSize => "its page size is not a power of two from 512 to 65536",
+            WalHeaderFault::Checksum => "its checksum does not match",
+        })
+    }
+}
+
+/// What a log with a damaged header holds, and SQLite would drop.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WalLoss {
+    /// Frames of the log's generation (the first frame's salts).
+    Frames { frames: u64, commits: u64 },
+    /// Bytes after the header, in frames of a page size nothing states.
+    Unknown,
+}
+
+impl std::fmt::Display for WalLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WalLoss::Frames { frames, commits } => write!(
+                f,
+                "the {frames} frame(s) in it, {commits} of them ending committed transactions"
+            ),
+            WalLoss::Unknown => f.write_str("every frame in it"),
+        }
+    }
 }
 
 impl SqliteFileError {
@@ -58,14 +122,30 @@ impl SqliteFileError {
                 "check --data-dir / --database-url; if {} was the server's database, restore it from a backup",
                 path.display()
             )),
-            SqliteFileError::DamagedWal { path, frame, .. } => Some(format!(
-                "keep a copy of {0} before anything else; to start from the last intact \
-                 transaction instead, stop every process using the database and move {0} aside \
-                 (committed work from frame {frame} on is then lost), or restore from a backup",
-                path.display(),
+            SqliteFileError::DamagedDatabaseHeader { path, .. } => Some(format!(
+                "check --data-dir / --database-url; if {} was the server's database, restore it \
+                 from a backup",
+                path.display()
             )),
+            SqliteFileError::DamagedWal { path, frame, .. } => Some(move_aside_hint(
+                path,
+                &format!("committed work from frame {frame} on"),
+            )),
+            SqliteFileError::DamagedWalHeader { path, .. } => {
+                Some(move_aside_hint(path, "all committed work in it"))
+            }
         }
     }
+}
+
+/// The one hint for a damaged log, whichever part is damaged.
+fn move_aside_hint(wal: &Path, lost: &str) -> String {
+    format!(
+        "keep a copy of {0} before anything else; to start from the last intact transaction \
+         instead, stop every process using the database and move {0} aside ({lost} is then \
+         lost), or restore from a backup",
+        wal.display(),
+    )
 }
 
 /// The `-wal` file next to a database file.
@@ -79,14 +159,17 @@ pub fn wal_path(database: &Path) -> PathBuf {
 /// Missing files are no error here (SQLite creates them, or the caller
 /// refuses a missing database itself).
 pub fn check_files(database: &Path) -> Result<(), SqliteFileError> {
-    if let Some(head) = read_prefix(database, SQLITE_MAGIC.len())? {
-        check_database_header(database, &head)?;
+    let head = read_prefix(database, DATABASE_HEAD_BYTES)?;
+    if let Some(head) = &head {
+        check_database_header(database, head)?;
     }
+    let page_size = head.as_deref().and_then(database_page_size);
     let wal = wal_path(database);
     let Some(bytes) = read_all(&wal)? else {
         return Ok(());
     };
-    if check_wal(&wal, &bytes).is_ok() {
+    let check_wal = |bytes: &[u8]| check_wal_with(&wal, bytes, page_size);
+    if check_wal(&bytes).is_ok() {
         return Ok(());
     }
     // Another process may be appending to the log while we read it (a
@@ -95,20 +178,82 @@ pub fn check_files(database: &Path) -> Result<(), SqliteFileError> {
     // the same twice; a write in progress does not.
     std::thread::sleep(std::time::Duration::from_millis(200));
     match read_all(&wal)? {
-        Some(again) => check_wal(&wal, &again),
+        Some(again) => check_wal(&again),
         None => Ok(()),
     }
 }
 
-/// An empty file is a valid empty database to SQLite.
+/// Checks the database header (the first 100 bytes) and the type of page
+/// 1, given the file's first [`DATABASE_HEAD_BYTES`]: the fields every
+/// SQLite 3 database has the same or from a short list
+/// (<https://www.sqlite.org/fileformat2.html#the_database_header>). An
+/// empty file is a valid empty database to SQLite.
 pub fn check_database_header(path: &Path, head: &[u8]) -> Result<(), SqliteFileError> {
-    if head.is_empty() || head.starts_with(SQLITE_MAGIC) {
-        Ok(())
-    } else {
-        Err(SqliteFileError::NotADatabase {
-            path: path.to_path_buf(),
-        })
+    if head.is_empty() {
+        return Ok(());
     }
+    if !head.starts_with(SQLITE_MAGIC) {
+        return Err(SqliteFileError::NotADatabase {
+            path: path.to_path_buf(),
+        });
+    }
+    match database_header_fault(head) {
+        None => Ok(()),
+        Some(reason) => Err(SqliteFileError::DamagedDatabaseHeader {
+            path: path.to_path_buf(),
+            reason,
+        }),
+    }
+}
+
+/// What in a header that starts with the magic no database has.
+fn database_header_fault(head: &[u8]) -> Option<String> {
+    if head.len() < DATABASE_HEAD_BYTES {
+        return Some(format!(
+            "the file is {} bytes, shorter than one page",
+            head.len()
+        ));
+    }
+    if database_page_size(head).is_none() {
+        let raw = u16::from_be_bytes([head[16], head[17]]);
+        return Some(format!("its header states a page size of {raw}"));
+    }
+    let (write_version, read_version) = (head[18], head[19]);
+    if !matches!(write_version, 1 | 2) || !matches!(read_version, 1 | 2) {
+        return Some(format!(
+            "its header states file format versions {write_version} and {read_version} \
+             (1 or 2 each)"
+        ));
+    }
+    if head[21..24] != [64, 32, 32] {
+        return Some("its header's payload fractions are not 64, 32 and 32".to_string());
+    }
+    let schema_format = be32(head, 44);
+    let text_encoding = be32(head, 56);
+    if schema_format > 4 || text_encoding > 3 {
+        return Some(format!(
+            "its header states schema format {schema_format} and text encoding {text_encoding}"
+        ));
+    }
+    let page_type = head[DATABASE_HEADER_BYTES];
+    if page_type != TABLE_LEAF_PAGE && page_type != TABLE_INTERIOR_PAGE {
+        return Some(format!(
+            "its first page is not a table page (type byte {page_type:#04x})"
+        ));
+    }
+    None
+}
+
+/// The page size a database header states, if it is one SQLite allows
+/// (a power of two from 512 to 65536, the last stored as 1).
+fn database_page_size(head: &[u8]) -> Option<usize> {
+    let raw = u16::from_be_bytes([*head.get(16)?, *head.get(17)?]);
+    let size = if raw == 1 { 65_536 } else { usize::from(raw) };
+    valid_page_size(size).then_some(size)
+}
+
+fn valid_page_size(size: usize) -> bool {
+    size.is_power_of_two() && (512..=65_536).contains(&size)
 }
 
 /// The WAL's header fields that frames are checked against.
@@ -123,30 +268,30 @@ fn be32(bytes: &[u8], at: usize) -> u32 {
     u32::from_be_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
 }
 
-/// The WAL header, or `None` when SQLite would ignore the whole log
-/// (wrong magic, version or page size, or a header checksum mismatch):
-/// SQLite then treats the log as empty.
-fn parse_wal_header(bytes: &[u8]) -> Option<WalHeader> {
-    let header = bytes.get(..WAL_HEADER_BYTES)?;
+/// The WAL header, or why SQLite would ignore the whole log (wrong
+/// magic, version or page size, or a header checksum mismatch): SQLite
+/// then treats the log as empty. The caller has at least
+/// [`WAL_HEADER_BYTES`].
+fn parse_wal_header(header: &[u8]) -> Result<WalHeader, WalHeaderFault> {
     let magic = be32(header, 0);
     if magic != WAL_MAGIC_LE && magic != WAL_MAGIC_BE {
-        return None;
+        return Err(WalHeaderFault::Magic);
     }
     let big_endian_checksums = magic & 1 == 1;
+    if be32(header, 4) != WAL_FORMAT_VERSION {
+        return Err(WalHeaderFault::Version);
+    }
     let page_size = be32(header, 8) as usize;
-    if be32(header, 4) != WAL_FORMAT_VERSION
-        || !page_size.is_power_of_two()
-        || !(512..=65_536).contains(&page_size)
-    {
-        return None;
+    if !valid_page_size(page_size) {
+        return Err(WalHeaderFault::PageSize);
     }
     let checksum = wal_checksum(big_endian_checksums, (0, 0), &header[..24]);
     if checksum != (be32(header, 24), be32(header, 28)) {
-        return None;
+        return Err(WalHeaderFault::Checksum);
     }
     let mut salts = [0; 8];
     salts.copy_from_slice(&header[16..24]);
-    Some(WalHeader {
+    Ok(WalHeader {
         big_endian_checksums,
         page_size,
         salts,
@@ -213,20 +358,43 @@ impl Frame<'_> {
 ///
 /// Normal logs pass: a torn last frame (a crash mid-write) has nothing of
 /// its generation after it, and frames left from before the last log reset
-/// carry older salts. A log whose header SQLite rejects is treated as
-/// empty by SQLite, and so here: its frames cannot be attributed.
+/// carry older salts.
+///
+/// A log whose header SQLite rejects SQLite treats as empty, whatever
+/// follows it. SQLite writes the header whole before any frame of a
+/// generation, so a bad header before committed frames is damage, and is
+/// refused as such.
 pub fn check_wal(path: &Path, bytes: &[u8]) -> Result<(), SqliteFileError> {
-    let Some(header) = parse_wal_header(bytes) else {
+    check_wal_with(path, bytes, None)
+}
+
+/// [`check_wal`], with the page size the database header states, to
+/// count the frames behind a damaged log header.
+fn check_wal_with(
+    path: &Path,
+    bytes: &[u8],
+    database_page_size: Option<usize>,
+) -> Result<(), SqliteFileError> {
+    let Some(header) = bytes.get(..WAL_HEADER_BYTES) else {
         return Ok(());
     };
-    let frame_bytes = WAL_FRAME_HEADER_BYTES + header.page_size;
-    let frames: Vec<Frame> = bytes[WAL_HEADER_BYTES..]
-        .chunks_exact(frame_bytes)
-        .map(|chunk| Frame {
-            header: &chunk[..WAL_FRAME_HEADER_BYTES],
-            page: &chunk[WAL_FRAME_HEADER_BYTES..],
-        })
-        .collect();
+    let header = match parse_wal_header(header) {
+        Ok(header) => header,
+        Err(fault) => {
+            let page_size = Some(be32(header, 8) as usize)
+                .filter(|size| fault != WalHeaderFault::PageSize && valid_page_size(*size))
+                .or(database_page_size);
+            return match loss_behind_bad_header(bytes, page_size) {
+                None => Ok(()),
+                Some(lost) => Err(SqliteFileError::DamagedWalHeader {
+                    path: path.to_path_buf(),
+                    fault,
+                    lost,
+                }),
+            };
+        }
+    };
+    let frames = frames(bytes, header.page_size);
     let mut running = header.checksum;
     for (index, frame) in frames.iter().enumerate() {
         if let Some(next) = frame.verify(&header, running) {
@@ -255,6 +423,43 @@ pub fn check_wal(path: &Path, bytes: &[u8]) -> Result<(), SqliteFileError> {
         });
     }
     Ok(())
+}
+
+/// The complete frames after the log header, for pages of `page_size`.
+fn frames(bytes: &[u8], page_size: usize) -> Vec<Frame<'_>> {
+    bytes[WAL_HEADER_BYTES..]
+        .chunks_exact(WAL_FRAME_HEADER_BYTES + page_size)
+        .map(|chunk| Frame {
+            header: &chunk[..WAL_FRAME_HEADER_BYTES],
+            page: &chunk[WAL_FRAME_HEADER_BYTES..],
+        })
+        .collect()
+}
+
+/// What SQLite would drop with a log whose header it ignores: the frames
+/// of the first frame's generation, when some of them end a transaction.
+/// `None` when nothing committed is there (no complete frame, or an
+/// unfinished first transaction). Without a page size, any byte after
+/// the header counts.
+fn loss_behind_bad_header(bytes: &[u8], page_size: Option<usize>) -> Option<WalLoss> {
+    let rest = &bytes[WAL_HEADER_BYTES..];
+    let Some(page_size) = page_size else {
+        return rest
+            .iter()
+            .any(|&byte| byte != 0)
+            .then_some(WalLoss::Unknown);
+    };
+    let frames = frames(bytes, page_size);
+    let first = frames.first()?;
+    let generation: Vec<&Frame> = frames
+        .iter()
+        .filter(|frame| frame.header[8..16] == first.header[8..16] && be32(frame.header, 0) != 0)
+        .collect();
+    let commits = generation.iter().filter(|frame| frame.is_commit()).count() as u64;
+    (commits > 0).then_some(WalLoss::Frames {
+        frames: generation.len() as u64,
+        commits,
+    })
 }
 
 /// The first `limit` bytes of a file, or `None` if it does not exist.
@@ -434,13 +639,128 @@ mod tests {
     }
 
     #[test]
-    fn a_log_with_a_bad_header_is_what_sqlite_ignores() {
-        for at in [0, 5, 9, 25] {
+    fn each_header_fault_is_named() {
+        for (at, fault) in [
+            (0, WalHeaderFault::Magic),
+            (5, WalHeaderFault::Version),
+            (9, WalHeaderFault::PageSize),
+            (17, WalHeaderFault::Checksum),
+            (25, WalHeaderFault::Checksum),
+        ] {
             let mut wal = build_wal(false, SALTS, &TWO_COMMITS);
             wal[at] ^= 0x01;
-            assert!(parse_wal_header(&wal).is_none(), "byte {at}");
+            assert_eq!(
+                parse_wal_header(&wal[..WAL_HEADER_BYTES]).err(),
+                Some(fault),
+                "byte {at}"
+            );
         }
-        assert!(parse_wal_header(&[]).is_none());
+    }
+
+    #[test]
+    fn a_damaged_header_before_committed_frames_is_refused() {
+        for at in [0, 5, 17, 25, 31] {
+            let mut wal = build_wal(false, SALTS, &TWO_COMMITS);
+            wal[at] ^= 0x01;
+            let error = check_wal(Path::new("/d/canopy.db-wal"), &wal).unwrap_err();
+            match &error {
+                SqliteFileError::DamagedWalHeader { lost, .. } => assert_eq!(
+                    *lost,
+                    WalLoss::Frames {
+                        frames: 4,
+                        commits: 2
+                    },
+                    "byte {at}"
+                ),
+                other => panic!("byte {at}: {other:?}"),
+            }
+            let text = error.to_string();
+            assert!(
+                text.contains("/d/canopy.db-wal has a damaged header")
+                    && text.contains("2 of them ending committed transactions"),
+                "{text}"
+            );
+            let hint = error.hint().unwrap();
+            assert!(
+                hint.contains("keep a copy of /d/canopy.db-wal")
+                    && hint.contains("move /d/canopy.db-wal aside"),
+                "{hint}"
+            );
+        }
+    }
+
+    #[test]
+    fn without_the_header_page_size_the_database_states_it() {
+        let mut wal = build_wal(false, SALTS, &TWO_COMMITS);
+        wal[9] ^= 0x01;
+        let lost = |page_size| match check_wal_with(Path::new("w"), &wal, page_size) {
+            Err(SqliteFileError::DamagedWalHeader { lost, .. }) => lost,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            lost(Some(PAGE)),
+            WalLoss::Frames {
+                frames: 4,
+                commits: 2
+            }
+        );
+        assert_eq!(lost(None), WalLoss::Unknown);
+    }
+
+    #[test]
+    fn a_damaged_header_with_nothing_committed_behind_it_passes() {
+        let damaged = |mut wal: Vec<u8>| {
+            wal[25] ^= 0x01;
+            check_wal(Path::new("w"), &wal)
+        };
+        let wal = build_wal(false, SALTS, &TWO_COMMITS);
+        damaged(wal[..WAL_HEADER_BYTES].to_vec()).expect("a header alone");
+        damaged(wal[..frame_at(1) - 1].to_vec()).expect("a partial first frame");
+        let unfinished = build_wal(false, SALTS, &[(1, 0, 10), (2, 0, 20)]);
+        damaged(unfinished).expect("an unfinished first transaction");
+        let mut zeros = wal[..WAL_HEADER_BYTES].to_vec();
+        zeros.extend(std::iter::repeat_n(0, 3 * (WAL_FRAME_HEADER_BYTES + PAGE)));
+        zeros[0] ^= 0x01;
+        check_wal_with(Path::new("w"), &zeros, None).expect("zeros after the header");
+        check_wal(Path::new("w"), &[]).expect("an empty log");
+    }
+
+    /// The first 101 bytes of a new database in WAL mode, as SQLite
+    /// writes them (page size 4096, empty schema).
+    fn database_head() -> Vec<u8> {
+        let mut head = SQLITE_MAGIC.to_vec();
+        head.extend([0x10, 0x00, 2, 2, 0, 64, 32, 32]);
+        head.resize(DATABASE_HEADER_BYTES, 0);
+        head.push(TABLE_LEAF_PAGE);
+        head
+    }
+
+    #[test]
+    fn a_header_no_database_has_is_refused_by_field() {
+        let path = Path::new("/d/canopy.db");
+        check_database_header(path, &database_head()).expect("a new database");
+        for (at, value, needle) in [
+            (16, 0x03, "page size of 768"),
+            (18, 7, "file format versions 7 and 2"),
+            (22, 0, "payload fractions"),
+            (47, 9, "schema format 9"),
+            (59, 4, "text encoding 4"),
+            (100, 0x0a, "not a table page (type byte 0x0a)"),
+        ] {
+            let mut head = database_head();
+            head[at] = value;
+            let error = check_database_header(path, &head).unwrap_err();
+            let text = error.to_string();
+            assert!(
+                text.contains("the SQLite database /d/canopy.db is damaged")
+                    && text.contains(needle),
+                "byte {at}: {text}"
+            );
+            assert!(error.hint().unwrap().contains("restore it from a backup"));
+        }
+        let short = &database_head()[..40];
+        let text = check_database_header(path, short).unwrap_err().to_string();
+        assert!(text.contains("shorter than one page"), "{text}");
     }
 
     #[test]
@@ -453,6 +773,6 @@ mod tests {
                 .contains("/d/canopy.db is not a SQLite database")
         );
         check_database_header(path, b"").expect("empty file");
-        check_database_header(path, SQLITE_MAGIC).expect("header");
+        check_database_header(path, &database_head()).expect("header");
     }
 }

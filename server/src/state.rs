@@ -1,7 +1,6 @@
 //! What every handler shares.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,10 +42,13 @@ pub struct Inner {
     /// Model files verified, and datasets parsed, at once: one, since each
     /// holds the file and what it parses to in memory.
     pub model_verification: Semaphore,
-    /// Parsed datasets for central evaluation.
-    pub datasets: crate::datasets::DatasetCache,
-    /// `max_concurrent_requests`, shared by every route.
-    pub request_slots: Semaphore,
+    /// The last readiness ping (when, and whether the database answered),
+    /// shared by `/readyz` probes.
+    pub readiness: tokio::sync::Mutex<Option<(std::time::Instant, bool)>>,
+    /// Which devices have a task waiting, shared by the waiting task polls.
+    pub task_board: crate::api::device::TaskBoard,
+    /// The request pools, drawn on by kind (see `request_slots.rs`).
+    pub request_slots: Arc<crate::request_slots::RequestSlots>,
     /// Requests and task polls each device has in flight.
     pub device_requests: Arc<InFlight<i64>>,
     pub device_polls: Arc<InFlight<i64>>,
@@ -73,7 +75,11 @@ pub struct Inner {
     pub masked_folds: crate::api::device::folds::FoldQueue<crate::store::secagg::MaskedUpload>,
     /// Secure rounds' key-stage, ConsistencyCheck and Unmasking messages.
     pub stage_writes: crate::api::device::folds::FoldQueue<crate::store::secagg::QueuedWrite>,
-    pub sensitive_limiter: DefaultKeyedRateLimiter<IpAddr>,
+    /// `sensitive_requests_per_minute`, per credential route and client.
+    pub sensitive_limiter: DefaultKeyedRateLimiter<(
+        crate::request_slots::CredentialRoute,
+        crate::conn::ClientAddress,
+    )>,
     /// `device_requests_per_second`, per device.
     pub device_limiter: DefaultKeyedRateLimiter<i64>,
     pub shutting_down: AtomicBool,
@@ -113,8 +119,9 @@ impl AppState {
                 limits.upload_slot_wait_ms,
             ),
             model_verification: Semaphore::new(1),
-            datasets: crate::datasets::DatasetCache::new(limits.max_cached_datasets),
-            request_slots: Semaphore::new(limits.max_concurrent_requests),
+            readiness: Default::default(),
+            task_board: Default::default(),
+            request_slots: Arc::new(crate::request_slots::RequestSlots::new(limits)),
             device_requests: InFlight::new(limits.max_requests_per_device),
             device_polls: InFlight::new(limits.max_polls_per_device),
             device_keys: Default::default(),

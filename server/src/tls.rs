@@ -27,6 +27,48 @@ pub enum TlsError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot read the TLS private key {path}")]
+    ReadKey {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "the TLS private key {path} can be read by other users (mode {mode:04o}); whoever reads \
+         it can impersonate this server"
+    )]
+    KeyOpenToOthers { path: PathBuf, mode: u32 },
+}
+
+impl TlsError {
+    /// What the operator can do about it, for the `hint:` line.
+    pub fn hint(&self) -> Option<String> {
+        match self {
+            TlsError::KeyOpenToOthers { path, .. } => Some(format!(
+                "run `chmod 600 {}` (and check who else could have read it; if someone could, \
+                 replace the key and its certificate)",
+                path.display()
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// Refuses a private key that group or others can access, by the rule
+/// of every file the server keeps secrets in (`file_modes`). The key is
+/// followed through symbolic links, as the server reads it.
+pub fn check_key_private(key: &Path) -> Result<(), TlsError> {
+    let meta = std::fs::metadata(key).map_err(|source| TlsError::ReadKey {
+        path: key.to_path_buf(),
+        source,
+    })?;
+    match crate::file_modes::open_to_others(&meta) {
+        Some(mode) => Err(TlsError::KeyOpenToOthers {
+            path: key.to_path_buf(),
+            mode,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Installs ring as rustls's crypto provider; harmless when one is set.
@@ -43,6 +85,7 @@ pub fn self_signed(
     let cert_path = dir.join("self-signed-cert.pem");
     let key_path = dir.join("self-signed-key.pem");
     if cert_path.exists() && key_path.exists() {
+        check_key_private(&key_path)?;
         return Ok((cert_path, key_path));
     }
     let mut names = vec![
@@ -52,7 +95,14 @@ pub fn self_signed(
     ];
     names.extend(extra_name);
     let certified = rcgen::generate_simple_self_signed(names).map_err(TlsError::Generate)?;
-    std::fs::create_dir_all(&dir).map_err(|source| TlsError::Write {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(crate::file_modes::PRIVATE_DIR_MODE);
+    }
+    builder.create(&dir).map_err(|source| TlsError::Write {
         path: dir.clone(),
         source,
     })?;
@@ -64,23 +114,24 @@ pub fn self_signed(
     Ok((cert_path, key_path))
 }
 
+/// Writes a key the server made: 0600 whatever the umask, including over
+/// a file left with a wider mode (an interrupted first start).
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), TlsError> {
     use std::io::Write;
+    let failed = |source| TlsError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create(true).truncate(true);
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
+        options.mode(crate::file_modes::PRIVATE_FILE_MODE);
     }
-    let mut file = options.open(path).map_err(|source| TlsError::Write {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    file.write_all(bytes).map_err(|source| TlsError::Write {
-        path: path.to_path_buf(),
-        source,
-    })
+    let mut file = options.open(path).map_err(failed)?;
+    crate::file_modes::make_private(path).map_err(failed)?;
+    file.write_all(bytes).map_err(failed)
 }
 
 /// SHA-256 of the leaf certificate's DER, as `sha256:HEX`.

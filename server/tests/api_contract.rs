@@ -286,3 +286,78 @@ async fn bearer_scheme_is_case_insensitive() -> Result<()> {
     }
     Ok(())
 }
+
+/// Every `$ref` in `node`, with the JSON pointer of the place it sits.
+fn references<'a>(node: &'a Value, at: String, out: &mut Vec<(String, &'a str)>) {
+    match node {
+        Value::Object(map) => {
+            for (key, value) in map {
+                match (key.as_str(), value) {
+                    ("$ref", Value::String(reference)) => out.push((at.clone(), reference)),
+                    _ => references(value, format!("{at}/{}", escape_pointer(key)), out),
+                }
+            }
+        }
+        Value::Array(items) => {
+            for (index, item) in items.iter().enumerate() {
+                references(item, format!("{at}/{index}"), out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A key as a JSON pointer token (RFC 6901).
+fn escape_pointer(key: &str) -> String {
+    key.replace('~', "~0").replace('/', "~1")
+}
+
+/// A local reference's target, if the document has one there (the part
+/// after `#` is a JSON pointer).
+fn target<'a>(document: &'a Value, reference: &str) -> Option<&'a Value> {
+    document.pointer(reference.strip_prefix('#')?)
+}
+
+/// Every `$ref` of the document the server serves resolves within it: a
+/// dangling one makes Schemathesis skip the operation (the rounds list's
+/// `order` parameter pointed at a schema the document lacked).
+#[tokio::test]
+async fn every_reference_in_the_served_document_resolves() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let document = server.admin().ok("/api/v1/openapi.json").await?;
+    let mut found = Vec::new();
+    references(&document, String::new(), &mut found);
+    let operations = document["paths"]
+        .as_object()
+        .context("the document has paths")?;
+    let order = &document["paths"]["/api/v1/jobs/{id}/rounds"]["get"]["parameters"];
+    let order = order
+        .as_array()
+        .and_then(|all| all.iter().find(|p| p["name"] == "order"))
+        .context("the rounds list takes `order`")?;
+    if order["schema"].is_null() {
+        bail!("the rounds list's `order` has no schema: {order}");
+    }
+    let dangling: Vec<String> = found
+        .iter()
+        .filter(|(_, reference)| target(&document, reference).is_none())
+        .map(|(at, reference)| format!("{at}: {reference}"))
+        .collect();
+    if !dangling.is_empty() {
+        bail!(
+            "{} of {} references resolve to nothing:\n{}",
+            dangling.len(),
+            found.len(),
+            dangling.join("\n")
+        );
+    }
+    if found.len() < operations.len() {
+        bail!(
+            "only {} references in a document of {} paths: the walk missed them",
+            found.len(),
+            operations.len()
+        );
+    }
+    eprintln!("{} references, all resolve", found.len());
+    Ok(())
+}

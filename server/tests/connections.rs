@@ -116,10 +116,12 @@ async fn connections_are_capped_per_address_and_in_all() -> Result<()> {
 }
 
 async fn reqwest_get(server: &TestServer, path: &str) -> Result<String> {
+    // With the admin token: `/metrics` needs one.
     Ok(server
         .transport()
         .http()
         .get(server.transport().url(path))
+        .bearer_auth(&server.admin_token)
         .send()
         .await?
         .text()

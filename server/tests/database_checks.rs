@@ -4,6 +4,8 @@
 //! integrity check, and a damaged write-ahead log that would silently drop
 //! committed transactions is refused.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::str::FromStr;
@@ -44,6 +46,35 @@ fn run(args: &[&str], data_dir: &Path) -> Result<Output> {
         .env_remove("CANOPY_DATABASE_URL")
         .env_remove("CANOPY_DATA_DIR")
         .output()?)
+}
+
+/// [`run`], killing a command still running after `limit` (a `serve`
+/// that started instead of refusing) and failing with its output.
+fn run_within(args: &[&str], data_dir: &Path, limit: Duration) -> Result<Output> {
+    make_private(data_dir)?;
+    let mut child = server_bin()
+        .args(args)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .env_remove("CANOPY_DATABASE_URL")
+        .env_remove("CANOPY_DATA_DIR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let started = Instant::now();
+    while child.try_wait()?.is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let output = child.wait_with_output()?;
+            anyhow::bail!(
+                "{args:?} still running after {limit:?}:\n{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                stderr(&output)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(child.wait_with_output()?)
 }
 
 fn stderr(output: &Output) -> String {
@@ -308,5 +339,157 @@ async fn a_damaged_log_is_refused_and_a_torn_last_frame_is_not() -> Result<()> {
     let torn = place(root.path(), "torn", &db, &wal[..wal.len() - page / 2])?;
     expect_success(&run(&["migrate"], &torn)?)?;
     ensure!(rows(&torn.join("canopy.db")).await? == TRANSACTIONS - 1);
+    Ok(())
+}
+
+/// Issue 36: a real server writes, is killed (so its log holds every
+/// transaction since the last checkpoint), and one byte of the log's
+/// header is flipped. SQLite alone ignores such a log whole and opens the
+/// database empty, on which `serve` would start afresh (a new admin token,
+/// a new model-signing key); the server refuses it like a damaged frame,
+/// with the same hint, and the intact log still starts it as it was.
+#[tokio::test]
+async fn a_damaged_log_header_is_refused_not_started_afresh() -> Result<()> {
+    let mut server = support::TestServer::start(support::Database::Sqlite)?;
+    let admin = server.admin();
+    admin
+        .upload_model("kept", support::logreg_model_bytes(1))
+        .await?;
+    admin.enrollment_token(2).await?;
+    let key = admin.ok("/device/v1/server-key").await?["server_public_key"].clone();
+    server.kill9();
+    let live = server.data_dir.path();
+    let wal = std::fs::read(live.join("canopy.db-wal"))?;
+    let page = page_size(&live.join("canopy.db"))?;
+    ensure!(
+        wal.len() >= 32 + 2 * (24 + page),
+        "the log holds no frames ({} bytes): the test proves nothing",
+        wal.len()
+    );
+
+    let root = tempfile::tempdir()?;
+    for (at, fault) in [
+        (1, "magic number"),
+        (6, "format version"),
+        (20, "checksum"),
+        (29, "checksum"),
+    ] {
+        let dir = root.path().join(format!("byte-{at}"));
+        std::fs::create_dir(&dir)?;
+        for name in ["canopy.db", "canopy.db-shm"] {
+            std::fs::copy(live.join(name), dir.join(name))?;
+        }
+        let mut damaged = wal.clone();
+        damaged[at] ^= 0x04;
+        let log = dir.join("canopy.db-wal");
+        std::fs::write(&log, &damaged)?;
+        if at == 20 {
+            // On a spare copy, SQLite alone opens an empty database.
+            let spare = root.path().join("spare");
+            std::fs::create_dir(&spare)?;
+            for name in ["canopy.db", "canopy.db-wal"] {
+                std::fs::copy(dir.join(name), spare.join(name))?;
+            }
+            let mut connection = open(&spare.join("canopy.db")).await?;
+            let tables: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master")
+                .fetch_one(&mut connection)
+                .await?;
+            ensure!(
+                tables == 0,
+                "SQLite read {tables} tables past the damaged header: the test proves nothing"
+            );
+        }
+        let started = Instant::now();
+        let output = run_within(
+            &["serve", "--listen", "127.0.0.1:0"],
+            &dir,
+            Duration::from_secs(20),
+        )?;
+        expect_failure(
+            &output,
+            &[
+                &format!("the write-ahead log {} has a damaged header", log.display()),
+                fault,
+                "committed transactions",
+                "hint:",
+                &format!("keep a copy of {}", log.display()),
+                &format!("move {} aside", log.display()),
+            ],
+        )
+        .with_context(|| format!("byte {at}"))?;
+        ensure!(
+            !String::from_utf8_lossy(&output.stdout).contains("admin token"),
+            "byte {at}: a first admin token was issued"
+        );
+        ensure!(
+            std::fs::read(&log)? == damaged,
+            "byte {at}: the refusal changed the log"
+        );
+        println!(
+            "figures: header byte {at} refused in {:?}",
+            started.elapsed()
+        );
+    }
+
+    // The intact files start the same database: the same key, no new token.
+    server.restart()?;
+    let again = server.admin().ok("/device/v1/server-key").await?["server_public_key"].clone();
+    ensure!(again == key, "the key changed from {key} to {again}");
+    server.admin().ok("/api/v1/models/kept/versions").await?;
+    Ok(())
+}
+
+/// Issue 36: a file with SQLite's header and garbage after it fails at
+/// once, named as a damaged database with the restore hint (it used to
+/// retry until the pool's 10 s acquire timeout and then suggest checking
+/// that the database is running). Both a damaged header and a good header
+/// followed by a damaged first page.
+#[test]
+fn a_good_header_before_garbage_fails_at_once() -> Result<()> {
+    let root = tempfile::tempdir()?;
+    let made = root.path().join("made");
+    expect_success(&run(&["migrate", "--create"], &made)?)?;
+    let header: Vec<u8> = std::fs::read(made.join("canopy.db"))?[..100].to_vec();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let garbage: Vec<u8> = (0..16 * 4096)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    for (name, prefix) in [("magic-only", &header[..16]), ("whole-header", &header[..])] {
+        let dir = root.path().join(name);
+        std::fs::create_dir(&dir)?;
+        let database = dir.join("canopy.db");
+        let mut bytes = prefix.to_vec();
+        bytes.extend_from_slice(&garbage[prefix.len()..]);
+        if name == "whole-header" {
+            // Page 1's b-tree header says "table leaf", as a real one does.
+            bytes[100] = 0x0d;
+        }
+        std::fs::write(&database, bytes)?;
+        for args in [&["migrate"][..], &["serve", "--listen", "127.0.0.1:0"]] {
+            let started = Instant::now();
+            let output = run_within(args, &dir, Duration::from_secs(30))?;
+            let took = started.elapsed();
+            expect_failure(
+                &output,
+                &[&database.display().to_string(), "hint:", "restore"],
+            )
+            .with_context(|| format!("{name} {args:?}"))?;
+            let text = stderr(&output);
+            ensure!(
+                !text.contains("that the database is running"),
+                "{name} {args:?}: a misleading hint:\n{text}"
+            );
+            println!("figures: {name} {args:?} failed in {took:?}");
+            ensure!(
+                took < Duration::from_secs(3),
+                "{name} {args:?} took {took:?} to fail"
+            );
+        }
+    }
     Ok(())
 }

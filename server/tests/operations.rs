@@ -128,6 +128,7 @@ async fn responses_carry_request_ids_and_errors_are_json() -> Result<()> {
     assert_eq!(reply.status, 400, "{}", reply.body);
     let metrics = http
         .get(server.transport().url("/metrics"))
+        .bearer_auth(&server.admin_token)
         .send()
         .await?
         .text()

@@ -492,10 +492,12 @@ async fn federated_job_matches_fedavg(database: Database) -> Result<()> {
 }
 
 async fn reqwest_text(server: &TestServer, path: &str) -> Result<String> {
+    // With the admin token: `/metrics` needs one.
     Ok(server
         .transport()
         .http()
         .get(server.transport().url(path))
+        .bearer_auth(&server.admin_token)
         .send()
         .await?
         .text()

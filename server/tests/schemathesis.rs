@@ -1,6 +1,6 @@
 //! Schemathesis against the admin API: every operation of
-//! `/api/v1/openapi.json`, with an admin token, on SQLite and PostgreSQL.
-//! Fails on any 5xx, any response that breaks the document (status code,
+//! `/api/v1/openapi.json`, with an admin token, on SQLite and PostgreSQL,
+//! in every phase (examples, coverage, fuzzing, stateful). Fails on any 5xx, any response that breaks the document (status code,
 //! content type, headers, body schema), and any request the server answers
 //! against the document (schema-invalid data accepted, schema-valid data
 //! rejected, auth ignored, resources that vanish or outlive deletion).
@@ -25,6 +25,9 @@ const MAX_EXAMPLES: u32 = 50;
 const MAX_EXAMPLES_VAR: &str = "CANOPY_SCHEMATHESIS_MAX_EXAMPLES";
 const SCHEMATHESIS_TIMEOUT: Duration = Duration::from_secs(600);
 const INSTALL_HINT: &str = "hint: pip install -r requirements-dev.txt";
+/// Every phase Schemathesis has, asked for by name: a phase that did not
+/// run (the stateful one finds no links, say) fails the test.
+const PHASES: [&str; 4] = ["Examples", "Coverage", "Fuzzing", "Stateful"];
 
 /// The interpreter `.ci/run` installs `requirements-dev.txt` into.
 fn python() -> String {
@@ -159,6 +162,7 @@ async fn run_schemathesis(database: Database) -> Result<()> {
         // The harness's certificate is self-signed.
         .args(["--tls-verify", "false"])
         .args(["--max-examples", &max_examples.to_string()])
+        .args(["--phases", &PHASES.join(",").to_lowercase()])
         .args(["--request-timeout", "30"])
         // `.hypothesis/` and `.schemathesis/` land here, not in the repo.
         .current_dir(work.path())
@@ -197,14 +201,19 @@ async fn run_schemathesis(database: Database) -> Result<()> {
             problems.join("\n")
         );
     }
-    // Guards against a filter or a schema change that silently drops operations.
+    // Guards against a filter or a schema change that silently drops
+    // operations, and against a phase that was skipped.
+    let phases = PHASES.iter().map(|phase| format!("✅ {phase}"));
     for expected in [
         format!("Selected: {operations}/{operations}"),
         format!("Tested: {operations}"),
-    ] {
+    ]
+    .into_iter()
+    .chain(phases)
+    {
         if !report.contains(&expected) {
             bail!(
-                "Schemathesis on {database:?} did not test all {operations} operations (no `{expected}`):\n{report}"
+                "Schemathesis on {database:?} did not test all {operations} operations in every phase (no `{expected}`):\n{report}"
             );
         }
     }

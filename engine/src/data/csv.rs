@@ -5,10 +5,12 @@
 use std::path::Path;
 
 use super::data_err;
-use super::dataset::{Dataset, check_total};
-use super::limits::{MAX_CLASSES, MAX_CSV_COLUMNS, MAX_SAMPLES};
-use super::read::read_file;
-use crate::error::EngineResult;
+use super::dataset::{Dataset, check_total, finite_feature};
+use super::limits::{
+    DataBounds, MAX_CLASSES, MAX_CSV_COLUMNS, MAX_CSV_LINE_BYTES, MAX_SAMPLES, OverBound,
+};
+use super::read::DataFile;
+use crate::error::{EngineError, EngineResult};
 
 /// Which column holds the class label.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -63,13 +65,26 @@ pub fn load_csv(path: impl AsRef<Path>, label: LabelColumn) -> EngineResult<Data
 
 /// Loads a CSV file with explicit options.
 pub fn load_csv_with(path: impl AsRef<Path>, opts: &CsvOptions) -> EngineResult<Dataset> {
+    load_csv_within(path, opts, &DataBounds::DEFAULT)
+}
+
+/// [`load_csv_with`] under `bounds`: the file is read a line at a time,
+/// stopping once it decompresses past `bounds.max_bytes` or its rows
+/// hold more than `bounds.max_values` feature values.
+pub fn load_csv_within(
+    path: impl AsRef<Path>,
+    opts: &CsvOptions,
+    bounds: &DataBounds,
+) -> EngineResult<Dataset> {
     let path = path.as_ref();
-    let bytes = read_file(path)?;
-    let text =
-        std::str::from_utf8(&bytes).map_err(|e| data_err(path, format!("not UTF-8 text: {e}")))?;
-    let parsed = Parser::new(*opts)
-        .parse(text)
-        .map_err(|c| data_err(path, c))?;
+    let mut file = DataFile::open(path, bounds.max_bytes, bounds)?;
+    let parsed = Parser::new(*opts, bounds.max_values)
+        .parse(&mut file)
+        .map_err(|error| match error {
+            RowError::Cause(cause) => data_err(path, cause),
+            RowError::Over(over) => file.over(over),
+            RowError::Read(error) => error,
+        })?;
     let shape = vec![parsed.columns - usize::from(opts.label != LabelColumn::None)];
     if opts.label == LabelColumn::None {
         return Dataset::from_parts(path, parsed.features, shape, parsed.labels, 1);
@@ -77,9 +92,29 @@ pub fn load_csv_with(path: impl AsRef<Path>, opts: &CsvOptions) -> EngineResult<
     Dataset::infer_classes(path, parsed.features, shape, parsed.labels)
 }
 
+/// Why a row was refused.
+enum RowError {
+    Cause(String),
+    Over(OverBound),
+    Read(EngineError),
+}
+
+impl From<String> for RowError {
+    fn from(cause: String) -> RowError {
+        RowError::Cause(cause)
+    }
+}
+
+impl From<&str> for RowError {
+    fn from(cause: &str) -> RowError {
+        RowError::Cause(cause.to_string())
+    }
+}
+
 /// Accumulates rows; `columns` is fixed by the first data row.
 struct Parser {
     opts: CsvOptions,
+    max_values: usize,
     columns: usize,
     label_col: usize,
     features: Vec<f32>,
@@ -87,9 +122,10 @@ struct Parser {
 }
 
 impl Parser {
-    fn new(opts: CsvOptions) -> Self {
+    fn new(opts: CsvOptions, max_values: usize) -> Self {
         Parser {
             opts,
+            max_values,
             columns: 0,
             label_col: usize::MAX,
             features: Vec::new(),
@@ -97,17 +133,28 @@ impl Parser {
         }
     }
 
-    fn parse(mut self, text: &str) -> Result<Parser, String> {
-        let mut lines = text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty());
-        let first = lines.next().ok_or("file has no rows")?;
-        if !self.is_header(first.1) {
-            self.row(first.0 + 1, first.1)?;
+    /// Reads the file's lines, skipping blank ones; the first non-blank
+    /// may be a header.
+    fn parse(mut self, file: &mut DataFile) -> Result<Parser, RowError> {
+        let mut buf = Vec::new();
+        let (mut number, mut first) = (0usize, true);
+        while file
+            .read_line(&mut buf, MAX_CSV_LINE_BYTES)
+            .map_err(RowError::Read)?
+        {
+            number += 1;
+            let line = std::str::from_utf8(&buf)
+                .map_err(|e| format!("line {number}: not UTF-8 text: {e}"))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            if std::mem::replace(&mut first, false) && self.is_header(line) {
+                continue;
+            }
+            self.row(number, line)?;
         }
-        for (i, line) in lines {
-            self.row(i + 1, line)?;
+        if first {
+            return Err("file has no rows".into());
         }
         if self.labels.is_empty() {
             return Err("file has a header but no data rows".into());
@@ -128,7 +175,7 @@ impl Parser {
     }
 
     /// Parses one data row (`line` is the 1-based line number in the file).
-    fn row(&mut self, line: usize, text: &str) -> Result<(), String> {
+    fn row(&mut self, line: usize, text: &str) -> Result<(), RowError> {
         let n = self.cells(text).count();
         if self.columns == 0 {
             self.set_columns(n)?;
@@ -138,12 +185,14 @@ impl Parser {
                 "row {} (line {line}) has {n} columns, expected {}",
                 self.labels.len() + 1,
                 self.columns
-            ));
+            )
+            .into());
         }
         if self.labels.len() >= MAX_SAMPLES {
-            return Err(format!("more than {MAX_SAMPLES} rows"));
+            return Err(format!("more than {MAX_SAMPLES} rows").into());
         }
-        check_total(self.labels.len() + 1, self.columns)?;
+        let features = self.columns - usize::from(self.label_col < self.columns);
+        check_total(self.labels.len() + 1, features, self.max_values).map_err(RowError::Over)?;
         let mut label = 0;
         for (col, cell) in cells(text, self.opts.delimiter).enumerate() {
             if col == self.label_col {
@@ -191,11 +240,7 @@ fn cell_err(line: usize, col: usize, cell: &str, cause: &str) -> String {
 
 fn parse_feature(cell: &str) -> Result<f32, String> {
     let x: f32 = cell.parse().map_err(|_| "not a number".to_string())?;
-    if x.is_finite() {
-        Ok(x)
-    } else {
-        Err("not a finite number".into())
-    }
+    finite_feature(x).map_err(str::to_string)
 }
 
 /// Labels are class indices; "3.0" is accepted since many exporters write

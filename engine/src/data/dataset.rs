@@ -8,7 +8,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
 use super::data_err;
-use super::limits::{MAX_CLASSES, MAX_DIMS, MAX_ELEMENTS, MAX_FEATURES_PER_SAMPLE};
+use super::limits::{MAX_CLASSES, MAX_DIMS, MAX_ELEMENTS, MAX_FEATURES_PER_SAMPLE, OverBound};
 use super::read::checked_product;
 use crate::error::{EngineError, EngineResult};
 // The floor on a standard deviation used to divide, so constant features
@@ -360,13 +360,28 @@ fn check_shape(shape: &[usize]) -> Result<usize, String> {
     }
 }
 
-/// Checks that `n` samples of `d` elements fit the total-element limit.
-pub(crate) fn check_total(n: usize, d: usize) -> Result<usize, String> {
+/// Checks that `n` samples of `d` values fit `max_values` (and the
+/// engine's own cap); the total.
+pub(crate) fn check_total(n: usize, d: usize, max_values: usize) -> Result<usize, OverBound> {
+    let limit = max_values.min(MAX_ELEMENTS);
     n.checked_mul(d)
-        .filter(|&t| t <= MAX_ELEMENTS)
-        .ok_or_else(|| {
-            format!("{n} samples of {d} elements exceed the limit of {MAX_ELEMENTS} values")
+        .filter(|&t| t <= limit)
+        .ok_or(OverBound::Values {
+            values: (n as u64).saturating_mul(d as u64),
+            limit: limit as u64,
         })
+}
+
+/// The one rule for feature values, every loader's: NaN and ±inf are
+/// refused, since every loss computed on them is NaN (a central
+/// evaluation would be stored with no loss). `Err` is the cause, for the
+/// loader to say where the value is.
+pub(crate) fn finite_feature(x: f32) -> Result<f32, &'static str> {
+    if x.is_finite() {
+        Ok(x)
+    } else {
+        Err("not a finite number")
+    }
 }
 
 /// Whether samples of shape `from` can be viewed as `to`, the rule of

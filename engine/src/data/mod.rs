@@ -2,13 +2,18 @@
 //! folders), seeded batching and federated partitioning.
 //!
 //! Every loader reports failures as [`EngineError::Data`] naming the file
-//! and the cause, never panics on malformed input, and checks every size a
-//! header claims against the bytes actually present before allocating, all
-//! under the explicit caps in [`limits`].
+//! and the cause (or [`EngineError::OverBound`] past a bound it was
+//! given), never panics on malformed input, streams its files (through
+//! gzip, under a byte bound, never holding a whole file), and checks every
+//! size a header claims against the bounds before allocating, all under
+//! the explicit caps in [`limits`].
 //!
 //! [`EngineError::Data`]: crate::EngineError::Data
+//! [`EngineError::OverBound`]: crate::EngineError::OverBound
 
 mod batch;
+#[cfg(test)]
+mod bounds_tests;
 mod csv;
 mod dataset;
 mod dir;
@@ -19,11 +24,13 @@ mod partition;
 mod read;
 
 pub use batch::{Batch, Batches};
-pub use csv::{CsvHeader, CsvOptions, LabelColumn, load_csv, load_csv_with, write_csv};
+pub use csv::{
+    CsvHeader, CsvOptions, LabelColumn, load_csv, load_csv_with, load_csv_within, write_csv,
+};
 pub use dataset::{Dataset, FeatureStats, reshapes_to};
 pub use dir::{DEFAULT_SPLIT_SEED, DEFAULT_TEST_FRACTION, load_dir};
-pub use idx::{load_idx, load_idx_labels};
-pub use npy::{load_npy, load_npy_dataset};
+pub use idx::{load_idx, load_idx_labels, load_idx_within};
+pub use npy::{load_npy, load_npy_dataset, load_npy_dataset_within};
 pub use partition::{
     DEFAULT_MIN_CLIENT_SAMPLES, DirichletOptions, partition_by_label, partition_dirichlet,
     partition_dirichlet_with, partition_iid,

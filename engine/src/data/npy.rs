@@ -7,9 +7,9 @@ use std::path::Path;
 use ndarray::{ArrayD, IxDyn};
 
 use super::data_err;
-use super::dataset::{Dataset, check_total};
-use super::limits::{MAX_CLASSES, MAX_DIMS, MAX_NPY_HEADER, MAX_SAMPLES};
-use super::read::read_file;
+use super::dataset::{Dataset, check_total, finite_feature};
+use super::limits::{DataBounds, MAX_CLASSES, MAX_DIMS, MAX_NPY_HEADER, MAX_SAMPLES};
+use super::read::DataFile;
 use crate::error::EngineResult;
 
 const NPY_MAGIC: &[u8] = b"\x93NUMPY";
@@ -48,142 +48,173 @@ impl Dtype {
     }
 }
 
-/// A validated array: its element type, shape and raw element bytes.
-struct Npy {
+/// A validated header: the element type and the shape.
+struct Header {
     dtype: Dtype,
     shape: Vec<usize>,
-    data: Vec<u8>,
+}
+
+impl Header {
+    fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
 }
 
 /// Loads an `.npy` array of f4/f8/u1/i4/i8 as f32, values unchanged (u8
 /// stays 0..255 here; only [`load_npy_dataset`] rescales pixels).
 pub fn load_npy(path: impl AsRef<Path>) -> EngineResult<ArrayD<f32>> {
     let path = path.as_ref();
-    let npy = read_npy(path)?;
-    let values = to_f32(&npy);
-    ArrayD::from_shape_vec(IxDyn(&npy.shape), values).map_err(|e| data_err(path, e.to_string()))
+    let bounds = DataBounds::DEFAULT;
+    let mut file = DataFile::open(path, bounds.max_bytes, &bounds)?;
+    let header = read_header(&mut file, &bounds)?;
+    let mut values = Vec::with_capacity(header.elements());
+    read_body(&mut file, &header, |_, x| {
+        values.push(x);
+        Ok(())
+    })?;
+    ArrayD::from_shape_vec(IxDyn(&header.shape), values).map_err(|e| data_err(path, e.to_string()))
 }
 
 /// Builds a dataset from an images array `(N, ...)` and a labels array
 /// `(N,)` of integers. u8 images are scaled to `[0, 1]` as with IDX files;
-/// float images are kept as they are.
+/// float images are kept as they are, and NaN or ±inf refused.
 pub fn load_npy_dataset(
     images: impl AsRef<Path>,
     labels: impl AsRef<Path>,
 ) -> EngineResult<Dataset> {
+    load_npy_dataset_within(images, labels, &DataBounds::DEFAULT)
+}
+
+/// [`load_npy_dataset`] under `bounds`: the images header's shape is
+/// checked against `bounds.max_values` before anything is allocated for
+/// it, and both files together decompress to at most `bounds.max_bytes`.
+pub fn load_npy_dataset_within(
+    images: impl AsRef<Path>,
+    labels: impl AsRef<Path>,
+    bounds: &DataBounds,
+) -> EngineResult<Dataset> {
     let (images, labels_path) = (images.as_ref(), labels.as_ref());
-    let img = read_npy(images)?;
-    if img.shape.len() < 2 {
+    let mut file = DataFile::open(images, bounds.max_bytes, bounds)?;
+    let header = read_header(&mut file, bounds)?;
+    if header.shape.len() < 2 {
         let cause = format!(
             "images array has shape {:?}; expected (samples, features...)",
-            img.shape
+            header.shape
         );
         return Err(data_err(images, cause));
     }
-    let labels = read_npy_labels(labels_path)?;
-    if labels.len() != img.shape[0] {
-        let cause = format!(
-            "labels file has {} items but images file has {}",
-            labels.len(),
-            img.shape[0]
-        );
-        return Err(data_err(labels_path, cause));
-    }
-    let mut features = to_f32(&img);
-    if img.dtype == Dtype::U8 {
-        features.iter_mut().for_each(|x| *x /= 255.0);
-    }
-    Dataset::infer_classes(images, features, img.shape[1..].to_vec(), labels)
+    let per_sample = header.elements() / header.shape[0].max(1);
+    let scale = if header.dtype == Dtype::U8 {
+        255.0
+    } else {
+        1.0
+    };
+    let mut features = Vec::with_capacity(header.elements());
+    read_body(&mut file, &header, |i, x| {
+        let x = finite_feature(x).map_err(|cause| {
+            let (sample, value) = (i / per_sample, i % per_sample);
+            format!("value {value} of sample {sample} is {x}: {cause}")
+        })?;
+        features.push(x / scale);
+        Ok(())
+    })?;
+    let left = bounds.max_bytes.saturating_sub(file.consumed());
+    let mut file = DataFile::open(labels_path, left, bounds)?;
+    let labels = read_npy_labels(&mut file, header.shape[0], bounds)?;
+    Dataset::infer_classes(images, features, header.shape[1..].to_vec(), labels)
 }
 
-fn read_npy_labels(path: &Path) -> EngineResult<Vec<i64>> {
-    let npy = read_npy(path)?;
-    if npy.shape.len() != 1 {
+fn read_npy_labels(
+    file: &mut DataFile,
+    samples: usize,
+    bounds: &DataBounds,
+) -> EngineResult<Vec<i64>> {
+    let header = read_header(file, bounds)?;
+    if header.shape.len() != 1 {
         return Err(data_err(
-            path,
+            file.path(),
             format!(
                 "labels array has shape {:?}; expected (samples,)",
-                npy.shape
+                header.shape
             ),
         ));
     }
-    let labels: Vec<f64> = match npy.dtype {
-        Dtype::F32 | Dtype::F64 => to_f32(&npy).into_iter().map(f64::from).collect(),
-        _ => to_i64(&npy).into_iter().map(|y| y as f64).collect(),
-    };
-    let ok = |y: f64| y.fract() == 0.0 && (0.0..MAX_CLASSES as f64).contains(&y);
-    if let Some((i, y)) = labels.iter().enumerate().find(|&(_, &y)| !ok(y)) {
-        return Err(data_err(
-            path,
-            format!("label {y} of item {i} is not a class index in 0..{MAX_CLASSES}"),
-        ));
+    if header.shape[0] != samples {
+        let cause = format!(
+            "labels file has {} items but images file has {samples}",
+            header.shape[0]
+        );
+        return Err(data_err(file.path(), cause));
     }
-    Ok(labels.into_iter().map(|y| y as i64).collect())
+    let ok = |y: f64| y.fract() == 0.0 && (0.0..MAX_CLASSES as f64).contains(&y);
+    let mut labels = Vec::with_capacity(samples);
+    let dtype = header.dtype;
+    read_elements(file, &header, |i, bytes| {
+        let y = match dtype {
+            Dtype::F32 | Dtype::F64 => to_f64(dtype, bytes),
+            _ => to_i64(dtype, bytes) as f64,
+        };
+        if !ok(y) {
+            return Err(format!(
+                "label {y} of item {i} is not a class index in 0..{MAX_CLASSES}"
+            ));
+        }
+        labels.push(y as i64);
+        Ok(())
+    })?;
+    Ok(labels)
 }
 
-/// Reads and validates a file: header well formed and within limits, and
-/// the data exactly `prod(shape) * itemsize` bytes.
-fn read_npy(path: &Path) -> EngineResult<Npy> {
-    let bytes = read_file(path)?;
-    let err = |cause: String| data_err(path, cause);
-    let (header, start) = split_header(&bytes).map_err(err)?;
-    let (dtype, shape) = parse_header(header).map_err(err)?;
+/// Reads and checks the magic, the version and the header: well formed,
+/// within the limits, and declaring no more bytes than the file may hold.
+fn read_header(file: &mut DataFile, bounds: &DataBounds) -> EngineResult<Header> {
+    let text = read_header_text(file)?;
+    let err = |cause: String| data_err(file.path(), cause);
+    let (dtype, shape) = parse_header(&text).map_err(err)?;
     let n = check_npy_shape(&shape).map_err(err)?;
-    let actual = bytes.len() - start;
-    let claimed = n
-        .checked_mul(dtype.size())
-        .ok_or_else(|| err("array size overflows".into()))?;
-    if actual != claimed {
-        let what = if actual < claimed {
-            "truncated"
-        } else {
-            "has trailing bytes"
-        };
+    check_total(n, 1, bounds.max_values).map_err(|over| file.over(over))?;
+    let bytes = (n as u64).saturating_mul(dtype.size() as u64);
+    file.check_declared(bytes)?;
+    Ok(Header { dtype, shape })
+}
+
+/// The header dictionary's text, after the magic, version and length.
+fn read_header_text(file: &mut DataFile) -> EngineResult<String> {
+    let mut fixed = [0u8; 12];
+    let got = file.fill(&mut fixed[..8])?;
+    let path = file.path().to_path_buf();
+    let err = |cause: String| data_err(&path, cause);
+    let short = |len: usize| format!("file is {len} bytes, too short for an .npy header");
+    if got < 6 || &fixed[..6] != NPY_MAGIC {
+        return Err(err("not an .npy file (missing \\x93NUMPY magic)".into()));
+    }
+    if got < 8 {
+        return Err(err(short(got)));
+    }
+    let len_bytes = match fixed[6] {
+        1 => 2,
+        2 | 3 => 4,
+        v => return Err(err(format!(".npy format version {v} is not supported"))),
+    };
+    let got = 8 + file.fill(&mut fixed[8..8 + len_bytes])?;
+    if got < 8 + len_bytes {
+        return Err(err(short(got)));
+    }
+    let len = match len_bytes {
+        2 => u16::from_le_bytes([fixed[8], fixed[9]]) as usize,
+        _ => u32::from_le_bytes([fixed[8], fixed[9], fixed[10], fixed[11]]) as usize,
+    };
+    if len > MAX_NPY_HEADER {
         return Err(err(format!(
-            "file {what}: header claims shape {shape:?} = {claimed} bytes of data, found {actual}"
+            "header of {len} bytes exceeds the limit of {MAX_NPY_HEADER}"
         )));
     }
-    let mut data = bytes;
-    data.drain(..start);
-    Ok(Npy { dtype, shape, data })
-}
-
-/// Returns the header text and the offset where the data starts.
-fn split_header(bytes: &[u8]) -> Result<(&str, usize), String> {
-    if bytes.get(..6) != Some(NPY_MAGIC) {
-        return Err("not an .npy file (missing \\x93NUMPY magic)".into());
+    let mut raw = vec![0u8; len];
+    let read = file.fill(&mut raw)?;
+    if read < len {
+        return Err(err(short(got + read)));
     }
-    let short = || {
-        format!(
-            "file is {} bytes, too short for an .npy header",
-            bytes.len()
-        )
-    };
-    let major = *bytes.get(6).ok_or_else(short)?;
-    let (len, start) = match major {
-        1 => (
-            bytes
-                .get(8..10)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize),
-            10,
-        ),
-        2 | 3 => (
-            bytes
-                .get(8..12)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize),
-            12,
-        ),
-        v => return Err(format!(".npy format version {v} is not supported")),
-    };
-    let len = len.ok_or_else(short)?;
-    if len > MAX_NPY_HEADER {
-        return Err(format!(
-            "header of {len} bytes exceeds the limit of {MAX_NPY_HEADER}"
-        ));
-    }
-    let raw = bytes.get(start..start + len).ok_or_else(short)?;
-    let text = std::str::from_utf8(raw).map_err(|_| "header is not text".to_string())?;
-    Ok((text, start + len))
+    String::from_utf8(raw).map_err(|_| err("header is not text".to_string()))
 }
 
 /// Reads `descr`, `fortran_order` and `shape` from the header dict.
@@ -252,53 +283,90 @@ fn check_npy_shape(shape: &[usize]) -> Result<usize, String> {
             "array claims {n} items; the limit is {MAX_SAMPLES}"
         ));
     }
-    let per_item = shape
-        .get(1..)
-        .unwrap_or(&[])
+    shape
         .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d));
-    let per_item = per_item.ok_or_else(|| format!("shape {shape:?} overflows"))?;
-    check_total(n, per_item)
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| format!("shape {shape:?} overflows"))
 }
 
-fn to_f32(npy: &Npy) -> Vec<f32> {
-    let d = &npy.data;
-    match npy.dtype {
-        Dtype::U8 => d.iter().map(|&b| f32::from(b)).collect(),
-        Dtype::F32 => d
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::F64 => d
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(arr8(c)) as f32)
-            .collect(),
-        Dtype::I32 => d
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f32)
-            .collect(),
-        Dtype::I64 => d
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(arr8(c)) as f32)
-            .collect(),
+/// Reads the elements `header` declares as f32, handing each, with its
+/// flat index, to `take`; a cause from `take` is refused naming the file.
+fn read_body(
+    file: &mut DataFile,
+    header: &Header,
+    mut take: impl FnMut(usize, f32) -> Result<(), String>,
+) -> EngineResult<()> {
+    let dtype = header.dtype;
+    read_elements(file, header, |i, bytes| take(i, to_f32(dtype, bytes)))
+}
+
+/// Reads the elements `header` declares, handing each one's bytes, with
+/// its flat index, to `take`; the file must hold exactly those.
+fn read_elements(
+    file: &mut DataFile,
+    header: &Header,
+    mut take: impl FnMut(usize, &[u8]) -> Result<(), String>,
+) -> EngineResult<()> {
+    let size = header.dtype.size();
+    let claimed = (header.elements() as u64).saturating_mul(size as u64);
+    let path = file.path().to_path_buf();
+    let mut index = 0usize;
+    let actual = file.read_data(claimed, |chunk| {
+        for element in chunk.chunks_exact(size) {
+            take(index, element).map_err(|cause| data_err(&path, cause))?;
+            index += 1;
+        }
+        Ok(())
+    })?;
+    let trailing = if actual == claimed {
+        file.rest_len()?
+    } else {
+        0
+    };
+    if actual != claimed || trailing > 0 {
+        let what = if actual < claimed {
+            "truncated"
+        } else {
+            "has trailing bytes"
+        };
+        return Err(data_err(
+            &path,
+            format!(
+                "file {what}: header claims shape {:?} = {claimed} bytes of data, found {}",
+                header.shape,
+                actual + trailing
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One little-endian element (of `dtype.size()` bytes) as f32.
+fn to_f32(dtype: Dtype, c: &[u8]) -> f32 {
+    match dtype {
+        Dtype::U8 => f32::from(c[0]),
+        Dtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+        Dtype::F64 => to_f64(dtype, c) as f32,
+        Dtype::I32 | Dtype::I64 => to_i64(dtype, c) as f32,
     }
 }
 
-/// Integer arrays as i64 (labels are not routed through f32, which would
-/// round large values).
-fn to_i64(npy: &Npy) -> Vec<i64> {
-    let d = &npy.data;
-    match npy.dtype {
-        Dtype::U8 => d.iter().map(|&b| i64::from(b)).collect(),
-        Dtype::I32 => d
-            .chunks_exact(4)
-            .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-            .collect(),
-        Dtype::I64 => d
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(arr8(c)))
-            .collect(),
-        Dtype::F32 | Dtype::F64 => Vec::new(),
+fn to_f64(dtype: Dtype, c: &[u8]) -> f64 {
+    match dtype {
+        Dtype::F64 => f64::from_le_bytes(arr8(c)),
+        Dtype::F32 => f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        _ => to_i64(dtype, c) as f64,
+    }
+}
+
+/// Integer elements as i64 (labels are not routed through f32, which would
+/// round large values); floats truncated.
+fn to_i64(dtype: Dtype, c: &[u8]) -> i64 {
+    match dtype {
+        Dtype::U8 => i64::from(c[0]),
+        Dtype::I32 => i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        Dtype::I64 => i64::from_le_bytes(arr8(c)),
+        Dtype::F32 | Dtype::F64 => to_f64(dtype, c) as i64,
     }
 }
 

@@ -1,60 +1,176 @@
-//! Reading whole files into memory, transparently gunzipping, under
-//! [`MAX_FILE_BYTES`].
+//! Reading data files as streams, transparently gunzipping, under the
+//! byte bound of [`DataBounds`]: the one place a loader's bytes come from,
+//! so no loader can decompress past the bound or buffer a whole file.
 
 use std::fs::File;
-use std::io::{BufReader, Read};
-use std::path::Path;
+use std::io::{BufRead, BufReader, ErrorKind, Read, Take};
+use std::path::{Path, PathBuf};
 
-use flate2::read::MultiGzDecoder;
+use flate2::bufread::MultiGzDecoder;
 
 use super::data_err;
-use super::limits::MAX_FILE_BYTES;
-use crate::error::EngineResult;
+use super::limits::{DataBounds, OverBound};
+use crate::error::{EngineError, EngineResult};
 
 /// The two bytes every gzip stream starts with (RFC 1952).
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
-/// Reads `path`, decompressing it when it starts with the gzip magic (the
-/// name is not trusted: `.gz` files are sometimes stored decompressed).
-pub(crate) fn read_file(path: &Path) -> EngineResult<Vec<u8>> {
-    let file = File::open(path).map_err(|e| data_err(path, format!("cannot open: {e}")))?;
-    let len = file
-        .metadata()
-        .map_err(|e| data_err(path, format!("cannot stat: {e}")))?
-        .len();
-    if len > MAX_FILE_BYTES {
-        return Err(data_err(path, too_big(len)));
-    }
-    let mut reader = BufReader::new(file);
-    let mut head = Vec::with_capacity(2);
-    (&mut reader)
-        .take(2)
-        .read_to_end(&mut head)
-        .map_err(|e| data_err(path, format!("cannot read: {e}")))?;
-    let rest = head.as_slice().chain(reader);
-    if head == GZIP_MAGIC {
-        read_capped(path, MultiGzDecoder::new(rest), "gzip stream is corrupt")
-    } else {
-        read_capped(path, rest, "cannot read")
-    }
+/// Bytes read at a time from a file's stream.
+pub(crate) const CHUNK_BYTES: usize = 64 << 10;
+
+/// One file of a dataset, read through: its bytes (gunzipped when it
+/// starts with the gzip magic: the name is not trusted, `.gz` files are
+/// sometimes stored decompressed), at most `allowed` of them. The stream
+/// is cut one byte past `allowed`, so a gzip bomb decompresses no further.
+pub(crate) struct DataFile {
+    path: PathBuf,
+    reader: BufReader<Take<Box<dyn Read>>>,
+    allowed: u64,
+    /// The dataset's whole byte bound, for the error.
+    limit: u64,
+    gzipped: bool,
 }
 
-/// Reads at most one byte past the cap so an oversized stream (a gzip
-/// bomb) is detected without ever buffering more than the cap.
-fn read_capped(path: &Path, reader: impl Read, what: &str) -> EngineResult<Vec<u8>> {
-    let mut out = Vec::new();
-    reader
-        .take(MAX_FILE_BYTES + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| data_err(path, format!("{what}: {e}")))?;
-    if out.len() as u64 > MAX_FILE_BYTES {
-        return Err(data_err(path, too_big(out.len() as u64)));
+impl DataFile {
+    /// Opens `path` with `allowed` bytes left of `bounds.max_bytes` (the
+    /// files of one dataset share it).
+    pub(crate) fn open(path: &Path, allowed: u64, bounds: &DataBounds) -> EngineResult<DataFile> {
+        let file = File::open(path).map_err(|e| data_err(path, format!("cannot open: {e}")))?;
+        let mut buffered = BufReader::new(file);
+        let head = buffered
+            .fill_buf()
+            .map_err(|e| data_err(path, format!("cannot read: {e}")))?;
+        let gzipped = head.starts_with(&GZIP_MAGIC);
+        let stream: Box<dyn Read> = if gzipped {
+            Box::new(MultiGzDecoder::new(buffered))
+        } else {
+            Box::new(buffered)
+        };
+        Ok(DataFile {
+            path: path.to_path_buf(),
+            reader: BufReader::with_capacity(CHUNK_BYTES, stream.take(allowed.saturating_add(1))),
+            allowed,
+            limit: bounds.max_bytes,
+            gzipped,
+        })
     }
-    Ok(out)
-}
 
-fn too_big(len: u64) -> String {
-    format!("file is larger than the {MAX_FILE_BYTES}-byte limit (at least {len} bytes)")
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes taken from the stream so far (read ahead included).
+    pub(crate) fn consumed(&self) -> u64 {
+        self.allowed.saturating_add(1) - self.reader.get_ref().limit()
+    }
+
+    /// The error for going past the byte bound.
+    pub(crate) fn over_bytes(&self) -> EngineError {
+        self.over(OverBound::Bytes { limit: self.limit })
+    }
+
+    pub(crate) fn over(&self, over: OverBound) -> EngineError {
+        EngineError::OverBound {
+            path: self.path.display().to_string(),
+            over,
+        }
+    }
+
+    /// Refuses a header that declares `bytes` more bytes than the file
+    /// may still yield, before anything is read or allocated for them.
+    pub(crate) fn check_declared(&self, bytes: u64) -> EngineResult<()> {
+        let left = self.allowed.saturating_sub(self.consumed_by_caller());
+        if bytes > left {
+            return Err(self.over_bytes());
+        }
+        Ok(())
+    }
+
+    /// Bytes handed to the caller so far (read ahead excluded).
+    fn consumed_by_caller(&self) -> u64 {
+        self.consumed() - self.reader.buffer().len() as u64
+    }
+
+    fn checked<T>(&self, result: std::io::Result<T>) -> EngineResult<T> {
+        if self.reader.get_ref().limit() == 0 {
+            return Err(self.over_bytes());
+        }
+        result.map_err(|e| {
+            let what = if self.gzipped {
+                "gzip stream is corrupt"
+            } else {
+                "cannot read"
+            };
+            data_err(&self.path, format!("{what}: {e}"))
+        })
+    }
+
+    /// Fills `buf` unless the stream ends first; the bytes read.
+    pub(crate) fn fill(&mut self, buf: &mut [u8]) -> EngineResult<usize> {
+        let mut filled = 0;
+        while filled < buf.len() {
+            let read = match self.reader.read(&mut buf[filled..]) {
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                other => other,
+            };
+            match self.checked(read)? {
+                0 => break,
+                n => filled += n,
+            }
+        }
+        Ok(filled)
+    }
+
+    /// Reads the rest of the stream (bounded) and says how many bytes it held.
+    pub(crate) fn rest_len(&mut self) -> EngineResult<u64> {
+        let copied = std::io::copy(&mut self.reader, &mut std::io::sink());
+        self.checked(copied)
+    }
+
+    /// The next line, without its `\n` (nor a `\r` before it), into `line`;
+    /// false at the end of the stream. A line longer than `max_bytes` is
+    /// refused once that many bytes are read.
+    pub(crate) fn read_line(&mut self, line: &mut Vec<u8>, max_bytes: usize) -> EngineResult<bool> {
+        line.clear();
+        let cap = max_bytes as u64 + 1;
+        let read = (&mut self.reader).take(cap).read_until(b'\n', line);
+        if self.checked(read)? == 0 {
+            return Ok(false);
+        }
+        if line.len() > max_bytes {
+            let cause = format!("a line is longer than {max_bytes} bytes, the limit");
+            return Err(data_err(&self.path, cause));
+        }
+        if line.last() == Some(&b'\n') {
+            line.pop();
+            if line.last() == Some(&b'\r') {
+                line.pop();
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads `len` bytes of data in chunks, handing each to `take`: so a
+    /// file's data is converted as it arrives, never held whole. Says
+    /// how many arrived, less than `len` when the file is cut short.
+    pub(crate) fn read_data(
+        &mut self,
+        len: u64,
+        mut take: impl FnMut(&[u8]) -> EngineResult<()>,
+    ) -> EngineResult<u64> {
+        let mut chunk = vec![0u8; CHUNK_BYTES];
+        let mut done = 0u64;
+        while done < len {
+            let want = (len - done).min(CHUNK_BYTES as u64) as usize;
+            let got = self.fill(&mut chunk[..want])?;
+            take(&chunk[..got])?;
+            done += got as u64;
+            if got < want {
+                break;
+            }
+        }
+        Ok(done)
+    }
 }
 
 /// Multiplies dimensions with overflow and limit checks, so a header's

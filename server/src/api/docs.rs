@@ -29,6 +29,9 @@ use super::admin::{datasets, devices, jobs, models, tokens};
         tokens::create_enrollment_token, tokens::list_enrollment_tokens, tokens::revoke_enrollment_token,
         tokens::create_api_token, tokens::list_api_tokens, tokens::revoke_api_token,
     ),
+    // Schemas that only parameters name: utoipa collects the schemas of
+    // bodies, not of parameters, whose `$ref` would otherwise dangle.
+    components(schemas(jobs::RoundOrder)),
     modifiers(&BearerAuth),
     tags(
         (name = "models", description = "Model files and their versions"),
@@ -73,7 +76,7 @@ pub async fn index() -> Html<&'static str> {
          <li><a href=\"/dashboard\">Dashboard</a></li>\
          <li><a href=\"/api/v1/docs\">API reference</a></li>\
          <li><a href=\"/api/v1/openapi.json\">OpenAPI document</a></li>\
-         <li><a href=\"/metrics\">Metrics</a></li></ul>",
+         <li><a href=\"/metrics\">Metrics</a> (Prometheus text; send an admin API token)</li></ul>",
     )
 }
 

@@ -181,6 +181,22 @@ impl IntoResponse for ApiError {
     }
 }
 
+impl From<crate::request_slots::SlotRefusal> for ApiError {
+    fn from(refusal: crate::request_slots::SlotRefusal) -> ApiError {
+        use crate::request_slots::SlotRefusal;
+        match refusal {
+            SlotRefusal::Busy { .. } => ApiError::busy(format!("{refusal}; retry shortly"), 1),
+            SlotRefusal::PollsFull { .. } => {
+                ApiError::busy(format!("{refusal}; poll again after Retry-After"), 1)
+            }
+            SlotRefusal::AddressBusy { .. } => {
+                ApiError::too_many(format!("{refusal}; wait for their answers, then retry"), 1)
+            }
+            SlotRefusal::Closed => ApiError::unavailable(refusal.to_string()),
+        }
+    }
+}
+
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> ApiError {
         match error {

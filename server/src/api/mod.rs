@@ -30,8 +30,10 @@ use tower_http::timeout::TimeoutLayer;
 use tower_http::trace::TraceLayer;
 use utoipa::ToSchema;
 
+use crate::conn::ClientAddress;
 use crate::db::now_ms;
-use crate::metrics::RequestLabels;
+use crate::metrics::{PoolLabels, RequestLabels};
+use crate::request_slots::{CredentialRoute, Pool, RequestKind};
 use crate::slots::{SlotError, UploadOwner, UploadSlot, UploadSlots};
 use crate::state::AppState;
 use crate::store::devices;
@@ -61,10 +63,18 @@ pub fn app(state: AppState) -> Router {
         state.clone(),
         admin::require_role,
     ));
+    // Metrics tell an outsider the fleet's size and activity: any token
+    // that can read the admin API may scrape them (`required_role`).
+    let metrics_route =
+        Router::new()
+            .route("/metrics", get(metrics))
+            .route_layer(middleware::from_fn_with_state(
+                state.clone(),
+                admin::require_role,
+            ));
     let public = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .route("/api/v1/openapi.json", get(docs::openapi_json))
         .route("/api/v1/docs", get(docs::reference_page))
         .route("/", get(docs::index))
@@ -76,6 +86,7 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .merge(admin)
         .merge(device::router())
+        .merge(metrics_route)
         .merge(public)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -96,6 +107,8 @@ pub fn app(state: AppState) -> Router {
                     record_latency,
                 ))
                 .layer(middleware::map_response(json_errors))
+                // Outside the request slots, so that a client over its rate
+                // costs no place and no body read.
                 .layer(middleware::from_fn_with_state(
                     state.clone(),
                     rate_limit_sensitive,
@@ -111,7 +124,7 @@ pub fn app(state: AppState) -> Router {
                 ))
                 .layer(middleware::from_fn_with_state(
                     state.clone(),
-                    limit_concurrency,
+                    take_request_slots,
                 )),
         )
         .with_state(state)
@@ -141,42 +154,118 @@ async fn refuse_throttled_devices(
     next.run(request).await
 }
 
-/// `max_concurrent_requests` across every route. `Router::layer` wraps
-/// each route on its own, so a `ConcurrencyLimitLayer` there was a limit per
-/// route (one device's 4,096 polls filled the poll route for everyone); the
-/// semaphore lives in the state, so every route draws on the same one. A
-/// request waits for a place at most `request_queue_timeout_ms`, then gets
-/// 503: a queue without a bound only turns overload into timeouts.
-/// `/healthz` is exempt, so that an overloaded server is not also
-/// restarted by its liveness probe.
-async fn limit_concurrency(
+/// Takes the places a request draws on by its kind (the rule is
+/// `request_slots.rs`'s), answers 503 or 429 with `Retry-After` when it
+/// gets none, and holds them until the answer. A task poll finds its
+/// general place in its extensions ([`crate::request_slots::PollSlot`]), to give it back while
+/// it waits; an enrollment's body is read here, in the enrollment pool,
+/// before its handler runs (see [`read_enrollment_body`]).
+async fn take_request_slots(
     State(state): State<AppState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    if request.uri().path() == "/healthz" {
-        return next.run(request).await;
-    }
-    let limits = &state.settings.limits;
-    let wait = Duration::from_millis(limits.request_queue_timeout_ms);
-    let permit = match tokio::time::timeout(wait, state.request_slots.acquire()).await {
-        Ok(Ok(permit)) => permit,
-        Ok(Err(_)) => return ApiError::unavailable("the server is shutting down").into_response(),
-        Err(_) => {
-            state.metrics.refused("max_concurrent_requests");
-            return ApiError::busy(
-                format!(
-                    "the server is serving its limit of {} requests and none finished within {} ms",
-                    limits.max_concurrent_requests, limits.request_queue_timeout_ms
-                ),
-                1,
-            )
-            .into_response();
+    let kind = RequestKind::of(request.method(), request.uri().path());
+    let held = match state
+        .request_slots
+        .take(kind, client_address(&request))
+        .await
+    {
+        Ok(held) => held,
+        Err(refusal) => {
+            if let Some(pool) = refusal.pool() {
+                state.metrics.refused(pool.setting());
+            }
+            return ApiError::from(refusal).into_response();
         }
     };
+    if let Some(poll) = &held.poll {
+        request.extensions_mut().insert(poll.clone());
+    }
+    if kind == RequestKind::Enrollment {
+        request = match read_enrollment_body(&state, request).await {
+            Ok(request) => request,
+            Err(error) => return error.into_response(),
+        };
+    }
     let response = next.run(request).await;
-    drop(permit);
+    drop(held);
     response
+}
+
+/// The client a request came from, as per-address caps count it.
+fn client_address(request: &Request) -> ClientAddress {
+    let ip = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|info| info.0.ip())
+        .unwrap_or(std::net::IpAddr::from([0, 0, 0, 0]));
+    ClientAddress::from(ip)
+}
+
+/// How long an enrollment body may take before the minimum rate applies.
+const BODY_RATE_GRACE: Duration = Duration::from_secs(1);
+
+/// Reads an enrollment's body into memory: at most `max_json_bytes`,
+/// within `enrollment_body_timeout_ms`, and after the first second at
+/// `min_enrollment_body_bytes_per_second` at least (each byte received
+/// buys the next its share of a second). A client with no credentials
+/// then holds an enrollment place for seconds, never for the whole
+/// `request_timeout_ms`; an honest body arrives with its headers.
+async fn read_enrollment_body(state: &AppState, request: Request) -> Result<Request, ApiError> {
+    let limits = &state.settings.limits;
+    let max_bytes = limits.max_json_bytes;
+    if admin::models::content_length(request.headers()).is_some_and(|n| n > max_bytes as u64) {
+        return Err(enrollment_too_large(max_bytes));
+    }
+    let timeout = Duration::from_millis(limits.enrollment_body_timeout_ms);
+    let rate = limits.min_enrollment_body_bytes_per_second.max(1) as f64;
+    let (parts, body) = request.into_parts();
+    let started = tokio::time::Instant::now();
+    let mut stream = body.into_data_stream();
+    let mut received = bytes::BytesMut::new();
+    loop {
+        let earned = BODY_RATE_GRACE + Duration::from_secs_f64(received.len() as f64 / rate);
+        let deadline = started + earned.min(timeout);
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(None) => break,
+            Ok(Some(Ok(chunk))) => {
+                if received.len() + chunk.len() > max_bytes {
+                    return Err(enrollment_too_large(max_bytes));
+                }
+                received.extend_from_slice(&chunk);
+            }
+            Ok(Some(Err(error))) => {
+                return Err(ApiError::bad_request(format!(
+                    "the enrollment body could not be read: {error}"
+                )));
+            }
+            Err(_) => {
+                state.metrics.refused("enrollment_body_timeout_ms");
+                return Err(ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "timeout",
+                    format!(
+                        "the enrollment body was too slow: {} bytes in {} ms; it must arrive \
+                         within {} ms (limits.enrollment_body_timeout_ms) at {} bytes/s at least \
+                         after its first second (limits.min_enrollment_body_bytes_per_second); \
+                         hint: send the body with the request",
+                        received.len(),
+                        started.elapsed().as_millis(),
+                        limits.enrollment_body_timeout_ms,
+                        limits.min_enrollment_body_bytes_per_second
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(Request::from_parts(parts, Body::from(received.freeze())))
+}
+
+fn enrollment_too_large(max_bytes: usize) -> ApiError {
+    ApiError::too_large(format!(
+        "the enrollment body is over {max_bytes} bytes (limits.max_json_bytes)"
+    ))
 }
 
 /// Answers over-long URIs (414) and header sections (431) with the JSON
@@ -462,43 +551,31 @@ async fn record_latency(State(state): State<AppState>, request: Request, next: N
     response
 }
 
-/// Routes that mint credentials, rate-limited per client address.
-fn is_sensitive(method: &Method, path: &str) -> bool {
-    method == Method::POST
-        && matches!(
-            path,
-            "/device/v1/enroll" | "/api/v1/tokens" | "/api/v1/enrollment-tokens"
-        )
-}
-
+/// Credential routes (see [`CredentialRoute`]) rate-limited per route
+/// and client address, before anything else is done for them.
 async fn rate_limit_sensitive(
     State(state): State<AppState>,
     request: Request,
     next: Next,
 ) -> Response {
-    if is_sensitive(request.method(), request.uri().path()) {
-        let ip = request
-            .extensions()
-            .get::<ConnectInfo<SocketAddr>>()
-            .map(|info| info.0.ip())
-            .unwrap_or(std::net::IpAddr::from([0, 0, 0, 0]));
-        if let Err(not_until) = state.sensitive_limiter.check_key(&ip) {
+    if let Some(route) = CredentialRoute::of(request.method(), request.uri().path()) {
+        let address = client_address(&request);
+        if let Err(not_until) = state.sensitive_limiter.check_key(&(route, address)) {
+            state.metrics.refused("sensitive_requests_per_minute");
             let wait = not_until.wait_time_from(governor::clock::Clock::now(
                 &governor::clock::DefaultClock::default(),
             ));
-            let mut response = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limited",
+            let seconds = wait.as_secs().max(1);
+            return ApiError::too_many(
                 format!(
-                    "too many credential requests from {ip}; retry in {} s",
-                    wait.as_secs().max(1)
+                    "too many {} from {address}, over limits.sensitive_requests_per_minute ({}); \
+                     retry in {seconds} s",
+                    route.describe(),
+                    state.settings.limits.sensitive_requests_per_minute
                 ),
+                seconds,
             )
             .into_response();
-            if let Ok(value) = HeaderValue::from_str(&wait.as_secs().max(1).to_string()) {
-                response.headers_mut().insert(header::RETRY_AFTER, value);
-            }
-            return response;
         }
     }
     next.run(request).await
@@ -513,14 +590,37 @@ async fn healthz() -> axum::Json<Health> {
     axum::Json(Health { status: "ok" })
 }
 
+/// How long one database ping answers `/readyz` for.
+const READINESS_REUSE: Duration = Duration::from_secs(1);
+
 /// Ready when the database answers and the server is not draining.
+/// `/readyz` takes no request slot, so it is never refused for load; so
+/// that a flood of probes cannot turn into a flood of database pings, one
+/// ping at a time answers every probe waiting for it, and for a second
+/// after.
 async fn readyz(State(state): State<AppState>) -> Result<axum::Json<Health>, ApiError> {
     if state.is_shutting_down() {
         return Err(ApiError::unavailable("the server is shutting down"));
     }
-    state.db.ping().await.map_err(|error| {
-        ApiError::unavailable("the database does not answer").logging(chain(&error))
-    })?;
+    let mut last = state.readiness.lock().await;
+    let answered = match *last {
+        Some((at, answered)) if at.elapsed() < READINESS_REUSE => answered,
+        _ => {
+            let answered = match state.db.ping().await {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(error = %chain(&error), "readiness: the database does not answer");
+                    false
+                }
+            };
+            *last = Some((Instant::now(), answered));
+            answered
+        }
+    };
+    drop(last);
+    if !answered {
+        return Err(ApiError::unavailable("the database does not answer"));
+    }
     Ok(axum::Json(Health { status: "ready" }))
 }
 
@@ -528,6 +628,14 @@ async fn metrics(State(state): State<AppState>) -> Response {
     let window = i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX);
     if let Ok(online) = devices::count_online(&state.db, now_ms() - window).await {
         state.metrics.online_devices.set(online);
+    }
+    for pool in Pool::ALL {
+        let in_use = i64::try_from(state.request_slots.in_use(pool)).unwrap_or(i64::MAX);
+        state
+            .metrics
+            .request_slots_in_use
+            .get_or_create(&PoolLabels { pool: pool.label() })
+            .set(in_use);
     }
     (
         [(
@@ -537,4 +645,43 @@ async fn metrics(State(state): State<AppState>) -> Response {
         state.metrics.encode(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use governor::{Quota, RateLimiter};
+
+    use super::*;
+
+    fn from(ip: &str) -> Request {
+        let mut request = Request::new(Body::empty());
+        let peer = SocketAddr::new(ip.parse().expect("an address"), 443);
+        request.extensions_mut().insert(ConnectInfo(peer));
+        request
+    }
+
+    /// The credential rate and the enrollment cap count an IPv6 client by
+    /// its /64, as the connection gate does: one host holds a whole /64.
+    #[test]
+    fn credential_limits_count_an_ipv6_client_by_its_64() {
+        let (a, b) = (from("2001:db8:1:2::a"), from("2001:db8:1:2:ffff::b"));
+        let other = from("2001:db8:1:3::a");
+        assert_eq!(client_address(&a), client_address(&b));
+        assert_ne!(client_address(&a), client_address(&other));
+        let limiter = RateLimiter::keyed(Quota::per_minute(NonZeroU32::MIN));
+        let enrollment = |request: &Request| (CredentialRoute::Enrollment, client_address(request));
+        assert!(limiter.check_key(&enrollment(&a)).is_ok());
+        assert!(
+            limiter.check_key(&enrollment(&b)).is_err(),
+            "a second address of the same /64 got a fresh bucket"
+        );
+        assert!(limiter.check_key(&enrollment(&other)).is_ok());
+        let tokens = (CredentialRoute::TokenCreation, client_address(&b));
+        assert!(
+            limiter.check_key(&tokens).is_ok(),
+            "token creation shares enrollment's bucket"
+        );
+    }
 }

@@ -13,6 +13,7 @@
 
 use sqlx::FromRow;
 
+use super::jobs::JobState;
 use super::rounds::Tx;
 use super::text_enum;
 use crate::db::{Db, now_ms};
@@ -421,18 +422,70 @@ pub struct CentralTask {
     pub version_id: i64,
     /// The job's spec, which names the dataset.
     pub config: String,
+    #[sqlx(try_from = "String")]
+    pub job_state: JobState,
+    /// Attempts already started (each committed before its worker ran).
+    pub attempts: i64,
 }
 
-/// The oldest round whose central evaluation is pending.
-pub async fn next_central(db: &Db) -> Result<Option<CentralTask>, sqlx::Error> {
+/// The next round to evaluate centrally: the oldest pending round of the
+/// job evaluated least recently (jobs take turns, so one job's many or
+/// slow evaluations hold another's back by at most one), skipping rounds
+/// whose last attempt began after `started_before_ms` (another process
+/// is still within its timeout on them).
+pub async fn next_central(
+    db: &Db,
+    started_before_ms: i64,
+) -> Result<Option<CentralTask>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT r.id AS round_id, r.job_id, r.result_version_id AS version_id, j.config \
+        "SELECT r.id AS round_id, r.job_id, r.result_version_id AS version_id, j.config, \
+           j.state AS job_state, r.central_eval_attempts AS attempts \
          FROM rounds r JOIN jobs j ON j.id = r.job_id \
          WHERE r.central_eval_state = 'pending' AND r.result_version_id IS NOT NULL \
-         ORDER BY r.id LIMIT 1",
+           AND (r.central_eval_started_ms IS NULL OR r.central_eval_started_ms < $1) \
+         ORDER BY (SELECT COALESCE(MAX(o.central_eval_started_ms), 0) FROM rounds o \
+                   WHERE o.job_id = r.job_id), r.id \
+         LIMIT 1",
     )
+    .bind(started_before_ms)
     .fetch_optional(&db.pool)
     .await
+}
+
+/// Counts an attempt at the round's evaluation, starting now; false when
+/// the round is no longer pending or another process counted this
+/// attempt first. Committed before the worker starts, so a crash that
+/// takes the server down still counts.
+pub async fn claim_central(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    attempts_seen: i64,
+) -> Result<bool, sqlx::Error> {
+    let claimed = sqlx::query(
+        "UPDATE rounds SET central_eval_attempts = central_eval_attempts + 1, \
+         central_eval_started_ms = $1 \
+         WHERE id = $2 AND central_eval_state = 'pending' AND central_eval_attempts = $3",
+    )
+    .bind(now_ms())
+    .bind(round_id)
+    .bind(attempts_seen)
+    .execute(&mut **tx)
+    .await?;
+    Ok(claimed.rows_affected() > 0)
+}
+
+/// Gives back an attempt that a shutdown interrupted (no crash, so it
+/// does not count), leaving the round for the next start.
+pub async fn release_central(db: &Db, round_id: i64) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE rounds SET central_eval_attempts = central_eval_attempts - 1, \
+         central_eval_started_ms = NULL \
+         WHERE id = $1 AND central_eval_state = 'pending' AND central_eval_attempts > 0",
+    )
+    .bind(round_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(())
 }
 
 /// Stores the central evaluation of a pending round; false when it was not

@@ -10,6 +10,8 @@
 //! transaction that holds the round's row lock on PostgreSQL, so two server
 //! processes can never both act on one round.
 
+use std::collections::HashSet;
+
 use sqlx::FromRow;
 
 use super::{Page, parse_state, text_enum};
@@ -652,6 +654,30 @@ pub struct TaskRow {
 /// handed out again, so a device that restarts picks its work back up.
 /// A paused job hands out nothing; updates already under way are still
 /// accepted until the deadline.
+/// The devices with a task waiting for them now: a pending training task
+/// ([`take_task`]'s) or a pending evaluation (`evaluations::take`'s). One
+/// read serves every task poll of a process (`api::device::tasks`'s
+/// board), so that waiting polls cost the database nothing each.
+pub async fn devices_with_tasks(db: &Db) -> Result<HashSet<i64>, sqlx::Error> {
+    let now = now_ms();
+    let pending_evaluators = super::evaluations::PENDING_EVALUATOR_STATES;
+    let devices: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT p.device_id FROM participants p JOIN rounds r ON r.id = p.round_id \
+         JOIN jobs j ON j.id = r.job_id \
+         WHERE r.state = 'training' AND r.deadline_ms > $1 AND j.state = 'running' \
+         AND p.state IN {PENDING_STATES} \
+         UNION SELECT e.device_id FROM evaluators e JOIN rounds r ON r.id = e.round_id \
+         JOIN jobs j ON j.id = r.job_id \
+         WHERE r.eval_state = 'open' AND r.eval_deadline_ms > $2 AND j.state = 'running' \
+         AND e.state IN {pending_evaluators}"
+    )))
+    .bind(now)
+    .bind(now)
+    .fetch_all(&db.pool)
+    .await?;
+    Ok(devices.into_iter().collect())
+}
+
 pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx::Error> {
     let now = now_ms();
     let task: Option<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(

@@ -25,22 +25,23 @@ async fn insert_once(db: &Db, name: &str, value: &[u8]) -> Result<bool, sqlx::Er
     Ok(result.rows_affected() == 1)
 }
 
-/// The pre-ring model-signing key, created if there is none, so that the
-/// ring's first key is the one devices enrolled under. Whichever process
-/// inserts first wins; the others read its key.
-pub async fn model_signing_key(db: &Db) -> Result<ServerKey, sqlx::Error> {
-    insert_once(db, MODEL_SIGNING_KEY, &ServerKey::generate().to_bytes()).await?;
-    let (value,): (Vec<u8>,) = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
+/// The pre-ring model-signing key, if the database has one, so that the
+/// ring's first key is the one devices enrolled under.
+pub async fn pre_ring_signing_key(db: &Db) -> Result<Option<ServerKey>, sqlx::Error> {
+    let value: Option<(Vec<u8>,)> = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
         .bind(MODEL_SIGNING_KEY)
-        .fetch_one(&db.pool)
+        .fetch_optional(&db.pool)
         .await?;
+    let Some((value,)) = value else {
+        return Ok(None);
+    };
     let secret: [u8; 32] = value.as_slice().try_into().map_err(|_| {
         sqlx::Error::Protocol(format!(
             "setting `{MODEL_SIGNING_KEY}` holds {} bytes, expected 32",
             value.len()
         ))
     })?;
-    Ok(ServerKey::from_bytes(&secret))
+    Ok(Some(ServerKey::from_bytes(&secret)))
 }
 
 /// Deletes the pre-ring key once the ring holds it, so that its secret is
@@ -65,6 +66,16 @@ pub async fn mark_admin_token_shown(db: &Db) -> Result<(), sqlx::Error> {
         .execute(&db.pool)
         .await
         .map(|_| ())
+}
+
+/// True when the first admin token was issued (shown or not): the
+/// database has been started before.
+pub async fn admin_token_issued(db: &Db) -> Result<bool, sqlx::Error> {
+    let value: Option<(Vec<u8>,)> = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
+        .bind(BOOTSTRAP_ADMIN_TOKEN)
+        .fetch_optional(&db.pool)
+        .await?;
+    Ok(value.is_some())
 }
 
 /// True when the first admin token was issued and never shown, so nobody

@@ -32,6 +32,11 @@ pub enum SigningKeyError {
         "another rotation of the model-signing key committed at the same time; list the keys and rotate again if needed"
     )]
     ConcurrentRotation,
+    #[error(
+        "the database holds no model-signing key yet; the first start of `canopy-server serve` \
+         on a new database creates it"
+    )]
+    NoKeys,
 }
 
 /// One key of the ring, without its secret.
@@ -97,18 +102,30 @@ fn key_bytes<const N: usize>(
     })
 }
 
-/// Makes sure the ring has a first key: the pre-ring setting's key, so
-/// that devices enrolled before the ring existed keep verifying. Each step
-/// is one statement, safe when several processes start at once: the row
-/// with `seq` 1 is inserted once, and the setting is deleted only after.
-async fn ensure_ring(db: &Db) -> Result<(), SigningKeyError> {
+/// Moves the pre-ring setting's key into the ring, so that devices
+/// enrolled before the ring existed keep verifying; creates no key. Each
+/// step is one statement, safe when several processes start at once: the
+/// row with `seq` 1 is inserted once, and the setting is deleted only after.
+async fn adopt_pre_ring_key(db: &Db) -> Result<(), SigningKeyError> {
+    if ring_size(db).await? > 0 {
+        return Ok(());
+    }
+    let Some(first) = settings::pre_ring_signing_key(db).await? else {
+        return Ok(());
+    };
+    insert_first_key(db, &first).await?;
+    settings::delete_model_signing_key(db).await?;
+    Ok(())
+}
+
+async fn ring_size(db: &Db) -> Result<i64, SigningKeyError> {
     let (count,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM model_signing_keys")
         .fetch_one(&db.pool)
         .await?;
-    if count > 0 {
-        return Ok(());
-    }
-    let first = settings::model_signing_key(db).await?;
+    Ok(count)
+}
+
+async fn insert_first_key(db: &Db, first: &ServerKey) -> Result<(), SigningKeyError> {
     sqlx::query(
         "INSERT INTO model_signing_keys (seq, public_key, secret_key, created_ms) \
          VALUES (1, $1, $2, $3) ON CONFLICT (seq) DO NOTHING",
@@ -118,14 +135,26 @@ async fn ensure_ring(db: &Db) -> Result<(), SigningKeyError> {
     .bind(now_ms())
     .execute(&db.pool)
     .await?;
-    settings::delete_model_signing_key(db).await?;
     Ok(())
+}
+
+/// Whether the database holds a model-signing key (a pre-ring one is
+/// moved into the ring first).
+pub async fn has_keys(db: &Db) -> Result<bool, SigningKeyError> {
+    adopt_pre_ring_key(db).await?;
+    Ok(ring_size(db).await? > 0)
+}
+
+/// The ring's first key, on a new database only: `bootstrap` decides that
+/// it is one. Racing first starts insert one key between them.
+pub async fn create_first_key(db: &Db) -> Result<(), SigningKeyError> {
+    insert_first_key(db, &ServerKey::generate()).await
 }
 
 /// The ring as it is now. Erases the secrets of replaced keys whose window
 /// has ended first, so that every process that loads the ring enforces it.
 pub async fn load_ring(db: &Db) -> Result<Ring, SigningKeyError> {
-    ensure_ring(db).await?;
+    adopt_pre_ring_key(db).await?;
     let mut rows: Vec<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {KEY_COLUMNS} FROM model_signing_keys ORDER BY seq DESC LIMIT $1"
     )))
@@ -140,9 +169,7 @@ pub async fn load_ring(db: &Db) -> Result<Ring, SigningKeyError> {
     {
         erase_expired_secrets(db, now).await?;
     }
-    let current_row = rows
-        .last()
-        .ok_or_else(|| corrupt(1, "the ring is empty after it was created"))?;
+    let current_row = rows.last().ok_or(SigningKeyError::NoKeys)?;
     let (secret,): (Option<Vec<u8>>,) =
         sqlx::query_as("SELECT secret_key FROM model_signing_keys WHERE seq = $1")
             .bind(current_row.seq)
@@ -282,7 +309,7 @@ pub async fn rotate(db: &Db, overlap: Duration) -> Result<Rotation, SigningKeyEr
 
 /// Every key of the ring, oldest first, without secrets.
 pub async fn list(db: &Db) -> Result<Vec<SigningKeyInfo>, SigningKeyError> {
-    ensure_ring(db).await?;
+    adopt_pre_ring_key(db).await?;
     let rows: Vec<KeyRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {KEY_COLUMNS} FROM model_signing_keys ORDER BY seq"
     )))

@@ -1,29 +1,28 @@
 //! Held-out datasets for central evaluation: upload, list, get, delete.
 
-use std::sync::Arc;
-
 use axum::extract::State;
 use axum::extract::multipart::{Multipart, MultipartRejection};
 use axum::http::{HeaderMap, StatusCode};
 use canopy_engine::data::Dataset;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use utoipa::ToSchema;
 
 use crate::api::ErrorResponse;
 use crate::api::admin::models::{content_length, staging_dir};
 use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::api::{upload_slot, within_upload_timeout};
-use crate::datasets::{DATA_PART, LABELS_PART, ParseError, Staged};
+use crate::datasets::{self as parsing, DATA_PART, LABELS_PART, ParseError, Staged};
 use crate::state::AppState;
 use crate::store::datasets::{self, DatasetKind, DatasetRow, Inserted, NewDataset};
 use canopy_term::error_chain as chain;
 
 /// The pattern the document states for a dataset name (written out in
-/// each route's attributes); a test keeps it equal to `check_dataset_name`.
+/// each route's attributes); a test keeps it equal to
+/// `datasets::check_new_name`.
 #[cfg(test)]
-pub(crate) const NAME_PATTERN: &str = "^[A-Za-z0-9_.-]{1,64}$";
+pub(crate) const NAME_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$";
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct DatasetView {
@@ -80,10 +79,22 @@ fn refusal(name: &str, cause: impl std::fmt::Display, hint: &str) -> String {
     format!("dataset `{name}`: {cause}; hint: {hint}")
 }
 
-fn check_name(name: &str) -> ApiResult<()> {
+/// A new dataset's name, by the one rule (`datasets::check_new_name`).
+fn check_new_name(name: &str) -> ApiResult<()> {
+    parsing::check_new_name(name).map_err(|cause| {
+        ApiError::unprocessable(format!(
+            "{cause}; hint: start it with a letter or digit, then letters, digits, `_`, `.` or `-`"
+        ))
+    })
+}
+
+/// A name to look up: any a dataset may have been stored under, including
+/// names older servers took that `check_new_name` now refuses, so they
+/// can still be read and deleted.
+fn check_stored_name(name: &str) -> ApiResult<()> {
     canopy_protocol::messages::check_dataset_name("dataset name", name).map_err(|cause| {
         ApiError::bad_request(format!(
-            "{cause}; hint: name it with letters, digits, `_`, `.` or `-`"
+            "{cause}; hint: list the datasets with GET /api/v1/datasets"
         ))
     })
 }
@@ -91,16 +102,16 @@ fn check_name(name: &str) -> ApiResult<()> {
 /// Upload a held-out dataset for central evaluation.
 #[utoipa::path(
     put, path = "/api/v1/datasets/{name}", tag = "datasets",
-    params(("name" = String, Path, pattern = "^[A-Za-z0-9_.-]{1,64}$", description = "Dataset name: 1 to 64 letters, digits, `_`, `.` or `-`")),
+    params(("name" = String, Path, pattern = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description = "Dataset name: 1 to 64 letters, digits, `_`, `.` or `-`, starting with a letter or digit")),
     request_body(content = inline(DatasetUpload), content_type = "multipart/form-data",
         description = "Part `data`: a CSV file (label in the last column), an IDX images file or an NPY images array, gzipped or not; part `labels`: the labels of IDX or NPY images. The format is told from the bytes."),
     responses(
         (status = 201, description = "Stored", body = DatasetView),
-        (status = 400, description = "Bad name or body", body = ErrorResponse),
+        (status = 400, description = "Bad body", body = ErrorResponse),
         (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
         (status = 409, description = "The name is taken, or the server holds its most datasets", body = ErrorResponse),
-        (status = 413, description = "Over the upload size limit", body = ErrorResponse),
-        (status = 422, description = "Not a dataset the server can read", body = ErrorResponse),
+        (status = 413, description = "Over the upload size limit, or its parts decompress past it, or hold more values than the server takes", body = ErrorResponse),
+        (status = 422, description = "A name the rule refuses, or not a dataset the server can read", body = ErrorResponse),
     ),
     security(("bearer" = []))
 )]
@@ -110,7 +121,7 @@ pub async fn upload(
     headers: HeaderMap,
     multipart: Result<Multipart, MultipartRejection>,
 ) -> ApiResult<(StatusCode, Json<DatasetView>)> {
-    check_name(&name)?;
+    check_new_name(&name)?;
     let limit = state.settings.limits.max_dataset_bytes;
     if let Some(length) = content_length(&headers).filter(|&length| length > limit) {
         return Err(too_large(&name, length, limit));
@@ -133,8 +144,9 @@ pub async fn upload(
         .acquire()
         .await
         .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    let bounds = parsing::bounds(&state.settings.limits);
     let (staged, parsed) = tokio::task::spawn_blocking(move || {
-        let parsed = staged.parse();
+        let parsed = staged.parse(&bounds);
         (staged, parsed)
     })
     .await
@@ -173,6 +185,13 @@ fn parse_refusal(name: &str, error: ParseError) -> ApiError {
         ParseError::UnexpectedLabels => "send the CSV file alone, as part `data`",
         ParseError::Empty => "upload a dataset with at least one sample",
         ParseError::TooManySamples { .. } => "upload a smaller held-out split",
+        ParseError::OverBound { over, .. } => {
+            let hint = format!(
+                "upload a smaller held-out split, or raise {} in the server's config",
+                parsing::setting(over)
+            );
+            return ApiError::too_large(refusal(name, &error, &hint));
+        }
         ParseError::Invalid { .. } => {
             "send a CSV file (label in the last column), or IDX or NPY images as `data` with their labels as `labels`"
         }
@@ -180,8 +199,9 @@ fn parse_refusal(name: &str, error: ParseError) -> ApiError {
     ApiError::unprocessable(refusal(name, &error, hint))
 }
 
-/// Streams the parts to staged files, counting every byte against
-/// `limits.max_dataset_bytes`.
+/// Streams the parts to staged files as they arrive, counting every byte
+/// against `limits.max_dataset_bytes` (the parse counts them again as
+/// they decompress).
 async fn receive(state: &AppState, name: &str, mut multipart: Multipart) -> ApiResult<Staged> {
     let limit = state.settings.limits.max_dataset_bytes;
     let dir = staging_dir(state);
@@ -244,8 +264,9 @@ fn truncate(text: &str) -> String {
     text.chars().take(64).collect()
 }
 
-/// Stores the parts as one blob (data, then labels) and records the row;
-/// the parsed dataset goes to the cache for the first central evaluation.
+/// Stores the parts as one blob (data, then labels) and records the row.
+/// The parsed dataset is dropped first: only its sizes are kept, so the
+/// upload holds its values or its bytes, never both (docs/limits.md).
 async fn store(
     state: &AppState,
     name: &str,
@@ -253,50 +274,51 @@ async fn store(
     kind: DatasetKind,
     dataset: Dataset,
 ) -> ApiResult<DatasetRow> {
+    let sample_shape: Vec<u64> = dataset.feature_shape().iter().map(|&d| d as u64).collect();
+    let (samples, classes) = (dataset.len() as u64, dataset.num_classes() as u64);
+    drop(dataset);
     let read_error = |error: std::io::Error| {
         ApiError::internal(format!("cannot read the staged dataset `{name}`: {error}"))
     };
     let mut bytes = tokio::fs::read(staged.data()).await.map_err(read_error)?;
     let data_bytes = bytes.len() as u64;
     if staged.has_labels {
-        bytes.extend(tokio::fs::read(staged.labels()).await.map_err(read_error)?);
+        let mut labels = tokio::fs::File::open(staged.labels())
+            .await
+            .map_err(read_error)?;
+        let len = labels.metadata().await.map_err(read_error)?.len();
+        bytes.reserve_exact(usize::try_from(len).unwrap_or(0));
+        labels.read_to_end(&mut bytes).await.map_err(read_error)?;
     }
     let digest = hex::encode(Sha256::digest(&bytes));
     let size_bytes = bytes.len() as u64;
     state.blobs.put(&digest, bytes.into()).await?;
-    let sample_shape: Vec<u64> = dataset.feature_shape().iter().map(|&d| d as u64).collect();
     let new = NewDataset {
         name,
         kind,
-        samples: dataset.len() as u64,
+        samples,
         sample_shape: &sample_shape,
-        classes: dataset.num_classes() as u64,
+        classes,
         size_bytes,
         data_bytes,
         digest: &digest,
     };
     let max = state.settings.limits.max_datasets;
-    let row = match datasets::insert(&state.db, &new, max).await? {
-        Inserted::Stored(row) => *row,
-        Inserted::Exists => {
-            return Err(refuse_taken(state, name).await.err().unwrap_or_else(|| {
-                ApiError::conflict(refusal(
-                    name,
-                    "a dataset of that name was just deleted",
-                    "upload it again",
-                ))
-            }));
-        }
-        Inserted::Full { max } => {
-            return Err(ApiError::conflict(refusal(
+    match datasets::insert(&state.db, &new, max).await? {
+        Inserted::Stored(row) => Ok(*row),
+        Inserted::Exists => Err(refuse_taken(state, name).await.err().unwrap_or_else(|| {
+            ApiError::conflict(refusal(
                 name,
-                format_args!("the server holds {max} datasets, its limit (limits.max_datasets)"),
-                "delete one you no longer need (DELETE /api/v1/datasets/NAME)",
-            )));
-        }
-    };
-    state.datasets.insert(&digest, Arc::new(dataset));
-    Ok(row)
+                "a dataset of that name was just deleted",
+                "upload it again",
+            ))
+        })),
+        Inserted::Full { max } => Err(ApiError::conflict(refusal(
+            name,
+            format_args!("the server holds {max} datasets, its limit (limits.max_datasets)"),
+            "delete one you no longer need (DELETE /api/v1/datasets/NAME)",
+        ))),
+    }
 }
 
 /// List the datasets, by name.
@@ -316,7 +338,7 @@ pub async fn list(State(state): State<AppState>) -> ApiResult<Json<DatasetList>>
 }
 
 async fn find(state: &AppState, name: &str) -> ApiResult<DatasetRow> {
-    check_name(name)?;
+    check_stored_name(name)?;
     datasets::get(&state.db, name).await?.ok_or_else(|| {
         ApiError::not_found(refusal(
             name,
@@ -329,7 +351,7 @@ async fn find(state: &AppState, name: &str) -> ApiResult<DatasetRow> {
 /// Get one dataset.
 #[utoipa::path(
     get, path = "/api/v1/datasets/{name}", tag = "datasets",
-    params(("name" = String, Path, pattern = "^[A-Za-z0-9_.-]{1,64}$")),
+    params(("name" = String, Path, pattern = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")),
     responses((status = 200, body = DatasetView), (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 404, body = ErrorResponse)),
     security(("bearer" = []))
 )]
@@ -343,7 +365,7 @@ pub async fn get(
 /// Delete a dataset no unfinished job evaluates on.
 #[utoipa::path(
     delete, path = "/api/v1/datasets/{name}", tag = "datasets",
-    params(("name" = String, Path, pattern = "^[A-Za-z0-9_.-]{1,64}$")),
+    params(("name" = String, Path, pattern = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")),
     responses(
         (status = 204, description = "Deleted"),
         (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
@@ -397,10 +419,15 @@ mod tests {
             "é",
             &"n".repeat(65),
             "a/b",
+            "..",
+            ".hidden",
+            "-rf",
+            "_x",
+            "9",
         ] {
             assert_eq!(
                 pattern.is_match(name),
-                canopy_protocol::messages::check_dataset_name("name", name).is_ok(),
+                crate::datasets::check_new_name(name).is_ok(),
                 "{name:?}"
             );
         }

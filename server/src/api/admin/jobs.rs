@@ -185,7 +185,42 @@ async fn check_central_dataset(
             version.model_name, version.version
         )));
     }
-    Ok(())
+    check_central_bounds(state, &dataset, version).await
+}
+
+/// The central evaluation's static bounds (`central::bounds`, the rule
+/// each evaluation applies again), so the operator hears at once.
+async fn check_central_bounds(
+    state: &AppState,
+    dataset: &datasets::DatasetRow,
+    version: &models::VersionRow,
+) -> ApiResult<()> {
+    let bytes = state
+        .blobs
+        .get(&version.digest, state.settings.limits.max_model_bytes)
+        .await?;
+    let (limits, samples) = (
+        state.settings.limits.clone(),
+        u64::try_from(dataset.samples).unwrap_or(0),
+    );
+    let _permit = state
+        .model_verification
+        .acquire()
+        .await
+        .map_err(|error| ApiError::internal(error.to_string()))?;
+    let planned = tokio::task::spawn_blocking(move || {
+        let model = canopy_ir::format::read_model(&bytes)
+            .map_err(|error| canopy_term::error_chain(&error))?;
+        crate::central::bounds::plan(&model, samples, &limits).map_err(|error| error.to_string())
+    })
+    .await
+    .map_err(|error| ApiError::internal(format!("model check task failed: {error}")))?;
+    planned.map(drop).map_err(|reason| {
+        ApiError::unprocessable(format!(
+            "model `{}` version {} cannot be evaluated centrally on dataset `{}`: {reason}",
+            version.model_name, version.version, dataset.name
+        ))
+    })
 }
 
 /// List jobs.

@@ -147,6 +147,44 @@ impl FromRequestParts<AppState> for DeviceAuth {
     }
 }
 
+/// A body that failed as it arrived: 408 when it stopped arriving and the
+/// connection's idle timer (`limits.idle_timeout_ms`) ended it, the stall
+/// that `limits.upload_timeout_ms` also answers 408 (with both at their
+/// default, the idle timer fires first); 400 when it was cut off.
+fn body_failed(what: &str, error: &axum::Error) -> ApiError {
+    if timed_out(error) {
+        ApiError::new(
+            axum::http::StatusCode::REQUEST_TIMEOUT,
+            "timeout",
+            format!(
+                "the {what} stopped arriving: no byte came within limits.idle_timeout_ms, \
+                 and the connection was closed"
+            ),
+        )
+    } else {
+        ApiError::bad_request(format!("the {what} was cut off: {error}"))
+    }
+}
+
+/// Whether a timeout of the connection's I/O is among the error's causes,
+/// over HTTP/1 (an `io::Error`) or HTTP/2 (`h2` keeps the `io::Error`
+/// but names no source).
+fn timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(error) = cause {
+        let io = error.downcast_ref::<std::io::Error>().or_else(|| {
+            error
+                .downcast_ref::<h2::Error>()
+                .and_then(h2::Error::get_io)
+        });
+        if io.is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut) {
+            return true;
+        }
+        cause = error.source();
+    }
+    false
+}
+
 /// How long a device over one of its caps is refused.
 const RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -190,9 +228,7 @@ impl DeviceAuth {
         let mut hasher = Sha256::new();
         let mut stream = body.into_data_stream();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|error| {
-                ApiError::bad_request(format!("the {what} was cut off: {error}"))
-            })?;
+            let chunk = chunk.map_err(|error| body_failed(what, &error))?;
             if (buffer.len() + chunk.len()) as u64 > limit {
                 return Err(over_limit());
             }

@@ -31,6 +31,7 @@ use crate::store::devices::{self, EnrollError};
 use crate::store::tokens::EnrollmentTokenError;
 use crate::store::{evaluations, rounds};
 use auth::DeviceAuth;
+pub use tasks::TaskBoard;
 
 pub fn router() -> Router<AppState> {
     Router::new()

@@ -12,7 +12,7 @@
 use std::collections::BTreeSet;
 
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{Extension, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -29,6 +29,7 @@ use super::poll_wait;
 use super::tasks::PollQuery;
 use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::api::{upload_slot, within_upload_timeout};
+use crate::request_slots::PollSlot;
 use crate::secure;
 use crate::state::AppState;
 use crate::store::rounds::{ParticipantState, RoundState};
@@ -133,6 +134,7 @@ fn check_live(round: &SecureRound, participant: &SecureParticipant) -> ApiResult
 pub async fn post_message(
     State(state): State<AppState>,
     device: DeviceAuth,
+    slot: Option<Extension<PollSlot>>,
     Path((round_id, endpoint)): Path<(i64, String)>,
     Query(query): Query<PollQuery>,
     headers: HeaderMap,
@@ -156,14 +158,48 @@ pub async fn post_message(
     // the message belongs to, so the answer (from the next stage) cannot
     // be ready: wait for the stage to move before reading the round again,
     // one read a message less.
-    match wait_for_progress(&state, &round, woken, deadline).await {
-        Ok(true) => {}
-        Ok(false) | Err(_) => return Ok(taken),
+    let slot = slot.map(|Extension(slot)| slot);
+    let moved = waiting(
+        &state,
+        slot.as_ref(),
+        wait_for_progress(&state, &round, woken, deadline),
+    );
+    match moved.await {
+        Ok(Ok(true)) => {}
+        _ => return Ok(taken),
     }
-    match await_message(&state, round_id, device_id, endpoint, deadline).await {
+    match await_message(
+        &state,
+        slot.as_ref(),
+        round_id,
+        device_id,
+        endpoint,
+        deadline,
+    )
+    .await
+    {
         Ok(Some(answer)) => Ok(answer),
         Ok(None) | Err(_) => Ok(taken),
     }
+}
+
+/// Runs a wait without the request's working place where it has one
+/// (`PollSlot::while_waiting`), so that devices waiting for a stage to
+/// close do not hold the places other requests are served in.
+async fn waiting<T>(
+    state: &AppState,
+    slot: Option<&PollSlot>,
+    wait: impl std::future::Future<Output = ApiResult<T>>,
+) -> ApiResult<ApiResult<T>> {
+    let Some(slot) = slot else {
+        return Ok(wait.await);
+    };
+    slot.while_waiting(wait).await.map_err(|refusal| {
+        if let Some(pool) = refusal.pool() {
+            state.metrics.refused(pool.setting());
+        }
+        ApiError::from(refusal)
+    })
 }
 
 /// Checks and stores a device's stage message; the round as it was read
@@ -670,12 +706,22 @@ async fn unmask_response(
 pub async fn get_message(
     State(state): State<AppState>,
     device: DeviceAuth,
+    slot: Option<Extension<PollSlot>>,
     Path((round_id, endpoint)): Path<(i64, String)>,
     Query(query): Query<PollQuery>,
 ) -> ApiResult<Response> {
     let wait = poll_wait(query.wait_ms, state.settings.limits.long_poll_max_ms);
     let deadline = tokio::time::Instant::now() + wait;
-    let answer = await_message(&state, round_id, device.device_id, &endpoint, deadline).await?;
+    let slot = slot.map(|Extension(slot)| slot);
+    let answer = await_message(
+        &state,
+        slot.as_ref(),
+        round_id,
+        device.device_id,
+        &endpoint,
+        deadline,
+    )
+    .await?;
     Ok(answer.unwrap_or_else(|| StatusCode::ACCEPTED.into_response()))
 }
 
@@ -683,6 +729,7 @@ pub async fn get_message(
 /// that produces it has closed; `None` if that is not by `deadline`.
 async fn await_message(
     state: &AppState,
+    slot: Option<&PollSlot>,
     round_id: i64,
     device_id: i64,
     endpoint: &str,
@@ -703,7 +750,13 @@ async fn await_message(
             );
             return Ok(Some(response.into_response()));
         }
-        if !wait_for_progress(state, &round, woken, deadline).await? {
+        if !waiting(
+            state,
+            slot,
+            wait_for_progress(state, &round, woken, deadline),
+        )
+        .await??
+        {
             return Ok(None);
         }
     }

@@ -1,8 +1,10 @@
 //! Task polling and model download.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::store::rounds::RoundKind;
+use axum::Extension;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
@@ -15,6 +17,7 @@ use serde::Deserialize;
 use super::auth::DeviceAuth;
 use super::{POLL_RECHECK_MS, poll_wait};
 use crate::api::error::{ApiError, ApiResult, Path, Query};
+use crate::request_slots::PollSlot;
 use crate::state::AppState;
 use crate::store::jobs::JobSpec;
 use crate::store::{evaluations, models, rounds};
@@ -24,11 +27,21 @@ pub struct PollQuery {
     pub wait_ms: Option<u64>,
 }
 
+/// Answers a task when there is one, else waits for one up to `wait_ms`.
+/// While it waits the poll holds only its place among the waiting polls
+/// (`max_waiting_polls`), not a general one: it gives that back around the
+/// wait ([`PollSlot::while_waiting`]) and takes it again to look.
 pub async fn next_task(
     State(state): State<AppState>,
     device: DeviceAuth,
+    slot: Option<Extension<PollSlot>>,
     Query(query): Query<PollQuery>,
 ) -> ApiResult<Response> {
+    let Some(Extension(slot)) = slot else {
+        return Err(ApiError::internal(
+            "the task poll ran without its request slot (api::take_request_slots); this is a bug",
+        ));
+    };
     let _poll = state
         .device_polls
         .try_enter(device.device_id)
@@ -46,26 +59,113 @@ pub async fn next_task(
         })?;
     let wait = poll_wait(query.wait_ms, state.settings.limits.long_poll_max_ms);
     let deadline = tokio::time::Instant::now() + wait;
+    let mut look = true;
     loop {
         // Register interest before looking, so a wake-up between the look
         // and the wait is not lost.
         let woken = state.tasks_ready.notified();
-        // Evaluating a finished round's version is quick and costs no
-        // training, so it goes before the next round's training.
-        if let Some(task) = evaluations::take(&state.db, device.device_id).await? {
-            return Ok(axum::Json(build_evaluation_task(&state, task).await?).into_response());
+        if look {
+            // Evaluating a finished round's version is quick and costs no
+            // training, so it goes before the next round's training.
+            if let Some(task) = evaluations::take(&state.db, device.device_id).await? {
+                return Ok(axum::Json(build_evaluation_task(&state, task).await?).into_response());
+            }
+            if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
+                return Ok(axum::Json(build_task(&state, task).await?).into_response());
+            }
         }
-        if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
-            return Ok(axum::Json(build_task(&state, task).await?).into_response());
-        }
-        let now = tokio::time::Instant::now();
-        if now >= deadline || state.is_shutting_down() {
+        if tokio::time::Instant::now() >= deadline || state.is_shutting_down() {
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
-        let recheck = now + std::time::Duration::from_millis(POLL_RECHECK_MS);
-        tokio::select! {
-            _ = woken => {}
-            _ = tokio::time::sleep_until(recheck.min(deadline)) => {}
+        look = slot
+            .while_waiting(wait_for_board(&state, device.device_id, woken, deadline))
+            .await
+            .inspect_err(|refusal| {
+                if let Some(pool) = refusal.pool() {
+                    state.metrics.refused(pool.setting());
+                }
+            })??;
+    }
+}
+
+/// Which devices have a task waiting, read for all of a process's waiting
+/// polls at once: when this process's orchestrator selects devices
+/// (`tasks_ready`), and at least every `POLL_RECHECK_MS` for rounds opened
+/// by another server process. A waiting poll looks at its own rows only
+/// once its device is on the board, so 10,000 idle polls cost the database
+/// one read per interval instead of two each.
+#[derive(Default)]
+pub struct TaskBoard {
+    snapshot: tokio::sync::Mutex<Option<BoardSnapshot>>,
+}
+
+struct BoardSnapshot {
+    /// When the read began: it saw every commit before then.
+    read_started: tokio::time::Instant,
+    devices: Arc<HashSet<i64>>,
+}
+
+impl TaskBoard {
+    /// The board as read since `fresh_since`, read again when older; one
+    /// read at a time, which the polls waiting for it then share.
+    async fn devices(
+        &self,
+        state: &AppState,
+        fresh_since: tokio::time::Instant,
+    ) -> ApiResult<Arc<HashSet<i64>>> {
+        let mut snapshot = self.snapshot.lock().await;
+        if let Some(current) = snapshot.as_ref()
+            && current.read_started >= fresh_since
+        {
+            return Ok(current.devices.clone());
+        }
+        let read_started = tokio::time::Instant::now();
+        let devices = Arc::new(rounds::devices_with_tasks(&state.db).await?);
+        *snapshot = Some(BoardSnapshot {
+            read_started,
+            devices: devices.clone(),
+        });
+        Ok(devices)
+    }
+}
+
+/// Waits until the board has a task for `device_id` (true), or until
+/// `deadline` or shutdown (false).
+async fn wait_for_board(
+    state: &AppState,
+    device_id: i64,
+    woken: tokio::sync::futures::Notified<'_>,
+    deadline: tokio::time::Instant,
+) -> ApiResult<bool> {
+    let interval = std::time::Duration::from_millis(POLL_RECHECK_MS);
+    tokio::pin!(woken);
+    loop {
+        let now = tokio::time::Instant::now();
+        if now >= deadline || state.is_shutting_down() {
+            return Ok(false);
+        }
+        let fresh_since = tokio::select! {
+            _ = &mut woken => {
+                // Selected just now: only a read begun after the wake-up
+                // has seen it. Listen again before reading.
+                woken.set(state.tasks_ready.notified());
+                tokio::time::Instant::now()
+            }
+            _ = tokio::time::sleep_until((now + interval).min(deadline)) => {
+                let now = tokio::time::Instant::now();
+                now.checked_sub(interval).unwrap_or(now)
+            }
+        };
+        if state.is_shutting_down() {
+            return Ok(false);
+        }
+        if state
+            .task_board
+            .devices(state, fresh_since)
+            .await?
+            .contains(&device_id)
+        {
+            return Ok(true);
         }
     }
 }
