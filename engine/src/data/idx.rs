@@ -144,28 +144,10 @@ fn read_header(file: &mut DataFile) -> EngineResult<Vec<usize>> {
 fn read_body(file: &mut DataFile, dims: &[usize], take: impl FnMut(&[u8])) -> EngineResult<()> {
     let mut take = take;
     let claimed = dims.iter().product::<usize>() as u64;
-    let actual = file.read_data(claimed, |chunk| {
+    file.read_claimed_data(claimed, dims, |chunk| {
         take(chunk);
         Ok(())
-    })?;
-    let trailing = if actual == claimed {
-        file.rest_len()?
-    } else {
-        0
-    };
-    if actual != claimed || trailing > 0 {
-        let what = if actual < claimed {
-            "truncated"
-        } else {
-            "has trailing bytes"
-        };
-        let found = actual + trailing;
-        return Err(data_err(
-            file.path(),
-            format!("file {what}: header claims {dims:?} = {claimed} bytes of data, found {found}"),
-        ));
-    }
-    Ok(())
+    })
 }
 
 fn check_count(n: usize) -> Result<(), String> {

@@ -311,34 +311,13 @@ fn read_elements(
     let claimed = (header.elements() as u64).saturating_mul(size as u64);
     let path = file.path().to_path_buf();
     let mut index = 0usize;
-    let actual = file.read_data(claimed, |chunk| {
+    file.read_claimed_data(claimed, &header.shape, |chunk| {
         for element in chunk.chunks_exact(size) {
             take(index, element).map_err(|cause| data_err(&path, cause))?;
             index += 1;
         }
         Ok(())
-    })?;
-    let trailing = if actual == claimed {
-        file.rest_len()?
-    } else {
-        0
-    };
-    if actual != claimed || trailing > 0 {
-        let what = if actual < claimed {
-            "truncated"
-        } else {
-            "has trailing bytes"
-        };
-        return Err(data_err(
-            &path,
-            format!(
-                "file {what}: header claims shape {:?} = {claimed} bytes of data, found {}",
-                header.shape,
-                actual + trailing
-            ),
-        ));
-    }
-    Ok(())
+    })
 }
 
 /// One little-endian element (of `dtype.size()` bytes) as f32.

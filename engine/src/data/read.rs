@@ -171,6 +171,34 @@ impl DataFile {
         }
         Ok(done)
     }
+
+    /// Reads exactly the `len` bytes of data a header claims for `shape`,
+    /// handing them to `take` as [`read_data`](Self::read_data) does; a
+    /// file cut short, or with bytes after them, is refused by name.
+    pub(crate) fn read_claimed_data(
+        &mut self,
+        len: u64,
+        shape: &[usize],
+        take: impl FnMut(&[u8]) -> EngineResult<()>,
+    ) -> EngineResult<()> {
+        let actual = self.read_data(len, take)?;
+        let trailing = if actual == len { self.rest_len()? } else { 0 };
+        if actual == len && trailing == 0 {
+            return Ok(());
+        }
+        let what = if actual < len {
+            "truncated"
+        } else {
+            "has trailing bytes"
+        };
+        let found = actual + trailing;
+        Err(data_err(
+            &self.path,
+            format!(
+                "file {what}: header claims shape {shape:?} = {len} bytes of data, found {found}"
+            ),
+        ))
+    }
 }
 
 /// Multiplies dimensions with overflow and limit checks, so a header's
