@@ -70,7 +70,6 @@ fn node_flops(graph: &Graph, node: &Node, batch: usize) -> u64 {
     let (op, out) = (&node.op, &node.ty);
     let operand = |i: usize| graph.ty(node.inputs[i]);
     let out_elements = elements(out, batch);
-    let window = |kernel: [usize; 2]| (kernel[0] as u64).saturating_mul(kernel[1] as u64);
     match op {
         Op::Input { .. } | Op::Constant(_) => 0,
         // One operation (or copy) per output element.
@@ -117,7 +116,7 @@ fn node_flops(graph: &Graph, node: &Node, batch: usize) -> u64 {
             .saturating_mul(filter_volume(out, batch))
             .saturating_mul(2),
         Op::MaxPool2d(attrs) | Op::AvgPool2d(attrs) | Op::MaxPool2dSelect(attrs) => {
-            out_elements.saturating_mul(window(attrs.kernel))
+            window_flops(out_elements, attrs)
         }
         // (x, dy): each dy element searches its window in x.
         Op::MaxPool2dBackward(attrs) => {

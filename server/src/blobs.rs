@@ -186,7 +186,7 @@ fn local_error(error: std::io::Error) -> object_store::Error {
 /// usually), but sat in the private data directory unless placed
 /// elsewhere, so it is tightened with a warning rather than refused.
 fn open_private_dir(dir: &Path) -> std::io::Result<()> {
-    create_private_dirs(dir)?;
+    crate::file_modes::create_private_dir_all(dir)?;
     let meta = std::fs::metadata(dir)?;
     if let Some(mode) = crate::file_modes::open_to_others(&meta) {
         tracing::warn!(
@@ -200,17 +200,6 @@ fn open_private_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 /// `create_dir_all` with every directory it creates 0700.
-fn create_private_dirs(dir: &Path) -> std::io::Result<()> {
-    let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::DirBuilderExt;
-        builder.mode(crate::file_modes::PRIVATE_DIR_MODE);
-    }
-    builder.create(dir)
-}
-
 /// Writes a blob as a private file: a temporary file beside it, created
 /// 0600 (the umask can only take bits away), synced, renamed into place,
 /// so that a reader sees no blob or the whole one.
@@ -219,7 +208,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let parent = path
         .parent()
         .ok_or_else(|| std::io::Error::other("a blob path has a directory"))?;
-    create_private_dirs(parent)?;
+    crate::file_modes::create_private_dir_all(parent)?;
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let unique = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut name = path.file_name().unwrap_or_default().to_os_string();

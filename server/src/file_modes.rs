@@ -83,3 +83,16 @@ mod tests {
         assert_eq!(meta.permissions().mode() & 0o777, PRIVATE_DIR_MODE);
     }
 }
+
+/// Creates `dir` and its missing parents with [`PRIVATE_DIR_MODE`],
+/// whatever the umask (which can only take bits away).
+pub fn create_private_dir_all(dir: &Path) -> std::io::Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        builder.mode(PRIVATE_DIR_MODE);
+    }
+    builder.create(dir)
+}

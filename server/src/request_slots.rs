@@ -73,10 +73,14 @@ impl RequestKind {
         if device == "tasks/next" && method == Method::GET {
             return RequestKind::TaskPoll;
         }
-        let masked_input = format!("/secagg/{}", secagg_endpoints::MASKED_INPUT);
+        let is_masked_input = |round: &str| {
+            round
+                .strip_suffix(secagg_endpoints::MASKED_INPUT)
+                .is_some_and(|rest| rest.ends_with("/secagg/"))
+        };
         if let Some(round) = device.strip_prefix("rounds/")
             && ((method == Method::PUT && round.ends_with("/update"))
-                || (method == Method::POST && round.ends_with(&masked_input)))
+                || (method == Method::POST && is_masked_input(round)))
         {
             return RequestKind::DeviceUpload;
         }
@@ -517,6 +521,29 @@ mod tests {
         assert_eq!(slots.in_use(Pool::Admin), 1);
     }
 
+    /// A request that takes its places for `kind`, then waits (as
+    /// `while_waiting`) until `woken` turns true; it has given back what it
+    /// gives back for the wait once this returns.
+    async fn wait_until_woken(
+        slots: &Arc<RequestSlots>,
+        kind: RequestKind,
+        address: ClientAddress,
+        woken: &tokio::sync::watch::Receiver<bool>,
+    ) -> tokio::task::JoinHandle<Result<(), SlotRefusal>> {
+        let held = slots.take(kind, address).await.unwrap();
+        let slot = held.poll.clone().expect("a device request can wait");
+        let mut woken = woken.clone();
+        let waiter = tokio::spawn(async move {
+            let _held = held;
+            slot.while_waiting(async move {
+                let _ = woken.wait_for(|woken| *woken).await;
+            })
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        waiter
+    }
+
     #[tokio::test]
     async fn waiting_polls_give_back_their_general_place() {
         // Three waiting polls and two general places.
@@ -524,17 +551,7 @@ mod tests {
         let (wake, woken) = tokio::sync::watch::channel(false);
         let mut waiting = Vec::new();
         for _ in 0..3 {
-            let held = slots.take(RequestKind::TaskPoll, address(1)).await.unwrap();
-            let slot = held.poll.clone().unwrap();
-            let mut woken = woken.clone();
-            waiting.push(tokio::spawn(async move {
-                let _held = held;
-                slot.while_waiting(async move {
-                    let _ = woken.wait_for(|woken| *woken).await;
-                })
-                .await
-            }));
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            waiting.push(wait_until_woken(&slots, RequestKind::TaskPoll, address(1), &woken).await);
         }
         assert_eq!(slots.in_use(Pool::WaitingPolls), 3);
         assert_eq!(
@@ -564,17 +581,7 @@ mod tests {
         let (wake, woken) = tokio::sync::watch::channel(false);
         let mut waiting = Vec::new();
         for kind in [RequestKind::Device, RequestKind::DeviceUpload] {
-            let held = slots.take(kind, address(1)).await.unwrap();
-            let slot = held.poll.clone().expect("a device request can wait");
-            let mut woken = woken.clone();
-            waiting.push(tokio::spawn(async move {
-                let _held = held;
-                slot.while_waiting(async move {
-                    let _ = woken.wait_for(|woken| *woken).await;
-                })
-                .await
-            }));
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            waiting.push(wait_until_woken(&slots, kind, address(1), &woken).await);
         }
         assert_eq!(
             slots.in_use(Pool::General),
@@ -589,17 +596,7 @@ mod tests {
         assert_eq!(slots.in_use(Pool::WaitingPolls), 2);
         // With the waiting places taken, a request waits in its own place.
         let fill = slots.waiting_polls.clone().try_acquire_owned().unwrap();
-        let held = slots.take(RequestKind::Device, address(2)).await.unwrap();
-        let slot = held.poll.clone().unwrap();
-        let mut late = woken.clone();
-        let kept = tokio::spawn(async move {
-            let _held = held;
-            slot.while_waiting(async move {
-                let _ = late.wait_for(|woken| *woken).await;
-            })
-            .await
-        });
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        let kept = wait_until_woken(&slots, RequestKind::Device, address(2), &woken).await;
         assert_eq!(
             slots.in_use(Pool::General),
             1,

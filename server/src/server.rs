@@ -157,14 +157,7 @@ mod private_files {
     }
 
     fn create_dir(dir: &Path) -> Result<(), ServeError> {
-        let mut builder = std::fs::DirBuilder::new();
-        builder.recursive(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::DirBuilderExt;
-            builder.mode(0o700);
-        }
-        builder.create(dir).map_err(|source| ServeError::DataDir {
+        crate::file_modes::create_private_dir_all(dir).map_err(|source| ServeError::DataDir {
             path: dir.to_path_buf(),
             source,
         })
@@ -178,7 +171,7 @@ mod private_files {
         #[cfg(unix)]
         {
             use std::os::unix::fs::OpenOptionsExt;
-            options.mode(0o600);
+            options.mode(crate::file_modes::PRIVATE_FILE_MODE);
         }
         match options.open(path) {
             Ok(_) => Ok(()),

@@ -118,11 +118,8 @@ impl SqliteFileError {
     pub fn hint(&self) -> Option<String> {
         match self {
             SqliteFileError::Read { .. } => None,
-            SqliteFileError::NotADatabase { path } => Some(format!(
-                "check --data-dir / --database-url; if {} was the server's database, restore it from a backup",
-                path.display()
-            )),
-            SqliteFileError::DamagedDatabaseHeader { path, .. } => Some(format!(
+            SqliteFileError::NotADatabase { path }
+            | SqliteFileError::DamagedDatabaseHeader { path, .. } => Some(format!(
                 "check --data-dir / --database-url; if {} was the server's database, restore it \
                  from a backup",
                 path.display()
@@ -382,7 +379,7 @@ fn check_wal_with(
         Ok(header) => header,
         Err(fault) => {
             let page_size = Some(be32(header, 8) as usize)
-                .filter(|size| fault != WalHeaderFault::PageSize && valid_page_size(*size))
+                .filter(|&size| valid_page_size(size))
                 .or(database_page_size);
             return match loss_behind_bad_header(bytes, page_size) {
                 None => Ok(()),

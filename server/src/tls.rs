@@ -95,14 +95,7 @@ pub fn self_signed(
     ];
     names.extend(extra_name);
     let certified = rcgen::generate_simple_self_signed(names).map_err(TlsError::Generate)?;
-    let mut builder = std::fs::DirBuilder::new();
-    builder.recursive(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::DirBuilderExt;
-        builder.mode(crate::file_modes::PRIVATE_DIR_MODE);
-    }
-    builder.create(&dir).map_err(|source| TlsError::Write {
+    crate::file_modes::create_private_dir_all(&dir).map_err(|source| TlsError::Write {
         path: dir.clone(),
         source,
     })?;

@@ -150,10 +150,7 @@ fn read_npy_labels(
     let mut labels = Vec::with_capacity(samples);
     let dtype = header.dtype;
     read_elements(file, &header, |i, bytes| {
-        let y = match dtype {
-            Dtype::F32 | Dtype::F64 => to_f64(dtype, bytes),
-            _ => to_i64(dtype, bytes) as f64,
-        };
+        let y = to_f64(dtype, bytes);
         if !ok(y) {
             return Err(format!(
                 "label {y} of item {i} is not a class index in 0..{MAX_CLASSES}"

@@ -33,7 +33,7 @@ use utoipa::ToSchema;
 use crate::conn::ClientAddress;
 use crate::db::now_ms;
 use crate::metrics::{PoolLabels, RequestLabels};
-use crate::request_slots::{CredentialRoute, Pool, RequestKind};
+use crate::request_slots::{CredentialRoute, Pool, RequestKind, SlotRefusal};
 use crate::slots::{SlotError, UploadOwner, UploadSlot, UploadSlots};
 use crate::state::AppState;
 use crate::store::devices;
@@ -172,12 +172,7 @@ async fn take_request_slots(
         .await
     {
         Ok(held) => held,
-        Err(refusal) => {
-            if let Some(pool) = refusal.pool() {
-                state.metrics.refused(pool.setting());
-            }
-            return ApiError::from(refusal).into_response();
-        }
+        Err(refusal) => return slot_refused(&state, refusal).into_response(),
     };
     if let Some(poll) = &held.poll {
         request.extensions_mut().insert(poll.clone());
@@ -191,6 +186,15 @@ async fn take_request_slots(
     let response = next.run(request).await;
     drop(held);
     response
+}
+
+/// A refused request place, counted under the setting of the pool that
+/// refused it, as its answer.
+pub(crate) fn slot_refused(state: &AppState, refusal: SlotRefusal) -> ApiError {
+    if let Some(pool) = refusal.pool() {
+        state.metrics.refused(pool.setting());
+    }
+    ApiError::from(refusal)
 }
 
 /// The client a request came from, as per-address caps count it.

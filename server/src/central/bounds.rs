@@ -60,17 +60,21 @@ pub fn plan(model: &Model, samples: u64, limits: &Limits) -> Result<EvalPlan, Ov
 fn plan_graph(graph: &Graph, samples: u64, limits: &Limits) -> Result<EvalPlan, OverBound> {
     let bound = limits.central_eval_memory_bytes;
     let mut batch = EVAL_BATCH.min(usize::try_from(samples).unwrap_or(usize::MAX));
-    let peak_bytes = loop {
-        let peak_bytes = graph_cost(graph, batch).peak_bytes;
-        if peak_bytes <= bound {
-            break peak_bytes;
+    let cost = loop {
+        let cost = graph_cost(graph, batch);
+        if cost.peak_bytes <= bound {
+            break cost;
         }
         if batch == 1 {
+            let peak_bytes = cost.peak_bytes;
             return Err(OverBound::Memory { peak_bytes, bound });
         }
         batch /= 2;
     };
-    let flops = dataset_flops(graph, samples, batch);
+    let (peak_bytes, flops) = (
+        cost.peak_bytes,
+        dataset_flops(graph, samples, batch, cost.flops),
+    );
     if flops > limits.central_eval_flops {
         return Err(OverBound::Flops {
             flops,
@@ -86,12 +90,11 @@ fn plan_graph(graph: &Graph, samples: u64, limits: &Limits) -> Result<EvalPlan, 
     })
 }
 
-/// Every full batch, then the short last one (evaluation keeps it).
-fn dataset_flops(graph: &Graph, samples: u64, batch: usize) -> u64 {
+/// Every full batch (`batch_flops` each), then the short last one
+/// (evaluation keeps it).
+fn dataset_flops(graph: &Graph, samples: u64, batch: usize, batch_flops: u64) -> u64 {
     let per_batch = batch as u64;
-    let full = graph_cost(graph, batch)
-        .flops
-        .saturating_mul(samples / per_batch);
+    let full = batch_flops.saturating_mul(samples / per_batch);
     let rest = usize::try_from(samples % per_batch).unwrap_or(0);
     match rest {
         0 => full,

@@ -650,10 +650,6 @@ pub struct TaskRow {
     pub kind: RoundKind,
 }
 
-/// The device's open task, marked delivered. A task already delivered is
-/// handed out again, so a device that restarts picks its work back up.
-/// A paused job hands out nothing; updates already under way are still
-/// accepted until the deadline.
 /// The devices with a task waiting for them now: a pending training task
 /// ([`take_task`]'s) or a pending evaluation (`evaluations::take`'s). One
 /// read serves every task poll of a process (`api::device::tasks`'s
@@ -678,6 +674,10 @@ pub async fn devices_with_tasks(db: &Db) -> Result<HashSet<i64>, sqlx::Error> {
     Ok(devices.into_iter().collect())
 }
 
+/// The device's open task, marked delivered. A task already delivered is
+/// handed out again, so a device that restarts picks its work back up.
+/// A paused job hands out nothing; updates already under way are still
+/// accepted until the deadline.
 pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx::Error> {
     let now = now_ms();
     let task: Option<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(

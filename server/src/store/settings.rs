@@ -25,14 +25,19 @@ async fn insert_once(db: &Db, name: &str, value: &[u8]) -> Result<bool, sqlx::Er
     Ok(result.rows_affected() == 1)
 }
 
+/// A setting's value, if it is set.
+async fn get(db: &Db, name: &str) -> Result<Option<Vec<u8>>, sqlx::Error> {
+    let value: Option<(Vec<u8>,)> = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
+        .bind(name)
+        .fetch_optional(&db.pool)
+        .await?;
+    Ok(value.map(|(value,)| value))
+}
+
 /// The pre-ring model-signing key, if the database has one, so that the
 /// ring's first key is the one devices enrolled under.
 pub async fn pre_ring_signing_key(db: &Db) -> Result<Option<ServerKey>, sqlx::Error> {
-    let value: Option<(Vec<u8>,)> = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
-        .bind(MODEL_SIGNING_KEY)
-        .fetch_optional(&db.pool)
-        .await?;
-    let Some((value,)) = value else {
+    let Some(value) = get(db, MODEL_SIGNING_KEY).await? else {
         return Ok(None);
     };
     let secret: [u8; 32] = value.as_slice().try_into().map_err(|_| {
@@ -71,21 +76,15 @@ pub async fn mark_admin_token_shown(db: &Db) -> Result<(), sqlx::Error> {
 /// True when the first admin token was issued (shown or not): the
 /// database has been started before.
 pub async fn admin_token_issued(db: &Db) -> Result<bool, sqlx::Error> {
-    let value: Option<(Vec<u8>,)> = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
-        .bind(BOOTSTRAP_ADMIN_TOKEN)
-        .fetch_optional(&db.pool)
-        .await?;
-    Ok(value.is_some())
+    Ok(get(db, BOOTSTRAP_ADMIN_TOKEN).await?.is_some())
 }
 
 /// True when the first admin token was issued and never shown, so nobody
 /// holds its secret.
 pub async fn admin_token_unshown(db: &Db) -> Result<bool, sqlx::Error> {
-    let value: Option<(Vec<u8>,)> = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
-        .bind(BOOTSTRAP_ADMIN_TOKEN)
-        .fetch_optional(&db.pool)
-        .await?;
-    Ok(value.is_some_and(|(value,)| value == ISSUED))
+    Ok(get(db, BOOTSTRAP_ADMIN_TOKEN)
+        .await?
+        .is_some_and(|value| value == ISSUED))
 }
 
 /// On the very first start, issues an admin token and returns its secret

@@ -26,6 +26,7 @@ use serde::de::DeserializeOwned;
 use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::db::now_ms;
 use crate::device_keys::DeviceKey;
+use crate::request_slots::PollSlot;
 use crate::state::AppState;
 use crate::store::devices::{self, EnrollError};
 use crate::store::tokens::EnrollmentTokenError;
@@ -241,6 +242,23 @@ const POLL_RECHECK_MS: u64 = 500;
 /// How long a task poll waits, clamped to the server's limit.
 fn poll_wait(requested_ms: Option<u64>, max_ms: u64) -> Duration {
     Duration::from_millis(requested_ms.unwrap_or(max_ms).min(max_ms))
+}
+
+/// Runs a wait without the request's working place where it has one
+/// (`PollSlot::while_waiting`), so that a device waiting for a task or
+/// for a secure stage to close does not hold the places other requests
+/// are served in. `Err` when no place was free again for the work after.
+async fn waiting<T>(
+    state: &AppState,
+    slot: Option<&PollSlot>,
+    wait: impl std::future::Future<Output = ApiResult<T>>,
+) -> ApiResult<ApiResult<T>> {
+    let Some(slot) = slot else {
+        return Ok(wait.await);
+    };
+    slot.while_waiting(wait)
+        .await
+        .map_err(|refusal| crate::api::slot_refused(state, refusal))
 }
 
 async fn decline_task(

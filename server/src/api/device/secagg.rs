@@ -25,8 +25,8 @@ use canopy_protocol::secagg::wire::Stage;
 use super::POLL_RECHECK_MS;
 use super::auth::DeviceAuth;
 use super::folds::{self, FoldError, FoldQueue, Foldable};
-use super::poll_wait;
 use super::tasks::PollQuery;
+use super::{poll_wait, waiting};
 use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::api::{upload_slot, within_upload_timeout};
 use crate::request_slots::PollSlot;
@@ -158,10 +158,9 @@ pub async fn post_message(
     // the message belongs to, so the answer (from the next stage) cannot
     // be ready: wait for the stage to move before reading the round again,
     // one read a message less.
-    let slot = slot.map(|Extension(slot)| slot);
     let moved = waiting(
         &state,
-        slot.as_ref(),
+        slot.as_deref(),
         wait_for_progress(&state, &round, woken, deadline),
     );
     match moved.await {
@@ -170,7 +169,7 @@ pub async fn post_message(
     }
     match await_message(
         &state,
-        slot.as_ref(),
+        slot.as_deref(),
         round_id,
         device_id,
         endpoint,
@@ -181,25 +180,6 @@ pub async fn post_message(
         Ok(Some(answer)) => Ok(answer),
         Ok(None) | Err(_) => Ok(taken),
     }
-}
-
-/// Runs a wait without the request's working place where it has one
-/// (`PollSlot::while_waiting`), so that devices waiting for a stage to
-/// close do not hold the places other requests are served in.
-async fn waiting<T>(
-    state: &AppState,
-    slot: Option<&PollSlot>,
-    wait: impl std::future::Future<Output = ApiResult<T>>,
-) -> ApiResult<ApiResult<T>> {
-    let Some(slot) = slot else {
-        return Ok(wait.await);
-    };
-    slot.while_waiting(wait).await.map_err(|refusal| {
-        if let Some(pool) = refusal.pool() {
-            state.metrics.refused(pool.setting());
-        }
-        ApiError::from(refusal)
-    })
 }
 
 /// Checks and stores a device's stage message; the round as it was read
@@ -712,10 +692,9 @@ pub async fn get_message(
 ) -> ApiResult<Response> {
     let wait = poll_wait(query.wait_ms, state.settings.limits.long_poll_max_ms);
     let deadline = tokio::time::Instant::now() + wait;
-    let slot = slot.map(|Extension(slot)| slot);
     let answer = await_message(
         &state,
-        slot.as_ref(),
+        slot.as_deref(),
         round_id,
         device.device_id,
         &endpoint,

@@ -15,7 +15,7 @@ use canopy_protocol::update::UpdateLayout;
 use serde::Deserialize;
 
 use super::auth::DeviceAuth;
-use super::{POLL_RECHECK_MS, poll_wait};
+use super::{POLL_RECHECK_MS, poll_wait, waiting};
 use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::request_slots::PollSlot;
 use crate::state::AppState;
@@ -59,32 +59,26 @@ pub async fn next_task(
         })?;
     let wait = poll_wait(query.wait_ms, state.settings.limits.long_poll_max_ms);
     let deadline = tokio::time::Instant::now() + wait;
-    let mut look = true;
     loop {
         // Register interest before looking, so a wake-up between the look
         // and the wait is not lost.
         let woken = state.tasks_ready.notified();
-        if look {
-            // Evaluating a finished round's version is quick and costs no
-            // training, so it goes before the next round's training.
-            if let Some(task) = evaluations::take(&state.db, device.device_id).await? {
-                return Ok(axum::Json(build_evaluation_task(&state, task).await?).into_response());
-            }
-            if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
-                return Ok(axum::Json(build_task(&state, task).await?).into_response());
-            }
+        // Evaluating a finished round's version is quick and costs no
+        // training, so it goes before the next round's training.
+        if let Some(task) = evaluations::take(&state.db, device.device_id).await? {
+            return Ok(axum::Json(build_evaluation_task(&state, task).await?).into_response());
+        }
+        if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
+            return Ok(axum::Json(build_task(&state, task).await?).into_response());
         }
         if tokio::time::Instant::now() >= deadline || state.is_shutting_down() {
             return Ok(StatusCode::NO_CONTENT.into_response());
         }
-        look = slot
-            .while_waiting(wait_for_board(&state, device.device_id, woken, deadline))
-            .await
-            .inspect_err(|refusal| {
-                if let Some(pool) = refusal.pool() {
-                    state.metrics.refused(pool.setting());
-                }
-            })??;
+        let board = wait_for_board(&state, device.device_id, woken, deadline);
+        // False only at the deadline or on shutdown.
+        if !waiting(&state, Some(&slot), board).await?? {
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
     }
 }
 
