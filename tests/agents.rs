@@ -247,7 +247,10 @@ fn job(version_id: i64, rounds: u32, min: usize, target: usize, deadline_ms: u64
 
 async fn accuracy(admin: &Admin, version: i64, test: &Dataset) -> Result<f64> {
     let model = fetch_model(admin, "digits", version).await?;
-    Ok(canopy_sdk::train::evaluate_model(&model, test, 256)?.accuracy)
+    Ok(
+        canopy_sdk::train::evaluate(&model, test, &canopy_sdk::train::EvalOptions::default())?
+            .accuracy,
+    )
 }
 
 async fn wait_rounds(admin: &Admin, job: i64, completed: i64) -> Result<()> {
@@ -836,7 +839,10 @@ async fn an_imported_scikit_learn_mlp_is_fine_tuned_federatedly() -> Result<()> 
     let mut accuracies = Vec::new();
     for version in 1..=i64::from(rounds) + 1 {
         let model = fetch_model(&admin, "sklearn-mlp", version).await?;
-        accuracies.push(canopy_sdk::train::evaluate_model(&model, &test, 256)?.accuracy);
+        accuracies.push(
+            canopy_sdk::train::evaluate(&model, &test, &canopy_sdk::train::EvalOptions::default())?
+                .accuracy,
+        );
     }
     eprintln!("imported scikit-learn MLP, held-out accuracy by version: {accuracies:?}");
     let (before, after) = (accuracies[0], accuracies[accuracies.len() - 1]);
@@ -947,8 +953,10 @@ async fn mnist_job(alpha: f64, strategy: Value) -> Result<MnistRun> {
             .and_then(|v| v["version"].as_i64())
             .unwrap_or_default();
         let model = fetch_model(&admin, "mlp", number).await?;
-        run.test_accuracy
-            .push(canopy_sdk::train::evaluate_model(&model, &test, 256)?.accuracy);
+        run.test_accuracy.push(
+            canopy_sdk::train::evaluate(&model, &test, &canopy_sdk::train::EvalOptions::default())?
+                .accuracy,
+        );
         run.federated_accuracy.push(
             round["metrics"]["federated_eval_accuracy"]
                 .as_f64()

@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail, ensure};
 use canopy_engine::data::Dataset;
 use canopy_protocol::bounds::MAX_EPOCHS;
 use canopy_sdk::SdkError;
-use canopy_sdk::train::{TrainError, train_task};
+use canopy_sdk::train::{TrainError, TrainOptions, train_task};
 use serde_json::{Value, json};
 use support::{Admin, Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
 
@@ -88,7 +88,7 @@ async fn a_device_refuses_a_task_beyond_the_shared_bounds() -> Result<()> {
         "not even a part file"
     );
     // Training refuses the task too, whatever model bytes it is given.
-    let trained = train_task(&model, &task, &data()?, 1);
+    let trained = train_task(&model, &task, &data()?, 1, &TrainOptions::default());
     assert!(
         matches!(&trained, Err(TrainError::InvalidTask(b)) if b.field() == "training.epochs"),
         "{trained:?}"

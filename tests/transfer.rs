@@ -72,6 +72,7 @@ async fn fine_tune(device: DeviceClient, shard: Dataset, seed: u64) -> Result<Ve
                 &task_copy,
                 &data,
                 seed + u64::from(task_copy.round_number),
+                &canopy_sdk::train::TrainOptions::default(),
             )
         })
         .await??;
@@ -109,7 +110,12 @@ async fn frozen_backbone_head_fine_tuned_federatedly_on_new_classes() -> Result<
         "only the head is trainable: {version}"
     );
     let base = fetch_model(&admin, "lenet-transfer", 1).await?;
-    let before = canopy_sdk::train::evaluate_model(&base, &high_test, 256)?.accuracy;
+    let before = canopy_sdk::train::evaluate(
+        &base,
+        &high_test,
+        &canopy_sdk::train::EvalOptions::default(),
+    )?
+    .accuracy;
 
     let token = admin.enrollment_token(DEVICES as u32).await?;
     let mut workers = Vec::new();
@@ -148,7 +154,12 @@ async fn frozen_backbone_head_fine_tuned_federatedly_on_new_classes() -> Result<
             assert_eq!(old.data, new.data, "frozen `{}` is untouched", old.name);
         }
     }
-    let after = canopy_sdk::train::evaluate_model(&tuned, &high_test, 256)?.accuracy;
+    let after = canopy_sdk::train::evaluate(
+        &tuned,
+        &high_test,
+        &canopy_sdk::train::EvalOptions::default(),
+    )?
+    .accuracy;
     eprintln!(
         "accuracy on the digits 5-9: {before:.3} before fine-tuning, {after:.3} after {ROUNDS} rounds"
     );

@@ -329,7 +329,9 @@ function renderRoundsTable(rounds) {
   fill("rounds", shown, (r) => [
     (showAttempt(r) ? `${r.number} (attempt ${r.attempt})` : `${r.number}`) +
       (r.kind === "statistics" ? " · input statistics" : ""),
-    { text: r.state + (r.secure_stage && OPEN_ROUND_STATES.has(r.state) ? ` · ${r.secure_stage}` : ""), className: "state-" + r.state },
+    { text: r.state + (r.secure_stage && OPEN_ROUND_STATES.has(r.state) ? ` · ${r.secure_stage}` : "") +
+        (r.failure ? ` · ${failureCause(r.failure)}` : ""),
+      className: "state-" + r.state, title: r.failure ? r.failure.message : "" },
     `${r.metrics.updates_accepted} / ${r.selected}`,
     r.metrics.dropouts,
     fixed(r.metrics.train_loss, 4),
@@ -351,6 +353,10 @@ function renderRoundsTable(rounds) {
   });
 }
 
+/// A failed round's cause in words, from its stable kind
+/// (`too_few_updates` → "too few updates").
+const failureCause = (failure) => failure.kind.replaceAll("_", " ");
+
 function renderRound() {
   const round = state.round;
   $("round-detail").hidden = !round;
@@ -363,7 +369,7 @@ function renderRound() {
     `selecting ${duration(d.selecting_ms)}, training ${duration(d.training_ms)}, aggregating ${duration(d.aggregating_ms)}`,
     `mean device training ${duration(d.mean_device_training_ms)}`,
     `${bytes(m.bytes_in)} up, ${bytes(m.bytes_out)} down`,
-    round.status_message,
+    round.failure ? `failed (${failureCause(round.failure)}): ${round.failure.message}` : round.status_message,
   ].filter(Boolean).join(" · ");
   fill("participants", round.participants, (p) => [
     p.device_id,
@@ -390,6 +396,16 @@ async function jobAction(action) {
   }
 }
 
+/// The strategies a job may name, as the server's OpenAPI document lists
+/// them (generated from its enum, so the form never lags behind it).
+async function loadStrategies() {
+  const response = await fetch("/api/v1/openapi.json");
+  if (!response.ok) throw new Error(`GET /api/v1/openapi.json: ${response.status} ${response.statusText}`);
+  const names = (await response.json()).components.schemas.StrategyName.enum;
+  const select = $("strategy-names");
+  select.replaceChildren(...names.map((name) => new Option(name, name)));
+}
+
 async function createJob(event) {
   event.preventDefault();
   const form = event.target;
@@ -404,8 +420,8 @@ async function createJob(event) {
     local_epochs: Number(value("local_epochs")),
     batch_size: Number(value("batch_size")),
     learning_rate: Number(value("learning_rate")),
-    strategy: { name: value("strategy") },
   };
+  if (value("strategy")) spec.strategy = { name: value("strategy") };
   if (value("dataset")) spec.dataset = value("dataset");
   if (form.elements.secure.checked) spec.secure_aggregation = { enabled: true };
   try {
@@ -591,4 +607,5 @@ const fragment = new URLSearchParams(location.hash.slice(1));
 if (fragment.get("token")) sessionStorage.setItem("canopy-token", fragment.get("token"));
 if (/^[0-9]{1,18}$/.test(fragment.get("job") || "")) selectJob(Number(fragment.get("job")));
 else history.replaceState(null, "", location.pathname);
+loadStrategies().catch(showError);
 loop();

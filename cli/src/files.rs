@@ -1,6 +1,5 @@
 //! Reading and writing model files, with errors that name the file.
 
-use std::fs;
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -8,35 +7,8 @@ use canopy_ir::Model;
 use canopy_ir::format::{digest_hex, read_model, write_model};
 use canopy_protocol::bounds::MAX_MODEL_BYTES;
 
-/// A hint attached to an error chain; printed as `hint:`.
-#[derive(Debug)]
-pub struct Hint(pub String);
-
-impl std::fmt::Display for Hint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Hint {}
-
-impl Hint {
-    /// `error` with `hint` printed after its causes. `main` finds a hint
-    /// at the root of a chain, so the causes above it are kept as text.
-    pub fn attach(error: anyhow::Error, hint: impl Into<String>) -> anyhow::Error {
-        Hint::chain(error.chain().map(ToString::to_string).collect(), hint)
-    }
-
-    /// An error whose chain is `messages`, outermost first, then `hint`.
-    pub fn chain(messages: Vec<String>, hint: impl Into<String>) -> anyhow::Error {
-        messages
-            .into_iter()
-            .rev()
-            .fold(anyhow::Error::new(Hint(hint.into())), |error, message| {
-                error.context(message)
-            })
-    }
-}
+/// The binaries' one hint type (`canopy_term::report`), printed as `hint:`.
+pub use canopy_term::report::Hint;
 
 /// Reads and parses a model file. Files over the size every tier shares
 /// ([`MAX_MODEL_BYTES`]) are refused before they are loaded into memory.
@@ -60,16 +32,12 @@ pub fn read_model_bytes(path: &Path) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// A file's bytes, refused before reading when over `limit` bytes.
+/// A file's bytes, at most `limit` of them ([`canopy_files::read_bounded`]:
+/// a regular file, refused before reading when over the limit, and cut
+/// one byte past it if it grows). The error is the cause alone; callers
+/// name the file in their own words.
 pub fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>> {
-    let meta = fs::metadata(path)?;
-    if meta.is_dir() {
-        anyhow::bail!("it is a directory");
-    }
-    if meta.len() > limit {
-        anyhow::bail!("it is {} bytes, over the limit of {limit}", meta.len());
-    }
-    Ok(fs::read(path)?)
+    canopy_files::read_bounded(path, limit).map_err(|error| anyhow::Error::new(error.cause))
 }
 
 /// The mode of the files the commands write (models, ONNX and `.npz`

@@ -17,8 +17,6 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::output::errln;
-
 #[derive(Parser)]
 #[command(
     name = "canopy",
@@ -158,7 +156,7 @@ fn main() -> ExitCode {
             ExitCode::from(output::STDOUT_CLOSED_EXIT)
         }
         Err(error) => {
-            report(&error);
+            output::report::report(&error);
             ExitCode::FAILURE
         }
     }
@@ -196,25 +194,5 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Dataset(DatasetCommand::Rm(args)) => commands::datasets::remove(args),
         Command::Authority(AuthorityCommand::New(args)) => commands::authority::new(args),
         Command::Authority(AuthorityCommand::Certify(args)) => commands::authority::certify(args),
-    }
-}
-
-/// Prints an error chain in the house style; a `Hint` anywhere in the
-/// chain is printed last.
-fn report(error: &anyhow::Error) {
-    errln!("error: {error}");
-    let mut hint = None;
-    for cause in error.chain().skip(1) {
-        match cause.downcast_ref::<files::Hint>() {
-            Some(h) => hint = Some(h.0.clone()),
-            None => errln!("  Caused by: {cause}"),
-        }
-    }
-    if let Some(h) = error
-        .downcast_ref::<files::Hint>()
-        .map(|h| h.0.clone())
-        .or(hint)
-    {
-        errln!("  hint: {h}");
     }
 }

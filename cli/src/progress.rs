@@ -1,5 +1,26 @@
-//! Logging set-up. Training progress (a bar on a terminal, structured
-//! logs otherwise) is `canopy_term::progress`, shared with the agent.
+//! Logging set-up, and training progress: a bar on a terminal,
+//! structured logs otherwise, drawn by `canopy_term::progress` (shared
+//! with the agent) from the engine's [`FitProgress`].
+
+use std::ops::ControlFlow;
+
+use canopy_engine::train::FitProgress;
+use canopy_term::progress::FitBar;
+
+/// Shows `progress` on `bar`; never stops training.
+pub fn show(bar: &mut FitBar, progress: FitProgress) -> ControlFlow<()> {
+    match progress {
+        FitProgress::Batch {
+            epoch,
+            done,
+            batches,
+            mean_loss,
+            ..
+        } => bar.batch(epoch, done, batches, mean_loss),
+        FitProgress::Epoch(stats) => bar.epoch_done(stats.epoch, stats.loss, stats.accuracy),
+    }
+    ControlFlow::Continue(())
+}
 
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("CANOPY_LOG")

@@ -408,7 +408,7 @@ impl DeviceClient {
             None => None,
         };
         let model = self.fetch_model(task, model_path)?;
-        let update = crate::train::train_task_with(&model.bytes, task, data, seed, options)?;
+        let update = crate::train::train_task(&model.bytes, task, data, seed, options)?;
         let (receipt, secure) = match secure_round {
             Some(round) => {
                 let secure = self.finish_secure_round_update(round, &update)?;
@@ -482,7 +482,8 @@ impl DeviceClient {
         model_path: Option<&Path>,
     ) -> Result<RunTaskOutcome, RunTaskError> {
         let model = self.fetch_model(task, model_path)?;
-        let evaluation = crate::train::evaluate_file(&model.bytes, data)?;
+        let model = crate::train::read_model(&model.bytes)?;
+        let evaluation = crate::train::evaluate(&model, data, &Default::default())?;
         self.report_evaluation(task, &evaluation)?;
         Ok(RunTaskOutcome {
             receipt: UploadReceipt {

@@ -8,7 +8,7 @@
 //!   the sleeps between retries) race against [`CancelToken::cancelled`]
 //!   and return [`SdkError::Cancelled`](crate::SdkError::Cancelled) as soon
 //!   as it fires; the request in flight is dropped, which closes its stream;
-//! - local training ([`crate::train::train_task_cancellable`]) checks
+//! - local training ([`crate::train::TrainOptions::cancel`]) checks
 //!   [`CancelToken::is_cancelled`] between batches.
 //!
 //! Cancellation is permanent: a cancelled token stays cancelled. To go on

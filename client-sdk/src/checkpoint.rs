@@ -4,7 +4,7 @@
 //! uninterrupted run gives (bit for bit on the CPU).
 //!
 //! One file per task, at a path the caller chooses
-//! ([`CheckpointSettings`]). [`crate::train::train_task_with`] writes it
+//! ([`CheckpointSettings`]). [`crate::train::train_task`] writes it
 //! every [`CheckpointSettings::every_steps`] steps and when cancelled,
 //! resumes from it when it belongs to the same training, and deletes it
 //! when training succeeds.
@@ -32,8 +32,6 @@
 //! ([`CHECKPOINT_FILE_MODE`]).
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -69,7 +67,7 @@ const CHECKPOINT_MODEL_NAME: &str = "canopy-checkpoint";
 /// Magic and version.
 const ENVELOPE_LEN: usize = 12;
 
-/// Where and how often [`crate::train::train_task_with`] checkpoints.
+/// Where and how often [`crate::train::train_task`] checkpoints.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CheckpointSettings {
     /// The checkpoint file of this task. Use one path per task (e.g. named
@@ -112,9 +110,11 @@ pub struct CheckpointInfo {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("cannot {action} the training checkpoint {path}")]
-    Io {
-        action: &'static str,
+    /// The atomic write failed; the error names the step.
+    #[error("cannot write the training checkpoint")]
+    Write(#[source] crate::files::WriteError),
+    #[error("cannot delete the training checkpoint {path}")]
+    Delete {
         path: PathBuf,
         #[source]
         source: std::io::Error,
@@ -124,6 +124,11 @@ pub enum CheckpointError {
          checkpoint may be; hint: delete it, training then starts over"
     )]
     TooLarge { path: PathBuf, size: u64 },
+    /// Not a regular file, over [`MAX_CHECKPOINT_BYTES`], or an I/O error.
+    #[error(
+        "the training checkpoint cannot be read (deleting it is safe: training then starts over)"
+    )]
+    Read(#[source] canopy_files::ReadError),
     #[error("{path} is not a version-{CHECKPOINT_VERSION} training checkpoint: {cause}")]
     NotACheckpoint { path: PathBuf, cause: String },
     #[error("the training checkpoint {path} is damaged (torn or corrupted)")]
@@ -297,7 +302,10 @@ pub fn discard(path: &Path) -> Result<(), CheckpointError> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(io_error("delete", path)(source)),
+        Err(source) => Err(CheckpointError::Delete {
+            path: path.to_path_buf(),
+            source,
+        }),
     }
 }
 
@@ -319,47 +327,14 @@ pub(crate) fn save(path: &Path, checkpoint: &Checkpoint) -> Result<(), Checkpoin
         });
     }
     crate::files::write_atomic(path, &bytes, CHECKPOINT_FILE_MODE)
-        .map_err(|error| io_error(error.action, path)(error.source))
+        .map_err(CheckpointError::Write)
 }
 
-fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError {
-    let path = path.to_path_buf();
-    move |source| CheckpointError::Io {
-        action,
-        path,
-        source,
-    }
-}
-
-/// The file's bytes, `None` when there is none; refuses anything but a
-/// regular file and files over [`MAX_CHECKPOINT_BYTES`] before reading.
+/// The file's bytes, `None` when there is none
+/// ([`canopy_files::read_bounded`]: a regular file of at most
+/// [`MAX_CHECKPOINT_BYTES`]).
 fn read_file(path: &Path) -> Result<Option<Vec<u8>>, CheckpointError> {
-    let mut file = match File::open(path) {
-        Ok(file) => file,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(io_error("open", path)(source)),
-    };
-    let metadata = file.metadata().map_err(io_error("inspect", path))?;
-    if !metadata.is_file() {
-        return Err(CheckpointError::NotACheckpoint {
-            path: path.to_path_buf(),
-            cause: "it is not a regular file".to_string(),
-        });
-    }
-    if metadata.len() > MAX_CHECKPOINT_BYTES {
-        return Err(CheckpointError::TooLarge {
-            path: path.to_path_buf(),
-            size: metadata.len(),
-        });
-    }
-    let mut bytes = Vec::new();
-    // The file may grow after the size check: one byte past the limit at
-    // most, which the decoder's limits then refuse.
-    (&mut file)
-        .take(MAX_CHECKPOINT_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io_error("read", path))?;
-    Ok(Some(bytes))
+    canopy_files::read_bounded_if_present(path, MAX_CHECKPOINT_BYTES).map_err(CheckpointError::Read)
 }
 
 fn encode(checkpoint: &Checkpoint) -> Result<Vec<u8>, CheckpointError> {

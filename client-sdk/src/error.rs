@@ -163,16 +163,8 @@ impl SdkError {
     }
 }
 
-/// An error and its causes on one line. (`canopy_term::error_chain` serves
-/// the binaries; the SDK, embedded in apps, does not link the terminal
-/// crate and its clap.) The app-facing client builds its messages on it.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+/// An error and its causes on one line, a repeated cause once: the one
+/// rule, `canopy_term`'s, which the SDK links without its `binary` feature
+/// (no clap or indicatif in apps). The app-facing client builds its
+/// messages on it.
+pub use canopy_term::error_chain;

@@ -20,10 +20,9 @@
 //! the app can reach. The owner of the file is not compared with the
 //! running user; on Android and iOS each app has its own user or sandbox.
 
-use std::fs::File;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
+use canopy_files::BoundedFile;
 use canopy_protocol::auth::DeviceKey;
 
 /// The largest key file [`load_device_key`] reads. The key is 65 bytes;
@@ -36,36 +35,21 @@ const KEY_HEX_LEN: usize = 64;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KeyStoreError {
-    #[error("cannot {action} the device key file {path}")]
-    Io {
-        action: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The atomic write failed; the error names the step.
+    #[error("cannot write the device key file")]
+    Write(#[source] crate::files::WriteError),
     #[error(
         "the device key file {path} has mode {mode:04o}, which lets group or others at it; \
          it must be readable by its owner only (run `chmod 600 {path}`), and the key may \
          have been exposed"
     )]
     Permissions { path: PathBuf, mode: u32 },
-    #[error("the device key file {path} is not a regular file")]
-    NotAFile { path: PathBuf },
-    #[error(
-        "the device key file {path} is {size} bytes, more than the {MAX_KEY_FILE_BYTES} a key file can be"
-    )]
-    TooLarge { path: PathBuf, size: u64 },
+    /// Missing, not a regular file, larger than [`MAX_KEY_FILE_BYTES`], or
+    /// an I/O error ([`canopy_files::read_bounded`]'s rule).
+    #[error("cannot read the device key file")]
+    Read(#[source] canopy_files::ReadError),
     #[error("the device key file {path} does not hold a key: {reason}")]
     Malformed { path: PathBuf, reason: String },
-}
-
-fn io_error(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> KeyStoreError {
-    let path = path.to_path_buf();
-    move |source| KeyStoreError::Io {
-        action,
-        path,
-        source,
-    }
 }
 
 /// Writes `key` to `path` atomically, with mode `0600` on Unix.
@@ -77,26 +61,20 @@ pub fn save_device_key(path: &Path, key: &DeviceKey) -> Result<(), KeyStoreError
     // hygiene, not a guarantee.
     let mut bytes = text.into_bytes();
     bytes.fill(0);
-    written.map_err(|error| io_error(error.action, path)(error.source))
+    written.map_err(KeyStoreError::Write)
 }
 
 /// Reads a key written by [`save_device_key`], refusing a file that group
 /// or others may access (Unix), that is not a regular file or that is
 /// larger than [`MAX_KEY_FILE_BYTES`].
 pub fn load_device_key(path: &Path) -> Result<DeviceKey, KeyStoreError> {
-    let mut file = File::open(path).map_err(io_error("open", path))?;
-    // The checks use the opened file's metadata, so a file swapped in
-    // between a check and the read cannot slip past them.
-    let metadata = file.metadata().map_err(io_error("inspect", path))?;
-    if !metadata.is_file() {
-        return Err(KeyStoreError::NotAFile {
-            path: path.to_path_buf(),
-        });
-    }
+    let file = BoundedFile::open(path, MAX_KEY_FILE_BYTES).map_err(KeyStoreError::Read)?;
+    // The mode is the opened file's, so a file swapped in between the
+    // check and the read cannot slip past it.
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
-        let mode = metadata.permissions().mode() & 0o7777;
+        let mode = file.metadata().permissions().mode() & 0o7777;
         if mode & 0o077 != 0 {
             return Err(KeyStoreError::Permissions {
                 path: path.to_path_buf(),
@@ -104,19 +82,7 @@ pub fn load_device_key(path: &Path) -> Result<DeviceKey, KeyStoreError> {
             });
         }
     }
-    if metadata.len() > MAX_KEY_FILE_BYTES {
-        return Err(KeyStoreError::TooLarge {
-            path: path.to_path_buf(),
-            size: metadata.len(),
-        });
-    }
-    let mut bytes = Vec::new();
-    // The file may grow after the size check; read one byte past the limit
-    // at most.
-    (&mut file)
-        .take(MAX_KEY_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(io_error("read", path))?;
+    let mut bytes = file.read_to_end().map_err(KeyStoreError::Read)?;
     let parsed = parse_key(path, &bytes);
     bytes.fill(0);
     parsed
@@ -127,12 +93,6 @@ fn parse_key(path: &Path, bytes: &[u8]) -> Result<DeviceKey, KeyStoreError> {
         path: path.to_path_buf(),
         reason,
     };
-    if bytes.len() as u64 > MAX_KEY_FILE_BYTES {
-        return Err(KeyStoreError::TooLarge {
-            path: path.to_path_buf(),
-            size: bytes.len() as u64,
-        });
-    }
     let text = std::str::from_utf8(bytes)
         .map_err(|_| malformed("it is not text".to_string()))?
         .trim();
@@ -234,7 +194,10 @@ mod tests {
         let big = private_file(dir.path(), "big", &vec![b'a'; 10_000]);
         assert!(matches!(
             load_device_key(&big),
-            Err(KeyStoreError::TooLarge { size: 10_000, .. })
+            Err(KeyStoreError::Read(canopy_files::ReadError {
+                cause: canopy_files::ReadFailure::TooLarge { size: 10_000, .. },
+                ..
+            }))
         ));
         let short = private_file(dir.path(), "short", b"abcd\n");
         assert!(matches!(
@@ -255,11 +218,14 @@ mod tests {
         );
         assert!(matches!(
             load_device_key(dir.path()),
-            Err(KeyStoreError::NotAFile { .. }) | Err(KeyStoreError::Permissions { .. })
+            Err(KeyStoreError::Read(canopy_files::ReadError {
+                cause: canopy_files::ReadFailure::Directory,
+                ..
+            }))
         ));
         assert!(matches!(
             load_device_key(&dir.path().join("missing")),
-            Err(KeyStoreError::Io { .. })
+            Err(KeyStoreError::Read(error)) if error.is_not_found()
         ));
     }
 }

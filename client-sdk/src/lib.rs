@@ -21,8 +21,10 @@
 //! - [`secure`]: the device's side of a secure-aggregation round, which
 //!   replaces the upload when a task asks for it.
 //!
-//! `train` runs a task's shipped `train_step` in `canopy-engine` on local
-//! data and produces the update; the edge agent and mobile apps build on
+//! [`train`] runs a task's shipped `train_step` in `canopy-engine` on local
+//! data and produces the update ([`train::train_task`] under
+//! [`train::TrainOptions`]; [`train::evaluate`] under
+//! [`train::EvalOptions`]); the edge agent and mobile apps build on
 //! both. [`checkpoint`] keeps a task's training progress in a file, so
 //! training killed at any step resumes where it stopped.
 
@@ -37,6 +39,9 @@ pub mod keystore;
 pub mod limits;
 pub mod retry;
 pub mod secure;
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
+pub mod testing;
 pub mod train;
 mod transport;
 mod trust;

@@ -8,11 +8,10 @@ mod ort;
 use std::sync::Mutex;
 
 use canopy_engine::data::Dataset;
-use canopy_engine::optim::Optimizer;
-use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
-use canopy_protocol::messages::{Task, TaskKind, TrainingConfig};
-use canopy_protocol::update::{TensorSpec, UpdateLayout, decode_update};
-use canopy_sdk::train::{LocalUpdate, TrainOptions, train_task_with};
+use canopy_protocol::messages::Task;
+use canopy_protocol::update::decode_update;
+use canopy_sdk::testing::TaskFixture;
+use canopy_sdk::train::{LocalUpdate, TrainOptions, train_task};
 use canopy_sdk::{BackendChoice, BackendKind, OrtConfig, Provider, configure_npu, shared_npu};
 
 /// The tests read the shared backend's counters, so they run one at a time.
@@ -30,61 +29,17 @@ fn npu_choice() -> BackendChoice {
     choice
 }
 
-/// An MLP on 8 features with `frozen` frozen, its task (2 epochs, batch
-/// 4) and 64 samples.
-fn setup(frozen: &[&str]) -> (Vec<u8>, Task, Dataset) {
-    let model = build_model(&ModelConfig {
-        architecture: Architecture::Mlp {
-            inputs: 8,
-            hidden: 16,
-            classes: 3,
-        },
-        seed: 2,
-        optimizer: Optimizer::parse("sgd").expect("sgd"),
-        frozen_prefixes: frozen.iter().map(|p| p.to_string()).collect(),
-        producer: "sdk npu tests".to_string(),
-    })
-    .expect("model");
-    let tensors = model
-        .parameters
-        .iter()
-        .filter(|p| p.trainable)
-        .map(|p| TensorSpec {
-            name: p.name.clone(),
-            shape: p.data.shape.clone(),
-        })
-        .collect();
-    let layout = UpdateLayout::new(tensors).expect("layout");
-    let bytes = canopy_ir::format::write_model(&model).expect("bytes");
-    let samples = 64;
-    let features = (0..samples * 8)
-        .map(|i| ((i * 7) % 11) as f32 / 11.0)
-        .collect();
-    let labels = (0..samples).map(|i| (i % 3) as i64).collect();
-    let data = Dataset::new(features, vec![8], labels, 3).expect("dataset");
-    let task = Task {
-        kind: TaskKind::Train,
-        dataset: None,
-        job_id: 1,
-        round_id: 1,
-        round_number: 1,
-        model_version_id: 1,
-        model_digest: String::new(),
-        model_size_bytes: bytes.len() as u64,
-        model_path: String::new(),
-        upload_path: String::new(),
-        upload_size_bytes: layout.encoded_len(),
-        deadline_unix_ms: 0,
-        training: TrainingConfig {
-            epochs: 2,
-            batch_size: 4,
-            learning_rate: 0.1,
-        },
-        layout,
-        secure_aggregation: None,
-        policy: Default::default(),
-    };
-    (bytes, task, data)
+/// An MLP with `frozen` frozen, its task (2 epochs, batch 4) and 64
+/// samples.
+fn setup(frozen: &'static [&'static str]) -> (Vec<u8>, Task, Dataset) {
+    TaskFixture {
+        frozen,
+        epochs: 2,
+        batch_size: 4,
+        learning_rate: 0.1,
+        ..TaskFixture::mlp(16)
+    }
+    .build()
 }
 
 fn train(bytes: &[u8], task: &Task, data: &Dataset, backend: BackendChoice) -> LocalUpdate {
@@ -92,7 +47,7 @@ fn train(bytes: &[u8], task: &Task, data: &Dataset, backend: BackendChoice) -> L
         backend,
         ..TrainOptions::default()
     };
-    train_task_with(bytes, task, data, 7, &options).expect("training")
+    train_task(bytes, task, data, 7, &options).expect("training")
 }
 
 /// The values of the update, decoded in the task's layout.

@@ -4,28 +4,12 @@
 //! ([`crate::config::store_key`]).
 
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
-/// A hint attached to an error chain; printed last, as `hint:`.
-#[derive(Debug)]
-pub struct Hint(pub String);
-
-impl std::fmt::Display for Hint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Hint {}
-
-/// Builds an error whose chain ends in a hint: `error: {message}` then
-/// `hint: {hint}`.
-pub fn hinted(message: impl Into<String>, hint: impl Into<String>) -> anyhow::Error {
-    anyhow::Error::new(Hint(hint.into())).context(message.into())
-}
+/// The binaries' one hint type and its constructor (`canopy_term::report`).
+pub use canopy_term::report::{Hint, hinted};
 
 /// Largest `agent.toml` / `config.toml` read.
 pub const MAX_CONFIG_BYTES: u64 = 64 << 10;
@@ -91,50 +75,26 @@ fn create_private_dir(path: &Path) -> std::io::Result<()> {
     fs::create_dir_all(path)
 }
 
-/// Reads a whole file of at most `limit` bytes. `Ok(None)` when it does
-/// not exist.
+/// Reads a whole file of at most `limit` bytes
+/// ([`canopy_files::read_bounded`]); `Ok(None)` when it does not exist.
 pub fn read_bounded(path: &Path, limit: u64) -> Result<Option<Vec<u8>>> {
-    let file = match fs::File::open(path) {
-        Ok(file) => file,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(error) => return Err(open_error(path, error)),
-    };
-    let meta = file
-        .metadata()
-        .with_context(|| format!("cannot stat `{}`", path.display()))?;
-    if meta.is_dir() {
-        bail!("`{}` is a directory, not a file", path.display());
-    }
-    if meta.len() > limit {
-        bail!(
-            "`{}` is {} bytes, over the limit of {limit}",
-            path.display(),
-            meta.len()
-        );
-    }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    // One byte past the limit detects a file that grew after the stat.
-    file.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .with_context(|| format!("cannot read `{}`", path.display()))?;
-    if bytes.len() as u64 > limit {
-        bail!("`{}` is over the limit of {limit} bytes", path.display());
-    }
-    Ok(Some(bytes))
+    canopy_files::read_bounded_if_present(path, limit).map_err(with_owner_hint)
 }
 
-/// "cannot open", with a hint when permissions are the cause: an
-/// installed agent's data directory belongs to its service user.
-fn open_error(path: &Path, error: std::io::Error) -> anyhow::Error {
-    let context = format!("cannot open `{}`", path.display());
-    if error.kind() != std::io::ErrorKind::PermissionDenied {
-        return anyhow::Error::new(error).context(context);
+/// `error`, with a hint when permissions are the cause: an installed
+/// agent's data directory belongs to its service user.
+fn with_owner_hint(error: canopy_files::ReadError) -> anyhow::Error {
+    let denied = error
+        .cause
+        .io_error()
+        .is_some_and(|cause| cause.kind() == std::io::ErrorKind::PermissionDenied);
+    if !denied {
+        return anyhow::Error::new(error);
     }
-    anyhow::Error::new(Hint(
-        "an installed agent's data directory belongs to its service user (`canopy-agent` unless install was given --user): run this as root (sudo) or as that user".into(),
-    ))
-    .context(error.to_string())
-    .context(context)
+    Hint::attach(
+        anyhow::Error::new(error),
+        "an installed agent's data directory belongs to its service user (`canopy-agent` unless install was given --user): run this as root (sudo) or as that user",
+    )
 }
 
 /// Reads a UTF-8 text file of at most `limit` bytes; `Ok(None)` when absent.
@@ -224,8 +184,10 @@ mod tests {
         let dir = scratch("bounded");
         let path = dir.join("big");
         fs::write(&path, vec![b'x'; 100]).unwrap();
-        let error = read_bounded(&path, 99).unwrap_err().to_string();
+        let error = format!("{:#}", read_bounded(&path, 99).unwrap_err());
         assert!(error.contains("over the limit of 99"), "{error}");
+        let error = format!("{:#}", read_bounded(&dir, 99).unwrap_err());
+        assert!(error.contains("it is a directory"), "{error}");
         assert_eq!(read_bounded(&path, 100).unwrap().unwrap().len(), 100);
         assert!(read_bounded(&dir.join("absent"), 10).unwrap().is_none());
         let _ = fs::remove_dir_all(&dir);
@@ -233,20 +195,18 @@ mod tests {
 
     #[test]
     fn permission_errors_say_who_owns_the_data_directory() {
-        let error = open_error(
-            Path::new("/var/lib/canopy-agent/agent.toml"),
-            std::io::Error::from(std::io::ErrorKind::PermissionDenied),
-        );
+        let denied = |kind| canopy_files::ReadError {
+            path: "/var/lib/canopy-agent/agent.toml".into(),
+            cause: canopy_files::ReadFailure::Open(std::io::Error::from(kind)),
+        };
+        let error = with_owner_hint(denied(std::io::ErrorKind::PermissionDenied));
         assert_eq!(
             error.to_string(),
-            "cannot open `/var/lib/canopy-agent/agent.toml`"
+            "cannot read `/var/lib/canopy-agent/agent.toml`"
         );
         let hint = error.downcast_ref::<Hint>().expect("a hint");
         assert!(hint.0.contains("run this as root"), "{}", hint.0);
-        let missing = open_error(
-            Path::new("x"),
-            std::io::Error::from(std::io::ErrorKind::InvalidData),
-        );
+        let missing = with_owner_hint(denied(std::io::ErrorKind::InvalidData));
         assert!(missing.downcast_ref::<Hint>().is_none());
     }
 

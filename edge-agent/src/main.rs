@@ -33,8 +33,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::files::{DataDir, Hint};
-use crate::output::errln;
+use crate::files::DataDir;
 
 #[derive(Parser)]
 #[command(
@@ -118,7 +117,7 @@ fn main() -> ExitCode {
             ExitCode::from(output::STDOUT_CLOSED_EXIT)
         }
         Err(error) => {
-            report(&error);
+            output::report::report(&error);
             ExitCode::FAILURE
         }
     }
@@ -146,21 +145,4 @@ fn init_logging() {
     } else {
         builder.try_init()
     };
-}
-
-/// Prints an error chain in the house style: `error:`, each cause as
-/// `Caused by:`, and a [`Hint`] anywhere in the chain last, as `hint:`.
-fn report(error: &anyhow::Error) {
-    let hint = error.downcast_ref::<Hint>().map(|h| h.0.clone());
-    errln!("error: {error}");
-    for cause in error.chain().skip(1) {
-        let text = cause.to_string();
-        if hint.as_deref() == Some(text.as_str()) {
-            continue;
-        }
-        errln!("  Caused by: {text}");
-    }
-    if let Some(hint) = hint {
-        errln!("  hint: {hint}");
-    }
 }

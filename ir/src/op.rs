@@ -92,7 +92,10 @@ pub enum BinaryOp {
 /// variant left out of the list makes that match non-exhaustive, a compile
 /// error; one listed twice is an unreachable pattern (denied by clippy's
 /// `-D warnings`). So `ALL`, which the file reader and its tests use,
-/// cannot fall behind the enum.
+/// cannot fall behind the enum. Exported for other crates' enums (the GPU
+/// backend's kernel families); not part of the IR's API.
+#[doc(hidden)]
+#[macro_export]
 macro_rules! all_variants {
     ($(#[$doc:meta])* $enum:ident [$($variant:ident),+ $(,)?]) => {
         impl $enum {

@@ -182,8 +182,7 @@ impl Storage {
         };
         serde_json::from_slice(&bytes).map(Some).map_err(|error| {
             CanopyError::storage(format!(
-                "{} is not a valid client file: {error}\nhint: it was written by another \
-                 program or damaged; unenroll to start over",
+                "{} is not a valid client file: {error}\nhint: {FOREIGN_FILE_HINT}",
                 path.display()
             ))
         })
@@ -197,10 +196,16 @@ impl Storage {
     }
 }
 
+/// The hint for a storage operation the system refused.
+const STORAGE_HINT: &str = "the storage directory must be writable by the app and have free space";
+
+/// The hint for a file the client did not write as it is.
+const FOREIGN_FILE_HINT: &str =
+    "it was written by another program or damaged; unenroll to start over";
+
 fn io_error(action: &str, path: &Path, error: &std::io::Error) -> CanopyError {
     CanopyError::storage(format!(
-        "cannot {action} {}: {error}\nhint: the storage directory must be writable by the app \
-         and have free space",
+        "cannot {action} {}: {error}\nhint: {STORAGE_HINT}",
         path.display()
     ))
 }
@@ -214,23 +219,16 @@ fn remove_if_present(path: &Path) -> Result<(), CanopyError> {
     }
 }
 
+/// A file the client wrote ([`canopy_files::read_bounded`]); `None` when
+/// there is none.
 fn read_bounded(path: &Path, limit: u64) -> Result<Option<Vec<u8>>, CanopyError> {
-    let file = match fs::File::open(path) {
-        Ok(file) => file,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(error) => return Err(io_error("open", path, &error)),
-    };
-    let mut bytes = Vec::new();
-    std::io::Read::read_to_end(&mut std::io::Read::take(file, limit + 1), &mut bytes)
-        .map_err(|error| io_error("read", path, &error))?;
-    if bytes.len() as u64 > limit {
-        return Err(CanopyError::storage(format!(
-            "{} is over {limit} bytes, more than the client ever writes there\nhint: unenroll \
-             to start over",
-            path.display()
-        )));
-    }
-    Ok(Some(bytes))
+    canopy_files::read_bounded_if_present(path, limit).map_err(|error| {
+        let hint = match error.cause.io_error() {
+            Some(_) => STORAGE_HINT,
+            None => FOREIGN_FILE_HINT,
+        };
+        CanopyError::storage(crate::error::chain(&error, Some(hint)))
+    })
 }
 
 fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), CanopyError> {

@@ -80,6 +80,22 @@ impl<'a> Attrs<'a> {
             .map_or(default, |a| a.i))
     }
 
+    /// Refuses the int attribute `name` unless it is `allowed` (or absent,
+    /// defaulting to it): another value asks for semantics canopy does not
+    /// have, which `cause` names.
+    pub(crate) fn allow_int_only(
+        &self,
+        name: &str,
+        allowed: i64,
+        cause: &str,
+    ) -> Result<(), OnnxError> {
+        let value = self.int(name, allowed)?;
+        if value != allowed {
+            return Err(self.unsupported(name, value, cause));
+        }
+        Ok(())
+    }
+
     pub(crate) fn required_int(&self, name: &str) -> Result<i64, OnnxError> {
         self.find(name, attribute_type::INT)?
             .map(|a| a.i)

@@ -54,7 +54,9 @@ pub const BATCH_DIM_PARAM: &str = "N";
 /// The IR ops export refuses (by [`canopy_ir::Op::name`]): `random_uniform`,
 /// whose values ONNX's generator would not reproduce, and the adjoints
 /// only training graphs hold. Every other op has a lowering; the tests of
-/// this crate and of the ONNX Runtime backend read this list.
+/// this crate and of the ONNX Runtime backend read this list, and
+/// `tests/export.rs` checks it both ways: each op listed is refused, each
+/// other op exports.
 pub const NOT_EXPORTED_OPS: [&str; 7] = [
     "random_uniform",
     "scatter_add",

@@ -13,7 +13,7 @@ use canopy_ir::{DType, Dim, Graph, IrError, Shape, TensorData, TensorType, Value
 use crate::decode::{dtype_of, tensor_data, unsupported_data_type, validate_model};
 use crate::error::OnnxError;
 use crate::limits::Limits;
-use crate::ops_ml::{ML_DOMAIN, ML_MAX_OPSET, ML_MIN_OPSET};
+use crate::ops::ml::{ML_DOMAIN, ML_MAX_OPSET, ML_MIN_OPSET};
 use crate::proto::tensor_shape_proto::dimension;
 use crate::proto::{GraphProto, ModelProto, NodeProto, ValueInfoProto, data_type, type_proto};
 
@@ -385,7 +385,7 @@ impl Importer<'_> {
         }
         if node.domain == ML_DOMAIN {
             let opset = self.ml_opset(node, &describe)?;
-            return crate::ops_ml::lower(self, node, &describe, opset);
+            return crate::ops::ml::lower(self, node, &describe, opset);
         }
         Err(OnnxError::UnsupportedDomain {
             node: describe,

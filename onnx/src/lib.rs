@@ -39,7 +39,6 @@ pub mod export;
 pub mod import;
 pub mod limits;
 mod ops;
-mod ops_ml;
 pub mod proto;
 
 pub use decode::{decode_model, tensor_data, validate_model, validate_tensor};
@@ -53,4 +52,4 @@ pub use import::{
 };
 pub use limits::Limits;
 pub use ops::SUPPORTED_OPS;
-pub use ops_ml::{ML_DOMAIN, ML_MAX_OPSET, ML_MIN_OPSET, SUPPORTED_ML_OPS};
+pub use ops::ml::{ML_DOMAIN, ML_MAX_OPSET, ML_MIN_OPSET, SUPPORTED_ML_OPS};

@@ -579,6 +579,96 @@ fn the_cases_cover_every_op_export_does_not_refuse() {
     );
 }
 
+/// A graph whose one op, `op`, reads inputs of `input_types`.
+fn one_op_graph(op: Op, input_types: &[TensorType]) -> Result<Graph> {
+    let mut graph = Graph::new();
+    let mut inputs = Vec::with_capacity(input_types.len());
+    for (index, ty) in input_types.iter().enumerate() {
+        inputs.push(graph.input(format!("in{index}"), ty.clone())?);
+    }
+    let result = graph.push(op, &inputs)?;
+    graph.set_output("out", result)?;
+    Ok(graph)
+}
+
+/// One graph per op export refuses: with the coverage test above (every
+/// other op exports), the list agrees with the exporter both ways.
+#[test]
+fn export_refuses_exactly_the_listed_ops() -> Result<()> {
+    let image = f32_type(Shape::fixed(&[1, 1, 2, 2]));
+    let unit_pool = Pool2dAttrs {
+        kernel: [1, 1],
+        stride: [1, 1],
+        padding: [0, 0],
+    };
+    let graphs = [
+        one_op_graph(
+            Op::RandomUniform {
+                shape: vec![Dim::Fixed(3)],
+            },
+            &[TensorType::scalar(DType::I64)],
+        )?,
+        one_op_graph(
+            Op::ScatterAdd {
+                axis: 0,
+                dim_size: 4,
+            },
+            &[
+                TensorType::new(DType::I64, Shape::fixed(&[2])),
+                f32_type(Shape::fixed(&[2, 3])),
+            ],
+        )?,
+        one_op_graph(
+            Op::Conv2dBackwardInput {
+                attrs: Conv2dAttrs::default(),
+                input_hw: [2, 2],
+            },
+            &[image.clone(), f32_type(Shape::fixed(&[1, 1, 1, 1]))],
+        )?,
+        one_op_graph(
+            Op::Conv2dBackwardFilter {
+                attrs: Conv2dAttrs::default(),
+                kernel_hw: [1, 1],
+            },
+            &[image.clone(), image.clone()],
+        )?,
+        one_op_graph(
+            Op::MaxPool2dSelect(unit_pool),
+            &[image.clone(), image.clone()],
+        )?,
+        one_op_graph(
+            Op::MaxPool2dBackward(unit_pool),
+            &[image.clone(), image.clone()],
+        )?,
+        one_op_graph(
+            Op::AvgPool2dBackward {
+                attrs: unit_pool,
+                input_hw: [2, 2],
+            },
+            std::slice::from_ref(&image),
+        )?,
+    ];
+    let mut refused = BTreeSet::new();
+    for graph in &graphs {
+        match export_graph(graph, &ExportOptions::default()) {
+            Err(OnnxError::ExportUnsupported { op, .. }) => {
+                ensure!(
+                    REFUSED.contains(&op),
+                    "export refuses {op}, which NOT_EXPORTED_OPS does not list"
+                );
+                refused.insert(op);
+            }
+            other => bail!("a graph of {:?} exported: {other:?}", graph.op_counts()),
+        }
+    }
+    let listed: BTreeSet<&str> = REFUSED.iter().copied().collect();
+    ensure!(
+        refused == listed,
+        "NOT_EXPORTED_OPS lists {listed:?}, export refused {refused:?}"
+    );
+    Ok(())
+}
+
 /// Values equal, NaN equal to NaN, within `tolerance` (absolute plus
 /// relative) for f32.
 fn compare(what: &str, got: &Value, want: &Value, tolerance: f32) -> Result<f32> {

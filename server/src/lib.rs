@@ -23,6 +23,7 @@ pub mod inflight;
 pub mod metrics;
 pub mod orchestrator;
 pub mod request_slots;
+pub mod round_failure;
 pub mod secure;
 pub mod server;
 pub mod signing;

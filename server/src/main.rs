@@ -315,13 +315,13 @@ async fn signing_key(command: SigningKeyCommand) -> anyhow::Result<()> {
             let rotation = signing_keys::rotate(&db, overlap)
                 .await
                 .context("cannot rotate the model-signing key")?;
-            println!("signing key: {}", rotation.public_key_hex);
-            println!("previous key: {}", rotation.previous_public_key_hex);
-            println!(
+            outln!("signing key: {}", rotation.public_key_hex)?;
+            outln!("previous key: {}", rotation.previous_public_key_hex)?;
+            outln!(
                 "previous key valid until: {} ({} ms)",
                 utc(rotation.previous_valid_until_ms),
                 rotation.previous_valid_until_ms
-            );
+            )?;
         }
         SigningKeyCommand::List { server } => {
             let db = open_database(&Settings::resolve(&server)?).await?;
@@ -340,12 +340,12 @@ async fn signing_key(command: SigningKeyCommand) -> anyhow::Result<()> {
                 } else {
                     "secret erased"
                 };
-                println!(
+                outln!(
                     "{:>4}  {}  created {}  {state}  {secret}",
                     key.seq,
                     key.public_key_hex,
                     utc(key.created_ms)
-                );
+                )?;
             }
         }
     }

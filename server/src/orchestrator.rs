@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use crate::blobs::BlobError;
 use crate::db::now_ms;
 use crate::fedavg;
+use crate::round_failure::RoundFailure;
 use crate::secure::{self, SecureError};
 use crate::state::AppState;
 use crate::store::evaluations;
@@ -331,8 +332,8 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
         JobState::Running => {}
         JobState::Paused | JobState::Created => return Ok(()),
         other => {
-            let reason = format!("the job is {other}");
-            rounds::fail(&mut tx, &round, &reason, i64::MAX).await?;
+            let failure = RoundFailure::JobStopped { state: other };
+            failure.record(&mut tx, &round, i64::MAX).await?;
             tx.commit().await?;
             return Ok(());
         }
@@ -441,15 +442,17 @@ async fn select(
         return Ok(false);
     }
     let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
-    rounds::start_training(tx, round.id, &chosen, deadline).await?;
+    crate::store::task_state::open::<rounds::ParticipantState>(tx, round.id, &chosen, deadline)
+        .await?;
     if spec.secure_aggregation.enabled && round.kind == RoundKind::Train {
         let base = base_version(state, round).await?;
         let update_len = usize::try_from(base.trainable_elements).unwrap_or(usize::MAX);
         let begun = secure::begin(state, tx, round.id, spec, chosen.len(), update_len).await?;
-        if let secure::Begun::Refused(reason) = begun {
+        if let secure::Begun::Refused(failure) = begun {
             let round = reload(tx, round.id).await?;
-            rounds::fail(tx, &round, &reason, i64::from(spec.max_round_retries)).await?;
-            tracing::warn!(round = round.id, %reason, "secure round cannot start");
+            failure
+                .record(tx, &round, i64::from(spec.max_round_retries))
+                .await?;
             return Ok(false);
         }
     }
@@ -665,7 +668,8 @@ async fn open_evaluation(
     let wanted = ((eligible as f64) * evaluation.fraction).ceil() as usize;
     chosen.truncate(wanted.min(capacity));
     let deadline = now_ms() + i64::try_from(spec.evaluation_deadline_ms()).unwrap_or(i64::MAX / 2);
-    evaluations::open(tx, round.id, &chosen, deadline).await?;
+    crate::store::task_state::open::<evaluations::EvaluatorState>(tx, round.id, &chosen, deadline)
+        .await?;
     tracing::info!(
         round = round.id,
         evaluators = chosen.len(),
@@ -744,8 +748,8 @@ fn close_reason(round: &RoundRow) -> Option<&'static str> {
     }
 }
 
-/// Writes the averaged model as a new version, or fails the round when too
-/// few updates arrived. Returns the round's final state, for the metrics.
+/// Writes the round's result as a new version, or records why the round
+/// failed. Returns the round's final state, for the metrics.
 async fn aggregate(
     state: &AppState,
     tx: &mut Tx<'_>,
@@ -753,54 +757,103 @@ async fn aggregate(
     job: &JobRow,
     spec: &JobSpec,
 ) -> Result<RoundState, OrchestratorError> {
-    let max_retries = i64::from(spec.max_round_retries);
-    if round.updates_accepted < round.min_devices {
-        let reason = format!(
-            "only {} of the {} updates needed arrived before the round closed",
-            round.updates_accepted, round.min_devices
-        );
-        rounds::fail(tx, round, &reason, max_retries).await?;
-        tracing::warn!(round = round.id, job = job.id, %reason, "round failed");
-        return Ok(RoundState::Failed);
-    }
-    if round.kind == RoundKind::Statistics {
-        return aggregate_statistics(state, tx, round, job, spec).await;
-    }
     let base = base_version(state, round).await?;
+    let next = match next_version(state, tx, round, job, spec, &base).await? {
+        Ok(next) => next,
+        Err(failure) => {
+            let max_retries = i64::from(spec.max_round_retries);
+            return Ok(failure.record(tx, round, max_retries).await?);
+        }
+    };
+    let version = store_version(state, tx, &base, next.file(), job.id, Some(round.id)).await?;
+    match next {
+        NextVersion::Trained {
+            optimizer_state, ..
+        } => finish_training(state, tx, round, job, spec, &version, &optimizer_state).await?,
+        NextVersion::Fitted { stats, .. } => {
+            finish_statistics(tx, round, job, &version, &stats).await?
+        }
+    }
+    Ok(RoundState::Succeeded)
+}
+
+/// The file of the version a round produces, with what goes with it.
+enum NextVersion {
+    /// A training round's: the job's server optimizer stepped on the
+    /// devices' mean update, and the optimizer's state after the step.
+    Trained {
+        file: Vec<u8>,
+        optimizer_state: OptimizerState,
+    },
+    /// A statistics round's: the model with its input statistics fitted.
+    Fitted {
+        file: Vec<u8>,
+        stats: canopy_engine::stats::InputStats,
+    },
+}
+
+impl NextVersion {
+    fn file(&self) -> &[u8] {
+        match self {
+            NextVersion::Trained { file, .. } | NextVersion::Fitted { file, .. } => file,
+        }
+    }
+}
+
+/// Builds the round's next version from its base and the devices' sum;
+/// an `Err` inside is why the round fails.
+async fn next_version(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+    spec: &JobSpec,
+    base: &VersionRow,
+) -> Result<Result<NextVersion, RoundFailure>, OrchestratorError> {
+    if round.updates_accepted < round.min_devices {
+        return Ok(Err(RoundFailure::TooFewUpdates {
+            arrived: round.updates_accepted,
+            needed: round.min_devices,
+        }));
+    }
+    let layout = base.layout()?;
+    let optimizer = match round.kind {
+        RoundKind::Statistics => None,
+        RoundKind::Train => {
+            match strategy_state(tx, round, job, spec, layout.num_elements()).await? {
+                Ok(optimizer) => Some(optimizer),
+                Err(failure) => return Ok(Err(failure)),
+            }
+        }
+    };
     let sum = rounds::update_sum(tx, round.id)
         .await?
         .map(|bytes| fedavg::decode_sum(&bytes))
         .unwrap_or_default();
-    let layout = base.layout()?;
     let weight_total = u64::try_from(round.weight_total).unwrap_or(0);
-    let strategy_state = match strategy_state(tx, round, job, spec, layout.num_elements()).await? {
-        Ok(ready) => ready,
-        Err(reason) => {
-            rounds::fail(tx, round, &reason, max_retries).await?;
-            tracing::warn!(round = round.id, %reason, "round failed before aggregation");
-            return Ok(RoundState::Failed);
-        }
-    };
     let limit = state.settings.limits.max_model_bytes;
     let bytes = state.blobs.get(&base.digest, limit).await?;
-    let built = tokio::task::spawn_blocking(move || {
-        build_next_model(&bytes, &layout, &sum, weight_total, strategy_state)
-    })
-    .await
-    .map_err(|source| OrchestratorError::Task {
+    let built = tokio::task::spawn_blocking(move || match optimizer {
+        Some(optimizer) => build_next_model(&bytes, &layout, &sum, weight_total, optimizer),
+        None => build_fitted_model(&bytes, &sum, weight_total),
+    });
+    built.await.map_err(|source| OrchestratorError::Task {
         round: round.id,
         source,
-    })?;
-    let (file, _layout, next_state) = match built {
-        Ok(built) => built,
-        Err(reason) => {
-            rounds::fail(tx, round, &reason, max_retries).await?;
-            tracing::warn!(round = round.id, %reason, "round failed in aggregation");
-            return Ok(RoundState::Failed);
-        }
-    };
-    let version = store_version(state, tx, &base, &file, job.id, Some(round.id)).await?;
-    let digest = &version.digest;
+    })
+}
+
+/// A training round's end, once its version is stored: the federated and
+/// central evaluations of it, and the optimizer's state for the next round.
+async fn finish_training(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+    spec: &JobSpec,
+    version: &VersionRow,
+    optimizer_state: &OptimizerState,
+) -> Result<(), OrchestratorError> {
     let evaluating = open_evaluation(state, tx, round, spec).await?;
     // Central evaluation runs after the commit (`central.rs`); marking it
     // pending here makes it durable and holds the job open until it is done.
@@ -810,80 +863,49 @@ async fn aggregate(
     }
     let awaiting = evaluating || central;
     rounds::succeed(tx, round, version.id, i64::from(spec.rounds), awaiting).await?;
-    let (_, next_state) = next_state;
     if round.number >= i64::from(spec.rounds) {
         strategy_store::delete(tx, job.id).await?;
     } else {
-        let encoded = next_state.encode();
-        strategy_store::put(tx, job.id, i64::from(next_state.rounds), &encoded).await?;
+        let encoded = optimizer_state.encode();
+        strategy_store::put(tx, job.id, i64::from(optimizer_state.rounds), &encoded).await?;
     }
     tracing::info!(
         job = job.id, round = round.id, number = round.number, updates = round.updates_accepted,
-        samples = round.weight_total, version = version.version, digest = %digest,
+        samples = round.weight_total, version = version.version, digest = %version.digest,
         "round succeeded"
     );
-    Ok(RoundState::Succeeded)
+    Ok(())
 }
 
-/// A statistics round's end: the devices' moments, summed, fit the
-/// model's input statistics, written as a version of the job that its
-/// first training round starts from.
-async fn aggregate_statistics(
-    state: &AppState,
+/// A statistics round's end: its version, the model with the input
+/// statistics the devices' moments fit, is the one the job's first
+/// training round starts from.
+async fn finish_statistics(
     tx: &mut Tx<'_>,
     round: &RoundRow,
     job: &JobRow,
-    spec: &JobSpec,
-) -> Result<RoundState, OrchestratorError> {
-    let max_retries = i64::from(spec.max_round_retries);
-    let base = base_version(state, round).await?;
-    let sum = rounds::update_sum(tx, round.id)
-        .await?
-        .map(|bytes| fedavg::decode_sum(&bytes))
-        .unwrap_or_default();
-    let count = u64::try_from(round.weight_total).unwrap_or(0);
-    let bytes = state
-        .blobs
-        .get(&base.digest, state.settings.limits.max_model_bytes)
-        .await?;
-    let built = tokio::task::spawn_blocking(move || build_fitted_model(&bytes, &sum, count))
-        .await
-        .map_err(|source| OrchestratorError::Task {
-            round: round.id,
-            source,
-        })?;
-    let (file, stats) = match built {
-        Ok(built) => built,
-        Err(reason) => {
-            let reason = format!("the input statistics cannot be fitted: {reason}");
-            rounds::fail(tx, round, &reason, max_retries).await?;
-            tracing::warn!(round = round.id, %reason, "statistics round failed");
-            return Ok(RoundState::Failed);
-        }
-    };
-    let version = store_version(state, tx, &base, &file, job.id, Some(round.id)).await?;
+    version: &VersionRow,
+    stats: &canopy_engine::stats::InputStats,
+) -> Result<(), OrchestratorError> {
     rounds::succeed_statistics(tx, round, version.id).await?;
     tracing::info!(
-        job = job.id,
-        round = round.id,
-        devices = round.updates_accepted,
-        samples = count,
-        mean = stats.mean,
-        std = stats.std,
-        version = version.version,
-        "input statistics fitted federatedly"
+        job = job.id, round = round.id, devices = round.updates_accepted,
+        samples = round.weight_total, mean = stats.mean, std = stats.std,
+        version = version.version, digest = %version.digest, "input statistics fitted federatedly"
     );
-    Ok(RoundState::Succeeded)
+    Ok(())
 }
 
 /// The model with its input statistics fitted from a statistics round's
 /// sum: `Σ nᵢ·meanᵢ` and `Σ nᵢ·mean_sqᵢ` per feature, which are exactly
 /// `Σx` and `Σx²` over all the devices' samples, `count` of them.
-fn build_fitted_model(
-    base: &[u8],
-    sum: &[f64],
-    count: u64,
-) -> Result<(Vec<u8>, canopy_engine::stats::InputStats), String> {
+fn build_fitted_model(base: &[u8], sum: &[f64], count: u64) -> Result<NextVersion, RoundFailure> {
+    fit_model(base, sum, count).map_err(RoundFailure::Statistics)
+}
+
+/// [`build_fitted_model`]'s work; an error is why the statistics cannot
+/// be fitted.
+fn fit_model(base: &[u8], sum: &[f64], count: u64) -> Result<NextVersion, String> {
     let mut model = canopy_ir::format::read_model(base)
         .map_err(|error| format!("the base model does not load: {}", chain(&error)))?;
     let features = sum.len() / 2;
@@ -900,22 +922,22 @@ fn build_fitted_model(
     model.metadata.parent_digest = canopy_ir::format::digest(base).ok();
     let file = canopy_ir::format::write_model(&model)
         .map_err(|error| format!("the fitted model does not serialise: {error}"))?;
-    Ok((file, stats))
+    Ok(NextVersion::Fitted { file, stats })
 }
 
 /// The job's server optimizer and its state before this round: the stored
-/// one, or a fresh one before the first successful round. An `Err` is a
-/// reason to fail the round (a spec or state that cannot be used).
+/// one, or a fresh one before the first successful round. An `Err` inside
+/// is why the round fails (a spec or state that cannot be used).
 async fn strategy_state(
     tx: &mut Tx<'_>,
     round: &RoundRow,
     job: &JobRow,
     spec: &JobSpec,
     len: usize,
-) -> Result<Result<(ServerOptimizer, OptimizerState), String>, OrchestratorError> {
+) -> Result<Result<(ServerOptimizer, OptimizerState), RoundFailure>, OrchestratorError> {
     let optimizer = match spec.strategy.resolve() {
         Ok(optimizer) => optimizer,
-        Err(reason) => return Ok(Err(format!("the job's strategy is invalid: {reason}"))),
+        Err(reason) => return Ok(Err(RoundFailure::InvalidStrategy(reason))),
     };
     let Some((rounds_folded, bytes)) = strategy_store::get(tx, job.id).await? else {
         return Ok(Ok((optimizer, optimizer.initial_state(len))));
@@ -923,42 +945,36 @@ async fn strategy_state(
     // A round's number is one past the job's successful rounds, and the
     // state is replaced with each, so they must agree.
     if rounds_folded != round.number - 1 {
-        return Ok(Err(format!(
-            "the stored strategy state has folded {rounds_folded} rounds, but this is round {}",
-            round.number
-        )));
+        return Ok(Err(RoundFailure::StrategyStateOutOfStep {
+            folded: rounds_folded,
+            round: round.number,
+        }));
     }
     Ok(OptimizerState::decode(&bytes)
         .map(|state| (optimizer, state))
-        .map_err(|error| error.to_string()))
+        .map_err(RoundFailure::StrategyState))
 }
 
-type NextModel = (
-    Vec<u8>,
-    canopy_protocol::update::UpdateLayout,
-    (ServerOptimizer, OptimizerState),
-);
-
 /// Parses the base model, steps the job's server optimizer on the mean
-/// update, and serialises the result with its lineage. An error is a
-/// reason to fail the round.
+/// update, and serialises the result with its lineage.
 fn build_next_model(
     base: &[u8],
     layout: &canopy_protocol::update::UpdateLayout,
     sum: &[f64],
     weight_total: u64,
-    (optimizer, mut state): (ServerOptimizer, OptimizerState),
-) -> Result<NextModel, String> {
+    (optimizer, mut optimizer_state): (ServerOptimizer, OptimizerState),
+) -> Result<NextVersion, RoundFailure> {
     let mut model = canopy_ir::format::read_model(base)
-        .map_err(|error| format!("the base model does not load: {}", chain(&error)))?;
+        .map_err(|error| RoundFailure::BaseModel(chain(&error)))?;
     let parent_digest = canopy_ir::format::digest(base).ok();
-    let mean = fedavg::mean_update(layout, sum, weight_total).map_err(|error| error.to_string())?;
-    let step = optimizer
-        .step(&mut state, &mean)
-        .map_err(|error| error.to_string())?;
-    fedavg::apply_step(&mut model, layout, &step).map_err(|error| error.to_string())?;
+    let mean = fedavg::mean_update(layout, sum, weight_total)?;
+    let step = optimizer.step(&mut optimizer_state, &mean)?;
+    fedavg::apply_step(&mut model, layout, &step)?;
     model.metadata.parent_digest = parent_digest;
     let file = canopy_ir::format::write_model(&model)
-        .map_err(|error| format!("the averaged model does not serialise: {error}"))?;
-    Ok((file, layout.clone(), (optimizer, state)))
+        .map_err(|error| RoundFailure::Serialise(error.to_string()))?;
+    Ok(NextVersion::Trained {
+        file,
+        optimizer_state,
+    })
 }

@@ -29,6 +29,7 @@ use canopy_protocol::secagg::{Plan, SecAggError, Session, arith};
 
 use crate::db::{Db, now_ms};
 use crate::fedavg;
+use crate::round_failure::RoundFailure;
 use crate::state::AppState;
 use crate::store::jobs::JobSpec;
 use crate::store::rounds::{self, ParticipantState, RoundRow, RoundState, Tx};
@@ -390,9 +391,9 @@ pub async fn cached_survivors(
 /// Whether a selected round could be made secure.
 pub enum Begun {
     Started,
-    /// The selected devices do not fit the job's tolerances: the reason to
+    /// The selected devices do not fit the job's tolerances: the cause to
     /// fail the round with.
-    Refused(String),
+    Refused(RoundFailure),
 }
 
 /// Makes a freshly selected round secure: AdvertiseKeys opens.
@@ -410,7 +411,7 @@ pub async fn begin(
     // seed they are later sent against it.
     let plan = match spec.secure_aggregation.plan(participants, update_len) {
         Ok(plan) => plan.commit_graph(&seed),
-        Err(error) => return Ok(Begun::Refused(error.to_string())),
+        Err(error) => return Ok(Begun::Refused(RoundFailure::SecurePlan(error))),
     };
     let deadline = now_ms() + stage_timeout_ms(state);
     secagg::begin(tx, round_id, &plan, &seed, deadline).await?;
@@ -470,10 +471,10 @@ pub async fn advance(
             })
         }
         StageClosed::Unmasked => Ok(Advanced::Unmasked),
-        StageClosed::Failed(reason) => {
+        StageClosed::Failed(failure) => {
+            tracing::warn!(round = round.id, stage = %secure.stage, "secure round failed");
             let max_retries = i64::from(spec.max_round_retries);
-            rounds::fail(tx, round, &reason, max_retries).await?;
-            tracing::warn!(round = round.id, stage = %secure.stage, %reason, "secure round failed");
+            failure.record(tx, round, max_retries).await?;
             Ok(Advanced::Failed)
         }
     }
@@ -509,8 +510,8 @@ enum StageClosed {
     Next(SecureStage),
     /// Unmasking closed: the aggregate is stored.
     Unmasked,
-    /// The round fails, for this reason.
-    Failed(String),
+    /// The round fails, for this cause.
+    Failed(RoundFailure),
 }
 
 /// The message a stage waits for, and the stage after it.
@@ -542,7 +543,7 @@ async fn close_stage(
         .count();
     let (message, next) = stage_message(secure.stage);
     if let Err(error) = secagg_server::check_dropouts(&secure.plan, remaining, message) {
-        return Ok(StageClosed::Failed(error.to_string()));
+        return Ok(StageClosed::Failed(RoundFailure::SecureDropouts(error)));
     }
     let Some(next) = next else {
         return unmask_round(tx, secure, participants, remaining).await;
@@ -623,7 +624,7 @@ async fn unmask_round(
         })?;
     let (values, weight_total) = match unmasked {
         Ok(done) => done,
-        Err(reason) => return Ok(StageClosed::Failed(reason)),
+        Err(reason) => return Ok(StageClosed::Failed(RoundFailure::Unmask(reason))),
     };
     secagg::store_aggregate(tx, secure.id, &fedavg::encode_sum(&values), weight_total).await?;
     // How long reading the masked sum, removing the masks and storing

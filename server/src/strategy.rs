@@ -14,6 +14,7 @@
 //! | `fedadagrad` | m, v   | `m ← β₁m + (1−β₁)Δ`; `v ← v + Δ²`; `η·m/(√v+τ)`  |
 //! | `fedadam`    | m, v   | as above with `v ← β₂v + (1−β₂)Δ²`               |
 //! | `fedyogi`    | m, v   | as above with `v ← v − (1−β₂)Δ²·sign(v − Δ²)`    |
+//! | `fedprox`    | none   | `η·Δ`; devices add `μ/2·‖w − w_round‖²` to their loss |
 //!
 //! `v` starts at `τ²` (the paper's `v₋₁ ≥ τ²`), `m` at zero. The state is
 //! one or two model-sized vectors, stored with the job and replaced in the
@@ -25,37 +26,28 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::store::text_enum;
 use canopy_protocol::bounds::MAX_LEARNING_RATE;
 
-/// The server optimizers. The name is what a job spec says.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum StrategyName {
-    #[default]
-    Fedavg,
-    Fedavgm,
-    Fedadagrad,
-    Fedadam,
-    Fedyogi,
-    /// FedAvg with the proximal term on the devices (`proximal_mu`,
-    /// default 0.01).
-    Fedprox,
+text_enum! {
+    /// The server optimizers. The name is what a job spec says.
+    #[derive(Default)]
+    pub enum StrategyName {
+        #[default]
+        Fedavg = "fedavg",
+        Fedavgm = "fedavgm",
+        Fedadagrad = "fedadagrad",
+        Fedadam = "fedadam",
+        Fedyogi = "fedyogi",
+        /// FedAvg with the proximal term on the devices (`proximal_mu`,
+        /// default 0.01).
+        Fedprox = "fedprox",
+    }
 }
 
 impl StrategyName {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            StrategyName::Fedavg => "fedavg",
-            StrategyName::Fedavgm => "fedavgm",
-            StrategyName::Fedadagrad => "fedadagrad",
-            StrategyName::Fedadam => "fedadam",
-            StrategyName::Fedyogi => "fedyogi",
-            StrategyName::Fedprox => "fedprox",
-        }
-    }
-
     /// The one byte that names the strategy in a stored state, so a state
-    /// is never read by the wrong optimizer.
+    /// is never read by the wrong optimizer. Stored: never renumber one.
     fn tag(self) -> u8 {
         match self {
             StrategyName::Fedavg => 0,
@@ -66,43 +58,64 @@ impl StrategyName {
             StrategyName::Fedprox => 5,
         }
     }
+
+    /// The strategy a stored state's tag names: the inverse of `tag`.
+    fn from_tag(tag: u8) -> Option<StrategyName> {
+        StrategyName::ALL.iter().copied().find(|s| s.tag() == tag)
+    }
 }
 
-/// A job's strategy as an operator writes it. Every setting may be left
-/// out and then takes its strategy's default; a setting the named
-/// strategy does not use is refused rather than ignored.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct StrategySpec {
-    #[serde(default)]
-    pub name: StrategyName,
+/// Declares [`StrategySpec`]: its `name`, then one optional setting per
+/// entry with its doc and its bounds in the OpenAPI schema. `settings`
+/// is generated beside it, so the check that refuses a setting the named
+/// strategy does not use sees every one.
+macro_rules! strategy_spec {
+    ($($(#[doc = $doc:tt])* $field:ident ($($bound:tt)*),)+) => {
+        /// A job's strategy as an operator writes it. Every setting may be
+        /// left out and then takes its strategy's default; a setting the
+        /// named strategy does not use is refused rather than ignored.
+        #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
+        #[serde(deny_unknown_fields)]
+        pub struct StrategySpec {
+            #[serde(default)]
+            pub name: StrategyName,
+            $(
+                $(#[doc = $doc])*
+                #[serde(default, skip_serializing_if = "Option::is_none")]
+                #[schema($($bound)*)]
+                pub $field: Option<f64>,
+            )+
+        }
+
+        impl StrategySpec {
+            /// Every optional setting, by its field's name, with its value.
+            fn settings(&self) -> [(&'static str, Option<f64>); [$(stringify!($field)),+].len()] {
+                [$((stringify!($field), self.$field)),+]
+            }
+        }
+    };
+}
+
+strategy_spec! {
     /// η, the server's step size (default 1 for fedavg and fedavgm, 0.01
     /// for the adaptive ones).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(exclusive_minimum = 0, maximum = 100)]
-    pub server_learning_rate: Option<f64>,
+    server_learning_rate(exclusive_minimum = 0, maximum = 100),
     /// β of fedavgm (default 0.9).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 0, exclusive_maximum = 1)]
-    pub momentum: Option<f64>,
+    momentum(minimum = 0, exclusive_maximum = 1),
     /// β₁ of the adaptive strategies (default 0.9).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 0, exclusive_maximum = 1)]
-    pub beta1: Option<f64>,
+    beta1(minimum = 0, exclusive_maximum = 1),
     /// β₂ of fedadam and fedyogi (default 0.99).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(minimum = 0, exclusive_maximum = 1)]
-    pub beta2: Option<f64>,
+    beta2(minimum = 0, exclusive_maximum = 1),
     /// τ, the adaptive strategies' degree of adaptivity (default 0.001).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(exclusive_minimum = 0, maximum = 1)]
-    pub tau: Option<f64>,
+    tau(exclusive_minimum = 0, maximum = 1),
     /// μ of FedProx's term `μ/2 · ‖w − w_round‖²` on the devices' loss
     /// (default 0.01 for fedprox; any strategy may add it).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(exclusive_minimum = 0, maximum = 1000)]
-    pub proximal_mu: Option<f64>,
+    proximal_mu(exclusive_minimum = 0, maximum = 1000),
 }
+
+/// The settings every strategy takes besides its own: FedProx's term may
+/// be added to any.
+const ANY_STRATEGY: &[&str] = &["proximal_mu"];
 
 /// FedProx's μ when a job names `fedprox` without one (Flower's and the
 /// paper's common choice for non-IID image data).
@@ -142,8 +155,6 @@ pub enum AdaptiveRule {
 }
 
 impl StrategySpec {
-    /// The optimizer this spec names, with defaults filled in; the error
-    /// names the field and the cause.
     /// The μ devices train with: the job's, fedprox's default, or none.
     pub fn proximal_mu(&self) -> Result<Option<f64>, String> {
         let mu = match self.name {
@@ -161,6 +172,8 @@ impl StrategySpec {
         Ok(mu)
     }
 
+    /// The optimizer this spec names, with defaults filled in; the error
+    /// names the field and the cause.
     pub fn resolve(&self) -> Result<ServerOptimizer, String> {
         use StrategyName::*;
         let used: &[&str] = match self.name {
@@ -169,13 +182,8 @@ impl StrategySpec {
             Fedadagrad => &["server_learning_rate", "beta1", "tau"],
             Fedadam | Fedyogi => &["server_learning_rate", "beta1", "beta2", "tau"],
         };
-        for (field, value) in [
-            ("momentum", self.momentum),
-            ("beta1", self.beta1),
-            ("beta2", self.beta2),
-            ("tau", self.tau),
-        ] {
-            if value.is_some() && !used.contains(&field) {
+        for (field, value) in self.settings() {
+            if value.is_some() && !used.contains(&field) && !ANY_STRATEGY.contains(&field) {
                 return Err(format!(
                     "`strategy.{field}` does not apply to `{}` (it takes {})",
                     self.name.as_str(),
@@ -351,10 +359,11 @@ impl OptimizerState {
                 found: self.strategy,
             });
         }
+        use StrategyName::*;
         let wanted_slots = match strategy {
-            StrategyName::Fedavg => 0,
-            StrategyName::Fedavgm => 1,
-            _ => 2,
+            Fedavg | Fedprox => 0,
+            Fedavgm => 1,
+            Fedadagrad | Fedadam | Fedyogi => 2,
         };
         if self.slots.len() != wanted_slots {
             return Err(StateError::Malformed("wrong number of slots"));
@@ -393,16 +402,8 @@ impl OptimizerState {
             return Err(StateError::Malformed("bad header"));
         }
         let mut at = STATE_MAGIC.len();
-        let strategy = [
-            StrategyName::Fedavg,
-            StrategyName::Fedavgm,
-            StrategyName::Fedadagrad,
-            StrategyName::Fedadam,
-            StrategyName::Fedyogi,
-        ]
-        .into_iter()
-        .find(|s| s.tag() == bytes[at])
-        .ok_or(StateError::Malformed("unknown strategy"))?;
+        let strategy =
+            StrategyName::from_tag(bytes[at]).ok_or(StateError::Malformed("unknown strategy"))?;
         at += 1;
         let rounds = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"));
         at += 4;
@@ -638,6 +639,41 @@ mod tests {
                 found: 3
             })
         ));
+    }
+
+    /// Before the table, `decode` kept its own list, which lacked FedProx.
+    #[test]
+    fn a_fedprox_state_decodes() {
+        let state = OptimizerState {
+            strategy: StrategyName::Fedprox,
+            rounds: 2,
+            slots: vec![],
+        };
+        assert_eq!(OptimizerState::decode(&state.encode()), Ok(state));
+    }
+
+    /// Every list of the strategies agrees with the enum: each strategy's
+    /// name is what serde writes and reads and parses back, and its tag
+    /// decodes back to it.
+    #[test]
+    fn every_strategy_round_trips_by_name_and_tag() {
+        let mut tags = std::collections::BTreeSet::new();
+        for &strategy in StrategyName::ALL {
+            let name = serde_json::Value::from(strategy.as_str());
+            assert_eq!(serde_json::to_value(strategy).unwrap(), name);
+            assert_eq!(
+                serde_json::from_value::<StrategyName>(name).unwrap(),
+                strategy
+            );
+            assert_eq!(StrategyName::parse(strategy.as_str()), Some(strategy));
+            assert!(tags.insert(strategy.tag()), "{strategy:?}'s tag is taken");
+            let state = OptimizerState {
+                strategy,
+                rounds: 1,
+                slots: vec![vec![0.5]],
+            };
+            assert_eq!(OptimizerState::decode(&state.encode()), Ok(state));
+        }
     }
 
     #[test]

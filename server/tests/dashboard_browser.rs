@@ -153,7 +153,9 @@ async fn device_loop(device: Device, gates: Arc<Gates>) -> Result<()> {
         match task.kind {
             TaskKind::Evaluate => {
                 let model = device.client.download_model(&task).await?;
-                let evaluation = canopy_sdk::train::evaluate_file(&model.bytes, &device.held_out)?;
+                let model = canopy_sdk::train::read_model(&model.bytes)?;
+                let options = canopy_sdk::train::EvalOptions::default();
+                let evaluation = canopy_sdk::train::evaluate(&model, &device.held_out, &options)?;
                 device.client.report_evaluation(&task, &evaluation).await?;
             }
             TaskKind::Statistics => {
@@ -190,6 +192,7 @@ async fn train(device: &Device, task: &Task, gates: &Gates) -> Result<()> {
             &task_copy,
             &data,
             seed * 1000 + u64::from(task_copy.round_number),
+            &canopy_sdk::train::TrainOptions::default(),
         )
     })
     .await??;

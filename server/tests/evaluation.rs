@@ -16,7 +16,7 @@ use canopy_engine::data::{Dataset, LabelColumn, load_csv};
 use canopy_protocol::messages::{Task, TaskKind};
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
-use canopy_sdk::train::{Evaluation, evaluate_file};
+use canopy_sdk::train::{EvalOptions, Evaluation, read_model};
 use serde_json::{Value, json};
 use support::{Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task};
 
@@ -62,7 +62,8 @@ async fn evaluate(device: &DeviceClient, task: &Task, data: &Dataset) -> Result<
         "expected an evaluation task, got {task:?}"
     );
     let model = device.download_model(task).await?;
-    let evaluation = evaluate_file(&model.bytes, data)?;
+    let model = read_model(&model.bytes)?;
+    let evaluation = canopy_sdk::train::evaluate(&model, data, &EvalOptions::default())?;
     device.report_evaluation(task, &evaluation).await?;
     Ok(evaluation)
 }
@@ -168,10 +169,9 @@ async fn every_version_is_evaluated(database: Database) -> Result<()> {
         // ... which is the produced version's accuracy on all the devices'
         // held-out data, computed here from the version downloaded.
         let model = fetch_model(&admin, "logreg", i64::from(round) + 1).await?;
-        let bytes = canopy_ir::format::write_model(&model)?;
         let (mut correct, mut total) = (0.0, 0u64);
         for data in &held_out {
-            let e = evaluate_file(&bytes, data)?;
+            let e = canopy_sdk::train::evaluate(&model, data, &EvalOptions::default())?;
             correct += e.accuracy * e.samples as f64;
             total += e.samples;
         }

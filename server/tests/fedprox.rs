@@ -15,7 +15,7 @@ use canopy_engine::data::{Dataset, LabelColumn, load_csv};
 use canopy_engine::proximal::{ANCHOR_PREFIX, make_proximal, proximal_mu};
 use canopy_engine::zoo::ENTRY_TRAIN_LOSS;
 use canopy_ir::model::ENTRY_TRAIN_STEP;
-use canopy_sdk::train::train_task;
+use canopy_sdk::train::{TrainOptions, train_task};
 use serde_json::{Value, json};
 use support::{Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
 
@@ -84,13 +84,19 @@ async fn devices_train_the_derived_step(database: Database) -> Result<()> {
                 "{anchors} anchors"
             );
             let seed = device.device_id as u64;
-            let update = train_task(&model.bytes, &task, shard, seed)?;
+            let update = train_task(&model.bytes, &task, shard, seed, &TrainOptions::default())?;
             if round == 1 {
                 ensure!(
                     task.model_version_id != original_id,
                     "round 1 trains the uploaded version, not a derived one"
                 );
-                let independent = train_task(&expected_bytes, &task, shard, seed)?;
+                let independent = train_task(
+                    &expected_bytes,
+                    &task,
+                    shard,
+                    seed,
+                    &TrainOptions::default(),
+                )?;
                 ensure!(
                     independent.encoded == update.encoded,
                     "the server's proximal step trains differently from make_proximal here"

@@ -71,6 +71,8 @@ async fn start_pause_resume_cancel() -> Result<()> {
             .unwrap_or_default()
             .contains("cancelled")
     );
+    assert_eq!(round["failure"]["kind"], "cancelled", "{round}");
+    assert_eq!(round["failure"]["message"], round["status_message"]);
     let update = encode_update(&task.layout, 5, &vec![0.0; task.layout.num_elements()])?;
     let status = device
         .upload_update(&task, Bytes::from(update))

@@ -44,6 +44,7 @@ async fn device_loop(device: DeviceClient, shard: Dataset, seed: u64) -> Result<
                 &task_copy,
                 &data,
                 seed + u64::from(task_copy.round_number),
+                &canopy_sdk::train::TrainOptions::default(),
             )
         })
         .await??;
@@ -112,7 +113,10 @@ async fn federated_training_on_non_iid_digits_improves_held_out_accuracy() -> Re
     let mut accuracies = Vec::new();
     for version in 1..=i64::from(ROUNDS) + 1 {
         let model = fetch_model(&admin, "digits", version).await?;
-        accuracies.push(canopy_sdk::train::evaluate_model(&model, &test, 256)?.accuracy);
+        accuracies.push(
+            canopy_sdk::train::evaluate(&model, &test, &canopy_sdk::train::EvalOptions::default())?
+                .accuracy,
+        );
     }
     eprintln!("held-out accuracy by version: {accuracies:?}");
     assert!(

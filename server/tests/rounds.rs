@@ -645,6 +645,7 @@ async fn failed_round_is_retried_without_a_version() -> Result<()> {
                     .contains("only 1 of the 2"),
                 "{round}"
             );
+            assert_eq!(round["failure"]["kind"], "too_few_updates", "{round}");
             assert_eq!(round["metrics"]["dropouts"], 1);
             let silent = round["participants"]
                 .as_array()

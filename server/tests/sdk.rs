@@ -18,7 +18,7 @@ use canopy_engine::data::{LabelColumn, load_csv};
 use canopy_engine::zoo::Architecture;
 use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::messages::{Capabilities, Heartbeat, RoundMetrics, Task, Tier};
-use canopy_sdk::train::{TrainOptions, train_task_with};
+use canopy_sdk::train::{TrainOptions, train_task};
 use canopy_sdk::{CancelToken, RetryPolicy, SdkError, Transport, Trust, blocking};
 use serde_json::{Value, json};
 use support::{Database, TestServer, fetch_model, logreg_model_bytes, model_bytes};
@@ -155,7 +155,7 @@ fn blocking_client_runs_a_round_from_a_thread_without_a_runtime() -> Result<()> 
         cancel: device.cancel_token().clone(),
         ..TrainOptions::default()
     };
-    let update = train_task_with(&model.bytes, &task, &train, 5, &options)?;
+    let update = train_task(&model.bytes, &task, &train, 5, &options)?;
     let receipt = device.upload_update(&task, Bytes::from(update.encoded))?;
     assert!(receipt.accepted);
     assert_eq!(receipt.round_id, task.round_id);

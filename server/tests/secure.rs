@@ -606,6 +606,11 @@ async fn past_the_tolerance_the_round_fails_cleanly() -> Result<()> {
             && reason.contains("tolerates 1"),
         "reason: {reason}"
     );
+    ensure!(
+        round["failure"]["kind"] == "secure_dropouts",
+        "failure: {}",
+        round["failure"]
+    );
     let versions = admin.ok("/api/v1/models/logreg/versions").await?;
     ensure!(
         versions["items"].as_array().map(Vec::len) == Some(1),

@@ -364,3 +364,30 @@ fn an_overlap_over_the_limit_is_refused() -> Result<()> {
     ensure!(listed.lines().count() == 1, "nothing rotated:\n{listed}");
     Ok(())
 }
+
+/// Both commands print with `outln!`: a reader that went away stops them
+/// with 141, as every other command, not a panic.
+#[test]
+fn a_closed_stdout_stops_signing_key_commands_quietly() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    for args in [&["list"][..], &["rotate", "--overlap", "1h"][..]] {
+        let (reader, writer) = std::io::pipe()?;
+        drop(reader);
+        let output = std::process::Command::new(support::server_binary())
+            .arg("signing-key")
+            .args(args)
+            .arg("--data-dir")
+            .arg(server.data_dir.path())
+            .args(["--database-url", &server.database_url])
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(
+            output.status.code() == Some(141) && !stderr.contains("panicked"),
+            "`signing-key {args:?}` with stdout closed: {:?}\n{stderr}",
+            output.status
+        );
+    }
+    Ok(())
+}

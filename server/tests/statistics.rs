@@ -18,7 +18,7 @@ use canopy_engine::stats::{InputMoments, InputStatsState};
 use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
 use canopy_protocol::messages::TaskKind;
 use canopy_protocol::update::{encode_update, statistics_layout};
-use canopy_sdk::train::{statistics_update, train_task};
+use canopy_sdk::train::{TrainOptions, statistics_update, train_task};
 use serde_json::json;
 use support::{Database, TestServer, enroll_device, poll_task};
 
@@ -128,7 +128,7 @@ async fn statistics_are_fitted_before_training(database: Database) -> Result<()>
                 "{name}: fitted federatedly {got}, on all the data {want}"
             );
         }
-        let update = train_task(&model.bytes, &task, shard, 1)?;
+        let update = train_task(&model.bytes, &task, shard, 1, &TrainOptions::default())?;
         device
             .upload_update(&task, Bytes::from(update.encoded))
             .await?;

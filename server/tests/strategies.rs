@@ -14,6 +14,7 @@ use canopy_ir::Buffer;
 use canopy_protocol::messages::Task;
 use canopy_protocol::update::{UpdateLayout, encode_update};
 use canopy_sdk::DeviceClient;
+use canopy_server::strategy::StrategyName;
 use serde_json::{Value, json};
 use support::{Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task};
 
@@ -254,6 +255,14 @@ async fn bad_strategy_settings_are_refused() -> Result<()> {
     let admin = server.admin();
     let version = admin.upload_model("logreg", logreg_model_bytes(1)).await?;
     let id = version["id"].as_i64().unwrap_or_default();
+    // An unknown name's refusal lists every strategy the enum has (the
+    // CLI's help sends users to it).
+    let every_name = StrategyName::ALL
+        .iter()
+        .map(|name| format!("`{name}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let every_name = format!("expected one of {every_name}");
     for (patch, needle) in [
         (
             json!({"strategy": {"name": "fedavg", "beta1": 0.9}}),
@@ -279,7 +288,7 @@ async fn bad_strategy_settings_are_refused() -> Result<()> {
             json!({"strategy": {"name": "fedprox", "momentum": 0.9}}),
             "`strategy.momentum` does not apply to `fedprox`",
         ),
-        (json!({"strategy": {"name": "sgd"}}), "strategy"),
+        (json!({"strategy": {"name": "sgd"}}), every_name.as_str()),
         (json!({"strategy": "fedavg"}), "strategy"),
         (
             json!({"learning_rate_schedule": {"kind": "cosine", "final_learning_rate": 1.0}}),

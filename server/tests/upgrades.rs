@@ -2,7 +2,9 @@
 //! the server is upgraded keeps its running sum: before migration
 //! `round_sums` (SQLite 0017, PostgreSQL 0018) the sum was the column
 //! `rounds.update_sum`; after it, the same bytes are in `round_sums`, and
-//! `rounds` no longer has the column.
+//! `rounds` no longer has the column. A round that failed before causes
+//! were recorded (`failure_kind`, SQLite 0019, PostgreSQL 0020) reads as
+//! `unrecorded`; other rounds have no kind.
 
 mod support;
 
@@ -47,13 +49,20 @@ async fn an_upgrade_keeps_a_running_sum(
     };
     sqlx::query(no_foreign_keys).execute(&pool).await?;
     let sum = sum_bytes();
-    for (id, stored) in [(1i64, Some(sum.clone())), (2, None)] {
+    let rounds = [
+        (1i64, "training", Some(sum.clone())),
+        (2, "training", None),
+        (3, "failed", None),
+        (4, "succeeded", None),
+    ];
+    for (id, state, stored) in rounds {
         sqlx::query(
             "INSERT INTO rounds (id, job_id, number, attempt, state, base_version_id, \
              target_devices, min_devices, created_ms, update_sum) \
-             VALUES ($1, $1, 1, 1, 'training', 1, 10, 2, 0, $2)",
+             VALUES ($1, $1, 1, 1, $2, 1, 10, 2, 0, $3)",
         )
         .bind(id)
+        .bind(state)
         .bind(stored)
         .execute(&pool)
         .await?;
@@ -74,6 +83,15 @@ async fn an_upgrade_keeps_a_running_sum(
         .fetch_all(&pool)
         .await;
     ensure!(old_column.is_err(), "rounds still has update_sum");
+    let kinds: Vec<(i64, Option<String>)> =
+        sqlx::query_as("SELECT id, failure_kind FROM rounds ORDER BY id")
+            .fetch_all(&pool)
+            .await?;
+    let unrecorded = Some("unrecorded".to_string());
+    ensure!(
+        kinds == [(1, None), (2, None), (3, unrecorded), (4, None)],
+        "failure kinds after the upgrade: {kinds:?}"
+    );
     pool.close().await;
     Ok(())
 }

@@ -20,7 +20,6 @@
 
 use std::fmt;
 use std::io::{ErrorKind, Write};
-use std::process::ExitCode;
 
 /// Exit status when stdout is closed under a command: 128 + SIGPIPE (13).
 pub const STDOUT_CLOSED_EXIT: u8 = 141;
@@ -68,7 +67,9 @@ pub fn is_stdout_closed(error: &(dyn std::error::Error + 'static)) -> bool {
 /// Prints clap's answer (help, version or a usage error) and gives the
 /// exit status: clap's own, or [`STDOUT_CLOSED_EXIT`] when stdout closed
 /// under `--help`.
-pub fn clap_exit(error: &clap::Error) -> ExitCode {
+#[cfg(feature = "binary")]
+pub fn clap_exit(error: &clap::Error) -> std::process::ExitCode {
+    use std::process::ExitCode;
     match error.print() {
         Err(cause) if cause.kind() == ErrorKind::BrokenPipe => ExitCode::from(STDOUT_CLOSED_EXIT),
         _ => ExitCode::from(u8::try_from(error.exit_code()).unwrap_or(2)),
@@ -104,7 +105,10 @@ macro_rules! errln {
     };
 }
 
+#[cfg(feature = "binary")]
 pub mod progress;
+#[cfg(feature = "binary")]
+pub mod report;
 
 #[cfg(test)]
 mod tests {
@@ -121,9 +125,11 @@ mod tests {
     }
 }
 
-/// An error and its causes on one line, for logs, status files and stored
-/// reasons. A cause whose message its parent already ends with (errors
-/// that repeat their source) is not repeated.
+/// An error and its causes on one line, for logs, status files, stored
+/// reasons and the app library's messages: the one rule for it, so the
+/// SDK (which links this crate without its `binary` feature) and the
+/// binaries write a chain alike. A cause whose message its parent already
+/// ends with (errors that repeat their source) is not repeated.
 pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();

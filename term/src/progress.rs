@@ -1,17 +1,17 @@
-//! Training progress for the CLI and the agent, from the engine's one
-//! training loop: a bar per epoch on a terminal, a structured log line
-//! every `LOG_EVERY_BATCHES` batches otherwise.
+//! Training progress for the CLI and the agent: a bar per epoch on a
+//! terminal, a structured log line every `LOG_EVERY_BATCHES` batches
+//! otherwise. The callers feed it from the engine's training loop
+//! (`canopy_engine::train::FitProgress`); this crate does not link the
+//! engine, so that the server and the SDK can use it without it.
 
 use std::io::IsTerminal;
-use std::ops::ControlFlow;
 
-use canopy_engine::train::FitProgress;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Batches between log lines when stderr is not a terminal.
 pub const LOG_EVERY_BATCHES: usize = 100;
 
-/// Turns [`FitProgress`] into bars or logs; never stops the loop.
+/// Shows an epoch's batches as a bar or as logs; never stops training.
 pub struct FitBar {
     epochs: u32,
     terminal: bool,
@@ -27,40 +27,28 @@ impl FitBar {
         }
     }
 
-    pub fn observe(&mut self, progress: FitProgress) -> ControlFlow<()> {
-        match progress {
-            FitProgress::Batch {
-                epoch,
-                done,
-                batches,
-                mean_loss,
-                ..
-            } => {
-                if self.terminal {
-                    let bar = self
-                        .bar
-                        .get_or_insert_with(|| epoch_bar(batches, epoch, self.epochs));
-                    bar.set_position(done as u64);
-                    if done > 0 {
-                        bar.set_message(format!("loss {mean_loss:.4}"));
-                    }
-                } else if done > 0 && done % LOG_EVERY_BATCHES == 0 {
-                    tracing::info!(epoch, batch = done, batches, loss = mean_loss, "training");
-                }
+    /// Before each batch: `done` of `batches` in epoch `epoch` (from 1)
+    /// have run, at a mean loss of `mean_loss` so far.
+    pub fn batch(&mut self, epoch: u32, done: usize, batches: usize, mean_loss: f64) {
+        if self.terminal {
+            let bar = self
+                .bar
+                .get_or_insert_with(|| epoch_bar(batches, epoch, self.epochs));
+            bar.set_position(done as u64);
+            if done > 0 {
+                bar.set_message(format!("loss {mean_loss:.4}"));
             }
-            FitProgress::Epoch(stats) => {
-                if let Some(bar) = self.bar.take() {
-                    bar.finish_and_clear();
-                }
-                tracing::debug!(
-                    epoch = stats.epoch,
-                    loss = stats.loss,
-                    accuracy = stats.accuracy,
-                    "epoch done"
-                );
-            }
+        } else if done > 0 && done % LOG_EVERY_BATCHES == 0 {
+            tracing::info!(epoch, batch = done, batches, loss = mean_loss, "training");
         }
-        ControlFlow::Continue(())
+    }
+
+    /// Epoch `epoch` finished with this training loss and accuracy.
+    pub fn epoch_done(&mut self, epoch: u32, loss: f64, accuracy: f64) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+        tracing::debug!(epoch, loss, accuracy, "epoch done");
     }
 }
 

@@ -199,6 +199,9 @@ async function run(browser) {
   await page.click(`#rounds tbody tr[data-key="${failed.id}"]`);
   await page.waitForFunction((reason) => document.getElementById("participants").textContent.includes(reason), declineReason);
   check((await page.textContent("#round-title")).includes("attempt 1"), "the failed attempt's detail is shown");
+  same(failed.failure && failed.failure.kind, "too_few_updates", "the API's cause of the failed attempt");
+  check((await page.textContent("#round-summary")).includes(`failed (too few updates): ${failed.failure.message}`),
+    "the failed attempt's cause and message are shown");
   await page.screenshot({ path: join(artifacts, "round-detail-desktop.png"), fullPage: true });
   await page.click("#rounds-newer");
   await page.click(`#rounds tbody tr[data-key="${all[all.length - 1].id}"]`);
@@ -210,6 +213,10 @@ async function run(browser) {
 
   log("a secure job made with the form, then cancelled with its button");
   await page.click("#new-job summary");
+  const documented = (await api("/api/v1/openapi.json")).components.schemas.StrategyName.enum;
+  same(await page.$$eval('#job-form [name="strategy"] option', (options) => options.map((o) => o.value)),
+    documented, "the form's strategies, as the OpenAPI document lists them");
+  check(documented.includes("fedprox"), `the OpenAPI document lists fedprox: ${documented}`);
   await page.fill('#job-form [name="name"]', "secure-from-form");
   await page.fill('#job-form [name="model_version_id"]', String(modelVersionId));
   await page.fill('#job-form [name="rounds"]', "3");

@@ -58,7 +58,8 @@ pub struct CreateArgs {
     /// Devices' learning rate (default 0.05).
     #[arg(long)]
     lr: Option<f64>,
-    /// Server optimizer: fedavg, fedavgm, fedadagrad, fedadam or fedyogi.
+    /// Server optimizer (default fedavg): one of the names the server's
+    /// OpenAPI document lists as `StrategyName`, which a refusal also names.
     #[arg(long)]
     strategy: Option<String>,
     /// How long devices have to upload, per round (default 60000).
@@ -157,15 +158,10 @@ pub fn create(args: CreateArgs) -> Result<()> {
 
 /// A spec file as a JSON object: TOML for `.toml`, JSON otherwise.
 fn read_spec(path: &Path) -> Result<Map<String, Value>> {
-    let context = || format!("cannot read the job spec `{}`", path.display());
-    let size = std::fs::metadata(path).with_context(context)?.len();
-    if size > MAX_SPEC_BYTES {
-        bail!(
-            "the job spec `{}` is {size} bytes, over the limit of {MAX_SPEC_BYTES}",
-            path.display()
-        );
-    }
-    let text = std::fs::read_to_string(path).with_context(context)?;
+    let bytes = crate::files::read_bounded(path, MAX_SPEC_BYTES)
+        .with_context(|| format!("cannot read the job spec `{}`", path.display()))?;
+    let text = String::from_utf8(bytes)
+        .with_context(|| format!("the job spec `{}` is not UTF-8 text", path.display()))?;
     let value: Value = if path.extension().is_some_and(|e| e == "toml") {
         let table: toml::Table = toml::from_str(&text)
             .with_context(|| format!("the job spec `{}` is not valid TOML", path.display()))?;

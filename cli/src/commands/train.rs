@@ -79,8 +79,10 @@ pub fn run(args: TrainArgs) -> Result<()> {
             ..FitConfig::new(1, args.batch, args.lr, args.seed)
         };
         let mut bar = FitBar::new(args.epochs as u32);
-        let stats = fit(&mut trainer, &train, &config, &mut |p| bar.observe(p))
-            .with_context(|| format!("training epoch {epoch} of `{}`", args.file.display()))?;
+        let stats = fit(&mut trainer, &train, &config, &mut |p| {
+            crate::progress::show(&mut bar, p)
+        })
+        .with_context(|| format!("training epoch {epoch} of `{}`", args.file.display()))?;
         let stats = stats
             .last()
             .copied()

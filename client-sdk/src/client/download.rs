@@ -5,7 +5,7 @@
 //! before the first byte is asked for.
 
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
@@ -470,21 +470,10 @@ impl Sink for FileSink {
     }
 }
 
-/// Reads a whole file of at most `limit` bytes.
+/// Reads a whole file of at most `limit` bytes ([`canopy_files::read_bounded`]).
 fn read_file(path: &Path, limit: u64) -> Result<Vec<u8>, SdkError> {
-    let file = File::open(path).map_err(local_file("open", path))?;
-    let mut bytes = Vec::new();
-    file.take(limit + 1)
-        .read_to_end(&mut bytes)
-        .map_err(local_file("read", path))?;
-    if bytes.len() as u64 > limit {
-        return Err(SdkError::LocalFile {
-            action: "read",
-            path: path.to_path_buf(),
-            source: std::io::Error::other(format!("it is over the {limit}-byte limit")),
-        });
-    }
-    Ok(bytes)
+    canopy_files::read_bounded(path, limit)
+        .map_err(|error| local_file("read", path)(std::io::Error::other(error.cause)))
 }
 
 /// Checks that a model file's stored digest is `digest` and that its

@@ -186,8 +186,18 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
     let mut bar = FitBar::new(args.epochs);
     let mut printed: Result<()> = Ok(());
     let mut observe = |progress: FitProgress| {
-        let _ = bar.observe(progress);
+        if let FitProgress::Batch {
+            epoch,
+            done,
+            batches,
+            mean_loss,
+            ..
+        } = progress
+        {
+            bar.batch(epoch, done, batches, mean_loss);
+        }
         if let FitProgress::Epoch(epoch) = progress {
+            bar.epoch_done(epoch.epoch, epoch.loss, epoch.accuracy);
             printed = outln!(
                 "epoch {:>3}/{}  train loss {:.4}  train accuracy {:.4}",
                 epoch.epoch,

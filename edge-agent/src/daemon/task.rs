@@ -20,8 +20,7 @@ use anyhow::{Context, Result};
 use bytes::Bytes;
 use canopy_protocol::messages::{RoundMetrics, Task, TaskKind};
 use canopy_sdk::train::{
-    EVAL_BATCH, Evaluation, LocalUpdate, TrainOptions, evaluate_model_on, statistics_update,
-    train_task_with,
+    EvalOptions, Evaluation, LocalUpdate, TrainOptions, evaluate, statistics_update, train_task,
 };
 use canopy_sdk::{
     CancelToken, DeviceClient, DownloadedModel, RetryNotice, RetryObserver, RetryPolicy, SdkError,
@@ -401,10 +400,13 @@ impl Daemon {
         self.set_state(AgentState::Evaluating);
         let datasets = self.datasets.clone();
         let name = task.dataset.clone();
-        let backend = self.settings.backend.sdk_choice();
+        let options = EvalOptions {
+            backend: self.settings.backend.sdk_choice(),
+            ..EvalOptions::default()
+        };
         let evaluation = off_thread("evaluation", move || {
             let data = datasets.get(name.as_deref())?;
-            rayon::scope(|_| evaluate_held_out(&model.bytes, &data, &backend))
+            rayon::scope(|_| evaluate_held_out(&model.bytes, &data, &options))
         })
         .await?;
         tracing::info!(
@@ -541,7 +543,7 @@ impl Daemon {
 fn evaluate_held_out(
     model_bytes: &[u8],
     data: &LocalData,
-    backend: &canopy_sdk::BackendChoice,
+    options: &EvalOptions,
 ) -> Result<Evaluation> {
     let model =
         canopy_ir::format::read_model(model_bytes).context("the downloaded model does not load")?;
@@ -557,7 +559,7 @@ fn evaluate_held_out(
             data.name
         );
     }
-    evaluate_model_on(&model, &held_out, EVAL_BATCH, backend)
+    evaluate(&model, &held_out, options)
         .context("evaluating the round's model on the held-out data failed")
 }
 
@@ -600,17 +602,21 @@ fn train_and_evaluate(
     };
     let train = fit_to_model(&data.train, &model).with_context(context)?;
     let held_out = fit_to_model(&data.holdout, &model).with_context(context)?;
+    let on_training_backend = EvalOptions {
+        backend: options.backend.clone(),
+        ..EvalOptions::default()
+    };
     let evaluation = if held_out.is_empty() {
         None
     } else {
         Some(
-            evaluate_model_on(&model, &held_out, EVAL_BATCH, &options.backend)
+            evaluate(&model, &held_out, &on_training_backend)
                 .context("evaluating the global model on the held-out data failed")?,
         )
     };
     drop(model);
-    let update = train_task_with(model_bytes, task, &train, seed, options)
-        .context("local training failed")?;
+    let update =
+        train_task(model_bytes, task, &train, seed, options).context("local training failed")?;
     Ok((evaluation, update))
 }
 

@@ -77,7 +77,7 @@ pub fn load_csv_within(
     bounds: &DataBounds,
 ) -> EngineResult<Dataset> {
     let path = path.as_ref();
-    let mut file = DataFile::open(path, bounds.max_bytes, bounds)?;
+    let mut file = DataFile::open(path, bounds)?;
     let parsed = Parser::new(*opts, bounds.max_values)
         .parse(&mut file)
         .map_err(|error| match error {

@@ -23,16 +23,15 @@ pub fn load_idx(images: impl AsRef<Path>, labels: impl AsRef<Path>) -> EngineRes
     load_idx_within(images, labels, &DataBounds::DEFAULT)
 }
 
-/// [`load_idx`] under `bounds`: the images header's shape is checked
-/// against `bounds.max_values` before anything is allocated for it, and
-/// both files together decompress to at most `bounds.max_bytes`.
+/// [`load_idx`] under `bounds` ([`DataBounds`] says what they cap; the
+/// two files share the byte bound).
 pub fn load_idx_within(
     images: impl AsRef<Path>,
     labels: impl AsRef<Path>,
     bounds: &DataBounds,
 ) -> EngineResult<Dataset> {
     let (images, labels_path) = (images.as_ref(), labels.as_ref());
-    let mut file = DataFile::open(images, bounds.max_bytes, bounds)?;
+    let mut file = DataFile::open(images, bounds)?;
     let dims = read_header(&mut file)?;
     if dims.len() < 2 {
         let cause = format!(
@@ -46,8 +45,7 @@ pub fn load_idx_within(
     read_body(&mut file, &dims, |bytes| {
         features.extend(bytes.iter().map(|&b| f32::from(b) / 255.0));
     })?;
-    let left = bounds.max_bytes.saturating_sub(file.consumed());
-    let mut file = DataFile::open(labels_path, left, bounds)?;
+    let mut file = file.open_next(labels_path)?;
     let labels = read_labels(&mut file, Some(dims[0]))?;
     Dataset::infer_classes(images, features, feature_shape(&dims), labels)
 }
@@ -55,7 +53,7 @@ pub fn load_idx_within(
 /// Loads a labels IDX file (magic 0x801: one u8 label per item).
 pub fn load_idx_labels(path: impl AsRef<Path>) -> EngineResult<Vec<i64>> {
     let bounds = DataBounds::DEFAULT;
-    let mut file = DataFile::open(path.as_ref(), bounds.max_bytes, &bounds)?;
+    let mut file = DataFile::open(path.as_ref(), &bounds)?;
     read_labels(&mut file, None)
 }
 

@@ -65,7 +65,7 @@ impl Header {
 pub fn load_npy(path: impl AsRef<Path>) -> EngineResult<ArrayD<f32>> {
     let path = path.as_ref();
     let bounds = DataBounds::DEFAULT;
-    let mut file = DataFile::open(path, bounds.max_bytes, &bounds)?;
+    let mut file = DataFile::open(path, &bounds)?;
     let header = read_header(&mut file, &bounds)?;
     let mut values = Vec::with_capacity(header.elements());
     read_body(&mut file, &header, |_, x| {
@@ -85,16 +85,15 @@ pub fn load_npy_dataset(
     load_npy_dataset_within(images, labels, &DataBounds::DEFAULT)
 }
 
-/// [`load_npy_dataset`] under `bounds`: the images header's shape is
-/// checked against `bounds.max_values` before anything is allocated for
-/// it, and both files together decompress to at most `bounds.max_bytes`.
+/// [`load_npy_dataset`] under `bounds` ([`DataBounds`] says what they
+/// cap; the two files share the byte bound).
 pub fn load_npy_dataset_within(
     images: impl AsRef<Path>,
     labels: impl AsRef<Path>,
     bounds: &DataBounds,
 ) -> EngineResult<Dataset> {
     let (images, labels_path) = (images.as_ref(), labels.as_ref());
-    let mut file = DataFile::open(images, bounds.max_bytes, bounds)?;
+    let mut file = DataFile::open(images, bounds)?;
     let header = read_header(&mut file, bounds)?;
     if header.shape.len() < 2 {
         let cause = format!(
@@ -118,8 +117,7 @@ pub fn load_npy_dataset_within(
         features.push(x / scale);
         Ok(())
     })?;
-    let left = bounds.max_bytes.saturating_sub(file.consumed());
-    let mut file = DataFile::open(labels_path, left, bounds)?;
+    let mut file = file.open_next(labels_path)?;
     let labels = read_npy_labels(&mut file, header.shape[0], bounds)?;
     Dataset::infer_classes(images, features, header.shape[1..].to_vec(), labels)
 }

@@ -2,7 +2,6 @@
 //! byte bound of [`DataBounds`]: the one place a loader's bytes come from,
 //! so no loader can decompress past the bound or buffer a whole file.
 
-use std::fs::File;
 use std::io::{BufRead, BufReader, ErrorKind, Read, Take};
 use std::path::{Path, PathBuf};
 
@@ -32,10 +31,26 @@ pub(crate) struct DataFile {
 }
 
 impl DataFile {
-    /// Opens `path` with `allowed` bytes left of `bounds.max_bytes` (the
-    /// files of one dataset share it).
-    pub(crate) fn open(path: &Path, allowed: u64, bounds: &DataBounds) -> EngineResult<DataFile> {
-        let file = File::open(path).map_err(|e| data_err(path, format!("cannot open: {e}")))?;
+    /// Opens the first (or only) file of a dataset, with the whole of
+    /// `bounds.max_bytes` allowed.
+    pub(crate) fn open(path: &Path, bounds: &DataBounds) -> EngineResult<DataFile> {
+        DataFile::open_within(path, bounds.max_bytes, bounds.max_bytes)
+    }
+
+    /// Opens the next file of the same dataset (the labels after the
+    /// images): the files of one dataset share its byte bound, so this one
+    /// may yield what this file left of it.
+    pub(crate) fn open_next(&self, path: &Path) -> EngineResult<DataFile> {
+        let left = self.allowed.saturating_sub(self.consumed());
+        DataFile::open_within(path, left, self.limit)
+    }
+
+    /// Opens `path` with `allowed` bytes left of the dataset's `limit`.
+    fn open_within(path: &Path, allowed: u64, limit: u64) -> EngineResult<DataFile> {
+        // A regular file only (`canopy_files`' rule): a directory would
+        // fail only at the first read, with a cause no one looks for.
+        let (file, _) =
+            canopy_files::open_regular(path).map_err(|e| data_err(path, e.cause.to_string()))?;
         let mut buffered = BufReader::new(file);
         let head = buffered
             .fill_buf()
@@ -50,7 +65,7 @@ impl DataFile {
             path: path.to_path_buf(),
             reader: BufReader::with_capacity(CHUNK_BYTES, stream.take(allowed.saturating_add(1))),
             allowed,
-            limit: bounds.max_bytes,
+            limit,
             gzipped,
         })
     }

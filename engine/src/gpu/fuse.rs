@@ -5,8 +5,8 @@
 //! **The rule.** Every node is in exactly one group, and a group's value
 //! is its *root*, the one member that is materialised in a buffer. A node
 //! joins its consumer's group when
-//! - it is elementwise (unary, binary, `where`, cast, broadcast), and so
-//!   is the root;
+//! - it is elementwise (its kernel family is `Family::Elementwise`), and
+//!   so is the root;
 //! - it has the group's output shape and at least one element (operands
 //!   of another shape, broadcast ones, stay *inputs* of the group and are
 //!   read with broadcast indexing);
@@ -31,6 +31,8 @@
 //! kernel computes in registers.
 
 use canopy_ir::{Graph, Op};
+
+use super::kernels::Family;
 
 /// The most nodes one fused kernel computes; bounds the generated source.
 pub const MAX_MEMBERS: usize = 32;
@@ -64,14 +66,11 @@ pub struct Fusion {
     members: Vec<Vec<usize>>,
 }
 
-/// Whether the fused kernel generator computes `op` per element. A
-/// broadcast is one: inside a group it is its operand read with broadcast
-/// indexing, which is how its own kernel reads it.
+/// Whether the fused kernel generator computes `op` per element: the ops
+/// of [`Family::Elementwise`]. A broadcast is one: inside a group it is
+/// its operand read with broadcast indexing, as its own kernel reads it.
 pub fn is_elementwise(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Broadcast { .. }
-    )
+    Family::of(op) == Family::Elementwise
 }
 
 impl Fusion {

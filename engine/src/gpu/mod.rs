@@ -10,15 +10,15 @@
 //!   as constants, and the pipeline comes from the context's cache, keyed
 //!   by that source (so by op and shape). Values get buffers from a pool
 //!   assigned by liveness; bind groups are made once per plan.
-//! - Fusion ([`fuse`]): the plan groups elementwise nodes (unary, binary,
-//!   `where`, cast, broadcast) into one kernel per group. A node joins its consumer's
-//!   group when it is elementwise, has the group's output shape, is not a
-//!   graph output and every consumer of it is in the group; broadcast
-//!   operands are the group's inputs. At most 32 nodes and 8 inputs (within
-//!   the adapter's storage-buffer bindings) per group. Only the group's
-//!   root is written; the others get no buffer. Why: a dispatch inside one
-//!   submission costs 2–5 µs on an H100, and every materialised
-//!   intermediate costs a write and a read of memory.
+//! - Fusion ([`fuse`]): the plan groups the nodes of the elementwise
+//!   kernel family (`kernels::Family`) into one kernel per group. A node
+//!   joins its consumer's group when it is elementwise, has the group's
+//!   output shape, is not a graph output and every consumer of it is in
+//!   the group; broadcast operands are the group's inputs. At most 32
+//!   nodes and 8 inputs (within the adapter's storage-buffer bindings) per
+//!   group. Only the group's root is written; the others get no buffer.
+//!   Why: a dispatch inside one submission costs 2–5 µs on an H100, and
+//!   every materialised intermediate costs a write and a read of memory.
 //! - A run is one command-buffer submission: the fed inputs are written,
 //!   every kernel is dispatched in one compute pass, the returned outputs
 //!   are copied to one staging buffer, which is mapped once.
@@ -33,7 +33,6 @@
 mod context;
 mod executable;
 mod fuse;
-mod gemm;
 mod kernels;
 mod loader_env;
 mod plan;

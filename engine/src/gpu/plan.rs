@@ -84,11 +84,9 @@ impl Plan {
             dispatches: Vec::new(),
             fusion,
         };
-        for (index, node) in graph.nodes().iter().enumerate() {
-            let computed_here = !matches!(
-                node.op,
-                Op::Input { .. } | Op::Constant(_) | Op::Reshape { .. }
-            ) && !plan.fusion.is_fused_away(index);
+        // A node without a kernel (`Family::NoKernel`) generates none.
+        for index in 0..graph.nodes().len() {
+            let computed_here = !plan.fusion.is_fused_away(index);
             if !computed_here || plan.shapes[index].iter().product::<usize>() == 0 {
                 continue;
             }

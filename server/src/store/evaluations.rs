@@ -7,28 +7,20 @@
 //! deadline. Evaluator states: `selected` → `delivered` (task fetched) →
 //! `reported`, or `dropped` (declined, or still pending when the
 //! evaluation closes), or `ineligible` (withdrew: it no longer meets the
-//! job's device policy; not a dropout). The evaluation closes when no evaluator is pending
-//! or at its deadline; a job whose last round has an open evaluation is
+//! job's device policy; not a dropout): the task state machine both kinds
+//! of task share (`task_state`). The evaluation closes when no evaluator
+//! is pending or at its deadline; a job whose last round has an open evaluation is
 //! not complete until it closes, so a completed job's numbers are final.
 
 use sqlx::FromRow;
 
 use super::jobs::JobState;
 use super::rounds::Tx;
+use super::task_state::{self, Admission, States, Value};
 use super::text_enum;
 use crate::db::{Db, now_ms};
 
-text_enum! {
-    /// An evaluator's state: `selected` → `delivered` → `reported`, or
-    /// `dropped`, or `ineligible` (withdrawn under the job's device policy).
-    pub enum EvaluatorState {
-        Selected = "selected",
-        Delivered = "delivered",
-        Reported = "reported",
-        Dropped = "dropped",
-        Ineligible = "ineligible",
-    }
-}
+pub use super::task_state::EvaluatorState;
 
 text_enum! {
     /// A round's federated evaluation: `open` while devices evaluate, then
@@ -51,46 +43,12 @@ text_enum! {
     }
 }
 
-/// The pending evaluator states, as SQL.
-pub const PENDING_EVALUATOR_STATES: &str = "('selected', 'delivered')";
-
-/// Opens a round's federated evaluation with these evaluators; with none,
-/// it is closed at once.
-pub async fn open(
-    tx: &mut Tx<'_>,
-    round_id: i64,
-    device_ids: &[i64],
-    deadline_ms: i64,
-) -> Result<(), sqlx::Error> {
-    let now = now_ms();
-    for device_id in device_ids {
-        sqlx::query(
-            "INSERT INTO evaluators (round_id, device_id, state, selected_ms) \
-             VALUES ($1, $2, 'selected', $3)",
-        )
-        .bind(round_id)
-        .bind(device_id)
-        .bind(now)
-        .execute(&mut **tx)
-        .await?;
-    }
-    let state = if device_ids.is_empty() {
-        "closed"
-    } else {
-        "open"
-    };
-    sqlx::query(
-        "UPDATE rounds SET eval_state = $1, eval_deadline_ms = $2, eval_selected = $3, \
-         eval_closed_ms = CASE WHEN $1 = 'closed' THEN $4 ELSE NULL END WHERE id = $5",
-    )
-    .bind(state)
-    .bind(deadline_ms)
-    .bind(device_ids.len() as i64)
-    .bind(now)
-    .bind(round_id)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
+/// The device's open evaluation task, marked delivered (and handed out
+/// again until it reports, as training tasks are).
+pub async fn take(db: &Db, device_id: i64) -> Result<Option<EvaluationTaskRow>, sqlx::Error> {
+    let columns = "r.id AS round_id, r.job_id, r.number, r.result_version_id AS version_id, \
+         r.eval_deadline_ms AS deadline_ms, j.config";
+    task_state::take::<EvaluatorState, _>(db, device_id, columns).await
 }
 
 /// An evaluation task: evaluate the version round `round_id` produced.
@@ -104,56 +62,10 @@ pub struct EvaluationTaskRow {
     pub config: String,
 }
 
-/// The device's open evaluation task, marked delivered (and handed out
-/// again until it reports, as training tasks are).
-pub async fn take(db: &Db, device_id: i64) -> Result<Option<EvaluationTaskRow>, sqlx::Error> {
-    let now = now_ms();
-    let task: Option<EvaluationTaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT r.id AS round_id, r.job_id, r.number, r.result_version_id AS version_id, \
-         r.eval_deadline_ms AS deadline_ms, j.config \
-         FROM evaluators e JOIN rounds r ON r.id = e.round_id JOIN jobs j ON j.id = r.job_id \
-         WHERE e.device_id = $1 AND e.state IN {PENDING_EVALUATOR_STATES} \
-         AND r.eval_state = 'open' AND r.eval_deadline_ms > $2 AND j.state = 'running' \
-         ORDER BY r.id LIMIT 1"
-    )))
-    .bind(device_id)
-    .bind(now)
-    .fetch_optional(&db.pool)
-    .await?;
-    if let Some(task) = &task {
-        let _writer = db.write_lock().await;
-        sqlx::query(
-            "UPDATE evaluators SET state = 'delivered', delivered_ms = $1 \
-             WHERE round_id = $2 AND device_id = $3 AND state = 'selected'",
-        )
-        .bind(now)
-        .bind(task.round_id)
-        .bind(device_id)
-        .execute(&db.pool)
-        .await?;
+impl task_state::HandedTask for EvaluationTaskRow {
+    fn round_id(&self) -> i64 {
+        self.round_id
     }
-    Ok(task)
-}
-
-/// Whether the device has an open evaluation of this version, which lets it
-/// download the version.
-pub async fn has_evaluation_of_version(
-    db: &Db,
-    device_id: i64,
-    version_id: i64,
-) -> Result<bool, sqlx::Error> {
-    let found: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT r.id FROM evaluators e JOIN rounds r ON r.id = e.round_id \
-         WHERE e.device_id = $1 AND e.state IN {PENDING_EVALUATOR_STATES} \
-         AND r.result_version_id = $2 AND r.eval_state = 'open' AND r.eval_deadline_ms > $3 \
-         LIMIT 1"
-    )))
-    .bind(device_id)
-    .bind(version_id)
-    .bind(now_ms())
-    .fetch_optional(&db.pool)
-    .await?;
-    Ok(found.is_some())
 }
 
 /// What a device reports about the version it evaluated.
@@ -164,161 +76,33 @@ pub struct Report {
     pub samples: u64,
 }
 
-/// What became of a report or a decline.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Taken,
-    /// The device was not asked to evaluate this round's version.
-    NotEvaluator,
-    /// It already reported or declined.
-    AlreadyAnswered,
-    /// It withdrew as ineligible; a second withdrawal finds it standing.
-    AlreadyWithdrawn,
-    /// The evaluation closed (deadline), or the device was dropped from it.
-    Closed,
-}
-
-/// The one decision on a report, a decline or a withdrawal, from the
-/// evaluator's state and the evaluation's: not an evaluator, already
-/// answered (or withdrawn), closed, or taken, in that order (so a device whose report counted hears so even
-/// after the close).
-pub fn admit(
-    evaluator: Option<EvaluatorState>,
-    evaluation: Option<EvaluationState>,
-    deadline_ms: Option<i64>,
-    now: i64,
-) -> Outcome {
-    match evaluator {
-        None => Outcome::NotEvaluator,
-        Some(EvaluatorState::Reported) => Outcome::AlreadyAnswered,
-        Some(EvaluatorState::Ineligible) => Outcome::AlreadyWithdrawn,
-        Some(EvaluatorState::Dropped) => Outcome::Closed,
-        Some(EvaluatorState::Selected | EvaluatorState::Delivered) => {
-            let open = evaluation == Some(EvaluationState::Open)
-                && deadline_ms.is_some_and(|deadline| now < deadline);
-            if open {
-                Outcome::Taken
-            } else {
-                Outcome::Closed
-            }
-        }
-    }
-}
-
-async fn standing(
-    tx: &mut Tx<'_>,
-    round_id: i64,
-    device_id: i64,
-) -> Result<(Option<EvaluatorState>, Option<EvaluationState>, Option<i64>), sqlx::Error> {
-    let evaluator: Option<(String,)> =
-        sqlx::query_as("SELECT state FROM evaluators WHERE round_id = $1 AND device_id = $2")
-            .bind(round_id)
-            .bind(device_id)
-            .fetch_optional(&mut **tx)
-            .await?;
-    let round: Option<(Option<String>, Option<i64>)> =
-        sqlx::query_as("SELECT eval_state, eval_deadline_ms FROM rounds WHERE id = $1")
-            .bind(round_id)
-            .fetch_optional(&mut **tx)
-            .await?;
-    let evaluator = evaluator
-        .map(|(text,)| super::parse_state::<EvaluatorState>("evaluators.state", text))
-        .transpose()?;
-    let (evaluation, deadline_ms) = round.unwrap_or((None, None));
-    let evaluation = evaluation
-        .map(|text| super::parse_state::<EvaluationState>("rounds.eval_state", text))
-        .transpose()?;
-    Ok((evaluator, evaluation, deadline_ms))
-}
-
-/// Records a device's evaluation of the round's version.
+/// Records a device's evaluation of the round's version, if
+/// [`task_state::admit`] takes it.
 pub async fn report(
     db: &Db,
     round_id: i64,
     device_id: i64,
     report: Report,
-) -> Result<Outcome, sqlx::Error> {
-    let _writer = db.write_lock().await;
-    let mut tx = db.pool.begin().await?;
-    let (evaluator, evaluation, deadline) = standing(&mut tx, round_id, device_id).await?;
-    let outcome = admit(evaluator, evaluation, deadline, now_ms());
-    if outcome == Outcome::Taken {
-        sqlx::query(
-            "UPDATE evaluators SET state = 'reported', reported_ms = $1, loss = $2, \
-             accuracy = $3, samples = $4 WHERE round_id = $5 AND device_id = $6",
-        )
-        .bind(now_ms())
-        .bind(report.loss)
-        .bind(report.accuracy)
-        .bind(i64::try_from(report.samples).unwrap_or(i64::MAX))
-        .bind(round_id)
-        .bind(device_id)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-    }
-    Ok(outcome)
-}
-
-/// A device gives up its evaluation task, saying why.
-pub async fn decline(
-    db: &Db,
-    round_id: i64,
-    device_id: i64,
-    reason: &str,
-) -> Result<Outcome, sqlx::Error> {
-    let reason = format!("declined: {reason}");
-    give_up(db, round_id, device_id, EvaluatorState::Dropped, &reason).await
-}
-
-/// A device that no longer meets the job's device policy withdraws from
-/// its evaluation task: it becomes `ineligible`, not a dropout. The caller
-/// has checked its conditions against the policy.
-pub async fn withdraw(
-    db: &Db,
-    round_id: i64,
-    device_id: i64,
-    reason: &str,
-) -> Result<Outcome, sqlx::Error> {
-    give_up(db, round_id, device_id, EvaluatorState::Ineligible, reason).await
-}
-
-/// An evaluator leaves its task for `state`, with `reason`, if [`admit`]
-/// takes it.
-async fn give_up(
-    db: &Db,
-    round_id: i64,
-    device_id: i64,
-    state: EvaluatorState,
-    reason: &str,
-) -> Result<Outcome, sqlx::Error> {
-    let _writer = db.write_lock().await;
-    let mut tx = db.pool.begin().await?;
-    let (evaluator, evaluation, deadline) = standing(&mut tx, round_id, device_id).await?;
-    let outcome = admit(evaluator, evaluation, deadline, now_ms());
-    if outcome == Outcome::Taken {
-        sqlx::query(
-            "UPDATE evaluators SET state = $1, drop_reason = $2 \
-             WHERE round_id = $3 AND device_id = $4",
-        )
-        .bind(state.as_str())
-        .bind(reason)
-        .bind(round_id)
-        .bind(device_id)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-    }
-    Ok(outcome)
+) -> Result<Admission, sqlx::Error> {
+    let samples = i64::try_from(report.samples).unwrap_or(i64::MAX);
+    let columns = [
+        ("reported_ms", Value::Int(now_ms())),
+        ("loss", Value::Float(report.loss)),
+        ("accuracy", Value::Float(report.accuracy)),
+        ("samples", Value::Int(samples)),
+    ];
+    let reported = EvaluatorState::Reported;
+    task_state::answer(db, round_id, device_id, reported, &columns).await
 }
 
 /// Open evaluations that can close now: past their deadline, or with no
 /// evaluator left pending.
 pub async fn due(db: &Db, limit: i64) -> Result<Vec<i64>, sqlx::Error> {
+    let pending = States::<EvaluatorState>::PENDING;
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT r.id FROM rounds r WHERE r.eval_state = 'open' AND (r.eval_deadline_ms <= $1 \
          OR NOT EXISTS (SELECT 1 FROM evaluators e WHERE e.round_id = r.id \
-         AND e.state IN {PENDING_EVALUATOR_STATES})) ORDER BY r.id LIMIT $2"
+         AND e.state IN {pending})) ORDER BY r.id LIMIT $2"
     )))
     .bind(now_ms())
     .bind(limit)
@@ -340,14 +124,8 @@ pub async fn close(tx: &mut Tx<'_>, round_id: i64) -> Result<bool, sqlx::Error> 
     if closed.rows_affected() == 0 {
         return Ok(false);
     }
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE evaluators SET state = 'dropped', \
-         drop_reason = 'timeout: no evaluation before the deadline' \
-         WHERE round_id = $1 AND state IN {PENDING_EVALUATOR_STATES}"
-    )))
-    .bind(round_id)
-    .execute(&mut **tx)
-    .await?;
+    let reason = "timeout: no evaluation before the deadline";
+    task_state::drop_pending::<EvaluatorState>(tx, round_id, reason).await?;
     Ok(true)
 }
 
@@ -525,49 +303,4 @@ pub async fn fail_central(
     .execute(&mut **tx)
     .await?;
     Ok(stored.rows_affected() > 0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_pending_list_is_the_enum() {
-        let pending: Vec<String> = EvaluatorState::ALL
-            .iter()
-            .filter(|s| matches!(s, EvaluatorState::Selected | EvaluatorState::Delivered))
-            .map(|s| format!("'{s}'"))
-            .collect();
-        assert_eq!(
-            PENDING_EVALUATOR_STATES,
-            format!("({})", pending.join(", "))
-        );
-    }
-
-    #[test]
-    fn admit_decides_in_one_order() {
-        use EvaluationState::*;
-        use EvaluatorState::*;
-        let open = (Some(Open), Some(100));
-        assert_eq!(admit(None, open.0, open.1, 50), Outcome::NotEvaluator);
-        assert_eq!(
-            admit(Some(Reported), Some(Closed), open.1, 500),
-            Outcome::AlreadyAnswered
-        );
-        assert_eq!(admit(Some(Dropped), open.0, open.1, 50), Outcome::Closed);
-        assert_eq!(
-            admit(Some(Ineligible), Some(Closed), open.1, 500),
-            Outcome::AlreadyWithdrawn
-        );
-        assert_eq!(admit(Some(Delivered), open.0, open.1, 50), Outcome::Taken);
-        assert_eq!(
-            admit(Some(Selected), open.0, open.1, 100),
-            Outcome::Closed,
-            "at the deadline"
-        );
-        assert_eq!(
-            admit(Some(Delivered), Some(Closed), open.1, 50),
-            Outcome::Closed
-        );
-    }
 }

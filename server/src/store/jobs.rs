@@ -19,6 +19,7 @@ use crate::config::api_bounds::{
 use crate::db::{Db, now_ms};
 use canopy_protocol::messages::{DevicePolicy, GpuDeviceType};
 
+use crate::round_failure::RoundFailure;
 use crate::strategy::{LearningRateSchedule, StrategySpec};
 
 /// Which devices may take part. Empty fields match every device.
@@ -690,7 +691,7 @@ pub async fn apply_action(db: &Db, id: i64, action: JobAction) -> Result<JobRow,
     .fetch_one(&mut *tx)
     .await?;
     if action == JobAction::Cancel {
-        super::rounds::fail_open_round(&mut tx, id, "the job was cancelled", now).await?;
+        super::rounds::fail_open_round(db, &mut tx, id, &RoundFailure::Cancelled, now).await?;
     }
     tx.commit().await?;
     Ok(row)

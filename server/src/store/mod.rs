@@ -11,6 +11,7 @@ pub mod secagg;
 pub mod settings;
 pub mod signing_keys;
 pub mod strategy;
+pub mod task_state;
 pub mod tokens;
 
 use rand::RngCore;
@@ -62,9 +63,9 @@ macro_rules! text_enum {
             serde::Deserialize, utoipa::ToSchema,
         )]
         // utoipa cannot read a rename given as a macro fragment, so the
-        // schema takes its names from this; every state's text must stay
-        // its variant's name in lowercase (Schemathesis checks the two).
-        #[serde(rename_all = "lowercase")]
+        // schema takes its names from this; every variant's text must stay
+        // its name in snake_case (Schemathesis checks the two).
+        #[serde(rename_all = "snake_case")]
         pub enum $name {
             $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
         }
@@ -177,6 +178,7 @@ mod tests {
             include_str!("jobs.rs"),
             include_str!("evaluations.rs"),
             include_str!("datasets.rs"),
+            include_str!("task_state.rs"),
         ];
         let pattern = regex::Regex::new(
             r"(?:state|stage) (?:=|IN) \(?'([a-z_]+)'|THEN '([a-z_]+)'|'([a-z_]+)', '([a-z_]+)'",

@@ -8,15 +8,20 @@
 //! job's device policy (not a dropout).
 //! Every transition is a conditional UPDATE on the current state, inside a
 //! transaction that holds the round's row lock on PostgreSQL, so two server
-//! processes can never both act on one round.
+//! processes can never both act on one round. A participant's task state
+//! machine is the one evaluators share (`task_state`).
 
 use std::collections::HashSet;
 
 use sqlx::FromRow;
 
+use super::task_state::{self, Admission, States, TaskState, Value};
 use super::{Page, parse_state, text_enum};
 use crate::db::{Db, now_ms};
 use crate::fedavg;
+use crate::round_failure::RoundFailure;
+
+pub use super::task_state::ParticipantState;
 
 text_enum! {
     /// A round's state: `selecting` → `training` → `aggregating` →
@@ -27,20 +32,6 @@ text_enum! {
         Aggregating = "aggregating",
         Succeeded = "succeeded",
         Failed = "failed",
-    }
-}
-
-text_enum! {
-    /// A participant's state: `selected` → `delivered` (task fetched) →
-    /// `uploaded`, or `dropped` when the round closes without its update or
-    /// it declines, or `ineligible` when it withdrew because it no longer
-    /// meets the job's device policy (counted apart from dropouts).
-    pub enum ParticipantState {
-        Selected = "selected",
-        Delivered = "delivered",
-        Uploaded = "uploaded",
-        Dropped = "dropped",
-        Ineligible = "ineligible",
     }
 }
 
@@ -64,32 +55,12 @@ impl RoundState {
     }
 }
 
-impl ParticipantState {
-    /// Still expected to upload: selected, or its task delivered.
-    pub fn is_pending(self) -> bool {
-        matches!(
-            self,
-            ParticipantState::Selected | ParticipantState::Delivered
-        )
-    }
-
-    /// Out of the round without an update: dropped, or withdrawn as
-    /// ineligible. A secure round treats both alike (their masks must be
-    /// removed); only dropouts count against the round's `dropouts`.
-    pub fn has_left(self) -> bool {
-        matches!(
-            self,
-            ParticipantState::Dropped | ParticipantState::Ineligible
-        )
-    }
-}
-
 /// The open round states, as SQL; the text of [`RoundState`]'s open variants.
 pub const OPEN_STATES: &str = "('selecting', 'training', 'aggregating')";
 /// The pending participant states ([`ParticipantState::is_pending`]), as SQL.
-pub const PENDING_STATES: &str = "('selected', 'delivered')";
+pub const PENDING_STATES: States<ParticipantState> = States::PENDING;
 /// The states of participants that have left ([`ParticipantState::has_left`]), as SQL.
-pub const LEFT_STATES: &str = "('dropped', 'ineligible')";
+pub const LEFT_STATES: States<ParticipantState> = States::LEFT;
 
 #[derive(Clone, Debug, FromRow)]
 pub struct RoundRow {
@@ -133,6 +104,8 @@ pub struct RoundRow {
     central_eval_state: Option<String>,
     /// Why the central evaluation failed.
     pub central_eval_error: Option<String>,
+    /// A failed round's [`crate::round_failure::FailureKind`], by name.
+    pub failure_kind: Option<String>,
 }
 
 pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_version_id, \
@@ -140,7 +113,7 @@ pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_versio
      weight_total, bytes_in, bytes_out, dropouts, ineligible, status_message, kind, created_ms, \
      training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage, eval_state, \
      central_eval_loss, central_eval_accuracy, central_eval_samples, central_eval_state, \
-     central_eval_error";
+     central_eval_error, failure_kind";
 
 impl RoundRow {
     /// The state of the federated evaluation of the round's version.
@@ -321,55 +294,16 @@ pub fn candidates<'a>(
     .fetch(&mut **tx)
 }
 
-/// Records the chosen devices and moves the round to `training`.
-pub async fn start_training(
-    tx: &mut Tx<'_>,
-    round_id: i64,
-    device_ids: &[i64],
-    deadline_ms: i64,
-) -> Result<(), sqlx::Error> {
-    let now = now_ms();
-    for device_id in device_ids {
-        sqlx::query(
-            "INSERT INTO participants (round_id, device_id, state, selected_ms) \
-             VALUES ($1, $2, 'selected', $3)",
-        )
-        .bind(round_id)
-        .bind(device_id)
-        .bind(now)
-        .execute(&mut **tx)
-        .await?;
-    }
-    sqlx::query(
-        "UPDATE rounds SET state = 'training', selected_count = $1, training_started_ms = $2, \
-         deadline_ms = $3, status_message = '' WHERE id = $4 AND state = 'selecting'",
-    )
-    .bind(device_ids.len() as i64)
-    .bind(now)
-    .bind(deadline_ms)
-    .bind(round_id)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
 /// Stops accepting updates: `training` → `aggregating`; devices that did
 /// not upload become dropouts, with `drop_reason` saying why.
 pub async fn close(tx: &mut Tx<'_>, round_id: i64, drop_reason: &str) -> Result<(), sqlx::Error> {
-    let dropped = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'dropped', drop_reason = $2 WHERE round_id = $1 \
-         AND state IN {PENDING_STATES}"
-    )))
-    .bind(round_id)
-    .bind(drop_reason)
-    .execute(&mut **tx)
-    .await?;
+    let dropped = task_state::drop_pending::<ParticipantState>(tx, round_id, drop_reason).await?;
     sqlx::query(
         "UPDATE rounds SET state = 'aggregating', closed_ms = $1, dropouts = dropouts + $2 \
          WHERE id = $3 AND state = 'training'",
     )
     .bind(now_ms())
-    .bind(dropped.rows_affected() as i64)
+    .bind(dropped as i64)
     .bind(round_id)
     .execute(&mut **tx)
     .await?;
@@ -488,9 +422,10 @@ pub async fn succeed_statistics(
 pub async fn fail(
     tx: &mut Tx<'_>,
     round: &RoundRow,
-    reason: &str,
+    failure: &RoundFailure,
     max_retries: i64,
 ) -> Result<(), sqlx::Error> {
+    let reason = failure.to_string();
     let now = now_ms();
     super::secagg::purge(tx, round.id).await?;
     clear_sum(tx, round.id).await?;
@@ -504,10 +439,11 @@ pub async fn fail(
     .await?;
     sqlx::query(
         "UPDATE rounds SET state = 'failed', finished_ms = $1, closed_ms = COALESCE(closed_ms, $1), \
-         status_message = $2 WHERE id = $3",
+         status_message = $2, failure_kind = $3 WHERE id = $4",
     )
     .bind(now)
-    .bind(reason)
+    .bind(&reason)
+    .bind(failure.kind().as_str())
     .bind(round.id)
     .execute(&mut **tx)
     .await?;
@@ -530,15 +466,21 @@ pub async fn fail(
     Ok(())
 }
 
-/// Fails a job's open round, if any (cancellation).
+/// Fails a job's open round, if any (cancellation). The rounds' rows are
+/// locked first, as every device answer locks them
+/// ([`super::task_state::answer`]) before its task's row: one order, so a
+/// cancel and an answer never deadlock on PostgreSQL.
 pub async fn fail_open_round(
+    db: &Db,
     tx: &mut Tx<'_>,
     job_id: i64,
-    reason: &str,
+    failure: &RoundFailure,
     now: i64,
 ) -> Result<(), sqlx::Error> {
+    let reason = failure.to_string();
     let open: Vec<(i64,)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT id FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES}"
+        "SELECT id FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES} ORDER BY id{}",
+        db.for_update()
     )))
     .bind(job_id)
     .fetch_all(&mut **tx)
@@ -551,15 +493,16 @@ pub async fn fail_open_round(
          AND round_id IN (SELECT id FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES})"
     )))
     .bind(job_id)
-    .bind(reason)
+    .bind(&reason)
     .execute(&mut **tx)
     .await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE rounds SET state = 'failed', finished_ms = $1, closed_ms = COALESCE(closed_ms, $1), \
-         status_message = $2 WHERE job_id = $3 AND state IN {OPEN_STATES}"
+         status_message = $2, failure_kind = $3 WHERE job_id = $4 AND state IN {OPEN_STATES}"
     )))
     .bind(now)
-    .bind(reason)
+    .bind(&reason)
+    .bind(failure.kind().as_str())
     .bind(job_id)
     .execute(&mut **tx)
     .await?;
@@ -655,56 +598,30 @@ pub struct TaskRow {
 /// read serves every task poll of a process (`api::device::tasks`'s
 /// board), so that waiting polls cost the database nothing each.
 pub async fn devices_with_tasks(db: &Db) -> Result<HashSet<i64>, sqlx::Error> {
-    let now = now_ms();
-    let pending_evaluators = super::evaluations::PENDING_EVALUATOR_STATES;
+    let training = task_state::open_tasks::<ParticipantState>();
+    let evaluation = task_state::open_tasks::<super::evaluations::EvaluatorState>();
     let devices: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT p.device_id FROM participants p JOIN rounds r ON r.id = p.round_id \
-         JOIN jobs j ON j.id = r.job_id \
-         WHERE r.state = 'training' AND r.deadline_ms > $1 AND j.state = 'running' \
-         AND p.state IN {PENDING_STATES} \
-         UNION SELECT e.device_id FROM evaluators e JOIN rounds r ON r.id = e.round_id \
-         JOIN jobs j ON j.id = r.job_id \
-         WHERE r.eval_state = 'open' AND r.eval_deadline_ms > $2 AND j.state = 'running' \
-         AND e.state IN {pending_evaluators}"
+        "SELECT t.device_id FROM {training} AND j.state = 'running' \
+         UNION SELECT t.device_id FROM {evaluation} AND j.state = 'running'"
     )))
-    .bind(now)
-    .bind(now)
+    .bind(now_ms())
     .fetch_all(&db.pool)
     .await?;
     Ok(devices.into_iter().collect())
 }
 
-/// The device's open task, marked delivered. A task already delivered is
-/// handed out again, so a device that restarts picks its work back up.
-/// A paused job hands out nothing; updates already under way are still
-/// accepted until the deadline.
-pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx::Error> {
-    let now = now_ms();
-    let task: Option<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT r.id AS round_id, r.job_id, r.number, r.base_version_id, r.deadline_ms, j.config, \
-         r.secagg_plan, r.kind \
-         FROM participants p JOIN rounds r ON r.id = p.round_id JOIN jobs j ON j.id = r.job_id \
-         WHERE p.device_id = $1 AND p.state IN {PENDING_STATES} \
-         AND r.state = 'training' AND r.deadline_ms > $2 AND j.state = 'running' \
-         ORDER BY r.id LIMIT 1"
-    )))
-    .bind(device_id)
-    .bind(now)
-    .fetch_optional(&db.pool)
-    .await?;
-    if let Some(task) = &task {
-        let _writer = db.write_lock().await;
-        sqlx::query(
-            "UPDATE participants SET state = 'delivered', delivered_ms = $1 \
-             WHERE round_id = $2 AND device_id = $3 AND state = 'selected'",
-        )
-        .bind(now)
-        .bind(task.round_id)
-        .bind(device_id)
-        .execute(&db.pool)
-        .await?;
+impl task_state::HandedTask for TaskRow {
+    fn round_id(&self) -> i64 {
+        self.round_id
     }
-    Ok(task)
+}
+
+/// The device's open training task, marked delivered. Updates already
+/// under way in a paused job are still accepted until the deadline.
+pub async fn take_task(db: &Db, device_id: i64) -> Result<Option<TaskRow>, sqlx::Error> {
+    let columns = "r.id AS round_id, r.job_id, r.number, r.base_version_id, r.deadline_ms, \
+         j.config, r.secagg_plan, r.kind";
+    task_state::take::<ParticipantState, _>(db, device_id, columns).await
 }
 
 /// Why an upload was not folded in.
@@ -743,11 +660,11 @@ pub struct RoundGate {
     pub deadline_ms: Option<i64>,
 }
 
-/// The one decision on an upload, for the check before its body is read
-/// and for the fold under the round's lock: not a participant, duplicate,
-/// closed, dropped or withdrawn, or admitted, in that order. A duplicate comes before
-/// closed so that a device whose update was counted hears so (409) even
-/// after the round closed.
+/// The decision on an upload, for the check before its body is read and
+/// for the fold under the round's lock: [`task_state::admit`], with the
+/// round open while it trains and before its deadline. A duplicate comes
+/// before closed so that a device whose update was counted hears so (409)
+/// even after the round closed.
 pub fn admit(
     round: RoundGate,
     device_id: i64,
@@ -756,32 +673,33 @@ pub fn admit(
 ) -> Result<(), UploadRejection> {
     let round_id = round.round_id;
     let late = round.deadline_ms.is_some_and(|deadline| now_ms > deadline);
-    match participant {
-        None => Err(UploadRejection::NotParticipant {
+    let training = round.state == RoundState::Training;
+    match task_state::admit(participant.map(TaskState::phase), training && !late) {
+        Admission::Taken => Ok(()),
+        Admission::NotMember => Err(UploadRejection::NotParticipant {
             round_id,
             device_id,
         }),
-        Some(ParticipantState::Uploaded) => Err(UploadRejection::Duplicate {
+        Admission::Answered => Err(UploadRejection::Duplicate {
             round_id,
             device_id,
         }),
-        Some(_) if round.state != RoundState::Training => Err(UploadRejection::Closed {
-            round_id,
-            reason: round.state.as_str(),
-        }),
-        Some(_) if late => Err(UploadRejection::Closed {
-            round_id,
-            reason: "deadline passed",
-        }),
-        Some(ParticipantState::Dropped) => Err(UploadRejection::Dropped {
+        Admission::Withdrawn => Err(UploadRejection::Withdrawn {
             round_id,
             device_id,
         }),
-        Some(ParticipantState::Ineligible) => Err(UploadRejection::Withdrawn {
+        Admission::Closed => Err(UploadRejection::Closed {
+            round_id,
+            reason: if training {
+                "deadline passed"
+            } else {
+                round.state.as_str()
+            },
+        }),
+        Admission::Dropped => Err(UploadRejection::Dropped {
             round_id,
             device_id,
         }),
-        Some(ParticipantState::Selected | ParticipantState::Delivered) => Ok(()),
     }
 }
 
@@ -901,18 +819,35 @@ pub async fn accept_updates(
     if let Some(sum) = &sum {
         store_sum(&mut tx, round_id, fedavg::encode_sum(sum)).await?;
     }
+    let weight_total = Some(weight_total);
+    let counted = count_batch(&mut tx, round_id, accepted, bytes_in, weight_total).await?;
+    tx.commit().await?;
+    Ok(numbered(outcomes, counted))
+}
+
+/// Counts a folded batch in the round's row: its accepted updates and
+/// bytes, and the new weight total where the fold keeps one (a secure
+/// round learns its weights only when it unmasks). How many updates the
+/// round had accepted before the batch.
+pub async fn count_batch(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    accepted: i64,
+    bytes_in: i64,
+    weight_total: Option<i64>,
+) -> Result<u64, sqlx::Error> {
     let (before,): (i64,) = sqlx::query_as(
-        "UPDATE rounds SET weight_total = $1, updates_accepted = updates_accepted + $2, \
-         bytes_in = bytes_in + $3 WHERE id = $4 RETURNING updates_accepted - $2",
+        "UPDATE rounds SET weight_total = COALESCE($1, weight_total), \
+         updates_accepted = updates_accepted + $2, bytes_in = bytes_in + $3 \
+         WHERE id = $4 RETURNING updates_accepted - $2",
     )
     .bind(weight_total)
     .bind(accepted)
     .bind(bytes_in)
     .bind(round_id)
-    .fetch_one(&mut *tx)
+    .fetch_one(&mut **tx)
     .await?;
-    tx.commit().await?;
-    Ok(numbered(outcomes, before as u64))
+    Ok(before as u64)
 }
 
 /// A batch's outcomes in order, each accepted one numbered by how many the
@@ -941,15 +876,7 @@ async fn fold_one(
     now: i64,
 ) -> Result<Result<(), UploadRejection>, sqlx::Error> {
     let (round_id, device_id) = (gate.round_id, update.device_id);
-    let participant: Option<String> =
-        sqlx::query_scalar("SELECT state FROM participants WHERE round_id = $1 AND device_id = $2")
-            .bind(round_id)
-            .bind(device_id)
-            .fetch_optional(&mut **tx)
-            .await?;
-    let participant = participant
-        .map(|text| parse_state("participants.state", text))
-        .transpose()?;
+    let participant = task_state::member_state(tx, round_id, device_id).await?;
     if let Err(rejection) = admit(gate, device_id, participant, now) {
         return Ok(Err(rejection));
     }
@@ -961,111 +888,26 @@ async fn fold_one(
             got: update.values.len(),
         }));
     }
+    let columns = [
+        ("uploaded_ms", Value::Int(now)),
+        (
+            "num_samples",
+            Value::Int(i64::try_from(update.num_samples).unwrap_or(i64::MAX)),
+        ),
+        (
+            "update_bytes",
+            Value::Int(i64::try_from(update.bytes).unwrap_or(i64::MAX)),
+        ),
+    ];
+    let uploaded = ParticipantState::Uploaded;
+    if !task_state::move_pending(tx, round_id, device_id, uploaded, &columns).await? {
+        // Under the round's lock only a writer that skips it (none should)
+        // can have moved the participant since the read.
+        let reason = "the participant left meanwhile";
+        return Ok(Err(UploadRejection::Closed { round_id, reason }));
+    }
     fedavg::fold(sum, update.num_samples, &update.values);
-    sqlx::query(
-        "UPDATE participants SET state = 'uploaded', uploaded_ms = $1, num_samples = $2, \
-         update_bytes = $3 WHERE round_id = $4 AND device_id = $5",
-    )
-    .bind(now)
-    .bind(i64::try_from(update.num_samples).unwrap_or(i64::MAX))
-    .bind(i64::try_from(update.bytes).unwrap_or(i64::MAX))
-    .bind(round_id)
-    .bind(device_id)
-    .execute(&mut **tx)
-    .await?;
     Ok(Ok(()))
-}
-
-/// A participant gives up its task: it becomes a dropout at once instead
-/// of at the deadline, with the reason it gave. False when it has no
-/// pending task in that round.
-pub async fn decline(
-    db: &Db,
-    round_id: i64,
-    device_id: i64,
-    reason: &str,
-) -> Result<bool, sqlx::Error> {
-    let _slot = db.round_write_slot().await;
-    let _writer = db.write_lock().await;
-    let mut tx = db.pool.begin().await?;
-    let declined = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'dropped', drop_reason = $3 WHERE round_id = $1 \
-         AND device_id = $2 AND state IN {PENDING_STATES}"
-    )))
-    .bind(round_id)
-    .bind(device_id)
-    .bind(format!("declined: {reason}"))
-    .execute(&mut *tx)
-    .await?;
-    if declined.rows_affected() != 1 {
-        return Ok(false);
-    }
-    sqlx::query("UPDATE rounds SET dropouts = dropouts + 1 WHERE id = $1")
-        .bind(round_id)
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(true)
-}
-
-/// What became of a participant's withdrawal.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Withdrawal {
-    /// The participant is now `ineligible`.
-    Taken,
-    /// The device has no task in the round.
-    NotParticipant,
-    /// It had withdrawn before: the withdrawal stands.
-    AlreadyWithdrawn,
-    /// It is no longer pending (it uploaded, or was dropped): there is
-    /// nothing to withdraw from.
-    Over(ParticipantState),
-}
-
-/// A participant that no longer meets the job's device policy withdraws:
-/// it becomes `ineligible` with `reason`, counted in the round's
-/// `ineligible` and not as a dropout, and the round stops waiting for it.
-/// The caller has checked its conditions against the policy.
-pub async fn withdraw(
-    db: &Db,
-    round_id: i64,
-    device_id: i64,
-    reason: &str,
-) -> Result<Withdrawal, sqlx::Error> {
-    let _slot = db.round_write_slot().await;
-    let _writer = db.write_lock().await;
-    let mut tx = db.pool.begin().await?;
-    let withdrawn = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "UPDATE participants SET state = 'ineligible', drop_reason = $3 WHERE round_id = $1 \
-         AND device_id = $2 AND state IN {PENDING_STATES}"
-    )))
-    .bind(round_id)
-    .bind(device_id)
-    .bind(reason)
-    .execute(&mut *tx)
-    .await?;
-    if withdrawn.rows_affected() == 1 {
-        sqlx::query("UPDATE rounds SET ineligible = ineligible + 1 WHERE id = $1")
-            .bind(round_id)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        return Ok(Withdrawal::Taken);
-    }
-    let state: Option<String> =
-        sqlx::query_scalar("SELECT state FROM participants WHERE round_id = $1 AND device_id = $2")
-            .bind(round_id)
-            .bind(device_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let state = state
-        .map(|text| parse_state("participants.state", text))
-        .transpose()?;
-    Ok(match state {
-        None => Withdrawal::NotParticipant,
-        Some(ParticipantState::Ineligible) => Withdrawal::AlreadyWithdrawn,
-        Some(other) => Withdrawal::Over(other),
-    })
 }
 
 /// The config of the job a round belongs to, `None` when there is no such
@@ -1114,28 +956,6 @@ pub async fn record_metrics(
     Ok(result.rows_affected() == 1)
 }
 
-/// True when the device has a task on this model version: it takes part
-/// (selected, or its task delivered) in a round that starts from the
-/// version and still accepts updates. Only then may it download the
-/// version; the same participant states decide whether its upload counts.
-pub async fn has_task_on_version(
-    db: &Db,
-    device_id: i64,
-    version_id: i64,
-) -> Result<bool, sqlx::Error> {
-    let found: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT r.id FROM participants p JOIN rounds r ON r.id = p.round_id \
-         WHERE p.device_id = $1 AND p.state IN {PENDING_STATES} \
-         AND r.base_version_id = $2 AND r.state = 'training' AND r.deadline_ms > $3 LIMIT 1"
-    )))
-    .bind(device_id)
-    .bind(version_id)
-    .bind(now_ms())
-    .fetch_optional(&db.pool)
-    .await?;
-    Ok(found.is_some())
-}
-
 /// Counts bytes sent to a device against its open round on this version.
 pub async fn add_bytes_out(
     db: &Db,
@@ -1167,11 +987,9 @@ mod tests {
     }
 
     #[test]
-    fn the_sql_state_lists_are_the_enums() {
+    fn the_open_states_are_the_enum() {
         let open = RoundState::ALL.iter().filter(|s| s.is_open());
         assert_eq!(OPEN_STATES, sql_list(open.map(|s| s.as_str())));
-        let pending = ParticipantState::ALL.iter().filter(|s| s.is_pending());
-        assert_eq!(PENDING_STATES, sql_list(pending.map(|s| s.as_str())));
     }
 
     fn decide(

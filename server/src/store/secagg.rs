@@ -8,6 +8,7 @@ use canopy_protocol::secagg::Plan;
 use sqlx::FromRow;
 
 use super::rounds::{LEFT_STATES, PENDING_STATES, ParticipantState, RoundState, Tx};
+use super::task_state::{self, Admission, TaskState, Value};
 use super::{parse_state, text_enum};
 use crate::db::{Db, now_ms};
 
@@ -50,6 +51,19 @@ impl SecureStage {
     /// Whether `participant` has sent what this stage waits for.
     pub fn answered_by(self, participant: &SecureParticipant) -> bool {
         (self.answer().1)(participant)
+    }
+
+    /// The stage whose answer a participant's message in this stage builds
+    /// on: shares need advertised keys, a receipt and a masked input need
+    /// shares, and only a survivor (its masked input in the sum) signs the
+    /// survivor set or helps unmask.
+    pub fn builds_on(self) -> Option<SecureStage> {
+        match self {
+            SecureStage::Advertise => None,
+            SecureStage::Share => Some(SecureStage::Advertise),
+            SecureStage::Check | SecureStage::Collect => Some(SecureStage::Share),
+            SecureStage::Consistency | SecureStage::Unmask => Some(SecureStage::Collect),
+        }
     }
 }
 
@@ -659,17 +673,9 @@ pub async fn fold_masked_batch<S, E>(
         return Ok(outcomes.into_iter().map(|o| o.map(|()| 0)).collect());
     }
     super::rounds::store_sum(&mut tx, round_id, close(&sum)).await?;
-    let (before,): (i64,) = sqlx::query_as(
-        "UPDATE rounds SET updates_accepted = updates_accepted + $1, \
-         bytes_in = bytes_in + $2 WHERE id = $3 RETURNING updates_accepted - $1",
-    )
-    .bind(accepted)
-    .bind(bytes_in)
-    .bind(round_id)
-    .fetch_one(&mut *tx)
-    .await?;
+    let counted = super::rounds::count_batch(&mut tx, round_id, accepted, bytes_in, None).await?;
     tx.commit().await?;
-    Ok(super::rounds::numbered(outcomes, before as u64))
+    Ok(super::rounds::numbered(outcomes, counted))
 }
 
 /// Whether a device may send its masked input now: it completed ShareKeys,
@@ -689,13 +695,18 @@ async fn eligibility<E>(
     let Some((participant, commitment)) = participant else {
         return Ok(Err(MaskedRejection::NotEligible));
     };
-    Ok(match parse_state("participants.state", participant)? {
-        ParticipantState::Uploaded => Err(MaskedRejection::Duplicate),
-        state if state.is_pending() && commitment.is_some() => Ok(()),
+    let participant: ParticipantState = parse_state("participants.state", participant)?;
+    // The round collects masked inputs: the caller checked it under its lock.
+    Ok(match task_state::admit(Some(participant.phase()), true) {
+        Admission::Answered => Err(MaskedRejection::Duplicate),
+        Admission::Taken if commitment.is_some() => Ok(()),
         _ => Err(MaskedRejection::NotEligible),
     })
 }
 
+/// Moves an admitted participant to `uploaded`. Under the round's lock
+/// it is still pending; if not, the batch is aborted rather than count an
+/// input whose sender the round no longer holds.
 async fn mark_uploaded(
     tx: &mut Tx<'_>,
     round_id: i64,
@@ -703,17 +714,17 @@ async fn mark_uploaded(
     size: i64,
     now: i64,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "UPDATE participants SET state = 'uploaded', uploaded_ms = $1, update_bytes = $2 \
-         WHERE round_id = $3 AND device_id = $4",
-    )
-    .bind(now)
-    .bind(size)
-    .bind(round_id)
-    .bind(device_id)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
+    let columns = [
+        ("uploaded_ms", Value::Int(now)),
+        ("update_bytes", Value::Int(size)),
+    ];
+    let uploaded = ParticipantState::Uploaded;
+    if task_state::move_pending(tx, round_id, device_id, uploaded, &columns).await? {
+        return Ok(());
+    }
+    Err(sqlx::Error::Protocol(format!(
+        "device {device_id} left round {round_id} while its masked input was folded"
+    )))
 }
 
 /// Why a masked vector was not folded in.

@@ -10,6 +10,7 @@ use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
 use crate::config::api_bounds::{DETAIL_PARTICIPANTS, MAX_ROUNDS_PAGE};
 use crate::orchestrator;
+use crate::round_failure::FailureView;
 use crate::state::AppState;
 use crate::store::evaluations::{self, CentralState, EvaluationState};
 use crate::store::jobs::{self, ActionError, JobAction, JobRow, JobSpec, JobState};
@@ -396,6 +397,9 @@ pub struct RoundView {
     pub min_devices: i64,
     pub selected: i64,
     pub status_message: String,
+    /// Why the round failed, for a `failed` round: a stable `kind` to
+    /// branch on and the `message` (its `status_message`).
+    pub failure: Option<FailureView>,
     pub created_ms: i64,
     pub deadline_ms: Option<i64>,
     pub finished_ms: Option<i64>,
@@ -419,6 +423,7 @@ impl From<&RoundRow> for RoundView {
             min_devices: row.min_devices,
             selected: row.selected_count,
             status_message: row.status_message.clone(),
+            failure: FailureView::of(row),
             created_ms: row.created_ms,
             deadline_ms: row.deadline_ms,
             finished_ms: row.finished_ms,

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::{get, post, put};
 use canopy_protocol::device_cert;
@@ -29,13 +29,18 @@ use crate::device_keys::DeviceKey;
 use crate::request_slots::PollSlot;
 use crate::state::AppState;
 use crate::store::devices::{self, EnrollError};
+use crate::store::evaluations::{self, EvaluatorState};
+use crate::store::rounds::{self, ParticipantState};
+use crate::store::task_state::{self, Admission, TaskKind, TaskState};
 use crate::store::tokens::EnrollmentTokenError;
-use crate::store::{evaluations, rounds};
 use auth::DeviceAuth;
 pub use tasks::TaskBoard;
 
 pub fn router() -> Router<AppState> {
-    Router::new()
+    let training = "/device/v1/rounds/{round_id}";
+    let evaluation = "/device/v1/rounds/{round_id}/evaluation";
+    let router = answer_routes::<ParticipantState>(Router::new(), training);
+    answer_routes::<EvaluatorState>(router, evaluation)
         .route("/device/v1/enroll", post(enroll))
         .route("/device/v1/server-key", get(server_key))
         .route("/device/v1/signing-keys", get(signing_keys))
@@ -55,24 +60,22 @@ pub fn router() -> Router<AppState> {
             put(upload::upload_update),
         )
         .route("/device/v1/rounds/{round_id}/metrics", post(report_metrics))
-        .route("/device/v1/rounds/{round_id}/decline", post(decline_task))
-        .route("/device/v1/rounds/{round_id}/withdraw", post(withdraw_task))
         .route(
             "/device/v1/rounds/{round_id}/evaluation",
             post(report_evaluation),
         )
         .route(
-            "/device/v1/rounds/{round_id}/evaluation/decline",
-            post(decline_evaluation),
-        )
-        .route(
-            "/device/v1/rounds/{round_id}/evaluation/withdraw",
-            post(withdraw_evaluation),
-        )
-        .route(
             "/device/v1/rounds/{round_id}/secagg/{endpoint}",
             post(secagg::post_message).get(secagg::get_message),
         )
+}
+
+/// A task's decline and withdrawal, under the task's path: the same two
+/// handlers for either kind.
+fn answer_routes<S: TaskState>(router: Router<AppState>, task: &str) -> Router<AppState> {
+    router
+        .route(&format!("{task}/decline"), post(decline_task::<S>))
+        .route(&format!("{task}/withdraw"), post(withdraw_task::<S>))
 }
 
 /// Reads a small JSON body, checks it against the signed digest, parses it.
@@ -88,6 +91,61 @@ async fn signed_json<T: DeserializeOwned>(
         .await?;
     serde_json::from_slice(&bytes)
         .map_err(|error| ApiError::unprocessable(format!("the JSON body is invalid: {error}")))
+}
+
+/// A signed request about one round, as [`RoundMessage`] reads it.
+trait RoundRequest: DeserializeOwned + Send {
+    fn round_id(&self) -> i64;
+    fn validate(&self) -> Result<(), String>;
+}
+
+macro_rules! round_requests {
+    ($($message:ty),+) => {$(
+        impl RoundRequest for $message {
+            fn round_id(&self) -> i64 {
+                self.round_id
+            }
+
+            fn validate(&self) -> Result<(), String> {
+                <$message>::validate(self)
+            }
+        }
+    )+};
+}
+round_requests!(DeclineTask, EvaluationReport, RoundMetrics, WithdrawTask);
+
+/// A device's signed request about the round in its path, checked in
+/// the one place every such request is: the device's signature, the body
+/// read against it, its fields valid, and about the round in the path (a
+/// body about one round posted to another round's path is refused); 422
+/// otherwise.
+struct RoundMessage<T> {
+    device: DeviceAuth,
+    round_id: i64,
+    message: T,
+}
+
+impl<T: RoundRequest> FromRequest<AppState> for RoundMessage<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &AppState) -> Result<Self, ApiError> {
+        let (mut parts, body) = request.into_parts();
+        let device = DeviceAuth::from_request_parts(&mut parts, state).await?;
+        let Path(round_id) = Path::<i64>::from_request_parts(&mut parts, state).await?;
+        let message: T = signed_json(state, &device, &parts.headers, body).await?;
+        message.validate().map_err(ApiError::unprocessable)?;
+        if message.round_id() != round_id {
+            return Err(ApiError::unprocessable(format!(
+                "the body is about round {}, the path about round {round_id}",
+                message.round_id()
+            )));
+        }
+        Ok(RoundMessage {
+            device,
+            round_id,
+            message,
+        })
+    }
 }
 
 async fn enroll(
@@ -207,31 +265,20 @@ async fn install_certificate(
 
 async fn report_metrics(
     State(state): State<AppState>,
-    device: DeviceAuth,
-    Path(round_id): Path<i64>,
-    headers: HeaderMap,
-    body: Body,
+    metrics: RoundMessage<RoundMetrics>,
 ) -> ApiResult<StatusCode> {
-    let metrics: RoundMetrics = signed_json(&state, &device, &headers, body).await?;
-    metrics.validate().map_err(ApiError::unprocessable)?;
-    same_round(metrics.round_id, round_id)?;
-    if !rounds::record_metrics(&state.db, round_id, device.device_id, &metrics).await? {
+    let RoundMessage {
+        device,
+        round_id,
+        message: metrics,
+    } = metrics;
+    let device_id = device.device_id;
+    if !rounds::record_metrics(&state.db, round_id, device_id, &metrics).await? {
         return Err(ApiError::not_found(format!(
-            "device {} is not a participant of round {round_id}",
-            device.device_id
+            "device {device_id} is not a participant of round {round_id}"
         )));
     }
     Ok(StatusCode::NO_CONTENT)
-}
-
-/// A body about one round posted to another round's path is refused.
-fn same_round(body_round_id: i64, path_round_id: i64) -> ApiResult<()> {
-    if body_round_id != path_round_id {
-        return Err(ApiError::unprocessable(format!(
-            "the body is about round {body_round_id}, the path about round {path_round_id}"
-        )));
-    }
-    Ok(())
 }
 
 /// Between wake-ups, a long poll (for a task or a secure-round message)
@@ -261,44 +308,36 @@ async fn waiting<T>(
         .map_err(|refusal| crate::api::slot_refused(state, refusal))
 }
 
-async fn decline_task(
+/// A device gives up its task (training, or evaluation), saying why: it
+/// becomes a dropout at once instead of at the close.
+async fn decline_task<S: TaskState>(
     State(state): State<AppState>,
-    device: DeviceAuth,
-    Path(round_id): Path<i64>,
-    headers: HeaderMap,
-    body: Body,
+    decline: RoundMessage<DeclineTask>,
 ) -> ApiResult<StatusCode> {
-    let decline: DeclineTask = signed_json(&state, &device, &headers, body).await?;
-    decline.validate().map_err(ApiError::unprocessable)?;
-    same_round(decline.round_id, round_id)?;
-    if !rounds::decline(&state.db, round_id, device.device_id, &decline.reason).await? {
-        return Err(ApiError::not_found(format!(
-            "device {} has no pending task in round {round_id}",
-            device.device_id
-        )));
+    let (device_id, round_id) = (decline.device.device_id, decline.round_id);
+    let reason = &decline.message.reason;
+    let admission = task_state::decline::<S>(&state.db, round_id, device_id, reason).await?;
+    if admission == Admission::Taken {
+        tracing::warn!(round = round_id, device = device_id, task = task_noun(S::KIND), %reason, "device declined its task");
     }
-    tracing::warn!(round = round_id, device = device.device_id, reason = %decline.reason, "device declined its task");
-    state.orchestrator_wake.notify_one();
-    Ok(StatusCode::NO_CONTENT)
+    task_answer::<S>(&state, admission, round_id, device_id)
 }
 
-/// Reads and checks a withdrawal: its body, and its conditions against the
-/// device policy of the round's job, which are then the device's latest
-/// (as a heartbeat's). The answer is the unmet requirements (what the
-/// participant's record says); 404 when there is no such round, 422 when
-/// the conditions meet the policy, since such a device is eligible and
-/// must do its task or decline it.
+/// Checks a withdrawal's conditions against the device policy of the
+/// round's job, which are then the device's latest (as a heartbeat's).
+/// The answer is the unmet requirements (what the task's record says); 404
+/// when there is no such round, 422 when the conditions meet the policy,
+/// since such a device is eligible and must do its task or decline it.
 async fn checked_withdrawal(
     state: &AppState,
-    device: &DeviceAuth,
-    round_id: i64,
-    headers: &HeaderMap,
-    body: Body,
-) -> ApiResult<(WithdrawTask, Ineligible)> {
-    let withdrawal: WithdrawTask = signed_json(state, device, headers, body).await?;
-    withdrawal.validate().map_err(ApiError::unprocessable)?;
-    same_round(withdrawal.round_id, round_id)?;
-    let config = rounds::job_config(&state.db, round_id)
+    withdrawal: &RoundMessage<WithdrawTask>,
+) -> ApiResult<Ineligible> {
+    let RoundMessage {
+        device,
+        round_id,
+        message: withdrawal,
+    } = withdrawal;
+    let config = rounds::job_config(&state.db, *round_id)
         .await?
         .ok_or_else(|| ApiError::not_found(format!("round {round_id} does not exist")))?;
     let spec: crate::store::jobs::JobSpec = crate::store::from_json("jobs.config", &config)?;
@@ -311,7 +350,7 @@ async fn checked_withdrawal(
                 ..devices::HeartbeatReport::default()
             };
             devices::record_heartbeat(&state.db, device.device_id, report).await?;
-            Ok((withdrawal, ineligible))
+            Ok(ineligible)
         }
         Ok(()) => Err(ApiError::unprocessable(format!(
             "device {} cannot withdraw from round {round_id}: the conditions it reports \
@@ -344,131 +383,81 @@ fn already_withdrawn(device_id: i64, round_id: i64, what: &str) -> ApiError {
     )
 }
 
-/// A participant that no longer meets the job's device policy gives up
-/// its training task: it becomes `ineligible`, which is not a dropout, and
-/// the round stops waiting for it.
-async fn withdraw_task(
+/// A device that no longer meets the job's device policy gives up its task
+/// (training, or evaluation): it becomes `ineligible`, which is not a
+/// dropout, and the round stops waiting for it.
+async fn withdraw_task<S: TaskState>(
     State(state): State<AppState>,
-    device: DeviceAuth,
-    Path(round_id): Path<i64>,
-    headers: HeaderMap,
-    body: Body,
+    withdrawal: RoundMessage<WithdrawTask>,
 ) -> ApiResult<StatusCode> {
-    let (withdrawal, ineligible) =
-        checked_withdrawal(&state, &device, round_id, &headers, body).await?;
-    let reason = withdrawal_reason(&withdrawal, &ineligible);
-    let device_id = device.device_id;
-    match rounds::withdraw(&state.db, round_id, device_id, &reason).await? {
-        rounds::Withdrawal::Taken => {
-            tracing::info!(round = round_id, device = device_id, %reason, "device withdrew as ineligible");
-            state.orchestrator_wake.notify_one();
-            Ok(StatusCode::NO_CONTENT)
-        }
-        rounds::Withdrawal::NotParticipant => Err(ApiError::not_found(format!(
-            "device {device_id} has no task in round {round_id}"
-        ))),
-        rounds::Withdrawal::AlreadyWithdrawn => {
-            Err(already_withdrawn(device_id, round_id, "training"))
-        }
-        rounds::Withdrawal::Over(rounds::ParticipantState::Uploaded) => {
-            Err(ApiError::conflict(format!(
-                "device {device_id} already uploaded its update for round {round_id}; \
-                 there is nothing to withdraw"
-            )))
-        }
-        rounds::Withdrawal::Over(participant) => Err(ApiError::gone(format!(
-            "device {device_id} is {participant} in round {round_id}: its task is over \
-             (the round closed, or the device declined)"
-        ))),
+    let ineligible = checked_withdrawal(&state, &withdrawal).await?;
+    let reason = withdrawal_reason(&withdrawal.message, &ineligible);
+    let (device_id, round_id) = (withdrawal.device.device_id, withdrawal.round_id);
+    let admission = task_state::withdraw::<S>(&state.db, round_id, device_id, &reason).await?;
+    if admission == Admission::Taken {
+        tracing::info!(round = round_id, device = device_id, task = task_noun(S::KIND), %reason, "device withdrew as ineligible");
     }
-}
-
-/// An evaluator that no longer meets the job's device policy gives up its
-/// evaluation task: `ineligible`, not a dropout.
-async fn withdraw_evaluation(
-    State(state): State<AppState>,
-    device: DeviceAuth,
-    Path(round_id): Path<i64>,
-    headers: HeaderMap,
-    body: Body,
-) -> ApiResult<StatusCode> {
-    let (withdrawal, ineligible) =
-        checked_withdrawal(&state, &device, round_id, &headers, body).await?;
-    let reason = withdrawal_reason(&withdrawal, &ineligible);
-    let outcome = evaluations::withdraw(&state.db, round_id, device.device_id, &reason).await?;
-    if outcome == evaluations::Outcome::Taken {
-        tracing::info!(round = round_id, device = device.device_id, %reason, "device withdrew from its evaluation as ineligible");
-    }
-    evaluation_answer(outcome, round_id, device.device_id, &state)
+    task_answer::<S>(&state, admission, round_id, device_id)
 }
 
 /// A device's evaluation of the version a round produced (an evaluation
 /// task's answer).
 async fn report_evaluation(
     State(state): State<AppState>,
-    device: DeviceAuth,
-    Path(round_id): Path<i64>,
-    headers: HeaderMap,
-    body: Body,
+    report: RoundMessage<EvaluationReport>,
 ) -> ApiResult<StatusCode> {
-    let report: EvaluationReport = signed_json(&state, &device, &headers, body).await?;
-    report.validate().map_err(ApiError::unprocessable)?;
-    same_round(report.round_id, round_id)?;
-    let outcome = evaluations::report(
-        &state.db,
-        round_id,
-        device.device_id,
-        evaluations::Report {
-            loss: report.loss,
-            accuracy: report.accuracy,
-            samples: report.samples,
-        },
-    )
-    .await?;
-    evaluation_answer(outcome, round_id, device.device_id, &state)
+    let (device_id, round_id) = (report.device.device_id, report.round_id);
+    let evaluation = evaluations::Report {
+        loss: report.message.loss,
+        accuracy: report.message.accuracy,
+        samples: report.message.samples,
+    };
+    let admission = evaluations::report(&state.db, round_id, device_id, evaluation).await?;
+    task_answer::<EvaluatorState>(&state, admission, round_id, device_id)
 }
 
-async fn decline_evaluation(
-    State(state): State<AppState>,
-    device: DeviceAuth,
-    Path(round_id): Path<i64>,
-    headers: HeaderMap,
-    body: Body,
-) -> ApiResult<StatusCode> {
-    let decline: DeclineTask = signed_json(&state, &device, &headers, body).await?;
-    decline.validate().map_err(ApiError::unprocessable)?;
-    same_round(decline.round_id, round_id)?;
-    let outcome =
-        evaluations::decline(&state.db, round_id, device.device_id, &decline.reason).await?;
-    if outcome == evaluations::Outcome::Taken {
-        tracing::warn!(round = round_id, device = device.device_id, reason = %decline.reason, "device declined its evaluation");
+fn task_noun(kind: TaskKind) -> &'static str {
+    match kind {
+        TaskKind::Training => "training",
+        TaskKind::Evaluation => "evaluation",
     }
-    evaluation_answer(outcome, round_id, device.device_id, &state)
 }
 
-/// 204 when taken; 404 to a device that was not asked, 409 to one that
-/// already answered or withdrew, 410 once the evaluation is over for it.
-fn evaluation_answer(
-    outcome: evaluations::Outcome,
+/// The status of a device's answer to its task ([`task_state::admit`]'s
+/// decision): 204 when taken, 404 to a device with no such task, 409 to
+/// one that already answered or withdrew, 410 once the task is over for
+/// it.
+fn task_answer<S: TaskState>(
+    state: &AppState,
+    admission: Admission,
     round_id: i64,
     device_id: i64,
-    state: &AppState,
 ) -> ApiResult<StatusCode> {
-    use evaluations::Outcome;
-    match outcome {
-        Outcome::Taken => {
+    let task = task_noun(S::KIND);
+    match admission {
+        Admission::Taken => {
             state.orchestrator_wake.notify_one();
             Ok(StatusCode::NO_CONTENT)
         }
-        Outcome::NotEvaluator => Err(ApiError::not_found(format!(
-            "device {device_id} was not asked to evaluate round {round_id}'s version"
+        Admission::NotMember => Err(ApiError::not_found(format!(
+            "device {device_id} has no {task} task in round {round_id}"
         ))),
-        Outcome::AlreadyAnswered => Err(ApiError::conflict(format!(
-            "device {device_id} already answered round {round_id}'s evaluation"
+        Admission::Answered => {
+            let answered = match S::KIND {
+                TaskKind::Training => "uploaded its update",
+                TaskKind::Evaluation => "reported its evaluation",
+            };
+            Err(ApiError::conflict(format!(
+                "device {device_id} already {answered} for round {round_id}"
+            )))
+        }
+        Admission::Withdrawn => Err(already_withdrawn(device_id, round_id, task)),
+        Admission::Closed => Err(ApiError::gone(format!(
+            "round {round_id}'s {task} is over for device {device_id}: it closed, or its \
+             deadline passed"
         ))),
-        Outcome::AlreadyWithdrawn => Err(already_withdrawn(device_id, round_id, "evaluation")),
-        Outcome::Closed => Err(ApiError::gone(format!(
-            "round {round_id}'s evaluation is closed for device {device_id} (its deadline passed)"
+        Admission::Dropped => Err(ApiError::gone(format!(
+            "device {device_id} was dropped from round {round_id}'s {task}: it declined"
         ))),
     }
 }

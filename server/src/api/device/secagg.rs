@@ -10,6 +10,7 @@
 //! process answers the same.
 
 use std::collections::BTreeSet;
+use std::fmt::Display;
 
 use axum::body::Body;
 use axum::extract::{Extension, State};
@@ -18,9 +19,9 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use canopy_protocol::device_cert;
 use canopy_protocol::messages::secagg_endpoints as endpoints;
-use canopy_protocol::secagg::SecAggError;
 use canopy_protocol::secagg::server as secagg_server;
 use canopy_protocol::secagg::wire::Stage;
+use canopy_protocol::secagg::{SecAggError, Session};
 
 use super::POLL_RECHECK_MS;
 use super::auth::DeviceAuth;
@@ -37,30 +38,38 @@ use crate::store::secagg::{
     self, MaskedUpload, QueuedWrite, SecureParticipant, SecureRound, SecureStage, StageWrite,
 };
 
-/// The stage during which a device posts to `endpoint`, and its message.
-fn posted_stage(endpoint: &str) -> ApiResult<(SecureStage, Stage)> {
-    Ok(match endpoint {
-        endpoints::ADVERTISE_KEYS => (SecureStage::Advertise, Stage::AdvertiseKeys),
-        endpoints::SHARE_KEYS => (SecureStage::Share, Stage::ShareKeys),
-        endpoints::SHARE_RECEIPT => (SecureStage::Check, Stage::ShareReceipt),
-        endpoints::MASKED_INPUT => (SecureStage::Collect, Stage::MaskedInput),
-        endpoints::SURVIVOR_SIGNATURE => (SecureStage::Consistency, Stage::SurvivorSignature),
-        endpoints::UNMASK_RESPONSE => (SecureStage::Unmask, Stage::UnmaskResponse),
-        other => return Err(unknown_endpoint(other)),
-    })
+/// The message a device posts during `stage`: the one table the endpoint
+/// lookups below are read from.
+fn posted_message(stage: SecureStage) -> Stage {
+    match stage {
+        SecureStage::Advertise => Stage::AdvertiseKeys,
+        SecureStage::Share => Stage::ShareKeys,
+        SecureStage::Check => Stage::ShareReceipt,
+        SecureStage::Collect => Stage::MaskedInput,
+        SecureStage::Consistency => Stage::SurvivorSignature,
+        SecureStage::Unmask => Stage::UnmaskResponse,
+    }
 }
 
-/// The stage from which `endpoint` can be fetched (the one after the stage
-/// that produces it).
+/// The stage during which a device posts to `endpoint`.
+fn posted_stage(endpoint: &str) -> ApiResult<SecureStage> {
+    let posted_there = |stage: &SecureStage| endpoints::of(posted_message(*stage)) == endpoint;
+    SecureStage::ALL
+        .iter()
+        .copied()
+        .find(posted_there)
+        .ok_or_else(|| unknown_endpoint(endpoint))
+}
+
+/// The stage from which `endpoint` can be fetched: the server's answer to
+/// one stage's message, ready once the next stage has opened.
 fn fetched_stage(endpoint: &str) -> ApiResult<SecureStage> {
-    Ok(match endpoint {
-        endpoints::NEIGHBOUR_KEYS => SecureStage::Share,
-        endpoints::INCOMING_SHARES => SecureStage::Check,
-        endpoints::EXCLUSIONS => SecureStage::Collect,
-        endpoints::SURVIVOR_SET => SecureStage::Consistency,
-        endpoints::UNMASK_REQUEST => SecureStage::Unmask,
-        other => return Err(unknown_endpoint(other)),
-    })
+    let answers = |stage: SecureStage| posted_message(stage).answer().map(endpoints::of);
+    SecureStage::ALL
+        .windows(2)
+        .find(|pair| answers(pair[0]) == Some(endpoint))
+        .map(|pair| pair[1])
+        .ok_or_else(|| unknown_endpoint(endpoint))
 }
 
 /// Maps a refused protocol message to its HTTP answer.
@@ -140,13 +149,13 @@ pub async fn post_message(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<Response> {
-    let (open_stage, message) = posted_stage(&endpoint)?;
+    let open_stage = posted_stage(&endpoint)?;
+    let message = posted_message(open_stage);
     let device_id = device.device_id;
-    let posted = (open_stage, message);
     // Listening before the message is taken, so that a stage that closes
     // on it is never missed.
     let woken = state.secagg_progress.notified();
-    let round = take_message(&state, device, round_id, posted, headers, body).await?;
+    let round = take_message(&state, device, round_id, open_stage, headers, body).await?;
     let taken = StatusCode::NO_CONTENT.into_response();
     let (Some(wait_ms), Some(answer)) = (query.wait_ms, message.answer()) else {
         return Ok(taken);
@@ -189,10 +198,11 @@ async fn take_message(
     state: &AppState,
     device: DeviceAuth,
     round_id: i64,
-    (open_stage, message): (SecureStage, Stage),
+    open_stage: SecureStage,
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<SecureRound> {
+    let message = posted_message(open_stage);
     let (round, participant) = load(state, round_id, device.device_id).await?;
     check_live(&round, &participant)?;
     let limit = message.max_bytes(round.plan.packed_bytes()) as u64;
@@ -223,13 +233,26 @@ async fn take_message(
         )));
     }
     let device_id = device.device_id;
-    match message {
-        Stage::AdvertiseKeys => advertise(state, &round, &participant, &bytes).await?,
-        Stage::ShareKeys => share_keys(state, &round, &participant, &bytes).await?,
-        Stage::ShareReceipt => share_receipt(state, &round, &participant, &bytes).await?,
-        Stage::MaskedInput => masked_input(state, &round, device_id, bytes).await?,
-        Stage::SurvivorSignature => survivor_signature(state, &round, &participant, &bytes).await?,
-        _ => unmask_response(state, &round, &participant, &bytes).await?,
+    check_sender(&round, &participant, open_stage)?;
+    let stage_message = StageMessage {
+        state,
+        round: &round,
+        sender: &participant,
+        bytes: &bytes,
+    };
+    let write = match open_stage {
+        SecureStage::Advertise => Some(stage_message.advertise()?),
+        SecureStage::Share => Some(stage_message.share_keys().await?),
+        SecureStage::Check => Some(stage_message.share_receipt().await?),
+        SecureStage::Collect => {
+            masked_input(state, &round, device_id, bytes.clone()).await?;
+            None
+        }
+        SecureStage::Consistency => Some(stage_message.survivor_signature().await?),
+        SecureStage::Unmask => Some(stage_message.unmask_response().await?),
+    };
+    if let Some(write) = write {
+        save(state, &round, message, device_id, write, bytes.len()).await?;
     }
     tracing::debug!(
         round = round_id,
@@ -239,6 +262,30 @@ async fn take_message(
     );
     state.orchestrator_wake.notify_one();
     Ok(round)
+}
+
+/// What a stage message asks of its sender, checked before the message
+/// itself: that it did not send this stage's message before, and that it
+/// sent the earlier one this message builds on (409 otherwise). A masked
+/// input's fold checks both again under the round's lock.
+fn check_sender(
+    round: &SecureRound,
+    participant: &SecureParticipant,
+    stage: SecureStage,
+) -> ApiResult<()> {
+    let (device_id, message) = (participant.device_id, posted_message(stage));
+    if stage.answered_by(participant) {
+        return Err(duplicate(message, round, device_id));
+    }
+    match stage.builds_on() {
+        Some(earlier) if !earlier.answered_by(participant) => Err(ApiError::conflict(format!(
+            "device {device_id} sent no {} message in round {}, and its {} message builds on it",
+            posted_message(earlier).name(),
+            round.id,
+            message.name()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn duplicate(message: Stage, round: &SecureRound, device_id: i64) -> ApiError {
@@ -258,37 +305,6 @@ fn not_taken(message: Stage, round: &SecureRound, device_id: i64) -> ApiError {
         message.name(),
         round.id
     ))
-}
-
-async fn advertise(
-    state: &AppState,
-    round: &SecureRound,
-    participant: &SecureParticipant,
-    bytes: &[u8],
-) -> ApiResult<()> {
-    let device_id = participant.device_id;
-    if participant.secagg_keys.is_some() {
-        return Err(duplicate(Stage::AdvertiseKeys, round, device_id));
-    }
-    let device_key = enrolled_key(participant)?;
-    let advertisement = secagg_server::read_advertisement(
-        bytes,
-        secure::session(round),
-        device_id as u64,
-        &device_key,
-    )
-    .map_err(refusal)?;
-    let keys = secure::keys_bytes(&advertisement);
-    let write = StageWrite::Keys { device_id, keys };
-    save(
-        state,
-        round,
-        Stage::AdvertiseKeys,
-        device_id,
-        write,
-        bytes.len(),
-    )
-    .await
 }
 
 /// The neighbours of `device_id` that advertised keys: the set it was sent
@@ -318,96 +334,103 @@ async fn neighbour_rows(
     Ok(secure::rows_among(rows, &neighbours))
 }
 
-async fn share_keys(
-    state: &AppState,
-    round: &SecureRound,
-    participant: &SecureParticipant,
-    bytes: &[u8],
-) -> ApiResult<()> {
-    let device_id = participant.device_id;
-    if participant.secagg_commitment.is_some() {
-        return Err(duplicate(Stage::ShareKeys, round, device_id));
-    }
-    if participant.secagg_keys.is_none() {
-        return Err(ApiError::conflict(format!(
-            "device {device_id} did not advertise keys in round {}",
-            round.id
-        )));
-    }
-    let recipients: BTreeSet<u64> = advertised_neighbours(state, round, device_id)
-        .await?
-        .iter()
-        .map(|p| p.device_id as u64)
-        .collect();
-    let upload = secagg_server::read_share_keys(
-        bytes,
-        secure::session(round),
-        device_id as u64,
-        &recipients,
-    )
-    .map_err(refusal)?;
-    let ciphertexts: Vec<(u64, Vec<u8>)> = upload
-        .ciphertexts
-        .iter()
-        .map(|(to, c)| (*to, c.to_vec()))
-        .collect();
-    let write = StageWrite::Shares {
-        device_id,
-        commitment: upload.seed_commitment,
-        ciphertexts,
-    };
-    save(
-        state,
-        round,
-        Stage::ShareKeys,
-        device_id,
-        write,
-        bytes.len(),
-    )
-    .await
+/// A device's stage message, read and its sender checked, with what
+/// checking its contents needs. Each method below parses a message of one
+/// stage with `canopy_protocol::secagg` into the write that stores it
+/// ([`take_message`] saves it); a masked input is folded instead
+/// ([`masked_input`]).
+struct StageMessage<'a> {
+    state: &'a AppState,
+    round: &'a SecureRound,
+    sender: &'a SecureParticipant,
+    bytes: &'a [u8],
 }
 
-/// A device's ShareCheck receipt, once, after its ShareKeys: at most
-/// k - t of its graph neighbours, which the stage's close excludes.
-async fn share_receipt(
-    state: &AppState,
-    round: &SecureRound,
-    participant: &SecureParticipant,
-    bytes: &[u8],
-) -> ApiResult<()> {
-    let device_id = participant.device_id;
-    if participant.secagg_receipt.is_some() {
-        return Err(duplicate(Stage::ShareReceipt, round, device_id));
+impl StageMessage<'_> {
+    /// Parses the message with `read`, which is given its bytes, the
+    /// round's session and the sender; 409 or 422 when it is refused.
+    fn read<T>(
+        &self,
+        read: impl FnOnce(&[u8], Session, u64) -> Result<T, SecAggError>,
+    ) -> ApiResult<T> {
+        let sender = self.sender.device_id as u64;
+        read(self.bytes, secure::session(self.round), sender).map_err(refusal)
     }
-    if participant.secagg_commitment.is_none() {
-        return Err(ApiError::conflict(format!(
-            "device {device_id} did not complete ShareKeys in round {}",
-            round.id
-        )));
+
+    fn advertise(&self) -> ApiResult<StageWrite> {
+        let key = enrolled_key(self.sender)?;
+        let advertisement = self.read(|bytes, session, id| {
+            secagg_server::read_advertisement(bytes, session, id, &key)
+        })?;
+        let keys = secure::keys_bytes(&advertisement);
+        Ok(StageWrite::Keys {
+            device_id: self.sender.device_id,
+            keys,
+        })
     }
-    let graph = secure::cached_graph(state, round).await?;
-    let neighbours = graph.neighbours(device_id as u64).unwrap_or_default();
-    let reported = secagg_server::read_share_receipt(
-        bytes,
-        secure::session(round),
-        device_id as u64,
-        &neighbours.into_iter().collect(),
-        &round.plan,
-    )
-    .map_err(refusal)?;
-    let write = StageWrite::Receipt {
-        device_id,
-        reported,
-    };
-    save(
-        state,
-        round,
-        Stage::ShareReceipt,
-        device_id,
-        write,
-        bytes.len(),
-    )
-    .await
+
+    /// Shares addressed to exactly the neighbours that advertised keys.
+    async fn share_keys(&self) -> ApiResult<StageWrite> {
+        let device_id = self.sender.device_id;
+        let recipients: BTreeSet<u64> = advertised_neighbours(self.state, self.round, device_id)
+            .await?
+            .iter()
+            .map(|p| p.device_id as u64)
+            .collect();
+        let upload = self.read(|bytes, session, id| {
+            secagg_server::read_share_keys(bytes, session, id, &recipients)
+        })?;
+        let ciphertexts = upload.ciphertexts.iter();
+        Ok(StageWrite::Shares {
+            device_id,
+            commitment: upload.seed_commitment,
+            ciphertexts: ciphertexts.map(|(to, c)| (*to, c.to_vec())).collect(),
+        })
+    }
+
+    /// A ShareCheck receipt: at most k - t of the device's graph
+    /// neighbours, which the stage's close excludes.
+    async fn share_receipt(&self) -> ApiResult<StageWrite> {
+        let device_id = self.sender.device_id;
+        let graph = secure::cached_graph(self.state, self.round).await?;
+        let neighbours = graph.neighbours(device_id as u64).unwrap_or_default();
+        let (neighbours, plan) = (neighbours.into_iter().collect(), &self.round.plan);
+        let reported = self.read(|bytes, session, id| {
+            secagg_server::read_share_receipt(bytes, session, id, &neighbours, plan)
+        })?;
+        Ok(StageWrite::Receipt {
+            device_id,
+            reported,
+        })
+    }
+
+    /// A survivor's signature of the set the round holds, checked here so
+    /// that no neighbour is ever sent a bad one.
+    async fn survivor_signature(&self) -> ApiResult<StageWrite> {
+        let survivors = secure::cached_survivors(self.state, self.round).await?;
+        let key = enrolled_key(self.sender)?;
+        let signature = self.read(|bytes, session, id| {
+            secagg_server::read_survivor_signature(bytes, session, id, &key, &survivors)
+        })?;
+        Ok(StageWrite::Signature {
+            device_id: self.sender.device_id,
+            signature,
+        })
+    }
+
+    /// A survivor's revealed shares, for exactly its neighbours among the
+    /// survivors and the dropouts.
+    async fn unmask_response(&self) -> ApiResult<StageWrite> {
+        let device_id = self.sender.device_id;
+        let (survivors, dropped) = unmask_sets(self.state, self.round, device_id).await?;
+        self.read(|bytes, session, id| {
+            secagg_server::read_unmask_response(bytes, session, id, &survivors, &dropped)
+        })?;
+        Ok(StageWrite::Reveal {
+            device_id,
+            reveal: self.bytes.to_vec(),
+        })
+    }
 }
 
 async fn masked_input(
@@ -486,31 +509,35 @@ impl Foldable for MaskedUpload {
     }
 }
 
-fn enrolled_key(participant: &SecureParticipant) -> ApiResult<[u8; 32]> {
-    participant.public_key.as_slice().try_into().map_err(|_| {
+/// A value this server checked and stored at its size, read back; a 500
+/// naming it when the database holds something else.
+fn stored<const N: usize>(bytes: &[u8], device_id: impl Display, what: &str) -> ApiResult<[u8; N]> {
+    bytes.try_into().map_err(|_| {
         ApiError::internal(format!(
-            "device {}'s stored key is not 32 bytes",
-            participant.device_id
+            "device {device_id}'s stored {what} is not {N} bytes"
         ))
     })
+}
+
+fn enrolled_key(participant: &SecureParticipant) -> ApiResult<[u8; 32]> {
+    stored(&participant.public_key, participant.device_id, "key")
 }
 
 /// A neighbour as NeighbourKeys lists it: its advertised keys, the enrolled
 /// key that signed them and the authority's certificate (zeros if none).
 fn neighbour_entry(participant: &SecureParticipant) -> ApiResult<secagg_server::NeighbourEntry> {
-    let malformed = |what: &str| {
-        ApiError::internal(format!(
-            "device {}'s stored {what} is malformed",
-            participant.device_id
-        ))
-    };
+    let device_id = participant.device_id;
     let advertisement = participant
         .secagg_keys
         .as_deref()
         .and_then(secure::advertisement)
-        .ok_or_else(|| malformed("advertisement"))?;
+        .ok_or_else(|| {
+            ApiError::internal(format!(
+                "device {device_id}'s stored advertisement is malformed"
+            ))
+        })?;
     let certificate = match participant.certificate.as_deref() {
-        Some(bytes) => bytes.try_into().map_err(|_| malformed("certificate"))?,
+        Some(bytes) => stored(bytes, device_id, "certificate")?,
         None => device_cert::NO_CERTIFICATE,
     };
     Ok(secagg_server::NeighbourEntry {
@@ -519,63 +546,6 @@ fn neighbour_entry(participant: &SecureParticipant) -> ApiResult<secagg_server::
         certificate,
         advertisement,
     })
-}
-
-/// A message only survivors send, once each: 409 for a second, or from a
-/// device whose masked input is not in the sum.
-fn check_survivor_message(
-    round: &SecureRound,
-    participant: &SecureParticipant,
-    message: Stage,
-    already_sent: bool,
-) -> ApiResult<()> {
-    let device_id = participant.device_id;
-    if already_sent {
-        return Err(duplicate(message, round, device_id));
-    }
-    if participant.state != ParticipantState::Uploaded {
-        return Err(ApiError::conflict(format!(
-            "device {device_id} sent no masked input in round {}, so it has no {} to send",
-            round.id,
-            message.name()
-        )));
-    }
-    Ok(())
-}
-
-/// Only a survivor signs, once, and only the set the round holds; the
-/// signature is checked here, so that no neighbour is ever sent a bad one.
-async fn survivor_signature(
-    state: &AppState,
-    round: &SecureRound,
-    participant: &SecureParticipant,
-    bytes: &[u8],
-) -> ApiResult<()> {
-    let device_id = participant.device_id;
-    let already = participant.secagg_signature.is_some();
-    check_survivor_message(round, participant, Stage::SurvivorSignature, already)?;
-    let survivors = secure::cached_survivors(state, round).await?;
-    let signature = secagg_server::read_survivor_signature(
-        bytes,
-        secure::session(round),
-        device_id as u64,
-        &enrolled_key(participant)?,
-        &survivors,
-    )
-    .map_err(refusal)?;
-    let write = StageWrite::Signature {
-        device_id,
-        signature,
-    };
-    save(
-        state,
-        round,
-        Stage::SurvivorSignature,
-        device_id,
-        write,
-        bytes.len(),
-    )
-    .await
 }
 
 /// Queues a device's message for the round's next group commit and waits
@@ -648,39 +618,6 @@ async fn unmask_sets(
     let rows = secure::cached_unmask_rows(state, round).await?;
     let neighbours = neighbour_rows(state, round, &rows, device_id).await?;
     Ok(secure::unmask_sets_of(&neighbours))
-}
-
-async fn unmask_response(
-    state: &AppState,
-    round: &SecureRound,
-    participant: &SecureParticipant,
-    bytes: &[u8],
-) -> ApiResult<()> {
-    let device_id = participant.device_id;
-    let already = participant.secagg_reveal.is_some();
-    check_survivor_message(round, participant, Stage::UnmaskResponse, already)?;
-    let (survivors, dropped) = unmask_sets(state, round, device_id).await?;
-    secagg_server::read_unmask_response(
-        bytes,
-        secure::session(round),
-        device_id as u64,
-        &survivors,
-        &dropped,
-    )
-    .map_err(refusal)?;
-    let write = StageWrite::Reveal {
-        device_id,
-        reveal: bytes.to_vec(),
-    };
-    save(
-        state,
-        round,
-        Stage::UnmaskResponse,
-        device_id,
-        write,
-        bytes.len(),
-    )
-    .await
 }
 
 pub async fn get_message(
@@ -813,14 +750,7 @@ async fn build_message(
             let rows = secagg::incoming_shares(&state.db, round.id, device_id).await?;
             let shares = rows
                 .into_iter()
-                .map(|(from, c)| {
-                    let c: secagg_server::Ciphertext = c.as_slice().try_into().map_err(|_| {
-                        ApiError::internal(format!(
-                            "a stored share from device {from} is malformed"
-                        ))
-                    })?;
-                    Ok((from, c))
-                })
+                .map(|(from, share)| Ok((from, stored(&share, from, "share")?)))
                 .collect::<ApiResult<Vec<_>>>()?;
             Ok(secagg_server::incoming_shares_message(
                 session,
@@ -858,12 +788,7 @@ async fn build_message(
             let signatures = neighbours
                 .iter()
                 .filter_map(|p| Some((p.device_id as u64, p.secagg_signature.as_deref()?)))
-                .map(|(id, signature)| {
-                    let signature: [u8; 64] = signature.try_into().map_err(|_| {
-                        ApiError::internal(format!("device {id}'s stored signature is malformed"))
-                    })?;
-                    Ok((id, signature))
-                })
+                .map(|(id, signature)| Ok((id, stored(signature, id, "signature")?)))
                 .collect::<ApiResult<Vec<_>>>()?;
             Ok(secagg_server::unmask_request_message(
                 session,
@@ -884,4 +809,28 @@ fn check_survivor(round: &SecureRound, participant: &SecureParticipant) -> ApiRe
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_endpoint_belongs_to_its_stage() {
+        use SecureStage::*;
+        let fetched = [
+            (endpoints::NEIGHBOUR_KEYS, Share),
+            (endpoints::INCOMING_SHARES, Check),
+            (endpoints::EXCLUSIONS, Collect),
+            (endpoints::SURVIVOR_SET, Consistency),
+            (endpoints::UNMASK_REQUEST, Unmask),
+        ];
+        for (endpoint, stage) in fetched {
+            assert_eq!(fetched_stage(endpoint).ok(), Some(stage), "{endpoint}");
+            assert!(posted_stage(endpoint).is_err(), "{endpoint} is posted");
+        }
+        assert_eq!(posted_stage(endpoints::SHARE_RECEIPT).ok(), Some(Check));
+        assert_eq!(posted_stage(endpoints::UNMASK_RESPONSE).ok(), Some(Unmask));
+        assert!(fetched_stage(endpoints::MASKED_INPUT).is_err());
+    }
 }

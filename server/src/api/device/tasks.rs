@@ -19,8 +19,11 @@ use super::{POLL_RECHECK_MS, poll_wait, waiting};
 use crate::api::error::{ApiError, ApiResult, Path, Query};
 use crate::request_slots::PollSlot;
 use crate::state::AppState;
+use crate::store::evaluations::{self, EvaluatorState};
 use crate::store::jobs::JobSpec;
-use crate::store::{evaluations, models, rounds};
+use crate::store::rounds::ParticipantState;
+use crate::store::task_state::has_task_on_version;
+use crate::store::{models, rounds};
 
 #[derive(Debug, Deserialize)]
 pub struct PollQuery {
@@ -347,9 +350,9 @@ pub async fn download_model(
 ) -> ApiResult<Response> {
     // 404 whether the version is missing or only not this device's task:
     // a device learns nothing about versions it was not sent.
-    if !rounds::has_task_on_version(&state.db, device.device_id, version_id).await?
-        && !evaluations::has_evaluation_of_version(&state.db, device.device_id, version_id).await?
-    {
+    let (db, device_id) = (&state.db, device.device_id);
+    let trains_on = has_task_on_version::<ParticipantState>(db, device_id, version_id).await?;
+    if !trains_on && !has_task_on_version::<EvaluatorState>(db, device_id, version_id).await? {
         return Err(ApiError::not_found(format!(
             "device {} has no open task on model version {version_id}; a device downloads \
              only the version of a round it was selected for, until the round closes",

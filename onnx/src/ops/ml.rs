@@ -19,10 +19,11 @@
 
 use canopy_ir::{BinaryOp, Buffer, DType, Dim, Op, ReduceKind, TensorData, UnaryOp, ValueId};
 
+use super::table::{self, OpEntry};
+use super::{Lowering, dims_product};
 use crate::attrs::Attrs;
 use crate::error::OnnxError;
 use crate::import::Importer;
-use crate::ops::{Lowering, dims_product};
 use crate::proto::NodeProto;
 
 /// The ONNX-ML domain.
@@ -32,14 +33,54 @@ pub const ML_DOMAIN: &str = "ai.onnx.ml";
 pub const ML_MIN_OPSET: i64 = 1;
 pub const ML_MAX_OPSET: i64 = 5;
 
-/// The `ai.onnx.ml` ops import supports, for documentation and hints.
-pub const SUPPORTED_ML_OPS: &[&str] = &[
-    "ArrayFeatureExtractor",
-    "LinearClassifier",
-    "Normalizer",
-    "Scaler",
-    "ZipMap",
+/// The `ai.onnx.ml` ops, each with its lowering: what [`lower`]
+/// dispatches on and [`SUPPORTED_ML_OPS`] lists.
+const OPS: &[OpEntry<MlLower>] = &[
+    OpEntry::outputs("LinearClassifier", |l| l.linear_classifier()),
+    OpEntry::outputs("ZipMap", |l| l.zip_map()),
+    OpEntry::one_output("Normalizer", |l| l.normalizer()),
+    OpEntry::one_output("Scaler", |l| l.scaler()),
+    OpEntry::one_output("ArrayFeatureExtractor", |l| l.array_feature_extractor()),
 ];
+
+const ML_FAMILIES: &[&[OpEntry<MlLower>]] = &[OPS];
+
+const ML_OP_NAMES: [&str; table::op_count(ML_FAMILIES)] = table::sorted_names(ML_FAMILIES);
+
+/// The `ai.onnx.ml` ops import supports, sorted, for documentation and
+/// hints; generated from the table dispatch reads.
+pub const SUPPORTED_ML_OPS: &[&str] = &ML_OP_NAMES;
+
+/// What an ml op's lowering does with the node's outputs.
+#[derive(Clone, Copy)]
+enum MlLower {
+    /// Binds the outputs it computes itself (an op with several).
+    Outputs(fn(&mut MlLowering<'_, '_, '_>) -> Result<(), OnnxError>),
+    /// Computes the value of the op's single output.
+    Value(fn(&mut MlLowering<'_, '_, '_>) -> Result<ValueId, OnnxError>),
+}
+
+impl OpEntry<MlLower> {
+    const fn outputs(
+        name: &'static str,
+        lower: fn(&mut MlLowering<'_, '_, '_>) -> Result<(), OnnxError>,
+    ) -> Self {
+        OpEntry {
+            name,
+            lower: MlLower::Outputs(lower),
+        }
+    }
+
+    const fn one_output(
+        name: &'static str,
+        lower: fn(&mut MlLowering<'_, '_, '_>) -> Result<ValueId, OnnxError>,
+    ) -> Self {
+        OpEntry {
+            name,
+            lower: MlLower::Value(lower),
+        }
+    }
+}
 
 const STRING_LABELS: &str = "canopy tensors hold numbers only, so string class labels cannot be imported; hint: encode the classes as integers before training (sklearn.preprocessing.LabelEncoder) and export again";
 
@@ -59,26 +100,21 @@ pub(crate) fn lower(
     let mut lowering = MlLowering {
         base: Lowering { imp, node, attrs },
     };
-    match node.op_type.as_str() {
-        "LinearClassifier" => lowering.linear_classifier(),
-        "ZipMap" => lowering.zip_map(),
-        "Normalizer" | "Scaler" | "ArrayFeatureExtractor" => {
-            let [output] = lowering.ml_outputs::<1>()?;
-            let output =
-                output.ok_or_else(|| lowering.base.attrs.invalid("output 0 is missing"))?;
-            let value = match node.op_type.as_str() {
-                "Normalizer" => lowering.normalizer()?,
-                "Scaler" => lowering.scaler()?,
-                _ => lowering.array_feature_extractor()?,
-            };
-            lowering.bind_output(Some(output), value)
-        }
-        _ => Err(OnnxError::UnsupportedOp {
+    let Some(op) = table::find(ML_FAMILIES, &node.op_type) else {
+        return Err(OnnxError::UnsupportedOp {
             node: describe.to_string(),
             op_type: node.op_type.clone(),
             domain: ML_DOMAIN.to_string(),
             opset,
-        }),
+        });
+    };
+    match op.lower {
+        MlLower::Outputs(lower_outputs) => lower_outputs(&mut lowering),
+        MlLower::Value(lower_value) => {
+            let output = lowering.single_output()?;
+            let value = lower_value(&mut lowering)?;
+            lowering.bind_output(Some(output), value)
+        }
     }
 }
 
@@ -128,6 +164,24 @@ impl<'n> MlLowering<'_, '_, 'n> {
                 .map(String::as_str)
                 .filter(|name| !name.is_empty())
         }))
+    }
+
+    /// The name of the op's one output, which must be present.
+    fn single_output(&self) -> Result<&'n str, OnnxError> {
+        let [output] = self.ml_outputs::<1>()?;
+        output.ok_or_else(|| self.base.attrs.invalid("output 0 is missing"))
+    }
+
+    /// String class labels cannot be imported ([`STRING_LABELS`]).
+    fn refuse_string_labels(&self) -> Result<(), OnnxError> {
+        if self.base.attrs.has("classlabels_strings") {
+            return Err(self.base.attrs.unsupported(
+                "classlabels_strings",
+                "(strings)",
+                STRING_LABELS,
+            ));
+        }
+        Ok(())
     }
 
     fn bind_output(&mut self, name: Option<&str>, value: ValueId) -> Result<(), OnnxError> {
@@ -222,13 +276,7 @@ impl<'n> MlLowering<'_, '_, 'n> {
         ])?;
         self.base.expect_inputs(1, 1)?;
         let [label_name, scores_name] = self.ml_outputs::<2>()?;
-        if self.base.attrs.has("classlabels_strings") {
-            return Err(self.base.attrs.unsupported(
-                "classlabels_strings",
-                "(strings)",
-                STRING_LABELS,
-            ));
-        }
+        self.refuse_string_labels()?;
         let labels = self.required_ints("classlabels_ints")?;
         let intercepts = self.required_floats("intercepts")?;
         let classes = intercepts.len();
@@ -567,15 +615,8 @@ impl<'n> MlLowering<'_, '_, 'n> {
             .attrs
             .allow_only(&["classlabels_int64s", "classlabels_strings"])?;
         self.base.expect_inputs(1, 1)?;
-        let [output] = self.ml_outputs::<1>()?;
-        let output = output.ok_or_else(|| self.base.attrs.invalid("output 0 is missing"))?;
-        if self.base.attrs.has("classlabels_strings") {
-            return Err(self.base.attrs.unsupported(
-                "classlabels_strings",
-                "(strings)",
-                STRING_LABELS,
-            ));
-        }
+        let output = self.single_output()?;
+        self.refuse_string_labels()?;
         let keys = self.required_ints("classlabels_int64s")?;
         let x = self.base.input(0)?;
         let ty = self.base.imp.ty(x).clone();

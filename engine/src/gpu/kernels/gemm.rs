@@ -25,12 +25,24 @@
 
 use std::fmt::Write;
 
-use canopy_ir::{Conv2dAttrs, DType};
+use canopy_ir::{Conv2dAttrs, DType, Op};
 
-use super::kernels::{Bind, Kernel, Site};
-use super::wgsl::{
+use super::{Bind, Family, Kernel, Site, foreign};
+use crate::gpu::wgsl::{
     HELPERS, WORKGROUP, broadcast_index, coordinates, declare, grid, workgroup_tree,
 };
+
+/// The matmul family's kernels (convolution reaches the GEMM from
+/// `conv.rs`).
+pub fn generate(site: &Site<'_>) -> Result<Vec<Kernel>, String> {
+    match site.op {
+        Op::MatMul {
+            transpose_a,
+            transpose_b,
+        } => Ok(vec![matmul(site, *transpose_a, *transpose_b)]),
+        other => Err(foreign(other, Family::MatMul)),
+    }
+}
 
 /// Outputs per invocation along each side of the tile.
 const PER_INVOCATION: usize = 4;

@@ -1,0 +1,87 @@
+//! Where a training step's graphs run: the whole step on one backend, or a
+//! model's frozen backbone on another (the NPU) and the trainable head on
+//! the first. Either way the step, and so the update, is the same.
+
+use canopy_engine::train::Trainer;
+use canopy_engine::{Backend, EngineError};
+use canopy_ir::Model;
+
+use super::TrainError;
+
+/// Where a training step runs.
+#[derive(Clone, Copy)]
+pub(super) enum Placement<'a> {
+    /// The whole step on one backend.
+    One(&'a dyn Backend),
+    /// The frozen forward part (the backbone) on `backbone`, the trainable
+    /// head, its gradient and the optimizer on `head`; the whole step on
+    /// `head` when the model has no frozen backbone or `backbone` cannot
+    /// run it. Either way the update has the same layout and values (the
+    /// split computes the same step).
+    Split {
+        backbone: &'a dyn Backend,
+        head: &'a dyn Backend,
+    },
+}
+
+impl<'a> Placement<'a> {
+    /// The step on `head`, its frozen backbone on `backbone` when there is
+    /// one (a backend choice's NPU).
+    pub(super) fn new(head: &'a dyn Backend, backbone: Option<&'a dyn Backend>) -> Placement<'a> {
+        match backbone {
+            Some(backbone) => Placement::Split { backbone, head },
+            None => Placement::One(head),
+        }
+    }
+
+    /// The trainer for `model`'s `train_step` placed here.
+    pub(super) fn trainer(self, model: &Model, seed: u64) -> Result<Trainer, TrainError> {
+        let (backbone, head) = match self {
+            Placement::One(backend) => return Ok(Trainer::new(model, backend, seed)?),
+            Placement::Split { backbone, head } => (backbone, head),
+        };
+        if !has_frozen_backbone(model) {
+            tracing::info!(
+                "the whole training step runs on the {} backend: the model freezes no layer \
+                 (at most its input statistics), so there is no backbone for the {}",
+                head.name(),
+                backbone.name()
+            );
+            return Ok(Trainer::new(model, head, seed)?);
+        }
+        match Trainer::split(model, backbone, head, seed) {
+            Ok(trainer) => {
+                tracing::info!(
+                    backbone = backbone.name(),
+                    head = head.name(),
+                    "training with the frozen backbone on the {} backend and the head on the {}",
+                    backbone.name(),
+                    head.name()
+                );
+                Ok(trainer)
+            }
+            // No frozen part to split off, or an op the backbone's
+            // backend cannot take: the whole step on the head instead.
+            Err(why @ (EngineError::Setting(_) | EngineError::Unsupported { .. })) => {
+                tracing::info!(
+                    reason = %crate::error::error_chain(&why),
+                    "the whole training step runs on the {} backend, none of it on the {}",
+                    head.name(),
+                    backbone.name()
+                );
+                Ok(Trainer::new(model, head, seed)?)
+            }
+            Err(other) => Err(other.into()),
+        }
+    }
+}
+
+/// Whether `model` freezes a layer's parameters. The input statistics are
+/// always frozen, but a session of their normalization alone costs a step
+/// more than it saves, so they make no backbone.
+fn has_frozen_backbone(model: &Model) -> bool {
+    model
+        .parameters
+        .iter()
+        .any(|p| !p.trainable && !p.name.starts_with(canopy_engine::nn::INPUT_STATS_PREFIX))
+}
