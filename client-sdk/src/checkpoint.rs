@@ -326,8 +326,7 @@ pub(crate) fn save(path: &Path, checkpoint: &Checkpoint) -> Result<(), Checkpoin
             size: bytes.len() as u64,
         });
     }
-    crate::files::write_atomic(path, &bytes, CHECKPOINT_FILE_MODE)
-        .map_err(CheckpointError::Write)
+    crate::files::write_atomic(path, &bytes, CHECKPOINT_FILE_MODE).map_err(CheckpointError::Write)
 }
 
 /// The file's bytes, `None` when there is none
