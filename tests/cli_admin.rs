@@ -387,8 +387,36 @@ fn an_unknown_job_is_named_with_where_to_look() -> Result<()> {
     assert_lines(
         &stderr,
         &[
-            "error: model `nothing-here` has no versions",
-            "canopy model push FILE nothing-here",
+            &format!(
+                "error: model `nothing-here` does not exist on {}",
+                server.base
+            ),
+            "Caused by: 404 not_found: model `nothing-here` does not exist",
+            "hint: see what exists with `canopy model ls`",
+        ],
+    )?;
+    let stderr = cli.fails(&["model", "versions", "nothing-here"])?;
+    assert_lines(
+        &stderr,
+        &[
+            &format!(
+                "error: model `nothing-here` does not exist on {}",
+                server.base
+            ),
+            "hint: see what exists with `canopy model ls`",
+        ],
+    )?;
+    // A version id that does not exist is named, not "the job".
+    let stderr = cli.fails(&["job", "create", "--version", "999", "--rounds", "1"])?;
+    assert_lines(
+        &stderr,
+        &[
+            &format!(
+                "error: model version id 999 does not exist on {}",
+                server.base
+            ),
+            "Caused by: 404 not_found: model version 999 does not exist",
+            "hint: see what exists with `canopy model versions NAME`",
         ],
     )?;
     Ok(())
@@ -416,6 +444,20 @@ fn a_server_that_is_down_is_named_by_its_url() -> Result<()> {
 
 /// A job that waits for devices that never come, so it stays running.
 fn waiting_job(cli: &Cli, dir: &Path) -> Result<()> {
+    push_tiny(cli, dir)?;
+    let created = cli.ok(&[
+        "job", "create", "--model", "tiny", "--rounds", "2", "--start",
+    ])?;
+    ensure!(
+        created
+            .contains("created job 1 `tiny` from model `tiny` version 1 (version id 1), started"),
+        "{created}"
+    );
+    Ok(())
+}
+
+/// Pushes `canopy model new logreg --inputs 4` as model `tiny`.
+fn push_tiny(cli: &Cli, dir: &Path) -> Result<()> {
     let model = dir.join("m.canopy");
     let model = model.to_str().context("utf-8 path")?;
     cli.ok(&[
@@ -431,14 +473,30 @@ fn waiting_job(cli: &Cli, dir: &Path) -> Result<()> {
     ])?;
     let pushed = cli.ok(&["model", "push", model, "tiny"])?;
     ensure!(pushed.contains("as model `tiny` version 1"), "{pushed}");
-    let created = cli.ok(&[
-        "job", "create", "--model", "tiny", "--rounds", "2", "--start",
-    ])?;
-    ensure!(
-        created.contains("created job 1 `tiny` from model version 1, started"),
-        "{created}"
-    );
     Ok(())
+}
+
+/// Enrolls one device that reports dataset `digits` (4 features).
+fn enroll_device_with_digits(server: &TestServer) -> Result<()> {
+    use canopy_protocol::messages::{DatasetInfo, Heartbeat};
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let token = server.admin().enrollment_token(1).await?;
+        let device = support::enroll_device(server, &token).await?;
+        device
+            .heartbeat(&Heartbeat {
+                state: Some("idle".into()),
+                datasets: Some(vec![DatasetInfo {
+                    name: "digits".into(),
+                    samples: 100,
+                    sample_shape: vec![4],
+                    classes: 3,
+                }]),
+                ..Heartbeat::default()
+            })
+            .await?;
+        Ok(())
+    })
 }
 
 /// Starts `canopy job watch 1` and waits for its table's header.
@@ -526,5 +584,103 @@ fn ctrl_c_stops_watching_not_the_job_and_a_cancelled_job_fails_the_watch() -> Re
             "hint: see its state with `canopy job show 1`",
         ],
     )?;
+    Ok(())
+}
+
+/// The issue's acceptance: a job no device can qualify for is warned about
+/// at creation (cause and hint), `job watch` prints the whole reason it
+/// waits and, when its `--max-wait-for-devices-ms` runs out, the whole
+/// reason it failed, exiting 1; `job show` and `job ls` print it whole.
+#[test]
+fn a_job_no_device_can_qualify_for_is_warned_about_and_its_wait_limit_ends_the_watch() -> Result<()>
+{
+    let server = TestServer::start(Database::Sqlite)?;
+    let cli = Cli::new()?;
+    ensure!(cli.login(&server, &server.admin_token)?.status.success());
+    let dir = tempfile::tempdir()?;
+    push_tiny(&cli, dir.path())?;
+    enroll_device_with_digits(&server)?;
+
+    let stderr = cli.fails(&["job", "create", "--model", "tiny@9", "--rounds", "1"])?;
+    assert_lines(
+        &stderr,
+        &[
+            &format!(
+                "error: model `tiny` version 9 does not exist on {}",
+                server.base
+            ),
+            "hint: see what exists with `canopy model versions tiny`",
+        ],
+    )?;
+    // `canopy model new` leaves the input statistics unfitted, so the
+    // round that waits is round 0, the statistics round.
+    let created = cli.run(&[
+        "job",
+        "create",
+        "--model",
+        "tiny@1",
+        "--dataset",
+        "nope",
+        "--rounds",
+        "1",
+        "--max-wait-for-devices-ms",
+        "3000",
+        "--start",
+    ])?;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&created.stdout),
+        String::from_utf8_lossy(&created.stderr),
+    );
+    ensure!(created.status.success(), "{stderr}");
+    ensure!(
+        stdout.contains("created job 1 `tiny` from model `tiny` version 1 (version id 1), started"),
+        "{stdout}"
+    );
+    let reason = "0 eligible online, the round needs at least 1 \
+                  (of the other online devices, 1 lack dataset `nope`)";
+    assert_lines(
+        &stderr,
+        &[
+            "warning: 0 of the 1 enrolled devices could take part, and each round needs at \
+             least 1 (of the other enrolled devices, 1 lack dataset `nope`)",
+            "  hint: register `nope` on the devices (`canopy-agent data add nope ...`)",
+        ],
+    )?;
+
+    let mut watch = cli
+        .command(&["job", "watch", "1", "--interval-ms", "200"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stdout = watch.stdout.take().context("watch's stdout")?;
+    let (status, stderr) = wait_exit(&mut watch)?;
+    let mut printed = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut printed)?;
+    ensure!(
+        status.code() == Some(1),
+        "watch exited {status:?} on a job that failed: {stderr}"
+    );
+    assert_lines(
+        &stderr,
+        &[
+            &format!("job 1 is running: waiting for devices: {reason}"),
+            "error: job 1 failed",
+            &format!(
+                "Caused by: round 0 attempt 1 failed: no round could start within the job's \
+                 `max_wait_for_devices_ms` of 3000 ms: {reason}"
+            ),
+        ],
+    )?;
+    ensure!(
+        printed.contains("round failed: no round could start") && printed.contains(reason),
+        "{printed}"
+    );
+    for args in [&["job", "show", "1"][..], &["job", "ls"]] {
+        let shown = cli.ok(args)?;
+        ensure!(
+            shown.contains(reason),
+            "canopy {args:?} cut the status:\n{shown}"
+        );
+    }
     Ok(())
 }

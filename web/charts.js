@@ -23,13 +23,19 @@ function text(x, y, content, className, parent) {
   return element;
 }
 
+/// The step between about `count` ticks over `span`: 1, 2 or 5 times a
+/// power of ten.
+function tickStep(span, count) {
+  const raw = span / Math.max(1, count);
+  const power = 10 ** Math.floor(Math.log10(raw));
+  return [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw) || raw;
+}
+
 /// About `count` round values from `low` to `high`, at 1, 2 or 5 times a
 /// power of ten apart.
 function ticks(low, high, count, integers) {
   if (!(high > low)) return [low];
-  const raw = (high - low) / Math.max(1, count);
-  const power = 10 ** Math.floor(Math.log10(raw));
-  let step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw) || raw;
+  let step = tickStep(high - low, count);
   if (integers) step = Math.max(1, Math.round(step));
   const out = [];
   for (let value = Math.ceil(low / step) * step; value <= high + step * 1e-9; value += step) {
@@ -43,56 +49,96 @@ function label(value) {
   return Math.abs(value) >= 100 ? value.toFixed(0) : String(Number(value.toPrecision(3)));
 }
 
+/// The y range of a chart: `fit` ([low, high] bounds, e.g. [0, 1] for an
+/// accuracy) fits the range to the data with some room either side, so
+/// that accuracies between 0.97 and 0.99 fill the plot instead of drawing
+/// flat along its top; without `fit` the range runs from 0 (or the lowest
+/// value, if negative) to the first tick at or above the highest value.
+export function yRange(values, fit) {
+  if (values.length === 0) return fit ? [...fit] : [0, 1];
+  let low = Math.min(...values), high = Math.max(...values);
+  if (!fit) {
+    low = Math.min(0, low);
+    if (!(high > low)) return [low, low + 1];
+    // Up to the next tick, so the highest point is not on the frame.
+    const step = tickStep(high - low, 8);
+    return [low, Number((Math.ceil(high / step - 1e-9) * step).toFixed(10))];
+  }
+  const [floor, ceiling] = fit;
+  // Room of a tenth of the spread, and at least 2% of the bounds, so a
+  // flat series sits inside the plot rather than on its edge.
+  const room = Math.max((high - low) * 0.1, (ceiling - floor) * 0.02);
+  low = Math.max(floor, low - room);
+  high = Math.min(ceiling, high + room);
+  // Round outwards to the ticks' step, so the axis ends on a labelled value.
+  const step = tickStep(high - low, 8);
+  low = Math.max(floor, Math.floor(low / step - 1e-9) * step);
+  high = Math.min(ceiling, Math.ceil(high / step + 1e-9) * step);
+  return [Number(low.toFixed(10)), Number(high.toFixed(10))];
+}
+
+/// What an empty chart says, as lines: no round finished, or rounds
+/// finished without this value (`missing` names it).
+export function emptyText(finishedRounds, missing) {
+  if (!(finishedRounds > 0)) return ["no finished round yet"];
+  const rounds = finishedRounds === 1 ? "1 round finished," : `${finishedRounds} rounds finished,`;
+  return [rounds, `none with ${missing || "this value"}`];
+}
+
 /// Draws a line chart into `container`, replacing what was there.
 ///
 /// `series`: [{ key, name, className, points: [{ x, y }] }], x ascending.
 /// Each series is one <polyline data-series=KEY data-rounds="1,2,…"> with
 /// one vertex per point, so a test (or a curious user) can read exactly
-/// which rounds it shows. `yFixed`: [low, high] for accuracies, else the
-/// range fits the data.
-export function lineChart(container, { series, yFixed, empty }) {
+/// which rounds it shows. `yTitle`: the y axis's title. `fit`: bounds
+/// for a range fitted to the data (see `yRange`). `finishedRounds` and
+/// `missing`: what an empty chart says (see `emptyText`). The <svg>
+/// carries its y range as data-y-low and data-y-high.
+export function lineChart(container, { series, yTitle, fit, finishedRounds, missing }) {
   const width = Math.max(260, Math.floor(container.clientWidth || 600));
   const height = 210;
-  const margin = { left: 46, right: 12, top: 12, bottom: 42 };
+  const margin = { left: 60, right: 12, top: 12, bottom: 42 };
+  const all = series.flatMap((s) => s.points);
+  const [yLow, yHigh] = yRange(all.map((p) => p.y), fit);
   const root = svg("svg", {
     width, height, viewBox: `0 0 ${width} ${height}`, role: "img", class: "line-chart",
+    "data-y-low": yLow, "data-y-high": yHigh,
   });
-  const all = series.flatMap((s) => s.points);
   const plotW = width - margin.left - margin.right;
   const plotH = height - margin.top - margin.bottom;
   const frame = svg("g", { transform: `translate(${margin.left},${margin.top})` }, root);
   svg("rect", { x: 0, y: 0, width: plotW, height: plotH, class: "plot" }, frame);
 
-  let xLow = 1, xHigh = 1, yLow = 0, yHigh = 1;
+  let xLow = 1, xHigh = 1;
   if (all.length > 0) {
     xLow = Math.min(...all.map((p) => p.x));
     xHigh = Math.max(...all.map((p) => p.x));
-    if (yFixed) {
-      [yLow, yHigh] = yFixed;
-    } else {
-      yLow = Math.min(0, ...all.map((p) => p.y));
-      yHigh = Math.max(...all.map((p) => p.y));
-      if (!(yHigh > yLow)) yHigh = yLow + 1;
-    }
   }
   if (xHigh === xLow) { xLow -= 0.5; xHigh += 0.5; }
   const sx = (x) => ((x - xLow) / (xHigh - xLow)) * plotW;
   const sy = (y) => plotH - ((y - yLow) / (yHigh - yLow)) * plotH;
 
-  for (const value of ticks(yLow, yHigh, 4, false)) {
+  for (const value of all.length === 0 ? [] : ticks(yLow, yHigh, 4, false)) {
     svg("line", { x1: 0, x2: plotW, y1: sy(value), y2: sy(value), class: "grid" }, frame);
     text(-6, sy(value) + 4, label(value), "tick y", frame);
   }
   const xCount = Math.max(2, Math.floor(plotW / 60));
-  for (const value of ticks(Math.ceil(xLow), Math.floor(xHigh), xCount, true)) {
+  for (const value of all.length === 0 ? [] : ticks(Math.ceil(xLow), Math.floor(xHigh), xCount, true)) {
     svg("line", { x1: sx(value), x2: sx(value), y1: plotH, y2: plotH + 4, class: "axis" }, frame);
     text(sx(value), plotH + 16, label(value), "tick x", frame);
   }
   svg("line", { x1: 0, x2: plotW, y1: plotH, y2: plotH, class: "axis" }, frame);
-  text(plotW / 2, plotH + 32, "round", "axis-label", frame);
+  text(plotW / 2, plotH + 32, "round", "axis-title x", frame);
+  if (yTitle) {
+    const title = text(0, 0, yTitle, "axis-title y", frame);
+    title.setAttribute("transform", `translate(${14 - margin.left},${plotH / 2}) rotate(-90)`);
+  }
 
   if (all.length === 0) {
-    text(plotW / 2, plotH / 2, empty || "no finished round yet", "empty", frame);
+    const message = svg("text", { x: plotW / 2, y: plotH / 2, class: "empty" }, frame);
+    emptyText(finishedRounds, missing).forEach((line, index) => {
+      svg("tspan", { x: plotW / 2, dy: index === 0 ? 0 : "1.3em" }, message).textContent = line;
+    });
   }
   for (const s of series) {
     const group = svg("g", { class: "series " + s.className }, frame);
@@ -134,8 +180,9 @@ function legend(series) {
 /// Draws a model's versions as a graph, parent to child, left to right:
 /// the column is the distance from a root (an uploaded version), the row
 /// a branch. `chain`: ids of the selected version's lineage, drawn
-/// highlighted. `onSelect(version)` is called when a node is clicked.
-export function lineageGraph(container, versions, { chain, selectedId, onSelect }) {
+/// highlighted. `onSelect(version)` is called when a node is clicked;
+/// `origin(version)` says where a version came from ("job 3, round 7").
+export function lineageGraph(container, versions, { chain, selectedId, onSelect, origin }) {
   const byId = new Map(versions.map((v) => [v.id, v]));
   const children = new Map();
   const roots = [];
@@ -190,9 +237,10 @@ export function lineageGraph(container, versions, { chain, selectedId, onSelect 
     const node = svg("g", { class: classes.join(" "), "data-version-id": v.id, tabindex: 0 }, root);
     svg("circle", { cx: x, cy: y, r: 9 }, node);
     text(x, y + 24, "v" + v.version, "node-label", node);
-    const origin = v.produced_by_job === null ? "uploaded" : `job ${v.produced_by_job}, round id ${v.produced_by_round}`;
+    const from = origin ? origin(v) : v.produced_by_job === null ? "upload" : `job ${v.produced_by_job}`;
     svg("title", {}, node).textContent =
-      `version ${v.version} (id ${v.id}), ${origin}, parent ${v.parent_version_id ?? "none"}, sha256 ${v.digest}`;
+      `version ${v.version} (id ${v.id}), ${from}, parent ` +
+      (v.parent_version_id === null ? "none" : `v${v.parent_version ?? "?"} (id ${v.parent_version_id})`) + `, sha256 ${v.digest}`;
     if (onSelect) {
       node.addEventListener("click", () => onSelect(v));
       node.addEventListener("keydown", (event) => { if (event.key === "Enter") onSelect(v); });

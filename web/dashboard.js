@@ -57,7 +57,9 @@ async function api(path, method = "GET", body) {
   const answer = await response.json().catch(() => null);
   if (!response.ok) {
     const message = answer && answer.error ? answer.error.message : response.statusText;
-    throw new Error(`${method} ${path}: ${response.status} ${message}`);
+    const error = new Error(`${method} ${path}: ${response.status} ${message}`);
+    error.status = response.status;
+    throw error;
   }
   return answer;
 }
@@ -239,7 +241,7 @@ function renderJob() {
       (current.secure_stage || "not started");
   }
   renderSettings(job);
-  renderCharts(rounds);
+  renderCharts(rounds, job);
   renderRoundsTable(rounds);
   renderRound();
 }
@@ -296,21 +298,44 @@ function points(rounds, pick) {
     .sort((a, b) => a.x - b.x);
 }
 
-function renderCharts(rounds) {
+/// Why a job's rounds may lack a training loss: a secure round's devices
+/// report theirs after sending their masked input, so it trails the round.
+function lossNote(job) {
+  return isSecure(job)
+    ? "Secure aggregation: the server learns only each round's summed update; devices report their training loss " +
+      "separately, after their masked input, so a round's loss appears a moment after the round."
+    : "";
+}
+
+function renderCharts(rounds, job) {
   const note = state.historyTruncated ? `latest ${HISTORY_ROUNDS} rounds` : "";
+  const finishedRounds = points(rounds, () => 0).length;
+  const evaluation = job.spec.evaluation || {};
+  const evaluated = evaluation.fraction > 0 || Boolean(evaluation.central_dataset);
   lineChart($("chart-loss"), {
+    yTitle: "training loss",
+    finishedRounds,
+    missing: "a training loss yet",
     series: [{ key: "train_loss", name: "training loss", className: "s-loss", points: points(rounds, (r) => r.metrics.train_loss), note }],
   });
+  const lossExplained = $("loss-note");
+  lossExplained.textContent = lossNote(job);
+  lossExplained.hidden = !lossExplained.textContent;
   lineChart($("chart-accuracy"), {
-    yFixed: [0, 1],
+    yTitle: "accuracy",
+    fit: [0, 1],
+    finishedRounds,
+    missing: evaluated ? "an evaluation result yet" : "an evaluation: the job evaluates no version (see its settings)",
     series: [
       {
-        key: "federated_eval_accuracy", name: "federated eval of the version this round produced", className: "s-federated",
-        points: points(rounds, (r) => r.metrics.federated_eval_accuracy), note,
+        key: "federated_eval_accuracy", name: "federated acc", className: "s-federated",
+        points: points(rounds, (r) => r.metrics.federated_eval_accuracy),
+        note: ["devices' held-out data, the version the round produced", note].filter(Boolean).join("; "),
       },
       {
-        key: "central_eval_accuracy", name: "central eval (server's held-out data)", className: "s-central",
-        points: points(rounds, (r) => r.metrics.central_eval_accuracy), note,
+        key: "central_eval_accuracy", name: "central acc", className: "s-central",
+        points: points(rounds, (r) => r.metrics.central_eval_accuracy),
+        note: ["the server's held-out dataset", note].filter(Boolean).join("; "),
       },
     ],
   });
@@ -334,7 +359,7 @@ function renderRoundsTable(rounds) {
       className: "state-" + r.state, title: r.failure ? r.failure.message : "" },
     `${r.metrics.updates_accepted} / ${r.selected}`,
     r.metrics.dropouts,
-    fixed(r.metrics.train_loss, 4),
+    { text: fixed(r.metrics.train_loss, 4), title: typeof r.metrics.train_loss === "number" ? "" : lossNote(state.job) },
     { text: fixed(r.metrics.federated_eval_accuracy, 3) + (r.metrics.federated_eval_state === "open" ? " …" : ""),
       title: `${r.metrics.federated_eval_devices} devices reported, ${r.metrics.federated_eval_dropouts} did not` },
     fixed(r.metrics.central_eval_accuracy, 3),
@@ -406,9 +431,17 @@ async function loadStrategies() {
   select.replaceChildren(...names.map((name) => new Option(name, name)));
 }
 
+/// Shows (or, with null, clears) the create form's error beside its button.
+function formError(message) {
+  const line = $("job-form-error");
+  line.textContent = message || "";
+  line.hidden = !message;
+}
+
 async function createJob(event) {
   event.preventDefault();
   const form = event.target;
+  formError(null);
   const value = (name) => form.elements[name].value.trim();
   const spec = {
     name: value("name"),
@@ -424,15 +457,21 @@ async function createJob(event) {
   if (value("strategy")) spec.strategy = { name: value("strategy") };
   if (value("dataset")) spec.dataset = value("dataset");
   if (form.elements.secure.checked) spec.secure_aggregation = { enabled: true };
+  let job;
   try {
-    const job = await api("/api/v1/jobs", "POST", spec);
+    job = await api("/api/v1/jobs", "POST", spec);
+  } catch (error) {
+    formError("The job was not created: " + error.message);
+    return;
+  }
+  selectJob(job.id);
+  try {
     if (form.elements.start.checked) await api(`/api/v1/jobs/${job.id}/start`, "POST");
     $("new-job").open = false;
-    selectJob(job.id);
-    await refresh();
   } catch (error) {
-    showError(error);
+    formError(`Job ${job.id} was created but did not start: ${error.message}`);
   }
+  await refresh();
 }
 
 // ---- models ----
@@ -457,6 +496,25 @@ async function refreshModels() {
     state.lineage = { versionId: version.id, ...lineage };
   }
   renderModel();
+}
+
+/// Where a version came from, in words, rounds by their number in the
+/// job (people count rounds so; the id is server-wide): "upload",
+/// "job 3, round 7", "job 3, input statistics" (round 0), or "job 3,
+/// before its first round" (the FedProx step a job derives).
+function origin(v) {
+  if (v.produced_by_job === null) return "upload";
+  const round = v.produced_by_round_number;
+  if (round === null || round === undefined) return `job ${v.produced_by_job}, before its first round`;
+  return `job ${v.produced_by_job}, ` + (round === 0 ? "input statistics" : `round ${round}`);
+}
+
+/// The versions on the table's current page, newest first.
+function versionsShown() {
+  const newest = [...state.versions].reverse();
+  const pages = Math.max(1, Math.ceil(newest.length / TABLE_ROWS));
+  state.versionsPage = Math.min(state.versionsPage, pages - 1);
+  return newest.slice(state.versionsPage * TABLE_ROWS, (state.versionsPage + 1) * TABLE_ROWS);
 }
 
 function selectModel(name) {
@@ -492,24 +550,22 @@ function renderModel() {
   const chain = state.lineage ? state.lineage.chain.map((v) => v.id) : [];
   const selected = state.versions.find((v) => v.id === state.versionId);
   $("lineage-summary").textContent = selected && state.lineage
-    ? `Version ${selected.version}: ${chain.length} versions back to ` +
+    ? `Version ${selected.version} (${origin(selected)}): ${chain.length} versions back to ` +
       (state.lineage.truncated ? "the server's lineage limit" : "its upload") + ". Click a version to trace it."
     : "";
-  lineageGraph($("lineage"), state.versions, { chain, selectedId: state.versionId, onSelect: selectVersion });
-  const newest = [...state.versions].reverse();
-  const pages = Math.max(1, Math.ceil(newest.length / TABLE_ROWS));
-  state.versionsPage = Math.min(state.versionsPage, pages - 1);
-  const shown = newest.slice(state.versionsPage * TABLE_ROWS, (state.versionsPage + 1) * TABLE_ROWS);
-  $("versions-page").textContent = `${state.versionsPage * TABLE_ROWS + 1}–${state.versionsPage * TABLE_ROWS + shown.length} of ${newest.length}`;
+  lineageGraph($("lineage"), state.versions, { chain, selectedId: state.versionId, onSelect: selectVersion, origin });
+  const shown = versionsShown();
+  const total = state.versions.length;
+  $("versions-page").textContent = `${state.versionsPage * TABLE_ROWS + 1}–${state.versionsPage * TABLE_ROWS + shown.length} of ${total}`;
   $("versions-newer").disabled = state.versionsPage === 0;
-  $("versions-older").disabled = state.versionsPage >= pages - 1;
+  $("versions-older").disabled = (state.versionsPage + 1) * TABLE_ROWS >= total;
   fill("versions", shown, (v) => [
     v.version,
     v.id,
     { text: v.digest.slice(0, 12) + "…", title: "sha256 " + v.digest, className: "mono" },
     { text: bytes(v.size_bytes), className: "nowrap" },
-    v.parent_version_id ?? "none",
-    v.produced_by_job === null ? "upload" : `job ${v.produced_by_job}, round id ${v.produced_by_round}`,
+    v.parent_version_id === null ? "none" : { text: `v${v.parent_version ?? "?"}`, title: `version id ${v.parent_version_id}` },
+    { text: origin(v), title: v.produced_by_round === null ? "" : `round id ${v.produced_by_round}` },
     v.trainable ? "yes" : { text: "no", title: v.untrainable_reason || "" },
     when(v.created_ms),
   ], { key: (v) => v.id, selected: (v) => v.id === state.versionId, onClick: selectVersion });
@@ -540,6 +596,21 @@ async function refreshDevices() {
 function showError(error) {
   statusLine.className = "error";
   statusLine.textContent = error.message;
+  if (error.status === 401) showSession("refused");
+}
+
+/// The header's sign-in state: `signed-out` (no token: the token field),
+/// `checking` (a token, no answer yet), `signed-in` (the server took the
+/// token: a marker and Sign out instead of the field), or `refused` (the
+/// server answered 401: the field again, saying so).
+function showSession(session) {
+  document.body.dataset.session = session;
+  $("login").hidden = session === "signed-in" || session === "checking";
+  $("session").hidden = !$("login").hidden;
+  $("session-state").textContent = session === "checking" ? "Connecting…" : "Signed in";
+  $("session-state").className = "session-" + session;
+  $("token").placeholder = session === "refused" ? "refused: try another" : "cnpa_…";
+  $("token").setAttribute("aria-invalid", String(session === "refused"));
 }
 
 let refreshing = null;
@@ -548,14 +619,19 @@ async function refresh() {
   while (refreshing) await refreshing;
   refreshing = (async () => {
     if (!token()) {
+      showSession("signed-out");
       statusLine.className = "";
       statusLine.textContent = "enter a token (admin, operator or viewer)";
       return;
     }
+    // A refused token is not tried again until the user enters one.
+    if (document.body.dataset.session === "refused") return;
+    if (document.body.dataset.session !== "signed-in") showSession("checking");
     try {
       if (state.view === "jobs") await refreshJobs();
       else if (state.view === "models") await refreshModels();
       else await refreshDevices();
+      showSession("signed-in");
       statusLine.className = "";
       statusLine.textContent = "updated " + new Date().toLocaleTimeString();
       document.body.dataset.refreshed = String(Date.now());
@@ -584,7 +660,13 @@ $("login").addEventListener("submit", (event) => {
   event.preventDefault();
   sessionStorage.setItem("canopy-token", $("token").value.trim());
   $("token").value = "";
+  showSession("checking");
   refresh();
+});
+$("sign-out").addEventListener("click", () => {
+  sessionStorage.removeItem("canopy-token");
+  // A fresh page: nothing read with the old token stays on screen.
+  location.replace(location.pathname);
 });
 $("views").addEventListener("click", (event) => {
   if (event.target.dataset.view) showView(event.target.dataset.view);

@@ -138,6 +138,30 @@ pub struct DataArgs {
     pub data: PathBuf,
 }
 
+impl DataArgs {
+    /// `error`, from loading `--data`, with a hint when `--data` names a
+    /// file instead of the folder that holds it (the engine's error names
+    /// the mix-up; this says which folder to give).
+    pub fn explain(&self, error: anyhow::Error) -> anyhow::Error {
+        if !self.data.is_file() {
+            return error;
+        }
+        let folder = self
+            .data
+            .parent()
+            .filter(|parent| !parent.as_os_str().is_empty())
+            .unwrap_or(std::path::Path::new("."));
+        output::report::Hint::attach(
+            error,
+            format!(
+                "--data takes a folder: give `--data {}` if the dataset's files are alone there, \
+                 or move them into a folder of their own",
+                folder.display()
+            ),
+        )
+    }
+}
+
 fn main() -> ExitCode {
     // First, while this is the only thread (see the function's docs).
     canopy_engine::gpu::quiet_device_select_layer();

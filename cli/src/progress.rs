@@ -28,6 +28,8 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour only on a terminal: a log redirected to a file stays text.
+        .with_ansi(canopy_term::stderr_color())
         // With stderr closed the subscriber would report the failed write
         // with `eprintln!`, which panics; a lost log line is not worth that.
         .log_internal_errors(false)

@@ -12,6 +12,13 @@
 //! does not open falls back to the CPU and says why
 //! ([`BackendChoice::fallback`]). Training builds its backend through this
 //! module and nowhere else.
+//!
+//! `auto` ([`BackendChoice::auto`], and the `gpu` in
+//! [`available_backends`]) is the engine's one rule,
+//! [`canopy_engine::select::auto_decision`]: a hardware GPU (discrete,
+//! then integrated) when there is one, else the CPU, never a software
+//! adapter such as lavapipe; an explicit `gpu` ([`BackendChoice::gpu`])
+//! takes any adapter.
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -133,8 +140,20 @@ impl BackendChoice {
         self.fallback.as_ref()
     }
 
-    /// The GPU, chosen outright; the CPU with the reason when no adapter
-    /// opens.
+    /// `auto`: the GPU when the engine's rule takes a hardware one
+    /// ([`canopy_engine::select::auto_decision`], decided and logged once
+    /// per process; no device is opened to decide), else the CPU outright;
+    /// the CPU with the reason when the GPU it took does not open.
+    pub fn auto() -> BackendChoice {
+        match canopy_engine::select::auto_decision().choice {
+            canopy_engine::select::BackendChoice::Gpu => BackendChoice::gpu(),
+            canopy_engine::select::BackendChoice::Cpu
+            | canopy_engine::select::BackendChoice::Auto => BackendChoice::cpu(),
+        }
+    }
+
+    /// The GPU, chosen outright, on any adapter (a software one included);
+    /// the CPU with the reason when no adapter opens.
     pub fn gpu() -> BackendChoice {
         match canopy_engine::select::shared_gpu() {
             Ok(_) => BackendChoice::outright(BackendKind::Gpu),
@@ -294,13 +313,18 @@ impl fmt::Display for BackendChoice {
     }
 }
 
-/// The backends the engine can run here, to report in
-/// [`Capabilities::backends`] at enrollment: `cpu`, `gpu` where an
-/// adapter opens, and `npu` where ONNX Runtime opens.
+/// The backends a device left to choose (`auto`) trains on here, to
+/// report in [`Capabilities::backends`] at enrollment: `cpu`; `gpu` where
+/// the engine's `auto` takes a hardware GPU (a software adapter such as
+/// lavapipe is not offered: `auto` never trains on it); and `npu` where
+/// ONNX Runtime opens.
 pub fn available_backends() -> Vec<String> {
     [BackendKind::Cpu, BackendKind::Gpu, BackendKind::Npu]
         .into_iter()
-        .filter(|kind| kind.is_available())
+        .filter(|kind| match kind {
+            BackendKind::Gpu => BackendChoice::auto().kind() == BackendKind::Gpu,
+            BackendKind::Cpu | BackendKind::Npu => kind.is_available(),
+        })
         .map(|kind| kind.as_str().to_string())
         .collect()
 }
@@ -443,7 +467,6 @@ mod tests {
         if !gpu_expected() {
             return;
         }
-        assert_eq!(available_backends(), ["cpu", "gpu"]);
         for reported in [&["cpu", "vulkan"][..], &["metal"][..], &["gpu"][..]] {
             let choice = choose_backend(&reporting(reported));
             assert_eq!(choice.kind(), BackendKind::Gpu, "{reported:?}");
@@ -451,6 +474,26 @@ mod tests {
             assert_eq!(choice.engine_backend().name(), "gpu");
         }
         assert_eq!(BackendChoice::gpu().kind(), BackendKind::Gpu);
+    }
+
+    /// `auto` and what a device offers follow the engine's one rule: on a
+    /// machine with only a software adapter (lavapipe in CI) the CPU, and
+    /// `gpu` is not offered, though an explicit `gpu` still takes it.
+    #[test]
+    fn auto_and_the_offered_backends_follow_the_engines_rule() {
+        without_npu();
+        let decision = canopy_engine::select::auto_decision();
+        let auto = BackendChoice::auto();
+        assert_eq!(auto.kind().as_str(), decision.choice.as_str(), "{decision}");
+        assert_eq!(auto.fallback(), None);
+        let offered = available_backends();
+        match auto.kind() {
+            BackendKind::Gpu => assert_eq!(offered, ["cpu", "gpu"]),
+            _ => assert_eq!(offered, ["cpu"], "{decision}"),
+        }
+        if gpu_expected() {
+            assert_eq!(BackendChoice::gpu().kind(), BackendKind::Gpu);
+        }
     }
 
     #[test]

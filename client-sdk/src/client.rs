@@ -13,9 +13,9 @@ use bytes::Bytes;
 use canopy_protocol::auth::{self, DeviceKey};
 use canopy_protocol::device_cert::{self, Certificate, KeyTrust};
 use canopy_protocol::messages::{
-    CERTIFICATE_PATH, Capabilities, DeviceCertificate, DeviceConditions, ERROR_ALREADY_WITHDRAWN,
-    EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse, MAX_DECLINE_REASON_CHARS,
-    RoundMetrics, Task, UploadReceipt, WithdrawTask,
+    CERTIFICATE_PATH, Capabilities, DatasetInfo, DeviceCertificate, DeviceConditions,
+    ERROR_ALREADY_WITHDRAWN, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse,
+    MAX_DECLINE_REASON_CHARS, RoundMetrics, Task, UploadReceipt, WithdrawTask, check_dataset_name,
 };
 use canopy_protocol::model_sig::TrustedKeys;
 use reqwest::{Method, StatusCode};
@@ -519,6 +519,37 @@ pub(crate) fn validate_task(task: &Task) -> Result<(), SdkError> {
     })
 }
 
+/// A dataset a device holds could not be offered to the server.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot offer the dataset to the server: {reason}")]
+pub struct UnofferableDataset {
+    /// The protocol's rule it breaks, with the limit.
+    pub reason: String,
+}
+
+/// What a heartbeat says of a dataset the device holds (its name, size,
+/// sample shape and classes; never a sample), for
+/// [`Heartbeat::datasets`]: jobs that name a dataset
+/// (`canopy job create --dataset NAME`) select only devices that offer
+/// it with samples the model takes. The name and the sizes are checked
+/// against the protocol's limits here, so the server does not refuse the
+/// heartbeat for them.
+pub fn describe_dataset(
+    name: &str,
+    data: &canopy_engine::data::Dataset,
+) -> Result<DatasetInfo, UnofferableDataset> {
+    let refused = |reason| UnofferableDataset { reason };
+    check_dataset_name("the dataset name", name).map_err(refused)?;
+    let info = DatasetInfo {
+        name: name.to_string(),
+        samples: data.len() as u64,
+        sample_shape: data.feature_shape().iter().map(|&d| d as u64).collect(),
+        classes: data.num_classes() as u64,
+    };
+    info.validate(0).map_err(refused)?;
+    Ok(info)
+}
+
 /// `num_samples` from an encoded update's header (bytes 12..20, little
 /// endian; see `canopy_protocol::update`); 0 if it is too short.
 fn encoded_samples(encoded: &[u8]) -> u64 {
@@ -527,6 +558,45 @@ fn encoded_samples(encoded: &[u8]) -> u64 {
         .and_then(|bytes| bytes.try_into().ok())
         .map(u64::from_le_bytes)
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod describe_dataset_tests {
+    use super::*;
+    use canopy_engine::data::Dataset;
+
+    fn digits_like(samples: usize) -> Dataset {
+        let labels = (0..samples).map(|i| (i % 10) as i64).collect();
+        Dataset::new(vec![0.5; samples * 64], vec![64], labels, 10).expect("a dataset")
+    }
+
+    #[test]
+    fn a_dataset_is_described_by_its_size_shape_and_classes() {
+        let info = describe_dataset("digits", &digits_like(30)).expect("describable");
+        assert_eq!(
+            info,
+            DatasetInfo {
+                name: "digits".into(),
+                samples: 30,
+                sample_shape: vec![64],
+                classes: 10,
+            }
+        );
+    }
+
+    #[test]
+    fn names_outside_the_protocols_rule_are_refused_by_it() {
+        for bad in ["", "two words", "ünïcode", &"x".repeat(65)] {
+            let error = describe_dataset(bad, &digits_like(3)).unwrap_err();
+            assert!(
+                error
+                    .to_string()
+                    .contains("must be 1 to 64 characters of [A-Za-z0-9_.-]"),
+                "{bad:?}: {error}"
+            );
+        }
+        assert!(describe_dataset(&"x".repeat(64), &digits_like(3)).is_ok());
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use canopy_protocol::bounds::BoundsError;
 use canopy_protocol::secagg::SecAggError;
 use canopy_protocol::secagg::wire::Stage;
 
+use crate::transport::ConnectProblem;
 use crate::trust::TrustError;
 
 #[derive(Debug, thiserror::Error)]
@@ -152,6 +153,16 @@ pub enum SdkError {
 }
 
 impl SdkError {
+    /// Why a request to a server that is there got no answer (it speaks
+    /// HTTPS to an `http://` URL, its certificate is not trusted, ...),
+    /// when the transport error says so; see [`ConnectProblem`].
+    pub fn connect_problem(&self) -> Option<ConnectProblem> {
+        match self {
+            SdkError::Transport { url, source } => ConnectProblem::of(source, url),
+            _ => None,
+        }
+    }
+
     /// The HTTP status, for errors the server answered.
     pub fn status(&self) -> Option<u16> {
         match self {

@@ -27,6 +27,15 @@
 //!   `create_new`: two writers (threads, processes) never share one, and
 //!   an existing file or a link planted at that name is never opened. It
 //!   is removed on any failure; only a crash leaves one behind.
+//!
+//! The two fsyncs are what a power cut needs, and all it needs: a crash or
+//! a `kill -9` of the process leaves the old file or the new one without
+//! them, since the kernel holds the written bytes and the rename either
+//! way. They are also the slow part: a 4 KB fsync on a busy disk can take
+//! over a second. [`write_atomic_as`] with [`Durability::ProcessCrash`]
+//! leaves them out, for files rewritten often whose loss in a power cut
+//! costs only being out of date (the edge agent's `status.json`, rewritten
+//! at every step of every task).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -46,8 +55,25 @@ pub struct WriteError {
     pub source: io::Error,
 }
 
+/// What a replaced file survives once the write has returned. Either way
+/// a reader, or the next start after a crash, finds the old file or the
+/// new one, never a torn one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// A power cut too: the file is fsynced before the rename and its
+    /// directory after it. For what must not be lost once written (keys,
+    /// enrollments, checkpoints).
+    PowerCut,
+    /// A crash or a kill of the process, not a power cut, which may bring
+    /// back the old file or leave an empty one: no fsync, so the write never
+    /// waits for the disk. For files that are rewritten often and only
+    /// report (a daemon's status).
+    ProcessCrash,
+}
+
 /// Replaces `path` with `bytes` atomically, with exactly `mode` on Unix
-/// (see the module doc). The parent directory must exist.
+/// (see the module doc), durable across a power cut. The parent directory
+/// must exist.
 pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteError> {
     write_atomic_with(path, bytes, mode, |_, _| Ok(()))
 }
@@ -62,6 +88,19 @@ pub fn write_atomic_with(
     mode: u32,
     prepare: impl FnOnce(&File, &Path) -> io::Result<()>,
 ) -> Result<(), WriteError> {
+    write_atomic_as(path, bytes, mode, Durability::PowerCut, prepare)
+}
+
+/// [`write_atomic_with`] at the `durability` asked for: without the
+/// fsyncs for [`Durability::ProcessCrash`].
+pub fn write_atomic_as(
+    path: &Path,
+    bytes: &[u8],
+    mode: u32,
+    durability: Durability,
+    prepare: impl FnOnce(&File, &Path) -> io::Result<()>,
+) -> Result<(), WriteError> {
+    let power_cut = durability == Durability::PowerCut;
     let fail = |action: &'static str| {
         move |source: io::Error| WriteError {
             action,
@@ -88,7 +127,9 @@ pub fn write_atomic_with(
         set_mode(&file, mode).map_err(fail("set the mode of"))?;
         prepare(&file, &temporary).map_err(fail("prepare a temporary file for"))?;
         file.write_all(bytes).map_err(fail("write"))?;
-        file.sync_all().map_err(fail("sync"))?;
+        if power_cut {
+            file.sync_all().map_err(fail("sync"))?;
+        }
         drop(file);
         std::fs::rename(&temporary, path).map_err(fail("rename a temporary file over"))
     })();
@@ -96,7 +137,10 @@ pub fn write_atomic_with(
         let _ = std::fs::remove_file(&temporary);
     }
     replaced?;
-    sync_parent(path).map_err(fail("sync the directory of"))
+    if power_cut {
+        sync_parent(path).map_err(fail("sync the directory of"))?;
+    }
+    Ok(())
 }
 
 /// Makes a rename to `path` durable by fsyncing its directory (Unix;
@@ -242,6 +286,39 @@ mod tests {
         assert_eq!(error.source.kind(), io::ErrorKind::NotFound);
         let error = write_atomic(Path::new("/"), b"x", 0o600).expect_err("no file name");
         assert_eq!(error.source.kind(), io::ErrorKind::InvalidInput);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_write_without_fsync_is_still_a_whole_replacement() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("status.json");
+        for (content, mode) in [(&b"{\"state\":\"idle\"}"[..], 0o644), (b"{}", 0o600)] {
+            let mut prepared = false;
+            write_atomic_as(&path, content, mode, Durability::ProcessCrash, |file, _| {
+                prepared = file.metadata()?.len() == 0;
+                Ok(())
+            })
+            .expect("write");
+            assert!(prepared, "prepare ran on the empty temporary file");
+            assert_eq!(std::fs::read(&path).expect("read"), content);
+            let meta = std::fs::metadata(&path).expect("stat");
+            assert_eq!(meta.permissions().mode() & 0o7777, mode);
+        }
+        assert_eq!(names(dir.path()), ["status.json"]);
+        let target = dir.path().join("taken");
+        std::fs::create_dir(&target).expect("mkdir");
+        let error = write_atomic_as(
+            &target,
+            b"x",
+            0o644,
+            Durability::ProcessCrash,
+            |_, _| Ok(()),
+        )
+        .expect_err("a directory is in the way");
+        assert_eq!(error.action, "rename a temporary file over");
+        assert_eq!(names(dir.path()), ["status.json", "taken"]);
     }
 
     #[test]

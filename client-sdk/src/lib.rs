@@ -53,6 +53,10 @@ pub use backend::{
 pub use cancel::CancelToken;
 /// The NPU backend's configuration, for [`configure_npu`].
 pub use canopy_npu::{OrtConfig, Provider};
+/// What a device says of a dataset it holds (see [`describe_dataset`]),
+/// in [`Heartbeat::datasets`](canopy_protocol::messages::Heartbeat), and
+/// the protocol's limits on them.
+pub use canopy_protocol::messages::{DatasetInfo, MAX_DATASET_NAME_CHARS, MAX_DATASETS};
 /// A job's device policy (shipped in every task), the state a device
 /// reports, and why a device may not train now; see
 /// [`DeviceClient::withdraw_task`].
@@ -62,12 +66,13 @@ pub use canopy_protocol::messages::{DeviceConditions, DevicePolicy, Ineligible, 
 pub use canopy_protocol::model_sig::{KeyEndorsement, SigningKeys, TrustedKeys};
 pub use checkpoint::{CheckpointInfo, CheckpointSettings};
 pub use client::{
-    DeviceClient, DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES, enroll, enroll_with,
+    DeviceClient, DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES, UnofferableDataset,
+    describe_dataset, enroll, enroll_with,
 };
 pub use error::{SdkError, error_chain};
 pub use keystore::{KeyStoreError, load_device_key, save_device_key};
 pub use limits::{DeviceLimits, LimitRefusal};
 pub use retry::{RetryNotice, RetryObserver, RetryPolicy};
 pub use secure::{SecureReceipt, SecureRound, StageObserver, StageProgress};
-pub use transport::{CONNECT_TIMEOUT_MS, REQUEST_TIMEOUT_MS, Transport};
-pub use trust::{Trust, TrustError};
+pub use transport::{CONNECT_TIMEOUT_MS, ConnectProblem, REQUEST_TIMEOUT_MS, Transport};
+pub use trust::{PinMismatch, Trust, TrustError};

@@ -67,6 +67,137 @@ impl Transport {
     }
 }
 
+/// Why a request to a server that is plainly there got no answer: the
+/// failures whose fix is not "check that the server is running", told
+/// apart from a request error's causes by [`ConnectProblem::of`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnectProblem {
+    /// `http://` against a server that speaks HTTPS: its TLS alert is no
+    /// HTTP status line (hyper: "invalid HTTP version parsed").
+    SpeaksHttps,
+    /// `https://` against a server that speaks plain HTTP.
+    SpeaksPlainHttp,
+    /// No trusted CA issued the certificate (a self-signed server met
+    /// with the public roots: rustls' `UnknownIssuer`).
+    UntrustedCertificate,
+    /// The certificate is not the one pinned by its SHA-256.
+    PinMismatch,
+    /// The certificate names other hosts than the URL's.
+    WrongName,
+    /// The certificate has expired or is not valid yet.
+    OutsideValidity,
+}
+
+impl ConnectProblem {
+    /// The problem `error` (a request's error, or any error that wraps
+    /// one) shows, for the request to `url`; `None` when its causes name
+    /// none of them.
+    pub fn of(error: &(dyn std::error::Error + 'static), url: &str) -> Option<ConnectProblem> {
+        let mut cause = Some(error);
+        while let Some(current) = cause {
+            if let Some(problem) = tls_problem(current) {
+                return Some(problem);
+            }
+            // hyper's parse errors are not public by kind; its message is
+            // the one trace of a TLS answer read as HTTP.
+            if url.starts_with("http://") && current.to_string().contains(HYPER_BAD_VERSION) {
+                return Some(ConnectProblem::SpeaksHttps);
+            }
+            cause = current.source();
+        }
+        None
+    }
+
+    /// What to do about it, naming the flags `canopy login` and
+    /// `canopy-agent enroll` share (`--fingerprint`, `--ca-cert`).
+    pub fn hint(self, url: &str) -> String {
+        match self {
+            ConnectProblem::SpeaksHttps => format!(
+                "this server speaks HTTPS: use {}",
+                with_scheme(url, "https://")
+            ),
+            ConnectProblem::SpeaksPlainHttp => format!(
+                "this server speaks plain HTTP, not HTTPS: use {} (a server serves plain HTTP \
+                 on a loopback address, or with --insecure-http)",
+                with_scheme(url, "http://")
+            ),
+            ConnectProblem::UntrustedCertificate => "the server's certificate is not trusted: \
+                 pin it with --fingerprint sha256:… (the `tls fingerprint:` line \
+                 `canopy-server serve` prints) or trust its CA with --ca-cert FILE"
+                .to_string(),
+            ConnectProblem::PinMismatch => "the server's certificate is not the pinned one; if \
+                 it was replaced, pin the new one with --fingerprint (the `tls fingerprint:` line \
+                 `canopy-server serve` prints)"
+                .to_string(),
+            ConnectProblem::WrongName => "the server's certificate is for other names than the \
+                 URL's host: use a name it lists, or pin the certificate with --fingerprint"
+                .to_string(),
+            ConnectProblem::OutsideValidity => "the server's certificate is outside its validity \
+                 dates: check this machine's clock, or renew the certificate"
+                .to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for ConnectProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ConnectProblem::SpeaksHttps => "it speaks HTTPS, not plain HTTP",
+            ConnectProblem::SpeaksPlainHttp => "it speaks plain HTTP, not HTTPS",
+            ConnectProblem::UntrustedCertificate => "its certificate is not trusted",
+            ConnectProblem::PinMismatch => "its certificate is not the pinned one",
+            ConnectProblem::WrongName => "its certificate is not for this host name",
+            ConnectProblem::OutsideValidity => "its certificate is outside its validity dates",
+        })
+    }
+}
+
+/// hyper's message for a status line that is not HTTP/1.x.
+const HYPER_BAD_VERSION: &str = "invalid HTTP version parsed";
+
+fn with_scheme(url: &str, scheme: &str) -> String {
+    let rest = url
+        .strip_prefix("https://")
+        .or_else(|| url.strip_prefix("http://"))
+        .unwrap_or(url);
+    format!("{scheme}{rest}")
+}
+
+/// The TLS failure behind `cause`: a rustls error itself, or one inside
+/// `io::Error`s (tokio-rustls wraps it in one, a connector may wrap that
+/// again, and `io::Error::source` skips the wrapped error).
+fn tls_problem(cause: &(dyn std::error::Error + 'static)) -> Option<ConnectProblem> {
+    use rustls::CertificateError as Cert;
+    let mut current = cause;
+    let tls = loop {
+        if let Some(tls) = current.downcast_ref::<rustls::Error>() {
+            break tls;
+        }
+        current = current.downcast_ref::<std::io::Error>()?.get_ref()?;
+    };
+    match tls {
+        rustls::Error::InvalidMessage(_) => Some(ConnectProblem::SpeaksPlainHttp),
+        rustls::Error::InvalidCertificate(
+            Cert::UnknownIssuer | Cert::BadSignature | Cert::BadEncoding,
+        ) => Some(ConnectProblem::UntrustedCertificate),
+        rustls::Error::InvalidCertificate(
+            Cert::NotValidForName | Cert::NotValidForNameContext { .. },
+        ) => Some(ConnectProblem::WrongName),
+        rustls::Error::InvalidCertificate(
+            Cert::Expired
+            | Cert::ExpiredContext { .. }
+            | Cert::NotValidYet
+            | Cert::NotValidYetContext { .. },
+        ) => Some(ConnectProblem::OutsideValidity),
+        rustls::Error::Other(rustls::OtherError(inner))
+            if inner.downcast_ref::<crate::trust::PinMismatch>().is_some() =>
+        {
+            Some(ConnectProblem::PinMismatch)
+        }
+        _ => None,
+    }
+}
+
 pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -161,4 +292,56 @@ pub(crate) async fn json<T: serde::de::DeserializeOwned>(
         what,
         reason: error.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("error sending request")]
+    struct Request(#[source] std::io::Error);
+
+    fn wrapped(tls: rustls::Error) -> Request {
+        Request(std::io::Error::new(std::io::ErrorKind::InvalidData, tls))
+    }
+
+    #[test]
+    fn tls_failures_are_found_inside_io_errors() {
+        let url = "https://127.0.0.1:8443";
+        let unknown = wrapped(rustls::CertificateError::UnknownIssuer.into());
+        assert_eq!(
+            ConnectProblem::of(&unknown, url),
+            Some(ConnectProblem::UntrustedCertificate)
+        );
+        let mismatch = wrapped(rustls::Error::Other(rustls::OtherError(
+            std::sync::Arc::new(crate::trust::PinMismatch {
+                actual: [1; 32],
+                pinned: [2; 32],
+            }),
+        )));
+        assert_eq!(
+            ConnectProblem::of(&mismatch, url),
+            Some(ConnectProblem::PinMismatch)
+        );
+        #[derive(Debug, thiserror::Error)]
+        #[error("client error (Connect)")]
+        struct Connect(#[source] Box<dyn std::error::Error + Send + Sync>);
+        let boxed = Connect(Box::new(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            rustls::Error::from(rustls::CertificateError::UnknownIssuer),
+        )));
+        assert_eq!(
+            ConnectProblem::of(&boxed, url),
+            Some(ConnectProblem::UntrustedCertificate)
+        );
+        let refused = Request(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(ConnectProblem::of(&refused, url), None);
+    }
+
+    #[test]
+    fn the_hint_gives_the_url_with_the_right_scheme() {
+        let hint = ConnectProblem::SpeaksHttps.hint("http://127.0.0.1:8443");
+        assert_eq!(hint, "this server speaks HTTPS: use https://127.0.0.1:8443");
+    }
 }

@@ -100,6 +100,18 @@ impl Trust {
     }
 }
 
+/// The server's certificate is not the pinned one.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "server certificate sha256:{} does not match the pinned sha256:{}",
+    hex::encode(.actual),
+    hex::encode(.pinned)
+)]
+pub struct PinMismatch {
+    pub actual: [u8; 32],
+    pub pinned: [u8; 32],
+}
+
 /// Accepts exactly one certificate, by its SHA-256; the handshake
 /// signature is still verified against that certificate's key.
 #[derive(Debug)]
@@ -121,11 +133,14 @@ impl ServerCertVerifier for PinnedVerifier {
         if actual == self.pinned {
             Ok(ServerCertVerified::assertion())
         } else {
-            Err(rustls::Error::General(format!(
-                "server certificate sha256:{} does not match the pinned sha256:{}",
-                hex::encode(actual),
-                hex::encode(self.pinned)
-            )))
+            // Typed, so that `ConnectProblem::of` finds it under the
+            // request error's causes.
+            Err(rustls::Error::Other(rustls::OtherError(Arc::new(
+                PinMismatch {
+                    actual,
+                    pinned: self.pinned,
+                },
+            ))))
         }
     }
 

@@ -38,19 +38,27 @@ impl AgentBackend {
         }
     }
 
-    /// The SDK's backend for this choice: `auto` takes a hardware GPU and
-    /// otherwise the CPU, as the engine decides in one place; `npu` the
+    /// The SDK's backend for this choice: `auto` the engine's one rule
+    /// (a hardware GPU when there is one, else the CPU: see
+    /// [`canopy_sdk::BackendChoice::auto`]); `gpu` any adapter; `npu` the
     /// SDK's NPU choice (the CPU, with the reason, where ONNX Runtime does
     /// not open).
     pub fn sdk_choice(self) -> canopy_sdk::BackendChoice {
-        let engine = match self {
-            AgentBackend::Npu => return canopy_sdk::BackendChoice::npu(),
-            AgentBackend::Engine(choice) => choice,
-        };
-        match canopy_engine::select::open_backend(engine) {
-            Ok(backend) if backend.name() == "gpu" => canopy_sdk::BackendChoice::gpu(),
-            _ if engine == BackendChoice::Gpu => canopy_sdk::BackendChoice::gpu(),
-            _ => canopy_sdk::BackendChoice::cpu(),
+        match self {
+            AgentBackend::Npu => canopy_sdk::BackendChoice::npu(),
+            AgentBackend::Engine(BackendChoice::Auto) => canopy_sdk::BackendChoice::auto(),
+            AgentBackend::Engine(BackendChoice::Gpu) => canopy_sdk::BackendChoice::gpu(),
+            AgentBackend::Engine(BackendChoice::Cpu) => canopy_sdk::BackendChoice::cpu(),
+        }
+    }
+
+    /// Settles the backend when the agent starts, so its first task does
+    /// not pay for it: `auto` is decided (and logged once, with the
+    /// reason), a `gpu` opened; a choice that falls back to the CPU says
+    /// why. Each task's [`AgentBackend::sdk_choice`] then finds it settled.
+    pub fn settle(self) {
+        if let Some(fallback) = self.sdk_choice().fallback() {
+            tracing::warn!(backend = %self, "{}", fallback.reason);
         }
     }
 }
@@ -147,6 +155,23 @@ mod tests {
         assert!(
             error.contains("unknown backend `tpu`") && error.contains("npu"),
             "{error}"
+        );
+    }
+
+    /// `auto`, the default, is the engine's rule: on a machine with only a
+    /// software adapter (lavapipe in CI) the agent trains on the CPU.
+    #[test]
+    fn the_default_backend_follows_the_engines_auto_rule() {
+        let decision = canopy_engine::select::auto_decision();
+        let choice = AgentBackend::default().sdk_choice();
+        assert_eq!(
+            choice.kind().as_str(),
+            decision.choice.as_str(),
+            "{decision}"
+        );
+        assert_eq!(
+            AgentBackend::Engine(BackendChoice::Cpu).sdk_choice(),
+            canopy_sdk::BackendChoice::cpu()
         );
     }
 

@@ -7,6 +7,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+pub use canopy_sdk::files::Durability;
 
 /// The binaries' one hint type and its constructor (`canopy_term::report`).
 pub use canopy_term::report::{Hint, hinted};
@@ -117,10 +118,21 @@ pub const PUBLIC_FILE_MODE: u32 = 0o644;
 /// new one). Root writing into another user's folder gives the file to
 /// that user ([`crate::ownership`]) before anything is written to it.
 pub fn write_public(path: &Path, contents: &[u8]) -> Result<(), canopy_sdk::files::WriteError> {
-    canopy_sdk::files::write_atomic_with(
+    write_public_as(path, contents, Durability::PowerCut)
+}
+
+/// [`write_public`] at the `durability` asked for (see
+/// [`canopy_sdk::files::Durability`]).
+pub fn write_public_as(
+    path: &Path,
+    contents: &[u8],
+    durability: Durability,
+) -> Result<(), canopy_sdk::files::WriteError> {
+    canopy_sdk::files::write_atomic_as(
         path,
         contents,
         PUBLIC_FILE_MODE,
+        durability,
         crate::ownership::adopt_folder_owner,
     )
 }

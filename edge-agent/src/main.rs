@@ -13,9 +13,11 @@
 //!
 //! Errors print as `error:` / `Caused by:` / `hint:` and exit 1; a
 //! closed stdout stops a command quietly with 141 (see the `canopy-term` crate). Logs are
-//! structured `tracing` events on stderr: `CANOPY_LOG` (else `RUST_LOG`)
-//! filters them, `CANOPY_LOG_FORMAT=json|text` picks the format, JSON
-//! when stderr is not a terminal.
+//! structured `tracing` events on stderr, never on stdout: `CANOPY_LOG`
+//! (else `RUST_LOG`) filters them, `CANOPY_LOG_FORMAT=json|text` picks the
+//! format. The daemon (`run`) logs JSON when stderr is not a terminal (a
+//! journal, a log file); every other command logs text, so its messages
+//! read like its output. Colour only on a terminal, never with `NO_COLOR`.
 
 mod backend;
 mod commands;
@@ -99,7 +101,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => return output::clap_exit(&error),
     };
-    init_logging();
+    init_logging(matches!(cli.command, Command::Run(_)));
     let dir = DataDir::new(cli.data_dir);
     let result = match cli.command {
         Command::Install(args) => commands::install::run(&dir, args),
@@ -123,18 +125,22 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging() {
+/// `daemon`: the command is `run`, whose logs go to a journal or a file
+/// when stderr is not a terminal; a one-shot command's go to the person
+/// who ran it, beside its output.
+fn init_logging(daemon: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("CANOPY_LOG")
         .or_else(|_| tracing_subscriber::EnvFilter::try_from_env("RUST_LOG"))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let json = match std::env::var("CANOPY_LOG_FORMAT").as_deref() {
         Ok("json") => true,
         Ok("text") => false,
-        _ => !std::io::stderr().is_terminal(),
+        _ => daemon && !std::io::stderr().is_terminal(),
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(canopy_term::stderr_color())
         // When stderr is gone (a closed pipe, a journal that went away) the
         // subscriber would otherwise report the failed write with
         // `eprintln!`, which panics: the daemon must outlive its logs.

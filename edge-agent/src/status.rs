@@ -10,7 +10,9 @@ use serde_json::json;
 
 use crate::config::AgentConfig;
 use crate::datasets::Registry;
-use crate::files::{DataDir, MAX_STATUS_BYTES, mode_of, read_text, truncate, write_public};
+use crate::files::{
+    DataDir, Durability, MAX_STATUS_BYTES, mode_of, read_text, truncate, write_public_as,
+};
 use crate::output::outln;
 
 /// Longest error or detail text kept in the status file.
@@ -208,13 +210,20 @@ impl AgentStatus {
             .with_context(|| format!("status file `{}` is invalid", path.display()))
     }
 
-    /// Writes the file atomically, stamping the time.
+    /// Writes the file atomically, stamping the time, without waiting for
+    /// the disk ([`Durability::ProcessCrash`]): the daemon rewrites it at
+    /// every step of every task, on the task's path, where two fsyncs on a
+    /// busy disk cost a round seconds. It only reports: a power cut that
+    /// brings back an older file, or leaves an empty one, costs the
+    /// counters and the last task's record, and a daemon starting over an
+    /// unreadable one logs it and starts afresh. A `kill -9` leaves the
+    /// old file or the new one, as before.
     pub fn save(&mut self, dir: &DataDir) -> Result<()> {
         self.updated_unix_ms = crate::files::now_ms();
         let path = dir.status();
         let mut text = serde_json::to_string_pretty(self).context("cannot serialise the status")?;
         text.push('\n');
-        write_public(&path, text.as_bytes())
+        write_public_as(&path, text.as_bytes(), Durability::ProcessCrash)
             .with_context(|| format!("cannot write status file `{}`", path.display()))
     }
 

@@ -166,6 +166,17 @@ impl Layer for Sequential {
     }
 }
 
+/// What follows a layer, as [`Initializer::for_layer`] reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Follows {
+    /// A ReLU.
+    ReLU,
+    /// A ReLU, then a max pool (a convolution of LeNet-5).
+    ReLUAndMaxPool,
+    /// No activation: the logits.
+    Nothing,
+}
+
 /// How a model's weights are drawn (`canopy model new --init`). Every
 /// variant draws from the model's one seeded RNG, so a seed fixes the model.
 ///
@@ -178,7 +189,8 @@ pub enum Initializer {
     /// He et al. 2015, normal variant (as in the paper): weights from
     /// N(0, 2/fan_in), biases zero. It keeps the activations' variance
     /// through ReLU layers. As a model scheme: He for the layers a ReLU
-    /// follows, Xavier for the others (the output layer).
+    /// follows, LeCun for those whose ReLU is max-pooled, Xavier for the
+    /// others (the output layer); see [`Initializer::for_layer`].
     #[default]
     He,
     /// Glorot & Bengio 2010, uniform variant (as in the paper): weights
@@ -188,17 +200,27 @@ pub enum Initializer {
     /// Weights and biases from U(±1/√fan_in): PyTorch's default for linear
     /// and conv layers, and Canopy's before He.
     Uniform,
+    /// LeCun et al. 1998, normal variant: weights from N(0, 1/fan_in),
+    /// biases zero; JAX/Flax's default for `Dense` and `Conv` (Flax draws
+    /// from a truncated normal of the same variance).
+    LeCun,
 }
 
 impl Initializer {
     /// Every initialiser, for parsers and help texts.
-    pub const ALL: [Initializer; 3] = [Initializer::He, Initializer::Xavier, Initializer::Uniform];
+    pub const ALL: [Initializer; 4] = [
+        Initializer::He,
+        Initializer::Xavier,
+        Initializer::Uniform,
+        Initializer::LeCun,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Initializer::He => "he",
             Initializer::Xavier => "xavier",
             Initializer::Uniform => "uniform",
+            Initializer::LeCun => "lecun",
         }
     }
 
@@ -213,13 +235,22 @@ impl Initializer {
             })
     }
 
-    /// A layer's own initialiser under this model scheme: He's gain of 2
-    /// is right only where a ReLU halves the variance next, so the other
-    /// layers (the logits) get Xavier.
-    pub fn for_layer(self, followed_by_relu: bool) -> Initializer {
-        match self {
-            Initializer::He if !followed_by_relu => Initializer::Xavier,
-            other => other,
+    /// A layer's own initialiser under this model scheme, by what
+    /// follows the layer. He's gain of 2 makes up for a ReLU halving the
+    /// second moment of what the next layer reads; where a max pool
+    /// follows the ReLU it raises that moment again (by about 2.4 on
+    /// LeNet-5's 2×2 pools), so the gain would compound: LeNet-5 started
+    /// with logits of second moment 11 and a first loss of 4.5 (ln 10 is
+    /// 2.3), its second SGD step at lr 0.1 overshot to a loss of 16, and
+    /// with the convolutions frozen every ReLU died. Those layers get
+    /// LeCun's gain of 1 (JAX's default for `Conv`), and the logits,
+    /// which no ReLU follows, Xavier.
+    pub fn for_layer(self, next: Follows) -> Initializer {
+        match (self, next) {
+            (Initializer::He, Follows::ReLU) => Initializer::He,
+            (Initializer::He, Follows::ReLUAndMaxPool) => Initializer::LeCun,
+            (Initializer::He, Follows::Nothing) => Initializer::Xavier,
+            (other, _) => other,
         }
     }
 
@@ -237,13 +268,16 @@ impl Initializer {
             Initializer::Uniform => Init::Uniform {
                 bound: 1.0 / fan_in.sqrt(),
             },
+            Initializer::LeCun => Init::Normal {
+                std: (1.0 / fan_in).sqrt(),
+            },
         }
     }
 
     /// The distribution of a layer's bias.
     pub fn bias(self, fan_in: usize) -> Init {
         match self {
-            Initializer::He | Initializer::Xavier => Init::Zeros,
+            Initializer::He | Initializer::Xavier | Initializer::LeCun => Init::Zeros,
             Initializer::Uniform => Initializer::Uniform.weight(fan_in, 0),
         }
     }
@@ -693,10 +727,28 @@ mod tests {
 
     #[test]
     fn the_he_scheme_gives_xavier_to_layers_no_relu_follows() {
-        assert_eq!(Initializer::He.for_layer(true), Initializer::He);
-        assert_eq!(Initializer::He.for_layer(false), Initializer::Xavier);
-        assert_eq!(Initializer::Xavier.for_layer(true), Initializer::Xavier);
-        assert_eq!(Initializer::Uniform.for_layer(false), Initializer::Uniform);
+        assert_eq!(Initializer::He.for_layer(Follows::ReLU), Initializer::He);
+        assert_eq!(
+            Initializer::He.for_layer(Follows::ReLUAndMaxPool),
+            Initializer::LeCun
+        );
+        assert_eq!(
+            Initializer::He.for_layer(Follows::Nothing),
+            Initializer::Xavier
+        );
+        for next in [Follows::ReLU, Follows::ReLUAndMaxPool, Follows::Nothing] {
+            for init in [
+                Initializer::Xavier,
+                Initializer::Uniform,
+                Initializer::LeCun,
+            ] {
+                assert_eq!(
+                    init.for_layer(next),
+                    init,
+                    "{init} is one distribution everywhere"
+                );
+            }
+        }
     }
 
     #[test]

@@ -62,6 +62,34 @@ impl Optimizer {
         }
     }
 
+    /// The learning rate to train with when none is given: plain SGD 0.1;
+    /// with momentum β, 0.1·(1 − β), since momentum multiplies the
+    /// effective step by 1/(1 − β) (so 0.01 at β = 0.9); Adam and AdamW
+    /// 0.001, Kingma & Ba's default, which PyTorch and Optax keep. Adam's
+    /// step is about the learning rate whatever the gradient's scale, so
+    /// SGD's 0.1 makes it diverge. The one home of these defaults.
+    pub fn default_learning_rate(&self) -> f32 {
+        match *self {
+            Optimizer::Sgd { momentum, .. } => {
+                three_significant_digits(0.1 * (1.0 - f64::from(momentum)))
+            }
+            Optimizer::Adam { .. } => 0.001,
+        }
+    }
+
+    /// `sgd`, `adam` or `adamw`: the kind, without its hyperparameters.
+    pub fn name(&self) -> &'static str {
+        match *self {
+            Optimizer::Sgd { .. } => "sgd",
+            Optimizer::Adam {
+                decoupled: false, ..
+            } => "adam",
+            Optimizer::Adam {
+                decoupled: true, ..
+            } => "adamw",
+        }
+    }
+
     /// Optimizer state slots kept per trainable parameter.
     pub fn slots(&self) -> &'static [&'static str] {
         match self {
@@ -166,14 +194,21 @@ impl fmt::Display for Optimizer {
                 beta2,
                 eps,
                 weight_decay,
-                decoupled,
+                ..
             } => write!(
                 f,
                 "{}:beta1={beta1},beta2={beta2},eps={eps},weight_decay={weight_decay}",
-                if decoupled { "adamw" } else { "adam" }
+                self.name()
             ),
         }
     }
+}
+
+/// `x` (positive) to three significant digits, so a derived rate reads
+/// as written (0.01, not 0.010000002).
+fn three_significant_digits(x: f64) -> f32 {
+    let scale = 10f64.powi(2 - x.log10().floor() as i32);
+    ((x * scale).round() / scale) as f32
 }
 
 /// Names of the scalar inputs `train_step` adds to the loss graph's.
@@ -373,4 +408,31 @@ fn bias_correct(g: &mut Graph, x: ValueId, beta: f32, step: ValueId) -> IrResult
     let one = g.scalar(1.0)?;
     let denom = g.sub(one, power)?;
     g.div(x, denom)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_learning_rate_depends_on_the_optimizer() {
+        let rate = |spec: &str| Optimizer::parse(spec).unwrap().default_learning_rate();
+        assert_eq!(rate("sgd"), 0.1);
+        assert_eq!(rate("sgd:momentum=0.9"), 0.01);
+        assert_eq!(rate("sgd:momentum=0.9").to_string(), "0.01");
+        assert_eq!(rate("sgd:momentum=0.9,nesterov=true"), 0.01);
+        assert_eq!(rate("sgd:momentum=0.5"), 0.05);
+        assert_eq!(rate("sgd:momentum=0.99"), 0.001);
+        assert_eq!(rate("adam"), 0.001);
+        assert_eq!(rate("adamw"), 0.001);
+        assert_eq!(rate("adamw:weight_decay=0.1"), 0.001);
+        let names = ["sgd", "sgd:momentum=0.9", "adam", "adamw:weight_decay=0.1"]
+            .map(|spec| Optimizer::parse(spec).unwrap().name());
+        assert_eq!(names, ["sgd", "sgd", "adam", "adamw"]);
+        // Even a momentum near 1 leaves a usable, positive rate.
+        for spec in ["sgd", "sgd:momentum=0.99", "adam", "adamw"] {
+            let lr = rate(spec);
+            assert!(lr > 0.0 && lr.is_finite(), "{spec}: {lr}");
+        }
+    }
 }

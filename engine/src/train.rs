@@ -691,6 +691,160 @@ pub enum FitProgress {
     Epoch(EpochStats),
 }
 
+/// How far a finished epoch's mean training loss may end above the run's
+/// first loss before the run counts as diverging: this fraction of the
+/// first loss, and at least [`DIVERGENCE_MIN_RISE`]. A run that learns
+/// ends well below where it started, so any clear rise means the
+/// learning rate is too large for the optimizer (SGD's 0.1 with Adam, or
+/// a fine-tune's rate on an already trained model).
+pub const DIVERGENCE_RISE_FRACTION: f64 = 0.25;
+/// The smallest rise, in nats, that counts: a fine-tune that starts near
+/// zero loss wobbles by more than a quarter of it without diverging.
+pub const DIVERGENCE_MIN_RISE: f64 = 0.1;
+
+/// Whether a loss of `now` after one started at `first` is divergence:
+/// non-finite, or above `first` by the margin of
+/// [`DIVERGENCE_RISE_FRACTION`] and [`DIVERGENCE_MIN_RISE`].
+pub fn loss_diverged(first: f64, now: f64) -> bool {
+    if !now.is_finite() {
+        return true;
+    }
+    now > first + (DIVERGENCE_RISE_FRACTION * first.abs()).max(DIVERGENCE_MIN_RISE)
+}
+
+/// How a run diverged.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Divergence {
+    /// A finished epoch's mean loss ended past the first step's
+    /// ([`loss_diverged`]).
+    LossRose {
+        /// From 1.
+        epoch: u32,
+        first_loss: f64,
+        epoch_loss: f64,
+    },
+    /// The loss shot past its start within an epoch (its running mean did,
+    /// by [`loss_diverged`]'s margin), and the epoch ended with the model
+    /// at chance: the update threw it where every ReLU is dead, and its
+    /// loss settles at about ln(classes), often below the first step's.
+    Collapsed {
+        /// From 1.
+        epoch: u32,
+        first_loss: f64,
+        /// The highest running mean of the run's losses.
+        peak_loss: f64,
+        epoch_loss: f64,
+        accuracy: f64,
+    },
+}
+
+impl std::fmt::Display for Divergence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Divergence::LossRose {
+                epoch,
+                first_loss,
+                epoch_loss,
+            } => write!(
+                f,
+                "training diverged: epoch {epoch}'s mean training loss {epoch_loss:.4} rose past \
+                 the first step's {first_loss:.4}"
+            ),
+            Divergence::Collapsed {
+                epoch,
+                first_loss,
+                peak_loss,
+                epoch_loss,
+                accuracy,
+            } => write!(
+                f,
+                "training diverged: the mean training loss rose from the first step's \
+                 {first_loss:.4} to {peak_loss:.4}, and epoch {epoch} ended at chance \
+                 (training accuracy {accuracy:.4}, loss {epoch_loss:.4})"
+            ),
+        }
+    }
+}
+
+/// Watches [`fit`]'s progress for divergence ([`Divergence`]): the first
+/// step's loss is the start; the running mean of each epoch's losses is
+/// followed batch by batch, and each finished epoch is judged. A
+/// non-finite step is the trainer's own error ([`EngineError::Diverged`]),
+/// so it never reaches the watch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DivergenceWatch {
+    /// Training accuracy at or below this is chance: 1.5/classes.
+    chance_accuracy: f64,
+    first_loss: Option<f64>,
+    /// The highest running mean seen, once it rose past the start.
+    peak_loss: Option<f64>,
+}
+
+impl DivergenceWatch {
+    /// A watch for a classifier of `classes` classes.
+    pub fn new(classes: usize) -> DivergenceWatch {
+        DivergenceWatch {
+            chance_accuracy: 1.5 / classes.max(1) as f64,
+            first_loss: None,
+            peak_loss: None,
+        }
+    }
+
+    /// The run's first step's loss, once it ran.
+    pub fn first_loss(&self) -> Option<f64> {
+        self.first_loss
+    }
+
+    /// Takes one report of [`fit`]'s; returns the divergence when it is a
+    /// finished epoch that diverged. The start is the loss after the first
+    /// batch (a run that resumes mid-epoch, or whose epochs are one batch,
+    /// takes its first epoch's mean instead).
+    pub fn observe(&mut self, progress: &FitProgress) -> Option<Divergence> {
+        match *progress {
+            FitProgress::Batch {
+                done, mean_loss, ..
+            } if done > 0 => {
+                self.follow(mean_loss);
+                None
+            }
+            FitProgress::Batch { .. } => None,
+            FitProgress::Epoch(stats) => self.judge(stats),
+        }
+    }
+
+    fn follow(&mut self, mean_loss: f64) {
+        let Some(first) = self.first_loss else {
+            self.first_loss = Some(mean_loss);
+            return;
+        };
+        if loss_diverged(first, mean_loss) {
+            self.peak_loss = Some(self.peak_loss.map_or(mean_loss, |peak| peak.max(mean_loss)));
+        }
+    }
+
+    fn judge(&mut self, stats: EpochStats) -> Option<Divergence> {
+        let Some(first_loss) = self.first_loss else {
+            self.first_loss = Some(stats.loss);
+            return None;
+        };
+        if loss_diverged(first_loss, stats.loss) {
+            return Some(Divergence::LossRose {
+                epoch: stats.epoch,
+                first_loss,
+                epoch_loss: stats.loss,
+            });
+        }
+        let peak_loss = self.peak_loss?;
+        (stats.accuracy <= self.chance_accuracy).then_some(Divergence::Collapsed {
+            epoch: stats.epoch,
+            first_loss,
+            peak_loss,
+            epoch_loss: stats.loss,
+            accuracy: stats.accuracy,
+        })
+    }
+}
+
 /// What [`fit_with_trainer`]'s observer is: it sees the trainer too.
 pub type TrainerObserver<'a> = dyn FnMut(&mut Trainer, FitProgress) -> ControlFlow<()> + Send + 'a;
 
@@ -828,6 +982,108 @@ mod tests {
     use crate::CpuBackend;
     use crate::optim::Optimizer;
     use crate::zoo::{Architecture, ModelConfig, build_model};
+
+    fn batch(epoch: u32, done: usize, mean_loss: f64) -> FitProgress {
+        FitProgress::Batch {
+            epoch,
+            done,
+            batches: 100,
+            mean_loss,
+            sums: EpochSums::default(),
+            steps: done as u64,
+        }
+    }
+
+    fn epoch(epoch: u32, loss: f64, accuracy: f64) -> FitProgress {
+        FitProgress::Epoch(EpochStats {
+            epoch,
+            loss,
+            accuracy,
+            samples: 6400,
+        })
+    }
+
+    #[test]
+    fn a_loss_that_rises_clearly_past_its_start_is_divergence() {
+        // From scratch: 2.30 at the start; 14.3 (Adam at SGD's rate) is
+        // divergence, 2.5 is not yet (within a quarter), 3.0 is.
+        assert!(loss_diverged(2.30, 14.3));
+        assert!(!loss_diverged(2.30, 2.5));
+        assert!(loss_diverged(2.30, 3.0));
+        assert!(!loss_diverged(2.30, 0.3));
+        // A fine-tune from a trained model starts near zero: a wobble of
+        // less than 0.1 nats is not divergence, a rise to 0.5 is.
+        assert!(!loss_diverged(0.02, 0.08));
+        assert!(loss_diverged(0.02, 0.5));
+        assert!(loss_diverged(0.02, f64::NAN));
+        assert!(loss_diverged(0.02, f64::INFINITY));
+    }
+
+    #[test]
+    fn the_watch_judges_each_epoch_against_the_first_steps_loss() {
+        let mut watch = DivergenceWatch::new(10);
+        assert_eq!(watch.observe(&batch(1, 0, 0.0)), None);
+        assert_eq!(watch.first_loss(), None, "no step ran yet");
+        assert_eq!(watch.observe(&batch(1, 1, 0.05)), None);
+        assert_eq!(watch.observe(&batch(1, 2, 0.06)), None);
+        assert_eq!(watch.first_loss(), Some(0.05));
+        let diverged = watch.observe(&epoch(1, 14.3, 0.5)).expect("diverged");
+        assert_eq!(
+            diverged,
+            Divergence::LossRose {
+                epoch: 1,
+                first_loss: 0.05,
+                epoch_loss: 14.3
+            }
+        );
+        assert!(diverged.to_string().contains("14.3000"), "{diverged}");
+        assert_eq!(
+            watch.observe(&epoch(2, 0.04, 0.99)),
+            None,
+            "a recovered epoch"
+        );
+    }
+
+    /// LeNet-5 with He's gain on its pooled convolutions, frozen, at lr
+    /// 0.1: 4.48 at the first step, a running mean of 43.95 four steps
+    /// later, then every ReLU dead and the loss at ln 10.
+    #[test]
+    fn a_spike_that_ends_at_chance_is_divergence_and_one_that_learns_is_not() {
+        let mut watch = DivergenceWatch::new(10);
+        for (done, mean) in [(1, 4.48), (2, 15.24), (3, 26.84), (4, 43.95), (5, 37.27)] {
+            assert_eq!(watch.observe(&batch(1, done, mean)), None);
+        }
+        let collapsed = watch.observe(&epoch(1, 3.91, 0.11)).expect("collapsed");
+        assert_eq!(
+            collapsed,
+            Divergence::Collapsed {
+                epoch: 1,
+                first_loss: 4.48,
+                peak_loss: 43.95,
+                epoch_loss: 3.91,
+                accuracy: 0.11
+            }
+        );
+        assert!(
+            collapsed.to_string().contains("ended at chance"),
+            "{collapsed}"
+        );
+
+        // The same spike in a run that goes on to learn is let be.
+        let mut watch = DivergenceWatch::new(10);
+        for (done, mean) in [(1, 4.48), (2, 10.30), (3, 7.72)] {
+            watch.observe(&batch(1, done, mean));
+        }
+        assert_eq!(watch.observe(&epoch(1, 1.12, 0.67)), None);
+    }
+
+    #[test]
+    fn the_watch_starts_from_the_first_epoch_when_no_step_was_reported() {
+        let mut watch = DivergenceWatch::new(10);
+        assert_eq!(watch.observe(&epoch(1, 2.0, 0.5)), None);
+        assert_eq!(watch.first_loss(), Some(2.0));
+        assert!(watch.observe(&epoch(2, 3.0, 0.5)).is_some());
+    }
 
     /// Parameters keep the model's `trainable` flag; optimizer state is
     /// the trainer's own slot kind, never a trainable parameter.

@@ -16,8 +16,9 @@ use canopy_ir::{DType, Dim, Graph, Metadata, Model, Op, Parameter, Shape, Tensor
 use crate::data::Dataset;
 use crate::error::{EngineError, EngineResult, Part};
 use crate::nn::{
-    Conv2d, Flatten, ForwardCtx, INPUT_STATS_PREFIX, Initializer, Layer, Linear, MaxPool2d, Params,
-    ReLU, Sequential, Standardize, correct_count, init_params, softmax_cross_entropy,
+    Conv2d, Flatten, Follows, ForwardCtx, INPUT_STATS_PREFIX, Initializer, Layer, Linear,
+    MaxPool2d, Params, ReLU, Sequential, Standardize, correct_count, init_params,
+    softmax_cross_entropy,
 };
 use crate::optim::{INPUT_SEED, Optimizer, build_train_step};
 use crate::stats::{InputMoments, InputStatsState, fit_model};
@@ -81,8 +82,9 @@ impl Architecture {
     /// The network, its weights drawn by `init` (a model scheme: see
     /// [`Initializer::for_layer`]).
     pub fn network(&self, init: Initializer) -> Sequential {
-        let hidden = init.for_layer(true);
-        let output = init.for_layer(false);
+        let hidden = init.for_layer(Follows::ReLU);
+        let pooled = init.for_layer(Follows::ReLUAndMaxPool);
+        let output = init.for_layer(Follows::Nothing);
         match *self {
             Architecture::Mlp {
                 inputs,
@@ -100,10 +102,10 @@ impl Architecture {
             // reproductions; padding 2 keeps 28×28 MNIST at the original 32×32 geometry.
             Architecture::LeNet5 { classes } => Sequential::new()
                 .push(Standardize)
-                .push(Conv2d::new("conv1", 1, 6, 5).padding(2).init(hidden))
+                .push(Conv2d::new("conv1", 1, 6, 5).padding(2).init(pooled))
                 .push(ReLU)
                 .push(MaxPool2d::new(2, 2))
-                .push(Conv2d::new("conv2", 6, 16, 5).init(hidden))
+                .push(Conv2d::new("conv2", 6, 16, 5).init(pooled))
                 .push(ReLU)
                 .push(MaxPool2d::new(2, 2))
                 .push(Flatten)

@@ -407,6 +407,48 @@ pub unsafe extern "C" fn canopy_client_report_conditions(
     })
 }
 
+/// Offers the server `samples` samples of `sample_shape` (`rank`
+/// dimensions) as the dataset `name`, for jobs that name it
+/// (`canopy job create --dataset NAME`); the same arrays as
+/// `canopy_client_run_task`. Only their size, shape and classes are sent.
+///
+/// # Safety
+/// `client` is live; `name` is NUL-terminated; each array holds the
+/// values its length says.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn canopy_client_register_dataset(
+    client: *const CanopyClient,
+    name: *const c_char,
+    features: *const f32,
+    features_len: usize,
+    sample_shape: *const u32,
+    rank: usize,
+    labels: *const i64,
+    samples: usize,
+    classes: u32,
+) -> CanopyStatus {
+    status(|| {
+        // SAFETY: the caller's promises on every pointer, forwarded.
+        let (client, name, features, shape, labels) = unsafe {
+            (
+                self::client(client)?,
+                text(name, "name")?,
+                slice(features, features_len, "features")?,
+                slice(sample_shape, rank, "sample_shape")?,
+                slice(labels, samples, "labels")?,
+            )
+        };
+        let data = TrainingData::Arrays {
+            features: features.to_vec(),
+            sample_shape: shape.to_vec(),
+            labels: labels.to_vec(),
+            classes,
+        };
+        client.register_dataset(name, data).map(drop)
+    })
+}
+
 /// Waits up to `wait_ms` for a task; `*has_task` says whether `*task` was
 /// filled.
 ///
@@ -538,7 +580,7 @@ pub unsafe extern "C" fn canopy_client_run_task(
 }
 
 /// The client's status as a JSON object (`enrolled`, `device_id`,
-/// `pending_task`, `last_outcome`, ...); free `*json` with
+/// `pending_task`, `last_outcome`, `datasets`, `last_check`, ...); free `*json` with
 /// `canopy_string_free`.
 ///
 /// # Safety
@@ -562,6 +604,11 @@ pub unsafe extern "C" fn canopy_client_status_json(
             "pending_round_id": status.pending_task.as_ref().map(|t| t.round_id),
             "checkpointed_step": status.pending_task.and_then(|t| t.checkpointed_step),
             "last_outcome": status.last_outcome,
+            "datasets": status.datasets.iter().map(|d| serde_json::json!({
+                "name": d.name, "samples": d.samples,
+                "sample_shape": d.sample_shape, "classes": d.classes,
+            })).collect::<Vec<_>>(),
+            "last_check": status.last_check,
         });
         // SAFETY: writable, as the caller promises.
         unsafe { put(json, c_string(&value.to_string()).into_raw(), "json") }

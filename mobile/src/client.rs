@@ -12,7 +12,10 @@
 use std::sync::{Arc, Mutex};
 
 use canopy_protocol::auth::{self, DeviceKey};
-use canopy_protocol::messages::{Capabilities, DeviceCertificate, Heartbeat, Task, Tier};
+use canopy_protocol::messages::{
+    Capabilities, DatasetInfo, DeviceCertificate, Heartbeat, MAX_DATASETS, Task, Tier,
+    check_dataset_name,
+};
 use canopy_protocol::model_sig::TrustedKeys;
 use canopy_sdk::{BackendChoice, RetryPolicy, Transport, blocking};
 
@@ -20,8 +23,8 @@ use crate::error::{CanopyError, guard};
 use crate::run::{self, RunContext};
 use crate::storage::{Enrollment, Storage};
 use crate::types::{
-    BackendPreference, ClientConfig, ClientStatus, DeviceConditions, DeviceInfo, ProgressListener,
-    TaskInfo, TaskOutcome, TrainingData, check_limits,
+    BackendPreference, ClientConfig, ClientStatus, DatasetSummary, DeviceConditions, DeviceInfo,
+    ProgressListener, TaskInfo, TaskOutcome, TrainingData, check_limits,
 };
 
 /// The longest `check_for_task` waits for the server, in milliseconds.
@@ -70,6 +73,19 @@ pub struct CanopyClient {
     /// `config.device_authority`, parsed once.
     authority: Option<[u8; 32]>,
     conditions: Mutex<Option<DeviceConditions>>,
+    datasets: Mutex<DatasetOffer>,
+    /// Why the last `check_for_task` found no task, for `status`.
+    last_check: Mutex<Option<String>>,
+}
+
+/// The datasets this process offers the server, and whether the server
+/// has heard of the latest list.
+#[derive(Debug, Default)]
+struct DatasetOffer {
+    /// `None` until the app registers one: heartbeats then leave what the
+    /// server knows alone (an earlier process's offer stands).
+    offered: Option<Vec<DatasetInfo>>,
+    sent: bool,
 }
 
 #[uniffi::export]
@@ -95,12 +111,36 @@ impl CanopyClient {
         guard(|| self.report_conditions_inner(conditions))
     }
 
+    /// Offers `data` to the server as the dataset `name` (1 to 64
+    /// characters of `[A-Za-z0-9_.-]`): jobs that train on a named dataset
+    /// (`canopy job create --dataset NAME`) select only devices that offer
+    /// it. The data is read once, for its size, sample shape and classes
+    /// (what the server is told; the samples stay on the device); the
+    /// server hears now when the device is enrolled, else right after
+    /// `enroll`. Registering a name again replaces it; at most 32.
+    /// Registrations last as long as the client: register at every start.
+    pub fn register_dataset(
+        &self,
+        name: String,
+        data: TrainingData,
+    ) -> Result<DatasetSummary, CanopyError> {
+        guard(|| self.register_dataset_inner(&name, data))
+    }
+
+    /// Stops offering the dataset `name`, telling the server when
+    /// enrolled; returns whether it was offered.
+    pub fn forget_dataset(&self, name: String) -> Result<bool, CanopyError> {
+        guard(|| self.forget_dataset_inner(&name))
+    }
+
     /// Waits up to `wait_ms` (at most a minute) for a task. A task whose
     /// policy the device's state does not meet is given back to the
     /// server as ineligible (not a dropout) and `None` is returned; one
     /// over the device's download limit is declined with
     /// `OverLimit`. An accepted task is kept in storage until `run_task`
-    /// finishes it, so it is returned again after a restart.
+    /// finishes it, so it is returned again after a restart. When no task
+    /// comes, `status().last_check` says why that may be (no dataset a job
+    /// names, no reported conditions).
     pub fn check_for_task(&self, wait_ms: u64) -> Result<Option<TaskInfo>, CanopyError> {
         guard(|| self.check_for_task_inner(wait_ms))
     }
@@ -159,12 +199,18 @@ impl CanopyClient {
                 enrolled.server_url, config.server_url
             )));
         }
+        if config.backend == BackendPreference::Auto {
+            // Decided (and logged) once, here, not at the first task.
+            canopy_engine::select::auto_decision();
+        }
         Ok(CanopyClient {
             config,
             storage,
             transport,
             authority,
             conditions: Mutex::new(None),
+            datasets: Mutex::new(DatasetOffer::default()),
+            last_check: Mutex::new(None),
         })
     }
 
@@ -181,6 +227,39 @@ impl CanopyClient {
             .conditions
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn offer(&self) -> std::sync::MutexGuard<'_, DatasetOffer> {
+        self.datasets
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn set_last_check(&self, why: Option<String>) {
+        *self
+            .last_check
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = why;
+    }
+
+    /// Tells the server the device's state and the datasets it offers,
+    /// as far as the app reported them.
+    fn send_heartbeat(&self, device: &blocking::DeviceClient) -> Result<(), CanopyError> {
+        let offered = self.offer().offered.clone();
+        let beat = Heartbeat {
+            state: Some("idle".to_string()),
+            conditions: self.conditions().map(DeviceConditions::to_protocol),
+            datasets: offered.clone(),
+            ..Heartbeat::default()
+        };
+        device.heartbeat(&beat)?;
+        let mut offer = self.offer();
+        // Another thread may have changed the list meanwhile: only the
+        // list sent counts as sent.
+        if offer.offered == offered {
+            offer.sent = true;
+        }
+        Ok(())
     }
 
     fn enrollment(&self) -> Result<Enrollment, CanopyError> {
@@ -281,6 +360,14 @@ impl CanopyClient {
             backends.clone(),
         );
         self.storage.save_enrollment(&enrollment)?;
+        if self.offer().offered.is_some() {
+            // The enrollment stands either way; `check_for_task` offers
+            // the datasets again if this does not get through.
+            let (device, _) = self.device(canopy_sdk::CancelToken::new())?;
+            if let Err(error) = self.send_heartbeat(&device) {
+                tracing::warn!(error = %error, "cannot offer the datasets after enrolling");
+            }
+        }
         Ok(EnrollmentInfo {
             device_id: enrolled.device_id,
             device_key: hex::encode(key.public_key()),
@@ -301,13 +388,66 @@ impl CanopyClient {
             return Ok(());
         }
         let (device, _) = self.device(canopy_sdk::CancelToken::new())?;
-        let beat = Heartbeat {
-            state: Some("idle".to_string()),
-            conditions: Some(reported),
-            ..Heartbeat::default()
+        self.send_heartbeat(&device)
+    }
+
+    fn register_dataset_inner(
+        &self,
+        name: &str,
+        data: TrainingData,
+    ) -> Result<DatasetSummary, CanopyError> {
+        let refused = |reason: String| {
+            CanopyError::data(format!(
+                "{reason}\nhint: name it as the job does (`canopy job create --dataset NAME`)"
+            ))
         };
-        device.heartbeat(&beat)?;
-        Ok(())
+        // Before reading what may be a large file.
+        check_dataset_name("the dataset name", name).map_err(refused)?;
+        let dataset = crate::data::load(data)?;
+        let info = canopy_sdk::describe_dataset(name, &dataset)
+            .map_err(|error| refused(crate::error::chain(&error, None)))?;
+        {
+            let mut offer = self.offer();
+            let offered = offer.offered.get_or_insert_with(Vec::new);
+            if let Some(known) = offered.iter_mut().find(|known| known.name == name) {
+                *known = info.clone();
+            } else if offered.len() >= MAX_DATASETS {
+                return Err(CanopyError::config(format!(
+                    "the client offers {MAX_DATASETS} datasets already, the protocol's limit, \
+                     so it cannot offer `{name}`\nhint: forget_dataset one first"
+                )));
+            } else {
+                offered.push(info.clone());
+            }
+            offer.sent = false;
+        }
+        self.tell_server()?;
+        Ok(DatasetSummary::from_protocol(info))
+    }
+
+    fn forget_dataset_inner(&self, name: &str) -> Result<bool, CanopyError> {
+        let removed = {
+            let mut offer = self.offer();
+            let offered = offer.offered.get_or_insert_with(Vec::new);
+            let before = offered.len();
+            offered.retain(|known| known.name != name);
+            let removed = offered.len() != before;
+            offer.sent &= !removed;
+            removed
+        };
+        if removed {
+            self.tell_server()?;
+        }
+        Ok(removed)
+    }
+
+    /// A heartbeat now when enrolled; otherwise `enroll` sends it.
+    fn tell_server(&self) -> Result<(), CanopyError> {
+        if self.storage.enrollment()?.is_none() {
+            return Ok(());
+        }
+        let (device, _) = self.device(canopy_sdk::CancelToken::new())?;
+        self.send_heartbeat(&device)
     }
 
     fn check_for_task_inner(&self, wait_ms: u64) -> Result<Option<TaskInfo>, CanopyError> {
@@ -328,16 +468,31 @@ impl CanopyClient {
                 task.round_id
             ))?;
         }
-        let Some(task) = device.next_task(wait_ms)? else {
+        let unsent = {
+            let offer = self.offer();
+            !offer.sent && offer.offered.is_some()
+        };
+        if unsent {
+            self.send_heartbeat(&device)?;
+        }
+        let Some(task) = poll_until(&device, wait_ms)? else {
+            let why = self.why_no_task(wait_ms);
+            tracing::info!(wait_ms, "no task: {why}");
+            self.set_last_check(Some(why));
             return Ok(None);
         };
+        self.set_last_check(None);
         let conditions = self.conditions().unwrap_or_default().to_protocol();
         if let Err(ineligible) = task.policy.check(&conditions) {
             device.withdraw_task(&task, &conditions)?;
-            self.storage.save_outcome(&format!(
+            let why = format!(
                 "round {}: withdrew, not eligible: {ineligible}",
                 task.round_id
-            ))?;
+            );
+            self.storage.save_outcome(&why)?;
+            self.set_last_check(Some(format!(
+                "{why}\nhint: report_conditions when the device's state meets the job's policy"
+            )));
             return Ok(None);
         }
         if let Some(refusal) = self.config.limits.to_sdk().refusal(&task, 0) {
@@ -350,6 +505,43 @@ impl CanopyClient {
         }
         self.storage.save_task(&task)?;
         Ok(Some(self.task_info(&task)))
+    }
+
+    /// What a poll that brought no task may mean, from what this client
+    /// told the server: the server does not say why it selects a device
+    /// or not (`canopy job show` does, to the job's owner).
+    fn why_no_task(&self, wait_ms: u64) -> String {
+        let mut why = format!(
+            "no task came within {wait_ms} ms: no running job's round selected this device"
+        );
+        let offered = self.offer().offered.clone().unwrap_or_default();
+        if offered.is_empty() {
+            why.push_str(
+                ". It offers no dataset, so jobs that train on a named one (`canopy job create \
+                 --dataset NAME`) never select it",
+            );
+        } else {
+            let names: Vec<String> = offered.iter().map(describe_offer).collect();
+            why.push_str(&format!(
+                ". It offers {}; jobs that name another dataset, or whose model takes other \
+                 samples, do not select it",
+                names.join(", ")
+            ));
+        }
+        if self.conditions().is_none() {
+            why.push_str(
+                ". It has not reported its state (report_conditions), so it counts as not \
+                 charging, on a metered network, busy, at 0 %, which a job's device policy may \
+                 exclude",
+            );
+        }
+        why.push_str(if offered.is_empty() {
+            "\nhint: register_dataset(NAME, data) with the dataset the job names"
+        } else {
+            "\nhint: `canopy job ls` lists the running jobs, and `canopy job show ID` why a \
+             round waits for devices"
+        });
+        why
     }
 
     fn task_info(&self, task: &Task) -> TaskInfo {
@@ -403,6 +595,19 @@ impl CanopyClient {
             pending_task,
             conditions: self.conditions(),
             last_outcome: self.storage.last_outcome()?,
+            datasets: self
+                .offer()
+                .offered
+                .iter()
+                .flatten()
+                .cloned()
+                .map(DatasetSummary::from_protocol)
+                .collect(),
+            last_check: self
+                .last_check
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .clone(),
         })
     }
 
@@ -441,6 +646,37 @@ impl CanopyClient {
     }
 }
 
+/// A pause between polls that the server answered before `wait_ms`
+/// was up, so a server that answers at once (shutting down) is not
+/// polled in a loop.
+const REPOLL_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Polls until a task comes or `wait_ms` is up: the server answers a
+/// poll with nothing after its own `long_poll_max_ms` (30 s by default),
+/// which may be shorter.
+fn poll_until(device: &blocking::DeviceClient, wait_ms: u64) -> Result<Option<Task>, CanopyError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if let Some(task) = device.next_task(left.as_millis() as u64)? {
+            return Ok(Some(task));
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Ok(None);
+        }
+        std::thread::sleep(left.min(REPOLL_PAUSE));
+    }
+}
+
+/// `digits (1455 samples of [64], 10 classes)`.
+fn describe_offer(info: &DatasetInfo) -> String {
+    format!(
+        "`{}` ({} samples of {:?}, {} classes)",
+        info.name, info.samples, info.sample_shape, info.classes
+    )
+}
+
 /// The device authority's public key from its 64 hex digits.
 fn parse_authority(hex: Option<&str>) -> Result<Option<[u8; 32]>, CanopyError> {
     hex.map(|hex| {
@@ -456,7 +692,9 @@ fn parse_authority(hex: Option<&str>) -> Result<Option<[u8; 32]>, CanopyError> {
 }
 
 /// The engine backend for a preference: the pinned one (the CPU, with
-/// the reason, where it does not open), or the best the device has.
+/// the reason, where it does not open), or the best the device has: an
+/// NPU where ONNX Runtime opens, else the engine's `auto` (a hardware GPU,
+/// never a software one, else the CPU), as `available_backends` offers.
 pub(crate) fn backend_choice(preference: BackendPreference) -> BackendChoice {
     match preference {
         BackendPreference::Cpu => BackendChoice::cpu(),

@@ -47,6 +47,12 @@ pub enum CanopyError {
     /// The task's deadline passed; it was given up.
     #[error("{message}")]
     TaskExpired { message: String },
+    /// The round went on without this device's update or report: it
+    /// reached its target first (rounds select more devices than they
+    /// need), its deadline passed, or it dropped the device. Nothing is
+    /// kept; the next `check_for_task` brings the next task.
+    #[error("{message}")]
+    RoundClosed { message: String },
     /// The run hit the client's time limit; progress made in training is
     /// checkpointed (the message says at which step) and a later
     /// `run_task` resumes it.
@@ -122,6 +128,7 @@ impl CanopyError {
             Ineligible { .. } => "Ineligible",
             OverLimit { .. } => "OverLimit",
             TaskExpired { .. } => "TaskExpired",
+            RoundClosed { .. } => "RoundClosed",
             TimeLimit { .. } => "TimeLimit",
             Cancelled { .. } => "Cancelled",
             Training { .. } => "Training",

@@ -6,8 +6,10 @@
 //! ```text
 //! CanopyClient::new(ClientConfig { server_url, trust, storage_dir, limits, backend, .. })
 //!   .enroll(token, DeviceInfo)            once; the key and enrollment stay in storage_dir
+//!   .register_dataset(name, data)         offered to the server, for jobs that name a dataset
 //!   .report_conditions(DeviceConditions)  charging, unmetered, idle, battery
-//!   .check_for_task(wait_ms)              Some(TaskInfo) when there is work for this device
+//!   .check_for_task(wait_ms)              Some(TaskInfo) when there is work for this device;
+//!                                         else status().last_check says why that may be
 //!   .run_task(data, listener, cancel)     download, train (checkpointed), upload
 //!   .status() / .unenroll()
 //! ```
@@ -45,9 +47,9 @@ pub use local::{EpochResult, LocalTrainer, MAX_STEP_SAMPLES, StepResult};
 pub use progress::{DEFAULT_PROGRESS_INTERVAL_MS, MAX_PROGRESS_INTERVAL_MS};
 pub use run::DEFAULT_CHECKPOINT_EVERY_STEPS;
 pub use types::{
-    BackendPreference, ClientConfig, ClientStatus, DeviceConditions, DeviceInfo, Limits,
-    ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData, TrainingProgress,
-    TrustSetting,
+    BackendPreference, ClientConfig, ClientStatus, DatasetSummary, DeviceConditions, DeviceInfo,
+    Limits, ProgressListener, TaskInfo, TaskKind, TaskOutcome, TaskPolicy, TrainingData,
+    TrainingProgress, TrustSetting,
 };
 
 /// The library's version.

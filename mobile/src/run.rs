@@ -266,9 +266,34 @@ fn ended(
             storage.clear_task()?;
         }
     }
+    if let Some(closed) = round_closed(round, &error) {
+        storage.save_outcome(&format!("round {round}: not taken: {}", closed.message()))?;
+        return Ok(closed);
+    }
     let converted: CanopyError = error.into();
     storage.save_outcome(&format!("round {round}: failed: {}", converted.message()))?;
     Ok(converted)
+}
+
+/// The server's 410 to an upload or a report: the round no longer takes
+/// this device's work, which is how over-selection ends for the slowest
+/// devices, not a failure of the device.
+fn round_closed(round: i64, error: &RunTaskError) -> Option<CanopyError> {
+    let RunTaskError::Sdk(SdkError::Server {
+        status: 410,
+        message,
+        ..
+    }) = error
+    else {
+        return None;
+    };
+    Some(CanopyError::RoundClosed {
+        message: format!(
+            "round {round} went on without this device: {message}\nhint: nothing is wrong \
+             with the device (a round selects more devices than it needs, and closes at its \
+             target); call check_for_task for the next task"
+        ),
+    })
 }
 
 /// The step of `task`'s checkpoint in `storage`, if one of this round's
@@ -392,6 +417,7 @@ pub(crate) fn task_info(task: &Task, checkpointed_step: Option<u64>) -> TaskInfo
             requires_idle: task.policy.requires_idle,
             min_battery_percent: task.policy.min_battery_percent,
         },
+        dataset: task.dataset.clone(),
         checkpointed_step,
     }
 }

@@ -139,6 +139,31 @@ pub struct DeviceInfo {
     pub tags: std::collections::HashMap<String, String>,
 }
 
+/// A dataset the device offers to the server, as `register_dataset`
+/// read it: what the server selects devices by (a job created with
+/// `--dataset NAME` asks for devices that offer `NAME` with samples its
+/// model takes). The samples never leave the device.
+#[derive(Clone, Debug, PartialEq, Eq, uniffi::Record)]
+pub struct DatasetSummary {
+    /// 1 to 64 characters of `[A-Za-z0-9_.-]`.
+    pub name: String,
+    pub samples: u64,
+    /// The shape of one sample, e.g. `[64]` or `[1, 28, 28]`.
+    pub sample_shape: Vec<u64>,
+    pub classes: u64,
+}
+
+impl DatasetSummary {
+    pub(crate) fn from_protocol(info: canopy_protocol::messages::DatasetInfo) -> DatasetSummary {
+        DatasetSummary {
+            name: info.name,
+            samples: info.samples,
+            sample_shape: info.sample_shape,
+            classes: info.classes,
+        }
+    }
+}
+
 /// The job's requirements on the device's state.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, uniffi::Record)]
 pub struct TaskPolicy {
@@ -171,6 +196,10 @@ pub struct TaskInfo {
     /// The round runs secure aggregation: the server learns only the sum.
     pub secure: bool,
     pub policy: TaskPolicy,
+    /// The dataset the job trains on (`canopy job create --dataset NAME`),
+    /// one this device registered with `register_dataset`; `None` when the
+    /// job names none and the app's data is the device's default.
+    pub dataset: Option<String>,
     /// Steps already done and checkpointed by an earlier, interrupted run.
     pub checkpointed_step: Option<u64>,
 }
@@ -232,6 +261,13 @@ pub struct ClientStatus {
     pub conditions: Option<DeviceConditions>,
     /// How the last task ended, in words.
     pub last_outcome: Option<String>,
+    /// The datasets this client offers the server (`register_dataset`
+    /// in this process).
+    pub datasets: Vec<DatasetSummary>,
+    /// Why the last `check_for_task` of this process came back with no
+    /// task, in words, with a hint (e.g. that the device offers no dataset
+    /// the jobs ask for); `None` once a task came.
+    pub last_check: Option<String>,
 }
 
 /// The app's training data.

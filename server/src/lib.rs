@@ -21,6 +21,7 @@ pub mod fedavg;
 pub mod file_modes;
 pub mod inflight;
 pub mod metrics;
+pub mod migrations;
 pub mod orchestrator;
 pub mod request_slots;
 pub mod round_failure;

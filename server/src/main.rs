@@ -128,17 +128,24 @@ enum TokenCommand {
     },
 }
 
-fn init_logging(format: LogFormat) {
+/// Logs go to stderr (stdout carries what a command prints for people and
+/// scripts: `listening on`, the admin token), coloured only when stderr is
+/// a terminal (`canopy_term::stderr_color`), so `2> server.log` is text.
+fn init_logging(format: LogFormat, default_filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,sqlx=warn,tower_http=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Pretty => builder.init(),
-    }
+        .with_writer(std::io::stderr)
+        .with_ansi(canopy_term::stderr_color());
+    let _ = match format {
+        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Pretty => builder.try_init(),
+    };
 }
+
+/// What `serve` and `migrate` log unless `RUST_LOG` says otherwise.
+const SERVER_LOG_FILTER: &str = "info,sqlx=warn,tower_http=info";
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
@@ -205,12 +212,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(args) => {
             let settings = Settings::resolve(&args)?;
-            init_logging(settings.log_format);
+            init_logging(settings.log_format, SERVER_LOG_FILTER);
             serve(settings).await?;
         }
         Command::Migrate { server, create } => {
             let settings = Settings::resolve(&server)?;
-            init_logging(settings.log_format);
+            init_logging(settings.log_format, SERVER_LOG_FILTER);
             create.open(&server).await?;
             outln!(
                 "migrations applied to {}",
@@ -222,13 +229,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         // Dispatched in `main`, before the runtime starts.
         Command::CentralWorker(_) => anyhow::bail!("the central worker runs without a runtime"),
         Command::Demo(args) => {
-            let filter = if args.json { "error" } else { "warn" };
-            let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(filter));
-            tracing_subscriber::fmt()
-                .with_env_filter(filter)
-                .with_writer(std::io::stderr)
-                .init();
+            init_logging(LogFormat::Pretty, if args.json { "error" } else { "warn" });
             demo::run(args).await?;
         }
     }
@@ -272,22 +273,23 @@ async fn token(command: TokenCommand) -> anyhow::Result<()> {
         }
         TokenCommand::List { server, create } => {
             let db = create.open(&server).await?;
+            let now_ms = canopy_server::db::now_ms();
             let mut after = 0;
             loop {
                 let rows = tokens::list_api_tokens(&db, Page { after, limit: 500 }).await?;
                 let Some(last) = rows.last() else { break };
                 after = last.id;
                 for row in &rows {
-                    let state = if row.revoked_ms.is_some() {
-                        "revoked"
-                    } else {
-                        "active"
+                    let expiry = match row.expires_ms {
+                        Some(ms) => format!("expiry {}", utc(ms)),
+                        None => "no expiry".to_string(),
                     };
                     outln!(
-                        "{:>6}  {:<8}  {:<7}  {}",
+                        "{:>6}  {:<8}  {:<7}  {:<32}  {}",
                         row.id,
                         row.role,
-                        state,
+                        row.state(now_ms),
+                        expiry,
                         row.label
                     )?;
                 }

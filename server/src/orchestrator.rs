@@ -341,11 +341,15 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
     let mut notify_devices = false;
     let mut notify_secure = false;
     let mut round = round;
+    let mut outcome = None;
     if round.state == RoundState::Selecting {
-        notify_devices = select(state, &mut tx, &round, &spec).await?;
+        match select(state, &mut tx, &round, &job, &spec).await? {
+            Selected::Training => notify_devices = true,
+            Selected::Waiting => {}
+            Selected::Failed => outcome = Some(RoundState::Failed),
+        }
         round = reload(&mut tx, round.id).await?;
     }
-    let mut outcome = None;
     if round.state == RoundState::Training && spec.secure_aggregation.enabled {
         match secure::advance(state, &mut tx, &round, &spec).await? {
             secure::Advanced::Waiting { stage_changed } => notify_secure |= stage_changed,
@@ -413,15 +417,26 @@ async fn base_version(state: &AppState, round: &RoundRow) -> Result<VersionRow, 
         })
 }
 
+/// What selection did to a round.
+enum Selected {
+    /// Devices were selected: the round trains.
+    Training,
+    /// Too few devices are eligible; the round's status says why.
+    Waiting,
+    /// The round failed: its job's secure aggregation refused the devices,
+    /// or it waited past the job's `max_wait_for_devices_ms`.
+    Failed,
+}
+
 /// Picks devices by reservoir sampling over the eligible ones, so memory
 /// is bounded by the selection size however many devices are online.
-/// Returns whether the round started training.
 async fn select(
     state: &AppState,
     tx: &mut Tx<'_>,
     round: &RoundRow,
+    job: &JobRow,
     spec: &JobSpec,
-) -> Result<bool, OrchestratorError> {
+) -> Result<Selected, OrchestratorError> {
     let wanted = spec.selection_size() as usize;
     let input_shape = match spec.dataset {
         Some(_) => Some(model_input_shape(state, round.base_version_id).await?),
@@ -431,15 +446,25 @@ async fn select(
         sample_eligible(state, tx, spec, input_shape.as_deref(), wanted).await?;
     let eligible = eligibility.eligible;
     if eligible < spec.min_devices as usize {
-        let message = format!(
-            "waiting for devices: {eligible} eligible online, the round needs at least {}{}",
+        let shortfall = format!(
+            "{eligible} eligible online, the round needs at least {}{}",
             spec.min_devices,
-            eligibility.why_not(spec.dataset.as_deref(), input_shape.as_deref())
+            eligibility.why_not(
+                "online devices",
+                spec.dataset.as_deref(),
+                input_shape.as_deref()
+            )
         );
+        if let Some(failure) = waited_too_long(round, job, spec, &shortfall) {
+            // Waiting again would not bring devices either: the job fails.
+            failure.record(tx, round, 0).await?;
+            return Ok(Selected::Failed);
+        }
+        let message = format!("waiting for devices: {shortfall}");
         if message != round.status_message {
             rounds::set_status(tx, round.id, &message).await?;
         }
-        return Ok(false);
+        return Ok(Selected::Waiting);
     }
     let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
     crate::store::task_state::open::<rounds::ParticipantState>(tx, round.id, &chosen, deadline)
@@ -453,7 +478,7 @@ async fn select(
             failure
                 .record(tx, &round, i64::from(spec.max_round_retries))
                 .await?;
-            return Ok(false);
+            return Ok(Selected::Failed);
         }
     }
     tracing::info!(
@@ -462,14 +487,101 @@ async fn select(
         eligible,
         "selected devices"
     );
-    Ok(true)
+    Ok(Selected::Training)
 }
 
-/// How many online devices passed the filters, and why the others that
-/// passed them could not take part.
+/// The failure of a round that has waited for devices longer than its
+/// job's `max_wait_for_devices_ms`, counted from when it opened or the job
+/// was last started or resumed (a paused job's round does not wait).
+fn waited_too_long(
+    round: &RoundRow,
+    job: &JobRow,
+    spec: &JobSpec,
+    shortfall: &str,
+) -> Option<RoundFailure> {
+    let limit_ms = spec.max_wait_for_devices_ms?;
+    let since_ms = round.created_ms.max(job.updated_ms);
+    let waited_ms = u64::try_from(now_ms() - since_ms).unwrap_or(0);
+    (waited_ms >= limit_ms).then(|| RoundFailure::NoEligibleDevices {
+        limit_ms,
+        shortfall: shortfall.to_string(),
+    })
+}
+
+/// Where one device stands with a job, by [`classify`]: eligible, or the
+/// first check it fails.
+#[derive(Debug, PartialEq)]
+enum Verdict {
+    Eligible,
+    /// It does not match the job's `filters`.
+    FilteredOut,
+    /// It has no device authority's certificate, which a secure job needs.
+    Uncertified,
+    /// It does not report the job's dataset.
+    LacksDataset,
+    /// Its copy of the dataset has samples of this shape, which the
+    /// model's input does not take.
+    WrongShape(Vec<u64>),
+    /// Its latest reported conditions violate the job's device policy.
+    PolicyExcludes,
+}
+
+impl Verdict {
+    /// Whether the device could take part once its conditions change: the
+    /// checks before the policy's depend on what the device is and holds,
+    /// the policy's on what it is doing now.
+    fn could_qualify(&self) -> bool {
+        matches!(self, Verdict::Eligible | Verdict::PolicyExcludes)
+    }
+}
+
+/// The one rule for whether a device may take part in a job's round:
+/// it passes the job's filters, holds a device certificate if the job is
+/// secure and the server has a device authority (`needs_certificate`),
+/// reports the job's dataset with samples the model's input takes (for a
+/// job that names one), and its latest reported conditions, if any, meet
+/// the job's device policy. Selection applies it to the online devices
+/// that are free, job creation to every enrolled one.
+fn classify(
+    candidate: &CandidateRow,
+    spec: &JobSpec,
+    input_shape: Option<&[u64]>,
+    needs_certificate: bool,
+) -> Result<Verdict, sqlx::Error> {
+    if !matches_filter(candidate, &spec.filters)? {
+        return Ok(Verdict::FilteredOut);
+    }
+    if needs_certificate && candidate.certified == 0 {
+        return Ok(Verdict::Uncertified);
+    }
+    if let Some(name) = &spec.dataset {
+        let datasets = devices::parse_datasets(candidate.datasets.as_deref())?;
+        match datasets.into_iter().find(|d| &d.name == name) {
+            None => return Ok(Verdict::LacksDataset),
+            Some(d) if input_shape.is_some_and(|shape| !sample_fits(&d.sample_shape, shape)) => {
+                return Ok(Verdict::WrongShape(d.sample_shape));
+            }
+            Some(_) => {}
+        }
+    }
+    if !meets_policy(candidate, &spec.device_policy)? {
+        return Ok(Verdict::PolicyExcludes);
+    }
+    Ok(Verdict::Eligible)
+}
+
+/// Devices that pin the authority refuse an uncertified neighbour, so
+/// selecting one would fail its neighbours' round.
+fn needs_certificate(state: &AppState, spec: &JobSpec) -> bool {
+    spec.secure_aggregation.enabled && state.settings.device_authority.is_some()
+}
+
+/// How many devices were eligible, and why the others could not take part.
 #[derive(Debug, Default)]
 struct Eligibility {
     eligible: usize,
+    /// Devices that do not match the job's `filters`.
+    filtered_out: usize,
     /// Devices whose latest reported conditions violate the job's device
     /// policy (not charging, on a metered network, ...).
     ineligible_conditions: usize,
@@ -485,9 +597,35 @@ struct Eligibility {
 }
 
 impl Eligibility {
-    /// The reasons, as a clause for the job's status.
-    fn why_not(&self, dataset: Option<&str>, input_shape: Option<&[u64]>) -> String {
+    /// Counts one device's verdict.
+    fn count(&mut self, verdict: Verdict) {
+        match verdict {
+            Verdict::Eligible => self.eligible += 1,
+            Verdict::FilteredOut => self.filtered_out += 1,
+            Verdict::Uncertified => self.uncertified += 1,
+            Verdict::LacksDataset => self.lacking_dataset += 1,
+            Verdict::WrongShape(shape) => {
+                self.wrong_shape += 1;
+                self.example_shape.get_or_insert(shape);
+            }
+            Verdict::PolicyExcludes => self.ineligible_conditions += 1,
+        }
+    }
+
+    /// The reasons, as a clause about the other devices of `population`.
+    fn why_not(
+        &self,
+        population: &str,
+        dataset: Option<&str>,
+        input_shape: Option<&[u64]>,
+    ) -> String {
         let mut reasons = Vec::new();
+        if self.filtered_out > 0 {
+            reasons.push(format!(
+                "{} do not match the job's `filters`",
+                self.filtered_out
+            ));
+        }
         if self.ineligible_conditions > 0 {
             reasons.push(format!(
                 "{} report conditions the job's `device_policy` excludes",
@@ -506,8 +644,45 @@ impl Eligibility {
         if reasons.is_empty() {
             String::new()
         } else {
-            format!(" (of the other online devices, {})", reasons.join("; "))
+            format!(" (of the other {population}, {})", reasons.join("; "))
         }
+    }
+
+    /// What would make more devices eligible, one hint per reason; when
+    /// none stands out, more devices or a lower `min_devices`.
+    fn hints(&self, dataset: Option<&str>, input_shape: Option<&[u64]>) -> Vec<String> {
+        let mut hints = Vec::new();
+        if self.filtered_out > 0 {
+            hints.push(
+                "widen the job's `filters` (`canopy device ls` shows the devices' tier, \
+                 backends and tags)"
+                    .to_string(),
+            );
+        }
+        if self.uncertified > 0 {
+            hints.push(
+                "certify the devices with `canopy authority certify` (README, Secure aggregation)"
+                    .to_string(),
+            );
+        }
+        if let Some(dataset) = dataset {
+            if self.lacking_dataset > 0 {
+                hints.push(format!(
+                    "register `{dataset}` on the devices (`canopy-agent data add {dataset} ...`), \
+                     or name a dataset they report (`canopy device ls` lists them)"
+                ));
+            }
+            if let (Some(example), Some(input)) = (&self.example_shape, input_shape) {
+                hints.push(format!(
+                    "push a model whose input takes samples of shape {example:?}, or register \
+                     data whose samples fit the model's {input:?}"
+                ));
+            }
+        }
+        if hints.is_empty() {
+            hints.push("enroll more devices, or lower `min_devices`".to_string());
+        }
+        hints
     }
 
     fn dataset_reasons(
@@ -528,14 +703,9 @@ impl Eligibility {
     }
 }
 
-/// A uniform sample of up to `capacity` eligible online devices, by
-/// reservoir sampling, so memory is bounded by the sample however many
-/// devices are online. A device is eligible when it passes the job's
-/// filters, its latest reported conditions (if it reported any) meet the
-/// job's device policy, it holds a device certificate if the job is secure
-/// and the server has a device authority, and, for a job that names a
-/// dataset, it reports that dataset with samples of the model's input
-/// shape.
+/// A uniform sample of up to `capacity` eligible online devices (by
+/// [`classify`]) that are free, by reservoir sampling, so memory is
+/// bounded by the sample however many devices are online.
 async fn sample_eligible(
     state: &AppState,
     tx: &mut Tx<'_>,
@@ -547,42 +717,16 @@ async fn sample_eligible(
     let mut rng = rand::rngs::StdRng::from_os_rng();
     let mut chosen: Vec<i64> = Vec::with_capacity(capacity);
     let mut eligibility = Eligibility::default();
-    // Devices that pin the authority refuse an uncertified neighbour, so
-    // selecting one would fail its neighbours' round.
-    let needs_certificate =
-        spec.secure_aggregation.enabled && state.settings.device_authority.is_some();
+    let needs_certificate = needs_certificate(state, spec);
     let mut candidates = rounds::candidates(tx, now_ms() - window);
     while let Some(candidate) = candidates.next().await {
         let candidate = candidate?;
-        if !matches_filter(&candidate, &spec.filters)? {
+        let verdict = classify(&candidate, spec, input_shape, needs_certificate)?;
+        let eligible = verdict == Verdict::Eligible;
+        eligibility.count(verdict);
+        if !eligible {
             continue;
         }
-        if !meets_policy(&candidate, &spec.device_policy)? {
-            eligibility.ineligible_conditions += 1;
-            continue;
-        }
-        if needs_certificate && candidate.certified == 0 {
-            eligibility.uncertified += 1;
-            continue;
-        }
-        if let Some(name) = &spec.dataset {
-            let datasets = devices::parse_datasets(candidate.datasets.as_deref())?;
-            match datasets.into_iter().find(|d| &d.name == name) {
-                None => {
-                    eligibility.lacking_dataset += 1;
-                    continue;
-                }
-                Some(d)
-                    if input_shape.is_some_and(|shape| !sample_fits(&d.sample_shape, shape)) =>
-                {
-                    eligibility.wrong_shape += 1;
-                    eligibility.example_shape.get_or_insert(d.sample_shape);
-                    continue;
-                }
-                Some(_) => {}
-            }
-        }
-        eligibility.eligible += 1;
         if chosen.len() < capacity {
             chosen.push(candidate.id);
         } else {
@@ -593,6 +737,67 @@ async fn sample_eligible(
         }
     }
     Ok((chosen, eligibility))
+}
+
+/// Why no round of a job could start with the devices enrolled now, and
+/// what to do about it.
+#[derive(Debug)]
+pub(crate) struct Shortfall {
+    pub message: String,
+    pub hint: String,
+}
+
+/// Why no round of a job on `version_id` could start with the devices
+/// enrolled now, if so: fewer than `min_devices` of them could ever be
+/// eligible by [`classify`], counting those its device policy excludes
+/// for now (conditions change, as do being online and being free).
+/// Checked when a job is created, so the operator hears at once rather
+/// than from a job that waits; devices may still enroll later.
+pub(crate) async fn shortfall_at_creation(
+    state: &AppState,
+    spec: &JobSpec,
+    version_id: i64,
+) -> Result<Option<Shortfall>, OrchestratorError> {
+    let input_shape = match spec.dataset {
+        Some(_) => Some(model_input_shape(state, version_id).await?),
+        None => None,
+    };
+    let needed = spec.min_devices as usize;
+    let needs_certificate = needs_certificate(state, spec);
+    let (mut enrolled, mut could_qualify) = (0usize, 0usize);
+    let mut eligibility = Eligibility::default();
+    let mut candidates = rounds::enrolled_candidates(&state.db);
+    while let Some(candidate) = candidates.next().await {
+        let verdict = classify(&candidate?, spec, input_shape.as_deref(), needs_certificate)?;
+        enrolled += 1;
+        if verdict.could_qualify() {
+            could_qualify += 1;
+            if could_qualify >= needed {
+                return Ok(None);
+            }
+        } else {
+            eligibility.count(verdict);
+        }
+    }
+    if enrolled == 0 {
+        return Ok(Some(Shortfall {
+            message: format!("no device is enrolled yet, and each round needs at least {needed}"),
+            hint: "enroll devices with a token from `canopy device enroll-token`; the job waits \
+                   for them"
+                .to_string(),
+        }));
+    }
+    let dataset = spec.dataset.as_deref();
+    let why_not = eligibility.why_not("enrolled devices", dataset, input_shape.as_deref());
+    Ok(Some(Shortfall {
+        message: format!(
+            "{could_qualify} of the {enrolled} enrolled devices could take part, and each round \
+             needs at least {needed}{why_not}"
+        ),
+        hint: eligibility
+            .hints(dataset, input_shape.as_deref())
+            .join("; "),
+    }))
 }
 
 /// Whether a device's samples fit the model's input: the engine's rule

@@ -24,6 +24,14 @@ pub enum RoundFailure {
     Cancelled,
     #[error("only {arrived} of the {needed} updates needed arrived before the round closed")]
     TooFewUpdates { arrived: i64, needed: i64 },
+    /// The round waited for devices past the job's
+    /// `max_wait_for_devices_ms`; `shortfall` is why none could take part
+    /// (what the round's status said while it waited).
+    #[error(
+        "no round could start within the job's `max_wait_for_devices_ms` of {limit_ms} ms: \
+         {shortfall}"
+    )]
+    NoEligibleDevices { limit_ms: u64, shortfall: String },
     #[error("the job's strategy is invalid: {0}")]
     InvalidStrategy(String),
     /// The stored optimizer state is not the one this round follows.
@@ -64,6 +72,9 @@ text_enum! {
         Cancelled = "cancelled",
         /// Fewer than `min_devices` updates arrived before the round closed.
         TooFewUpdates = "too_few_updates",
+        /// Too few devices were eligible for the round to start within the
+        /// job's `max_wait_for_devices_ms`; the job fails with it.
+        NoEligibleDevices = "no_eligible_devices",
         /// The job's strategy settings cannot be used.
         InvalidStrategy = "invalid_strategy",
         /// The stored server-optimizer state does not fit this round.
@@ -92,6 +103,7 @@ impl RoundFailure {
             RoundFailure::JobStopped { .. } => FailureKind::JobStopped,
             RoundFailure::Cancelled => FailureKind::Cancelled,
             RoundFailure::TooFewUpdates { .. } => FailureKind::TooFewUpdates,
+            RoundFailure::NoEligibleDevices { .. } => FailureKind::NoEligibleDevices,
             RoundFailure::InvalidStrategy(_) => FailureKind::InvalidStrategy,
             RoundFailure::StrategyStateOutOfStep { .. } | RoundFailure::StrategyState(_) => {
                 FailureKind::StrategyState
@@ -180,6 +192,15 @@ mod tests {
                 RoundFailure::Cancelled,
                 "the job was cancelled",
                 "cancelled",
+            ),
+            (
+                RoundFailure::NoEligibleDevices {
+                    limit_ms: 2_000,
+                    shortfall: "0 eligible online, the round needs at least 1".into(),
+                },
+                "no round could start within the job's `max_wait_for_devices_ms` of 2000 ms: \
+                 0 eligible online, the round needs at least 1",
+                "no_eligible_devices",
             ),
             (
                 RoundFailure::Averaging(FedAvgError::NonFinite {

@@ -2,11 +2,17 @@
 //! devices (training on the bundled digits, evaluating each version), and
 //! `web/tests/dashboard.spec.mjs` drives Debian's Chromium through
 //! `playwright-core` against it: the curves have one point per finished
-//! round, the pause and resume buttons change the job's state, a job made
-//! with the form is cancelled with its button, the lineage and devices
-//! views show what the API holds, and nothing breaks the content security
-//! policy. Screenshots (desktop and 420 px) go to `$CANOPY_TEST_ARTIFACTS`,
-//! or `test-artifacts/dashboard` in the target directory.
+//! round, with axis titles and an accuracy axis fitted to the data; the
+//! pause and resume buttons change the job's state, and disabled ones stay
+//! legible; the header shows the signed-in session; the form's errors
+//! show beside it, and a job made with it is cancelled with its button;
+//! the jobs list keeps its rounds column in view; the lineage and devices
+//! views show what the API holds, rounds by number; the API reference page
+//! (`/api/v1/docs`) shows the whole OpenAPI document: `POST /api/v1/jobs`'s
+//! `JobSpec` body and its responses, a table of contents, Markdown; and
+//! nothing breaks the content security policy. Screenshots (desktop and
+//! 420 px) go to `$CANOPY_TEST_ARTIFACTS`, or `test-artifacts/dashboard`
+//! in the target directory.
 //!
 //! Also here: the rounds list's `order=newest`, which the dashboard polls.
 
@@ -375,6 +381,10 @@ async fn the_dashboard_shows_and_controls_a_running_job_in_chromium() -> Result<
         "dashboard-420px.png",
         "lineage-desktop.png",
         "lineage-420px.png",
+        "form-error-desktop.png",
+        "api-reference-top.png",
+        "api-reference-create-job.png",
+        "api-reference-420px.png",
     ] {
         let size = std::fs::metadata(artifacts.join(shot))
             .map(|m| m.len())

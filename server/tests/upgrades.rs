@@ -9,11 +9,9 @@
 mod support;
 
 use anyhow::{Context, Result, ensure};
+use canopy_server::migrations::{POSTGRES, SQLITE};
 use sqlx::any::AnyPoolOptions;
 use sqlx::migrate::Migrator;
-
-static SQLITE: Migrator = sqlx::migrate!("../migrations/sqlite");
-static POSTGRES: Migrator = sqlx::migrate!("../migrations/postgres");
 
 /// A sum as a round of a few parameters would hold it, and large enough
 /// to span SQLite overflow pages.

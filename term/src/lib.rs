@@ -85,6 +85,25 @@ pub fn write_error_line(args: fmt::Arguments<'_>) {
         .and_then(|()| stderr.write_all(b"\n"));
 }
 
+/// Whether what a binary writes to stderr (its logs, its progress) may
+/// carry ANSI colour: only when stderr is a terminal, and never when
+/// `NO_COLOR` is set to a non-empty value (<https://no-color.org>). A log
+/// redirected to a file, a pipe or the journal stays plain text. The one
+/// rule for `canopy`, `canopy-agent` and `canopy-server`.
+pub fn stderr_color() -> bool {
+    use std::io::IsTerminal;
+    color_allowed(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    )
+}
+
+/// [`stderr_color`]'s rule, for a stream that is or is not a terminal and
+/// the value of `NO_COLOR`.
+pub fn color_allowed(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(std::ffi::OsStr::is_empty)
+}
+
 /// `println!` that returns `Err(OutputError::Closed)` instead of panicking
 /// when stdout is a closed pipe: `outln!("{x}")?;`.
 #[macro_export]
@@ -113,6 +132,15 @@ pub mod report;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn colour_needs_a_terminal_and_no_no_color() {
+        use std::ffi::OsStr;
+        assert!(color_allowed(true, None));
+        assert!(color_allowed(true, Some(OsStr::new(""))));
+        assert!(!color_allowed(true, Some(OsStr::new("1"))));
+        assert!(!color_allowed(false, None));
+    }
 
     #[test]
     fn a_closed_stdout_is_found_under_any_wrapping() {

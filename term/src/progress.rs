@@ -62,3 +62,64 @@ fn epoch_bar(batches: usize, epoch: u32, epochs: u32) -> ProgressBar {
     bar.set_style(style);
     bar
 }
+
+/// A command of several long steps (`canopy model bench`) as one bar on
+/// a terminal: the steps done, the current one, and what it is doing.
+/// Nothing when stderr is not a terminal, so logs and `--json` stay clean.
+pub struct StepBar {
+    bar: Option<ProgressBar>,
+}
+
+impl StepBar {
+    pub fn new(steps: usize) -> StepBar {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new(steps as u64);
+            let style =
+                ProgressStyle::with_template("[{bar:20}] {pos}/{len} {prefix}  {msg}  ({elapsed})")
+                    .expect("static template is valid")
+                    .progress_chars("=> ");
+            bar.set_style(style);
+            bar
+        });
+        StepBar { bar }
+    }
+
+    /// Whether the bar is drawn: callers skip building details otherwise.
+    pub fn visible(&self) -> bool {
+        self.bar.is_some()
+    }
+
+    /// Step `what` begins; the previous one is done.
+    pub fn step(&mut self, what: &str) {
+        if let Some(bar) = &self.bar {
+            if !bar.prefix().is_empty() {
+                bar.inc(1);
+            }
+            bar.set_prefix(what.to_string());
+            bar.set_message("");
+        }
+    }
+
+    /// What the current step is doing (`epoch 2/5, batch 300/937`).
+    pub fn detail(&mut self, text: String) {
+        if let Some(bar) = &self.bar {
+            bar.set_message(text);
+        }
+    }
+
+    /// Clears the bar, so that what is printed next starts a clean line.
+    pub fn finish(self) {
+        if let Some(bar) = self.bar {
+            bar.finish_and_clear();
+        }
+    }
+
+    /// Runs `print` with the bar out of the way, so a line printed while
+    /// it shows is not drawn over.
+    pub fn suspend<T>(&self, print: impl FnOnce() -> T) -> T {
+        match &self.bar {
+            Some(bar) => bar.suspend(print),
+            None => print(),
+        }
+    }
+}

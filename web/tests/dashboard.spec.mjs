@@ -80,6 +80,8 @@ async function run(browser) {
     check(response.ok(), `${method} ${path} answered ${response.status()}: ${await response.text()}`);
     return response.json();
   };
+  await apiReference(context, api);
+
   const page = await context.newPage();
   const problems = [];
   page.on("console", (message) => {
@@ -104,6 +106,10 @@ async function run(browser) {
   await page.waitForFunction(() => !location.href.includes("token="), null, { timeout: 15_000 }).catch(() => {});
   check(problems.length === 0, `the page loaded without errors: ${JSON.stringify(problems)}`);
   check(!page.url().includes("token="), "the token stays out of the address bar");
+  await page.waitForFunction(() => document.body.dataset.session === "signed-in", null, { timeout: 15_000 });
+  check(await page.isVisible("#session") && await page.isHidden("#login"),
+    "signed in, the header shows the session instead of the token field");
+  same(await page.textContent("#session-state"), "Signed in", "the session marker");
 
   log("live: waiting for two finished rounds on the loss curve");
   const lossRounds = () => page.$eval('#chart-loss polyline[data-series="train_loss"]', (l) => l.dataset.rounds);
@@ -181,6 +187,21 @@ async function run(browser) {
   }
   check(before < rounds, `the page was live: it showed ${before} rounds before the job ended with ${rounds}`);
 
+  log("the charts: axis titles, an accuracy axis fitted to the data");
+  same(await page.textContent("#chart-loss .axis-title.y"), "training loss", "the loss chart's y title");
+  same(await page.textContent("#chart-accuracy .axis-title.y"), "accuracy", "the accuracy chart's y title");
+  same(await page.textContent("#chart-accuracy .axis-title.x"), "round", "the accuracy chart's x title");
+  const accuracies = succeeded.flatMap((r) => [r.metrics.federated_eval_accuracy, r.metrics.central_eval_accuracy])
+    .filter((a) => typeof a === "number");
+  const [low, high] = await page.$eval("#chart-accuracy svg", (svg) => [Number(svg.dataset.yLow), Number(svg.dataset.yHigh)]);
+  const [dataLow, dataHigh] = [Math.min(...accuracies), Math.max(...accuracies)];
+  check(low <= dataLow && high >= dataHigh, `the accuracy axis ${low}–${high} holds the data ${dataLow}–${dataHigh}`);
+  check(high - low <= dataHigh - dataLow + 0.35, `the accuracy axis ${low}–${high} fits the data ${dataLow}–${dataHigh}`);
+  await chartFunctions(page);
+  same(await page.$$eval("#rounds thead th", (ths) => ths.map((th) => th.textContent).filter((t) => /acc|loss/.test(t))),
+    ["training loss", "federated acc", "central acc"], "the rounds table's metric names");
+  check((await page.textContent("#chart-accuracy .legend")).includes("federated acc"), "the legend's name for federated evaluation");
+
   log("polls read only the newest page");
   const firstPolls = roundLists.filter((p) => !p.has("cursor"));
   check(firstPolls.length >= 4, `the page polled the rounds (${firstPolls.length} times)`);
@@ -218,6 +239,22 @@ async function run(browser) {
     documented, "the form's strategies, as the OpenAPI document lists them");
   check(documented.includes("fedprox"), `the OpenAPI document lists fedprox: ${documented}`);
   await page.fill('#job-form [name="name"]', "secure-from-form");
+  await page.fill('#job-form [name="model_version_id"]', "999999");
+  const logged = problems.length;
+  await page.click("#job-form button");
+  await page.waitForSelector("#job-form-error:not([hidden])");
+  const formError = await page.textContent("#job-form-error");
+  check(/not created/.test(formError) && /404/.test(formError),
+    `the form says why the job was not created: ${formError}`);
+  const [buttonBox, errorBox, formBox] = await Promise.all(["#job-form button", "#job-form-error", "#job-form"]
+    .map((selector) => page.$eval(selector, (e) => e.getBoundingClientRect().toJSON())));
+  check(errorBox.top >= buttonBox.bottom && errorBox.top - buttonBox.bottom < 24 && errorBox.bottom <= formBox.bottom + 1,
+    `the form's error sits under its button: button ${JSON.stringify(buttonBox)}, error ${JSON.stringify(errorBox)}`);
+  check(!(await page.getAttribute("#status", "class") || "").includes("error"), "the form's error is not (only) in the header");
+  await page.screenshot({ path: join(artifacts, "form-error-desktop.png"), fullPage: true });
+  // Chromium logs the refused request itself as an error: that one is expected.
+  const refused = (problem) => problem.includes("status of 404") && problem.includes("/api/v1/jobs)");
+  problems.push(...problems.splice(logged).filter((problem) => !refused(problem)));
   await page.fill('#job-form [name="model_version_id"]', String(modelVersionId));
   await page.fill('#job-form [name="rounds"]', "3");
   await page.fill('#job-form [name="min_devices"]', "3");
@@ -239,6 +276,21 @@ async function run(browser) {
     "the jobs list does not mark the plain job");
   check(await page.isEnabled('button[data-action="start"]') && await page.isDisabled('button[data-action="pause"]'),
     "a created job offers Start, not Pause");
+  check(await page.isHidden("#job-form-error"), "a job created with the form clears the form's error");
+  const looks = await page.$$eval("#job-controls button", (buttons) => buttons.map((b) => {
+    const style = getComputedStyle(b);
+    return { action: b.dataset.action, disabled: b.disabled, color: style.color, background: style.backgroundColor,
+      border: style.borderStyle, opacity: style.opacity };
+  }));
+  const disabled = looks.find((b) => b.action === "pause"), enabled = looks.find((b) => b.action === "start");
+  same([disabled.disabled, enabled.disabled], [true, false], "Pause is disabled and Start enabled");
+  check(disabled.opacity === "1" && contrast(disabled.color, disabled.background) >= 3,
+    `a disabled button stays legible: ${JSON.stringify(disabled)}`);
+  check(disabled.background !== enabled.background && disabled.border !== enabled.border,
+    `a disabled button looks unlike an enabled one: ${JSON.stringify([disabled, enabled])}`);
+  check((await page.textContent("#loss-note")).includes("Secure aggregation") && await page.isVisible("#loss-note"),
+    "a secure job says why its loss can trail its rounds");
+  await jobsListFits(page, "desktop");
   await page.screenshot({ path: join(artifacts, "secure-job-desktop.png"), fullPage: true });
   page.once("dialog", (dialog) => dialog.accept());
   await page.click('button[data-action="cancel"]');
@@ -257,11 +309,18 @@ async function run(browser) {
   const latest = versions[versions.length - 1];
   const firstRow = await page.$eval("#versions tbody tr", (row) => [...row.cells].map((c) => c.textContent));
   same([firstRow[0], firstRow[2]], [String(latest.version), latest.digest.slice(0, 12) + "…"], "the newest version's row");
+  const numberOf = (roundId) => all.find((r) => r.id === roundId).number;
+  same(firstRow[5], `job ${jobId}, round ${numberOf(latest.produced_by_round)}`, "the newest version's origin, by round number");
+  same(numberOf(latest.produced_by_round), rounds, "the newest version came from the last round");
+  same(firstRow[4], "v" + versions.find((v) => v.id === latest.parent_version_id).version, "the newest version's parent, by number");
   const fifth = versions.find((v) => v.version === 5);
   await page.click(`#lineage .node[data-version-id="${fifth.id}"]`);
   const lineage = await api(`/api/v1/models/digits/versions/5/lineage`);
   await page.waitForFunction((count) => document.querySelectorAll("#lineage .node.chain").length === count, lineage.chain.length);
   same(lineage.chain.length, 5, "version 5's lineage");
+  const summary = await page.textContent("#lineage-summary");
+  check(summary.includes(`Version 5 (job ${jobId}, round ${numberOf(fifth.produced_by_round)})`),
+    `the lineage names version 5's round by number: ${summary}`);
   await page.screenshot({ path: join(artifacts, "lineage-desktop.png"), fullPage: true });
   await narrow(page, "lineage-420px.png");
 
@@ -281,14 +340,180 @@ async function run(browser) {
 
 /// A screenshot at 420 px, checking that the page itself does not scroll
 /// sideways (wide tables scroll in their own box).
-async function narrow(page, name) {
+async function narrow(page, name, fullPage = true) {
   await page.setViewportSize(NARROW);
   await page.waitForTimeout(400);
   const width = await page.evaluate(() => document.documentElement.scrollWidth);
   check(width <= NARROW.width, `at ${NARROW.width} px the page is ${width} px wide`);
-  await page.screenshot({ path: join(artifacts, name), fullPage: true });
+  await page.screenshot({ path: join(artifacts, name), fullPage });
   await page.setViewportSize(DESKTOP);
   await page.waitForTimeout(300);
+}
+
+/// WCAG's contrast ratio of two computed CSS colours ("rgb(r, g, b)").
+function contrast(foreground, background) {
+  const luminance = (css) => {
+    const [r, g, b] = css.match(/[\d.]+/g).slice(0, 3).map((v) => {
+      const c = Number(v) / 255;
+      return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+    });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b;
+  };
+  const [a, b] = [luminance(foreground), luminance(background)].sort((x, y) => y - x);
+  return (a + 0.05) / (b + 0.05);
+}
+
+/// The jobs list shows every column inside its box: the rounds column is
+/// not pushed out of view by a long name or the secure marker.
+async function jobsListFits(page, where) {
+  const boxes = await page.$eval("#jobs", (table) => {
+    const box = table.parentElement;
+    const frame = box.getBoundingClientRect();
+    return {
+      scrollWidth: box.scrollWidth, clientWidth: box.clientWidth, frameRight: frame.right,
+      rounds: [...table.querySelectorAll("tbody tr")].map((tr) => ({ text: tr.cells[3].textContent, right: tr.cells[3].getBoundingClientRect().right })),
+    };
+  });
+  check(boxes.rounds.length >= 2, `the jobs list has both jobs (${where})`);
+  check(boxes.scrollWidth <= boxes.clientWidth, `the jobs list does not scroll sideways (${where}): ${JSON.stringify(boxes)}`);
+  for (const cell of boxes.rounds) {
+    check(cell.right <= boxes.frameRight + 0.5, `the rounds cell "${cell.text}" is inside the list (${where}): ${JSON.stringify(boxes)}`);
+  }
+}
+
+/// The chart module on its own, with the data of a fine-tuning job
+/// (accuracies just under 1) and of rounds that finished without a value.
+async function chartFunctions(page) {
+  const result = await page.evaluate(async () => {
+    const { lineChart } = await import("/dashboard-charts.js");
+    const box = document.createElement("div");
+    box.className = "chart";
+    document.body.append(box);
+    const accuracies = [0.962, 0.968, 0.975, 0.979, 0.981];
+    lineChart(box, {
+      yTitle: "accuracy", fit: [0, 1], finishedRounds: 5,
+      series: [{ key: "a", name: "a", className: "s-federated", points: accuracies.map((y, i) => ({ x: i + 1, y })) }],
+    });
+    const svg = box.querySelector("svg");
+    const plot = box.querySelector("rect.plot").getBBox();
+    const ys = box.querySelector("polyline").getAttribute("points").trim().split(/\s+/).map((p) => Number(p.split(",")[1]));
+    const fitted = { low: Number(svg.dataset.yLow), high: Number(svg.dataset.yHigh), plotHeight: plot.height,
+      top: Math.min(...ys), bottom: Math.max(...ys) };
+    lineChart(box, { yTitle: "training loss", finishedRounds: 5, missing: "a training loss yet", series: [{ key: "l", name: "l", className: "s-loss", points: [] }] });
+    const lines = () => [...box.querySelectorAll(".empty tspan")].map((t) => t.textContent).join(" ");
+    const emptyAfterRounds = lines();
+    lineChart(box, { yTitle: "training loss", finishedRounds: 0, series: [{ key: "l", name: "l", className: "s-loss", points: [] }] });
+    const emptyBeforeRounds = lines();
+    box.remove();
+    return { fitted, emptyAfterRounds, emptyBeforeRounds };
+  });
+  const { fitted } = result;
+  check(fitted.low < 0.962 && fitted.low >= 0.85 && fitted.high >= 0.981 && fitted.high <= 1,
+    `accuracies 0.962–0.981 get an axis that fits them: ${JSON.stringify(fitted)}`);
+  check(fitted.bottom - fitted.top > fitted.plotHeight * 0.2 && fitted.top > fitted.plotHeight * 0.05,
+    `accuracies near 1 spread over the plot, not flat along its top: ${JSON.stringify(fitted)}`);
+  same(result.emptyAfterRounds, "5 rounds finished, none with a training loss yet", "an empty chart after five finished rounds");
+  same(result.emptyBeforeRounds, "no finished round yet", "an empty chart before any round finished");
+}
+
+/// The API reference page: the whole OpenAPI document, drawn by the
+/// server's own script under the same strict policy.
+async function apiReference(context, api) {
+  log("the API reference page");
+  const doc = await api("/api/v1/openapi.json");
+  const page = await context.newPage();
+  const problems = [];
+  page.on("console", (message) => {
+    if (message.type() === "error") problems.push(`console: ${message.text()} (${message.location().url})`);
+  });
+  page.on("pageerror", (error) => problems.push("page error: " + error.message));
+  const response = await page.goto(`${base}/api/v1/docs`);
+  for (const [path, policy] of [["/api/v1/docs", response.headers()["content-security-policy"]],
+    ...await Promise.all(["/api-docs.js", "/api-docs.css"].map(async (path) =>
+      [path, (await context.request.get(base + path)).headers()["content-security-policy"]]))]) {
+    check(policy && policy.includes("default-src 'self'") && !/unsafe-|\*|https?:/.test(policy), `${path}'s policy: ${policy}`);
+  }
+  await page.waitForFunction(() => document.body.dataset.rendered, null, { timeout: 15_000 });
+  same(await page.evaluate(() => document.body.dataset.rendered), "true", "the reference rendered");
+
+  const resolve = (schema) => {
+    while (schema && schema.$ref) schema = doc.components.schemas[schema.$ref.split("/").pop()];
+    return schema;
+  };
+  /// An object schema's field names, through `$ref` and `allOf`.
+  const fieldsOf = (schema) => {
+    schema = resolve(schema);
+    return [...Object.keys(schema.properties || {}), ...(schema.allOf || []).flatMap(fieldsOf)];
+  };
+  const create = doc.paths["/api/v1/jobs"].post;
+  const body = create.requestBody.content["application/json"];
+  same(body.schema.$ref, "#/components/schemas/JobSpec", "POST /api/v1/jobs takes a JobSpec");
+  const operation = 'section.operation[data-method="post"][data-path="/api/v1/jobs"]';
+  const request = `${operation} .request-body .media[data-schema="JobSpec"]`;
+  const shownFields = await page.$$eval(`${request} > details > .fields > .scroll > table > tbody > tr`, (rows) => rows.map((r) => r.dataset.field));
+  same(shownFields, Object.keys(resolve(body.schema).properties), "the JobSpec fields shown for POST /api/v1/jobs");
+  for (const field of ["name", "model_version_id", "rounds", "strategy"]) {
+    check(await page.isVisible(`${request} tr[data-field="${field}"]`), `the request body's field ${field} is visible`);
+  }
+  const roundsRow = await page.textContent(`${request} tr[data-field="rounds"]`);
+  check(roundsRow.includes("required") && roundsRow.includes(String(resolve(body.schema).properties.rounds.maximum)),
+    `the rounds field says it is required and its bound: ${roundsRow}`);
+  const example = JSON.parse(await page.textContent(`${request} figure.example pre`));
+  same(example, body.example, "the request body's example, as the document gives it");
+
+  const created = Object.keys(create.responses).find((status) => status.startsWith("2"));
+  const answer = create.responses[created].content["application/json"].schema;
+  const response201 = `${operation} .response[data-status="${created}"]`;
+  const answerFields = await page.$$eval(`${response201} tr[data-field]`, (rows) => rows.map((r) => r.dataset.field));
+  for (const field of fieldsOf(answer)) check(answerFields.includes(field), `the ${created} response shows ${field}: ${answerFields}`);
+  check(await page.isVisible(`${response201} tr[data-field="state"]`), `the ${created} response body is visible`);
+  const statuses = await page.$$eval(`${operation} .response`, (all) => all.map((r) => r.dataset.status));
+  same(statuses, Object.keys(create.responses), "every response of POST /api/v1/jobs");
+
+  const methods = ["get", "put", "post", "patch", "delete", "head", "options", "trace"];
+  const operations = Object.values(doc.paths).flatMap((item) => Object.keys(item).filter((k) => methods.includes(k)));
+  const links = await page.$$eval('#toc a[href^="#op-"]', (as) => as.map((a) => [a.getAttribute("href"), Boolean(document.getElementById(a.getAttribute("href").slice(1)))]));
+  same(links.length, operations.length, "the table of contents lists every operation");
+  check(links.every(([, target]) => target), `every contents link has its target: ${JSON.stringify(links.filter(([, t]) => !t))}`);
+  const tagged = new Set(Object.values(doc.paths).flatMap((item) => methods.filter((m) => item[m]).map((m) => item[m].tags[0])));
+  for (const tag of tagged) check(await page.isVisible(`#toc a[href="#tag-${tag}"]`), `the contents list the tag ${tag}`);
+  same(await page.$$eval("section.schema", (all) => all.length), Object.keys(doc.components.schemas).length, "a section per schema");
+  same(await page.$$eval(".broken", (all) => all.map((e) => e.textContent)), [], "every $ref resolves");
+
+  check((await page.$$eval("#overview code", (all) => all.map((c) => c.textContent))).includes("Authorization: Bearer TOKEN"),
+    "the description's `Authorization: Bearer TOKEN` is code");
+  const literal = await page.evaluate(() => {
+    const walker = document.createTreeWalker(document.getElementById("reference"), NodeFilter.SHOW_TEXT);
+    const found = [];
+    while (walker.nextNode()) {
+      const node = walker.currentNode;
+      if (node.textContent.includes("`") && !node.parentElement.closest("pre, code")) found.push(node.textContent);
+    }
+    return found;
+  });
+  same(literal, [], "Markdown backticks left as text");
+  const rendered = await page.evaluate(async () => {
+    const { markdown } = await import("/api-docs.js");
+    const box = document.createElement("div");
+    box.append(markdown("Takes `x` and **y** <img src=x onerror=alert(1)> [a](javascript:alert(1)) [b](/dashboard).\n\n- one\n- two `z`"));
+    return { html: box.innerHTML, images: box.querySelectorAll("img").length, links: [...box.querySelectorAll("a")].map((a) => a.getAttribute("href")) };
+  });
+  same(rendered, {
+    html: "<p>Takes <code>x</code> and <strong>y</strong> &lt;img src=x onerror=alert(1)&gt; [a](javascript:alert(1)) <a href=\"/dashboard\">b</a>.</p>" +
+      "<ul><li>one</li><li>two <code>z</code></li></ul>",
+    images: 0, links: ["/dashboard"],
+  }, "Markdown renders code, emphasis, lists and safe links, and leaves HTML as text");
+
+  await page.click(`#toc a[href="#${await page.$eval(operation, (s) => s.id)}"]`);
+  await page.waitForTimeout(200);
+  check(await page.$eval(operation, (s) => Math.abs(s.getBoundingClientRect().top) < 40), "the contents link scrolls to POST /api/v1/jobs");
+  await page.screenshot({ path: join(artifacts, "api-reference-create-job.png") });
+  await page.goto(`${base}/api/v1/docs`);
+  await page.waitForFunction(() => document.body.dataset.rendered === "true");
+  await page.screenshot({ path: join(artifacts, "api-reference-top.png") });
+  await narrow(page, "api-reference-420px.png", false);
+  check(problems.length === 0, "the reference page logged errors (a CSP violation shows here):\n" + problems.join("\n"));
+  await page.close();
 }
 
 main().then(

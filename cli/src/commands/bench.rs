@@ -8,10 +8,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use canopy_engine::backend::AdapterInfo;
 use canopy_engine::data::Dataset;
 use canopy_engine::optim::Optimizer;
 use canopy_engine::select::{BackendChoice, open_backend};
-use canopy_engine::train::{FitConfig, Trainer, fit};
+use canopy_engine::train::{FitConfig, FitProgress, Trainer, fit};
 use canopy_engine::zoo::{Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_model};
 use canopy_engine::{Backend, Executable, Value};
 use canopy_ir::model::PARAM_PREFIX;
@@ -19,7 +20,8 @@ use canopy_ir::{Graph, Model, TensorType, autodiff};
 use clap::Args;
 
 use super::load_for_model;
-use crate::output::outln;
+use crate::output::progress::StepBar;
+use crate::output::{errln, outln};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -32,7 +34,8 @@ pub struct BenchArgs {
     /// Epochs of the LeNet-5 workload.
     #[arg(long, default_value_t = 1)]
     lenet_epochs: usize,
-    /// Print one JSON object as the last line.
+    /// Print one JSON object and nothing else on stdout (a warning about a
+    /// software adapter goes to stderr).
     #[arg(long)]
     json: bool,
     /// cpu, gpu (any Vulkan, Metal or DX12 adapter) or auto (a hardware
@@ -46,47 +49,83 @@ const LR: f32 = 0.1;
 /// How long each micro-benchmark runs.
 const MEASURE: Duration = Duration::from_millis(600);
 
+/// The steps `run` shows on its progress bar, in order.
+const STEPS: usize = 7;
+
 pub fn run(args: BenchArgs) -> Result<()> {
     let opened = open_backend(args.backend)?;
     let backend = opened.as_ref();
-    outln!("backend: {}", super::describe_backend(backend))?;
+    let adapter = backend.describe().adapter;
+    let software = adapter.as_ref().is_some_and(is_software);
+    if let Some(adapter) = adapter.as_ref().filter(|_| software) {
+        errln!(
+            "warning: GPU adapter `{}` is a software implementation ({} on the CPU, such as Mesa's \
+             lavapipe or llvmpipe): these figures are not a GPU's",
+            adapter.name,
+            adapter.api
+        );
+    }
+    let mut report = Report::new(args.json);
+    report.line(format_args!(
+        "backend: {}",
+        super::describe_backend(backend)
+    ))?;
     let mlp = model(Architecture::Mlp {
         inputs: 784,
         hidden: 128,
         classes: 10,
     })?;
     let lenet = model(Architecture::LeNet5 { classes: 10 })?;
+    report.steps.step("loading data");
     let (mlp_train, _) = load_for_model(&args.data, &mlp)?;
     let (lenet_train, _) = load_for_model(&args.data, &lenet)?;
-    let mlp_rate = train_throughput(&mlp, &mlp_train, args.epochs, backend)?;
-    outln!(
+    report.steps.step("mlp training");
+    let mlp_rate = train_throughput(&mlp, &mlp_train, args.epochs, backend, &mut report.steps)?;
+    report.line(format_args!(
         "mlp 784-128-10 training: {mlp_rate:.0} samples/s ({} epochs, batch {BATCH}, SGD {LR})",
         args.epochs
+    ))?;
+    report.steps.step("lenet5 training");
+    let lenet_rate = train_throughput(
+        &lenet,
+        &lenet_train,
+        args.lenet_epochs,
+        backend,
+        &mut report.steps,
     )?;
-    let lenet_rate = train_throughput(&lenet, &lenet_train, args.lenet_epochs, backend)?;
-    outln!(
+    report.line(format_args!(
         "lenet5 training:         {lenet_rate:.0} samples/s ({} epochs)",
         args.lenet_epochs
-    )?;
+    ))?;
+    report.steps.step("backward/forward ratios");
     let mlp_ratio = backward_forward_ratio(&mlp, &mlp_train, backend)?;
     let lenet_ratio = backward_forward_ratio(&lenet, &lenet_train, backend)?;
-    outln!("backward/forward time:   mlp {mlp_ratio:.2}, lenet5 {lenet_ratio:.2}")?;
+    report.line(format_args!(
+        "backward/forward time:   mlp {mlp_ratio:.2}, lenet5 {lenet_ratio:.2}"
+    ))?;
+    report.steps.step("lenet5 steps");
     let full_ms = step_millis(&lenet, &lenet_train, backend)?;
     let frozen = model_frozen(Architecture::LeNet5 { classes: 10 }, &["conv", "fc1"])?;
     let frozen_ms = step_millis(&frozen, &lenet_train, backend)?;
-    outln!(
+    report.line(format_args!(
         "lenet5 step, batch {BATCH}:  full {full_ms:.2} ms ({} nodes), frozen conv+fc1 {frozen_ms:.2} ms ({} nodes)",
         lenet.entry("train_step")?.len(),
         frozen.entry("train_step")?.len()
-    )?;
+    ))?;
+    report.steps.step("optimisation passes");
     let (nodes_before, nodes_after) = mlp_pass_report()?;
-    outln!("mlp train_step nodes:    {nodes_before} before passes, {nodes_after} after")?;
+    report.line(format_args!(
+        "mlp train_step nodes:    {nodes_before} before passes, {nodes_after} after"
+    ))?;
+    report.steps.step("matmul");
     let mut gflops = serde_json::Map::new();
     for n in [256, 512, 1024] {
+        report.steps.detail(format!("{n}x{n}"));
         let rate = matmul_gflops(n, backend)?;
-        outln!("matmul {n}x{n}:          {rate:.1} GFLOPS")?;
+        report.line(format_args!("matmul {n}x{n}:          {rate:.1} GFLOPS"))?;
         gflops.insert(n.to_string(), rate.into());
     }
+    report.steps.finish();
     if args.json {
         outln!(
             "{}",
@@ -102,14 +141,45 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "mlp_train_step_nodes_after_passes": nodes_after,
                 "threads": rayon::current_num_threads(),
                 "backend": backend.name(),
-                "adapter": backend.describe().adapter.map(|a| serde_json::json!({
+                "adapter": adapter.as_ref().map(|a| serde_json::json!({
                     "name": a.name, "api": a.api, "device_type": a.device_type, "driver": a.driver,
-                    "max_buffer_bytes": a.max_buffer_bytes,
+                    "max_buffer_bytes": a.max_buffer_bytes, "software": software,
                 })),
             })
         )?;
     }
     Ok(())
+}
+
+/// wgpu's `DeviceType::Cpu` (`cpu`): Vulkan, Metal or DX12 implemented on
+/// the CPU (Mesa's lavapipe and llvmpipe, WARP), which `--backend gpu`
+/// accepts so that CI can run the GPU kernels.
+fn is_software(adapter: &AdapterInfo) -> bool {
+    adapter.device_type == "cpu"
+}
+
+/// Where the figures go: lines on stdout for people, or nothing until the
+/// one JSON document `--json` prints; and the progress bar on stderr.
+struct Report {
+    json: bool,
+    steps: StepBar,
+}
+
+impl Report {
+    fn new(json: bool) -> Report {
+        Report {
+            json,
+            steps: StepBar::new(STEPS),
+        }
+    }
+
+    /// A figure for people; with `--json`, stdout is the JSON alone.
+    fn line(&self, text: std::fmt::Arguments<'_>) -> Result<()> {
+        if !self.json {
+            self.steps.suspend(|| outln!("{text}"))?;
+        }
+        Ok(())
+    }
 }
 
 fn model(architecture: Architecture) -> Result<Model> {
@@ -172,11 +242,25 @@ fn train_throughput(
     train: &Dataset,
     epochs: usize,
     backend: &dyn Backend,
+    steps: &mut StepBar,
 ) -> Result<f64> {
     let mut trainer = Trainer::new(model, backend, 0)?;
     let config = FitConfig::new(epochs as u32, BATCH, LR, 0);
     let started = Instant::now();
-    let stats = fit(&mut trainer, train, &config, &mut |_| {
+    let stats = fit(&mut trainer, train, &config, &mut |progress| {
+        // Only a drawn bar is worth the formatting inside the timed loop.
+        if let (
+            true,
+            FitProgress::Batch {
+                epoch,
+                done,
+                batches,
+                ..
+            },
+        ) = (steps.visible(), progress)
+        {
+            steps.detail(format!("epoch {epoch}/{epochs}, batch {done}/{batches}"));
+        }
         ControlFlow::Continue(())
     })?;
     let samples: usize = stats.iter().map(|e| e.samples).sum();

@@ -17,7 +17,8 @@ pub struct EvalArgs {
     data: DataArgs,
     #[arg(long, default_value_t = 256)]
     batch: usize,
-    /// Print one JSON object with `loss`, `accuracy` and `samples` as the last line.
+    /// Print one JSON object, `loss`, `accuracy` and `samples`, and nothing
+    /// else on stdout.
     #[arg(long)]
     json: bool,
     /// cpu, gpu (any Vulkan, Metal or DX12 adapter) or auto (a hardware
@@ -31,20 +32,21 @@ pub fn run(args: EvalArgs) -> Result<()> {
         bail!("--batch {} is out of range (1..=65536)", args.batch);
     }
     let (model, _) = read_model_file(&args.file)?;
-    let (_, test) = load_for_model(&args.data.data, &model)?;
+    let (_, test) = load_for_model(&args.data.data, &model).map_err(|e| args.data.explain(e))?;
     let backend = open_backend(args.backend)?;
     let stats = evaluate(&model, &test, args.batch, backend.as_ref())?;
-    outln!(
-        "{}: test loss {:.4}, accuracy {:.4} over {} samples",
-        args.file.display(),
-        stats.loss,
-        stats.accuracy,
-        stats.samples
-    )?;
     if args.json {
         outln!(
             "{}",
             serde_json::json!({"loss": stats.loss, "accuracy": stats.accuracy, "samples": stats.samples})
+        )?;
+    } else {
+        outln!(
+            "{}: test loss {:.4}, accuracy {:.4} over {} samples",
+            args.file.display(),
+            stats.loss,
+            stats.accuracy,
+            stats.samples
         )?;
     }
     Ok(())

@@ -6,10 +6,10 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::{Map, Value, json};
 
-use crate::commands::models::{latest_version, print_or_empty};
+use crate::commands::models::{find_version, latest_version, print_or_empty};
 use crate::files::Hint;
-use crate::output::outln;
-use crate::remote::table::Table;
+use crate::output::{errln, outln};
+use crate::remote::table::{Table, clean, escape};
 use crate::remote::{self, Remote, Subject, ago, cell, print_json};
 
 /// A spec file is a page of settings.
@@ -34,10 +34,13 @@ pub struct CreateArgs {
     /// The job's name (default: the model's name).
     #[arg(long)]
     name: Option<String>,
-    /// Start from the newest version of this model.
-    #[arg(long, conflicts_with = "version")]
+    /// Start from model NAME: NAME@VERSION pins a version (its number in
+    /// `canopy model versions NAME`); NAME alone takes the newest, which
+    /// may be another job's result.
+    #[arg(long, value_name = "NAME[@VERSION]", conflicts_with = "version")]
     model: Option<String>,
-    /// Start from this model version id.
+    /// Start from this model version id (the ID column of `canopy model
+    /// versions NAME`).
     #[arg(long)]
     version: Option<i64>,
     /// Successful rounds to run (default 10).
@@ -74,6 +77,10 @@ pub struct CreateArgs {
     /// Fraction of the eligible devices that evaluate each version (0 to 1).
     #[arg(long)]
     eval_fraction: Option<f64>,
+    /// Fail the job when a round has waited this long for enough eligible
+    /// devices (default: wait, saying why, until they come).
+    #[arg(long)]
+    max_wait_for_devices_ms: Option<u64>,
     /// Secure aggregation (SecAgg+): the server learns only each round's sum.
     #[arg(long)]
     secure: bool,
@@ -99,61 +106,134 @@ pub struct JobIdArgs {
     pub json: bool,
 }
 
+/// What `--model` names: a model, and one of its versions or its newest.
+#[derive(Debug, PartialEq)]
+struct ModelChoice {
+    name: String,
+    version: Option<i64>,
+}
+
+impl ModelChoice {
+    fn parse(text: &str) -> Result<ModelChoice> {
+        let Some((name, version)) = text.split_once('@') else {
+            return Ok(ModelChoice {
+                name: text.to_string(),
+                version: None,
+            });
+        };
+        let number = version.parse::<i64>().ok().filter(|n| *n >= 1);
+        let Some(number) = number else {
+            return Err(Hint::attach(
+                anyhow::anyhow!("`--model {text}` names version `{version}`, not a number from 1"),
+                format!(
+                    "give --model {name}@VERSION with a VERSION of `canopy model versions {name}`"
+                ),
+            ));
+        };
+        Ok(ModelChoice {
+            name: name.to_string(),
+            version: Some(number),
+        })
+    }
+
+    /// The version it names, as the server describes it.
+    async fn resolve(&self, remote: &Remote) -> Result<Value> {
+        match self.version {
+            Some(version) => find_version(remote, &self.name, version).await,
+            None => latest_version(remote, &self.name).await,
+        }
+    }
+}
+
 pub fn create(args: CreateArgs) -> Result<()> {
     let mut spec = match &args.spec {
         Some(path) => read_spec(path)?,
         None => Map::new(),
     };
+    let choice = args.model.as_deref().map(ModelChoice::parse).transpose()?;
     let remote = Remote::from_saved()?;
     remote::block_on(async {
-        let model_name = match (&args.model, args.version) {
-            (Some(name), _) => {
-                let version = latest_version(&remote, name).await?;
-                spec.insert("model_version_id".into(), version["id"].clone());
-                Some(name.clone())
-            }
-            (None, Some(id)) => {
-                spec.insert("model_version_id".into(), json!(id));
-                None
-            }
-            (None, None) => None,
-        };
-        apply_flags(&mut spec, &args, model_name.as_deref())?;
-        let job = remote
-            .post(
-                "/api/v1/jobs",
-                Value::Object(spec),
-                &Subject::new("the job", None),
-            )
+        if let Some(choice) = &choice {
+            let version = choice.resolve(&remote).await?;
+            spec.insert("model_version_id".into(), version["id"].clone());
+        } else if let Some(id) = args.version {
+            spec.insert("model_version_id".into(), json!(id));
+        }
+        let model_name = choice.as_ref().map(|choice| choice.name.as_str());
+        apply_flags(&mut spec, &args, model_name)?;
+        let subject = Subject::new("the job", None).missing(
+            format!("model version id {}", cell(&spec["model_version_id"], 0)),
+            &format!("canopy model versions {}", model_name.unwrap_or("NAME")),
+        );
+        let created = remote
+            .post("/api/v1/jobs", Value::Object(spec), &subject)
             .await?;
-        let id = job["id"].as_i64().context("the server's job has no id")?;
-        let job = if args.start {
-            remote
-                .post(
-                    &format!("/api/v1/jobs/{id}/start"),
-                    json!({}),
-                    &Subject::job(id),
-                )
-                .await?
-        } else {
-            job
-        };
-        if args.json {
-            return print_json(&job);
-        }
-        outln!(
-            "created job {id} `{}` from model version {}{}",
-            cell(&job["name"], 0),
-            cell(&job["model_version_id"], 0),
-            if args.start { ", started" } else { "" }
-        )?;
+        let id = created["id"]
+            .as_i64()
+            .context("the server's job has no id")?;
+        let mut started = None;
         if args.start {
-            outln!("watch it with `canopy job watch {id}`")?;
-        } else {
-            outln!("start it with `canopy job start {id}`")?;
+            let path = format!("/api/v1/jobs/{id}/start");
+            started = Some(remote.post(&path, json!({}), &Subject::job(id)).await?);
         }
-        Ok(())
+        print_warnings(&created);
+        if args.json {
+            return print_json(&created_view(created, started));
+        }
+        report_created(&created, args.start, choice.as_ref())
     })
+}
+
+/// The creation's answer, with the job as starting it left it.
+fn created_view(mut created: Value, started: Option<Value>) -> Value {
+    if let (Some(created), Some(Value::Object(started))) = (created.as_object_mut(), started) {
+        created.extend(started);
+    }
+    created
+}
+
+/// The server's warnings about a job it created (why no round could start
+/// with the devices enrolled now), on stderr, each with its hint.
+fn print_warnings(created: &Value) {
+    for warning in created["warnings"].as_array().into_iter().flatten() {
+        errln!("warning: {}", escape(&cell(&warning["message"], 0)));
+        errln!("  hint: {}", escape(&cell(&warning["hint"], 0)));
+    }
+}
+
+/// What `job create` prints: the job and the version it starts from.
+fn report_created(created: &Value, started: bool, choice: Option<&ModelChoice>) -> Result<()> {
+    let id = cell(&created["id"], 0);
+    let version = &created["start_version"];
+    outln!(
+        "created job {id} `{}` from model `{}` version {} (version id {}){}",
+        clean(&cell(&created["name"], 0)),
+        clean(&cell(&version["model"], 0)),
+        cell(&version["version"], 0),
+        cell(&created["model_version_id"], 0),
+        if started { ", started" } else { "" }
+    )?;
+    // Taken as the newest, a version another job produced is worth a word.
+    if choice.is_some_and(|choice| choice.version.is_none())
+        && !version["produced_by_job"].is_null()
+    {
+        let name = clean(&cell(&version["model"], 0));
+        let round = match version["produced_by_round_number"].as_i64() {
+            Some(number) => format!(" in its round {number}"),
+            None => String::new(),
+        };
+        outln!(
+            "note: that is the newest version, produced by job {}{round}, not a pushed file; \
+             pin another with --model {name}@VERSION (`canopy model versions {name}`)",
+            cell(&version["produced_by_job"], 0),
+        )?;
+    }
+    if started {
+        outln!("watch it with `canopy job watch {id}`")?;
+    } else {
+        outln!("start it with `canopy job start {id}`")?;
+    }
+    Ok(())
 }
 
 /// A spec file as a JSON object: TOML for `.toml`, JSON otherwise.
@@ -204,6 +284,10 @@ fn apply_flags(
     set("learning_rate", args.lr.map(Value::from));
     set("round_deadline_ms", args.round_deadline_ms.map(Value::from));
     set("dataset", args.dataset.clone().map(Value::from));
+    set(
+        "max_wait_for_devices_ms",
+        args.max_wait_for_devices_ms.map(Value::from),
+    );
     if let Some(strategy) = &args.strategy {
         nested(spec, "strategy").insert("name".into(), json!(strategy));
     }
@@ -219,7 +303,8 @@ fn apply_flags(
     if !spec.contains_key("model_version_id") {
         return Err(Hint::attach(
             anyhow::anyhow!("the job names no model to start from"),
-            "give --model NAME (its newest version) or --version ID (`canopy model versions NAME`)",
+            "give --model NAME@VERSION (or NAME, its newest version) or --version ID \
+             (`canopy model versions NAME`)",
         ));
     }
     if !spec.contains_key("name") {
@@ -256,9 +341,11 @@ pub fn list(args: ListArgs) -> Result<()> {
     if args.json {
         return print_json(&jobs);
     }
+    // The status is last and whole: its cause comes at its end.
     let mut table = Table::new(&[
         "ID", "NAME", "STATE", "ROUNDS", "VERSION", "UPDATED", "STATUS",
-    ]);
+    ])
+    .with_whole_last_column();
     for job in &jobs {
         table.row(vec![
             cell(&job["id"], 0),
@@ -307,7 +394,7 @@ pub fn show(args: JobIdArgs) -> Result<()> {
         (
             "model",
             format!(
-                "started from version {}, now version {}",
+                "started from version id {}, now version id {}",
                 cell(&job["model_version_id"], 0),
                 cell(&job["current_version_id"], 0)
             ),
@@ -336,7 +423,12 @@ pub fn show(args: JobIdArgs) -> Result<()> {
         ("finished", ago(job["finished_ms"].as_i64())),
     ];
     for (label, value) in lines {
-        outln!("{label:>9}: {}", remote::table::clean(&value))?;
+        // The status is a reason, whole; the others are short.
+        let shown = match label {
+            "status" => escape(&value),
+            _ => clean(&value),
+        };
+        outln!("{label:>9}: {shown}")?;
     }
     Ok(())
 }
@@ -427,6 +519,43 @@ mod tests {
                 "round_deadline_ms": 60000,
             })
         );
+    }
+
+    #[test]
+    fn model_at_version_pins_a_version_and_a_bad_one_is_named() {
+        let choice = |name: &str, version| ModelChoice {
+            name: name.to_string(),
+            version,
+        };
+        assert_eq!(
+            ModelChoice::parse("digits").unwrap(),
+            choice("digits", None)
+        );
+        assert_eq!(
+            ModelChoice::parse("digits@3").unwrap(),
+            choice("digits", Some(3))
+        );
+        for bad in ["digits@", "digits@0", "digits@x", "digits@-1", "digits@1@2"] {
+            let text = format!("{:#}", ModelChoice::parse(bad).unwrap_err());
+            assert!(text.contains("not a number from 1"), "{bad}: {text}");
+            assert!(
+                text.contains("canopy model versions digits"),
+                "{bad}: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_wait_limit_is_a_spec_setting() {
+        let mut spec: Map<String, Value> =
+            serde_json::from_value(json!({"model_version_id": 4})).unwrap();
+        apply_flags(
+            &mut spec,
+            &args(&["--max-wait-for-devices-ms", "5000"]),
+            None,
+        )
+        .unwrap();
+        assert_eq!(spec["max_wait_for_devices_ms"], 5000);
     }
 
     #[test]

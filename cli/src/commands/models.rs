@@ -117,27 +117,29 @@ pub fn versions(args: VersionsArgs) -> Result<()> {
     if args.json {
         return print_json(&versions);
     }
+    // PARENT and ROUND are numbers as people count them (version 3 of
+    // this model, round 2 of that job); ID is what `--version` takes.
     let mut table = Table::new(&[
         "VERSION",
         "ID",
-        "DIGEST",
-        "BYTES",
-        "TRAINABLE",
         "PARENT",
         "JOB",
         "ROUND",
+        "TRAINABLE",
+        "BYTES",
+        "DIGEST",
         "CREATED",
     ]);
     for version in &versions {
         table.row(vec![
             cell(&version["version"], 0),
             cell(&version["id"], 0),
-            short(version["digest"].as_str().unwrap_or("-"), 16).to_string(),
-            cell(&version["size_bytes"], 0),
-            cell(&version["trainable"], 0),
-            cell(&version["parent_version_id"], 0),
+            cell(&version["parent_version"], 0),
             cell(&version["produced_by_job"], 0),
-            cell(&version["produced_by_round"], 0),
+            cell(&version["produced_by_round_number"], 0),
+            cell(&version["trainable"], 0),
+            cell(&version["size_bytes"], 0),
+            short(version["digest"].as_str().unwrap_or("-"), 16).to_string(),
             ago(version["created_ms"].as_i64()),
         ]);
     }
@@ -148,6 +150,21 @@ pub fn versions(args: VersionsArgs) -> Result<()> {
             args.name, args.name
         ),
     )
+}
+
+/// Version `version` (its number, as `canopy model versions` shows it) of
+/// model `name`.
+pub async fn find_version(remote: &Remote, name: &str, version: i64) -> Result<Value> {
+    let subject = Subject::new(
+        format!("model `{name}` version {version}"),
+        Some(&format!("canopy model versions {name}")),
+    );
+    remote
+        .get(
+            &format!("/api/v1/models/{name}/versions/{version}"),
+            &subject,
+        )
+        .await
 }
 
 /// The newest version of a model, as the server lists them (oldest first).

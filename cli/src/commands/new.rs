@@ -35,9 +35,10 @@ pub struct NewArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Weight initialiser: `he` (He normal for layers a ReLU follows,
-    /// Xavier for the others), `xavier` (Xavier uniform everywhere) or
-    /// `uniform` (U(±1/√fan_in), the earlier default).
-    #[arg(long, default_value = "he", value_parser = init_parser())]
+    /// Xavier for the others), `xavier` (Xavier uniform everywhere),
+    /// `uniform` (U(±1/√fan_in), PyTorch's default) or `lecun` (LeCun
+    /// normal, N(0, 1/fan_in), JAX/Flax's default).
+    #[arg(long, default_value = Initializer::default().name(), value_parser = init_parser())]
     init: Initializer,
     /// Optimizer of the shipped `train_step`: sgd, adam, adamw, or a spec
     /// like `sgd:momentum=0.9,nesterov=true`.

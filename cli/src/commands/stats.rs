@@ -42,7 +42,7 @@ pub fn run(args: StatsArgs) -> Result<()> {
             args.file.display()
         )));
     }
-    let (train, _) = load_for_model(&args.data.data, &model)?;
+    let (train, _) = load_for_model(&args.data.data, &model).map_err(|e| args.data.explain(e))?;
     let moments = InputMoments::of(&train);
     let stats = fit_model(&mut model, &moments).with_context(|| {
         format!(

@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use crate::files::Hint;
 use crate::output::{errln, outln};
-use crate::remote::table::clean;
+use crate::remote::table::{clean, escape};
 use crate::remote::{self, MAX_LIST_PAGES, PAGE_SIZE, Remote, Subject, Unreachable, cell};
 
 /// Exit status after Ctrl-C: 128 + SIGINT, what a shell shows for a C tool.
@@ -73,19 +73,19 @@ async fn watch(remote: &Remote, id: i64, interval: Duration) -> Result<WatchEnd>
     let subject = Subject::job(id);
     let job = remote.get(&format!("/api/v1/jobs/{id}"), &subject).await?;
     outln!(
-        "job {id} `{}`: {} rounds, model version {}",
+        "job {id} `{}`: {} rounds, from model version id {}",
         clean(&cell(&job["name"], 0)),
         cell(&job["spec"]["rounds"], 0),
         cell(&job["model_version_id"], 0)
     )?;
     outln!(
-        "{:>5}  {:<10}  {:>7}  {:>10}  {:>8}  {:>9}  {:>11}  {:>7}",
+        "{:>5}  {:<10}  {:>7}  {:>10}  {:>13}  {:>14}  {:>11}  {:>7}",
         "round",
         "state",
         "devices",
         "train loss",
-        "eval acc",
-        "eval loss",
+        "federated acc",
+        "federated loss",
         "central acc",
         "seconds"
     )?;
@@ -142,22 +142,23 @@ async fn poll(
             contiguous = false;
         }
     }
+    // Whole, as every status: its cause comes last.
     let status = job["status_message"].as_str().unwrap_or_default();
     if !ended && status != shown.status && !status.is_empty() {
-        errln!("job {id} is {state}: {}", clean(status));
+        errln!("job {id} is {state}: {}", escape(status));
     }
     shown.status = status.to_string();
     Ok(match state.as_str() {
         "completed" => {
             outln!(
-                "job {id} completed: {} rounds, model version {}",
+                "job {id} completed: {} rounds, model version id {}",
                 cell(&job["rounds_completed"], 0),
                 cell(&job["current_version_id"], 0)
             )?;
             Some(Ok(WatchEnd::Completed))
         }
         "failed" => Some(Err(Hint::attach(
-            anyhow!("{}", clean(status)).context(format!("job {id} failed")),
+            anyhow!("{}", escape(status)).context(format!("job {id} failed")),
             format!(
                 "see its settings with `canopy job show {id}` and its devices with `canopy device ls`"
             ),
@@ -222,7 +223,7 @@ fn print_round(round: &Value) -> Result<()> {
         .map(|ms| format!("{:.1}", ms / 1000.0))
         .unwrap_or_else(|| "-".into());
     outln!(
-        "{:>5}  {:<10}  {:>7}  {:>10}  {:>8}  {:>9}  {:>11}  {:>7}",
+        "{:>5}  {:<10}  {:>7}  {:>10}  {:>13}  {:>14}  {:>11}  {:>7}",
         number,
         cell(&round["state"], 0),
         format!(
@@ -242,7 +243,7 @@ fn print_round(round: &Value) -> Result<()> {
     if round["state"] == "failed" {
         outln!(
             "       round failed: {}",
-            clean(&cell(&round["status_message"], 0))
+            escape(&cell(&round["status_message"], 0))
         )?;
     }
     Ok(())

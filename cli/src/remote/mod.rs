@@ -12,7 +12,7 @@ use std::fmt::Display;
 
 use anyhow::{Context, Result, anyhow};
 use canopy_protocol::messages::ErrorBody;
-use canopy_sdk::Transport;
+use canopy_sdk::{ConnectProblem, Transport};
 use reqwest::{Method, StatusCode};
 use serde_json::Value;
 
@@ -37,15 +37,27 @@ pub struct Subject {
     pub list_hint: Option<String>,
     /// What to do when it is not in a state the request applies to (409).
     pub conflict_hint: Option<String>,
+    /// What a 404 means is missing, when that is not `name`: creating a
+    /// job finds no model version, not no job.
+    pub missing: Option<String>,
 }
 
 impl Subject {
     pub fn new(name: impl Into<String>, list_command: Option<&str>) -> Subject {
         Subject {
             name: name.into(),
-            list_hint: list_command.map(|command| format!("see what exists with `{command}`")),
+            list_hint: list_command.map(list_hint),
             conflict_hint: None,
+            missing: None,
         }
+    }
+
+    /// The same subject, whose 404 says `missing` does not exist, with
+    /// `list_command` as the place to look.
+    pub fn missing(mut self, missing: impl Into<String>, list_command: &str) -> Subject {
+        self.missing = Some(missing.into());
+        self.list_hint = Some(list_hint(list_command));
+        self
     }
 
     pub fn job(id: i64) -> Subject {
@@ -54,6 +66,10 @@ impl Subject {
             ..Subject::new(format!("job {id}"), Some("canopy job ls"))
         }
     }
+}
+
+fn list_hint(list_command: &str) -> String {
+    format!("see what exists with `{list_command}`")
 }
 
 /// What a request sends.
@@ -218,12 +234,18 @@ impl Remote {
         Ok(items)
     }
 
-    /// A request that never got an answer.
+    /// A request that never got an answer: from a server that is there
+    /// but cannot be talked to as asked (HTTPS spoken to an `http://` URL,
+    /// an untrusted certificate), or from no server at all
+    /// ([`Unreachable`], which `job watch` waits out).
     fn unreachable(&self, error: reqwest::Error) -> anyhow::Error {
-        let causes = canopy_term::error_chain(&error);
-        let hint = if causes.contains("does not match the pinned") {
-            "the server's certificate is not the one pinned at login; if it was replaced, log in again with its new --fingerprint".to_string()
-        } else if error.is_timeout() {
+        let url = self.url();
+        if let Some(problem) = ConnectProblem::of(&error, url) {
+            return Hint::attach(anyhow::Error::new(error), problem.hint(url)).context(format!(
+                "cannot talk to the Canopy server at {url}: {problem}"
+            ));
+        }
+        let hint = if error.is_timeout() {
             format!(
                 "the server did not answer within {} s; check that it is healthy ({}/readyz)",
                 canopy_sdk::REQUEST_TIMEOUT_MS / 1000,
@@ -263,7 +285,10 @@ impl Remote {
                 Some("log in with a token of the role the server names".to_string()),
             ),
             StatusCode::NOT_FOUND => (
-                format!("{} does not exist on {url}", subject.name),
+                format!(
+                    "{} does not exist on {url}",
+                    subject.missing.as_deref().unwrap_or(&subject.name)
+                ),
                 subject.list_hint.clone(),
             ),
             StatusCode::CONFLICT => (

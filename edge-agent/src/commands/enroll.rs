@@ -145,12 +145,14 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
             capabilities,
         ))
         .map_err(|error| {
-            let hint = match error.status() {
-                Some(401 | 403) => "the token may be used up, expired or revoked; ask the operator for a new one",
-                Some(_) => "check the server's logs",
-                None => "check --server and that the server is running; on a certificate error, pass the fingerprint `canopy-server serve --tls self-signed` prints as --fingerprint, or the server's CA as --ca-cert",
+            let hint = match (error.status(), error.connect_problem()) {
+                (Some(401 | 403), _) => "the token may be used up, expired or revoked; ask the operator for a new one".to_string(),
+                (Some(_), _) => "check the server's logs".to_string(),
+                // The server is there, and says what is wrong.
+                (None, Some(problem)) => problem.hint(&server),
+                (None, None) => "check --server and that the server is running; on a certificate error, pass the fingerprint `canopy-server serve --tls self-signed` prints as --fingerprint, or the server's CA as --ca-cert".to_string(),
             };
-            anyhow::Error::new(error).context(crate::files::Hint(hint.into()))
+            anyhow::Error::new(error).context(crate::files::Hint(hint))
         })
         .with_context(|| format!("enrollment with `{server}` failed; nothing was written"))?;
     canopy_protocol::auth::parse_public_key_hex(&response.server_public_key).map_err(|e| {

@@ -153,6 +153,7 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
     let agent = AgentConfig::require(dir)?;
     let key = load_key(&dir.key())?;
     let datasets = Arc::new(LocalDatasets::open(dir, settings.dataset.as_deref())?);
+    settings.backend.settle();
     if let Some(threads) = settings.max_threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)

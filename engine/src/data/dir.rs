@@ -55,10 +55,7 @@ pub fn load_dir(dir: impl AsRef<Path>) -> EngineResult<(Dataset, Dataset)> {
     } else if let Some(csv) = find(&[""], Some("csv"))? {
         load_csv(&csv, LabelColumn::Last)?.split(DEFAULT_TEST_FRACTION, DEFAULT_SPLIT_SEED)?
     } else {
-        let cause = format!(
-            "no dataset found: expected train-images*/train-labels* + test-* IDX or .npy files, \
-             train*.csv[.gz] + test*.csv[.gz], or a single .csv[.gz] (found {names:?})"
-        );
+        let cause = format!("no dataset found: expected {DATASET_LAYOUTS} (found {names:?})");
         return Err(data_err(dir, cause));
     };
     harmonize(dir, train, test)
@@ -91,8 +88,21 @@ fn harmonize(dir: &Path, train: Dataset, test: Dataset) -> EngineResult<(Dataset
     ))
 }
 
+/// The folder layouts [`load_dir`] recognises, for error messages.
+pub const DATASET_LAYOUTS: &str = "train-images*/train-labels* + test-* IDX or .npy files, \
+     train*.csv[.gz] + test*.csv[.gz], or a single .csv[.gz]";
+
 /// Regular file names in `dir`, sorted, skipping hidden files.
 fn list_files(dir: &Path) -> EngineResult<Vec<String>> {
+    // `read_dir` on a file says only "Not a directory": name the mix-up.
+    if std::fs::metadata(dir).is_ok_and(|meta| meta.is_file()) {
+        let cause = format!(
+            "this is a file, but a dataset is a folder holding {DATASET_LAYOUTS}; give the \
+             folder that holds it (a single .csv[.gz] in a folder is split 80/20 into train and \
+             test)"
+        );
+        return Err(data_err(dir, cause));
+    }
     let entries =
         std::fs::read_dir(dir).map_err(|e| data_err(dir, format!("cannot list folder: {e}")))?;
     let mut names = Vec::new();

@@ -174,6 +174,54 @@ def test_an_ineligible_device_withdraws_and_is_not_a_dropout(server, tmp_path):
     assert "ineligible" in states.values(), states
 
 
+def test_a_job_on_a_named_dataset_selects_only_the_devices_that_offer_it(server, tmp_path):
+    server.push_digits_model(tmp_path)
+    token = server.enrollment_token(uses=2)
+    info = canopy.DeviceInfo(os="python-test", memory_mb=2048)
+    # Offered before enrolling: `enroll` tells the server.
+    holder = new_client(server, tmp_path / "holder")
+    data = shard(0, 3, samples=200)
+    digits = holder.register_dataset("digits", data)
+    assert (digits.name, digits.samples, digits.sample_shape, digits.classes) == ("digits", 200, [64], 10)
+    holder.enroll(token, info)
+    holder.report_conditions(good_conditions())
+    assert [d.name for d in holder.status().datasets] == ["digits"]
+    other = new_client(server, tmp_path / "other")
+    other.enroll(token, info)
+    other.report_conditions(good_conditions())
+
+    # Names the protocol refuses are refused here, by the rule; the count
+    # and replacement are the client's.
+    for bad in ["two words", "", "x" * 65]:
+        with pytest.raises(canopy.CanopyError.InvalidData) as refused:
+            other.register_dataset(bad, data)
+        assert "must be 1 to 64 characters of [A-Za-z0-9_.-]" in str(refused.value)
+        assert "hint: name it as the job does" in str(refused.value)
+    assert other.register_dataset("spare", data).samples == 200
+    assert other.forget_dataset("spare") is True
+    assert other.forget_dataset("spare") is False
+    assert other.status().datasets == []
+
+    spec = dict(PLAIN_JOB, name="on-digits", rounds=1, min_devices=1, target_devices=1,
+                dataset="digits", evaluation={"fraction": 0.0})
+    job_id = server.create_job(tmp_path, spec)
+    # The device that offers nothing is never selected, and says why.
+    assert other.check_for_task(2000) is None
+    why = other.status().last_check
+    assert "no task came within 2000 ms" in why and "offers no dataset" in why, why
+    assert "hint: register_dataset" in why, why
+    outcomes = []
+    while server.job(job_id)["state"] not in DONE:
+        task = holder.check_for_task(1000)
+        if task is None:
+            continue
+        assert task.dataset == "digits"
+        assert holder.status().last_check is None  # a task came
+        outcomes.append(holder.run_task(data, None, None))
+    assert server.job(job_id)["state"] == "completed"
+    assert outcomes and all(o.num_samples > 0 for o in outcomes)
+
+
 def test_a_cancelled_task_keeps_its_progress_and_finishes_later(server, tmp_path):
     server.push_digits_model(tmp_path)
     (client,) = enrolled_clients(server, tmp_path, 1)

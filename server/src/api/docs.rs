@@ -1,7 +1,6 @@
-//! The OpenAPI 3.1 document, generated from the handlers' annotations, and
-//! a reference page rendered from it on the server (no CDN, no JS).
+//! The OpenAPI 3.1 document, generated from the handlers' annotations; the
+//! reference page that draws it (`web/api-docs.*`); and the dashboard.
 
-use std::fmt::Write;
 use std::sync::OnceLock;
 
 use axum::http::header;
@@ -80,108 +79,33 @@ pub async fn index() -> Html<&'static str> {
     )
 }
 
-pub async fn reference_page() -> Html<String> {
-    static PAGE: OnceLock<String> = OnceLock::new();
-    Html(PAGE.get_or_init(render_reference).clone())
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
-
-/// Renders the reference from the JSON form of the document, so the page
-/// can never disagree with `/api/v1/openapi.json`.
-fn render_reference() -> String {
-    let doc: serde_json::Value = serde_json::from_str(document()).unwrap_or_default();
-    let mut page = String::from(
-        "<!doctype html><meta charset=utf-8><title>Canopy admin API</title>\
-         <style>body{font:15px/1.5 system-ui,sans-serif;max-width:60em;margin:2em auto;padding:0 1em}\
-         code,pre{background:#f4f4f4;padding:0 .2em}h3{margin-bottom:.2em}.m{font-weight:bold;text-transform:uppercase}\
-         table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:.2em .5em;text-align:left}</style>",
-    );
-    let info = &doc["info"];
-    let _ = write!(
-        page,
-        "<h1>{}</h1><p>{}</p><p>Machine-readable: <a href=\"/api/v1/openapi.json\">openapi.json</a> (OpenAPI {})</p>",
-        escape(info["title"].as_str().unwrap_or("")),
-        escape(info["description"].as_str().unwrap_or("")),
-        escape(doc["openapi"].as_str().unwrap_or("")),
-    );
-    let Some(paths) = doc["paths"].as_object() else {
-        return page;
-    };
-    for (path, item) in paths {
-        let Some(operations) = item.as_object() else {
-            continue;
-        };
-        for (method, operation) in operations {
-            let _ = write!(
-                page,
-                "<h3><span class=m>{}</span> <code>{}</code></h3><p>{}</p>",
-                escape(method),
-                escape(path),
-                escape(
-                    operation["summary"]
-                        .as_str()
-                        .or(operation["description"].as_str())
-                        .unwrap_or("")
-                ),
-            );
-            if let Some(parameters) = operation["parameters"].as_array() {
-                page.push_str(
-                    "<table><tr><th>parameter</th><th>in</th><th>required</th><th>about</th></tr>",
-                );
-                for parameter in parameters {
-                    let _ = write!(
-                        page,
-                        "<tr><td><code>{}</code></td><td>{}</td><td>{}</td><td>{}</td></tr>",
-                        escape(parameter["name"].as_str().unwrap_or("")),
-                        escape(parameter["in"].as_str().unwrap_or("")),
-                        parameter["required"].as_bool().unwrap_or(false),
-                        escape(parameter["description"].as_str().unwrap_or("")),
-                    );
-                }
-                page.push_str("</table>");
-            }
-            if let Some(responses) = operation["responses"].as_object() {
-                let codes: Vec<String> = responses
-                    .iter()
-                    .map(|(code, response)| {
-                        format!(
-                            "<code>{}</code> {}",
-                            escape(code),
-                            escape(response["description"].as_str().unwrap_or(""))
-                        )
-                    })
-                    .collect();
-                let _ = write!(page, "<p>Responses: {}</p>", codes.join(" · "));
-            }
-        }
-    }
-    page
-}
-
-/// The dashboard (`web/`), compiled in: static files that read the admin
-/// API from the browser with the user's token. The content security policy
-/// allows only this origin, so nothing else can run in the page: no inline
-/// script or style, no `eval`, no CDN (`server/tests/dashboard_browser.rs`
-/// checks the header and that the page raises no violation).
+/// The dashboard and the API reference page (`web/`), compiled in: static
+/// files; the dashboard reads the admin API from the browser with the
+/// user's token, the reference page draws `/api/v1/openapi.json` (so it can
+/// never disagree with it). The content security policy allows only this
+/// origin, so nothing else can run in the pages: no inline script or style,
+/// no `eval`, no CDN (`server/tests/dashboard_browser.rs` checks the header
+/// and that the pages raise no violation).
 const DASHBOARD_HTML: &str = include_str!("../../../web/dashboard.html");
 const DASHBOARD_JS: &str = include_str!("../../../web/dashboard.js");
 const DASHBOARD_CHARTS_JS: &str = include_str!("../../../web/charts.js");
 const DASHBOARD_CSS: &str = include_str!("../../../web/dashboard.css");
 const DASHBOARD_ICON: &str = include_str!("../../../web/icon.svg");
-const DASHBOARD_CSP: &str =
+const API_DOCS_HTML: &str = include_str!("../../../web/api-docs.html");
+const API_DOCS_JS: &str = include_str!("../../../web/api-docs.js");
+const API_DOCS_CSS: &str = include_str!("../../../web/api-docs.css");
+const WEB_CSP: &str =
     "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'";
 
-fn dashboard_file(content_type: &'static str, body: &'static str) -> Response {
+const HTML: &str = "text/html; charset=utf-8";
+const JAVASCRIPT: &str = "text/javascript; charset=utf-8";
+const CSS: &str = "text/css; charset=utf-8";
+
+fn web_file(content_type: &'static str, body: &'static str) -> Response {
     (
         [
             (header::CONTENT_TYPE, content_type),
-            (header::CONTENT_SECURITY_POLICY, DASHBOARD_CSP),
+            (header::CONTENT_SECURITY_POLICY, WEB_CSP),
             (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
             (header::REFERRER_POLICY, "no-referrer"),
         ],
@@ -190,24 +114,36 @@ fn dashboard_file(content_type: &'static str, body: &'static str) -> Response {
         .into_response()
 }
 
+pub async fn reference_page() -> Response {
+    web_file(HTML, API_DOCS_HTML)
+}
+
+pub async fn reference_js() -> Response {
+    web_file(JAVASCRIPT, API_DOCS_JS)
+}
+
+pub async fn reference_css() -> Response {
+    web_file(CSS, API_DOCS_CSS)
+}
+
 pub async fn dashboard() -> Response {
-    dashboard_file("text/html; charset=utf-8", DASHBOARD_HTML)
+    web_file(HTML, DASHBOARD_HTML)
 }
 
 pub async fn dashboard_js() -> Response {
-    dashboard_file("text/javascript; charset=utf-8", DASHBOARD_JS)
+    web_file(JAVASCRIPT, DASHBOARD_JS)
 }
 
 pub async fn dashboard_charts_js() -> Response {
-    dashboard_file("text/javascript; charset=utf-8", DASHBOARD_CHARTS_JS)
+    web_file(JAVASCRIPT, DASHBOARD_CHARTS_JS)
 }
 
 pub async fn dashboard_icon() -> Response {
-    dashboard_file("image/svg+xml", DASHBOARD_ICON)
+    web_file("image/svg+xml", DASHBOARD_ICON)
 }
 
 pub async fn dashboard_css() -> Response {
-    dashboard_file("text/css; charset=utf-8", DASHBOARD_CSS)
+    web_file(CSS, DASHBOARD_CSS)
 }
 
 #[cfg(test)]
@@ -249,6 +185,9 @@ mod tests {
         assert_eq!(job("round_deadline_ms")["minimum"], MIN_ROUND_DEADLINE_MS);
         assert_eq!(job("round_deadline_ms")["maximum"], MAX_ROUND_DEADLINE_MS);
         assert_eq!(job("max_round_retries")["maximum"], MAX_ROUND_RETRIES);
+        let wait = job("max_wait_for_devices_ms");
+        assert_eq!(wait["minimum"], MIN_WAIT_FOR_DEVICES_MS);
+        assert_eq!(wait["maximum"], MAX_WAIT_FOR_DEVICES_MS);
         assert_eq!(job("local_epochs")["maximum"], bounds::MAX_EPOCHS);
         assert_eq!(job("batch_size")["maximum"], bounds::MAX_BATCH_SIZE);
         assert_eq!(job("learning_rate")["maximum"], bounds::MAX_LEARNING_RATE);

@@ -77,6 +77,8 @@ pub fn app(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/api/v1/openapi.json", get(docs::openapi_json))
         .route("/api/v1/docs", get(docs::reference_page))
+        .route("/api-docs.js", get(docs::reference_js))
+        .route("/api-docs.css", get(docs::reference_css))
         .route("/", get(docs::index))
         .route("/dashboard", get(docs::dashboard))
         .route("/dashboard.js", get(docs::dashboard_js))

@@ -19,6 +19,10 @@ pub const MAX_OVER_SELECTION: f64 = 4.0;
 /// A round's deadline, from selection: at least a second, at most a week.
 pub const MIN_ROUND_DEADLINE_MS: u64 = 1_000;
 pub const MAX_ROUND_DEADLINE_MS: u64 = 7 * 24 * 3_600_000;
+/// How long a job's round may wait for devices, when the job sets a
+/// limit: at least a second, at most 14 days.
+pub const MIN_WAIT_FOR_DEVICES_MS: u64 = 1_000;
+pub const MAX_WAIT_FOR_DEVICES_MS: u64 = 14 * 24 * 3_600_000;
 /// Failed attempts of one round before its job fails.
 pub const MAX_ROUND_RETRIES: u32 = 100;
 /// A job's name, in characters (as JSON Schema's `maxLength` counts).

@@ -3,7 +3,7 @@
 //! IDX and NPY, from byte `data_bytes` on); the row holds what the API and
 //! the job checks need without reading it.
 
-use sqlx::FromRow;
+use crate::store::row::any_row;
 
 use super::{from_json, text_enum};
 use crate::db::{Db, is_unique_violation, now_ms};
@@ -17,21 +17,22 @@ text_enum! {
     }
 }
 
-#[derive(Clone, Debug, FromRow)]
-pub struct DatasetRow {
-    pub id: i64,
-    pub name: String,
-    #[sqlx(try_from = "String")]
-    pub kind: DatasetKind,
-    pub samples: i64,
-    sample_shape: String,
-    pub classes: i64,
-    pub size_bytes: i64,
-    /// Where the labels file starts in the blob (its end for CSV).
-    pub data_bytes: i64,
-    pub digest: String,
-    pub blob_key: String,
-    pub created_unix_ms: i64,
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct DatasetRow {
+        pub id: i64,
+        pub name: String,
+        pub kind: DatasetKind as String,
+        pub samples: i64,
+        sample_shape: String,
+        pub classes: i64,
+        pub size_bytes: i64,
+        /// Where the labels file starts in the blob (its end for CSV).
+        pub data_bytes: i64,
+        pub digest: String,
+        pub blob_key: String,
+        pub created_unix_ms: i64,
+    }
 }
 
 const DATASET_COLUMNS: &str = "id, name, kind, samples, sample_shape, classes, size_bytes, \

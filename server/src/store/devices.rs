@@ -1,35 +1,37 @@
 //! Enrolled devices, their keys and the nonces they have used.
 
+use crate::store::row::any_row;
 use std::collections::BTreeMap;
 
 use canopy_protocol::messages::{Capabilities, DatasetInfo, DeviceConditions, GpuAdapter};
-use sqlx::FromRow;
 
 use super::tokens::{EnrollmentTokenError, spend_enrollment_token};
 use super::{Page, from_json};
 use crate::db::{Db, is_unique_violation, now_ms};
 
-#[derive(Clone, Debug, FromRow)]
-pub struct DeviceRow {
-    pub id: i64,
-    pub public_key: Vec<u8>,
-    pub tier: String,
-    pub backends: String,
-    pub memory_mb: i64,
-    pub os: String,
-    pub tags: String,
-    pub enrollment_token_id: i64,
-    pub enrolled_ms: i64,
-    pub last_seen_ms: i64,
-    pub revoked_ms: Option<i64>,
-    /// JSON list of [`DatasetInfo`], from the device's heartbeats.
-    pub datasets: Option<String>,
-    pub last_error: Option<String>,
-    /// JSON [`GpuAdapter`] the device reported at enrollment.
-    pub gpu: Option<String>,
-    /// JSON [`DeviceConditions`] from the device's latest heartbeat that
-    /// had them.
-    pub conditions: Option<String>,
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct DeviceRow {
+        pub id: i64,
+        pub public_key: Vec<u8>,
+        pub tier: String,
+        pub backends: String,
+        pub memory_mb: i64,
+        pub os: String,
+        pub tags: String,
+        pub enrollment_token_id: i64,
+        pub enrolled_ms: i64,
+        pub last_seen_ms: i64,
+        pub revoked_ms: Option<i64>,
+        /// JSON list of [`DatasetInfo`], from the device's heartbeats.
+        pub datasets: Option<String>,
+        pub last_error: Option<String>,
+        /// JSON [`GpuAdapter`] the device reported at enrollment.
+        pub gpu: Option<String>,
+        /// JSON [`DeviceConditions`] from the device's latest heartbeat that
+        /// had them.
+        pub conditions: Option<String>,
+    }
 }
 
 const DEVICE_COLUMNS: &str = "id, public_key, tier, backends, memory_mb, os, tags, \

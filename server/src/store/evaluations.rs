@@ -12,7 +12,7 @@
 //! is pending or at its deadline; a job whose last round has an open evaluation is
 //! not complete until it closes, so a completed job's numbers are final.
 
-use sqlx::FromRow;
+use crate::store::row::any_row;
 
 use super::jobs::JobState;
 use super::rounds::Tx;
@@ -51,15 +51,17 @@ pub async fn take(db: &Db, device_id: i64) -> Result<Option<EvaluationTaskRow>, 
     task_state::take::<EvaluatorState, _>(db, device_id, columns).await
 }
 
-/// An evaluation task: evaluate the version round `round_id` produced.
-#[derive(Clone, Debug, FromRow)]
-pub struct EvaluationTaskRow {
-    pub round_id: i64,
-    pub job_id: i64,
-    pub number: i64,
-    pub version_id: i64,
-    pub deadline_ms: i64,
-    pub config: String,
+any_row! {
+    /// An evaluation task: evaluate the version round `round_id` produced.
+    #[derive(Clone, Debug)]
+    pub struct EvaluationTaskRow {
+        pub round_id: i64,
+        pub job_id: i64,
+        pub number: i64,
+        pub version_id: i64,
+        pub deadline_ms: i64,
+        pub config: String,
+    }
 }
 
 impl task_state::HandedTask for EvaluationTaskRow {
@@ -142,16 +144,18 @@ pub async fn job_has_open(tx: &mut Tx<'_>, job_id: i64) -> Result<bool, sqlx::Er
     Ok(found.is_some())
 }
 
-/// The sample-weighted means of what the evaluators reported.
-#[derive(Clone, Debug, Default, FromRow)]
-pub struct FederatedEvaluation {
-    pub accuracy: Option<f64>,
-    pub loss: Option<f64>,
-    pub samples: Option<i64>,
-    pub devices: i64,
-    pub dropped: i64,
-    /// Evaluators that withdrew under the job's device policy.
-    pub ineligible: i64,
+any_row! {
+    /// The sample-weighted means of what the evaluators reported.
+    #[derive(Clone, Debug, Default)]
+    pub struct FederatedEvaluation {
+        pub accuracy: Option<f64>,
+        pub loss: Option<f64>,
+        pub samples: Option<i64>,
+        pub devices: i64,
+        pub dropped: i64,
+        /// Evaluators that withdrew under the job's device policy.
+        pub ineligible: i64,
+    }
 }
 
 pub async fn federated(db: &Db, round_id: i64) -> Result<FederatedEvaluation, sqlx::Error> {
@@ -192,18 +196,19 @@ pub async fn await_central(tx: &mut Tx<'_>, round_id: i64) -> Result<(), sqlx::E
     Ok(())
 }
 
-/// A version waiting for its central evaluation.
-#[derive(Clone, Debug, FromRow)]
-pub struct CentralTask {
-    pub round_id: i64,
-    pub job_id: i64,
-    pub version_id: i64,
-    /// The job's spec, which names the dataset.
-    pub config: String,
-    #[sqlx(try_from = "String")]
-    pub job_state: JobState,
-    /// Attempts already started (each committed before its worker ran).
-    pub attempts: i64,
+any_row! {
+    /// A version waiting for its central evaluation.
+    #[derive(Clone, Debug)]
+    pub struct CentralTask {
+        pub round_id: i64,
+        pub job_id: i64,
+        pub version_id: i64,
+        /// The job's spec, which names the dataset.
+        pub config: String,
+        pub job_state: JobState as String,
+        /// Attempts already started (each committed before its worker ran).
+        pub attempts: i64,
+    }
 }
 
 /// The next round to evaluate centrally: the oldest pending round of the

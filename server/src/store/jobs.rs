@@ -1,10 +1,10 @@
 //! Federated jobs: what to train, on which devices, for how many rounds,
 //! and the job's own state machine.
 
+use crate::store::row::any_row;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use sqlx::FromRow;
 use utoipa::ToSchema;
 
 use canopy_protocol::bounds::{self, MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE};
@@ -14,7 +14,7 @@ use super::{Page, from_json, text_enum};
 use crate::config::api_bounds::{
     MAX_DEVICES_PER_ROUND, MAX_FILTER_BACKENDS, MAX_FILTER_TAGS, MAX_JOB_NAME_CHARS,
     MAX_OVER_SELECTION, MAX_ROUND_DEADLINE_MS, MAX_ROUND_RETRIES, MAX_ROUNDS,
-    MIN_ROUND_DEADLINE_MS,
+    MAX_WAIT_FOR_DEVICES_MS, MIN_ROUND_DEADLINE_MS, MIN_WAIT_FOR_DEVICES_MS,
 };
 use crate::db::{Db, now_ms};
 use canopy_protocol::messages::{DevicePolicy, GpuDeviceType};
@@ -123,6 +123,14 @@ pub struct JobSpec {
     #[serde(default = "default_round_retries")]
     #[schema(maximum = 100)]
     pub max_round_retries: u32,
+    /// How long a round may wait for enough eligible devices, from when it
+    /// opens (or the job is started or resumed), before the job fails
+    /// with the reason it was waiting (failure kind
+    /// `no_eligible_devices`). No limit when left out: the job waits, its
+    /// status saying why, for devices to enroll or come online.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1_000, maximum = 1_209_600_000)]
+    pub max_wait_for_devices_ms: Option<u64>,
     /// How each version the job produces is evaluated; by default every
     /// eligible online device (up to 100) evaluates it on its held-out
     /// data. See `docs/strategies.md`.
@@ -372,7 +380,16 @@ impl JobSpec {
             self.max_round_retries,
             0,
             MAX_ROUND_RETRIES,
-        )
+        )?;
+        if let Some(wait_ms) = self.max_wait_for_devices_ms {
+            check_range(
+                "max_wait_for_devices_ms",
+                wait_ms,
+                MIN_WAIT_FOR_DEVICES_MS,
+                MAX_WAIT_FOR_DEVICES_MS,
+            )?;
+        }
+        Ok(())
     }
 
     /// Devices refuse a task outside the protocol's bounds, so a job may not
@@ -502,22 +519,23 @@ impl JobAction {
     }
 }
 
-#[derive(Clone, Debug, FromRow)]
-pub struct JobRow {
-    pub id: i64,
-    pub name: String,
-    pub model_version_id: i64,
-    pub current_version_id: i64,
-    pub config: String,
-    #[sqlx(try_from = "String")]
-    pub state: JobState,
-    pub rounds_completed: i64,
-    pub round_failures: i64,
-    pub status_message: String,
-    pub created_ms: i64,
-    pub updated_ms: i64,
-    pub started_ms: Option<i64>,
-    pub finished_ms: Option<i64>,
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct JobRow {
+        pub id: i64,
+        pub name: String,
+        pub model_version_id: i64,
+        pub current_version_id: i64,
+        pub config: String,
+        pub state: JobState as String,
+        pub rounds_completed: i64,
+        pub round_failures: i64,
+        pub status_message: String,
+        pub created_ms: i64,
+        pub updated_ms: i64,
+        pub started_ms: Option<i64>,
+        pub finished_ms: Option<i64>,
+    }
 }
 
 pub const JOB_COLUMNS: &str = "id, name, model_version_id, current_version_id, config, state, \

@@ -7,6 +7,7 @@ pub mod evaluations;
 pub mod jobs;
 pub mod models;
 pub mod rounds;
+pub(crate) mod row;
 pub mod secagg;
 pub mod settings;
 pub mod signing_keys;

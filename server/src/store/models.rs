@@ -2,32 +2,44 @@
 //! under its digest; the row holds what the server needs without reading
 //! the blob: size, trainable layout and lineage.
 
+use crate::store::row::any_row;
 use canopy_protocol::update::UpdateLayout;
-use sqlx::FromRow;
 
 use super::{Page, from_json};
 use crate::db::{Db, now_ms};
 
-#[derive(Clone, Debug, FromRow)]
-pub struct VersionRow {
-    pub id: i64,
-    pub model_name: String,
-    pub version: i64,
-    pub digest: String,
-    pub size_bytes: i64,
-    pub trainable_elements: i64,
-    pub has_train_step: i64,
-    /// Why devices cannot train it, when they cannot (and it was kept).
-    pub untrainable_reason: Option<String>,
-    pub layout: String,
-    pub parent_version_id: Option<i64>,
-    pub job_id: Option<i64>,
-    pub round_id: Option<i64>,
-    pub created_ms: i64,
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct VersionRow {
+        pub id: i64,
+        pub model_name: String,
+        pub version: i64,
+        pub digest: String,
+        pub size_bytes: i64,
+        pub trainable_elements: i64,
+        pub has_train_step: i64,
+        /// Why devices cannot train it, when they cannot (and it was kept).
+        pub untrainable_reason: Option<String>,
+        pub layout: String,
+        pub parent_version_id: Option<i64>,
+        pub job_id: Option<i64>,
+        pub round_id: Option<i64>,
+        pub created_ms: i64,
+        /// The parent's number among the model's versions (ids are
+        /// server-wide; people count versions per model).
+        pub parent_version: Option<i64>,
+        /// The number of the round that produced it within its job (0 for a
+        /// statistics round), as `round_id` is the round's server-wide id.
+        pub round_number: Option<i64>,
+    }
 }
 
-const VERSION_COLUMNS: &str = "id, model_name, version, digest, size_bytes, trainable_elements, \
-     has_train_step, untrainable_reason, layout, parent_version_id, job_id, round_id, created_ms";
+/// The columns of a [`VersionRow`], from `model_versions v`.
+const VERSION_COLUMNS: &str = "v.id, v.model_name, v.version, v.digest, v.size_bytes, \
+     v.trainable_elements, v.has_train_step, v.untrainable_reason, v.layout, v.parent_version_id, \
+     v.job_id, v.round_id, v.created_ms, \
+     (SELECT p.version FROM model_versions p WHERE p.id = v.parent_version_id) AS parent_version, \
+     (SELECT r.number FROM rounds r WHERE r.id = v.round_id) AS round_number";
 
 impl VersionRow {
     pub fn layout(&self) -> Result<UpdateLayout, sqlx::Error> {
@@ -73,12 +85,11 @@ pub async fn insert_version(
     .bind(new.model_name)
     .fetch_one(&mut **tx)
     .await?;
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+    let (id,): (i64,) = sqlx::query_as(
         "INSERT INTO model_versions (model_name, version, digest, size_bytes, trainable_elements, \
          has_train_step, untrainable_reason, layout, parent_version_id, job_id, round_id, \
-         created_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
-         RETURNING {VERSION_COLUMNS}"
-    )))
+         created_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING id",
+    )
     .bind(new.model_name)
     .bind(latest + 1)
     .bind(new.digest)
@@ -92,12 +103,20 @@ pub async fn insert_version(
     .bind(new.round_id)
     .bind(now)
     .fetch_one(&mut **tx)
+    .await?;
+    // Read back with the numbers of its parent and round, which RETURNING
+    // cannot join.
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {VERSION_COLUMNS} FROM model_versions v WHERE v.id = $1"
+    )))
+    .bind(id)
+    .fetch_one(&mut **tx)
     .await
 }
 
 pub async fn get_version(db: &Db, id: i64) -> Result<Option<VersionRow>, sqlx::Error> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {VERSION_COLUMNS} FROM model_versions WHERE id = $1"
+        "SELECT {VERSION_COLUMNS} FROM model_versions v WHERE v.id = $1"
     )))
     .bind(id)
     .fetch_optional(&db.pool)
@@ -110,7 +129,7 @@ pub async fn find_version(
     version: i64,
 ) -> Result<Option<VersionRow>, sqlx::Error> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {VERSION_COLUMNS} FROM model_versions WHERE model_name = $1 AND version = $2"
+        "SELECT {VERSION_COLUMNS} FROM model_versions v WHERE v.model_name = $1 AND v.version = $2"
     )))
     .bind(model_name)
     .bind(version)
@@ -124,8 +143,8 @@ pub async fn list_versions(
     page: Page,
 ) -> Result<Vec<VersionRow>, sqlx::Error> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT {VERSION_COLUMNS} FROM model_versions WHERE model_name = $1 AND version > $2 \
-         ORDER BY version LIMIT $3"
+        "SELECT {VERSION_COLUMNS} FROM model_versions v WHERE v.model_name = $1 \
+         AND v.version > $2 ORDER BY v.version LIMIT $3"
     )))
     .bind(model_name)
     .bind(page.after)
@@ -134,11 +153,22 @@ pub async fn list_versions(
     .await
 }
 
-#[derive(Clone, Debug, FromRow)]
-pub struct ModelRow {
-    pub name: String,
-    pub created_ms: i64,
-    pub versions: i64,
+/// Whether a model of this name exists (it does from its first version).
+pub async fn exists(db: &Db, name: &str) -> Result<bool, sqlx::Error> {
+    let found: Option<(String,)> = sqlx::query_as("SELECT name FROM models WHERE name = $1")
+        .bind(name)
+        .fetch_optional(&db.pool)
+        .await?;
+    Ok(found.is_some())
+}
+
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct ModelRow {
+        pub name: String,
+        pub created_ms: i64,
+        pub versions: i64,
+    }
 }
 
 /// Models by name; the cursor is the last name seen.

@@ -11,9 +11,8 @@
 //! processes can never both act on one round. A participant's task state
 //! machine is the one evaluators share (`task_state`).
 
+use crate::store::row::any_row;
 use std::collections::HashSet;
-
-use sqlx::FromRow;
 
 use super::task_state::{self, Admission, States, TaskState, Value};
 use super::{Page, parse_state, text_enum};
@@ -62,50 +61,50 @@ pub const PENDING_STATES: States<ParticipantState> = States::PENDING;
 /// The states of participants that have left ([`ParticipantState::has_left`]), as SQL.
 pub const LEFT_STATES: States<ParticipantState> = States::LEFT;
 
-#[derive(Clone, Debug, FromRow)]
-pub struct RoundRow {
-    pub id: i64,
-    pub job_id: i64,
-    pub number: i64,
-    pub attempt: i64,
-    #[sqlx(try_from = "String")]
-    pub state: RoundState,
-    pub base_version_id: i64,
-    pub result_version_id: Option<i64>,
-    pub target_devices: i64,
-    pub min_devices: i64,
-    pub selected_count: i64,
-    pub updates_accepted: i64,
-    pub weight_total: i64,
-    pub bytes_in: i64,
-    pub bytes_out: i64,
-    pub dropouts: i64,
-    /// Participants that withdrew because they no longer met the job's
-    /// device policy; not dropouts.
-    pub ineligible: i64,
-    pub status_message: String,
-    #[sqlx(try_from = "String")]
-    pub kind: RoundKind,
-    pub created_ms: i64,
-    pub training_started_ms: Option<i64>,
-    pub deadline_ms: Option<i64>,
-    pub closed_ms: Option<i64>,
-    pub finished_ms: Option<i64>,
-    /// A secure round's SecAgg+ stage; `None` for plain rounds.
-    pub secagg_stage: Option<String>,
-    /// The federated evaluation of the round's version, if it has one;
-    /// read it through [`RoundRow::evaluation_state`].
-    eval_state: Option<String>,
-    pub central_eval_loss: Option<f64>,
-    pub central_eval_accuracy: Option<f64>,
-    pub central_eval_samples: Option<i64>,
-    /// The central evaluation of the round's version, if its job has one;
-    /// read it through [`RoundRow::central_state`].
-    central_eval_state: Option<String>,
-    /// Why the central evaluation failed.
-    pub central_eval_error: Option<String>,
-    /// A failed round's [`crate::round_failure::FailureKind`], by name.
-    pub failure_kind: Option<String>,
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct RoundRow {
+        pub id: i64,
+        pub job_id: i64,
+        pub number: i64,
+        pub attempt: i64,
+        pub state: RoundState as String,
+        pub base_version_id: i64,
+        pub result_version_id: Option<i64>,
+        pub target_devices: i64,
+        pub min_devices: i64,
+        pub selected_count: i64,
+        pub updates_accepted: i64,
+        pub weight_total: i64,
+        pub bytes_in: i64,
+        pub bytes_out: i64,
+        pub dropouts: i64,
+        /// Participants that withdrew because they no longer met the job's
+        /// device policy; not dropouts.
+        pub ineligible: i64,
+        pub status_message: String,
+        pub kind: RoundKind as String,
+        pub created_ms: i64,
+        pub training_started_ms: Option<i64>,
+        pub deadline_ms: Option<i64>,
+        pub closed_ms: Option<i64>,
+        pub finished_ms: Option<i64>,
+        /// A secure round's SecAgg+ stage; `None` for plain rounds.
+        pub secagg_stage: Option<String>,
+        /// The federated evaluation of the round's version, if it has one;
+        /// read it through [`RoundRow::evaluation_state`].
+        eval_state: Option<String>,
+        pub central_eval_loss: Option<f64>,
+        pub central_eval_accuracy: Option<f64>,
+        pub central_eval_samples: Option<i64>,
+        /// The central evaluation of the round's version, if its job has one;
+        /// read it through [`RoundRow::central_state`].
+        central_eval_state: Option<String>,
+        /// Why the central evaluation failed.
+        pub central_eval_error: Option<String>,
+        /// A failed round's [`crate::round_failure::FailureKind`], by name.
+        pub failure_kind: Option<String>,
+    }
 }
 
 pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_version_id, \
@@ -257,21 +256,38 @@ pub async fn set_status(tx: &mut Tx<'_>, id: i64, message: &str) -> Result<(), s
     Ok(())
 }
 
-/// A device that may be selected, with what the filters look at.
-#[derive(Clone, Debug, FromRow)]
-pub struct CandidateRow {
-    pub id: i64,
-    pub tier: String,
-    pub backends: String,
-    pub tags: String,
-    pub datasets: Option<String>,
-    /// JSON GPU adapter reported at enrollment.
-    pub gpu: Option<String>,
-    /// JSON device conditions from the latest heartbeat that had them.
-    pub conditions: Option<String>,
-    /// 1 when it installed a device authority's certificate, else 0 (an
-    /// integer: SQLite has no boolean to decode).
-    pub certified: i64,
+any_row! {
+    /// A device that may be selected, with what the filters look at.
+    #[derive(Clone, Debug)]
+    pub struct CandidateRow {
+        pub id: i64,
+        pub tier: String,
+        pub backends: String,
+        pub tags: String,
+        pub datasets: Option<String>,
+        /// JSON GPU adapter reported at enrollment.
+        pub gpu: Option<String>,
+        /// JSON device conditions from the latest heartbeat that had them.
+        pub conditions: Option<String>,
+        /// 1 when it installed a device authority's certificate, else 0 (an
+        /// integer: SQLite has no boolean to decode).
+        pub certified: i64,
+    }
+}
+
+/// The columns of a [`CandidateRow`], from `devices d`.
+const CANDIDATE_COLUMNS: &str = "d.id, d.tier, d.backends, d.tags, d.datasets, d.gpu, \
+     d.conditions, CAST(CASE WHEN d.certificate IS NULL THEN 0 ELSE 1 END AS BIGINT) AS certified";
+
+/// Every unrevoked device, online or not, busy or not: those that could
+/// ever be selected (a job's creation checks them). Streamed.
+pub fn enrolled_candidates(
+    db: &Db,
+) -> futures_util::stream::BoxStream<'_, Result<CandidateRow, sqlx::Error>> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {CANDIDATE_COLUMNS} FROM devices d WHERE d.revoked_ms IS NULL ORDER BY d.id"
+    )))
+    .fetch(&db.pool)
 }
 
 /// Online, unrevoked devices that are not busy in another open round.
@@ -281,9 +297,7 @@ pub fn candidates<'a>(
     online_since_ms: i64,
 ) -> futures_util::stream::BoxStream<'a, Result<CandidateRow, sqlx::Error>> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT d.id, d.tier, d.backends, d.tags, d.datasets, d.gpu, d.conditions, \
-         CAST(CASE WHEN d.certificate IS NULL THEN 0 ELSE 1 END AS BIGINT) AS certified \
-         FROM devices d \
+        "SELECT {CANDIDATE_COLUMNS} FROM devices d \
          WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $1 AND NOT EXISTS ( \
            SELECT 1 FROM participants p JOIN rounds r ON r.id = p.round_id \
            WHERE p.device_id = d.id AND p.state IN {PENDING_STATES} \
@@ -514,23 +528,24 @@ pub async fn fail_open_round(
     Ok(())
 }
 
-#[derive(Clone, Debug, FromRow)]
-pub struct ParticipantRow {
-    pub round_id: i64,
-    pub device_id: i64,
-    #[sqlx(try_from = "String")]
-    pub state: ParticipantState,
-    pub selected_ms: i64,
-    pub delivered_ms: Option<i64>,
-    pub uploaded_ms: Option<i64>,
-    pub num_samples: Option<i64>,
-    pub update_bytes: Option<i64>,
-    pub train_loss: Option<f64>,
-    pub eval_loss: Option<f64>,
-    pub eval_accuracy: Option<f64>,
-    pub eval_samples: Option<i64>,
-    pub train_duration_ms: Option<i64>,
-    pub drop_reason: Option<String>,
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct ParticipantRow {
+        pub round_id: i64,
+        pub device_id: i64,
+        pub state: ParticipantState as String,
+        pub selected_ms: i64,
+        pub delivered_ms: Option<i64>,
+        pub uploaded_ms: Option<i64>,
+        pub num_samples: Option<i64>,
+        pub update_bytes: Option<i64>,
+        pub train_loss: Option<f64>,
+        pub eval_loss: Option<f64>,
+        pub eval_accuracy: Option<f64>,
+        pub eval_samples: Option<i64>,
+        pub train_duration_ms: Option<i64>,
+        pub drop_reason: Option<String>,
+    }
 }
 
 const PARTICIPANT_COLUMNS: &str = "round_id, device_id, state, selected_ms, delivered_ms, \
@@ -553,13 +568,15 @@ pub async fn participants(
     .await
 }
 
-/// Sample-weighted means of what the participants reported.
-#[derive(Clone, Debug, Default, FromRow)]
-pub struct RoundMetricsRow {
-    pub train_loss: Option<f64>,
-    pub eval_accuracy: Option<f64>,
-    pub eval_loss: Option<f64>,
-    pub mean_train_duration_ms: Option<f64>,
+any_row! {
+    /// Sample-weighted means of what the participants reported.
+    #[derive(Clone, Debug, Default)]
+    pub struct RoundMetricsRow {
+        pub train_loss: Option<f64>,
+        pub eval_accuracy: Option<f64>,
+        pub eval_loss: Option<f64>,
+        pub mean_train_duration_ms: Option<f64>,
+    }
 }
 
 pub async fn metrics(db: &Db, round_id: i64) -> Result<RoundMetricsRow, sqlx::Error> {
@@ -578,19 +595,20 @@ pub async fn metrics(db: &Db, round_id: i64) -> Result<RoundMetricsRow, sqlx::Er
     .await
 }
 
-/// A task the device should work on: its participation in a training round.
-#[derive(Clone, Debug, FromRow)]
-pub struct TaskRow {
-    pub round_id: i64,
-    pub job_id: i64,
-    pub number: i64,
-    pub base_version_id: i64,
-    pub deadline_ms: i64,
-    pub config: String,
-    /// The round's secure-aggregation plan (JSON), for secure jobs.
-    pub secagg_plan: Option<String>,
-    #[sqlx(try_from = "String")]
-    pub kind: RoundKind,
+any_row! {
+    /// A task the device should work on: its participation in a training round.
+    #[derive(Clone, Debug)]
+    pub struct TaskRow {
+        pub round_id: i64,
+        pub job_id: i64,
+        pub number: i64,
+        pub base_version_id: i64,
+        pub deadline_ms: i64,
+        pub config: String,
+        /// The round's secure-aggregation plan (JSON), for secure jobs.
+        pub secagg_plan: Option<String>,
+        pub kind: RoundKind as String,
+    }
 }
 
 /// The devices with a task waiting for them now: a pending training task
@@ -703,18 +721,17 @@ pub fn admit(
     }
 }
 
-/// A participant's standing in its round, as the upload handler reads it
-/// before the body.
-#[derive(Clone, Debug, FromRow)]
-pub struct Standing {
-    #[sqlx(try_from = "String")]
-    pub participant: ParticipantState,
-    #[sqlx(try_from = "String")]
-    pub round: RoundState,
-    pub deadline_ms: Option<i64>,
-    pub base_version_id: i64,
-    #[sqlx(try_from = "String")]
-    pub kind: RoundKind,
+any_row! {
+    /// A participant's standing in its round, as the upload handler reads it
+    /// before the body.
+    #[derive(Clone, Debug)]
+    pub struct Standing {
+        pub participant: ParticipantState as String,
+        pub round: RoundState as String,
+        pub deadline_ms: Option<i64>,
+        pub base_version_id: i64,
+        pub kind: RoundKind as String,
+    }
 }
 
 impl Standing {
@@ -744,13 +761,13 @@ pub async fn standing(
     .await
 }
 
-/// A round under its lock: what [`admit`] needs, and the running sum.
-#[derive(FromRow)]
-struct LockedRound {
-    #[sqlx(try_from = "String")]
-    state: RoundState,
-    deadline_ms: Option<i64>,
-    weight_total: i64,
+any_row! {
+    /// A round under its lock: what [`admit`] needs, and the running sum.
+    struct LockedRound {
+        state: RoundState as String,
+        deadline_ms: Option<i64>,
+        weight_total: i64,
+    }
 }
 
 /// A decoded, checked update, ready to fold.

@@ -4,8 +4,8 @@
 //! in transit between devices. No individual plaintext update is ever stored: masked vectors are folded
 //! into the round's running sum (`round_sums`) as they arrive and not kept.
 
+use crate::store::row::any_row;
 use canopy_protocol::secagg::Plan;
-use sqlx::FromRow;
 
 use super::rounds::{LEFT_STATES, PENDING_STATES, ParticipantState, RoundState, Tx};
 use super::task_state::{self, Admission, TaskState, Value};
@@ -67,20 +67,21 @@ impl SecureStage {
     }
 }
 
-#[derive(Clone, Debug, FromRow)]
-struct SecureRoundRow {
-    id: i64,
-    job_id: i64,
-    /// Named apart from the participant's state, which a joined read
-    /// ([`round_and_participant`]) selects beside it.
-    #[sqlx(rename = "round_state", try_from = "String")]
-    state: RoundState,
-    status_message: String,
-    secagg_stage: Option<String>,
-    secagg_plan: Option<String>,
-    secagg_seed: Option<Vec<u8>>,
-    stage_deadline_ms: Option<i64>,
-    deadline_ms: Option<i64>,
+any_row! {
+    #[derive(Clone, Debug)]
+    struct SecureRoundRow {
+        id: i64,
+        job_id: i64,
+        /// Named apart from the participant's state, which a joined read
+        /// ([`round_and_participant`]) selects beside it.
+        round_state: RoundState as String,
+        status_message: String,
+        secagg_stage: Option<String>,
+        secagg_plan: Option<String>,
+        secagg_seed: Option<Vec<u8>>,
+        stage_deadline_ms: Option<i64>,
+        deadline_ms: Option<i64>,
+    }
 }
 
 /// A secure round as the device API and the orchestrator see it.
@@ -115,12 +116,19 @@ where
 const ROUND_COLUMNS: &str = "r.id, r.job_id, r.state AS round_state, r.status_message, \
      r.secagg_stage, r.secagg_plan, r.secagg_seed, r.stage_deadline_ms, r.deadline_ms";
 
-#[derive(FromRow)]
 struct RoundAndParticipantRow {
-    #[sqlx(flatten)]
     round: SecureRoundRow,
-    #[sqlx(flatten)]
     participant: SecureParticipant,
+}
+
+/// Both halves read from the one joined row, each by its own columns.
+impl<'r> sqlx::FromRow<'r, sqlx::any::AnyRow> for RoundAndParticipantRow {
+    fn from_row(row: &'r sqlx::any::AnyRow) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            round: SecureRoundRow::from_row(row)?,
+            participant: SecureParticipant::from_row(row)?,
+        })
+    }
 }
 
 /// The round and one of its participants in one read: what every device
@@ -171,7 +179,7 @@ fn secure_round(row: SecureRoundRow) -> Result<Option<SecureRound>, sqlx::Error>
     Ok(Some(SecureRound {
         id: row.id,
         job_id: row.job_id,
-        state: row.state,
+        state: row.round_state,
         status_message: row.status_message,
         stage,
         plan,
@@ -232,23 +240,24 @@ where
     Ok(rows.into_iter().map(|(id,)| id as u64).collect())
 }
 
-/// One participant's progress through the stages.
-#[derive(Clone, Debug, FromRow)]
-pub struct SecureParticipant {
-    pub device_id: i64,
-    #[sqlx(try_from = "String")]
-    pub state: ParticipantState,
-    pub secagg_keys: Option<Vec<u8>>,
-    pub secagg_commitment: Option<Vec<u8>>,
-    pub secagg_reveal: Option<Vec<u8>>,
-    /// ShareCheck's receipt: the neighbours whose shares the device could
-    /// not open (see [`receipt_ids`]).
-    pub secagg_receipt: Option<Vec<u8>>,
-    /// The survivor set, signed in ConsistencyCheck.
-    pub secagg_signature: Option<Vec<u8>>,
-    pub public_key: Vec<u8>,
-    /// The device authority's certificate of that key, if it has one.
-    pub certificate: Option<Vec<u8>>,
+any_row! {
+    /// One participant's progress through the stages.
+    #[derive(Clone, Debug)]
+    pub struct SecureParticipant {
+        pub device_id: i64,
+        pub state: ParticipantState as String,
+        pub secagg_keys: Option<Vec<u8>>,
+        pub secagg_commitment: Option<Vec<u8>>,
+        pub secagg_reveal: Option<Vec<u8>>,
+        /// ShareCheck's receipt: the neighbours whose shares the device could
+        /// not open (see [`receipt_ids`]).
+        pub secagg_receipt: Option<Vec<u8>>,
+        /// The survivor set, signed in ConsistencyCheck.
+        pub secagg_signature: Option<Vec<u8>>,
+        pub public_key: Vec<u8>,
+        /// The device authority's certificate of that key, if it has one.
+        pub certificate: Option<Vec<u8>>,
+    }
 }
 
 const PARTICIPANT_COLUMNS: &str = "p.device_id, p.state, p.secagg_keys, \

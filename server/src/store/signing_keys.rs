@@ -2,12 +2,12 @@
 //! signs with now (highest `seq`), the keys it replaced, and each
 //! replacement's endorsement by the key it replaced.
 
+use crate::store::row::any_row;
 use std::time::Duration;
 
 use canopy_protocol::model_sig::{
     KeyEndorsement, MAX_KEY_CHAIN_LEN, ServerKey, SigningKeys, endorsement_message,
 };
-use sqlx::FromRow;
 
 use super::settings;
 use crate::db::{Db, is_unique_violation, now_ms};
@@ -69,14 +69,15 @@ pub struct Rotation {
     pub previous_valid_until_ms: i64,
 }
 
-#[derive(FromRow)]
-struct KeyRow {
-    seq: i64,
-    public_key: Vec<u8>,
-    created_ms: i64,
-    valid_until_ms: Option<i64>,
-    endorsement: Option<Vec<u8>>,
-    has_secret: i64,
+any_row! {
+    struct KeyRow {
+        seq: i64,
+        public_key: Vec<u8>,
+        created_ms: i64,
+        valid_until_ms: Option<i64>,
+        endorsement: Option<Vec<u8>>,
+        has_secret: i64,
+    }
 }
 
 const KEY_COLUMNS: &str = "seq, public_key, created_ms, valid_until_ms, endorsement, \

@@ -21,6 +21,7 @@
 //! second to take the lock sees what the first committed
 //! (`server/tests/evaluator_race.rs`).
 
+use crate::store::row::any_row;
 use std::fmt;
 use std::marker::PhantomData;
 
@@ -305,13 +306,13 @@ pub enum Value<'a> {
     Text(&'a str),
 }
 
-/// What [`answer`] reads of the round under its lock.
-#[derive(FromRow)]
-struct LockedRound {
-    #[sqlx(try_from = "String")]
-    state: RoundState,
-    eval_state: Option<String>,
-    eval_deadline_ms: Option<i64>,
+any_row! {
+    /// What [`answer`] reads of the round under its lock.
+    struct LockedRound {
+        state: RoundState as String,
+        eval_state: Option<String>,
+        eval_deadline_ms: Option<i64>,
+    }
 }
 
 /// The one transition of an answer to a task: under the round's row lock,

@@ -1,7 +1,7 @@
 //! Admin API tokens and device enrollment tokens.
 
+use crate::store::row::any_row;
 use serde::{Deserialize, Serialize};
-use sqlx::FromRow;
 
 use super::{Page, new_secret, secret_hash};
 use crate::db::{Db, now_ms};
@@ -47,14 +47,62 @@ impl std::str::FromStr for Role {
     }
 }
 
-#[derive(Clone, Debug, FromRow)]
-pub struct ApiTokenRow {
-    pub id: i64,
-    pub role: String,
-    pub label: String,
-    pub created_ms: i64,
-    pub expires_ms: Option<i64>,
-    pub revoked_ms: Option<i64>,
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct ApiTokenRow {
+        pub id: i64,
+        pub role: String,
+        pub label: String,
+        pub created_ms: i64,
+        pub expires_ms: Option<i64>,
+        pub revoked_ms: Option<i64>,
+    }
+}
+
+/// Whether a token can be used now. The rule is [`TokenState::at`]'s,
+/// and [`authenticate`]'s query applies the same one in SQL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenState {
+    /// Unrevoked and unexpired: it authenticates.
+    Active,
+    /// Past its `expires_ms`; it no longer authenticates.
+    Expired,
+    /// Revoked (whether or not it has also expired).
+    Revoked,
+}
+
+impl TokenState {
+    /// A token's state at `now_ms`: revocation first, then expiry (a
+    /// token is valid strictly before `expires_ms`).
+    pub fn at(revoked_ms: Option<i64>, expires_ms: Option<i64>, now_ms: i64) -> TokenState {
+        match (revoked_ms, expires_ms) {
+            (Some(_), _) => TokenState::Revoked,
+            (None, Some(expires)) if expires <= now_ms => TokenState::Expired,
+            (None, _) => TokenState::Active,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenState::Active => "active",
+            TokenState::Expired => "expired",
+            TokenState::Revoked => "revoked",
+        }
+    }
+}
+
+impl std::fmt::Display for TokenState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `pad`, so that a table's `{:<7}` aligns it.
+        f.pad(self.as_str())
+    }
+}
+
+impl ApiTokenRow {
+    pub fn state(&self, now_ms: i64) -> TokenState {
+        TokenState::at(self.revoked_ms, self.expires_ms, now_ms)
+    }
 }
 
 /// A token that is valid now, as the auth layer sees it.
@@ -87,7 +135,7 @@ pub async fn create_api_token(
 }
 
 /// The principal behind a bearer secret, if it is known, unexpired and
-/// unrevoked.
+/// unrevoked: [`TokenState::Active`], as [`TokenState::at`] decides it.
 pub async fn authenticate(db: &Db, secret: &str) -> Result<Option<Principal>, sqlx::Error> {
     let row: Option<(i64, String)> = sqlx::query_as(
         "SELECT id, role FROM api_tokens WHERE token_hash = $1 AND revoked_ms IS NULL \
@@ -122,15 +170,17 @@ pub async fn revoke_api_token(db: &Db, id: i64) -> Result<bool, sqlx::Error> {
     Ok(result.rows_affected() == 1)
 }
 
-#[derive(Clone, Debug, FromRow)]
-pub struct EnrollmentTokenRow {
-    pub id: i64,
-    pub label: String,
-    pub created_ms: i64,
-    pub expires_ms: i64,
-    pub max_uses: i64,
-    pub uses: i64,
-    pub revoked_ms: Option<i64>,
+any_row! {
+    #[derive(Clone, Debug)]
+    pub struct EnrollmentTokenRow {
+        pub id: i64,
+        pub label: String,
+        pub created_ms: i64,
+        pub expires_ms: i64,
+        pub max_uses: i64,
+        pub uses: i64,
+        pub revoked_ms: Option<i64>,
+    }
 }
 
 const ENROLLMENT_COLUMNS: &str = "id, label, created_ms, expires_ms, max_uses, uses, revoked_ms";
@@ -227,4 +277,18 @@ pub async fn spend_enrollment_token(
         });
     }
     Ok(token.id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TokenState;
+
+    #[test]
+    fn a_token_expires_at_its_expiry_and_revocation_wins() {
+        assert_eq!(TokenState::at(None, None, 5), TokenState::Active);
+        assert_eq!(TokenState::at(None, Some(6), 5), TokenState::Active);
+        assert_eq!(TokenState::at(None, Some(5), 5), TokenState::Expired);
+        assert_eq!(TokenState::at(Some(1), Some(4), 5), TokenState::Revoked);
+        assert_eq!(TokenState::at(Some(1), None, 5), TokenState::Revoked);
+    }
 }

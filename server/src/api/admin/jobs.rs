@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::api::ErrorResponse;
+use crate::api::admin::models::ModelVersionView;
 use crate::api::error::{ApiError, ApiResult, Json, Path, Query};
 use crate::api::pagination::{PageQuery, finish};
 use crate::config::api_bounds::{DETAIL_PARTICIPANTS, MAX_ROUNDS_PAGE};
@@ -60,6 +61,30 @@ impl JobView {
     }
 }
 
+/// A job as its creation answers it: the job, the version it starts
+/// from, and what may keep it from ever running.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CreatedJob {
+    #[serde(flatten)]
+    pub job: JobView,
+    /// The version the job starts from (`model_version_id`): its model,
+    /// number and provenance.
+    pub start_version: ModelVersionView,
+    /// Why no round could start with the devices enrolled now, if so. The
+    /// job is created anyway: devices may enroll, or register data, later.
+    pub warnings: Vec<JobWarning>,
+}
+
+/// Something that keeps a job from running, found at its creation.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct JobWarning {
+    /// The cause: how many enrolled devices could take part, and why the
+    /// others cannot (the reasons a waiting round's status gives).
+    pub message: String,
+    /// What would make enough devices eligible.
+    pub hint: String,
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct JobList {
     pub items: Vec<JobView>,
@@ -76,7 +101,7 @@ pub struct JobList {
         "strategy": {"name": "fedavgm", "momentum": 0.9},
     })),
     responses(
-        (status = 201, body = JobView),
+        (status = 201, description = "Created, with `warnings` when no round could start with the devices enrolled now", body = CreatedJob),
         (status = 400, body = ErrorResponse), (status = 401, body = ErrorResponse), (status = 403, body = ErrorResponse),
         (status = 404, description = "No such model version", body = ErrorResponse),
         (status = 415, body = ErrorResponse),
@@ -87,7 +112,7 @@ pub struct JobList {
 pub async fn create(
     State(state): State<AppState>,
     Json(spec): Json<JobSpec>,
-) -> ApiResult<(StatusCode, Json<JobView>)> {
+) -> ApiResult<(StatusCode, Json<CreatedJob>)> {
     spec.validate().map_err(ApiError::unprocessable)?;
     let version = models::get_version(&state.db, spec.model_version_id)
         .await?
@@ -111,9 +136,51 @@ pub async fn create(
     if let Some(name) = &spec.evaluation.central_dataset {
         check_central_dataset(&state, name, &version).await?;
     }
+    let warnings = device_warnings(&state, &spec, &version).await?;
     let row = jobs::insert(&state.db, &spec).await?;
-    tracing::info!(job = row.id, name = %row.name, "created job");
-    Ok((StatusCode::CREATED, Json(JobView::from_row(row)?)))
+    tracing::info!(job = row.id, name = %row.name, warnings = warnings.len(), "created job");
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedJob {
+            job: JobView::from_row(row)?,
+            start_version: version.into(),
+            warnings,
+        }),
+    ))
+}
+
+/// The warning for a job that no round could start with the devices
+/// enrolled now (the orchestrator's eligibility rule, applied to every
+/// enrolled device); none when enough could qualify.
+async fn device_warnings(
+    state: &AppState,
+    spec: &JobSpec,
+    version: &models::VersionRow,
+) -> ApiResult<Vec<JobWarning>> {
+    let shortfall = orchestrator::shortfall_at_creation(state, spec, version.id)
+        .await
+        .map_err(|error| match error {
+            // Selection needs the input shape to match the job's dataset.
+            orchestrator::OrchestratorError::InputShape { reason, .. } => {
+                ApiError::unprocessable(format!(
+                    "model `{}` version {} has no input shape to match dataset `{}` against: \
+                     {reason}",
+                    version.model_name,
+                    version.version,
+                    spec.dataset.as_deref().unwrap_or_default(),
+                ))
+            }
+            orchestrator::OrchestratorError::Database(error) => error.into(),
+            orchestrator::OrchestratorError::Blob(error) => error.into(),
+            other => ApiError::internal(canopy_term::error_chain(&other)),
+        })?;
+    Ok(shortfall
+        .map(|shortfall| JobWarning {
+            message: shortfall.message,
+            hint: shortfall.hint,
+        })
+        .into_iter()
+        .collect())
 }
 
 /// What a job asks of its model beyond training, checked at creation so

@@ -34,10 +34,18 @@ pub struct ModelVersionView {
     /// Why devices cannot train it; `null` when they can (or, for versions
     /// stored by older servers, when the reason was not kept).
     pub untrainable_reason: Option<String>,
+    /// The id of the version it was made from.
     pub parent_version_id: Option<i64>,
-    /// The job and round that produced it, for versions made by training.
+    /// That parent's `version` number (both are versions of this model).
+    pub parent_version: Option<i64>,
+    /// The job that produced it, for versions made by a job (a round's
+    /// result, or the FedProx step a job derived before its first round).
     pub produced_by_job: Option<i64>,
+    /// The id of the round that produced it.
     pub produced_by_round: Option<i64>,
+    /// That round's `number` in its job: 1 for the first training round,
+    /// 0 for the statistics round that fits a model's input statistics.
+    pub produced_by_round_number: Option<i64>,
     pub created_ms: i64,
 }
 
@@ -53,8 +61,10 @@ impl From<VersionRow> for ModelVersionView {
             trainable: row.has_train_step != 0,
             untrainable_reason: row.untrainable_reason,
             parent_version_id: row.parent_version_id,
+            parent_version: row.parent_version,
             produced_by_job: row.job_id,
             produced_by_round: row.round_id,
+            produced_by_round_number: row.round_number,
             created_ms: row.created_ms,
         }
     }
@@ -314,7 +324,11 @@ pub async fn list_models(
 #[utoipa::path(
     get, path = "/api/v1/models/{name}/versions", tag = "models",
     params(("name" = String, Path, pattern = "^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$"), PageQuery),
-    responses((status = 200, body = ModelVersionList), (status = 400, body = crate::api::ErrorResponse), (status = 401, body = crate::api::ErrorResponse)),
+    responses(
+        (status = 200, body = ModelVersionList), (status = 400, body = crate::api::ErrorResponse),
+        (status = 401, body = crate::api::ErrorResponse),
+        (status = 404, description = "No model of this name", body = crate::api::ErrorResponse),
+    ),
     security(("bearer" = []))
 )]
 pub async fn list_versions(
@@ -325,6 +339,12 @@ pub async fn list_versions(
     check_model_name(&name)?;
     let page = query.page(state.settings.limits.max_page_size)?;
     let rows = models::list_versions(&state.db, &name, page).await?;
+    // An empty page is the end of a model's list, or no model at all.
+    if rows.is_empty() && !models::exists(&state.db, &name).await? {
+        return Err(ApiError::not_found(format!(
+            "model `{name}` does not exist"
+        )));
+    }
     let (rows, next_cursor) = finish(rows, page, |row| row.version.to_string());
     Ok(Json(ModelVersionList {
         items: rows.into_iter().map(Into::into).collect(),

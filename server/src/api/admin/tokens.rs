@@ -14,7 +14,7 @@ use crate::api::pagination::{PageQuery, finish};
 use crate::config::api_bounds::{MAX_ENROLLMENT_USES, MAX_LABEL_CHARS, MAX_TOKEN_LIFETIME};
 use crate::db::now_ms;
 use crate::state::AppState;
-use crate::store::tokens::{self, ApiTokenRow, EnrollmentTokenRow, Principal, Role};
+use crate::store::tokens::{self, ApiTokenRow, EnrollmentTokenRow, Principal, Role, TokenState};
 
 /// The OpenAPI shape of `expires_in`: a string of at least two characters
 /// that matches [`LIFETIME_PATTERN`].
@@ -99,18 +99,20 @@ pub struct ApiTokenView {
     pub label: String,
     pub created_ms: i64,
     pub expires_ms: Option<i64>,
-    pub revoked: bool,
+    /// Whether it authenticates now: `active`, `expired` or `revoked`.
+    pub state: TokenState,
 }
 
-impl From<ApiTokenRow> for ApiTokenView {
-    fn from(row: ApiTokenRow) -> ApiTokenView {
+impl ApiTokenView {
+    /// The token as it stands at `now_ms`.
+    pub fn at(row: ApiTokenRow, now_ms: i64) -> ApiTokenView {
         ApiTokenView {
             id: row.id,
+            state: row.state(now_ms),
             role: row.role,
             label: row.label,
             created_ms: row.created_ms,
             expires_ms: row.expires_ms,
-            revoked: row.revoked_ms.is_some(),
         }
     }
 }
@@ -157,7 +159,7 @@ pub async fn create_api_token(
     Ok((
         StatusCode::CREATED,
         Json(CreatedApiToken {
-            token: row.into(),
+            token: ApiTokenView::at(row, now_ms()),
             secret,
         }),
     ))
@@ -176,8 +178,12 @@ pub async fn list_api_tokens(
     let page = query.page(state.settings.limits.max_page_size)?;
     let rows = tokens::list_api_tokens(&state.db, page).await?;
     let (rows, next_cursor) = finish(rows, page, |row| row.id.to_string());
+    let now_ms = now_ms();
     Ok(Json(ApiTokenList {
-        items: rows.into_iter().map(Into::into).collect(),
+        items: rows
+            .into_iter()
+            .map(|row| ApiTokenView::at(row, now_ms))
+            .collect(),
         next_cursor,
     }))
 }

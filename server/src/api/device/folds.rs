@@ -4,7 +4,8 @@
 //! update per transaction makes the database the bottleneck. Uploads to
 //! the same round queue here instead; one worker per round drains whatever
 //! has queued into a single transaction and answers every upload after
-//! the commit, so an upload is acknowledged only once it is durable. Plain
+//! the commit, so an upload is acknowledged only once it is committed
+//! (what a commit survives: ARCHITECTURE.md, "What a commit survives"). Plain
 //! updates, secure rounds' masked inputs and their smaller stage messages
 //! (keys, shares, signatures, revealed shares) each have a queue, and this
 //! one loop drains them all ([`Foldable`]).
