@@ -298,12 +298,14 @@ function points(rounds, pick) {
     .sort((a, b) => a.x - b.x);
 }
 
-/// Why a job's rounds may lack a training loss: a secure round's devices
-/// report theirs after sending their masked input, so it trails the round.
+/// Why a secure job's rounds have no training loss: the round's loss is
+/// the devices' losses weighted by their sample counts, and under secure
+/// aggregation the server never learns a device's count (it is inside the
+/// masked sum), so it has nothing to weight by.
 function lossNote(job) {
   return isSecure(job)
-    ? "Secure aggregation: the server learns only each round's summed update; devices report their training loss " +
-      "separately, after their masked input, so a round's loss appears a moment after the round."
+    ? "Secure aggregation: the server learns only each round's summed update, not how many samples each device " +
+      "trained on, so it cannot weight the devices' losses: secure rounds show no training loss."
     : "";
 }
 
