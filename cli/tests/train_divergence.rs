@@ -152,8 +152,10 @@ fn a_diverging_fine_tune_says_so_and_writes_nothing_without_force() {
         stderr.contains("warning: training diverged") && stderr.contains("hint: train with"),
         "{stderr}"
     );
-    assert!(stdout.contains("diverged (--force)"), "{stdout}");
+    // Under --json the written file is told on stderr; stdout is the JSON alone.
+    assert!(stderr.contains("diverged (--force)"), "{stderr}");
     assert_eq!(last_json(&stdout)["diverged"], true);
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
     assert!(Path::new(&tuned).exists(), "--force writes the output");
 
     // The same fine-tune at Adam's default rate learns, and says nothing.
