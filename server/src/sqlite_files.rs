@@ -481,9 +481,8 @@ fn read_prefix(path: &Path, limit: usize) -> Result<Option<Vec<u8>>, SqliteFileE
     Ok(Some(head))
 }
 
-/// A whole file, or `None` if it does not exist. The WAL is bounded:
-/// checkpointed every second in the background, and by any commit past
-/// [`crate::db::WAL_BACKSTOP_PAGES`] pages (40 MB), so it fits in memory.
+/// A whole file, or `None` if it does not exist. The WAL is bounded by
+/// the checkpoint interval (1,000 pages by default), so it fits in memory.
 fn read_all(path: &Path) -> Result<Option<Vec<u8>>, SqliteFileError> {
     match std::fs::read(path) {
         Ok(bytes) => Ok(Some(bytes)),
