@@ -298,14 +298,13 @@ function points(rounds, pick) {
     .sort((a, b) => a.x - b.x);
 }
 
-/// Why a secure job's rounds have no training loss: the round's loss is
-/// the devices' losses weighted by their sample counts, and under secure
-/// aggregation the server never learns a device's count (it is inside the
-/// masked sum), so it has nothing to weight by.
+/// How a secure job's training loss differs: a plain round weights the
+/// devices' losses by their sample counts, and under secure aggregation
+/// the server never learns a device's count (it is inside the masked sum).
 function lossNote(job) {
   return isSecure(job)
     ? "Secure aggregation: the server learns only each round's summed update, not how many samples each device " +
-      "trained on, so it cannot weight the devices' losses: secure rounds show no training loss."
+      "trained on, so a secure round's training loss is the plain mean of the devices' losses."
     : "";
 }
 
@@ -361,7 +360,7 @@ function renderRoundsTable(rounds) {
       className: "state-" + r.state, title: r.failure ? r.failure.message : "" },
     `${r.metrics.updates_accepted} / ${r.selected}`,
     r.metrics.dropouts,
-    { text: fixed(r.metrics.train_loss, 4), title: typeof r.metrics.train_loss === "number" ? "" : lossNote(state.job) },
+    { text: fixed(r.metrics.train_loss, 4), title: lossNote(state.job) },
     { text: fixed(r.metrics.federated_eval_accuracy, 3) + (r.metrics.federated_eval_state === "open" ? " …" : ""),
       title: `${r.metrics.federated_eval_devices} devices reported, ${r.metrics.federated_eval_dropouts} did not` },
     fixed(r.metrics.central_eval_accuracy, 3),

@@ -5,33 +5,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// A fresh scratch folder per test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("canopy-output-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn canopy(args: &[&str]) -> Output {
-    common::canopy(args)
-}
-
-fn succeeded(out: &Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
+use common::{canopy, repo, scratch, succeeded};
 
 /// The whole of stdout as one JSON document: what `| jq` needs.
 fn stdout_json(out: &Output, what: &str) -> serde_json::Value {

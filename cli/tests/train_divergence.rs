@@ -5,41 +5,16 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
-use common::canopy;
+use common::{canopy, last_json, ok, scratch};
 
 fn digits() -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../datasets/digits")
         .display()
         .to_string()
-}
-
-/// A fresh scratch folder per test.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "canopy-cli-divergence-{}-{name}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn ok(out: Output) -> String {
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(
-        out.status.success(),
-        "canopy failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
-}
-
-fn last_json(stdout: &str) -> serde_json::Value {
-    serde_json::from_str(stdout.lines().last().expect("output")).expect("last line is JSON")
 }
 
 /// A digits MLP (64 → 32 → 10) made with `optimizer` at `path`.

@@ -80,7 +80,7 @@ pub async fn enroll_with(
         {
             return Err(error);
         }
-        retry::sleep(cancel, policy.backoff(failures - 1)).await?;
+        retry::sleep(cancel, policy.wait_after(failures - 1, &error)).await?;
     }
 }
 

@@ -26,6 +26,10 @@ pub enum SdkError {
         status: u16,
         code: String,
         message: String,
+        /// The answer's `Retry-After` in milliseconds (its delta-seconds
+        /// form; an HTTP date is not read): no retry comes sooner, see
+        /// [`RetryPolicy::wait_after`](crate::RetryPolicy::wait_after).
+        retry_after_ms: Option<u64>,
     },
     #[error("the server sent an unreadable {what}: {reason}")]
     BadResponse { what: &'static str, reason: String },

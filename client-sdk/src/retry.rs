@@ -37,9 +37,15 @@
 //! told of every failed attempt before the wait that follows it, e.g. to
 //! log it; the SDK itself logs nothing.
 //!
-//! The server's `Retry-After` header is not read: the backoff is capped by
-//! [`RetryPolicy::max_backoff_ms`] either way, and the only route that sends
-//! it (enrollment's rate limit) is not retried.
+//! # Retry-After
+//!
+//! A 429 or 503 carries the server's `Retry-After`: a device over its
+//! request rate is refused for that long, and an attempt inside the window
+//! only extends the refusal. So the wait before a retry is never shorter
+//! than it ([`RetryPolicy::wait_after`]); the jittered backoff still applies
+//! when it is longer, and the server's figure is capped by
+//! [`RetryPolicy::max_backoff_ms`], so a server cannot park a device for
+//! longer than its policy allows.
 //!
 //! # Uploads
 //!
@@ -70,6 +76,7 @@ use std::time::Duration;
 
 use crate::cancel::CancelToken;
 use crate::error::SdkError;
+use crate::transport::is_certificate_failure;
 
 /// Upper bound on [`RetryPolicy::max_attempts`].
 pub const MAX_ATTEMPTS_CAP: u32 = 20;
@@ -155,6 +162,27 @@ impl RetryPolicy {
         Duration::from_millis(ms)
     }
 
+    /// The wait before retry `retry` after `error`: the random
+    /// [`backoff`](RetryPolicy::backoff), or the server's `Retry-After`
+    /// when that is longer (capped by `max_backoff_ms`). The one rule every
+    /// retry loop of the SDK, and the agent's poll loop, waits by.
+    pub fn wait_after(&self, retry: u32, error: &SdkError) -> Duration {
+        self.wait_after_with(retry, error, rand::random::<f64>())
+    }
+
+    /// [`wait_after`](RetryPolicy::wait_after) for a given draw `unit`.
+    pub fn wait_after_with(&self, retry: u32, error: &SdkError, unit: f64) -> Duration {
+        let backoff = self.backoff_with(retry, unit);
+        let floor_ms = match error {
+            SdkError::Server {
+                retry_after_ms: Some(ms),
+                ..
+            } => (*ms).min(self.normalized().max_backoff_ms),
+            _ => 0,
+        };
+        backoff.max(Duration::from_millis(floor_ms))
+    }
+
     /// A random wait before retry `retry`, uniform in
     /// `[0, backoff_ceiling(retry)]`.
     pub fn backoff(&self, retry: u32) -> Duration {
@@ -196,7 +224,7 @@ pub(crate) async fn wait_to_retry(
     failures: u32,
     error: &SdkError,
 ) -> Result<(), SdkError> {
-    let wait = policy.backoff(failures.saturating_sub(1));
+    let wait = policy.wait_after(failures.saturating_sub(1), error);
     if let Some(observer) = observer {
         observer(&RetryNotice {
             failures,
@@ -297,37 +325,6 @@ fn transport_is_retryable(error: &reqwest::Error) -> bool {
     !(error.is_builder() || error.is_redirect() || is_certificate_failure(error))
 }
 
-/// True when a TLS certificate check failed somewhere in `error`'s chain:
-/// retrying a pin or CA mismatch only repeats it. Other TLS failures (a
-/// corrupted record, an alert) may be transient and stay retryable.
-fn is_certificate_failure(error: &(dyn std::error::Error + 'static)) -> bool {
-    let is_trust = |tls: &rustls::Error| {
-        matches!(
-            tls,
-            rustls::Error::InvalidCertificate(_)
-                | rustls::Error::General(_)
-                | rustls::Error::NoCertificatesPresented
-                | rustls::Error::UnsupportedNameType
-        )
-    };
-    let mut current = Some(error);
-    while let Some(error) = current {
-        if let Some(tls) = error.downcast_ref::<rustls::Error>() {
-            return is_trust(tls);
-        }
-        // `io::Error::source` skips the error it wraps (and I/O errors nest),
-        // so step into the wrapped error instead.
-        current = match error.downcast_ref::<std::io::Error>() {
-            Some(io) => match io.get_ref() {
-                Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
-                None => error.source(),
-            },
-            None => error.source(),
-        };
-    }
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,6 +334,7 @@ mod tests {
             status,
             code: "x".into(),
             message: "y".into(),
+            retry_after_ms: None,
         }
     }
 
@@ -455,11 +453,55 @@ mod tests {
     }
 
     #[test]
+    fn retry_after_is_a_floor_capped_by_the_policy() {
+        let policy = RetryPolicy {
+            max_attempts: 5,
+            initial_backoff_ms: 100,
+            max_backoff_ms: 5_000,
+            multiplier: 2.0,
+        };
+        let told = |ms| SdkError::Server {
+            status: 429,
+            code: "too_many_requests".into(),
+            message: "slow down".into(),
+            retry_after_ms: Some(ms),
+        };
+        // Shorter backoff: the server's figure wins.
+        assert_eq!(
+            policy.wait_after_with(0, &told(1_000), 1.0),
+            Duration::from_millis(1_000)
+        );
+        // Longer backoff: the backoff stands.
+        assert_eq!(
+            policy.wait_after_with(6, &told(1_000), 1.0),
+            Duration::from_millis(5_000)
+        );
+        // A server cannot park the device past the policy's patience.
+        assert_eq!(
+            policy.wait_after_with(0, &told(3_600_000), 0.0),
+            Duration::from_millis(5_000)
+        );
+        // Without the header, the plain backoff.
+        assert_eq!(
+            policy.wait_after_with(0, &server(429), 0.5),
+            Duration::from_millis(50)
+        );
+    }
+
+    #[test]
     fn certificate_failures_are_found_inside_nested_io_errors() {
         use std::io::{Error, ErrorKind};
         let nested = |tls: rustls::Error| Error::other(Error::new(ErrorKind::InvalidData, tls));
         let pin = nested(rustls::Error::General("pin mismatch".into()));
         assert!(is_certificate_failure(&pin));
+        // The pinning verifier's own error, as the handshake returns it.
+        let pinned = nested(rustls::Error::Other(rustls::OtherError(
+            std::sync::Arc::new(crate::trust::PinMismatch {
+                actual: [1; 32],
+                pinned: [0; 32],
+            }),
+        )));
+        assert!(is_certificate_failure(&pinned));
         let expired = nested(rustls::Error::InvalidCertificate(
             rustls::CertificateError::Expired,
         ));

@@ -228,6 +228,7 @@ fn stage_error(task: &Task, stage: Stage, error: SdkError) -> SdkError {
             status: 410,
             code,
             message,
+            ..
         } => SdkError::SecureRoundGone {
             round_id: task.round_id,
             stage,
@@ -238,6 +239,7 @@ fn stage_error(task: &Task, stage: Stage, error: SdkError) -> SdkError {
             status: 422,
             code,
             message,
+            ..
         } => SdkError::SecureMessageRefused {
             round_id: task.round_id,
             stage,

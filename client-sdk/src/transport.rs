@@ -163,18 +163,48 @@ fn with_scheme(url: &str, scheme: &str) -> String {
     format!("{scheme}{rest}")
 }
 
-/// The TLS failure behind `cause`: a rustls error itself, or one inside
+/// The rustls error behind `cause`: a rustls error itself, or one inside
 /// `io::Error`s (tokio-rustls wraps it in one, a connector may wrap that
-/// again, and `io::Error::source` skips the wrapped error).
-fn tls_problem(cause: &(dyn std::error::Error + 'static)) -> Option<ConnectProblem> {
-    use rustls::CertificateError as Cert;
+/// again, and `io::Error::source` skips the wrapped error). The one walker
+/// both [`ConnectProblem::of`] and the retry rule use.
+pub(crate) fn tls_error_in<'a>(
+    cause: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a rustls::Error> {
     let mut current = cause;
-    let tls = loop {
+    loop {
         if let Some(tls) = current.downcast_ref::<rustls::Error>() {
-            break tls;
+            return Some(tls);
         }
         current = current.downcast_ref::<std::io::Error>()?.get_ref()?;
-    };
+    }
+}
+
+/// True when a TLS certificate check failed somewhere in `error`'s causes:
+/// retrying a pin or CA mismatch only repeats it. Other TLS failures (a
+/// corrupted record, an alert) may be transient and stay retryable.
+pub(crate) fn is_certificate_failure(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(current) = cause {
+        if let Some(tls) = tls_error_in(current) {
+            return matches!(
+                tls,
+                rustls::Error::InvalidCertificate(_)
+                    | rustls::Error::General(_)
+                    | rustls::Error::NoCertificatesPresented
+                    | rustls::Error::UnsupportedNameType
+            ) || classify_tls(tls) == Some(ConnectProblem::PinMismatch);
+        }
+        cause = current.source();
+    }
+    false
+}
+
+fn tls_problem(cause: &(dyn std::error::Error + 'static)) -> Option<ConnectProblem> {
+    classify_tls(tls_error_in(cause)?)
+}
+
+fn classify_tls(tls: &rustls::Error) -> Option<ConnectProblem> {
+    use rustls::CertificateError as Cert;
     match tls {
         rustls::Error::InvalidMessage(_) => Some(ConnectProblem::SpeaksPlainHttp),
         rustls::Error::InvalidCertificate(
@@ -257,6 +287,7 @@ pub(crate) async fn check(response: reqwest::Response) -> Result<reqwest::Respon
 /// error body, or the start of the body when it is not one.
 pub(crate) async fn server_error(mut response: reqwest::Response) -> SdkError {
     let status = response.status();
+    let retry_after_ms = retry_after_ms(response.headers());
     // A body cut off in transit or over the limit still has a status worth
     // reporting; what was read of it becomes the message.
     let body = match read_limited(&mut response, MAX_ERROR_BODY_BYTES).await {
@@ -274,7 +305,22 @@ pub(crate) async fn server_error(mut response: reqwest::Response) -> SdkError {
         status: status.as_u16(),
         code,
         message,
+        retry_after_ms,
     }
+}
+
+/// `Retry-After` as delta-seconds, in milliseconds. The server sends only
+/// that form; an HTTP date or garbage reads as absent, and a huge value is
+/// bounded later by the policy's `max_backoff_ms`.
+fn retry_after_ms(headers: &reqwest::header::HeaderMap) -> Option<u64> {
+    let seconds: u64 = headers
+        .get(reqwest::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(seconds.saturating_mul(1_000))
 }
 
 /// Reads and parses a JSON answer. A body cut off in transit is a

@@ -160,6 +160,33 @@ unsafe fn slice<'a, T>(
     Ok(unsafe { std::slice::from_raw_parts(slice, len) })
 }
 
+/// The labelled arrays `canopy_client_register_dataset` and
+/// `canopy_client_run_task` take, copied into the core's form.
+///
+/// # Safety
+/// Each array is NULL with length 0, or holds the values its length says.
+unsafe fn arrays(
+    features: (*const f32, usize),
+    sample_shape: (*const u32, usize),
+    labels: (*const i64, usize),
+    classes: u32,
+) -> Result<TrainingData, CanopyError> {
+    // SAFETY: the caller's promises on every pointer, forwarded.
+    let (features, shape, labels) = unsafe {
+        (
+            slice(features.0, features.1, "features")?,
+            slice(sample_shape.0, sample_shape.1, "sample_shape")?,
+            slice(labels.0, labels.1, "labels")?,
+        )
+    };
+    Ok(TrainingData::Arrays {
+        features: features.to_vec(),
+        sample_shape: shape.to_vec(),
+        labels: labels.to_vec(),
+        classes,
+    })
+}
+
 /// Writes `value` to `out`.
 ///
 /// # Safety
@@ -430,20 +457,17 @@ pub unsafe extern "C" fn canopy_client_register_dataset(
 ) -> CanopyStatus {
     status(|| {
         // SAFETY: the caller's promises on every pointer, forwarded.
-        let (client, name, features, shape, labels) = unsafe {
+        let (client, name, data) = unsafe {
             (
                 self::client(client)?,
                 text(name, "name")?,
-                slice(features, features_len, "features")?,
-                slice(sample_shape, rank, "sample_shape")?,
-                slice(labels, samples, "labels")?,
+                arrays(
+                    (features, features_len),
+                    (sample_shape, rank),
+                    (labels, samples),
+                    classes,
+                )?,
             )
-        };
-        let data = TrainingData::Arrays {
-            features: features.to_vec(),
-            sample_shape: shape.to_vec(),
-            labels: labels.to_vec(),
-            classes,
         };
         client.register_dataset(name, data).map(drop)
     })
@@ -534,19 +558,16 @@ pub unsafe extern "C" fn canopy_client_run_task(
 ) -> CanopyStatus {
     status(|| {
         // SAFETY: the caller's promises on every pointer, forwarded.
-        let (client, features, shape, labels) = unsafe {
+        let (client, data) = unsafe {
             (
                 self::client(client)?,
-                slice(features, features_len, "features")?,
-                slice(sample_shape, rank, "sample_shape")?,
-                slice(labels, samples, "labels")?,
+                arrays(
+                    (features, features_len),
+                    (sample_shape, rank),
+                    (labels, samples),
+                    classes,
+                )?,
             )
-        };
-        let data = TrainingData::Arrays {
-            features: features.to_vec(),
-            sample_shape: shape.to_vec(),
-            labels: labels.to_vec(),
-            classes,
         };
         let listener = progress.map(|callback| -> Arc<dyn ProgressListener> {
             Arc::new(CProgress {

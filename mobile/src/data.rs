@@ -11,8 +11,9 @@ use crate::types::TrainingData;
 /// The most feature values one call may pass (1 GiB of f32): an explicit
 /// bound, before anything is copied.
 pub const MAX_FEATURE_VALUES: u64 = 1 << 28;
-/// The most dimensions of one sample.
-pub const MAX_SAMPLE_RANK: usize = 8;
+/// The most dimensions of one sample: the protocol's, since a dataset's
+/// shape is reported to the server in the heartbeat.
+pub use canopy_protocol::messages::MAX_SAMPLE_RANK;
 
 /// Little-endian f32 values from bytes; the length must be a multiple
 /// of 4.

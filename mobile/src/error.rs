@@ -303,6 +303,7 @@ mod tests {
             status: 403,
             code: "forbidden".into(),
             message: "revoked".into(),
+            retry_after_ms: None,
         }
         .into();
         assert_eq!(server.name(), "Server");

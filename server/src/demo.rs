@@ -95,7 +95,7 @@ struct RoundRow {
     round: i64,
     participants: i64,
     selected: i64,
-    /// Absent in secure rounds: see [`SECURE_LOSS_NOTE`].
+    /// In secure rounds the plain mean over devices: see [`SECURE_LOSS_NOTE`].
     train_loss: Option<f64>,
     /// Federated evaluation of the version this round produced: the
     /// devices' accuracy on their own held-out data, weighted by samples.
@@ -114,11 +114,11 @@ struct RoundRow {
     bytes_down: i64,
 }
 
-/// Why a secure round's table has no training loss. The server weights
-/// each device's reported loss by its sample count, which a secure round
-/// keeps inside the masked sum.
-const SECURE_LOSS_NOTE: &str = "train loss: n/a in secure rounds: the server weights each \
-     device's loss by its sample count, which secure aggregation hides";
+/// How a secure round's training loss differs. A plain round weights each
+/// device's reported loss by its sample count, which a secure round keeps
+/// inside the masked sum.
+const SECURE_LOSS_NOTE: &str = "train loss: in secure rounds, the plain mean over devices \
+     (secure aggregation hides each device's sample count)";
 
 /// Bytes in the table's KiB columns (binary, as the dashboard counts).
 const KIB: i64 = 1024;

@@ -1,7 +1,8 @@
 //! `canopy-sdk` against a real server over HTTPS: the blocking client
 //! from a thread with no runtime, a download resumed after a cut
 //! connection, cancellation of a long poll, retries across a server
-//! restart, and certificate failures that are not retried.
+//! restart, a throttled device that waits out `Retry-After`, and
+//! certificate failures that are not retried.
 
 mod support;
 
@@ -439,6 +440,57 @@ fn retries_ride_out_a_server_restart() -> Result<()> {
         took >= Duration::from_millis(1_500),
         "the heartbeat must have waited for the restart, took {took:?}"
     );
+    Ok(())
+}
+
+/// A device over its request rate is refused for the answer's
+/// `Retry-After` (1 s); a retry inside that window is refused again. With
+/// a 10 ms backoff, only honouring the header gets the calls through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_device_waits_out_retry_after() -> Result<()> {
+    let dir = support::private_tempdir()?;
+    let config = dir.path().join("limits.toml");
+    std::fs::write(&config, "[limits]\ndevice_requests_per_second = 1\n")?;
+    let server = TestServer::start_with(
+        Database::Sqlite,
+        &["--config", &config.display().to_string()],
+    )?;
+    let token = server.admin().enrollment_token(1).await?;
+    let notices: Arc<std::sync::Mutex<Vec<(Option<u16>, Duration)>>> = Arc::default();
+    let seen = Arc::clone(&notices);
+    let device = support::enroll_device(&server, &token)
+        .await?
+        .with_retry_policy(RetryPolicy {
+            max_attempts: 3,
+            initial_backoff_ms: 10,
+            max_backoff_ms: 10_000,
+            multiplier: 1.0,
+        })
+        .with_retry_observer(Arc::new(move |notice| {
+            let status = notice.error.status();
+            seen.lock().unwrap().push((status, notice.wait));
+        }));
+    for beat in 0..6 {
+        device
+            .heartbeat(&Heartbeat::default())
+            .await
+            .with_context(|| format!("heartbeat {beat}"))?;
+    }
+    let notices = notices.lock().unwrap().clone();
+    ensure!(
+        !notices.is_empty(),
+        "six heartbeats at once must pass a 1/s cap"
+    );
+    for (status, wait) in &notices {
+        ensure!(
+            *status == Some(429),
+            "only throttling is retried here: {notices:?}"
+        );
+        ensure!(
+            *wait >= Duration::from_secs(1),
+            "a retry inside Retry-After is refused again: {notices:?}"
+        );
+    }
     Ok(())
 }
 

@@ -15,7 +15,9 @@ use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use canopy_ir::Buffer;
 use canopy_protocol::device_cert::DeviceAuthority;
-use canopy_protocol::messages::{CERTIFICATE_PATH, Task, secagg_endpoints as endpoints};
+use canopy_protocol::messages::{
+    CERTIFICATE_PATH, RoundMetrics, Task, secagg_endpoints as endpoints,
+};
 use canopy_protocol::secagg::{Client, Plan, Session, arith, wire};
 use canopy_sdk::DeviceClient;
 use rand::SeedableRng;
@@ -397,6 +399,19 @@ async fn secure_round_matches_survivors(database: Database) -> Result<()> {
     devices[5].decline().await?;
     for (i, device) in devices[..5].iter_mut().enumerate() {
         device.masked_input(900 + i as u64).await?;
+        // Losses 1..=5: the server cannot weight them by the sample counts
+        // inside the masked sum, so the round's loss is their plain mean.
+        device
+            .client
+            .report_metrics(&RoundMetrics {
+                round_id: device.task.round_id,
+                train_loss: Some(1.0 + i as f64),
+                eval_loss: None,
+                eval_accuracy: None,
+                eval_samples: None,
+                train_duration_ms: None,
+            })
+            .await?;
     }
     sign_then_unmask(&mut devices[..5]).await?;
     let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
@@ -407,6 +422,11 @@ async fn secure_round_matches_survivors(database: Database) -> Result<()> {
     ensure!(round["state"] == "succeeded", "round: {round}");
     ensure!(round["metrics"]["updates_accepted"] == 5, "round: {round}");
     ensure!(round["metrics"]["dropouts"] == 3, "round: {round}");
+    let loss = round["metrics"]["train_loss"].as_f64();
+    ensure!(
+        loss.is_some_and(|loss| (loss - 3.0).abs() < 1e-9),
+        "the mean of losses 1..=5 is 3: {round}"
+    );
 
     let next = fetch_model(&admin, "logreg", 2).await?;
     let survivors: Vec<&Device> = devices[..5].iter().collect();

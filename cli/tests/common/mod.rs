@@ -1,6 +1,9 @@
-//! Helpers every CLI test binary shares.
+//! Helpers every CLI test binary shares: the binary, the repository's
+//! data, scratch folders, and what a successful or failed run printed.
+// Each test binary uses a different subset of these.
+#![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use anyhow::{Context, Result, bail};
@@ -18,7 +21,6 @@ pub fn canopy(args: &[&str]) -> Output {
 
 /// Runs `cli/tests/reference/{script}` with `out_dir` as its argument, on
 /// `$CANOPY_PYTHON` (default `python3`) with requirements-dev.txt installed.
-#[allow(dead_code)] // not every test binary runs a reference script
 pub fn reference_script(script: &str, out_dir: &Path) -> Result<()> {
     let python = std::env::var("CANOPY_PYTHON").unwrap_or_else(|_| "python3".to_string());
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -36,4 +38,52 @@ pub fn reference_script(script: &str, out_dir: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The repository's root (`datasets/` lives there).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A fresh scratch folder per test, named after the test binary, the
+/// process and `name`.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "canopy-cli-{}-{}-{name}",
+        env!("CARGO_CRATE_NAME"),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Asserts `what` succeeded, showing both streams when it did not.
+pub fn succeeded(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Asserts a successful run and returns its stdout.
+pub fn ok(out: Output) -> String {
+    succeeded(&out, "canopy");
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// Asserts a clean failure in the house style and returns stderr.
+pub fn fails(out: Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "expected failure, stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    assert!(stderr.starts_with("error:"), "house error style: {stderr}");
+    stderr
+}
+
+/// The last line of stdout, parsed as JSON.
+pub fn last_json(stdout: &str) -> serde_json::Value {
+    serde_json::from_str(stdout.lines().last().expect("output")).expect("last line is JSON")
 }

@@ -404,7 +404,7 @@ impl Daemon {
                     task
                 }
                 Err(error) => {
-                    let delay = POLL_BACKOFF.backoff(failures);
+                    let delay = POLL_BACKOFF.wait_after(failures, &error);
                     failures = failures.saturating_add(1);
                     self.log_poll_error(&error, delay, failures);
                     tokio::select! {

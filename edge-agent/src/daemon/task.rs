@@ -726,6 +726,7 @@ mod tests {
             status: 503,
             code: "x".into(),
             message: "y".into(),
+            retry_after_ms: None,
         };
         assert_eq!(request_failure(&server), TaskResult::Failed);
     }

@@ -569,7 +569,9 @@ pub async fn participants(
 }
 
 any_row! {
-    /// Sample-weighted means of what the participants reported.
+    /// Sample-weighted means of what the participants reported. A secure
+    /// round never learns a participant's sample count (it travels inside
+    /// the masked sum), so its training loss weights each device equally.
     #[derive(Clone, Debug, Default)]
     pub struct RoundMetricsRow {
         pub train_loss: Option<f64>,
@@ -584,7 +586,7 @@ pub async fn metrics(db: &Db, round_id: i64) -> Result<RoundMetricsRow, sqlx::Er
     // BIGINT is NUMERIC, which the `Any` driver cannot decode).
     sqlx::query_as(
         "SELECT \
-           SUM(train_loss * num_samples) / NULLIF(CAST(SUM(CASE WHEN train_loss IS NULL THEN 0 ELSE num_samples END) AS DOUBLE PRECISION), 0) AS train_loss, \
+           SUM(train_loss * COALESCE(num_samples, 1)) / NULLIF(CAST(SUM(CASE WHEN train_loss IS NULL THEN 0 ELSE COALESCE(num_samples, 1) END) AS DOUBLE PRECISION), 0) AS train_loss, \
            SUM(eval_accuracy * eval_samples) / NULLIF(CAST(SUM(CASE WHEN eval_accuracy IS NULL THEN 0 ELSE eval_samples END) AS DOUBLE PRECISION), 0) AS eval_accuracy, \
            SUM(eval_loss * eval_samples) / NULLIF(CAST(SUM(CASE WHEN eval_loss IS NULL THEN 0 ELSE eval_samples END) AS DOUBLE PRECISION), 0) AS eval_loss, \
            AVG(CAST(train_duration_ms AS DOUBLE PRECISION)) AS mean_train_duration_ms \
