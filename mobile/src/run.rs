@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use canopy_protocol::messages::{self, Task};
+use canopy_protocol::messages::{self, ERROR_NO_OPEN_TASK, Task};
 use canopy_sdk::blocking::{RunTaskError, RunTaskOutcome};
 use canopy_sdk::checkpoint::CheckpointSettings;
 use canopy_sdk::train::{TrainOptions, TrainProgress};
@@ -275,18 +275,24 @@ fn ended(
     Ok(converted)
 }
 
-/// The server's 410 to an upload or a report: the round no longer takes
-/// this device's work, which is how over-selection ends for the slowest
-/// devices, not a failure of the device.
+/// The server's 410 to an upload or a report, or its 404 `no_open_task`
+/// to the model's download (the round closed between the task and the
+/// download): the round no longer takes this device's work, which is how
+/// over-selection ends for the slowest devices, not a failure of the
+/// device.
 fn round_closed(round: i64, error: &RunTaskError) -> Option<CanopyError> {
     let RunTaskError::Sdk(SdkError::Server {
-        status: 410,
+        status,
+        code,
         message,
         ..
     }) = error
     else {
         return None;
     };
+    if !(*status == 410 || (*status == 404 && code == ERROR_NO_OPEN_TASK)) {
+        return None;
+    }
     Some(CanopyError::RoundClosed {
         message: format!(
             "round {round} went on without this device: {message}\nhint: nothing is wrong \
@@ -469,6 +475,30 @@ fn describe(outcome: &TaskOutcome) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn server(status: u16, code: &str) -> RunTaskError {
+        RunTaskError::Sdk(SdkError::Server {
+            status,
+            code: code.into(),
+            message: "m".into(),
+            retry_after_ms: None,
+        })
+    }
+
+    /// A round that closed before the upload (410) or before the download
+    /// (404 `no_open_task`, the race a device that polled late meets) went
+    /// on without the device; any other 404 is a failure.
+    #[test]
+    fn a_round_gone_before_the_download_or_the_upload_is_round_closed() {
+        for error in [server(410, "gone"), server(404, ERROR_NO_OPEN_TASK)] {
+            assert!(matches!(
+                round_closed(3, &error),
+                Some(CanopyError::RoundClosed { .. })
+            ));
+        }
+        assert!(round_closed(3, &server(404, "not_found")).is_none());
+        assert!(round_closed(3, &server(500, ERROR_NO_OPEN_TASK)).is_none());
+    }
 
     /// A deadline an hour away: only the app or the time limit stops.
     fn later_ms() -> u64 {

@@ -1015,6 +1015,13 @@ impl WithdrawTask {
 /// it already withdrew from: the withdrawal stands.
 pub const ERROR_ALREADY_WITHDRAWN: &str = "already_withdrawn";
 
+/// The error code of the 404 a device gets when it downloads a model
+/// version it has no open task on: most often its round closed between
+/// the task and the download (it had the updates it needed). The same for
+/// a version that does not exist, so that a device learns nothing about
+/// versions it was not sent.
+pub const ERROR_NO_OPEN_TASK: &str = "no_open_task";
+
 /// The server's answer to an accepted upload.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UploadReceipt {

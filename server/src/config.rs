@@ -246,6 +246,12 @@ pub struct Limits {
     /// How long SQLite waits for another process's write lock (the `token`
     /// subcommand while `serve` runs) before it reports "database is locked".
     pub sqlite_busy_timeout_ms: u64,
+    /// How often a background connection copies SQLite's write-ahead log
+    /// into the database (a `PASSIVE` checkpoint, which blocks no reader
+    /// or writer), so that no request's commit runs a checkpoint and its
+    /// fsyncs. 0: the commit that takes the log past 1,000 pages runs it,
+    /// SQLite's default.
+    pub sqlite_checkpoint_interval_ms: u64,
     /// How long shutdown waits for in-flight requests.
     pub shutdown_grace_ms: u64,
     /// Largest page of a list.
@@ -311,6 +317,7 @@ impl Default for Limits {
             database_acquire_timeout_ms: 10_000,
             round_write_connections: 4,
             sqlite_busy_timeout_ms: 10_000,
+            sqlite_checkpoint_interval_ms: 1_000,
             shutdown_grace_ms: 30_000,
             max_page_size: 500,
             secagg_stage_timeout_ms: 60_000,
@@ -449,6 +456,13 @@ impl Limits {
                     "limits.{name} is {value}; use 1 to {MAX_TIMEOUT_MS} ms"
                 )));
             }
+        }
+        if self.sqlite_checkpoint_interval_ms > MAX_TIMEOUT_MS {
+            return Err(invalid(format!(
+                "limits.sqlite_checkpoint_interval_ms is {}; use 1 to {MAX_TIMEOUT_MS} ms, or 0 \
+                 to leave checkpoints to the commits that fill the log",
+                self.sqlite_checkpoint_interval_ms
+            )));
         }
         Ok(())
     }

@@ -9,11 +9,12 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions};
 use sqlx::{AnyPool, ConnectOptions, Connection, Executor};
-use tokio::sync::{Mutex, MutexGuard, Semaphore, SemaphorePermit};
+use tokio::sync::{Mutex, MutexGuard, Semaphore, SemaphorePermit, oneshot};
 
 use crate::config::{Limits, Settings};
 use crate::server::{ServeError, open_database};
@@ -21,6 +22,13 @@ use crate::sqlite_files::{self, SqliteFileError};
 
 /// Problems `PRAGMA quick_check` lists before it stops.
 const INTEGRITY_PROBLEMS_SHOWN: u32 = 10;
+/// Pages the log may hold before a commit checkpoints it itself
+/// (`wal_autocheckpoint`) while the background checkpointer runs: only
+/// when it has fallen far behind, so that the log stays bounded (40 MB of
+/// 4 KB pages) even then. Without it, SQLite's default of 1,000.
+pub const WAL_BACKSTOP_PAGES: u32 = 10_000;
+/// SQLite's own `wal_autocheckpoint`.
+const SQLITE_DEFAULT_AUTOCHECKPOINT_PAGES: u32 = 1_000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -135,6 +143,9 @@ pub struct Db {
     pub backend: Backend,
     writer: Arc<Mutex<()>>,
     round_writes: Arc<Semaphore>,
+    /// A SQLite file's background checkpointer, which stops when the last
+    /// handle is dropped.
+    checkpointer: Option<Arc<Checkpointer>>,
 }
 
 /// Held for the length of a write transaction on SQLite; empty on PostgreSQL.
@@ -142,8 +153,21 @@ pub struct WriteGuard<'a>(#[allow(dead_code)] Option<MutexGuard<'a, ()>>);
 
 impl Db {
     /// Opens the pool, sized and timed by `limits` (`database_*`,
-    /// `round_write_connections`, `sqlite_busy_timeout_ms`).
+    /// `round_write_connections`, `sqlite_busy_timeout_ms`), with a SQLite
+    /// file's log checkpointed every `sqlite_checkpoint_interval_ms` (0:
+    /// by the commits that fill it, SQLite's default).
     pub async fn connect(url: &str, limits: &Limits) -> Result<Db, DbError> {
+        let interval = Duration::from_millis(limits.sqlite_checkpoint_interval_ms);
+        Db::connect_checkpointing(url, limits, (!interval.is_zero()).then_some(interval)).await
+    }
+
+    /// [`Db::connect`], with a SQLite file's log checkpointed every
+    /// `checkpoint_interval` in the background, or by commits when `None`.
+    async fn connect_checkpointing(
+        url: &str,
+        limits: &Limits,
+        checkpoint_interval: Option<Duration>,
+    ) -> Result<Db, DbError> {
         sqlx::any::install_default_drivers();
         let backend = if url.starts_with("sqlite:") {
             Backend::Sqlite
@@ -169,8 +193,17 @@ impl Db {
             url: redact(url),
             source,
         })?;
+        // ARCHITECTURE.md, "What a commit survives": in WAL mode,
+        // `synchronous = NORMAL` fsyncs only when the log is checkpointed, and
+        // a commit outlives a crash or a kill of the process; checkpoints
+        // run in the background, so no request waits for the disk.
+        let autocheckpoint_pages = match checkpoint_interval {
+            Some(_) => WAL_BACKSTOP_PAGES,
+            None => SQLITE_DEFAULT_AUTOCHECKPOINT_PAGES,
+        };
         let pragmas = format!(
             "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+             PRAGMA wal_autocheckpoint = {autocheckpoint_pages}; \
              PRAGMA foreign_keys = ON; PRAGMA busy_timeout = {};",
             limits.sqlite_busy_timeout_ms
         );
@@ -192,11 +225,12 @@ impl Db {
                     },
                 })?;
         }
+        let pool_pragmas = pragmas.clone();
         let pool = AnyPoolOptions::new()
             .max_connections(limits.database_connections)
             .acquire_timeout(Duration::from_millis(limits.database_acquire_timeout_ms))
             .after_connect(move |conn, _meta| {
-                let pragmas = pragmas.clone();
+                let pragmas = pool_pragmas.clone();
                 Box::pin(async move {
                     if backend == Backend::Sqlite {
                         conn.execute(sqlx::AssertSqlSafe(pragmas)).await?;
@@ -204,22 +238,40 @@ impl Db {
                     Ok(())
                 })
             })
-            .connect_with(options)
+            .connect_with(options.clone())
             .await
             .map_err(|source| DbError::Connect {
                 url: redact(url),
                 source,
             })?;
-        let db = Db {
+        let mut db = Db {
             pool,
             backend,
             writer: Arc::new(Mutex::new(())),
             round_writes: Arc::new(Semaphore::new(limits.round_write_connections)),
+            checkpointer: None,
         };
         if let Some(path) = sqlite_path(url) {
             db.check_integrity(&path).await?;
         }
+        if let (Some(_), Some(interval)) = (sqlite_path(url), checkpoint_interval) {
+            let checkpointer = Checkpointer::start(&options, pragmas, interval)
+                .await
+                .map_err(|source| DbError::Connect {
+                    url: redact(url),
+                    source,
+                })?;
+            db.checkpointer = Some(Arc::new(checkpointer));
+        }
         Ok(db)
+    }
+
+    /// Checkpoints of a SQLite file's log the background checkpointer has
+    /// completed; 0 on PostgreSQL.
+    pub fn checkpoints(&self) -> u64 {
+        self.checkpointer.as_ref().map_or(0, |checkpointer| {
+            checkpointer.completed.load(Ordering::Relaxed)
+        })
     }
 
     /// `PRAGMA quick_check`: every page and index entry is well formed
@@ -299,6 +351,80 @@ impl Db {
     }
 }
 
+/// Copies a SQLite file's write-ahead log into the database in the
+/// background, on its own connection, every
+/// `limits.sqlite_checkpoint_interval_ms`.
+///
+/// *Why:* with SQLite's default, the commit that takes the log past 1,000
+/// pages runs the checkpoint itself: it writes the pages back and fsyncs
+/// the log and the database, two flushes that take seconds on a busy
+/// disk, while that request (an upload's fold, a round's new version)
+/// holds the process's writer lock and every other writer waits. Here a
+/// checkpoint is `PASSIVE`: it waits for no reader or writer and blocks
+/// none, and copies only what every reader is done with. A commit still
+/// checkpoints itself past [`WAL_BACKSTOP_PAGES`], should this fall far
+/// behind.
+struct Checkpointer {
+    completed: Arc<AtomicU64>,
+    /// Dropped with the last [`Db`] handle, which ends the task.
+    _stop: oneshot::Sender<()>,
+}
+
+impl Checkpointer {
+    async fn start(
+        options: &AnyConnectOptions,
+        pragmas: String,
+        interval: Duration,
+    ) -> Result<Checkpointer, sqlx::Error> {
+        let mut conn = options.connect().await?;
+        conn.execute(sqlx::AssertSqlSafe(pragmas)).await?;
+        let completed = Arc::new(AtomicU64::new(0));
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let counter = completed.clone();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing = false;
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {}
+                    _ = &mut stopped => break,
+                }
+                let started = std::time::Instant::now();
+                match sqlx::query_as::<_, (i64, i64, i64)>("PRAGMA wal_checkpoint(PASSIVE)")
+                    .fetch_one(&mut conn)
+                    .await
+                {
+                    Ok((_busy, log_pages, copied_pages)) => {
+                        failing = false;
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        tracing::trace!(
+                            log_pages,
+                            copied_pages,
+                            elapsed_ms = started.elapsed().as_millis() as u64,
+                            "checkpointed the SQLite log"
+                        );
+                    }
+                    // Once per spell of failures, not every second.
+                    Err(error) if !failing => {
+                        failing = true;
+                        tracing::warn!(
+                            error = %canopy_term::error_chain(&error),
+                            "cannot checkpoint the SQLite log; commits checkpoint it themselves past {WAL_BACKSTOP_PAGES} pages"
+                        );
+                    }
+                    Err(_) => {}
+                }
+            }
+            let _ = conn.close().await;
+        });
+        Ok(Checkpointer {
+            completed,
+            _stop: stop,
+        })
+    }
+}
+
 /// Opens one connection and sets the pragmas every pooled connection
 /// sets, before the pool exists: the pool retries a connection whose setup
 /// fails until its acquire timeout (10 s by default) and then reports a
@@ -361,6 +487,72 @@ mod tests {
         );
         assert_eq!(sqlite_path("sqlite::memory:"), None);
         assert_eq!(sqlite_path("postgres://u@h/db"), None);
+    }
+
+    /// Writes `count` transactions of 100 pages each into a scratch table.
+    async fn write_pages(db: &Db, count: usize) {
+        sqlx::query("CREATE TABLE IF NOT EXISTS scratch (body BLOB NOT NULL)")
+            .execute(&db.pool)
+            .await
+            .expect("create");
+        for _ in 0..count {
+            sqlx::query("INSERT INTO scratch (body) VALUES ($1)")
+                .bind(vec![7u8; 100 * 4096])
+                .execute(&db.pool)
+                .await
+                .expect("insert");
+        }
+    }
+
+    fn file_len(path: &Path) -> u64 {
+        std::fs::metadata(path).map_or(0, |meta| meta.len())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn commits_leave_the_log_to_the_background_checkpointer() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let limits = Limits::default();
+        // A checkpointer that does not come round again: no commit copies
+        // the log back, so it grows past SQLite's own 1,000 pages.
+        let path = dir.path().join("quiet.db");
+        let url = crate::config::sqlite_url(&path);
+        let db = Db::connect_checkpointing(&url, &limits, Some(Duration::from_secs(3600)))
+            .await
+            .expect("open");
+        write_pages(&db, 30).await;
+        let log = file_len(&dir.path().join("quiet.db-wal"));
+        assert!(log > 2_000 * 4096, "the log holds {log} bytes");
+        assert!(file_len(&path) < 1_000 * 4096, "{}", file_len(&path));
+        // One that comes round every 20 ms copies it back by itself.
+        let path = dir.path().join("busy.db");
+        let url = crate::config::sqlite_url(&path);
+        let db = Db::connect_checkpointing(&url, &limits, Some(Duration::from_millis(20)))
+            .await
+            .expect("open");
+        write_pages(&db, 30).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while file_len(&path) < 3_000 * 4096 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the database holds {} bytes after {} checkpoints",
+                file_len(&path),
+                db.checkpoints()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(db.checkpoints() > 0);
+        // None (`sqlite_checkpoint_interval_ms = 0`): the commit that takes
+        // the log past SQLite's 1,000 pages copies it back itself.
+        let path = dir.path().join("plain.db");
+        let url = crate::config::sqlite_url(&path);
+        let db = Db::connect_checkpointing(&url, &limits, None)
+            .await
+            .expect("open");
+        write_pages(&db, 30).await;
+        let log = file_len(&dir.path().join("plain.db-wal"));
+        assert!(log < 1_200 * 4096, "the log holds {log} bytes");
+        assert!(file_len(&path) > 2_000 * 4096, "{}", file_len(&path));
+        assert_eq!(db.checkpoints(), 0);
     }
 
     #[test]

@@ -291,8 +291,10 @@ fn demo_settings(dir: &Path) -> Settings {
         // requests in it (poll, download, upload, metrics): some 50 a
         // second, past the default cap of 20 meant for devices whose rounds
         // take seconds. At the cap an agent is refused for a second and
-        // backs off, and the round waits for it: one round in ten took
-        // 1-5 s instead of 0.1 s (issue 38, `benches/round_tail.rs`).
+        // waits it out (the SDK honours `Retry-After`), and the round
+        // waits for it: one round in ten took 1-5 s instead of 0.1 s while
+        // the SDK still retried inside that second (issue 38,
+        // `benches/round_tail.rs`).
         device_requests_per_second: DEMO_DEVICE_REQUESTS_PER_SECOND,
         orchestrator_tick_ms: 50,
         ..Limits::default()

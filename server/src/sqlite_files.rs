@@ -481,8 +481,11 @@ fn read_prefix(path: &Path, limit: usize) -> Result<Option<Vec<u8>>, SqliteFileE
     Ok(Some(head))
 }
 
-/// A whole file, or `None` if it does not exist. The WAL is bounded by
-/// the checkpoint interval (1,000 pages by default), so it fits in memory.
+/// A whole file, or `None` if it does not exist. The WAL is bounded, so it
+/// fits in memory: checkpointed in the background every
+/// `limits.sqlite_checkpoint_interval_ms`, and by any commit past
+/// [`crate::db::WAL_BACKSTOP_PAGES`] pages (40 MB), or past SQLite's
+/// 1,000 when that interval is 0.
 fn read_all(path: &Path) -> Result<Option<Vec<u8>>, SqliteFileError> {
     match std::fs::read(path) {
         Ok(bytes) => Ok(Some(bytes)),

@@ -9,7 +9,9 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use canopy_protocol::messages::{SecureTask, Task, TaskKind, TrainingConfig, task_paths};
+use canopy_protocol::messages::{
+    ERROR_NO_OPEN_TASK, SecureTask, Task, TaskKind, TrainingConfig, task_paths,
+};
 use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE};
 use canopy_protocol::update::UpdateLayout;
 use serde::Deserialize;
@@ -353,11 +355,15 @@ pub async fn download_model(
     let (db, device_id) = (&state.db, device.device_id);
     let trains_on = has_task_on_version::<ParticipantState>(db, device_id, version_id).await?;
     if !trains_on && !has_task_on_version::<EvaluatorState>(db, device_id, version_id).await? {
-        return Err(ApiError::not_found(format!(
-            "device {} has no open task on model version {version_id}; a device downloads \
-             only the version of a round it was selected for, until the round closes",
-            device.device_id
-        )));
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            ERROR_NO_OPEN_TASK,
+            format!(
+                "device {} has no open task on model version {version_id}; a device downloads \
+                 only the version of a round it was selected for, until the round closes",
+                device.device_id
+            ),
+        ));
     }
     let version = models::get_version(&state.db, version_id)
         .await?
