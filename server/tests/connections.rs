@@ -12,8 +12,8 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use raw::{limits_file, loopback, tcp_from, tls_from};
-use support::{Database, TestServer};
+use raw::{loopback, tcp_from, tls_from};
+use support::{Database, TestServer, limits_file};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

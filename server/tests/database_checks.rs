@@ -353,13 +353,10 @@ async fn a_damaged_log_header_is_refused_not_started_afresh() -> Result<()> {
     // Checkpoints left to the commits that fill the log (1,000 pages, far
     // more than this test writes): a log the background checkpointer had
     // copied into the database could be lost whole without harm.
-    let config = support::private_tempdir()?;
-    let limits = config.path().join("limits.toml");
-    std::fs::write(&limits, "[limits]\nsqlite_checkpoint_interval_ms = 0\n")?;
-    let mut server = support::TestServer::start_with(
-        support::Database::Sqlite,
-        &["--config", &limits.display().to_string()],
-    )?;
+    let dir = support::private_tempdir()?;
+    let config = support::limits_file(dir.path(), "sqlite_checkpoint_interval_ms = 0")?;
+    let mut server =
+        support::TestServer::start_with(support::Database::Sqlite, &["--config", &config])?;
     let admin = server.admin();
     admin
         .upload_model("kept", support::logreg_model_bytes(1))

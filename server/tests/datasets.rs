@@ -674,7 +674,7 @@ fn upload_sizing_bytes(max_dataset_bytes: u64, max_dataset_values: u64) -> u64 {
 async fn gzip_bombs_are_refused_before_they_decompress() -> Result<()> {
     let (max_bytes, max_values) = (8 * MIB, 2 * MIB);
     let work = tempfile::tempdir()?;
-    let config = raw::limits_file(
+    let config = support::limits_file(
         work.path(),
         &format!("max_dataset_bytes = {max_bytes}\nmax_dataset_values = {max_values}"),
     )?;
@@ -747,7 +747,7 @@ async fn gzip_bombs_are_refused_before_they_decompress() -> Result<()> {
 async fn a_large_dataset_is_returned_to_the_system_after_deletion() -> Result<()> {
     let (max_bytes, max_values) = (64 * MIB, 32 * MIB);
     let work = tempfile::tempdir()?;
-    let config = raw::limits_file(
+    let config = support::limits_file(
         work.path(),
         &format!("max_dataset_bytes = {max_bytes}\nmax_dataset_values = {max_values}"),
     )?;

@@ -14,9 +14,10 @@ use canopy_protocol::auth;
 use canopy_protocol::messages::Task;
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
-use raw::limits_file;
 use serde_json::json;
-use support::{Database, TestServer, enroll_device, logreg_model_bytes, model_bytes, poll_task};
+use support::{
+    Database, TestServer, enroll_device, limits_file, logreg_model_bytes, model_bytes, poll_task,
+};
 use tokio::sync::mpsc;
 
 fn now_ms() -> u64 {

@@ -26,9 +26,9 @@ use bytes::Bytes;
 use canopy_protocol::auth::{self, DeviceKey};
 use canopy_protocol::messages::{EnrollRequest, EnrollResponse, Heartbeat};
 use canopy_protocol::update::encode_update;
-use raw::{limits_file, loopback, tls_from};
+use raw::{loopback, tls_from};
 use serde_json::json;
-use support::{Database, TestServer, capabilities, logreg_model_bytes};
+use support::{Database, TestServer, capabilities, limits_file, logreg_model_bytes};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinSet;
 

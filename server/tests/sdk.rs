@@ -449,12 +449,8 @@ fn retries_ride_out_a_server_restart() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_device_waits_out_retry_after() -> Result<()> {
     let dir = support::private_tempdir()?;
-    let config = dir.path().join("limits.toml");
-    std::fs::write(&config, "[limits]\ndevice_requests_per_second = 1\n")?;
-    let server = TestServer::start_with(
-        Database::Sqlite,
-        &["--config", &config.display().to_string()],
-    )?;
+    let config = support::limits_file(dir.path(), "device_requests_per_second = 1")?;
+    let server = TestServer::start_with(Database::Sqlite, &["--config", &config])?;
     let token = server.admin().enrollment_token(1).await?;
     let notices: Arc<std::sync::Mutex<Vec<(Option<u16>, Duration)>>> = Arc::default();
     let seen = Arc::clone(&notices);

@@ -16,9 +16,8 @@ use bytes::Bytes;
 use canopy_protocol::auth;
 use canopy_protocol::update::encode_update;
 use futures_util::StreamExt;
-use raw::limits_file;
 use serde_json::json;
-use support::{Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
+use support::{Database, TestServer, enroll_device, limits_file, logreg_model_bytes, poll_task};
 
 /// Uploads the first byte of a valid, signed update and then nothing;
 /// returns the answer's status, body and when it came.

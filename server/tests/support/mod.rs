@@ -16,6 +16,14 @@ use canopy_protocol::messages::{Capabilities, Task, Tier};
 use canopy_sdk::{DeviceClient, Transport, Trust};
 use serde_json::{Value, json};
 
+/// Writes a server config file holding `limits` (a TOML table body) in
+/// `dir`; its path, for `--config`.
+pub fn limits_file(dir: &std::path::Path, limits: &str) -> Result<String> {
+    let path = dir.join("limits.toml");
+    std::fs::write(&path, format!("[limits]\n{limits}\n"))?;
+    Ok(path.display().to_string())
+}
+
 /// The PostgreSQL server tests use; CI sets it and fails if unreachable.
 pub const POSTGRES_URL_VAR: &str = "CANOPY_TEST_POSTGRES_URL";
 pub const DEFAULT_POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";

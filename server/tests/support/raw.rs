@@ -72,10 +72,3 @@ pub fn http_client_from(server: &TestServer, source: IpAddr) -> Result<reqwest::
         .local_address(source)
         .build()?)
 }
-
-/// Writes a server config file holding `limits` (a TOML table body).
-pub fn limits_file(dir: &std::path::Path, limits: &str) -> Result<String> {
-    let path = dir.join("limits.toml");
-    std::fs::write(&path, format!("[limits]\n{limits}\n"))?;
-    Ok(path.display().to_string())
-}
