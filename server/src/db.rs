@@ -253,15 +253,15 @@ impl Db {
         };
         if let Some(path) = sqlite_path(url) {
             db.check_integrity(&path).await?;
-        }
-        if let (Some(_), Some(interval)) = (sqlite_path(url), checkpoint_interval) {
-            let checkpointer = Checkpointer::start(&options, pragmas, interval)
-                .await
-                .map_err(|source| DbError::Connect {
-                    url: redact(url),
-                    source,
-                })?;
-            db.checkpointer = Some(Arc::new(checkpointer));
+            if let Some(interval) = checkpoint_interval {
+                let checkpointer = Checkpointer::start(&options, pragmas, interval)
+                    .await
+                    .map_err(|source| DbError::Connect {
+                        url: redact(url),
+                        source,
+                    })?;
+                db.checkpointer = Some(Arc::new(checkpointer));
+            }
         }
         Ok(db)
     }
