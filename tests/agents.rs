@@ -1410,3 +1410,79 @@ fn secure_demo_matches_the_plain_demo() -> Result<()> {
     }
     Ok(())
 }
+
+/// The README's Rust device, `client-sdk/examples/device.rs`, as written:
+/// the README shows the file, and the program, run once per task, enrolls
+/// on its first run only and takes a two-round job to the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_rust_device_runs_a_job() -> Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let example = std::fs::read_to_string(root.join("client-sdk/examples/device.rs"))?;
+    let readme = std::fs::read_to_string(root.join("README.md"))?;
+    let shown = readme
+        .split_once("Rust programs use `canopy-sdk`")
+        .and_then(|(_, rest)| rest.split_once("```rust\n"))
+        .and_then(|(_, rest)| rest.split_once("```\n"))
+        .map(|(block, _)| block)
+        .context("README.md has no ```rust block after `Rust programs use canopy-sdk`")?;
+    let program = &example[example.find("\nuse ").context("the example's use lines")? + 1..];
+    ensure!(
+        shown == program,
+        "README.md's Rust device is not client-sdk/examples/device.rs from its `use` lines down"
+    );
+    // `cargo test --workspace` builds the workspace's examples beside its binaries.
+    let binary = sibling_binary("examples/device");
+    ensure!(
+        binary.exists(),
+        "{} is missing; run `cargo test --workspace`",
+        binary.display()
+    );
+
+    let (train, _) = digits()?;
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin.upload_model("digits", digits_model(&train)?).await?;
+    let token = admin.enrollment_token(1).await?;
+    let mut spec = job(version["id"].as_i64().unwrap_or_default(), 2, 1, 1, 60_000);
+    spec["dataset"] = json!("digits");
+    let id = admin.create_job(spec).await?;
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("digits.csv");
+    write_csv(&data, &train)?;
+    let storage = dir.path().join("rust-device");
+    let mut printed = String::new();
+    for run in 0..6 {
+        let mut command = Command::new(&binary);
+        command
+            .args([&server.base, &server.fingerprint])
+            .arg(&data)
+            .arg(&storage);
+        if run == 0 {
+            // Later runs find the enrollment; a second enrollment would fail.
+            command.env("CANOPY_ENROLL_TOKEN", &token);
+        }
+        let output = tokio::task::spawn_blocking(move || command.output()).await??;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        ensure!(
+            output.status.success(),
+            "run {run} failed: {stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        printed.push_str(&stdout);
+        // The job ends once the orchestrator has closed its last
+        // evaluation, a tick after the report.
+        if let Ok(finished) = admin.wait_for_job(id, Duration::from_secs(2)).await {
+            ensure!(finished["state"] == "completed", "{finished}\n{printed}");
+            break;
+        }
+    }
+    let finished = admin.wait_for_job(id, Duration::from_secs(1)).await?;
+    ensure!(finished["state"] == "completed", "{finished}\n{printed}");
+    for round in [1, 2] {
+        ensure!(
+            printed.contains(&format!("Train task of job {id}, round {round}: ")),
+            "round {round} was not trained by the example:\n{printed}"
+        );
+    }
+    Ok(())
+}

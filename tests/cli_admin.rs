@@ -1,5 +1,6 @@
 //! The `canopy` admin commands against real servers: the README's "ML
-//! engineers" section run as written (a real `canopy-server`, real
+//! engineers" section and then its device-authority commands run as
+//! written (a real `canopy-server`, real
 //! `canopy-agent` processes, HTTPS with a pinned self-signed certificate,
 //! SQLite), and the errors a user meets (not logged in, a bad token, an
 //! unknown job, a server that is down) and Ctrl-C during `job watch`.
@@ -17,9 +18,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use support::{Database, TestServer, sibling_binary};
 
-/// The README section this test runs, by its heading.
-const README_SECTION: &str = "## ML engineers: run a federated job from the command line";
-/// The whole section: a server, three agents and a five-round job.
+/// The README sections this test runs, by their headings, in this order:
+/// the second continues from what the first leaves.
+const README_SECTIONS: [&str; 2] = [
+    "## ML engineers: run a federated job from the command line",
+    "## Secure aggregation",
+];
+/// Both sections: a server, three agents and a five-round job, then the
+/// server again with a device authority, three certified agents and a
+/// three-round secure job.
 const README_TIMEOUT: Duration = Duration::from_secs(300);
 const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -145,7 +152,11 @@ fn the_readme_section_runs_a_job_to_completion() -> Result<()> {
             "the README's build command `{build}` lacks `{binary}`"
         );
     }
-    let script = section_commands(&readme, README_SECTION)?;
+    let script = README_SECTIONS
+        .iter()
+        .map(|heading| section_commands(&readme, heading))
+        .collect::<Result<Vec<_>>>()?
+        .concat();
     let binaries = binaries()?;
     let dir = tempfile::tempdir()?;
     std::os::unix::fs::symlink(repo_root().join("datasets"), dir.path().join("datasets"))?;
@@ -172,10 +183,9 @@ fn the_readme_section_runs_a_job_to_completion() -> Result<()> {
     ensure!(stdout.contains("created job 1 `digits-fedavg`"), "{report}");
     ensure!(stdout.contains("job 1 completed: 5 rounds"), "{report}");
     // One row per round, each with its federated evaluation, and learning.
-    let rows: Vec<Vec<&str>> = stdout
-        .lines()
-        .map(|line| line.split_whitespace().collect::<Vec<_>>())
-        .filter(|cells| cells.len() == 8 && cells[1] == "succeeded")
+    let rows: Vec<Vec<&str>> = watch_rows(&stdout, 1)
+        .into_iter()
+        .filter(|cells| cells[1] == "succeeded")
         .collect();
     let numbers: Vec<&str> = rows.iter().map(|cells| cells[0]).collect();
     // Round 0 fitted the new model's input statistics from the agents'
@@ -222,7 +232,43 @@ fn the_readme_section_runs_a_job_to_completion() -> Result<()> {
         online == 3,
         "`canopy device ls` listed {online} online devices\n{report}"
     );
+    secure_section_ran(&stdout, &report)
+}
+
+/// What the device-authority commands printed: each agent's certificate
+/// installed, and the secure job's rounds run by the three certified
+/// agents (the uncertified agents of the first section are never chosen).
+fn secure_section_ran(stdout: &str, report: &str) -> Result<()> {
+    let installed = stdout
+        .matches("installed the device authority's certificate")
+        .count();
+    ensure!(
+        installed == 3,
+        "{installed} certificates installed\n{report}"
+    );
+    ensure!(stdout.contains("created job 2 `digits-secure`"), "{report}");
+    ensure!(stdout.contains("job 2 completed: 3 rounds"), "{report}");
+    let secure_rows = watch_rows(stdout, 2)
+        .into_iter()
+        .filter(|cells| cells[1] == "succeeded" && cells[2] == "3/3")
+        .count();
+    ensure!(
+        secure_rows == 3,
+        "{secure_rows} secure rounds with 3/3\n{report}"
+    );
     Ok(())
+}
+
+/// The rows `canopy job watch JOB` printed, split into cells: the lines
+/// of eight cells between its heading and its last line.
+fn watch_rows(stdout: &str, job: i64) -> Vec<Vec<&str>> {
+    stdout
+        .lines()
+        .skip_while(|line| !line.starts_with(&format!("job {job} `")))
+        .take_while(|line| !line.starts_with(&format!("job {job} completed")))
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .filter(|cells| cells.len() == 8)
+        .collect()
 }
 
 fn tail(text: &str, lines: usize) -> String {

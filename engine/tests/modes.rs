@@ -160,3 +160,36 @@ fn a_new_input_shape_compiles_a_new_graph() -> Result<()> {
     assert_eq!(f.compiled_signatures(), 2);
     Ok(())
 }
+
+/// The README's "Eager and graph mode" block is `examples/modes.rs`, which
+/// prints the same sum from both modes.
+#[test]
+fn the_readme_example_runs_in_both_modes() -> Result<()> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let example = std::fs::read_to_string(root.join("examples/modes.rs"))?;
+    let readme = std::fs::read_to_string(root.join("../README.md"))?;
+    let shown = readme
+        .split_once("## Eager and graph mode")
+        .and_then(|(_, rest)| rest.split_once("```rust\n"))
+        .and_then(|(_, rest)| rest.split_once("```\n"))
+        .map(|(block, _)| block);
+    let program = example.find("\nuse ").map(|at| &example[at + 1..]);
+    assert!(
+        shown.is_some() && shown == program,
+        "README.md's eager/graph block is not engine/examples/modes.rs from its `use` line down"
+    );
+    // `cargo test` builds the package's examples beside its test binaries.
+    let exe = std::env::current_exe()?;
+    let binary = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|dir| dir.join("examples/modes"))
+        .filter(|path| path.exists())
+        .ok_or_else(|| anyhow::anyhow!("examples/modes is not built; run `cargo test`"))?;
+    let output = std::process::Command::new(binary).output()?;
+    assert!(output.status.success(), "{output:?}");
+    let printed = String::from_utf8(output.stdout)?;
+    // relu([[-3, 1], [6, 0.5]]) sums to 7.5 in both modes.
+    assert_eq!(printed.trim(), "eager [7.5], graph [7.5]", "{printed}");
+    Ok(())
+}

@@ -238,10 +238,14 @@ async fn prepare_start(
     let derived = tokio::task::spawn_blocking(move || derive_proximal(&bytes, mu))
         .await
         .map_err(|source| OrchestratorError::Task { round: 0, source })?;
+    let stored = match derived {
+        Ok(file) => Ok(put_blob(state, &file, None).await?),
+        Err(reason) => Err(reason),
+    };
     let _writer = state.db.write_lock().await;
     let mut tx = state.db.pool.begin().await?;
-    let file = match derived {
-        Ok(file) => file,
+    let stored = match stored {
+        Ok(stored) => stored,
         Err(reason) => {
             let reason = format!(
                 "version {} of model `{}` cannot train with FedProx: {reason}",
@@ -253,7 +257,7 @@ async fn prepare_start(
             return Ok(Start::Stopped);
         }
     };
-    let version = store_version(state, &mut tx, &current, &file, job.id, None).await?;
+    let version = insert_version(&mut tx, &current, &stored, job.id, None).await?;
     jobs::set_start_version(&mut tx, job.id, version.id).await?;
     tx.commit().await?;
     tracing::info!(
@@ -265,16 +269,23 @@ async fn prepare_start(
     Ok(Start::Ready)
 }
 
-/// Stores a model file the server derived from `parent` as its child
-/// version, produced by `job_id` (and `round_id`, when a round made it).
-async fn store_version(
+/// A model file the server derived, written to the blob store: its
+/// digest and size, for [`insert_version`].
+struct StoredBlob {
+    digest: String,
+    size_bytes: u64,
+}
+
+/// Writes a derived model file to the blob store. It runs before the
+/// transaction that records the version, outside the writer lock: the
+/// blob's `fsync` can take a second on a loaded disk, and uploads to every
+/// other round wait on that lock. A blob whose transaction never commits
+/// is content-addressed, so writing it again is harmless.
+async fn put_blob(
     state: &AppState,
-    tx: &mut Tx<'_>,
-    parent: &VersionRow,
     file: &[u8],
-    job_id: i64,
     round_id: Option<i64>,
-) -> Result<VersionRow, OrchestratorError> {
+) -> Result<StoredBlob, OrchestratorError> {
     let digest = canopy_ir::format::digest(file)
         .map(|d| canopy_ir::format::digest_hex(&d))
         .map_err(|source| OrchestratorError::Digest {
@@ -282,13 +293,28 @@ async fn store_version(
             source,
         })?;
     state.blobs.put(&digest, Bytes::from(file.to_vec())).await?;
+    Ok(StoredBlob {
+        digest,
+        size_bytes: file.len() as u64,
+    })
+}
+
+/// Records a stored blob as the child version of `parent`, produced by
+/// `job_id` (and `round_id`, when a round made it).
+async fn insert_version(
+    tx: &mut Tx<'_>,
+    parent: &VersionRow,
+    stored: &StoredBlob,
+    job_id: i64,
+    round_id: Option<i64>,
+) -> Result<VersionRow, OrchestratorError> {
     let layout = parent.layout()?;
     Ok(models::insert_version(
         tx,
         &NewVersion {
             model_name: &parent.model_name,
-            digest: &digest,
-            size_bytes: file.len() as u64,
+            digest: &stored.digest,
+            size_bytes: stored.size_bytes,
             layout: &layout,
             untrainable_reason: None,
             parent_version_id: Some(parent.id),
@@ -315,7 +341,7 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
     if !worth_advancing(state, round_id).await? {
         return Ok(());
     }
-    let _writer = state.db.write_lock().await;
+    let writer = state.db.write_lock().await;
     let mut tx = state.db.pool.begin().await?;
     let Some(round) = rounds::claim(&state.db, &mut tx, round_id).await? else {
         return Ok(());
@@ -371,15 +397,16 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
         );
         round = reload(&mut tx, round.id).await?;
     }
-    if round.state == RoundState::Aggregating {
-        outcome = Some(aggregate(state, &mut tx, &round, &job, &spec).await?);
-    }
     tx.commit().await?;
+    drop(writer);
     if notify_devices {
         state.tasks_ready.notify_waiters();
     }
     if notify_secure || notify_devices {
         state.secagg_progress.notify_waiters();
+    }
+    if round.state == RoundState::Aggregating {
+        outcome = aggregate(state, &round, &job, &spec).await?;
     }
     if let Some(outcome) = outcome {
         state.metrics.round_finished(outcome.as_str());
@@ -517,6 +544,9 @@ enum Verdict {
     FilteredOut,
     /// It has no device authority's certificate, which a secure job needs.
     Uncertified,
+    /// It has reported no datasets yet: an agent reports them when it
+    /// starts, an SDK app when it registers one, so it may still qualify.
+    Unreported,
     /// It does not report the job's dataset.
     LacksDataset,
     /// Its copy of the dataset has samples of this shape, which the
@@ -531,7 +561,10 @@ impl Verdict {
     /// checks before the policy's depend on what the device is and holds,
     /// the policy's on what it is doing now.
     fn could_qualify(&self) -> bool {
-        matches!(self, Verdict::Eligible | Verdict::PolicyExcludes)
+        matches!(
+            self,
+            Verdict::Eligible | Verdict::PolicyExcludes | Verdict::Unreported
+        )
     }
 }
 
@@ -555,6 +588,9 @@ fn classify(
         return Ok(Verdict::Uncertified);
     }
     if let Some(name) = &spec.dataset {
+        if candidate.datasets.is_none() {
+            return Ok(Verdict::Unreported);
+        }
         let datasets = devices::parse_datasets(candidate.datasets.as_deref())?;
         match datasets.into_iter().find(|d| &d.name == name) {
             None => return Ok(Verdict::LacksDataset),
@@ -588,6 +624,8 @@ struct Eligibility {
     /// Devices without a device authority's certificate, which a secure
     /// job's devices would refuse as neighbours.
     uncertified: usize,
+    /// Devices that have reported no datasets yet.
+    unreported: usize,
     /// Devices that do not report the job's dataset.
     lacking_dataset: usize,
     /// Devices whose copy of the dataset has another sample shape, with
@@ -603,6 +641,7 @@ impl Eligibility {
             Verdict::Eligible => self.eligible += 1,
             Verdict::FilteredOut => self.filtered_out += 1,
             Verdict::Uncertified => self.uncertified += 1,
+            Verdict::Unreported => self.unreported += 1,
             Verdict::LacksDataset => self.lacking_dataset += 1,
             Verdict::WrongShape(shape) => {
                 self.wrong_shape += 1;
@@ -666,6 +705,13 @@ impl Eligibility {
             );
         }
         if let Some(dataset) = dataset {
+            if self.unreported > 0 {
+                hints.push(
+                    "start the devices: an agent reports its datasets when it runs, an app \
+                     when it registers one"
+                        .to_string(),
+                );
+            }
             if self.lacking_dataset > 0 {
                 hints.push(format!(
                     "register `{dataset}` on the devices (`canopy-agent data add {dataset} ...`), \
@@ -691,6 +737,9 @@ impl Eligibility {
         input_shape: Option<&[u64]>,
         reasons: &mut Vec<String>,
     ) {
+        if self.unreported > 0 {
+            reasons.push(format!("{} have reported no datasets yet", self.unreported));
+        }
         if self.lacking_dataset > 0 {
             reasons.push(format!("{} lack dataset `{dataset}`", self.lacking_dataset));
         }
@@ -954,32 +1003,70 @@ fn close_reason(round: &RoundRow) -> Option<&'static str> {
 }
 
 /// Writes the round's result as a new version, or records why the round
-/// failed. Returns the round's final state, for the metrics.
+/// failed. Returns the round's final state, for the metrics, or `None`
+/// when the round was not this call's to finish.
+///
+/// The work (reading the sum, stepping the optimizer, serialising and
+/// writing the file with its `fsync`) runs before the writer lock is
+/// taken, so uploads to other rounds never wait on it. That is safe
+/// because an aggregating round takes no uploads and its job's optimizer
+/// state changes only when the round itself finishes: what the work read
+/// is still true when the short transaction below records it, which
+/// checks the round is still aggregating with the same updates. A crash
+/// between the two leaves the round aggregating, and the next tick does
+/// the work again.
 async fn aggregate(
     state: &AppState,
-    tx: &mut Tx<'_>,
     round: &RoundRow,
     job: &JobRow,
     spec: &JobSpec,
-) -> Result<RoundState, OrchestratorError> {
+) -> Result<Option<RoundState>, OrchestratorError> {
     let base = base_version(state, round).await?;
-    let next = match next_version(state, tx, round, job, spec, &base).await? {
-        Ok(next) => next,
+    let next = match next_version(state, round, job, spec, &base).await? {
+        Ok(next) => {
+            let stored = put_blob(state, next.file(), Some(round.id)).await?;
+            Ok((next, stored))
+        }
+        Err(failure) => Err(failure),
+    };
+    let _writer = state.db.write_lock().await;
+    let mut tx = state.db.pool.begin().await?;
+    let Some(current) = rounds::claim(&state.db, &mut tx, round.id).await? else {
+        return Ok(None);
+    };
+    let running = jobs::get_with(&mut *tx, job.id)
+        .await?
+        .is_some_and(|job| job.state == JobState::Running);
+    let unchanged = current.state == RoundState::Aggregating
+        && current.updates_accepted == round.updates_accepted
+        && current.weight_total == round.weight_total;
+    if !running || !unchanged {
+        // A job paused or stopped meanwhile is the next tick's to handle.
+        return Ok(None);
+    }
+    let outcome = match next {
+        Ok((next, stored)) => {
+            let version = insert_version(&mut tx, &base, &stored, job.id, Some(round.id)).await?;
+            match next {
+                NextVersion::Trained {
+                    optimizer_state, ..
+                } => {
+                    finish_training(state, &mut tx, round, job, spec, &version, &optimizer_state)
+                        .await?
+                }
+                NextVersion::Fitted { stats, .. } => {
+                    finish_statistics(&mut tx, round, job, &version, &stats).await?
+                }
+            }
+            RoundState::Succeeded
+        }
         Err(failure) => {
             let max_retries = i64::from(spec.max_round_retries);
-            return Ok(failure.record(tx, round, max_retries).await?);
+            failure.record(&mut tx, round, max_retries).await?
         }
     };
-    let version = store_version(state, tx, &base, next.file(), job.id, Some(round.id)).await?;
-    match next {
-        NextVersion::Trained {
-            optimizer_state, ..
-        } => finish_training(state, tx, round, job, spec, &version, &optimizer_state).await?,
-        NextVersion::Fitted { stats, .. } => {
-            finish_statistics(tx, round, job, &version, &stats).await?
-        }
-    }
-    Ok(RoundState::Succeeded)
+    tx.commit().await?;
+    Ok(Some(outcome))
 }
 
 /// The file of the version a round produces, with what goes with it.
@@ -1009,7 +1096,6 @@ impl NextVersion {
 /// an `Err` inside is why the round fails.
 async fn next_version(
     state: &AppState,
-    tx: &mut Tx<'_>,
     round: &RoundRow,
     job: &JobRow,
     spec: &JobSpec,
@@ -1022,17 +1108,20 @@ async fn next_version(
         }));
     }
     let layout = base.layout()?;
+    // A read transaction (no writer lock): one snapshot of the two reads.
+    let mut tx = state.db.pool.begin().await?;
     let optimizer = match round.kind {
         RoundKind::Statistics => None,
         RoundKind::Train => {
-            match strategy_state(tx, round, job, spec, layout.num_elements()).await? {
+            match strategy_state(&mut tx, round, job, spec, layout.num_elements()).await? {
                 Ok(optimizer) => Some(optimizer),
                 Err(failure) => return Ok(Err(failure)),
             }
         }
     };
-    let sum = rounds::update_sum(tx, round.id)
-        .await?
+    let sum = rounds::update_sum(&mut tx, round.id).await?;
+    tx.rollback().await?;
+    let sum = sum
         .map(|bytes| fedavg::decode_sum(&bytes))
         .unwrap_or_default();
     let weight_total = u64::try_from(round.weight_total).unwrap_or(0);

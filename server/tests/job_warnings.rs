@@ -104,9 +104,17 @@ async fn warns_when_no_device_could_qualify(database: Database) -> Result<()> {
     let token = admin.enrollment_token(3).await?;
     let mut devices = Vec::new();
     for _ in 0..3 {
-        let device = enroll_device(&server, &token).await?;
-        report_dataset(&device, "digits", &[64]).await?;
-        devices.push(device);
+        devices.push(enroll_device(&server, &token).await?);
+    }
+    // Devices that have reported no datasets yet (an agent enrolled but
+    // not yet started) may still offer it: no warning.
+    let created = create(&admin, spec(&logreg, Some("nope"))).await?;
+    ensure!(
+        created["warnings"].as_array().is_none_or(Vec::is_empty),
+        "devices that have not reported their datasets are warned about: {created}"
+    );
+    for device in &devices {
+        report_dataset(device, "digits", &[64]).await?;
     }
     // A dataset no device has.
     let (message, hint) = warning(&create(&admin, spec(&logreg, Some("nope"))).await?)?;
