@@ -13,7 +13,7 @@ use bytes::Bytes;
 use canopy_protocol::auth::{self, DeviceKey};
 use canopy_protocol::device_cert::{self, Certificate, KeyTrust};
 use canopy_protocol::messages::{
-    CERTIFICATE_PATH, Capabilities, DatasetInfo, DeviceCertificate, DeviceConditions,
+    CERTIFICATE_PATH, Capabilities, DatasetInfo, DeviceCertificate, DeviceConditions, DeviceRole,
     ERROR_ALREADY_WITHDRAWN, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse,
     MAX_DECLINE_REASON_CHARS, RoundMetrics, Task, UploadReceipt, WithdrawTask, check_dataset_name,
 };
@@ -39,6 +39,7 @@ pub async fn enroll(
         enrollment_token: enrollment_token.to_string(),
         public_key: key.public_key_hex(),
         capabilities,
+        role: DeviceRole::Device,
     };
     let response = transport
         .http()

@@ -163,6 +163,9 @@ macro_rules! wire_names {
     };
 }
 
+wire_names!(DeviceRole, "device role", {
+    Device => "device", Aggregator => "aggregator",
+});
 wire_names!(GpuApi, "graphics API", {
     Vulkan => "vulkan", Metal => "metal", Dx12 => "dx12", Gl => "gl",
 });
@@ -302,6 +305,22 @@ pub struct EnrollRequest {
     /// 64 lowercase hex characters; see [`crate::auth::parse_public_key_hex`].
     pub public_key: String,
     pub capabilities: Capabilities,
+    /// The role the device enrolls in; the token must be one of that role.
+    #[serde(default)]
+    pub role: DeviceRole,
+}
+
+/// What an enrolled device is to the server that enrolled it. A `device`
+/// trains on its own data; an `aggregator` is an edge node that runs
+/// sub-rounds over the end devices enrolled with it and answers for them
+/// with one partial result (ARCHITECTURE.md, "The edge tier"). An
+/// enrollment token enrolls devices of one role.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceRole {
+    #[default]
+    Device,
+    Aggregator,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1053,5 +1072,33 @@ impl ErrorBody {
                 message: message.into(),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `wire_names!` spells each variant as serde does: one name on the
+    /// wire, in the database and in messages.
+    #[test]
+    fn wire_names_are_serdes() {
+        fn check<T: Serialize + FromStr + fmt::Display + Copy + PartialEq + fmt::Debug>(all: &[T])
+        where
+            T::Err: fmt::Debug,
+        {
+            for value in all {
+                let json = serde_json::to_string(value).unwrap();
+                assert_eq!(json, format!("\"{value}\""));
+                assert_eq!(value.to_string().parse::<T>().unwrap(), *value);
+            }
+        }
+        check(DeviceRole::ALL);
+        check(GpuApi::ALL);
+        check(GpuDeviceType::ALL);
+        assert_eq!(
+            "relay".parse::<DeviceRole>().unwrap_err(),
+            "device role `relay` is unknown; expected one of device, aggregator"
+        );
     }
 }

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use canopy_protocol::messages::{DevicePolicy, Tier};
+use canopy_protocol::messages::{DevicePolicy, DeviceRole, Tier};
 use futures_util::StreamExt;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
@@ -540,6 +540,9 @@ fn waited_too_long(
 #[derive(Debug, PartialEq)]
 enum Verdict {
     Eligible,
+    /// It is an aggregator (an edge node), which trains on no data of its
+    /// own: a job's rounds select devices.
+    Aggregator,
     /// It does not match the job's `filters`.
     FilteredOut,
     /// It has no device authority's certificate, which a secure job needs.
@@ -569,7 +572,7 @@ impl Verdict {
 }
 
 /// The one rule for whether a device may take part in a job's round:
-/// it passes the job's filters, holds a device certificate if the job is
+/// it is a `device` (not an aggregator), passes the job's filters, holds a device certificate if the job is
 /// secure and the server has a device authority (`needs_certificate`),
 /// reports the job's dataset with samples the model's input takes (for a
 /// job that names one), and its latest reported conditions, if any, meet
@@ -581,6 +584,9 @@ fn classify(
     input_shape: Option<&[u64]>,
     needs_certificate: bool,
 ) -> Result<Verdict, sqlx::Error> {
+    if candidate.role != DeviceRole::Device.as_str() {
+        return Ok(Verdict::Aggregator);
+    }
     if !matches_filter(candidate, &spec.filters)? {
         return Ok(Verdict::FilteredOut);
     }
@@ -616,6 +622,8 @@ fn needs_certificate(state: &AppState, spec: &JobSpec) -> bool {
 #[derive(Debug, Default)]
 struct Eligibility {
     eligible: usize,
+    /// Aggregators, which a job's rounds do not select.
+    aggregators: usize,
     /// Devices that do not match the job's `filters`.
     filtered_out: usize,
     /// Devices whose latest reported conditions violate the job's device
@@ -639,6 +647,7 @@ impl Eligibility {
     fn count(&mut self, verdict: Verdict) {
         match verdict {
             Verdict::Eligible => self.eligible += 1,
+            Verdict::Aggregator => self.aggregators += 1,
             Verdict::FilteredOut => self.filtered_out += 1,
             Verdict::Uncertified => self.uncertified += 1,
             Verdict::Unreported => self.unreported += 1,
@@ -659,6 +668,12 @@ impl Eligibility {
         input_shape: Option<&[u64]>,
     ) -> String {
         let mut reasons = Vec::new();
+        if self.aggregators > 0 {
+            reasons.push(format!(
+                "{} are aggregators (edge nodes), which train on no data of their own",
+                self.aggregators
+            ));
+        }
         if self.filtered_out > 0 {
             reasons.push(format!(
                 "{} do not match the job's `filters`",

@@ -4,6 +4,8 @@
 //! hold the round up; a withdrawal whose conditions meet the policy is
 //! refused; devices whose reported conditions violate the policy are not
 //! selected; and a policy out of bounds is refused when the job is created.
+//! Roles: a token enrolls devices of its role alone, and rounds never
+//! select an aggregator.
 
 mod support;
 
@@ -11,7 +13,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
 use bytes::Bytes;
-use canopy_protocol::messages::{DeviceConditions, DevicePolicy, Heartbeat, Task};
+use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::messages::{
+    DeviceConditions, DevicePolicy, DeviceRole, EnrollRequest, Heartbeat, Task,
+};
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use canopy_sdk::train::Evaluation;
@@ -288,4 +293,140 @@ async fn evaluators_withdraw_on_sqlite() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evaluators_withdraw_on_postgres() -> Result<()> {
     evaluators_withdraw(Database::Postgres).await
+}
+
+/// Enrolls a fresh key in `role` with `token` straight over HTTP (the SDK
+/// enrolls devices); the status and body of the answer.
+async fn enroll_in_role(
+    server: &TestServer,
+    token: &str,
+    role: DeviceRole,
+) -> Result<(u16, Value)> {
+    let request = EnrollRequest {
+        enrollment_token: token.to_string(),
+        public_key: DeviceKey::generate().public_key_hex(),
+        capabilities: support::capabilities(),
+        role,
+    };
+    let transport = server.transport();
+    let url = transport.url("/device/v1/enroll");
+    let response = transport.http().post(&url).json(&request).send().await?;
+    Ok((response.status().as_u16(), response.json().await?))
+}
+
+async fn enrollment_token(admin: &Admin, role: &str) -> Result<(i64, String)> {
+    let created = admin
+        .post(
+            "/api/v1/enrollment-tokens",
+            json!({"expires_in": "1h", "max_uses": 2, "role": role}),
+        )
+        .await?;
+    ensure!(created.status == 201, "{}", created.body);
+    ensure!(created.body["role"] == role, "{}", created.body);
+    let id = created.body["id"].as_i64().unwrap_or_default();
+    Ok((
+        id,
+        created.body["secret"].as_str().unwrap_or_default().into(),
+    ))
+}
+
+async fn token_uses(admin: &Admin, id: i64) -> Result<i64> {
+    let tokens = admin.ok("/api/v1/enrollment-tokens").await?;
+    let token = tokens["items"]
+        .as_array()
+        .and_then(|items| items.iter().find(|token| token["id"] == id))
+        .cloned()
+        .unwrap_or_default();
+    Ok(token["uses"].as_i64().unwrap_or(-1))
+}
+
+/// A token enrolls devices of its role alone (a refusal names both roles
+/// and spends nothing), the device list shows each device's role, and a
+/// job's rounds never select an aggregator, saying so.
+async fn roles(database: Database) -> Result<()> {
+    let server = TestServer::start(database)?;
+    let admin = server.admin();
+    let (aggregators, aggregator_secret) = enrollment_token(&admin, "aggregator").await?;
+    let (devices, device_secret) = enrollment_token(&admin, "device").await?;
+
+    let (status, body) = enroll_in_role(&server, &aggregator_secret, DeviceRole::Device).await?;
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    ensure!(
+        status == 403
+            && message.contains(&format!(
+                "enrollment token {aggregators} enrolls aggregators"
+            ))
+            && message.contains("asked to enroll as device")
+            && message.contains("--role device"),
+        "{status} {body}"
+    );
+    let (status, body) = enroll_in_role(&server, &device_secret, DeviceRole::Aggregator).await?;
+    ensure!(
+        status == 403
+            && body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("enrolls devices") && m.contains("as aggregator")),
+        "{status} {body}"
+    );
+    ensure!(
+        token_uses(&admin, aggregators).await? == 0,
+        "a refusal spent a use"
+    );
+    ensure!(
+        token_uses(&admin, devices).await? == 0,
+        "a refusal spent a use"
+    );
+
+    let (status, body) =
+        enroll_in_role(&server, &aggregator_secret, DeviceRole::Aggregator).await?;
+    ensure!(status == 201, "{status} {body}");
+    let aggregator = body["device_id"].as_i64().unwrap_or_default();
+    let device = enroll_device(&server, &device_secret).await?;
+    let listed = admin.ok("/api/v1/devices").await?;
+    let role_of = |id: i64| {
+        listed["items"]
+            .as_array()
+            .and_then(|items| items.iter().find(|d| d["id"] == id))
+            .map(|d| d["role"].clone())
+            .unwrap_or_default()
+    };
+    ensure!(role_of(aggregator) == "aggregator", "{listed}");
+    ensure!(role_of(device.device_id) == "device", "{listed}");
+
+    // Both are online; a job that needs two devices has one.
+    let version = admin.upload_model("roles", logreg_model_bytes(3)).await?;
+    let created = admin
+        .post("/api/v1/jobs", job_spec(&version, 1, 2, 2, json!({})))
+        .await?;
+    let warning = created.body["warnings"][0]["message"]
+        .as_str()
+        .unwrap_or_default();
+    ensure!(
+        warning.contains("1 of the 2 enrolled devices could take part")
+            && warning.contains("1 are aggregators (edge nodes)"),
+        "{}",
+        created.body
+    );
+    let id = created.body["id"].as_i64().unwrap_or_default();
+    admin
+        .post(&format!("/api/v1/jobs/{id}/start"), json!({}))
+        .await?;
+    admin
+        .wait_for_status(
+            id,
+            "1 are aggregators (edge nodes)",
+            Duration::from_secs(30),
+        )
+        .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_enroll_their_role_and_jobs_skip_aggregators_on_sqlite() -> Result<()> {
+    roles(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_enroll_their_role_and_jobs_skip_aggregators_on_postgres() -> Result<()> {
+    roles(Database::Postgres).await
 }

@@ -109,6 +109,7 @@ async fn enroll_over(
         enrollment_token: token.to_string(),
         public_key: key.public_key_hex(),
         capabilities: capabilities(),
+        role: Default::default(),
     };
     let url = server.transport().url("/device/v1/enroll");
     for _ in 0..20 {

@@ -1,6 +1,7 @@
 //! `canopy device ls`: the enrolled devices and what they report.
 
 use anyhow::Result;
+use canopy_protocol::messages::DeviceRole;
 use clap::Args;
 use serde_json::Value;
 
@@ -26,6 +27,7 @@ pub fn list(args: ListArgs) -> Result<()> {
     }
     let mut table = Table::new(&[
         "ID",
+        "ROLE",
         "ONLINE",
         "LAST SEEN",
         "BACKENDS",
@@ -36,6 +38,7 @@ pub fn list(args: ListArgs) -> Result<()> {
     for device in &devices {
         table.row(vec![
             cell(&device["id"], 0),
+            cell(&device["role"], 0),
             online(device),
             ago(device["last_seen_ms"].as_i64()),
             backends(device),
@@ -128,6 +131,14 @@ pub struct EnrollTokenArgs {
     /// A note to tell tokens apart.
     #[arg(long, default_value = "")]
     label: String,
+    /// The role of the devices it enrolls: `device`, which trains on its
+    /// own data, or `aggregator`, an edge node.
+    #[arg(long, default_value_t = DeviceRole::Device, value_parser = parse_role)]
+    role: DeviceRole,
+}
+
+fn parse_role(text: &str) -> Result<DeviceRole, String> {
+    text.parse()
 }
 
 /// Issues an enrollment token and prints only its secret, so that a shell
@@ -140,6 +151,7 @@ pub fn enroll_token(args: EnrollTokenArgs) -> Result<()> {
                 "/api/v1/enrollment-tokens",
                 serde_json::json!({
                     "max_uses": args.max_uses, "expires_in": args.expires, "label": args.label,
+                    "role": args.role,
                 }),
                 &Subject::new("the enrollment token", None),
             )

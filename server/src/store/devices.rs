@@ -3,7 +3,9 @@
 use crate::store::row::any_row;
 use std::collections::BTreeMap;
 
-use canopy_protocol::messages::{Capabilities, DatasetInfo, DeviceConditions, GpuAdapter};
+use canopy_protocol::messages::{
+    Capabilities, DatasetInfo, DeviceConditions, DeviceRole, GpuAdapter,
+};
 
 use super::tokens::{EnrollmentTokenError, spend_enrollment_token};
 use super::{Page, from_json};
@@ -31,12 +33,14 @@ any_row! {
         /// JSON [`DeviceConditions`] from the device's latest heartbeat that
         /// had them.
         pub conditions: Option<String>,
+        /// Its enrollment token's role (`DeviceRole`'s name).
+        pub role: String,
     }
 }
 
 const DEVICE_COLUMNS: &str = "id, public_key, tier, backends, memory_mb, os, tags, \
      enrollment_token_id, enrolled_ms, last_seen_ms, revoked_ms, datasets, last_error, gpu, \
-     conditions";
+     conditions, role";
 
 impl DeviceRow {
     pub fn backends(&self) -> Result<Vec<String>, sqlx::Error> {
@@ -60,6 +64,12 @@ impl DeviceRow {
 
     pub fn conditions(&self) -> Result<Option<DeviceConditions>, sqlx::Error> {
         parse_conditions(self.conditions.as_deref())
+    }
+
+    pub fn role(&self) -> Result<DeviceRole, sqlx::Error> {
+        self.role
+            .parse()
+            .map_err(|error: String| sqlx::Error::Decode(error.into()))
     }
 }
 
@@ -138,17 +148,19 @@ pub enum EnrollError {
     Sql(#[from] sqlx::Error),
 }
 
-/// Spends one use of the enrollment token and records the device, in one
-/// transaction: a failed enrollment spends nothing.
+/// Spends one use of the enrollment token and records the device in the
+/// token's role, which must be the `role` asked for, in one transaction:
+/// a failed enrollment spends nothing.
 pub async fn enroll(
     db: &Db,
     enrollment_secret: &str,
     public_key: &[u8; 32],
     capabilities: &Capabilities,
+    role: DeviceRole,
 ) -> Result<i64, EnrollError> {
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
-    let token_id = spend_enrollment_token(&mut tx, enrollment_secret).await?;
+    let token_id = spend_enrollment_token(&mut tx, enrollment_secret, role).await?;
     let existing: Option<(i64,)> = sqlx::query_as("SELECT id FROM devices WHERE public_key = $1")
         .bind(public_key.to_vec())
         .fetch_optional(&mut *tx)
@@ -159,8 +171,8 @@ pub async fn enroll(
     let now = now_ms();
     let inserted: Result<(i64,), sqlx::Error> = sqlx::query_as(
         "INSERT INTO devices (public_key, tier, backends, memory_mb, os, tags, \
-         enrollment_token_id, enrolled_ms, last_seen_ms, gpu) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8, $9) RETURNING id",
+         enrollment_token_id, enrolled_ms, last_seen_ms, gpu, role) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8, $9, $10) RETURNING id",
     )
     .bind(public_key.to_vec())
     .bind(capabilities.tier.to_string())
@@ -176,6 +188,7 @@ pub async fn enroll(
             .as_ref()
             .map(|gpu| serde_json::to_string(gpu).unwrap_or_default()),
     )
+    .bind(role.as_str())
     .fetch_one(&mut *tx)
     .await;
     let (device_id,) = match inserted {

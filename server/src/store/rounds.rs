@@ -272,12 +272,15 @@ any_row! {
         /// 1 when it installed a device authority's certificate, else 0 (an
         /// integer: SQLite has no boolean to decode).
         pub certified: i64,
+        /// Its role (`DeviceRole`'s name).
+        pub role: String,
     }
 }
 
 /// The columns of a [`CandidateRow`], from `devices d`.
 const CANDIDATE_COLUMNS: &str = "d.id, d.tier, d.backends, d.tags, d.datasets, d.gpu, \
-     d.conditions, CAST(CASE WHEN d.certificate IS NULL THEN 0 ELSE 1 END AS BIGINT) AS certified";
+     d.conditions, CAST(CASE WHEN d.certificate IS NULL THEN 0 ELSE 1 END AS BIGINT) AS certified, \
+     d.role";
 
 /// Every unrevoked device, online or not, busy or not: those that could
 /// ever be selected (a job's creation checks them). Streamed.

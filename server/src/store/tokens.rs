@@ -1,6 +1,7 @@
 //! Admin API tokens and device enrollment tokens.
 
 use crate::store::row::any_row;
+use canopy_protocol::messages::DeviceRole;
 use serde::{Deserialize, Serialize};
 
 use super::{Page, new_secret, secret_hash};
@@ -180,27 +181,46 @@ any_row! {
         pub max_uses: i64,
         pub uses: i64,
         pub revoked_ms: Option<i64>,
+        /// The role it enrolls devices in (`DeviceRole`'s name).
+        pub device_role: String,
     }
 }
 
-const ENROLLMENT_COLUMNS: &str = "id, label, created_ms, expires_ms, max_uses, uses, revoked_ms";
+impl EnrollmentTokenRow {
+    pub fn device_role(&self) -> Result<DeviceRole, sqlx::Error> {
+        self.device_role
+            .parse()
+            .map_err(|error: String| sqlx::Error::Decode(error.into()))
+    }
+}
+
+const ENROLLMENT_COLUMNS: &str =
+    "id, label, created_ms, expires_ms, max_uses, uses, revoked_ms, device_role";
+
+/// What an enrollment token is made with.
+pub struct NewEnrollmentToken<'a> {
+    pub label: &'a str,
+    pub expires_ms: i64,
+    pub max_uses: i64,
+    pub device_role: DeviceRole,
+}
 
 pub async fn create_enrollment_token(
     db: &Db,
-    label: &str,
-    expires_ms: i64,
-    max_uses: i64,
+    new: &NewEnrollmentToken<'_>,
 ) -> Result<(EnrollmentTokenRow, String), sqlx::Error> {
     let secret = new_secret(ENROLLMENT_TOKEN_PREFIX);
     let row = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO enrollment_tokens (label, token_hash, created_ms, expires_ms, max_uses) \
-         VALUES ($1, $2, $3, $4, $5) RETURNING {ENROLLMENT_COLUMNS}"
+        "INSERT INTO enrollment_tokens \
+         (label, token_hash, created_ms, expires_ms, max_uses, device_role) \
+         VALUES ($1, $2, $3, $4, $5, $6) RETURNING {ENROLLMENT_COLUMNS}"
     )))
-    .bind(label)
+    .bind(new.label)
     .bind(secret_hash(&secret))
     .bind(now_ms())
-    .bind(expires_ms)
-    .bind(max_uses)
+    .bind(new.expires_ms)
+    .bind(new.max_uses)
+    .bind(new.device_role.as_str())
     .fetch_one(&db.pool)
     .await?;
     Ok((row, secret))
@@ -241,14 +261,26 @@ pub enum EnrollmentTokenError {
     Expired { id: i64 },
     #[error("enrollment token {id} has been used {uses} times, its limit")]
     Exhausted { id: i64, uses: i64 },
+    #[error(
+        "enrollment token {id} enrolls {token_role}s, and this device asked to enroll as \
+         {requested}; ask for a token of that role \
+         (`canopy device enroll-token --role {requested}`)"
+    )]
+    WrongRole {
+        id: i64,
+        token_role: DeviceRole,
+        requested: DeviceRole,
+    },
     #[error(transparent)]
     Sql(#[from] sqlx::Error),
 }
 
-/// Spends one use of an enrollment token inside `tx`, checking it is valid.
+/// Spends one use of an enrollment token inside `tx`, checking it is valid
+/// and enrolls devices in the `requested` role.
 pub async fn spend_enrollment_token(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     secret: &str,
+    requested: DeviceRole,
 ) -> Result<i64, EnrollmentTokenError> {
     let row: Option<EnrollmentTokenRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {ENROLLMENT_COLUMNS} FROM enrollment_tokens WHERE token_hash = $1"
@@ -262,6 +294,14 @@ pub async fn spend_enrollment_token(
     }
     if token.expires_ms <= now_ms() {
         return Err(EnrollmentTokenError::Expired { id: token.id });
+    }
+    let token_role = token.device_role()?;
+    if token_role != requested {
+        return Err(EnrollmentTokenError::WrongRole {
+            id: token.id,
+            token_role,
+            requested,
+        });
     }
     // The guard in the WHERE clause keeps the limit under concurrent use.
     let spent = sqlx::query(

@@ -18,6 +18,9 @@ pub struct DeviceView {
     pub id: i64,
     /// `end` or `edge`.
     pub tier: String,
+    /// `device` (trains on its own data) or `aggregator` (an edge node),
+    /// its enrollment token's role.
+    pub role: String,
     pub backends: Vec<String>,
     /// The adapter behind the `gpu` backend, as the device reported it at
     /// enrollment; absent for devices without one, or that did not say.
@@ -105,6 +108,7 @@ impl DeviceView {
             tags: row.tags()?,
             online: row.revoked_ms.is_none() && row.last_seen_ms >= online_since_ms,
             id: row.id,
+            role: row.role().map(|role| role.to_string())?,
             tier: row.tier,
             memory_mb: row.memory_mb,
             os: row.os,

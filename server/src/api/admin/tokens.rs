@@ -5,6 +5,7 @@ use std::time::Duration;
 use axum::Extension;
 use axum::extract::State;
 use axum::http::StatusCode;
+use canopy_protocol::messages::DeviceRole;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
@@ -232,6 +233,22 @@ pub struct CreateEnrollmentToken {
     /// Devices that may enroll with it.
     #[schema(minimum = 1, maximum = 1_000_000)]
     pub max_uses: u32,
+    /// The role of the devices it enrolls: `device` (the default) trains
+    /// on its own data, `aggregator` is an edge node.
+    #[serde(default)]
+    #[schema(schema_with = device_role_schema)]
+    pub role: DeviceRole,
+}
+
+/// `DeviceRole`'s names, from the enum.
+fn device_role_schema() -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, Type};
+    let names = DeviceRole::ALL.iter().map(|role| role.as_str());
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .enum_values(Some(names))
+        .default(Some(serde_json::json!(DeviceRole::default().as_str())))
+        .build()
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -243,11 +260,14 @@ pub struct EnrollmentTokenView {
     pub max_uses: i64,
     pub uses: i64,
     pub revoked: bool,
+    /// The role of the devices it enrolls.
+    pub role: String,
 }
 
 impl From<EnrollmentTokenRow> for EnrollmentTokenView {
     fn from(row: EnrollmentTokenRow) -> EnrollmentTokenView {
         EnrollmentTokenView {
+            role: row.device_role,
             id: row.id,
             label: row.label,
             created_ms: row.created_ms,
@@ -296,16 +316,17 @@ pub async fn create_enrollment_token(
         )));
     }
     let lifetime = parse_lifetime(&request.expires_in).map_err(ApiError::unprocessable)?;
-    let (row, secret) = tokens::create_enrollment_token(
-        &state.db,
-        &request.label,
-        expiry_ms(lifetime),
-        i64::from(request.max_uses),
-    )
-    .await?;
+    let new = tokens::NewEnrollmentToken {
+        label: &request.label,
+        expires_ms: expiry_ms(lifetime),
+        max_uses: i64::from(request.max_uses),
+        device_role: request.role,
+    };
+    let (row, secret) = tokens::create_enrollment_token(&state.db, &new).await?;
     tracing::info!(
         token = row.id,
         max_uses = row.max_uses,
+        role = %request.role,
         "created enrollment token"
     );
     Ok((

@@ -163,16 +163,23 @@ async fn enroll(
         &request.enrollment_token,
         &public_key,
         &request.capabilities,
+        request.role,
     )
     .await
     .map_err(|error| match error {
         EnrollError::Token(EnrollmentTokenError::Sql(error)) | EnrollError::Sql(error) => {
             error.into()
         }
+        EnrollError::Token(wrong @ EnrollmentTokenError::WrongRole { .. }) => {
+            ApiError::forbidden(format!("cannot enroll: {wrong}"))
+        }
         EnrollError::Token(token) => ApiError::unauthorized(format!("cannot enroll: {token}")),
         EnrollError::KeyInUse { .. } => ApiError::conflict(format!("cannot enroll: {error}")),
     })?;
-    tracing::info!(device = device_id, tier = %request.capabilities.tier, "enrolled device");
+    tracing::info!(
+        device = device_id, tier = %request.capabilities.tier, role = %request.role,
+        "enrolled device"
+    );
     Ok((
         StatusCode::CREATED,
         Json(EnrollResponse {
