@@ -67,18 +67,23 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
 /// A fresh logistic-regression model file, as `canopy model new logreg
 /// --inputs 64 --classes 10` writes it.
 fn logreg_model(dir: &Path) -> String {
+    logreg_model_with(dir, "sgd")
+}
+
+/// A logistic regression whose `train_step` runs `optimizer`.
+fn logreg_model_with(dir: &Path, optimizer: &str) -> String {
     let model = build_model(&ModelConfig {
         architecture: Architecture::LogReg {
             inputs: 64,
             classes: 10,
         },
         seed: 0,
-        optimizer: Optimizer::parse("sgd").unwrap(),
+        optimizer: Optimizer::parse(optimizer).unwrap(),
         frozen_prefixes: Vec::new(),
         producer: "canopy-agent test".into(),
     })
     .unwrap();
-    let path = dir.join("logreg.canopy");
+    let path = dir.join(format!("logreg-{optimizer}.canopy"));
     std::fs::write(&path, canopy_ir::format::write_model(&model).unwrap()).unwrap();
     path.display().to_string()
 }
@@ -408,6 +413,46 @@ fn train_local_on_the_digits_improves_held_out_accuracy() {
     assert!(
         stdout.contains("1618 training samples, 179 held out"),
         "{stdout}"
+    );
+}
+
+/// Without `--lr`, an Adam model trains at Adam's rate (0.001), not SGD's
+/// 0.1, and learns.
+#[test]
+fn train_takes_the_models_optimizers_learning_rate() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("agent");
+    let model = logreg_model_with(tmp.path(), "adam");
+    ok(agent(
+        &data,
+        &[
+            "data",
+            "add",
+            "digits",
+            "--kind",
+            "csv",
+            "--path",
+            &digits(),
+        ],
+    ));
+    let output = Command::new(env!("CARGO_BIN_EXE_canopy-agent"))
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["train", "--local", "--model", &model, "--epochs", "20"])
+        .env("CANOPY_LOG", "info")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("learning rate 0.001, adam's default"),
+        "{stderr}"
+    );
+    let after = number_after(&stdout, "held-out accuracy after:");
+    assert!(
+        after > 0.85,
+        "twenty epochs of Adam learn the digits: {stdout}"
     );
 }
 

@@ -12,7 +12,7 @@ use canopy_engine::Backend;
 use canopy_engine::data::Dataset;
 use canopy_engine::select::{BackendChoice, open_backend};
 use canopy_engine::train::{EvalStats, FitConfig, FitProgress, Trainer, fit};
-use canopy_engine::zoo::{fit_input_stats, needs_input_stats};
+use canopy_engine::zoo::{fit_input_stats, model_optimizer, needs_input_stats};
 use canopy_ir::Model;
 use canopy_protocol::bounds::{
     MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_MODEL_BYTES, check_batch_size, check_epochs,
@@ -41,8 +41,10 @@ pub struct TrainArgs {
     epochs: u32,
     #[arg(long, default_value_t = 32)]
     batch: usize,
-    #[arg(long, default_value_t = 0.1)]
-    lr: f32,
+    /// The learning rate; default: the model's optimizer's (0.1 for SGD,
+    /// 0.001 for Adam), as `canopy model train` takes it.
+    #[arg(long)]
+    lr: Option<f32>,
     /// Seed of the shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -124,13 +126,8 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
         );
     }
     check_batch(args.batch)?;
-    if check_learning_rate("--lr", f64::from(args.lr)).is_err() {
-        bail!(
-            "--lr {} must be a positive finite number at most {MAX_LEARNING_RATE}",
-            args.lr
-        );
-    }
     let mut model = read_model(&args.model)?;
+    let lr = learning_rate(&args, &model)?;
     let registry = Registry::load(dir)?;
     let entry = registry.resolve(dir, args.dataset.as_deref())?;
     let data = entry
@@ -182,7 +179,7 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
     let started = Instant::now();
     let mut trainer = Trainer::new(&model, backend.as_ref(), args.seed)
         .with_context(|| format!("cannot prepare `{}` for training", args.model.display()))?;
-    let config = FitConfig::new(args.epochs, args.batch, args.lr, args.seed);
+    let config = FitConfig::new(args.epochs, args.batch, lr, args.seed);
     let mut bar = FitBar::new(args.epochs);
     let mut printed: Result<()> = Ok(());
     let mut observe = |progress: FitProgress| {
@@ -290,4 +287,22 @@ pub fn eval(dir: &DataDir, args: EvalArgs) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// `--lr`, else the default of the optimizer the model's `train_step` was
+/// built with, within the training bounds every tier shares.
+fn learning_rate(args: &TrainArgs, model: &Model) -> Result<f32> {
+    let optimizer = model_optimizer(model)
+        .with_context(|| format!("cannot read `{}`'s optimizer", args.model.display()))?;
+    let lr = args.lr.unwrap_or_else(|| optimizer.default_learning_rate());
+    if check_learning_rate("--lr", f64::from(lr)).is_err() {
+        bail!("--lr {lr} must be a positive finite number at most {MAX_LEARNING_RATE}");
+    }
+    if args.lr.is_none() {
+        tracing::info!(
+            "learning rate {lr}, {}'s default (--lr sets another)",
+            optimizer.name()
+        );
+    }
+    Ok(lr)
 }
