@@ -432,12 +432,21 @@ async fn serves_certificate_files_and_pinning_is_enforced() -> Result<()> {
     Ok(())
 }
 
-/// The dashboard is served from this origin with a strict content security
-/// policy, and the API routes its script reads exist.
+/// The front page and the dashboard are served from this origin with a
+/// strict content security policy, and the API routes its script reads
+/// exist.
 #[tokio::test]
 async fn dashboard_is_served_locked_down() -> Result<()> {
     let server = TestServer::start(Database::Sqlite)?;
     let http = server.transport().http().clone();
+    // The front page too: links only, under the same policy.
+    let front = http.get(server.transport().url("/")).send().await?;
+    assert_eq!(front.status(), 200);
+    assert_eq!(
+        front.headers()["content-security-policy"],
+        "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+    );
+    assert!(front.text().await?.contains("href=\"/dashboard\""));
     let page = http
         .get(server.transport().url("/dashboard"))
         .send()

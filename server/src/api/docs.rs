@@ -4,7 +4,7 @@
 use std::sync::OnceLock;
 
 use axum::http::header;
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
@@ -68,8 +68,10 @@ pub async fn openapi_json() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], document()).into_response()
 }
 
-pub async fn index() -> Html<&'static str> {
-    Html(
+/// The server's front page: links only, under the web pages' policy.
+pub async fn index() -> Response {
+    web_file(
+        HTML,
         "<!doctype html><meta charset=utf-8><title>Canopy</title>\
          <h1>Canopy server</h1><ul>\
          <li><a href=\"/dashboard\">Dashboard</a></li>\

@@ -3,7 +3,6 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -112,11 +111,13 @@ pub fn private_tempdir() -> Result<tempfile::TempDir> {
     Ok(builder.tempdir()?)
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("a free loopback port")
+/// The port of the `listening on` URL a server printed. A server told to
+/// listen on port 0 binds a free one itself, so no other test can take it
+/// between the choice and the bind, as with a port picked beforehand.
+fn listening_port(url: &str) -> Result<u16> {
+    url.rsplit_once(':')
+        .and_then(|(_, port)| port.trim_end_matches('/').parse().ok())
+        .ok_or_else(|| anyhow!("`listening on {url}` names no port"))
 }
 
 pub struct TestServer {
@@ -167,7 +168,8 @@ impl TestServer {
         let mut server = TestServer {
             child: None,
             base: String::new(),
-            port: free_port(),
+            // The server binds a free port itself; restarts reuse it.
+            port: 0,
             fingerprint: String::new(),
             admin_token: String::new(),
             database,
@@ -200,7 +202,8 @@ impl TestServer {
         let mut server = TestServer {
             child: None,
             base: String::new(),
-            port: free_port(),
+            // The server binds a free port itself; restarts reuse it.
+            port: 0,
             fingerprint: String::new(),
             admin_token: self.admin_token.clone(),
             database: self.database,
@@ -260,6 +263,7 @@ impl TestServer {
                 self.fingerprint = fingerprint.to_string();
             } else if let Some(url) = line.strip_prefix("listening on ") {
                 self.base = url.to_string();
+                self.port = listening_port(url)?;
                 break;
             }
         }
