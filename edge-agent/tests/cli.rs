@@ -11,11 +11,16 @@ use canopy_engine::optim::Optimizer;
 use canopy_engine::zoo::{Architecture, ModelConfig, build_model};
 
 fn agent(data_dir: &Path, args: &[&str]) -> Output {
+    agent_logging(data_dir, args, "warn")
+}
+
+/// [`agent`] with its log filter (`CANOPY_LOG`) at `level`.
+fn agent_logging(data_dir: &Path, args: &[&str], level: &str) -> Output {
     Command::new(env!("CARGO_BIN_EXE_canopy-agent"))
         .arg("--data-dir")
         .arg(data_dir)
         .args(args)
-        .env("CANOPY_LOG", "warn")
+        .env("CANOPY_LOG", level)
         .env_remove("CANOPY_AGENT_DIR")
         .env_remove("CANOPY_ENROLL_TOKEN")
         .output()
@@ -435,13 +440,8 @@ fn train_takes_the_models_optimizers_learning_rate() {
             &digits(),
         ],
     ));
-    let output = Command::new(env!("CARGO_BIN_EXE_canopy-agent"))
-        .arg("--data-dir")
-        .arg(&data)
-        .args(["train", "--local", "--model", &model, "--epochs", "20"])
-        .env("CANOPY_LOG", "info")
-        .output()
-        .unwrap();
+    let train = ["train", "--local", "--model", &model, "--epochs", "20"];
+    let output = agent_logging(&data, &train, "info");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{stdout}{stderr}");
