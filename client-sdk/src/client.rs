@@ -34,12 +34,31 @@ pub async fn enroll(
     key: &DeviceKey,
     capabilities: Capabilities,
 ) -> Result<EnrollResponse, SdkError> {
+    enroll_as(
+        transport,
+        enrollment_token,
+        key,
+        capabilities,
+        DeviceRole::Device,
+    )
+    .await
+}
+
+/// [`enroll`] in a role: an edge aggregator enrolls as
+/// [`DeviceRole::Aggregator`], with a token made for that role.
+pub async fn enroll_as(
+    transport: &Transport,
+    enrollment_token: &str,
+    key: &DeviceKey,
+    capabilities: Capabilities,
+    role: DeviceRole,
+) -> Result<EnrollResponse, SdkError> {
     let url = transport.url("/device/v1/enroll");
     let request = EnrollRequest {
         enrollment_token: enrollment_token.to_string(),
         public_key: key.public_key_hex(),
         capabilities,
-        role: DeviceRole::Device,
+        role,
     };
     let response = transport
         .http()

@@ -196,6 +196,7 @@ fn task(fixture: &Fixture) -> Task {
         }])
         .expect("layout"),
         secure_aggregation: None,
+        sub_round: None,
         policy: Default::default(),
     }
 }

@@ -67,7 +67,7 @@ pub use canopy_protocol::model_sig::{KeyEndorsement, SigningKeys, TrustedKeys};
 pub use checkpoint::{CheckpointInfo, CheckpointSettings};
 pub use client::{
     DeviceClient, DownloadedModel, MAX_MODEL_BYTES, MAX_SIGNING_KEYS_BYTES, UnofferableDataset,
-    describe_dataset, enroll, enroll_with,
+    describe_dataset, enroll, enroll_as, enroll_with,
 };
 pub use error::{SdkError, error_chain};
 pub use keystore::{KeyStoreError, load_device_key, save_device_key};

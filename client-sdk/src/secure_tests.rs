@@ -67,6 +67,7 @@ fn secure_task(update_len: usize, deadline_unix_ms: u64) -> Task {
             stage_timeout_ms: STAGE_TIMEOUT_MS,
         }),
         policy: Default::default(),
+        sub_round: None,
     }
 }
 

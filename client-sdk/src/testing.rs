@@ -100,6 +100,7 @@ impl TaskFixture {
             },
             layout,
             secure_aggregation: None,
+            sub_round: None,
             policy: Default::default(),
         };
         (bytes, task, data)

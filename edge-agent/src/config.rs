@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::messages::DeviceRole;
 use canopy_sdk::{Trust, TrustedKeys};
 use serde::{Deserialize, Serialize};
 
@@ -82,6 +83,10 @@ pub struct AgentConfig {
     /// authority's certificate. Absent: it takes the server's word.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_authority: Option<String>,
+    /// `device`, or `aggregator` for an edge node (`canopy-agent
+    /// aggregate`); files written before roles are devices.
+    #[serde(default)]
+    pub role: DeviceRole,
 }
 
 impl AgentConfig {
@@ -324,6 +329,7 @@ mod tests {
             },
             tags: BTreeMap::from([("site".to_string(), "lab".to_string())]),
             device_authority: Some(DeviceKey::generate().public_key_hex()),
+            role: DeviceRole::Aggregator,
         };
         let text = toml::to_string(&config).unwrap();
         let back: AgentConfig = toml::from_str(&text).unwrap();
@@ -349,6 +355,7 @@ mod tests {
         );
         let config: AgentConfig = toml::from_str(&old).unwrap();
         config.check().unwrap();
+        assert_eq!(config.role, DeviceRole::Device);
         let trusted = config.trusted_keys().unwrap();
         assert_eq!(trusted.current_hex(), key);
         assert!(trusted.previous().is_none());

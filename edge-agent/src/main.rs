@@ -85,6 +85,11 @@ enum Command {
     Train(commands::local::TrainArgs),
     /// Evaluate a model file on the held-out 10% of a dataset.
     Eval(commands::local::EvalArgs),
+    /// Run this machine as an edge aggregator (enrolled with `--role
+    /// aggregator`): serve end devices with the server's device API and
+    /// run the cloud's rounds over them as sub-rounds. Takes
+    /// `canopy-server serve`'s flags; stops on SIGTERM/SIGINT.
+    Aggregate(commands::aggregate::AggregateArgs),
 }
 
 #[derive(Args)]
@@ -101,7 +106,10 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => return output::clap_exit(&error),
     };
-    init_logging(matches!(cli.command, Command::Run(_)));
+    init_logging(matches!(
+        cli.command,
+        Command::Run(_) | Command::Aggregate(_)
+    ));
     let dir = DataDir::new(cli.data_dir);
     let result = match cli.command {
         Command::Install(args) => commands::install::run(&dir, args),
@@ -112,6 +120,7 @@ fn main() -> ExitCode {
         Command::Status(args) => status::run(&dir, args.json),
         Command::Train(args) => commands::local::train(&dir, args),
         Command::Eval(args) => commands::local::eval(&dir, args),
+        Command::Aggregate(args) => commands::aggregate::run(&dir, args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -7,7 +7,7 @@
 //! here, in the contract both ends link, and a change to one is a change
 //! for all of them.
 
-use crate::messages::{MAX_BATTERY_PERCENT, Task, TrainingConfig};
+use crate::messages::{MAX_BATTERY_PERCENT, SubRound, Task, TrainingConfig};
 use crate::update::UpdateError;
 
 /// Most local epochs one task (or one local training run) may ask for.
@@ -103,7 +103,55 @@ impl Task {
             0,
             u64::from(MAX_BATTERY_PERCENT),
         )?;
+        if let Some(sub_round) = &self.sub_round {
+            sub_round.validate()?;
+        }
         self.layout.validate().map_err(BoundsError::Layout)
+    }
+}
+
+/// Most end devices one sub-round may ask for, as a cloud round's own.
+pub const MAX_SUB_ROUND_DEVICES: u32 = 100_000;
+/// Most over-selection a round or sub-round may ask for, as a fraction of
+/// its target.
+pub const MAX_OVER_SELECTION: f64 = 4.0;
+
+/// Devices a round selects: its target plus over-selection, to absorb
+/// dropouts. One rule for the cloud's rounds and the edges' sub-rounds.
+pub fn selection_size(target_devices: u32, over_selection: f64) -> u32 {
+    let extra = (f64::from(target_devices) * over_selection).ceil();
+    target_devices.saturating_add(extra as u32)
+}
+
+impl SubRound {
+    /// What an aggregator checks before it opens a sub-round.
+    pub fn validate(&self) -> Result<(), BoundsError> {
+        let max_devices = u64::from(MAX_SUB_ROUND_DEVICES);
+        check_u64(
+            "sub_round.min_devices",
+            u64::from(self.min_devices),
+            1,
+            max_devices,
+        )?;
+        check_u64(
+            "sub_round.target_devices",
+            u64::from(self.target_devices),
+            u64::from(self.min_devices),
+            max_devices,
+        )?;
+        if !(0.0..=MAX_OVER_SELECTION).contains(&self.over_selection) {
+            return Err(BoundsError::OutOfRange {
+                field: "sub_round.over_selection",
+                value: self.over_selection.to_string(),
+                allowed: format!("0..={MAX_OVER_SELECTION}"),
+            });
+        }
+        check_u64(
+            "sub_round.max_samples_per_device",
+            self.max_samples_per_device,
+            1,
+            crate::update::MAX_SAMPLES,
+        )
     }
 }
 

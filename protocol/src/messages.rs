@@ -592,6 +592,43 @@ pub struct Task {
     /// meets it withdraws ([`WithdrawTask`]).
     #[serde(default, skip_serializing_if = "DevicePolicy::is_unrestricted")]
     pub policy: DevicePolicy,
+    /// Present in a tiered job's task to an aggregator (an edge node): run
+    /// the round as a sub-round over the aggregator's own devices and
+    /// upload their weighted mean update, with their total sample count
+    /// as its `num_samples`, to `upload_path`. End devices never get one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sub_round: Option<SubRound>,
+}
+
+/// What an aggregator's sub-round must do, from the cloud job's edge tier.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubRound {
+    /// Fewest end-device updates that make the sub-round succeed.
+    pub min_devices: u32,
+    /// End-device updates at which the sub-round closes early.
+    pub target_devices: u32,
+    /// Extra devices to select, as a fraction of the target.
+    pub over_selection: f64,
+    /// When the sub-round closes, before the cloud round's deadline so
+    /// that the partial sum has time to reach the cloud.
+    pub deadline_unix_ms: u64,
+    /// Most samples one end device's update may claim; the cloud refuses
+    /// an aggregator's update that claims more than [`SubRound::max_samples`].
+    pub max_samples_per_device: u64,
+}
+
+impl SubRound {
+    /// The most end devices the sub-round selects, each of which may upload.
+    pub fn max_devices(&self) -> u32 {
+        crate::bounds::selection_size(self.target_devices, self.over_selection)
+    }
+
+    /// The most samples an aggregator's partial result may claim: every
+    /// device it may select, each at its bound.
+    pub fn max_samples(&self) -> u64 {
+        u64::from(self.max_devices()).saturating_mul(self.max_samples_per_device)
+    }
 }
 
 /// The secure-aggregation side of a task.

@@ -210,6 +210,7 @@ fn task(policy: DevicePolicy) -> Task {
         dataset: None,
         layout,
         secure_aggregation: None,
+        sub_round: None,
         policy,
     }
 }

@@ -328,6 +328,7 @@ fn task_json_roundtrip_with_layout() {
         },
         layout,
         secure_aggregation: None,
+        sub_round: None,
         policy: Default::default(),
     };
     let json = serde_json::to_string(&task).unwrap();

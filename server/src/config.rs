@@ -27,12 +27,21 @@ pub enum TlsMode {
 /// Flags of `serve` (and, for the database, of `migrate` and `token`).
 #[derive(Args, Clone, Debug, Default)]
 pub struct ServeArgs {
-    /// TOML file with any of the settings below (snake_case keys).
-    #[arg(long, env = "CANOPY_CONFIG")]
-    pub config: Option<PathBuf>,
     /// Directory for the SQLite database, blobs and the development certificate.
     #[arg(long, env = "CANOPY_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub server: ServerArgs,
+}
+
+/// Every flag of `serve` but the data directory, which a program that
+/// embeds the server names its own way (`canopy-agent aggregate` keeps it
+/// inside the agent's, whose `--data-dir` is the agent's own).
+#[derive(Args, Clone, Debug, Default)]
+pub struct ServerArgs {
+    /// TOML file with any of the settings below (snake_case keys).
+    #[arg(long, env = "CANOPY_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Address to listen on [default: 127.0.0.1:8443].
     #[arg(long, env = "CANOPY_LISTEN")]
     pub listen: Option<SocketAddr>,
@@ -632,12 +641,13 @@ pub enum ConfigError {
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8443";
 
 impl Settings {
-    pub fn resolve(args: &ServeArgs) -> Result<Settings, ConfigError> {
+    pub fn resolve(serve: &ServeArgs) -> Result<Settings, ConfigError> {
+        let args = &serve.server;
         let file = match &args.config {
             Some(path) => read_file(path)?,
             None => FileConfig::default(),
         };
-        let data_dir = args
+        let data_dir = serve
             .data_dir
             .clone()
             .or(file.data_dir)
@@ -736,9 +746,12 @@ mod tests {
         )
         .unwrap();
         let args = ServeArgs {
-            config: Some(path.clone()),
-            listen: Some("127.0.0.1:9100".parse().unwrap()),
-            ..ServeArgs::default()
+            data_dir: None,
+            server: ServerArgs {
+                config: Some(path.clone()),
+                listen: Some("127.0.0.1:9100".parse().unwrap()),
+                ..ServerArgs::default()
+            },
         };
         let settings = Settings::resolve(&args).unwrap();
         assert_eq!(settings.listen.port(), 9100);
@@ -851,12 +864,15 @@ mod tests {
     #[test]
     fn plain_http_needs_loopback_or_explicit_consent() {
         let mut args = ServeArgs {
-            listen: Some("0.0.0.0:8080".parse().unwrap()),
-            ..ServeArgs::default()
+            data_dir: None,
+            server: ServerArgs {
+                listen: Some("0.0.0.0:8080".parse().unwrap()),
+                ..ServerArgs::default()
+            },
         };
         let error = Settings::resolve(&args).unwrap_err();
         assert!(error.to_string().contains("--insecure-http"), "{error}");
-        args.insecure_http = true;
+        args.server.insecure_http = true;
         let settings = Settings::resolve(&args).unwrap();
         assert_eq!(settings.tls, TlsSetting::None { insecure: true });
     }

@@ -7,6 +7,10 @@
 //! LOCKED` on PostgreSQL; on SQLite, which has one writer, a process-wide
 //! writer lock).
 
+/// The database's error, for crates that call the store without linking
+/// sqlx themselves (the edge).
+pub type SqlError = sqlx::Error;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

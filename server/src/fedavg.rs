@@ -112,6 +112,36 @@ pub fn mean_update(
     Ok(sum.iter().map(|s| s / weight_total).collect())
 }
 
+/// An edge's sub-round result for the cloud: the mean update
+/// `Σ nᵢΔᵢ / Σ nᵢ` as an ordinary encoded update whose `num_samples` is
+/// `Σ nᵢ`, so that the cloud's fold multiplies it back and its sum is the
+/// sum over every end device (ARCHITECTURE.md, "The edge tier").
+pub fn partial_update(
+    layout: &UpdateLayout,
+    sum: &[f64],
+    weight_total: u64,
+) -> Result<Vec<u8>, FedAvgError> {
+    let mean = mean_update(layout, sum, weight_total)?;
+    let mut values = Vec::with_capacity(mean.len());
+    for (index, value) in mean.iter().enumerate() {
+        let value = *value as f32;
+        if !value.is_finite() {
+            let name = layout
+                .tensors
+                .first()
+                .map(|tensor| tensor.name.clone())
+                .unwrap_or_default();
+            return Err(FedAvgError::NonFinite { name, index });
+        }
+        values.push(value);
+    }
+    Ok(canopy_protocol::update::encode_update(
+        layout,
+        weight_total,
+        &values,
+    )?)
+}
+
 /// Adds `step` to the model's trainable parameters, in layout order.
 pub fn apply_step(
     model: &mut Model,

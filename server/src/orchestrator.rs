@@ -25,7 +25,7 @@ use crate::store::jobs::{self, DeviceFilter, JobRow, JobSpec, JobState};
 use crate::store::models::{self, NewVersion, VersionRow};
 use crate::store::rounds::{self, CandidateRow, RoundKind, RoundRow, RoundState, Tx};
 use crate::store::strategy as strategy_store;
-use crate::store::{devices, from_json, secagg};
+use crate::store::{devices, from_json, secagg, uplinks};
 use crate::strategy::{OptimizerState, ServerOptimizer};
 use canopy_term::error_chain as chain;
 
@@ -541,8 +541,11 @@ fn waited_too_long(
 enum Verdict {
     Eligible,
     /// It is an aggregator (an edge node), which trains on no data of its
-    /// own: a job's rounds select devices.
+    /// own: a flat job's rounds select end devices.
     Aggregator,
+    /// It is an end device, which a tiered job (`edges`) reaches through
+    /// the aggregators it selects.
+    EndDevice,
     /// It does not match the job's `filters`.
     FilteredOut,
     /// It has no device authority's certificate, which a secure job needs.
@@ -572,7 +575,8 @@ impl Verdict {
 }
 
 /// The one rule for whether a device may take part in a job's round:
-/// it is a `device` (not an aggregator), passes the job's filters, holds a device certificate if the job is
+/// it has the role the job selects (an end device, or an aggregator for a
+/// tiered job), passes the job's filters, holds a device certificate if the job is
 /// secure and the server has a device authority (`needs_certificate`),
 /// reports the job's dataset with samples the model's input takes (for a
 /// job that names one), and its latest reported conditions, if any, meet
@@ -584,8 +588,12 @@ fn classify(
     input_shape: Option<&[u64]>,
     needs_certificate: bool,
 ) -> Result<Verdict, sqlx::Error> {
-    if candidate.role != DeviceRole::Device.as_str() {
-        return Ok(Verdict::Aggregator);
+    let wanted = spec.selects();
+    if candidate.role != wanted.as_str() {
+        return Ok(match wanted {
+            DeviceRole::Device => Verdict::Aggregator,
+            DeviceRole::Aggregator => Verdict::EndDevice,
+        });
     }
     if !matches_filter(candidate, &spec.filters)? {
         return Ok(Verdict::FilteredOut);
@@ -593,7 +601,12 @@ fn classify(
     if needs_certificate && candidate.certified == 0 {
         return Ok(Verdict::Uncertified);
     }
-    if let Some(name) = &spec.dataset {
+    // An aggregator's devices hold the data; its own sub-round checks them.
+    if let Some(name) = spec
+        .dataset
+        .as_ref()
+        .filter(|_| wanted == DeviceRole::Device)
+    {
         if candidate.datasets.is_none() {
             return Ok(Verdict::Unreported);
         }
@@ -622,8 +635,10 @@ fn needs_certificate(state: &AppState, spec: &JobSpec) -> bool {
 #[derive(Debug, Default)]
 struct Eligibility {
     eligible: usize,
-    /// Aggregators, which a job's rounds do not select.
+    /// Aggregators, which a flat job's rounds do not select.
     aggregators: usize,
+    /// End devices, which a tiered job's rounds do not select.
+    end_devices: usize,
     /// Devices that do not match the job's `filters`.
     filtered_out: usize,
     /// Devices whose latest reported conditions violate the job's device
@@ -648,6 +663,7 @@ impl Eligibility {
         match verdict {
             Verdict::Eligible => self.eligible += 1,
             Verdict::Aggregator => self.aggregators += 1,
+            Verdict::EndDevice => self.end_devices += 1,
             Verdict::FilteredOut => self.filtered_out += 1,
             Verdict::Uncertified => self.uncertified += 1,
             Verdict::Unreported => self.unreported += 1,
@@ -672,6 +688,12 @@ impl Eligibility {
             reasons.push(format!(
                 "{} are aggregators (edge nodes), which train on no data of their own",
                 self.aggregators
+            ));
+        }
+        if self.end_devices > 0 {
+            reasons.push(format!(
+                "{} are end devices, which a tiered job (`edges`) reaches through its aggregators",
+                self.end_devices
             ));
         }
         if self.filtered_out > 0 {
@@ -706,6 +728,13 @@ impl Eligibility {
     /// none stands out, more devices or a lower `min_devices`.
     fn hints(&self, dataset: Option<&str>, input_shape: Option<&[u64]>) -> Vec<String> {
         let mut hints = Vec::new();
+        if self.end_devices > 0 {
+            hints.push(
+                "enroll edge aggregators with a token from `canopy device enroll-token --role \
+                 aggregator` and start them with `canopy-agent aggregate`"
+                    .to_string(),
+            );
+        }
         if self.filtered_out > 0 {
             hints.push(
                 "widen the job's `filters` (`canopy device ls` shows the devices' tier, \
@@ -922,7 +951,9 @@ async fn open_evaluation(
     spec: &JobSpec,
 ) -> Result<bool, OrchestratorError> {
     let evaluation = &spec.evaluation;
-    if evaluation.fraction <= 0.0 {
+    // Aggregators do not relay evaluation tasks to their devices yet: a
+    // tiered job's versions are evaluated centrally, if at all.
+    if evaluation.fraction <= 0.0 || spec.edges.is_some() {
         return Ok(false);
     }
     let capacity = evaluation.max_devices as usize;
@@ -1036,6 +1067,9 @@ async fn aggregate(
     job: &JobRow,
     spec: &JobSpec,
 ) -> Result<Option<RoundState>, OrchestratorError> {
+    if uplinks::for_job(&state.db.pool, job.id).await?.is_some() {
+        return keep_partial(state, round, job, spec).await;
+    }
     let base = base_version(state, round).await?;
     let next = match next_version(state, round, job, spec, &base).await? {
         Ok(next) => {
@@ -1046,17 +1080,7 @@ async fn aggregate(
     };
     let _writer = state.db.write_lock().await;
     let mut tx = state.db.pool.begin().await?;
-    let Some(current) = rounds::claim(&state.db, &mut tx, round.id).await? else {
-        return Ok(None);
-    };
-    let running = jobs::get_with(&mut *tx, job.id)
-        .await?
-        .is_some_and(|job| job.state == JobState::Running);
-    let unchanged = current.state == RoundState::Aggregating
-        && current.updates_accepted == round.updates_accepted
-        && current.weight_total == round.weight_total;
-    if !running || !unchanged {
-        // A job paused or stopped meanwhile is the next tick's to handle.
+    if !still_aggregating(state, &mut tx, round, job).await? {
         return Ok(None);
     }
     let outcome = match next {
@@ -1082,6 +1106,94 @@ async fn aggregate(
     };
     tx.commit().await?;
     Ok(Some(outcome))
+}
+
+/// Whether the round, claimed in `tx`, still aggregates the updates it
+/// did when `round` was read, under a running job. A job paused or stopped
+/// meanwhile is the next tick's to handle.
+async fn still_aggregating(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+) -> Result<bool, OrchestratorError> {
+    let Some(current) = rounds::claim(&state.db, tx, round.id).await? else {
+        return Ok(false);
+    };
+    let running = jobs::get_with(&mut **tx, job.id)
+        .await?
+        .is_some_and(|job| job.state == JobState::Running);
+    Ok(running
+        && current.state == RoundState::Aggregating
+        && current.updates_accepted == round.updates_accepted
+        && current.weight_total == round.weight_total)
+}
+
+/// An edge's sub-round closes: where a cloud round would write a version,
+/// it keeps its devices' weighted mean, with their total weight, in its
+/// uplink row for the cloud (`canopy-edge` sends it), in the transaction
+/// that closes the round; or it fails by the same rules as any round.
+async fn keep_partial(
+    state: &AppState,
+    round: &RoundRow,
+    job: &JobRow,
+    spec: &JobSpec,
+) -> Result<Option<RoundState>, OrchestratorError> {
+    let _writer = state.db.write_lock().await;
+    let mut tx = state.db.pool.begin().await?;
+    if !still_aggregating(state, &mut tx, round, job).await? {
+        return Ok(None);
+    }
+    let partial = match sub_round_result(&mut tx, round, job).await? {
+        Ok(partial) => partial,
+        Err(failure) => {
+            let max_retries = i64::from(spec.max_round_retries);
+            let outcome = failure.record(&mut tx, round, max_retries).await?;
+            tx.commit().await?;
+            return Ok(Some(outcome));
+        }
+    };
+    let weight_total = u64::try_from(round.weight_total).unwrap_or(0);
+    uplinks::keep_partial(&mut tx, job.id, &partial, weight_total).await?;
+    rounds::succeed_partial(&mut tx, round).await?;
+    tx.commit().await?;
+    tracing::info!(
+        job = job.id,
+        round = round.id,
+        updates = round.updates_accepted,
+        samples = round.weight_total,
+        "sub-round closed; its result waits for the uplink"
+    );
+    Ok(Some(RoundState::Succeeded))
+}
+
+/// A closed sub-round's encoded result, or why the round fails.
+async fn sub_round_result(
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+) -> Result<Result<Vec<u8>, RoundFailure>, OrchestratorError> {
+    if round.updates_accepted < round.min_devices {
+        return Ok(Err(RoundFailure::TooFewUpdates {
+            arrived: round.updates_accepted,
+            needed: round.min_devices,
+        }));
+    }
+    let uplink =
+        uplinks::for_job(&mut **tx, job.id)
+            .await?
+            .ok_or(OrchestratorError::MissingJob {
+                round: round.id,
+                job: job.id,
+            })?;
+    let task: canopy_protocol::messages::Task =
+        from_json("uplinks.cloud_task", &uplink.cloud_task)?;
+    let sum = rounds::update_sum(tx, round.id)
+        .await?
+        .map(|bytes| fedavg::decode_sum(&bytes))
+        .unwrap_or_default();
+    let weight_total = u64::try_from(round.weight_total).unwrap_or(0);
+    Ok(fedavg::partial_update(&task.layout, &sum, weight_total).map_err(RoundFailure::from))
 }
 
 /// The file of the version a round produces, with what goes with it.

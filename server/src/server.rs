@@ -4,6 +4,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use canopy_protocol::model_sig::SigningKeys;
 use tokio::sync::watch;
 
 use crate::api;
@@ -212,6 +213,12 @@ pub struct Running {
 }
 
 impl Running {
+    /// The server's state: its database, blob store and signing ring, for
+    /// a program that embeds the server (an edge aggregator).
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
     pub fn base_url(&self) -> String {
         format!("{}://{}", self.scheme, self.addr)
     }
@@ -243,6 +250,20 @@ impl Running {
 /// the first admin token is created last, when nothing can fail between its
 /// creation and [`serve`] printing it.
 pub async fn start(settings: Settings) -> Result<Running, ServeError> {
+    start_signing(settings, None).await
+}
+
+/// [`start`] for an edge aggregator: the server hands its devices the
+/// cloud's model signatures and key chain (`chain`, kept current by the
+/// edge with [`SigningRing::set_relayed_chain`]) and signs no model.
+pub async fn start_relay(settings: Settings, chain: SigningKeys) -> Result<Running, ServeError> {
+    start_signing(settings, Some(chain)).await
+}
+
+async fn start_signing(
+    settings: Settings,
+    relayed_chain: Option<SigningKeys>,
+) -> Result<Running, ServeError> {
     tls::install_crypto_provider();
     let listen = settings.listen;
     let listener = bind(listen)?;
@@ -261,7 +282,11 @@ pub async fn start(settings: Settings) -> Result<Running, ServeError> {
     let tls_setting = settings.tls.clone();
     let data_dir = settings.data_dir.clone();
     let grace = Duration::from_millis(settings.limits.shutdown_grace_ms);
-    let state = AppState::new(db, blobs, SigningRing::new(ring), settings);
+    let signing = match relayed_chain {
+        Some(chain) => SigningRing::relaying(ring, chain),
+        None => SigningRing::new(ring),
+    };
+    let state = AppState::new(db, blobs, signing, settings);
     let limits = state.settings.limits.clone();
     let app = api::app(state.clone()).into_make_service_with_connect_info::<SocketAddr>();
     let gate = conn::ConnectionGate::new(&limits, state.metrics.clone());
@@ -412,7 +437,13 @@ fn raise_file_limit(limits: &crate::config::Limits) {
 pub async fn serve(settings: Settings) -> Result<(), ServeError> {
     let data_dir = settings.data_dir.clone();
     let running = start(settings).await?;
-    announce_admin_token(&running, &data_dir).await;
+    serve_started(running, &data_dir).await
+}
+
+/// [`serve`] for a server already started ([`start`], [`start_relay`]):
+/// prints the lines tools read and runs until SIGTERM or Ctrl-C.
+pub async fn serve_started(running: Running, data_dir: &std::path::Path) -> Result<(), ServeError> {
+    announce_admin_token(&running, data_dir).await;
     for line in running
         .fingerprint
         .iter()

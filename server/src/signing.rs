@@ -10,32 +10,111 @@ use std::time::Duration;
 use canopy_protocol::model_sig::SigningKeys;
 use tokio::sync::watch;
 
+use crate::db::Db;
 use crate::state::AppState;
+use crate::store::relayed_signatures;
 use crate::store::signing_keys::{self, Ring};
 
 /// A model digest's signature and the key that made it.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelSignature {
     pub key_hex: String,
     pub signature_hex: String,
 }
 
-pub struct SigningRing(RwLock<Arc<Ring>>);
+/// What a server hands devices as a model's signature: its own key
+/// ring's (the cloud), or, on an edge aggregator, the cloud's signatures
+/// and key chain, relayed.
+pub struct SigningRing {
+    own: RwLock<Arc<Ring>>,
+    /// On an edge: the cloud's key chain, which devices enrolled here pin
+    /// and follow. Signatures are then read from `relayed_signatures`.
+    relayed: Option<RwLock<Arc<SigningKeys>>>,
+}
+
+/// A digest an edge has no cloud signature for.
+#[derive(Debug, thiserror::Error)]
+pub enum SignatureError {
+    #[error(
+        "this edge holds no cloud signature for model digest {digest}; it relays only versions \
+         it fetched from the cloud"
+    )]
+    NotRelayed { digest: String },
+    #[error("cannot read the relayed signature of model digest {digest}")]
+    Database {
+        digest: String,
+        #[source]
+        source: sqlx::Error,
+    },
+}
 
 impl SigningRing {
     pub fn new(ring: Ring) -> SigningRing {
-        SigningRing(RwLock::new(Arc::new(ring)))
+        SigningRing {
+            own: RwLock::new(Arc::new(ring)),
+            relayed: None,
+        }
+    }
+
+    /// An edge's ring: models carry the cloud's signatures, and devices
+    /// are handed the cloud's `chain`.
+    pub fn relaying(ring: Ring, chain: SigningKeys) -> SigningRing {
+        SigningRing {
+            own: RwLock::new(Arc::new(ring)),
+            relayed: Some(RwLock::new(Arc::new(chain))),
+        }
     }
 
     fn ring(&self) -> Arc<Ring> {
         // A poisoned lock still holds a whole ring: replacing it is one store.
-        match self.0.read() {
+        match self.own.read() {
             Ok(ring) => ring.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
         }
     }
 
+    fn relayed_chain(&self) -> Option<Arc<SigningKeys>> {
+        let relayed = self.relayed.as_ref()?;
+        Some(match relayed.read() {
+            Ok(chain) => chain.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        })
+    }
+
+    /// Replaces the relayed chain with the cloud's latest; no-op on a
+    /// server that signs for itself.
+    pub fn set_relayed_chain(&self, chain: SigningKeys) {
+        if let Some(relayed) = &self.relayed {
+            match relayed.write() {
+                Ok(mut slot) => *slot = Arc::new(chain),
+                Err(poisoned) => *poisoned.into_inner() = Arc::new(chain),
+            }
+        }
+    }
+
+    /// The signature devices verify a model by: this server's own, or on
+    /// an edge the cloud's, as relayed.
+    pub async fn model_signature(
+        &self,
+        db: &Db,
+        digest_hex: &str,
+    ) -> Result<ModelSignature, SignatureError> {
+        if self.relayed.is_none() {
+            return Ok(self.sign_model(digest_hex));
+        }
+        relayed_signatures::get(db, digest_hex)
+            .await
+            .map_err(|source| SignatureError::Database {
+                digest: digest_hex.to_string(),
+                source,
+            })?
+            .ok_or_else(|| SignatureError::NotRelayed {
+                digest: digest_hex.to_string(),
+            })
+    }
+
     /// Signs with the key in use.
-    pub fn sign_model(&self, digest_hex: &str) -> ModelSignature {
+    fn sign_model(&self, digest_hex: &str) -> ModelSignature {
         let ring = self.ring();
         ModelSignature {
             key_hex: ring.current.public_key_hex(),
@@ -43,19 +122,26 @@ impl SigningRing {
         }
     }
 
+    /// The key devices verify models by now: the cloud's on an edge.
     pub fn current_public_key_hex(&self) -> String {
-        self.ring().current.public_key_hex()
+        match self.relayed_chain() {
+            Some(chain) => chain.current_key.clone(),
+            None => self.ring().current.public_key_hex(),
+        }
     }
 
     /// The key in use and the endorsements that lead to it.
     pub fn chain(&self) -> SigningKeys {
-        self.ring().chain.clone()
+        match self.relayed_chain() {
+            Some(chain) => (*chain).clone(),
+            None => self.ring().chain.clone(),
+        }
     }
 
     /// Swaps in `ring`; true when the key in use changed.
     fn replace(&self, ring: Ring) -> bool {
         let changed = self.ring().seq != ring.seq;
-        match self.0.write() {
+        match self.own.write() {
             Ok(mut slot) => *slot = Arc::new(ring),
             Err(poisoned) => *poisoned.into_inner() = Arc::new(ring),
         }

@@ -33,6 +33,17 @@ pub struct DownloadedModel {
     pub version_id: i64,
     pub digest: String,
     pub bytes: Bytes,
+    /// The server's signature over `digest`, as verified, and the key (hex)
+    /// that made it: what an edge aggregator relays to its own devices.
+    pub signature_hex: String,
+    pub signer_key_hex: String,
+}
+
+/// A digest whose signature verified, with the signature and its key.
+struct Verified {
+    digest: String,
+    signature_hex: String,
+    signer_key_hex: String,
 }
 
 impl DeviceClient {
@@ -111,16 +122,18 @@ impl DeviceClient {
     pub async fn download_model(&self, task: &Task) -> Result<DownloadedModel, SdkError> {
         super::validate_task(task)?;
         let mut sink = MemorySink(Vec::new());
-        let digest = self.fetch_model(task, &mut sink).await?;
+        let verified = self.fetch_model(task, &mut sink).await?;
         let bytes = Bytes::from(sink.0);
-        verify_content(&bytes, &digest).map_err(|reason| SdkError::ModelVerification {
+        verify_content(&bytes, &verified.digest).map_err(|reason| SdkError::ModelVerification {
             version_id: task.model_version_id,
             reason,
         })?;
         Ok(DownloadedModel {
             version_id: task.model_version_id,
-            digest,
+            digest: verified.digest,
             bytes,
+            signature_hex: verified.signature_hex,
+            signer_key_hex: verified.signer_key_hex,
         })
     }
 
@@ -142,10 +155,10 @@ impl DeviceClient {
         loop {
             let mut sink = FileSink::open(&part, task.model_size_bytes)?;
             let resumed_from_disk = sink.len > 0;
-            let digest = self.fetch_model(task, &mut sink).await?;
+            let verified = self.fetch_model(task, &mut sink).await?;
             sink.finish()?;
             let bytes = read_file(&part, MAX_MODEL_BYTES)?;
-            if let Err(reason) = verify_content(&bytes, &digest) {
+            if let Err(reason) = verify_content(&bytes, &verified.digest) {
                 let _ = std::fs::remove_file(&part);
                 if resumed_from_disk && !started_over {
                     started_over = true;
@@ -160,8 +173,10 @@ impl DeviceClient {
             crate::files::sync_parent(path).map_err(local_file("sync the directory of", path))?;
             return Ok(DownloadedModel {
                 version_id: task.model_version_id,
-                digest,
+                digest: verified.digest,
                 bytes: Bytes::from(bytes),
+                signature_hex: verified.signature_hex,
+                signer_key_hex: verified.signer_key_hex,
             });
         }
     }
@@ -169,7 +184,7 @@ impl DeviceClient {
     /// Fetches the model into `sink`, resuming after breaks; returns the
     /// digest whose server signature was verified. The content is checked
     /// by the caller.
-    async fn fetch_model(&self, task: &Task, sink: &mut dyn Sink) -> Result<String, SdkError> {
+    async fn fetch_model(&self, task: &Task, sink: &mut dyn Sink) -> Result<Verified, SdkError> {
         let policy = self.retry.normalized();
         let (mut failures, mut requests) = (0u32, 0u32);
         let mut verified = None;
@@ -208,7 +223,7 @@ impl DeviceClient {
         &self,
         task: &Task,
         sink: &mut dyn Sink,
-        verified: &mut Option<String>,
+        verified: &mut Option<Verified>,
     ) -> Result<(), SdkError> {
         let version_id = task.model_version_id;
         let fail = |reason: String| SdkError::ModelVerification { version_id, reason };
@@ -244,7 +259,7 @@ impl DeviceClient {
                 "the response has no `{HEADER_MODEL_DIGEST}` header"
             ))
         })?;
-        match verified.as_deref() {
+        match verified.as_ref().map(|known| known.digest.as_str()) {
             Some(known) if known == digest => {}
             Some(known) => {
                 return Err(fail(format!(
@@ -266,7 +281,13 @@ impl DeviceClient {
                 let signer = header(HEADER_MODEL_KEY);
                 self.verify_model_signature(version_id, signer.as_deref(), &digest, &signature)
                     .await?;
-                *verified = Some(digest);
+                let signer_key_hex =
+                    signer.unwrap_or_else(|| hex::encode(self.trusted_keys().current()));
+                *verified = Some(Verified {
+                    digest,
+                    signature_hex: signature,
+                    signer_key_hex,
+                });
             }
         }
         let total = match response.status() {

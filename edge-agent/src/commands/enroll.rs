@@ -7,13 +7,17 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use canopy_engine::select::BackendChoice;
 use canopy_protocol::auth::DeviceKey;
-use canopy_protocol::messages::{Capabilities, MAX_MEMORY_MB, MAX_TAGS, Tier};
+use canopy_protocol::messages::{Capabilities, DeviceRole, MAX_MEMORY_MB, MAX_TAGS, Tier};
 use clap::Args;
 
 use crate::backend::{AgentBackend, OrtArgs};
 use crate::config::{AgentConfig, MAX_URL_CHARS, TrustConfig, store_key};
 use crate::files::{DataDir, absolute, hinted, now_ms};
 use crate::output::outln;
+
+fn parse_role(text: &str) -> Result<DeviceRole, String> {
+    text.parse()
+}
 
 /// Longest enrollment token accepted.
 const MAX_TOKEN_CHARS: usize = 1024;
@@ -48,6 +52,12 @@ pub struct EnrollArgs {
     /// Replace an existing enrollment (and its device key).
     #[arg(long)]
     force: bool,
+    /// `device` (the default) trains on this machine's data; `aggregator`
+    /// makes it an edge node that serves its own end devices and runs the
+    /// cloud's rounds over them (`canopy-agent aggregate`). The token must
+    /// be of the same role (`canopy device enroll-token --role`).
+    #[arg(long, default_value_t = DeviceRole::Device, value_parser = parse_role)]
+    role: DeviceRole,
     /// The backends to offer jobs: cpu; gpu (the CPU and any Vulkan,
     /// Metal or DX12 adapter); auto (the CPU, and a hardware GPU when there
     /// is one); npu (the CPU, and ONNX Runtime for frozen backbones; an
@@ -138,11 +148,12 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
         .build()
         .context("cannot start the async runtime")?;
     let response = runtime
-        .block_on(canopy_sdk::enroll(
+        .block_on(canopy_sdk::enroll_as(
             &transport,
             &args.token,
             &key,
             capabilities,
+            args.role,
         ))
         .map_err(|error| {
             let hint = match (error.status(), error.connect_problem()) {
@@ -178,6 +189,7 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
         trust,
         tags,
         device_authority: args.device_authority,
+        role: args.role,
     };
     dir.create()?;
     let key_path = dir.key();
@@ -188,7 +200,8 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
         return Err(error);
     }
     outln!(
-        "enrolled as device {} with {server}; key {} (mode 600), enrollment {}",
+        "enrolled as {} {} with {server}; key {} (mode 600), enrollment {}",
+        config.role,
         config.device_id,
         key_path.display(),
         dir.agent().display()
@@ -198,11 +211,17 @@ pub fn run(dir: &DataDir, args: EnrollArgs) -> Result<()> {
             "warning: plain HTTP; traffic to the server is not encrypted (use https outside a loopback test)"
         )?;
     }
-    outln!(
-        "next: `canopy-agent --data-dir {} data add NAME --kind csv --path FILE`, then `canopy-agent --data-dir {} run`",
-        dir.root.display(),
-        dir.root.display()
-    )?;
+    match config.role {
+        DeviceRole::Device => outln!(
+            "next: `canopy-agent --data-dir {} data add NAME --kind csv --path FILE`, then `canopy-agent --data-dir {} run`",
+            dir.root.display(),
+            dir.root.display()
+        )?,
+        DeviceRole::Aggregator => outln!(
+            "next: `canopy-agent --data-dir {} aggregate --listen 0.0.0.0:9443 --tls self-signed`, then enroll end devices with it",
+            dir.root.display()
+        )?,
+    }
     Ok(())
 }
 

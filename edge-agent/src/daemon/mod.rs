@@ -14,12 +14,14 @@
 mod data;
 mod task;
 
+pub(crate) use task::TASK_RETRY;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use canopy_protocol::messages::{Heartbeat, TaskKind};
+use canopy_protocol::messages::{DeviceRole, Heartbeat, TaskKind};
 use canopy_sdk::{CancelToken, DeviceClient, RetryPolicy, SdkError};
 use clap::Args;
 use tokio::sync::{Notify, watch};
@@ -151,6 +153,15 @@ pub fn run(dir: &DataDir, args: RunArgs) -> Result<()> {
             .context("cannot train on the NPU backend (--backend npu)")?;
     }
     let agent = AgentConfig::require(dir)?;
+    if agent.role == DeviceRole::Aggregator {
+        return Err(crate::files::hinted(
+            format!(
+                "`{}` is enrolled as an aggregator, which trains on no data of its own",
+                dir.root.display()
+            ),
+            "run it with `canopy-agent aggregate`, which serves its end devices",
+        ));
+    }
     let key = load_key(&dir.key())?;
     let datasets = Arc::new(LocalDatasets::open(dir, settings.dataset.as_deref())?);
     settings.backend.settle();

@@ -41,7 +41,7 @@ const CLOCK_SKEW_MS: u64 = 60_000;
 /// waits from 1 s doubling up to 30 s, with full jitter. A secure round's
 /// stage cannot be run again from the agent's side (the round's keys live
 /// in one `SecureRound`), so the SDK retries each request itself.
-pub(super) const TASK_RETRY: RetryPolicy = RetryPolicy {
+pub(crate) const TASK_RETRY: RetryPolicy = RetryPolicy {
     max_attempts: 8,
     initial_backoff_ms: 1_000,
     max_backoff_ms: 30_000,
@@ -687,6 +687,7 @@ mod tests {
             ])
             .expect("layout"),
             secure_aggregation: None,
+            sub_round: None,
             policy: Default::default(),
         }
     }

@@ -12,10 +12,14 @@ use std::time::Duration;
 
 /// Successful rounds one job may ask for.
 pub const MAX_ROUNDS: u32 = 100_000;
-/// `min_devices` and `target_devices` of a job.
-pub const MAX_DEVICES_PER_ROUND: u32 = 100_000;
+/// `min_devices` and `target_devices` of a job, and of its edges'
+/// sub-rounds (which aggregators check too).
+pub const MAX_DEVICES_PER_ROUND: u32 = canopy_protocol::bounds::MAX_SUB_ROUND_DEVICES;
 /// Extra devices selected, as a fraction of the target.
-pub const MAX_OVER_SELECTION: f64 = 4.0;
+pub const MAX_OVER_SELECTION: f64 = canopy_protocol::bounds::MAX_OVER_SELECTION;
+/// Time an edge's partial result has to reach the cloud: a tiered job's
+/// sub-rounds close at least this long before its round's deadline.
+pub const MIN_UPLINK_MS: u64 = 1_000;
 /// A round's deadline, from selection: at least a second, at most a week.
 pub const MIN_ROUND_DEADLINE_MS: u64 = 1_000;
 pub const MAX_ROUND_DEADLINE_MS: u64 = 7 * 24 * 3_600_000;

@@ -8,13 +8,15 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use canopy_protocol::bounds::{self, MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE};
+use canopy_protocol::messages::{DeviceRole, SubRound};
 use canopy_protocol::secagg::SecAggConfig;
+use canopy_protocol::update::MAX_SAMPLES;
 
 use super::{Page, from_json, text_enum};
 use crate::config::api_bounds::{
     MAX_DEVICES_PER_ROUND, MAX_FILTER_BACKENDS, MAX_FILTER_TAGS, MAX_JOB_NAME_CHARS,
     MAX_OVER_SELECTION, MAX_ROUND_DEADLINE_MS, MAX_ROUND_RETRIES, MAX_ROUNDS,
-    MAX_WAIT_FOR_DEVICES_MS, MIN_ROUND_DEADLINE_MS, MIN_WAIT_FOR_DEVICES_MS,
+    MAX_WAIT_FOR_DEVICES_MS, MIN_ROUND_DEADLINE_MS, MIN_UPLINK_MS, MIN_WAIT_FOR_DEVICES_MS,
 };
 use crate::db::{Db, now_ms};
 use canopy_protocol::messages::{DevicePolicy, GpuDeviceType};
@@ -141,6 +143,45 @@ pub struct JobSpec {
     #[serde(default, skip_serializing_if = "is_disabled")]
     #[schema(value_type = SecureAggregationSchema)]
     pub secure_aggregation: SecAggConfig,
+    /// Most samples one end device's update may claim; an update that
+    /// claims more is refused, so that no device outweighs the others by
+    /// misstating its data. No bound beyond the protocol's (2⁴⁰) when
+    /// left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(minimum = 1, maximum = 1_099_511_627_776_u64)]
+    pub max_samples_per_device: Option<u64>,
+    /// Runs the job through edge aggregators: each round selects
+    /// aggregators (devices enrolled with an `aggregator` token), counted
+    /// by `min_devices` and `target_devices`, and each runs a sub-round
+    /// over its own end devices as this says, then sends this server one
+    /// weighted partial result. The job's FedAvg equals FedAvg over every
+    /// end device. Flat (end devices straight to this server) when left
+    /// out. See `docs/edge.md`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edges: Option<EdgeTier>,
+}
+
+/// A tiered job's sub-rounds, which each selected aggregator runs over
+/// its own end devices.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EdgeTier {
+    /// Fewest end-device updates that make a sub-round succeed; an
+    /// aggregator with fewer sends nothing.
+    #[schema(minimum = 1, maximum = 100_000)]
+    pub min_devices: u32,
+    /// End-device updates at which a sub-round closes early.
+    #[schema(minimum = 1, maximum = 100_000)]
+    pub target_devices: u32,
+    /// Extra end devices each aggregator selects, as a fraction of the target.
+    #[serde(default = "default_over_selection")]
+    #[schema(minimum = 0, maximum = 4)]
+    pub over_selection: f64,
+    /// How long a sub-round runs, from when its aggregator is selected;
+    /// at least a second less than the job's `round_deadline_ms`, which
+    /// leaves the partial result time to reach this server.
+    #[schema(minimum = 1_000, maximum = 604_799_000)]
+    pub deadline_ms: u64,
 }
 
 fn is_disabled(config: &SecAggConfig) -> bool {
@@ -289,6 +330,7 @@ impl JobSpec {
         self.check_strategy()?;
         self.check_evaluation()?;
         self.device_policy.validate()?;
+        self.check_edges()?;
         self.check_secure_aggregation()
     }
 
@@ -455,8 +497,80 @@ impl JobSpec {
 
     /// Devices to select for a round: the target plus over-selection.
     pub fn selection_size(&self) -> u32 {
-        let extra = (f64::from(self.target_devices) * self.over_selection).ceil();
-        self.target_devices.saturating_add(extra as u32)
+        bounds::selection_size(self.target_devices, self.over_selection)
+    }
+
+    /// The role of the devices the job's rounds select: aggregators for a
+    /// tiered job, end devices otherwise.
+    pub fn selects(&self) -> DeviceRole {
+        match self.edges {
+            Some(_) => DeviceRole::Aggregator,
+            None => DeviceRole::Device,
+        }
+    }
+
+    /// The sub-round an aggregator runs for a round whose task is due at
+    /// `deadline_unix_ms`, for a tiered job: it closes `round_deadline_ms
+    /// - edges.deadline_ms` before the round, the uplink's time.
+    pub fn sub_round(&self, deadline_unix_ms: u64) -> Option<SubRound> {
+        let edges = self.edges.as_ref()?;
+        let uplink_ms = self.round_deadline_ms.saturating_sub(edges.deadline_ms);
+        Some(SubRound {
+            min_devices: edges.min_devices,
+            target_devices: edges.target_devices,
+            over_selection: edges.over_selection,
+            deadline_unix_ms: deadline_unix_ms.saturating_sub(uplink_ms),
+            max_samples_per_device: self.max_samples_per_device.unwrap_or(MAX_SAMPLES),
+        })
+    }
+
+    fn check_edges(&self) -> Result<(), String> {
+        if let Some(bound) = self.max_samples_per_device {
+            check_range("max_samples_per_device", bound, 1, MAX_SAMPLES)?;
+        }
+        let Some(edges) = &self.edges else {
+            return Ok(());
+        };
+        check_range(
+            "edges.min_devices",
+            edges.min_devices,
+            1,
+            MAX_DEVICES_PER_ROUND,
+        )?;
+        check_range(
+            "edges.target_devices",
+            edges.target_devices,
+            edges.min_devices,
+            MAX_DEVICES_PER_ROUND,
+        )
+        .map_err(|e| format!("{e} (it may not be below `edges.min_devices`)"))?;
+        if !(0.0..=MAX_OVER_SELECTION).contains(&edges.over_selection) {
+            return Err(format!(
+                "`edges.over_selection` must be between 0 and {MAX_OVER_SELECTION}, got {}",
+                edges.over_selection
+            ));
+        }
+        let latest_ms = self.round_deadline_ms.saturating_sub(MIN_UPLINK_MS);
+        check_range(
+            "edges.deadline_ms",
+            edges.deadline_ms,
+            MIN_ROUND_DEADLINE_MS.min(latest_ms),
+            latest_ms,
+        )
+        .map_err(|e| {
+            format!(
+                "{e}: a sub-round must close at least {MIN_UPLINK_MS} ms before the round's \
+                 `round_deadline_ms`, so that its result can reach this server"
+            )
+        })?;
+        if self.secure_aggregation.enabled {
+            return Err(
+                "`edges` and `secure_aggregation` cannot be combined yet: run the tiered \
+                        job without secure aggregation, or the secure job flat"
+                    .to_string(),
+            );
+        }
+        Ok(())
     }
 }
 

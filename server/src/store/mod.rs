@@ -6,6 +6,7 @@ pub mod devices;
 pub mod evaluations;
 pub mod jobs;
 pub mod models;
+pub mod relayed_signatures;
 pub mod rounds;
 pub(crate) mod row;
 pub mod secagg;
@@ -14,6 +15,7 @@ pub mod signing_keys;
 pub mod strategy;
 pub mod task_state;
 pub mod tokens;
+pub mod uplinks;
 
 use rand::RngCore;
 use sha2::{Digest, Sha256};

@@ -123,6 +123,16 @@ pub async fn get_version(db: &Db, id: i64) -> Result<Option<VersionRow>, sqlx::E
     .await
 }
 
+/// The first version with this content digest.
+pub async fn find_by_digest(db: &Db, digest: &str) -> Result<Option<VersionRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {VERSION_COLUMNS} FROM model_versions v WHERE v.digest = $1 ORDER BY v.id LIMIT 1"
+    )))
+    .bind(digest)
+    .fetch_optional(&db.pool)
+    .await
+}
+
 pub async fn find_version(
     db: &Db,
     model_name: &str,

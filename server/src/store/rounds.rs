@@ -434,6 +434,32 @@ pub async fn succeed_statistics(
     super::jobs::set_start_version(tx, round.job_id, fitted_version_id).await
 }
 
+/// An edge's sub-round: `aggregating` → `succeeded` with no version of
+/// its own (its result went to its uplink row, in this transaction), and
+/// its one-round job completed.
+pub async fn succeed_partial(tx: &mut Tx<'_>, round: &RoundRow) -> Result<(), sqlx::Error> {
+    let now = now_ms();
+    clear_sum(tx, round.id).await?;
+    sqlx::query(
+        "UPDATE rounds SET state = 'succeeded', finished_ms = $1, status_message = '' \
+         WHERE id = $2 AND state = 'aggregating'",
+    )
+    .bind(now)
+    .bind(round.id)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "UPDATE jobs SET rounds_completed = rounds_completed + 1, round_failures = 0, \
+         status_message = '', state = 'completed', updated_ms = $1, finished_ms = $1 \
+         WHERE id = $2",
+    )
+    .bind(now)
+    .bind(round.job_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// `aggregating` → `failed` with a reason; no model version is written.
 /// The job fails once the round has failed more than `max_retries` times.
 pub async fn fail(
@@ -736,6 +762,7 @@ any_row! {
         pub deadline_ms: Option<i64>,
         pub base_version_id: i64,
         pub kind: RoundKind as String,
+        pub job_id: i64,
     }
 }
 
@@ -756,8 +783,8 @@ pub async fn standing(
     device_id: i64,
 ) -> Result<Option<Standing>, sqlx::Error> {
     sqlx::query_as(
-        "SELECT p.state AS participant, r.state AS round, r.deadline_ms, r.base_version_id, r.kind \
-         FROM participants p JOIN rounds r ON r.id = p.round_id \
+        "SELECT p.state AS participant, r.state AS round, r.deadline_ms, r.base_version_id, r.kind, \
+         r.job_id FROM participants p JOIN rounds r ON r.id = p.round_id \
          WHERE p.round_id = $1 AND p.device_id = $2",
     )
     .bind(round_id)

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -118,6 +118,53 @@ fn listening_port(url: &str) -> Result<u16> {
     url.rsplit_once(':')
         .and_then(|(_, port)| port.trim_end_matches('/').parse().ok())
         .ok_or_else(|| anyhow!("`listening on {url}` names no port"))
+}
+
+/// What a starting server prints on stdout for tools to read.
+pub struct Announced {
+    /// On the very first start only.
+    pub admin_token: Option<String>,
+    pub fingerprint: String,
+    pub base: String,
+    pub port: u16,
+}
+
+/// Reads a starting server's stdout (`canopy-server serve`, `canopy-agent
+/// aggregate`) up to its `listening on` line; `log` is shown if it never
+/// comes.
+pub fn read_announcements(child: &mut Child, program: &str, log: &Path) -> Result<Announced> {
+    let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let started = Instant::now();
+    let (mut admin_token, mut fingerprint) = (None, String::new());
+    loop {
+        let remaining = STARTUP_TIMEOUT
+            .checked_sub(started.elapsed())
+            .unwrap_or_default();
+        let line = rx.recv_timeout(remaining).map_err(|_| {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            anyhow!("{program} did not start within {STARTUP_TIMEOUT:?}; log:\n{log}")
+        })?;
+        if let Some(token) = line.strip_prefix("admin token: ") {
+            admin_token = Some(token.to_string());
+        } else if let Some(print) = line.strip_prefix("tls fingerprint: ") {
+            fingerprint = print.to_string();
+        } else if let Some(url) = line.strip_prefix("listening on ") {
+            return Ok(Announced {
+                admin_token,
+                fingerprint,
+                base: url.to_string(),
+                port: listening_port(url)?,
+            });
+        }
+    }
 }
 
 pub struct TestServer {
@@ -239,34 +286,13 @@ impl TestServer {
             .stderr(Stdio::from(log))
             .spawn()
             .context("cannot start canopy-server")?;
-        let stdout = child.stdout.take().ok_or_else(|| anyhow!("no stdout"))?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let started = Instant::now();
-        loop {
-            let remaining = STARTUP_TIMEOUT
-                .checked_sub(started.elapsed())
-                .unwrap_or_default();
-            let line = rx.recv_timeout(remaining).map_err(|_| {
-                let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
-                anyhow!("canopy-server did not start within {STARTUP_TIMEOUT:?}; log:\n{log}")
-            })?;
-            if let Some(token) = line.strip_prefix("admin token: ") {
-                self.admin_token = token.to_string();
-            } else if let Some(fingerprint) = line.strip_prefix("tls fingerprint: ") {
-                self.fingerprint = fingerprint.to_string();
-            } else if let Some(url) = line.strip_prefix("listening on ") {
-                self.base = url.to_string();
-                self.port = listening_port(url)?;
-                break;
-            }
+        let announced = read_announcements(&mut child, "canopy-server", &self.log_path())?;
+        if let Some(token) = announced.admin_token {
+            self.admin_token = token;
         }
+        self.fingerprint = announced.fingerprint;
+        self.base = announced.base;
+        self.port = announced.port;
         self.child = Some(child);
         Ok(())
     }
@@ -484,10 +510,15 @@ impl Admin {
     }
 
     pub async fn enrollment_token(&self, max_uses: u32) -> Result<String> {
+        self.enrollment_token_for("device", max_uses).await
+    }
+
+    /// A token that enrolls devices of `role` (`device` or `aggregator`).
+    pub async fn enrollment_token_for(&self, role: &str, max_uses: u32) -> Result<String> {
         let reply = self
             .post(
                 "/api/v1/enrollment-tokens",
-                json!({"expires_in": "1h", "max_uses": max_uses, "label": "test"}),
+                json!({"expires_in": "1h", "max_uses": max_uses, "label": "test", "role": role}),
             )
             .await?;
         if reply.status != 201 {

@@ -390,7 +390,11 @@ pub async fn download_version(
     let row = find(&state, &name, version).await?;
     let blob = state.blobs.stream(&row.digest, 0).await?;
     state.metrics.bytes_sent.inc_by(blob.size);
-    let signed = state.signing.sign_model(&row.digest);
+    let signed = state
+        .signing
+        .model_signature(&state.db, &row.digest)
+        .await
+        .map_err(|error| ApiError::internal(canopy_term::error_chain(&error)))?;
     Ok((
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),

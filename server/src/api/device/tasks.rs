@@ -256,6 +256,7 @@ async fn build_evaluation_task(
         dataset: spec.dataset.clone(),
         layout: (*layout).clone(),
         secure_aggregation: None,
+        sub_round: None,
         policy: spec.device_policy,
     })
 }
@@ -298,6 +299,7 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         dataset: spec.dataset.clone(),
         layout: (*layout).clone(),
         secure_aggregation: secure_task(state, &task)?,
+        sub_round: spec.sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)),
         policy: spec.device_policy,
     })
 }
@@ -377,7 +379,11 @@ pub async fn download_model(
     let sent = blob.range.end - blob.range.start;
     state.metrics.bytes_sent.inc_by(sent);
     rounds::add_bytes_out(&state.db, device.device_id, version_id, sent).await?;
-    let signed = state.signing.sign_model(&version.digest);
+    let signed = state
+        .signing
+        .model_signature(&state.db, &version.digest)
+        .await
+        .map_err(|error| ApiError::internal(canopy_term::error_chain(&error)))?;
     let status = if start.is_some() {
         StatusCode::PARTIAL_CONTENT
     } else {

@@ -22,6 +22,7 @@ use crate::api::error::{ApiError, ApiResult, Json, Path};
 use crate::api::{upload_slot, within_upload_timeout};
 use crate::db::now_ms;
 use crate::state::AppState;
+use crate::store::jobs;
 use crate::store::rounds::{self, AcceptedUpdate, RoundKind, UploadRejection};
 
 pub async fn upload_update(
@@ -31,7 +32,8 @@ pub async fn upload_update(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<(StatusCode, Json<UploadReceipt>)> {
-    let (kind, base_version_id) = check_participant(&state, round_id, device.device_id).await?;
+    let (kind, base_version_id, job_id) =
+        check_participant(&state, round_id, device.device_id).await?;
     let layout = round_layout(&state, kind, base_version_id).await?;
     let limit = layout.encoded_len();
     if let Some(length) = content_length(&headers)
@@ -69,6 +71,7 @@ pub async fn upload_update(
         ApiError::unprocessable(format!("update for round {round_id} rejected: {error}"))
     })?;
     let num_samples = decoded.num_samples;
+    check_sample_bound(&state, job_id, round_id, num_samples).await?;
     if kind == RoundKind::Statistics {
         check_moments(num_samples, &decoded.values).map_err(|reason| {
             ApiError::unprocessable(format!(
@@ -124,7 +127,7 @@ async fn check_participant(
     state: &AppState,
     round_id: i64,
     device_id: i64,
-) -> ApiResult<(RoundKind, i64)> {
+) -> ApiResult<(RoundKind, i64, i64)> {
     let standing = rounds::standing(&state.db, round_id, device_id).await?;
     let Some(standing) = standing else {
         return Err(rejection(UploadRejection::NotParticipant {
@@ -134,7 +137,53 @@ async fn check_participant(
     };
     let participant = Some(standing.participant);
     rounds::admit(standing.gate(round_id), device_id, participant, now_ms()).map_err(rejection)?;
-    Ok((standing.kind, standing.base_version_id))
+    Ok((standing.kind, standing.base_version_id, standing.job_id))
+}
+
+/// Refuses an update that claims more samples than its job allows one
+/// device (`max_samples_per_device`), or, in a tiered job, than the
+/// aggregator's sub-round could have gathered: every device it may select,
+/// each at that bound. A weight is what FedAvg trusts, so a sender that
+/// overstates it would outweigh everyone else.
+async fn check_sample_bound(
+    state: &AppState,
+    job_id: i64,
+    round_id: i64,
+    num_samples: u64,
+) -> ApiResult<()> {
+    let job = jobs::get(&state.db, job_id)
+        .await?
+        .ok_or_else(|| ApiError::gone(format!("round {round_id}'s job {job_id} is gone")))?;
+    let spec = job.spec()?;
+    let (bound, what) = match spec.sub_round(0) {
+        Some(sub_round) => (
+            sub_round.max_samples(),
+            format!(
+                "an aggregator's result in round {round_id} may claim at most {} samples \
+                 (its sub-round selects at most {} devices, each at most the job's \
+                 `max_samples_per_device` of {})",
+                sub_round.max_samples(),
+                sub_round.max_devices(),
+                sub_round.max_samples_per_device
+            ),
+        ),
+        None => match spec.max_samples_per_device {
+            Some(bound) => (
+                bound,
+                format!(
+                    "an update in round {round_id} may claim at most the job's \
+                     `max_samples_per_device` of {bound} samples"
+                ),
+            ),
+            None => return Ok(()),
+        },
+    };
+    if num_samples > bound {
+        return Err(ApiError::unprocessable(format!(
+            "the update claims {num_samples} samples, but {what}"
+        )));
+    }
+    Ok(())
 }
 
 /// One device's input moments (per feature, the mean then the mean of

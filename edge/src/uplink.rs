@@ -1,0 +1,128 @@
+//! Sends each closed sub-round's result to the cloud, or tells the cloud
+//! why the sub-round failed. The result stays in the edge's uplink row
+//! until the cloud has answered, so a killed edge sends it after its
+//! restart; the cloud refuses a second upload for the same round (409),
+//! which for a result sent before a crash means it was accepted.
+
+use bytes::Bytes;
+use canopy_protocol::messages::Task;
+use canopy_sdk::{DeviceClient, SdkError};
+use canopy_server::state::AppState;
+use canopy_server::store::uplinks::{self, UplinkRow, UplinkState};
+use canopy_term::error_chain as chain;
+
+use crate::{EdgeSettings, pause};
+
+/// Uplinks handled per pass.
+const UPLINKS_PER_PASS: i64 = 16;
+
+pub async fn run(cloud: DeviceClient, state: AppState, edge: EdgeSettings) {
+    loop {
+        let pending = match uplinks::pending(&state.db, UPLINKS_PER_PASS).await {
+            Ok(pending) => pending,
+            Err(error) => {
+                tracing::warn!(error = %chain(&error), "cannot read the uplinks; retrying");
+                Vec::new()
+            }
+        };
+        for uplink in pending {
+            if let Err(error) = send(&cloud, &state, &uplink).await {
+                tracing::warn!(
+                    round = uplink.cloud_round_id, error = %chain(&error),
+                    "cannot reach the cloud with a sub-round's outcome; retrying"
+                );
+            }
+        }
+        if !pause(&state, edge.uplink_interval_ms).await {
+            return;
+        }
+    }
+}
+
+/// What the cloud's answer means for an uplink.
+enum Answer {
+    /// It has the result (or the decline): done.
+    Taken,
+    /// It refuses for good (the round is over, or the result is not one
+    /// it takes): done, with the reason.
+    Refused(String),
+}
+
+async fn send(
+    cloud: &DeviceClient,
+    state: &AppState,
+    uplink: &UplinkRow,
+) -> Result<(), EdgeUplinkError> {
+    let task: Task = serde_json::from_str(&uplink.cloud_task)
+        .map_err(|error| EdgeUplinkError::Task(error.to_string()))?;
+    let answer = match (uplink.state, &uplink.partial) {
+        (UplinkState::Ready, Some(partial)) => upload(cloud, &task, partial).await?,
+        _ => {
+            let reason = format!("the aggregator's sub-round failed: {}", uplink.job_status);
+            decline(cloud, &task, &reason).await?
+        }
+    };
+    match answer {
+        Answer::Taken if uplink.state == UplinkState::Ready => {
+            tracing::info!(
+                round = uplink.cloud_round_id,
+                samples = uplink.num_samples,
+                "the cloud accepted the sub-round's result"
+            );
+            uplinks::mark_sent(&state.db, uplink.job_id).await?;
+        }
+        Answer::Taken => {
+            let reason = uplink.job_status.clone();
+            uplinks::mark_failed(&state.db, uplink.job_id, &reason).await?;
+        }
+        Answer::Refused(reason) => {
+            tracing::warn!(round = uplink.cloud_round_id, %reason, "the cloud refused the sub-round's outcome");
+            uplinks::mark_failed(&state.db, uplink.job_id, &reason).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn upload(cloud: &DeviceClient, task: &Task, partial: &[u8]) -> Result<Answer, SdkError> {
+    match cloud
+        .upload_update(task, Bytes::copy_from_slice(partial))
+        .await
+    {
+        Ok(_) => Ok(Answer::Taken),
+        // Sent before a crash, and folded then.
+        Err(error) if error.status() == Some(409) => Ok(Answer::Taken),
+        Err(error) if refused_for_good(&error) => Ok(Answer::Refused(chain(&error))),
+        Err(error) => Err(error),
+    }
+}
+
+async fn decline(cloud: &DeviceClient, task: &Task, reason: &str) -> Result<Answer, SdkError> {
+    match cloud.decline_task(task, reason).await {
+        Ok(()) => Ok(Answer::Taken),
+        Err(error)
+            if error
+                .status()
+                .is_some_and(|status| status < 500 && status != 429) =>
+        {
+            Ok(Answer::Refused(chain(&error)))
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// Answers that sending again would not change: the round closed or the
+/// aggregator was dropped (410), it is not the aggregator's round (403),
+/// or the result is refused (422).
+fn refused_for_good(error: &SdkError) -> bool {
+    matches!(error.status(), Some(403 | 404 | 410 | 413 | 422))
+}
+
+#[derive(Debug, thiserror::Error)]
+enum EdgeUplinkError {
+    #[error("the uplink's stored cloud task is unreadable: {0}")]
+    Task(String),
+    #[error(transparent)]
+    Cloud(#[from] SdkError),
+    #[error("the edge's database failed")]
+    Database(#[from] canopy_server::db::SqlError),
+}

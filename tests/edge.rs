@@ -1,0 +1,329 @@
+//! The edge tier end to end: a real cloud (`canopy-server serve`), real
+//! edge aggregators (`canopy-agent aggregate`), and end devices that talk
+//! to their edge through the SDK over real TLS, as they would to a cloud.
+//!
+//! The devices send updates the test makes and keeps, so the test computes
+//! flat FedAvg over every end device itself and checks that the tiered
+//! job's model equals it.
+
+#[path = "../server/tests/support/mod.rs"]
+mod support;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::update::encode_update;
+use canopy_sdk::{DeviceClient, Transport, Trust};
+use serde_json::json;
+use support::{Admin, Database, TestServer, fetch_model, poll_task, sibling_binary};
+
+const EDGES: usize = 3;
+const DEVICES_PER_EDGE: usize = 4;
+const ROUNDS: u32 = 3;
+const JOB_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// One edge aggregator: the agent's data directory and, while it runs,
+/// its `aggregate` process with what it announced.
+struct Edge {
+    dir: tempfile::TempDir,
+    child: Option<Child>,
+    base: String,
+    port: u16,
+    fingerprint: String,
+    admin_token: String,
+}
+
+impl Edge {
+    fn command(&self) -> Command {
+        let mut command = Command::new(sibling_binary("canopy-agent"));
+        command
+            .arg("--data-dir")
+            .arg(self.dir.path())
+            .env("RUST_LOG", "info,sqlx=warn")
+            .env_remove("CANOPY_LOG")
+            .env_remove("CANOPY_EDGE_DIR")
+            .env_remove("CANOPY_CONFIG");
+        command
+    }
+
+    /// Enrolls a new edge with the cloud as an aggregator.
+    fn enroll(cloud: &TestServer, token: &str) -> Result<Edge> {
+        let edge = Edge {
+            dir: support::private_tempdir()?,
+            child: None,
+            base: String::new(),
+            port: 0,
+            fingerprint: String::new(),
+            admin_token: String::new(),
+        };
+        let output = edge
+            .command()
+            .args(["enroll", "--server", &cloud.base, "--token", token])
+            .args(["--fingerprint", &cloud.fingerprint, "--role", "aggregator"])
+            .stdin(Stdio::null())
+            .output()?;
+        ensure!(
+            output.status.success(),
+            "aggregator enrollment failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(edge)
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("aggregate.log")
+    }
+
+    /// Starts `aggregate` on its port (a free one the first time).
+    fn start(&mut self) -> Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())?;
+        let mut child = self
+            .command()
+            .arg("aggregate")
+            .args(["--listen", &format!("127.0.0.1:{}", self.port)])
+            .args(["--tls", "self-signed"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .context("cannot start canopy-agent aggregate")?;
+        let announced =
+            support::read_announcements(&mut child, "canopy-agent aggregate", &self.log_path())?;
+        if let Some(token) = announced.admin_token {
+            self.admin_token = token;
+        }
+        self.fingerprint = announced.fingerprint;
+        self.base = announced.base;
+        self.port = announced.port;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn transport(&self) -> Transport {
+        Transport::new(&self.base, &Trust::PinnedSha256(self.fingerprint.clone()))
+            .expect("transport")
+    }
+
+    fn admin(&self) -> Admin {
+        Admin {
+            transport: self.transport(),
+            token: self.admin_token.clone(),
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+}
+
+impl Drop for Edge {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// An end device enrolled with an edge, as the SDK enrolls with any server.
+async fn enroll_at_edge(edge: &Edge, token: &str) -> Result<(DeviceClient, String)> {
+    let transport = edge.transport();
+    let key = DeviceKey::generate();
+    let enrolled = canopy_sdk::enroll(&transport, token, &key, support::capabilities()).await?;
+    let client = DeviceClient::new(
+        transport,
+        enrolled.device_id,
+        key,
+        &enrolled.server_public_key,
+    )?;
+    Ok((client, enrolled.server_public_key))
+}
+
+/// What one end device sent in one round.
+#[derive(Clone, Debug)]
+struct Sent {
+    round: u32,
+    num_samples: u64,
+    values: Vec<f32>,
+}
+
+/// A device's update for a round: distinct per device and round, and
+/// known to the test, which computes flat FedAvg from it.
+fn update_of(device: usize, round: u32, len: usize) -> (u64, Vec<f32>) {
+    let num_samples = 5 + device as u64 * 3;
+    let values = (0..len)
+        .map(|k| ((device * 7 + round as usize * 13 + k) % 17) as f32 * 0.001 - 0.008)
+        .collect();
+    (num_samples, values)
+}
+
+/// Runs one device through every round: poll its edge, download the
+/// version (the SDK verifies the cloud's signature on it), upload.
+async fn play(device: DeviceClient, index: usize) -> Result<Vec<Sent>> {
+    let mut sent = Vec::new();
+    // Each sub-round is the edge's own one-round job, so the task's round
+    // number is the edge's; the cloud's rounds come one after another.
+    for round in 1..=ROUNDS {
+        let task = poll_task(&device).await?;
+        ensure!(
+            task.sub_round.is_none(),
+            "an end device got a sub-round: {task:?}"
+        );
+        let model = device
+            .download_model(&task)
+            .await
+            .with_context(|| format!("device {index} cannot download in round {round}"))?;
+        ensure!(model.digest == task.model_digest);
+        let (num_samples, values) = update_of(index, round, task.layout.num_elements());
+        let encoded = encode_update(&task.layout, num_samples, &values)?;
+        device.upload_update(&task, encoded.into()).await?;
+        sent.push(Sent {
+            round,
+            num_samples,
+            values,
+        });
+    }
+    Ok(sent)
+}
+
+/// The trainable parameters of a model, in layout order.
+fn trainable(model: &canopy_ir::Model) -> Vec<f64> {
+    model
+        .parameters
+        .iter()
+        .filter(|parameter| parameter.trainable)
+        .flat_map(|parameter| match &parameter.data.buffer {
+            canopy_ir::data::Buffer::F32(values) => values.iter().map(|&v| f64::from(v)).collect(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// 1 cloud, 3 edges, 12 end devices, 3 rounds: the tiered job's model is
+/// flat FedAvg over the 12 devices' updates, to 1e-6.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tiered_job_equals_flat_fedavg_over_every_end_device() -> Result<()> {
+    let cloud = TestServer::start(Database::Sqlite)?;
+    let cloud_admin = cloud.admin();
+    let token = cloud_admin
+        .enrollment_token_for("aggregator", EDGES as u32)
+        .await?;
+    let mut edges = Vec::new();
+    for _ in 0..EDGES {
+        let mut edge = Edge::enroll(&cloud, &token)?;
+        edge.start()?;
+        edges.push(edge);
+    }
+    let cloud_key = cloud_admin.ok("/device/v1/server-key").await?;
+    let cloud_key = cloud_key["server_public_key"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let mut players = Vec::new();
+    for (e, edge) in edges.iter().enumerate() {
+        let device_token = edge
+            .admin()
+            .enrollment_token(DEVICES_PER_EDGE as u32)
+            .await
+            .with_context(|| format!("edge {e}'s admin API: {}", edge.log()))?;
+        for d in 0..DEVICES_PER_EDGE {
+            let (device, pinned) = enroll_at_edge(edge, &device_token).await?;
+            // The edge relays the cloud's key: devices verify the cloud's
+            // signature on every model, end to end.
+            ensure!(
+                pinned == cloud_key,
+                "the edge handed out {pinned}, not the cloud's key {cloud_key}"
+            );
+            players.push(tokio::spawn(play(device, e * DEVICES_PER_EDGE + d)));
+        }
+    }
+    let base_bytes = support::logreg_model_bytes(11);
+    let base = canopy_ir::format::read_model(&base_bytes)?;
+    let version = cloud_admin.upload_model("tiered", base_bytes).await?;
+    let job = cloud_admin
+        .create_job(json!({
+            "name": "tiered",
+            "model_version_id": version["id"],
+            "rounds": ROUNDS,
+            "min_devices": EDGES,
+            "target_devices": EDGES,
+            "over_selection": 0.0,
+            "round_deadline_ms": 60_000,
+            "local_epochs": 1,
+            "batch_size": 8,
+            "learning_rate": 0.1,
+            "evaluation": {"fraction": 0.0},
+            "edges": {
+                "min_devices": DEVICES_PER_EDGE,
+                "target_devices": DEVICES_PER_EDGE,
+                "over_selection": 0.0,
+                "deadline_ms": 50_000,
+            },
+        }))
+        .await?;
+    let finished = cloud_admin.wait_for_job(job, JOB_TIMEOUT).await;
+    let logs = || {
+        edges
+            .iter()
+            .map(Edge::log)
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    };
+    let finished = finished.with_context(logs)?;
+    ensure!(
+        finished["state"] == "completed",
+        "job {finished}\nedges:\n{}",
+        logs()
+    );
+    let mut sent = Vec::new();
+    for player in players {
+        sent.extend(player.await??);
+    }
+    ensure!(sent.len() == EDGES * DEVICES_PER_EDGE * ROUNDS as usize);
+
+    let mut expected = trainable(&base);
+    for round in 1..=ROUNDS {
+        let this_round: Vec<&Sent> = sent.iter().filter(|s| s.round == round).collect();
+        ensure!(
+            this_round.len() == EDGES * DEVICES_PER_EDGE,
+            "round {round}"
+        );
+        let weight: f64 = this_round.iter().map(|s| s.num_samples as f64).sum();
+        for (k, value) in expected.iter_mut().enumerate() {
+            let sum: f64 = this_round
+                .iter()
+                .map(|s| s.num_samples as f64 * f64::from(s.values[k]))
+                .sum();
+            // The cloud keeps f32 parameters: round as it does.
+            *value = f64::from((*value + sum / weight) as f32);
+        }
+    }
+    // The upload is version 1 and each round made one more.
+    let final_version = 1 + i64::from(ROUNDS);
+    let last = cloud_admin
+        .ok(&format!("/api/v1/models/tiered/versions/{final_version}"))
+        .await?;
+    ensure!(
+        last["id"] == finished["current_version_id"],
+        "version {final_version} {last} is not the job's last {finished}"
+    );
+    let trained = fetch_model(&cloud_admin, "tiered", final_version).await?;
+    let got = trainable(&trained);
+    ensure!(got.len() == expected.len());
+    let worst = got
+        .iter()
+        .zip(&expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f64, f64::max);
+    ensure!(
+        worst <= 1e-6,
+        "the tiered model is {worst} from flat FedAvg"
+    );
+    Ok(())
+}
