@@ -20,13 +20,15 @@ use support::{Database, TestServer, sibling_binary};
 
 /// The README sections this test runs, by their headings, in this order:
 /// the second continues from what the first leaves.
-const README_SECTIONS: [&str; 2] = [
+const README_SECTIONS: [&str; 3] = [
     "## ML engineers: run a federated job from the command line",
     "## Secure aggregation",
+    "## Operators: run an edge aggregator",
 ];
-/// Both sections: a server, three agents and a five-round job, then the
-/// server again with a device authority, three certified agents and a
-/// three-round secure job.
+/// The sections: a server, three agents and a five-round job; the server
+/// again with a device authority, three certified agents and a three-round
+/// secure job; the server again, an edge aggregator with three agents, and
+/// a three-round job through it.
 const README_TIMEOUT: Duration = Duration::from_secs(300);
 const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -232,7 +234,23 @@ fn the_readme_section_runs_a_job_to_completion() -> Result<()> {
         online == 3,
         "`canopy device ls` listed {online} online devices\n{report}"
     );
-    secure_section_ran(&stdout, &report)
+    secure_section_ran(&stdout, &report)?;
+    edge_section_ran(&stdout, &report)
+}
+
+/// What the edge aggregator's commands printed: the edge enrolled as an
+/// aggregator, three agents enrolled with the edge, and the tiered job's
+/// rounds each answered by the one aggregator.
+fn edge_section_ran(stdout: &str, report: &str) -> Result<()> {
+    ensure!(stdout.contains("enrolled as aggregator"), "{report}");
+    ensure!(stdout.contains("created job 3 `digits-tiered`"), "{report}");
+    ensure!(stdout.contains("job 3 completed: 3 rounds"), "{report}");
+    let rows = watch_rows(stdout, 3)
+        .into_iter()
+        .filter(|cells| cells[1] == "succeeded" && cells[2] == "1/1")
+        .count();
+    ensure!(rows == 3, "{rows} tiered rounds with 1/1\n{report}");
+    Ok(())
 }
 
 /// What the device-authority commands printed: each agent's certificate

@@ -30,13 +30,16 @@ pub struct ServeArgs {
     /// Directory for the SQLite database, blobs and the development certificate.
     #[arg(long, env = "CANOPY_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
+    #[arg(long, env = "CANOPY_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
     #[command(flatten)]
     pub server: ServerArgs,
 }
 
-/// Every flag of `serve` but the data directory, which a program that
-/// embeds the server names its own way (`canopy-agent aggregate` keeps it
-/// inside the agent's, whose `--data-dir` is the agent's own).
+/// Every flag of `serve` but the data directory and the log format, which
+/// a program that embeds the server names its own way (`canopy-agent
+/// aggregate` keeps the edge's data inside the agent's directory, whose
+/// `--data-dir` is the agent's own, and logs as the agent does).
 #[derive(Args, Clone, Debug, Default)]
 pub struct ServerArgs {
     /// TOML file with any of the settings below (snake_case keys).
@@ -68,8 +71,6 @@ pub struct ServerArgs {
     /// Serve plain HTTP on a non-loopback address (logs a warning).
     #[arg(long, env = "CANOPY_INSECURE_HTTP")]
     pub insecure_http: bool,
-    #[arg(long, env = "CANOPY_LOG_FORMAT", value_enum)]
-    pub log_format: Option<LogFormat>,
     /// Hex Ed25519 public key of the device authority that certifies
     /// devices' keys for secure rounds (see docs/secure-aggregation.md).
     #[arg(long, env = "CANOPY_DEVICE_AUTHORITY")]
@@ -706,7 +707,7 @@ impl Settings {
             database_url,
             blob_store,
             tls,
-            log_format: args
+            log_format: serve
                 .log_format
                 .or(file.log_format)
                 .unwrap_or(LogFormat::Pretty),
@@ -747,6 +748,7 @@ mod tests {
         .unwrap();
         let args = ServeArgs {
             data_dir: None,
+            log_format: None,
             server: ServerArgs {
                 config: Some(path.clone()),
                 listen: Some("127.0.0.1:9100".parse().unwrap()),
@@ -865,6 +867,7 @@ mod tests {
     fn plain_http_needs_loopback_or_explicit_consent() {
         let mut args = ServeArgs {
             data_dir: None,
+            log_format: None,
             server: ServerArgs {
                 listen: Some("0.0.0.0:8080".parse().unwrap()),
                 ..ServerArgs::default()

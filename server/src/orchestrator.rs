@@ -493,7 +493,10 @@ async fn select(
         }
         return Ok(Selected::Waiting);
     }
-    let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
+    let mut deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
+    if let Some(closes_by) = sub_round_deadline(tx, job.id).await? {
+        deadline = deadline.min(closes_by);
+    }
     crate::store::task_state::open::<rounds::ParticipantState>(tx, round.id, &chosen, deadline)
         .await?;
     if spec.secure_aggregation.enabled && round.kind == RoundKind::Train {
@@ -515,6 +518,22 @@ async fn select(
         "selected devices"
     );
     Ok(Selected::Training)
+}
+
+/// On an edge, when the job runs a sub-round: the time it must close by,
+/// the cloud's sub-round deadline, however late its devices came.
+async fn sub_round_deadline(
+    tx: &mut Tx<'_>,
+    job_id: i64,
+) -> Result<Option<i64>, OrchestratorError> {
+    let Some(uplink) = uplinks::for_job(&mut **tx, job_id).await? else {
+        return Ok(None);
+    };
+    let task: canopy_protocol::messages::Task =
+        from_json("uplinks.cloud_task", &uplink.cloud_task)?;
+    Ok(task
+        .sub_round
+        .map(|sub_round| i64::try_from(sub_round.deadline_unix_ms).unwrap_or(i64::MAX)))
 }
 
 /// The failure of a round that has waited for devices longer than its

@@ -84,6 +84,19 @@ pub struct CreateArgs {
     /// Secure aggregation (SecAgg+): the server learns only each round's sum.
     #[arg(long)]
     secure: bool,
+    /// Run the job through edge aggregators (docs/edge.md): rounds select
+    /// aggregators, counted by --min-devices and --target-devices, and each
+    /// runs a sub-round that needs at least this many of its end devices.
+    #[arg(long)]
+    edge_min_devices: Option<u32>,
+    /// End devices at which a sub-round closes early (default:
+    /// --edge-min-devices).
+    #[arg(long, requires = "edge_min_devices")]
+    edge_target_devices: Option<u32>,
+    /// How long a sub-round runs (default: nine tenths of the round's
+    /// deadline, leaving the rest for its result to reach the server).
+    #[arg(long, requires = "edge_min_devices")]
+    edge_deadline_ms: Option<u64>,
     /// Start the job once it is created.
     #[arg(long)]
     start: bool,
@@ -299,6 +312,17 @@ fn apply_flags(
     }
     if args.secure {
         nested(spec, "secure_aggregation").insert("enabled".into(), json!(true));
+    }
+    if let Some(min) = args.edge_min_devices {
+        let edges = nested(spec, "edges");
+        edges.insert("min_devices".into(), json!(min));
+        edges.insert(
+            "target_devices".into(),
+            json!(args.edge_target_devices.unwrap_or(min)),
+        );
+        if let Some(deadline_ms) = args.edge_deadline_ms {
+            edges.insert("deadline_ms".into(), json!(deadline_ms));
+        }
     }
     if !spec.contains_key("model_version_id") {
         return Err(Hint::attach(
@@ -519,6 +543,37 @@ mod tests {
                 "round_deadline_ms": 60000,
             })
         );
+    }
+
+    #[test]
+    fn edge_flags_make_a_tiered_job() {
+        let mut spec: Map<String, Value> =
+            serde_json::from_value(json!({"model_version_id": 4})).unwrap();
+        let flags = args(&["--min-devices", "2", "--edge-min-devices", "5"]);
+        apply_flags(&mut spec, &flags, None).unwrap();
+        assert_eq!(
+            spec["edges"],
+            json!({"min_devices": 5, "target_devices": 5})
+        );
+        let mut spec: Map<String, Value> =
+            serde_json::from_value(json!({"model_version_id": 4})).unwrap();
+        let flags = args(&[
+            "--edge-min-devices",
+            "5",
+            "--edge-target-devices",
+            "8",
+            "--edge-deadline-ms",
+            "30000",
+        ]);
+        apply_flags(&mut spec, &flags, None).unwrap();
+        assert_eq!(
+            spec["edges"],
+            json!({"min_devices": 5, "target_devices": 8, "deadline_ms": 30000})
+        );
+        let mut spec = Map::new();
+        spec.insert("model_version_id".into(), json!(4));
+        apply_flags(&mut spec, &args(&[]), None).unwrap();
+        assert!(!spec.contains_key("edges"), "{spec:?}");
     }
 
     #[test]

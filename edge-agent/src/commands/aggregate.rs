@@ -15,6 +15,10 @@ use crate::config::{AgentConfig, load_key};
 use crate::daemon::TASK_RETRY;
 use crate::files::{DataDir, Hint, hinted};
 
+/// Where an edge listens unless `--listen` (or `CANOPY_LISTEN`, or a
+/// `--config` file) says otherwise.
+pub const DEFAULT_EDGE_LISTEN: &str = "127.0.0.1:9443";
+
 #[derive(Args)]
 pub struct AggregateArgs {
     /// The edge server's directory (database, blobs, certificate);
@@ -40,9 +44,15 @@ pub fn run(dir: &DataDir, args: AggregateArgs) -> Result<()> {
     }
     let key = load_key(&dir.key())?;
     let cloud = agent.device_client(key)?.with_retry_policy(TASK_RETRY);
+    let mut server = args.server;
+    if server.listen.is_none() && server.config.is_none() {
+        // Not the cloud's default port: an edge may share a machine with it.
+        server.listen = Some(DEFAULT_EDGE_LISTEN.parse().expect("a valid address"));
+    }
     let serve = ServeArgs {
         data_dir: Some(args.edge_dir.unwrap_or_else(|| dir.root.join("edge"))),
-        server: args.server,
+        log_format: None,
+        server,
     };
     let settings = Settings::resolve(&serve).context("the edge server's settings are invalid")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -179,9 +179,11 @@ pub struct EdgeTier {
     pub over_selection: f64,
     /// How long a sub-round runs, from when its aggregator is selected;
     /// at least a second less than the job's `round_deadline_ms`, which
-    /// leaves the partial result time to reach this server.
+    /// leaves the partial result time to reach this server. Nine tenths
+    /// of `round_deadline_ms` when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1_000, maximum = 604_799_000)]
-    pub deadline_ms: u64,
+    pub deadline_ms: Option<u64>,
 }
 
 fn is_disabled(config: &SecAggConfig) -> bool {
@@ -514,7 +516,9 @@ impl JobSpec {
     /// - edges.deadline_ms` before the round, the uplink's time.
     pub fn sub_round(&self, deadline_unix_ms: u64) -> Option<SubRound> {
         let edges = self.edges.as_ref()?;
-        let uplink_ms = self.round_deadline_ms.saturating_sub(edges.deadline_ms);
+        let uplink_ms = self
+            .round_deadline_ms
+            .saturating_sub(self.edge_deadline_ms(edges));
         Some(SubRound {
             min_devices: edges.min_devices,
             target_devices: edges.target_devices,
@@ -522,6 +526,12 @@ impl JobSpec {
             deadline_unix_ms: deadline_unix_ms.saturating_sub(uplink_ms),
             max_samples_per_device: self.max_samples_per_device.unwrap_or(MAX_SAMPLES),
         })
+    }
+
+    /// How long a tiered job's sub-rounds run: `edges.deadline_ms`, or
+    /// nine tenths of the round's deadline.
+    fn edge_deadline_ms(&self, edges: &EdgeTier) -> u64 {
+        edges.deadline_ms.unwrap_or(self.round_deadline_ms / 10 * 9)
     }
 
     fn check_edges(&self) -> Result<(), String> {
@@ -553,7 +563,7 @@ impl JobSpec {
         let latest_ms = self.round_deadline_ms.saturating_sub(MIN_UPLINK_MS);
         check_range(
             "edges.deadline_ms",
-            edges.deadline_ms,
+            self.edge_deadline_ms(edges),
             MIN_ROUND_DEADLINE_MS.min(latest_ms),
             latest_ms,
         )

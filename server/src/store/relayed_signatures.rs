@@ -1,14 +1,9 @@
 //! The cloud's signatures over the model versions an edge aggregator
-//! relays, and the cloud's key chain (ARCHITECTURE.md, "The edge tier").
-
-use canopy_protocol::model_sig::SigningKeys;
+//! relays (ARCHITECTURE.md, "The edge tier").
 
 use crate::db::{Db, now_ms};
 use crate::signing::ModelSignature;
 use crate::store::rounds::Tx;
-
-/// The `settings` row that holds the cloud's key chain, as last fetched.
-const CHAIN_SETTING: &str = "relayed_signing_keys";
 
 pub async fn get(db: &Db, digest_hex: &str) -> Result<Option<ModelSignature>, sqlx::Error> {
     let row: Option<(String, String)> =
@@ -38,36 +33,6 @@ pub async fn put(
     .bind(&signature.signature_hex)
     .bind(now_ms())
     .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
-/// The cloud's key chain as the edge last stored it.
-pub async fn chain(db: &Db) -> Result<Option<SigningKeys>, sqlx::Error> {
-    let row: Option<(Vec<u8>,)> = sqlx::query_as("SELECT value FROM settings WHERE name = $1")
-        .bind(CHAIN_SETTING)
-        .fetch_optional(&db.pool)
-        .await?;
-    row.map(|(value,)| {
-        serde_json::from_slice(&value).map_err(|error| sqlx::Error::ColumnDecode {
-            index: format!("settings.{CHAIN_SETTING}"),
-            source: Box::new(error),
-        })
-    })
-    .transpose()
-}
-
-pub async fn set_chain(db: &Db, chain: &SigningKeys) -> Result<(), sqlx::Error> {
-    let value = serde_json::to_vec(chain).unwrap_or_default();
-    let _writer = db.write_lock().await;
-    sqlx::query(
-        "INSERT INTO settings (name, value, created_ms) VALUES ($1, $2, $3) \
-         ON CONFLICT (name) DO UPDATE SET value = excluded.value",
-    )
-    .bind(CHAIN_SETTING)
-    .bind(value)
-    .bind(now_ms())
-    .execute(&db.pool)
     .await?;
     Ok(())
 }

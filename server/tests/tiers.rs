@@ -1,0 +1,238 @@
+//! The cloud's side of a tiered job (`edges`), on SQLite and PostgreSQL,
+//! with the test playing the aggregators through the SDK: rounds select
+//! aggregators and hand them a sub-round; an aggregator's weighted mean,
+//! with its total weight, makes FedAvg over its devices; and bad partial
+//! results (from a device that is no aggregator, with a bad signature,
+//! above the sub-round's weight bound, or a second one) are refused and
+//! change nothing. The edge itself is `tests/edge.rs`.
+
+mod support;
+
+use std::time::Duration;
+
+use anyhow::{Result, ensure};
+use bytes::Bytes;
+use canopy_protocol::auth::DeviceKey;
+use canopy_protocol::messages::DeviceRole;
+use canopy_protocol::update::encode_update;
+use canopy_sdk::DeviceClient;
+use serde_json::{Value, json};
+use support::{Admin, Database, TestServer, enroll_device, fetch_model, poll_task};
+
+const PER_DEVICE: u64 = 100;
+const SUB_ROUND_TARGET: u64 = 5;
+
+fn tiered_spec(version: &Value, edges: Value) -> Value {
+    json!({
+        "name": "tiered", "model_version_id": version["id"], "rounds": 1,
+        "min_devices": 2, "target_devices": 2, "over_selection": 0.0,
+        "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8,
+        "learning_rate": 0.1, "evaluation": {"fraction": 0.0},
+        "max_samples_per_device": PER_DEVICE, "edges": edges,
+    })
+}
+
+fn edges() -> Value {
+    json!({"min_devices": 1, "target_devices": SUB_ROUND_TARGET, "over_selection": 0.0,
+           "deadline_ms": 50_000})
+}
+
+async fn enroll_aggregator(server: &TestServer, token: &str) -> Result<DeviceClient> {
+    let transport = server.transport();
+    let key = DeviceKey::generate();
+    let enrolled = canopy_sdk::enroll_as(
+        &transport,
+        token,
+        &key,
+        support::capabilities(),
+        DeviceRole::Aggregator,
+    )
+    .await?;
+    Ok(DeviceClient::new(
+        transport,
+        enrolled.device_id,
+        key,
+        &enrolled.server_public_key,
+    )?)
+}
+
+async fn job_round(admin: &Admin, job: i64) -> Result<Value> {
+    let rounds = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?;
+    Ok(rounds["items"][0].clone())
+}
+
+/// Refused with `status`, saying `fragment`.
+fn refused(error: canopy_sdk::SdkError, status: u16, fragment: &str) -> Result<()> {
+    let text = canopy_sdk::error_chain(&error);
+    ensure!(
+        error.status() == Some(status) && text.contains(fragment),
+        "expected {status} with `{fragment}`, got {:?}: {text}",
+        error.status()
+    );
+    Ok(())
+}
+
+async fn tiers(database: Database) -> Result<()> {
+    let server = TestServer::start(database)?;
+    let admin = server.admin();
+    let base_bytes = support::logreg_model_bytes(5);
+    let base = canopy_ir::format::read_model(&base_bytes)?;
+    let version = admin.upload_model("tiered", base_bytes).await?;
+
+    // Settings the tier cannot run are refused, naming the setting.
+    for (edges, fragment) in [
+        (
+            json!({"min_devices": 1, "target_devices": 2, "deadline_ms": 59_500}),
+            "edges.deadline_ms",
+        ),
+        (
+            json!({"min_devices": 3, "target_devices": 2, "deadline_ms": 5_000}),
+            "edges.target_devices",
+        ),
+    ] {
+        let reply = admin
+            .post("/api/v1/jobs", tiered_spec(&version, edges))
+            .await?;
+        ensure!(
+            reply.status == 422 && reply.body.to_string().contains(fragment),
+            "{fragment}: {} {}",
+            reply.status,
+            reply.body
+        );
+    }
+    let mut secure = tiered_spec(&version, edges());
+    secure["secure_aggregation"] = json!({"enabled": true});
+    let reply = admin.post("/api/v1/jobs", secure).await?;
+    ensure!(
+        reply.status == 422 && reply.body.to_string().contains("cannot be combined yet"),
+        "{} {}",
+        reply.status,
+        reply.body
+    );
+
+    // With end devices alone, a tiered job says whom it waits for.
+    let device = enroll_device(&server, &admin.enrollment_token(1).await?).await?;
+    let created = admin
+        .post("/api/v1/jobs", tiered_spec(&version, edges()))
+        .await?;
+    ensure!(created.status == 201, "{}", created.body);
+    let warning = created.body["warnings"][0].to_string();
+    ensure!(
+        warning.contains("1 are end devices") && warning.contains("--role aggregator"),
+        "{}",
+        created.body
+    );
+    let lonely = created.body["id"].as_i64().unwrap_or_default();
+    admin
+        .post(&format!("/api/v1/jobs/{lonely}/cancel"), json!({}))
+        .await?;
+
+    let token = admin.enrollment_token_for("aggregator", 2).await?;
+    let first = enroll_aggregator(&server, &token).await?;
+    let second = enroll_aggregator(&server, &token).await?;
+    let job = admin.create_job(tiered_spec(&version, edges())).await?;
+    let task = poll_task(&first).await?;
+    let other = poll_task(&second).await?;
+    let sub_round = task
+        .sub_round
+        .clone()
+        .expect("an aggregator's task has a sub-round");
+    ensure!(
+        sub_round.min_devices == 1
+            && u64::from(sub_round.target_devices) == SUB_ROUND_TARGET
+            && sub_round.max_samples_per_device == PER_DEVICE
+            && task.deadline_unix_ms - sub_round.deadline_unix_ms == 10_000,
+        "{task:?}"
+    );
+    ensure!(
+        device.next_task(500).await?.is_none(),
+        "a tiered job's round selected an end device"
+    );
+
+    let len = task.layout.num_elements();
+    let first_values: Vec<f32> = (0..len).map(|k| (k % 7) as f32 * 0.01).collect();
+    let second_values: Vec<f32> = (0..len).map(|k| (k % 5) as f32 * -0.02).collect();
+    let bound = SUB_ROUND_TARGET * PER_DEVICE;
+    let partial = |samples: u64, values: &[f32]| -> Result<Bytes> {
+        Ok(Bytes::from(encode_update(&task.layout, samples, values)?))
+    };
+
+    // A partial result from a device that is not the round's aggregator.
+    let error = device
+        .upload_update(&task, partial(10, &first_values)?)
+        .await
+        .expect_err("a device's partial result");
+    refused(error, 403, "was not selected")?;
+    // Signed with another key than the aggregator's.
+    let forged = DeviceClient::new(
+        server.transport(),
+        first.device_id,
+        DeviceKey::generate(),
+        &hex::encode(first.server_public_key()),
+    )?;
+    let error = forged
+        .upload_update(&task, partial(10, &first_values)?)
+        .await
+        .expect_err("a forged signature");
+    ensure!(error.status() == Some(401), "{error:?}");
+    // A weight its sub-round could not have gathered.
+    let error = first
+        .upload_update(&task, partial(bound + 1, &first_values)?)
+        .await
+        .expect_err("a weight above the bound");
+    refused(error, 422, &format!("may claim at most {bound} samples"))?;
+    let round = job_round(&admin, job).await?;
+    ensure!(
+        round["metrics"]["updates_accepted"] == 0 && round["state"] == "training",
+        "{round}"
+    );
+
+    first
+        .upload_update(&task, partial(bound, &first_values)?)
+        .await?;
+    let error = first
+        .upload_update(&task, partial(bound, &first_values)?)
+        .await
+        .expect_err("a second partial result");
+    refused(error, 409, "already uploaded")?;
+    ensure!(job_round(&admin, job).await?["metrics"]["updates_accepted"] == 1);
+    second
+        .upload_update(&other, partial(PER_DEVICE, &second_values)?)
+        .await?;
+    let finished = admin.wait_for_job(job, Duration::from_secs(60)).await?;
+    ensure!(finished["state"] == "completed", "{finished}");
+
+    let (a, b) = (bound as f64, PER_DEVICE as f64);
+    let trained = fetch_model(&admin, "tiered", 2).await?;
+    let before = base.parameters.iter().filter(|p| p.trainable);
+    let after = trained.parameters.iter().filter(|p| p.trainable);
+    let mut k = 0;
+    for (old, new) in before.zip(after) {
+        let (canopy_ir::data::Buffer::F32(old), canopy_ir::data::Buffer::F32(new)) =
+            (&old.data.buffer, &new.data.buffer)
+        else {
+            anyhow::bail!("parameters are not f32");
+        };
+        for (o, n) in old.iter().zip(new) {
+            let mean = (a * f64::from(first_values[k]) + b * f64::from(second_values[k])) / (a + b);
+            let expected = f64::from((f64::from(*o) + mean) as f32);
+            ensure!(
+                (f64::from(*n) - expected).abs() <= 1e-6,
+                "element {k}: {n} != {expected}"
+            );
+            k += 1;
+        }
+    }
+    ensure!(k == len);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiers_on_sqlite() -> Result<()> {
+    tiers(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiers_on_postgres() -> Result<()> {
+    tiers(Database::Postgres).await
+}
