@@ -9,132 +9,21 @@
 #[path = "../server/tests/support/mod.rs"]
 mod support;
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::update::encode_update;
-use canopy_sdk::{DeviceClient, Transport, Trust};
+use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{Admin, Database, TestServer, fetch_model, poll_task, sibling_binary};
+use support::edge::Edge;
+use support::{Admin, Database, TestServer, fetch_model, poll_task};
 
 const EDGES: usize = 3;
 const DEVICES_PER_EDGE: usize = 4;
 const ROUNDS: u32 = 3;
 const JOB_TIMEOUT: Duration = Duration::from_secs(180);
-
-/// One edge aggregator: the agent's data directory and, while it runs,
-/// its `aggregate` process with what it announced.
-struct Edge {
-    dir: tempfile::TempDir,
-    child: Option<Child>,
-    base: String,
-    port: u16,
-    fingerprint: String,
-    admin_token: String,
-}
-
-impl Edge {
-    fn command(&self) -> Command {
-        let mut command = Command::new(sibling_binary("canopy-agent"));
-        command
-            .arg("--data-dir")
-            .arg(self.dir.path())
-            .env("RUST_LOG", "info,sqlx=warn")
-            .env_remove("CANOPY_LOG")
-            .env_remove("CANOPY_EDGE_DIR")
-            .env_remove("CANOPY_CONFIG");
-        command
-    }
-
-    /// Enrolls a new edge with the cloud as an aggregator.
-    fn enroll(cloud: &TestServer, token: &str) -> Result<Edge> {
-        let edge = Edge {
-            dir: support::private_tempdir()?,
-            child: None,
-            base: String::new(),
-            port: 0,
-            fingerprint: String::new(),
-            admin_token: String::new(),
-        };
-        let output = edge
-            .command()
-            .args(["enroll", "--server", &cloud.base, "--token", token])
-            .args(["--fingerprint", &cloud.fingerprint, "--role", "aggregator"])
-            .stdin(Stdio::null())
-            .output()?;
-        ensure!(
-            output.status.success(),
-            "aggregator enrollment failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        Ok(edge)
-    }
-
-    fn log_path(&self) -> PathBuf {
-        self.dir.path().join("aggregate.log")
-    }
-
-    /// Starts `aggregate` on its port (a free one the first time).
-    fn start(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path())?;
-        let mut child = self
-            .command()
-            .arg("aggregate")
-            .args(["--listen", &format!("127.0.0.1:{}", self.port)])
-            .args(["--tls", "self-signed"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .context("cannot start canopy-agent aggregate")?;
-        let announced =
-            support::read_announcements(&mut child, "canopy-agent aggregate", &self.log_path())?;
-        if let Some(token) = announced.admin_token {
-            self.admin_token = token;
-        }
-        self.fingerprint = announced.fingerprint;
-        self.base = announced.base;
-        self.port = announced.port;
-        self.child = Some(child);
-        Ok(())
-    }
-
-    /// SIGKILL: no shutdown code runs, as in a power cut.
-    fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    fn transport(&self) -> Transport {
-        Transport::new(&self.base, &Trust::PinnedSha256(self.fingerprint.clone()))
-            .expect("transport")
-    }
-
-    fn admin(&self) -> Admin {
-        Admin {
-            transport: self.transport(),
-            token: self.admin_token.clone(),
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-}
-
-impl Drop for Edge {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
 
 /// An end device enrolled with an edge, as the SDK enrolls with any server.
 async fn enroll_at_edge(edge: &Edge, token: &str) -> Result<(DeviceClient, String)> {
@@ -365,6 +254,44 @@ async fn a_tiered_job_equals_flat_fedavg_over_every_end_device() -> Result<()> {
         worst <= 1e-6,
         "the tiered model is {worst} from flat FedAvg"
     );
+    round_trees_add_up(&cloud_admin, job, &by_round).await
+}
+
+/// Each cloud round's tree: its aggregators, each with its account of
+/// its sub-round, whose counts and samples are those of its devices.
+async fn round_trees_add_up(admin: &Admin, job: i64, by_round: &[Vec<&Sent>]) -> Result<()> {
+    let rounds = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?;
+    let rounds = rounds["items"].as_array().cloned().unwrap_or_default();
+    ensure!(rounds.len() == by_round.len(), "{rounds:?}");
+    for round in rounds {
+        let number = round["number"].as_u64().unwrap_or(0) as usize;
+        let participants = admin
+            .ok(&format!("/api/v1/rounds/{}/participants", round["id"]))
+            .await?;
+        let edges = participants["items"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        ensure!(edges.len() == EDGES, "round {number}: {participants}");
+        let mut samples = 0;
+        for edge in &edges {
+            let sub_round = &edge["sub_round"];
+            ensure!(
+                sub_round["selected"] == DEVICES_PER_EDGE
+                    && sub_round["updates"] == DEVICES_PER_EDGE
+                    && sub_round["dropouts"] == 0
+                    && sub_round["bytes_in"].as_u64().is_some_and(|b| b > 0)
+                    && edge["num_samples"] == sub_round["samples"],
+                "round {number}: {edge}"
+            );
+            samples += sub_round["samples"].as_u64().unwrap_or(0);
+        }
+        let sent: u64 = by_round[number - 1].iter().map(|s| s.num_samples).sum();
+        ensure!(
+            samples == sent,
+            "round {number}: {samples} samples, the devices sent {sent}"
+        );
+    }
     Ok(())
 }
 

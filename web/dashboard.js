@@ -254,15 +254,20 @@ function renderSettings(job) {
   const evaluation = spec.evaluation || {};
   const secure = spec.secure_aggregation && spec.secure_aggregation.enabled ? spec.secure_aggregation : null;
   const filters = spec.filters || {};
+  // A tiered job: its rounds select aggregators, each running a sub-round.
+  const edges = spec.edges || null;
   const rows = [
     ["model version", `id ${spec.model_version_id} (now at id ${job.current_version_id})`],
     ["strategy", strategy.name + (params(strategy, "name") ? ` (${params(strategy, "name")})` : " (defaults)")],
     ["learning rate", `${spec.learning_rate}, schedule ${schedule.kind}` + (params(schedule, "kind") ? ` (${params(schedule, "kind")})` : "")],
-    ["devices per round", `${spec.min_devices} to ${spec.target_devices}, over-selection ${spec.over_selection}`],
+    [edges ? "aggregators per round" : "devices per round",
+      `${spec.min_devices} to ${spec.target_devices}, over-selection ${spec.over_selection}`],
+    ...(edges ? [["edge tier", `each aggregator's sub-round takes ${edges.min_devices} to ${edges.target_devices} end devices, ` +
+      `over-selection ${edges.over_selection}, deadline ${duration(edges.deadline_ms)}`]] : []),
     ["local training", `${spec.local_epochs} epochs, batch ${spec.batch_size}`],
     ["round deadline", duration(spec.round_deadline_ms) + `, up to ${spec.max_round_retries} retries`],
     ["dataset", spec.dataset || "each device's default"],
-    ["evaluation", (evaluation.fraction > 0
+    ["evaluation", (evaluation.fraction > 0 && !edges
       ? `federated on ${evaluation.fraction * 100}% of eligible devices (at most ${evaluation.max_devices}), deadline ` +
         (evaluation.deadline_ms ? duration(evaluation.deadline_ms) : "the round's")
       : "no federated evaluation") +
@@ -406,9 +411,49 @@ function renderRound() {
     duration(p.train_duration_ms),
     { text: p.drop_reason ?? "", className: p.drop_reason ? "reason" : "" },
   ], { key: (p) => p.device_id });
+  showSubRounds(round.participants);
   const more = $("participants-more");
   more.hidden = !round.participants_next_cursor;
   more.textContent = `Showing the first ${round.participants.length} participants by device id.`;
+}
+
+/// A tiered round's tree: under each aggregator's row, the sub-round it
+/// ran over its own end devices, as it reported it (the cloud never sees
+/// those devices one by one).
+function showSubRounds(participants) {
+  const body = document.querySelector("#participants tbody");
+  const columns = document.querySelectorAll("#participants thead th").length;
+  for (const p of participants) {
+    const s = p.sub_round;
+    if (!s) continue;
+    const row = body.querySelector(`tr[data-key="${p.device_id}"]`);
+    if (!row) continue;
+    const tr = document.createElement("tr");
+    tr.className = "sub-round";
+    tr.dataset.aggregator = String(p.device_id);
+    const td = document.createElement("td");
+    td.colSpan = columns;
+    const summary = document.createElement("div");
+    summary.className = "sub-round-summary";
+    summary.textContent = `└ sub-round: ${s.updates} of ${s.selected} end devices uploaded (${s.samples} samples)` +
+      ` · ${s.dropouts} dropped` + (s.ineligible ? ` · ${s.ineligible} ineligible` : "") +
+      ` · ${bytes(s.bytes_in)} up, ${bytes(s.bytes_out)} down · ${duration(s.duration_ms)}`;
+    td.append(summary);
+    for (const reason of s.dropout_reasons ?? []) {
+      const line = document.createElement("div");
+      line.className = "sub-round-reason reason";
+      line.textContent = `${reason.devices} × ${reason.reason}`;
+      td.append(line);
+    }
+    tr.append(td);
+    row.after(tr);
+  }
+  const tiers = participants.filter((p) => p.sub_round);
+  if (tiers.length > 0) {
+    const devices = tiers.reduce((n, p) => n + p.sub_round.selected, 0);
+    const updates = tiers.reduce((n, p) => n + p.sub_round.updates, 0);
+    $("round-summary").textContent += ` · through ${tiers.length} aggregators: ${updates} of ${devices} end devices uploaded`;
+  }
 }
 
 async function jobAction(action) {

@@ -15,7 +15,8 @@ use canopy_protocol::device_cert::{self, Certificate, KeyTrust};
 use canopy_protocol::messages::{
     CERTIFICATE_PATH, Capabilities, DatasetInfo, DeviceCertificate, DeviceConditions, DeviceRole,
     ERROR_ALREADY_WITHDRAWN, EnrollRequest, EnrollResponse, Heartbeat, HeartbeatResponse,
-    MAX_DECLINE_REASON_CHARS, RoundMetrics, Task, UploadReceipt, WithdrawTask, check_dataset_name,
+    MAX_DECLINE_REASON_CHARS, RoundMetrics, SubRoundReport, Task, UploadReceipt, WithdrawTask,
+    check_dataset_name,
 };
 use canopy_protocol::model_sig::TrustedKeys;
 use reqwest::{Method, StatusCode};
@@ -406,6 +407,16 @@ impl DeviceClient {
         let path = format!("/device/v1/rounds/{}/metrics", metrics.round_id);
         self.retrying(|| async {
             self.signed_json(&path, "round metrics", metrics).await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// An aggregator's account of its sub-round, for the cloud's round tree.
+    pub async fn report_sub_round(&self, report: &SubRoundReport) -> Result<(), SdkError> {
+        let path = format!("/device/v1/rounds/{}/sub-round", report.round_id);
+        self.retrying(|| async {
+            self.signed_json(&path, "sub-round report", report).await?;
             Ok(())
         })
         .await

@@ -8,6 +8,7 @@ use bytes::Bytes;
 use canopy_protocol::messages::Task;
 use canopy_sdk::{DeviceClient, SdkError};
 use canopy_server::state::AppState;
+use canopy_server::store::rounds;
 use canopy_server::store::uplinks::{self, UplinkRow, UplinkState};
 use canopy_term::error_chain as chain;
 
@@ -55,6 +56,7 @@ async fn send(
 ) -> Result<(), EdgeUplinkError> {
     let task: Task = serde_json::from_str(&uplink.cloud_task)
         .map_err(|error| EdgeUplinkError::Task(error.to_string()))?;
+    report(cloud, state, uplink).await;
     let answer = match (uplink.state, &uplink.partial) {
         (UplinkState::Ready, Some(partial)) => upload(cloud, &task, partial).await?,
         _ => {
@@ -81,6 +83,33 @@ async fn send(
         }
     }
     Ok(())
+}
+
+/// Tells the cloud what the sub-round did, for its round tree. The
+/// result goes up whether or not the report does: the tree is for people,
+/// the result for the model.
+async fn report(cloud: &DeviceClient, state: &AppState, uplink: &UplinkRow) {
+    let round = match uplinks::local_round(&state.db, uplink.job_id).await {
+        Ok(Some(round)) => round,
+        Ok(None) => return,
+        Err(error) => {
+            tracing::warn!(error = %chain(&error), "cannot read the sub-round for its report");
+            return;
+        }
+    };
+    let report = match rounds::sub_round_report(&state.db, &round, uplink.cloud_round_id).await {
+        Ok(report) => report,
+        Err(error) => {
+            tracing::warn!(error = %chain(&error), "cannot sum up the sub-round for its report");
+            return;
+        }
+    };
+    if let Err(error) = cloud.report_sub_round(&report).await {
+        tracing::warn!(
+            round = uplink.cloud_round_id, error = %chain(&error),
+            "the cloud did not take the sub-round's report"
+        );
+    }
 }
 
 async fn upload(cloud: &DeviceClient, task: &Task, partial: &[u8]) -> Result<Answer, SdkError> {

@@ -833,6 +833,91 @@ pub struct HeartbeatResponse {
     pub heartbeat_interval_ms: u64,
 }
 
+/// Dropout reasons a [`SubRoundReport`] carries at most.
+pub const MAX_SUB_ROUND_REASONS: usize = 8;
+/// Characters of one dropout reason in a [`SubRoundReport`].
+pub const MAX_SUB_ROUND_REASON_CHARS: usize = 200;
+
+/// An aggregator's account of its sub-round, posted to
+/// `/device/v1/rounds/{round_id}/sub-round` before its result (or its
+/// decline): what happened at the tier below, for the round's tree. It
+/// names no end device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubRoundReport {
+    pub round_id: i64,
+    /// End devices the sub-round selected.
+    pub selected: u32,
+    /// Updates it accepted.
+    pub updates: u32,
+    /// Selected devices that declined or timed out, or were dropped.
+    pub dropouts: u32,
+    /// Devices that withdrew as no longer meeting the job's device policy.
+    pub ineligible: u32,
+    /// Dropouts by reason, most frequent first.
+    #[serde(default)]
+    pub dropout_reasons: Vec<DropoutCount>,
+    /// Samples behind the accepted updates.
+    pub samples: u64,
+    /// Update bytes the aggregator took in, and model bytes it sent.
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// From the sub-round's opening to its close.
+    pub duration_ms: u64,
+}
+
+/// How many of a sub-round's devices dropped out for one reason.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DropoutCount {
+    pub reason: String,
+    pub devices: u32,
+}
+
+impl SubRoundReport {
+    /// Counts that add up and reasons within their bounds.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.round_id <= 0 {
+            return Err(format!(
+                "sub-round report's round_id {} is not an id",
+                self.round_id
+            ));
+        }
+        let answered =
+            u64::from(self.updates) + u64::from(self.dropouts) + u64::from(self.ineligible);
+        if answered > u64::from(self.selected) {
+            return Err(format!(
+                "the sub-round report counts {answered} devices that answered, but {} selected",
+                self.selected
+            ));
+        }
+        if self.dropout_reasons.len() > MAX_SUB_ROUND_REASONS {
+            return Err(format!(
+                "the sub-round report has {} dropout reasons, at most {MAX_SUB_ROUND_REASONS}",
+                self.dropout_reasons.len()
+            ));
+        }
+        let mut counted = 0u64;
+        for count in &self.dropout_reasons {
+            let chars = count.reason.chars().count();
+            if chars > MAX_SUB_ROUND_REASON_CHARS || count.reason.chars().any(char::is_control) {
+                return Err(format!(
+                    "a dropout reason is {chars} characters or has control characters; at most \
+                     {MAX_SUB_ROUND_REASON_CHARS} printable ones"
+                ));
+            }
+            counted += u64::from(count.devices);
+        }
+        if counted > u64::from(self.dropouts) {
+            return Err(format!(
+                "the dropout reasons count {counted} devices, the report {} dropouts",
+                self.dropouts
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Training and evaluation results a device reports for a round.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

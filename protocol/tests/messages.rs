@@ -464,3 +464,58 @@ fn evaluation_reports_are_bounded() {
         .is_err()
     );
 }
+
+fn sub_round_report() -> SubRoundReport {
+    SubRoundReport {
+        round_id: 3,
+        selected: 10,
+        updates: 7,
+        dropouts: 2,
+        ineligible: 1,
+        dropout_reasons: vec![DropoutCount {
+            reason: "timeout: no update before the round's deadline".into(),
+            devices: 2,
+        }],
+        samples: 700,
+        bytes_in: 7_000,
+        bytes_out: 10_000,
+        duration_ms: 1_500,
+    }
+}
+
+/// A sub-round report's counts add up and its reasons stay in bounds;
+/// each way of breaking that is named.
+#[test]
+fn sub_round_reports_add_up() {
+    sub_round_report().validate().unwrap();
+    let too_many = SubRoundReport {
+        updates: 8,
+        ..sub_round_report()
+    };
+    let error = too_many.validate().unwrap_err();
+    assert!(error.contains("10 selected"), "{error}");
+    let mut reasons = sub_round_report();
+    reasons.dropout_reasons[0].devices = 3;
+    let error = reasons.validate().unwrap_err();
+    assert!(error.contains("count 3 devices"), "{error}");
+    let mut long = sub_round_report();
+    long.dropout_reasons[0].reason = "x".repeat(MAX_SUB_ROUND_REASON_CHARS + 1);
+    assert!(long.validate().is_err());
+    let mut forged = sub_round_report();
+    forged.dropout_reasons[0].reason = "ok\nERROR forged log line".into();
+    assert!(forged.validate().is_err());
+    let mut many = sub_round_report();
+    many.dropout_reasons = vec![
+        DropoutCount {
+            reason: "r".into(),
+            devices: 0,
+        };
+        MAX_SUB_ROUND_REASONS + 1
+    ];
+    assert!(many.validate().is_err());
+    let json = serde_json::to_value(sub_round_report()).unwrap();
+    assert_eq!(
+        serde_json::from_value::<SubRoundReport>(json).unwrap(),
+        sub_round_report()
+    );
+}

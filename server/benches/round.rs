@@ -55,7 +55,7 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -66,6 +66,7 @@ use canopy_protocol::update::encode_update;
 use canopy_sdk::{DeviceClient, SdkError};
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
+use support::proc_stats::{RssSampler, proc_status_bytes};
 use support::{Admin, Database, TestServer, enroll_device, model_bytes};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -96,7 +97,6 @@ const MAX_ATTEMPTS: u32 = 3;
 /// Long enough that no device of a healthy run is ever late.
 const ROUND_DEADLINE_MS: u64 = 30 * 60_000;
 const JOB_TIMEOUT: Duration = Duration::from_secs(300);
-const RSS_SAMPLE_EVERY: Duration = Duration::from_millis(10);
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// The server's `--config`; see the module documentation for why.
@@ -219,19 +219,6 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// A `kB` field of `/proc/<pid>/status`, in bytes.
-fn proc_status_bytes(pid: u32, field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    text.lines().find_map(|line| {
-        let kb = line
-            .strip_prefix(field)?
-            .strip_prefix(':')?
-            .trim()
-            .strip_suffix("kB")?;
-        kb.trim().parse::<u64>().ok().map(|kb| kb * 1024)
-    })
-}
-
 /// User plus system CPU time of a process so far, in seconds.
 fn cpu_seconds(pid: u32) -> Option<f64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -242,52 +229,6 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
     // USER_HZ is 100 on every Linux configuration Rust targets.
     Some(ticks as f64 / 100.0)
-}
-
-/// Samples a process's `VmRSS` on a thread; each phase reads and resets
-/// its own peak.
-struct RssSampler {
-    peak: Arc<AtomicU64>,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl RssSampler {
-    fn start(pid: u32) -> RssSampler {
-        let peak = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (peak, stop) = (peak.clone(), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    if let Some(rss) = proc_status_bytes(pid, "VmRSS") {
-                        peak.fetch_max(rss, Ordering::Relaxed);
-                    }
-                    std::thread::sleep(RSS_SAMPLE_EVERY);
-                }
-            })
-        };
-        RssSampler {
-            peak,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    /// The highest sample since the last call.
-    fn take_peak(&self, pid: u32) -> u64 {
-        let now = proc_status_bytes(pid, "VmRSS").unwrap_or(0);
-        self.peak.swap(now, Ordering::Relaxed).max(now)
-    }
-}
-
-impl Drop for RssSampler {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
 }
 
 /// What the devices saw, shared by their tasks.

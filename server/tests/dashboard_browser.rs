@@ -55,7 +55,7 @@ fn repo_root() -> PathBuf {
 
 /// Chromium and playwright-core must be installed; a missing one fails the
 /// test with what to install (CI's `.ci/run` installs both). Returns the
-/// script to run.
+/// main script to run (the others sit beside it).
 fn require_browser_tools(chromium: &Path, web: &Path) -> Result<PathBuf> {
     if !chromium.exists() {
         bail!(
@@ -465,5 +465,107 @@ async fn rounds_page_newest_first() -> Result<()> {
         .get(&format!("/api/v1/jobs/{job}/rounds?order=sideways"))
         .await?;
     assert_eq!(refused.status, 400, "{}", refused.body);
+    Ok(())
+}
+
+/// A tiered job's round as the dashboard shows it: the test plays two
+/// aggregators, each reporting its sub-round (one with a device that timed
+/// out) and uploading its result, then `web/tests/tiers.spec.mjs` checks
+/// the round's tree in Chromium and takes its screenshots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
+    use canopy_protocol::messages::{DeviceRole, DropoutCount, SubRoundReport};
+    let main = require_browser_tools(Path::new(CHROMIUM), &repo_root().join("web"))?;
+    let script = main.with_file_name("tiers.spec.mjs");
+    let artifacts = artifacts_dir()?;
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin
+        .upload_model("tiered", support::logreg_model_bytes(3))
+        .await?;
+    let token = admin.enrollment_token_for("aggregator", 2).await?;
+    let mut aggregators = Vec::new();
+    for _ in 0..2 {
+        let key = canopy_protocol::auth::DeviceKey::generate();
+        let transport = server.transport();
+        let enrolled = canopy_sdk::enroll_as(
+            &transport,
+            &token,
+            &key,
+            support::capabilities(),
+            DeviceRole::Aggregator,
+        )
+        .await?;
+        aggregators.push(DeviceClient::new(
+            transport,
+            enrolled.device_id,
+            key,
+            &enrolled.server_public_key,
+        )?);
+    }
+    let job = admin
+        .create_job(json!({
+            "name": "tiered", "model_version_id": version["id"], "rounds": 1,
+            "min_devices": 2, "target_devices": 2, "over_selection": 0.0,
+            "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8,
+            "learning_rate": 0.1, "evaluation": {"fraction": 0.0},
+            "edges": {"min_devices": 3, "target_devices": 5, "over_selection": 0.0},
+        }))
+        .await?;
+    for (aggregator, (selected, updates, dropped)) in aggregators.iter().zip([(5, 4, 1), (3, 3, 0)])
+    {
+        let task = support::poll_task(aggregator).await?;
+        let report = SubRoundReport {
+            round_id: task.round_id,
+            selected,
+            updates,
+            dropouts: dropped,
+            ineligible: 0,
+            dropout_reasons: (dropped > 0)
+                .then(|| DropoutCount {
+                    reason: "timeout: no update before the round's deadline".to_string(),
+                    devices: dropped,
+                })
+                .into_iter()
+                .collect(),
+            samples: u64::from(updates) * 10,
+            bytes_in: u64::from(updates) * 2_600,
+            bytes_out: u64::from(selected) * 12_000,
+            duration_ms: 1_250,
+        };
+        aggregator.report_sub_round(&report).await?;
+        let values = vec![0.01; task.layout.num_elements()];
+        let update = canopy_protocol::update::encode_update(&task.layout, report.samples, &values)?;
+        aggregator.upload_update(&task, Bytes::from(update)).await?;
+    }
+    let finished = admin.wait_for_job(job, Duration::from_secs(60)).await?;
+    ensure!(finished["state"] == "completed", "{finished}");
+
+    let status = Command::new("node")
+        .arg(&script)
+        .current_dir(repo_root())
+        .env("CANOPY_URL", &server.base)
+        .env("CANOPY_TOKEN", &server.admin_token)
+        .env("CANOPY_JOB_ID", job.to_string())
+        .env("CANOPY_ARTIFACTS", &artifacts)
+        .env("CANOPY_CHROMIUM", CHROMIUM)
+        .stdin(Stdio::null())
+        .status()
+        .context("cannot start node")?;
+    ensure!(
+        status.success(),
+        "the browser script failed ({status}); its output is above, screenshots in {}",
+        artifacts.display()
+    );
+    for shot in ["tiered-round-desktop.png", "tiered-round-420px.png"] {
+        let size = std::fs::metadata(artifacts.join(shot))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        ensure!(
+            size > 10_000,
+            "{shot} was saved in {} ({size} bytes)",
+            artifacts.display()
+        );
+    }
     Ok(())
 }

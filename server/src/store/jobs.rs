@@ -528,10 +528,23 @@ impl JobSpec {
         })
     }
 
+    /// Writes the defaults that depend on other settings into the spec,
+    /// so that the stored job, and every reader of it, says what runs.
+    pub fn fill_defaults(&mut self) {
+        let round_deadline_ms = self.round_deadline_ms;
+        if let Some(edges) = self.edges.as_mut() {
+            edges
+                .deadline_ms
+                .get_or_insert(default_edge_deadline_ms(round_deadline_ms));
+        }
+    }
+
     /// How long a tiered job's sub-rounds run: `edges.deadline_ms`, or
     /// nine tenths of the round's deadline.
     fn edge_deadline_ms(&self, edges: &EdgeTier) -> u64 {
-        edges.deadline_ms.unwrap_or(self.round_deadline_ms / 10 * 9)
+        edges
+            .deadline_ms
+            .unwrap_or(default_edge_deadline_ms(self.round_deadline_ms))
     }
 
     fn check_edges(&self) -> Result<(), String> {
@@ -582,6 +595,12 @@ impl JobSpec {
         }
         Ok(())
     }
+}
+
+/// A sub-round's deadline when the job sets none: nine tenths of the
+/// round's, the rest for the result to reach the cloud.
+fn default_edge_deadline_ms(round_deadline_ms: u64) -> u64 {
+    round_deadline_ms / 10 * 9
 }
 
 fn check_range<T: PartialOrd + std::fmt::Display>(

@@ -574,12 +574,14 @@ any_row! {
         pub eval_samples: Option<i64>,
         pub train_duration_ms: Option<i64>,
         pub drop_reason: Option<String>,
+        /// An aggregator's account of its sub-round, as JSON.
+        pub sub_round: Option<String>,
     }
 }
 
 const PARTICIPANT_COLUMNS: &str = "round_id, device_id, state, selected_ms, delivered_ms, \
      uploaded_ms, num_samples, update_bytes, train_loss, eval_loss, eval_accuracy, eval_samples, \
-     train_duration_ms, drop_reason";
+     train_duration_ms, drop_reason, sub_round";
 
 pub async fn participants(
     db: &Db,
@@ -971,6 +973,73 @@ pub async fn job_config(db: &Db, round_id: i64) -> Result<Option<String>, sqlx::
 }
 
 /// Stores what a participant reports about its training and evaluation.
+/// Keeps an aggregator's account of its sub-round on its participant row;
+/// false when the device is not a participant of the round.
+pub async fn record_sub_round(
+    db: &Db,
+    round_id: i64,
+    device_id: i64,
+    report: &canopy_protocol::messages::SubRoundReport,
+) -> Result<bool, sqlx::Error> {
+    let _writer = db.write_lock().await;
+    let result = sqlx::query(
+        "UPDATE participants SET sub_round = $1 WHERE round_id = $2 AND device_id = $3",
+    )
+    .bind(serde_json::to_string(report).unwrap_or_default())
+    .bind(round_id)
+    .bind(device_id)
+    .execute(&db.pool)
+    .await?;
+    Ok(result.rows_affected() > 0)
+}
+
+/// What an edge's sub-round did, for its report to the cloud: the
+/// round's counts and bytes, and its dropouts grouped by reason.
+pub async fn sub_round_report(
+    db: &Db,
+    round: &RoundRow,
+    cloud_round_id: i64,
+) -> Result<canopy_protocol::messages::SubRoundReport, sqlx::Error> {
+    use canopy_protocol::messages::{DropoutCount, MAX_SUB_ROUND_REASONS};
+    let reasons: Vec<(Option<String>, i64)> = sqlx::query_as(
+        "SELECT drop_reason, COUNT(*) FROM participants WHERE round_id = $1 AND state = 'dropped' \
+         GROUP BY drop_reason ORDER BY COUNT(*) DESC",
+    )
+    .bind(round.id)
+    .fetch_all(&db.pool)
+    .await?;
+    let count = |n: i64| u32::try_from(n).unwrap_or(u32::MAX);
+    let dropout_reasons = reasons
+        .into_iter()
+        .take(MAX_SUB_ROUND_REASONS)
+        .map(|(reason, devices)| DropoutCount {
+            reason: reason
+                .unwrap_or_default()
+                .chars()
+                .filter(|c| !c.is_control())
+                .take(canopy_protocol::messages::MAX_SUB_ROUND_REASON_CHARS)
+                .collect(),
+            devices: count(devices),
+        })
+        .collect();
+    let closed_ms = round
+        .closed_ms
+        .or(round.finished_ms)
+        .unwrap_or(round.created_ms);
+    Ok(canopy_protocol::messages::SubRoundReport {
+        round_id: cloud_round_id,
+        selected: count(round.selected_count),
+        updates: count(round.updates_accepted),
+        dropouts: count(round.dropouts),
+        ineligible: count(round.ineligible),
+        dropout_reasons,
+        samples: u64::try_from(round.weight_total).unwrap_or(0),
+        bytes_in: u64::try_from(round.bytes_in).unwrap_or(0),
+        bytes_out: u64::try_from(round.bytes_out).unwrap_or(0),
+        duration_ms: u64::try_from(closed_ms - round.created_ms).unwrap_or(0),
+    })
+}
+
 pub async fn record_metrics(
     db: &Db,
     round_id: i64,

@@ -14,7 +14,7 @@ use super::row::any_row;
 use super::text_enum;
 use crate::db::{Db, now_ms};
 use crate::signing::ModelSignature;
-use crate::store::rounds::Tx;
+use crate::store::rounds::{ROUND_COLUMNS, RoundRow, Tx};
 
 text_enum! {
     /// Where an edge's result for one cloud round stands.
@@ -177,6 +177,16 @@ where
     )))
     .bind(job_id)
     .fetch_optional(executor)
+    .await
+}
+
+/// The local round of an uplink's job (a sub-round has one), if opened.
+pub async fn local_round(db: &Db, job_id: i64) -> Result<Option<RoundRow>, sqlx::Error> {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ROUND_COLUMNS} FROM rounds WHERE job_id = $1 ORDER BY id DESC LIMIT 1"
+    )))
+    .bind(job_id)
+    .fetch_optional(&db.pool)
     .await
 }
 

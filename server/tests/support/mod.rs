@@ -2,6 +2,9 @@
 //! or the local PostgreSQL, with devices that hold real Ed25519 keys.
 #![allow(dead_code)]
 
+pub mod edge;
+pub mod proc_stats;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

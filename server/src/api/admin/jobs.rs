@@ -111,9 +111,10 @@ pub struct JobList {
 )]
 pub async fn create(
     State(state): State<AppState>,
-    Json(spec): Json<JobSpec>,
+    Json(mut spec): Json<JobSpec>,
 ) -> ApiResult<(StatusCode, Json<CreatedJob>)> {
     spec.validate().map_err(ApiError::unprocessable)?;
+    spec.fill_defaults();
     let version = models::get_version(&state.db, spec.model_version_id)
         .await?
         .ok_or_else(|| {
@@ -518,6 +519,13 @@ pub struct ParticipantView {
     /// open its shares), or the round's failure. For an `ineligible` one, the
     /// requirements of the job's `device_policy` it no longer met.
     pub drop_reason: Option<String>,
+    /// For an aggregator in a tiered job: its account of the sub-round
+    /// below it (the tree's next tier): `selected`, `updates`, `dropouts`,
+    /// `ineligible`, `dropout_reasons` (`reason`, `devices`), `samples`,
+    /// `bytes_in`, `bytes_out` and `duration_ms`. It names no end device.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub sub_round: Option<serde_json::Value>,
 }
 
 impl From<ParticipantRow> for ParticipantView {
@@ -535,6 +543,9 @@ impl From<ParticipantRow> for ParticipantView {
             delivered_ms: row.delivered_ms,
             uploaded_ms: row.uploaded_ms,
             drop_reason: row.drop_reason,
+            sub_round: row
+                .sub_round
+                .and_then(|text| serde_json::from_str(&text).ok()),
         }
     }
 }

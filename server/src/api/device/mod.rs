@@ -18,7 +18,7 @@ use canopy_protocol::device_cert;
 use canopy_protocol::messages::DeviceCertificate;
 use canopy_protocol::messages::{
     DeclineTask, ERROR_ALREADY_WITHDRAWN, EnrollRequest, EnrollResponse, EvaluationReport,
-    Heartbeat, HeartbeatResponse, Ineligible, RoundMetrics, WithdrawTask,
+    Heartbeat, HeartbeatResponse, Ineligible, RoundMetrics, SubRoundReport, WithdrawTask,
 };
 use canopy_protocol::model_sig::SigningKeys;
 use serde::de::DeserializeOwned;
@@ -60,6 +60,10 @@ pub fn router() -> Router<AppState> {
             put(upload::upload_update),
         )
         .route("/device/v1/rounds/{round_id}/metrics", post(report_metrics))
+        .route(
+            "/device/v1/rounds/{round_id}/sub-round",
+            post(report_sub_round),
+        )
         .route(
             "/device/v1/rounds/{round_id}/evaluation",
             post(report_evaluation),
@@ -112,7 +116,13 @@ macro_rules! round_requests {
         }
     )+};
 }
-round_requests!(DeclineTask, EvaluationReport, RoundMetrics, WithdrawTask);
+round_requests!(
+    DeclineTask,
+    EvaluationReport,
+    RoundMetrics,
+    SubRoundReport,
+    WithdrawTask
+);
 
 /// A device's signed request about the round in its path, checked in
 /// the one place every such request is: the device's signature, the body
@@ -281,6 +291,26 @@ async fn report_metrics(
     } = metrics;
     let device_id = device.device_id;
     if !rounds::record_metrics(&state.db, round_id, device_id, &metrics).await? {
+        return Err(ApiError::not_found(format!(
+            "device {device_id} is not a participant of round {round_id}"
+        )));
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// An aggregator's account of its sub-round, kept on its participant row
+/// for the round's tree.
+async fn report_sub_round(
+    State(state): State<AppState>,
+    report: RoundMessage<SubRoundReport>,
+) -> ApiResult<StatusCode> {
+    let RoundMessage {
+        device,
+        round_id,
+        message: report,
+    } = report;
+    let device_id = device.device_id;
+    if !rounds::record_sub_round(&state.db, round_id, device_id, &report).await? {
         return Err(ApiError::not_found(format!(
             "device {device_id} is not a participant of round {round_id}"
         )));

@@ -1,0 +1,85 @@
+// A tiered job's round in the dashboard, in Chromium through playwright-core
+// (plain node, no test runner): under each aggregator's row, the sub-round
+// it ran over its own end devices, with the reasons its devices dropped out.
+// Started by server/tests/dashboard_browser.rs against a server whose job
+// CANOPY_JOB_ID has finished one round through two aggregators that
+// reported their sub-rounds (the first: 4 of 5 devices, one timed out; the
+// second: 3 of 3).
+//
+// Exits non-zero with the first failed check. Screenshots go to
+// CANOPY_ARTIFACTS.
+import { chromium } from "playwright-core";
+import { mkdirSync } from "node:fs";
+import { join } from "node:path";
+
+function env(name) {
+  const value = process.env[name];
+  if (!value) throw new Error(`${name} is not set; run this through server/tests/dashboard_browser.rs`);
+  return value;
+}
+
+const base = env("CANOPY_URL");
+const token = env("CANOPY_TOKEN");
+const jobId = Number(env("CANOPY_JOB_ID"));
+const artifacts = env("CANOPY_ARTIFACTS");
+const executablePath = env("CANOPY_CHROMIUM");
+
+function check(condition, message) {
+  if (!condition) throw new Error(message);
+}
+
+async function main() {
+  mkdirSync(artifacts, { recursive: true });
+  const browser = await chromium.launch({
+    executablePath,
+    args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+      "--no-first-run", "--disable-component-update", "--disable-sync"],
+  });
+  try {
+    const context = await browser.newContext({ ignoreHTTPSErrors: true, viewport: { width: 1280, height: 900 } });
+    const page = await context.newPage();
+    const problems = [];
+    page.on("console", (message) => {
+      if (message.type() === "error") problems.push(`console: ${message.text()}`);
+    });
+    page.on("pageerror", (error) => problems.push("page error: " + error.message));
+    await page.goto(`${base}/dashboard#token=${encodeURIComponent(token)}&job=${jobId}`);
+    await page.waitForFunction(() => document.body.dataset.session === "signed-in", null, { timeout: 15_000 });
+    await page.waitForSelector("#rounds tbody tr", { timeout: 15_000 });
+    if (await page.isHidden("#round-detail")) await page.click("#rounds tbody tr");
+    await page.waitForFunction(() => document.querySelectorAll("#participants tr.sub-round").length === 2,
+      null, { timeout: 15_000 });
+    const rows = await page.$$eval("#participants tbody tr", (trs) =>
+      trs.map((tr) => ({ sub: tr.classList.contains("sub-round"), text: tr.textContent })));
+    // Each sub-round sits right under its aggregator's row.
+    check(rows.length === 4 && !rows[0].sub && rows[1].sub && !rows[2].sub && rows[3].sub,
+      `aggregator, its sub-round, aggregator, its sub-round: ${JSON.stringify(rows)}`);
+    const subRounds = rows.filter((row) => row.sub).map((row) => row.text);
+    check(subRounds.some((text) => text.includes("4 of 5 end devices uploaded (40 samples)") &&
+      text.includes("1 dropped") && text.includes("1 × timeout: no update before the round's deadline")),
+      `the first sub-round with its dropout's reason: ${JSON.stringify(subRounds)}`);
+    check(subRounds.some((text) => text.includes("3 of 3 end devices uploaded (30 samples)") && text.includes("0 dropped")),
+      `the second sub-round: ${JSON.stringify(subRounds)}`);
+    const settings = await page.textContent("#job-settings");
+    for (const expected of ["aggregators per round", "sub-round takes 3 to 5 end devices", "deadline 54.0 s"]) {
+      check(settings.includes(expected), `settings show "${expected}": ${settings}`);
+    }
+    const summary = await page.textContent("#round-summary");
+    check(summary.includes("through 2 aggregators: 7 of 8 end devices uploaded"), `the round's summary: ${summary}`);
+    await page.screenshot({ path: join(artifacts, "tiered-round-desktop.png"), fullPage: true });
+    await page.setViewportSize({ width: 420, height: 900 });
+    await page.waitForTimeout(200);
+    const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+    check(overflow <= 1, `at 420 px the page does not scroll sideways (${overflow} px too wide)`);
+    await page.screenshot({ path: join(artifacts, "tiered-round-420px.png"), fullPage: true });
+    check(problems.length === 0, `no errors on the page: ${JSON.stringify(problems)}`);
+    console.log("[tiers.spec] the tiered round's tree is shown");
+  } finally {
+    await browser.close();
+  }
+}
+
+main().catch((error) => {
+  console.error(`[tiers.spec] ${error.stack ?? error}`);
+  process.exit(1);
+});
