@@ -25,7 +25,6 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
