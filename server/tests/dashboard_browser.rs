@@ -474,7 +474,7 @@ async fn rounds_page_newest_first() -> Result<()> {
 /// the round's tree in Chromium and takes its screenshots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
-    use canopy_protocol::messages::{DeviceRole, DropoutCount, SubRoundReport};
+    use canopy_protocol::messages::{DropoutCount, SubRoundReport};
     let main = require_browser_tools(Path::new(CHROMIUM), &repo_root().join("web"))?;
     let script = main.with_file_name("tiers.spec.mjs");
     let artifacts = artifacts_dir()?;
@@ -486,22 +486,7 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
     let token = admin.enrollment_token_for("aggregator", 2).await?;
     let mut aggregators = Vec::new();
     for _ in 0..2 {
-        let key = canopy_protocol::auth::DeviceKey::generate();
-        let transport = server.transport();
-        let enrolled = canopy_sdk::enroll_as(
-            &transport,
-            &token,
-            &key,
-            support::capabilities(),
-            DeviceRole::Aggregator,
-        )
-        .await?;
-        aggregators.push(DeviceClient::new(
-            transport,
-            enrolled.device_id,
-            key,
-            &enrolled.server_public_key,
-        )?);
+        aggregators.push(support::enroll_aggregator(&server, &token).await?);
     }
     let job = admin
         .create_job(json!({

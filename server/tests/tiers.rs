@@ -13,11 +13,12 @@ use std::time::Duration;
 use anyhow::{Result, ensure};
 use bytes::Bytes;
 use canopy_protocol::auth::DeviceKey;
-use canopy_protocol::messages::DeviceRole;
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{Admin, Database, TestServer, enroll_device, fetch_model, poll_task};
+use support::{
+    Admin, Database, TestServer, enroll_aggregator, enroll_device, fetch_model, poll_task,
+};
 
 const PER_DEVICE: u64 = 100;
 const SUB_ROUND_TARGET: u64 = 5;
@@ -35,25 +36,6 @@ fn tiered_spec(version: &Value, edges: Value) -> Value {
 fn edges() -> Value {
     json!({"min_devices": 1, "target_devices": SUB_ROUND_TARGET, "over_selection": 0.0,
            "deadline_ms": 50_000})
-}
-
-async fn enroll_aggregator(server: &TestServer, token: &str) -> Result<DeviceClient> {
-    let transport = server.transport();
-    let key = DeviceKey::generate();
-    let enrolled = canopy_sdk::enroll_as(
-        &transport,
-        token,
-        &key,
-        support::capabilities(),
-        DeviceRole::Aggregator,
-    )
-    .await?;
-    Ok(DeviceClient::new(
-        transport,
-        enrolled.device_id,
-        key,
-        &enrolled.server_public_key,
-    )?)
 }
 
 async fn job_round(admin: &Admin, job: i64) -> Result<Value> {

@@ -6,15 +6,9 @@
 //
 // Exits non-zero with the first failed check. Screenshots go to
 // CANOPY_ARTIFACTS.
-import { chromium } from "playwright-core";
+import { check, env, launch } from "./browser.mjs";
 import { mkdirSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
-
-function env(name) {
-  const value = process.env[name];
-  if (!value) throw new Error(`${name} is not set; run this through server/tests/dashboard_browser.rs`);
-  return value;
-}
 
 const base = env("CANOPY_URL");
 const token = env("CANOPY_TOKEN");
@@ -31,10 +25,6 @@ const resumedFile = env("CANOPY_RESUMED_FILE");
 const POLL_ROUNDS = 20;
 const DESKTOP = { width: 1280, height: 900 };
 const NARROW = { width: 420, height: 900 };
-
-function check(condition, message) {
-  if (!condition) throw new Error(message);
-}
 
 function same(actual, expected, what) {
   const a = JSON.stringify(actual), e = JSON.stringify(expected);
@@ -58,13 +48,7 @@ async function eventually(what, probe, timeoutMs = 30000) {
 
 async function main() {
   mkdirSync(artifacts, { recursive: true });
-  const browser = await chromium.launch({
-    executablePath,
-    // The network here is closed: without these Chromium keeps trying to
-    // reach its own services, and a root user needs --no-sandbox.
-    args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-      "--no-first-run", "--disable-component-update", "--disable-sync"],
-  });
+  const browser = await launch(executablePath);
   try {
     await run(browser);
   } finally {

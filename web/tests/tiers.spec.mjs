@@ -8,15 +8,9 @@
 //
 // Exits non-zero with the first failed check. Screenshots go to
 // CANOPY_ARTIFACTS.
-import { chromium } from "playwright-core";
+import { check, env, launch } from "./browser.mjs";
 import { mkdirSync } from "node:fs";
 import { join } from "node:path";
-
-function env(name) {
-  const value = process.env[name];
-  if (!value) throw new Error(`${name} is not set; run this through server/tests/dashboard_browser.rs`);
-  return value;
-}
 
 const base = env("CANOPY_URL");
 const token = env("CANOPY_TOKEN");
@@ -24,17 +18,9 @@ const jobId = Number(env("CANOPY_JOB_ID"));
 const artifacts = env("CANOPY_ARTIFACTS");
 const executablePath = env("CANOPY_CHROMIUM");
 
-function check(condition, message) {
-  if (!condition) throw new Error(message);
-}
-
 async function main() {
   mkdirSync(artifacts, { recursive: true });
-  const browser = await chromium.launch({
-    executablePath,
-    args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-      "--no-first-run", "--disable-component-update", "--disable-sync"],
-  });
+  const browser = await launch(executablePath);
   try {
     const context = await browser.newContext({ ignoreHTTPSErrors: true, viewport: { width: 1280, height: 900 } });
     const page = await context.newPage();

@@ -399,20 +399,12 @@ impl JobSpec {
 
     fn check_rounds(&self) -> Result<(), String> {
         check_range("rounds", self.rounds, 1, MAX_ROUNDS)?;
-        check_range("min_devices", self.min_devices, 1, MAX_DEVICES_PER_ROUND)?;
-        check_range(
-            "target_devices",
-            self.target_devices,
+        check_selection(
+            "",
             self.min_devices,
-            MAX_DEVICES_PER_ROUND,
-        )
-        .map_err(|e| format!("{e} (it may not be below `min_devices`)"))?;
-        if !(0.0..=MAX_OVER_SELECTION).contains(&self.over_selection) {
-            return Err(format!(
-                "`over_selection` must be between 0 and {MAX_OVER_SELECTION}, got {}",
-                self.over_selection
-            ));
-        }
+            self.target_devices,
+            self.over_selection,
+        )?;
         check_range(
             "round_deadline_ms",
             self.round_deadline_ms,
@@ -554,25 +546,12 @@ impl JobSpec {
         let Some(edges) = &self.edges else {
             return Ok(());
         };
-        check_range(
-            "edges.min_devices",
+        check_selection(
+            "edges.",
             edges.min_devices,
-            1,
-            MAX_DEVICES_PER_ROUND,
-        )?;
-        check_range(
-            "edges.target_devices",
             edges.target_devices,
-            edges.min_devices,
-            MAX_DEVICES_PER_ROUND,
-        )
-        .map_err(|e| format!("{e} (it may not be below `edges.min_devices`)"))?;
-        if !(0.0..=MAX_OVER_SELECTION).contains(&edges.over_selection) {
-            return Err(format!(
-                "`edges.over_selection` must be between 0 and {MAX_OVER_SELECTION}, got {}",
-                edges.over_selection
-            ));
-        }
+            edges.over_selection,
+        )?;
         let latest_ms = self.round_deadline_ms.saturating_sub(MIN_UPLINK_MS);
         check_range(
             "edges.deadline_ms",
@@ -595,6 +574,31 @@ impl JobSpec {
         }
         Ok(())
     }
+}
+
+/// A round's (or, with `prefix` `edges.`, a sub-round's) counts: at least
+/// one device, a target not below the minimum, over-selection in bounds.
+fn check_selection(
+    prefix: &str,
+    min_devices: u32,
+    target_devices: u32,
+    over_selection: f64,
+) -> Result<(), String> {
+    let min_field = format!("{prefix}min_devices");
+    check_range(&min_field, min_devices, 1, MAX_DEVICES_PER_ROUND)?;
+    check_range(
+        &format!("{prefix}target_devices"),
+        target_devices,
+        min_devices,
+        MAX_DEVICES_PER_ROUND,
+    )
+    .map_err(|e| format!("{e} (it may not be below `{min_field}`)"))?;
+    if !(0.0..=MAX_OVER_SELECTION).contains(&over_selection) {
+        return Err(format!(
+            "`{prefix}over_selection` must be between 0 and {MAX_OVER_SELECTION}, got {over_selection}"
+        ));
+    }
+    Ok(())
 }
 
 /// A sub-round's deadline when the job sets none: nine tenths of the

@@ -5,10 +5,10 @@
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Result, ensure};
 use canopy_sdk::{Transport, Trust};
 
-use super::{Admin, TestServer, private_tempdir, read_announcements, sibling_binary};
+use super::{Admin, TestServer, private_tempdir, sibling_binary, start_announcing};
 
 /// One edge aggregator: the agent's data directory and, while it runs,
 /// its `aggregate` process with what it announced.
@@ -67,38 +67,26 @@ impl Edge {
 
     /// Starts `aggregate` on its port (a free one the first time).
     pub fn start(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path())?;
-        let mut child = self
-            .command()
+        let mut command = self.command();
+        command
             .arg("aggregate")
             .args(["--listen", &format!("127.0.0.1:{}", self.port)])
             .args(["--tls", "self-signed"])
-            .args(&self.extra_args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .context("cannot start canopy-agent aggregate")?;
-        let announced = read_announcements(&mut child, "canopy-agent aggregate", &self.log_path())?;
-        if let Some(token) = announced.admin_token {
-            self.admin_token = token;
-        }
-        self.fingerprint = announced.fingerprint;
-        self.base = announced.base;
-        self.port = announced.port;
+            .args(&self.extra_args);
+        let (child, announced) =
+            start_announcing(command, "canopy-agent aggregate", &self.log_path())?;
+        self.admin_token = announced
+            .admin_token
+            .unwrap_or(std::mem::take(&mut self.admin_token));
+        (self.fingerprint, self.base, self.port) =
+            (announced.fingerprint, announced.base, announced.port);
         self.child = Some(child);
         Ok(())
     }
 
     /// SIGKILL: no shutdown code runs, as in a power cut.
     pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        super::kill9(&mut self.child);
     }
 
     pub fn transport(&self) -> Transport {

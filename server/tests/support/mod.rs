@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use canopy_protocol::auth::DeviceKey;
-use canopy_protocol::messages::{Capabilities, Task, Tier};
+use canopy_protocol::messages::{Capabilities, DeviceRole, Task, Tier};
 use canopy_sdk::{DeviceClient, Transport, Trust};
 use serde_json::{Value, json};
 
@@ -123,6 +123,14 @@ fn listening_port(url: &str) -> Result<u16> {
         .ok_or_else(|| anyhow!("`listening on {url}` names no port"))
 }
 
+/// SIGKILL to a process, if it runs, and waits for it.
+pub fn kill9(child: &mut Option<Child>) {
+    if let Some(mut child) = child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
 /// What a starting server prints on stdout for tools to read.
 pub struct Announced {
     /// On the very first start only.
@@ -130,6 +138,28 @@ pub struct Announced {
     pub fingerprint: String,
     pub base: String,
     pub port: u16,
+}
+
+/// Starts a server process (`canopy-server serve`, `canopy-agent
+/// aggregate`) with its stderr appended to `log`, and reads what it
+/// announces once it listens.
+pub fn start_announcing(
+    mut command: Command,
+    program: &str,
+    log: &Path,
+) -> Result<(Child, Announced)> {
+    let log_file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log_file))
+        .spawn()
+        .with_context(|| format!("cannot start {program}"))?;
+    let announced = read_announcements(&mut child, program, log)?;
+    Ok((child, announced))
 }
 
 /// Reads a starting server's stdout (`canopy-server serve`, `canopy-agent
@@ -272,11 +302,8 @@ impl TestServer {
     }
 
     fn spawn(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.log_path())?;
-        let mut child = Command::new(server_binary())
+        let mut command = Command::new(server_binary());
+        command
             .arg("serve")
             .arg("--data-dir")
             .arg(self.data_dir.path())
@@ -284,28 +311,20 @@ impl TestServer {
             .args(["--database-url", &self.database_url])
             .args(["--tls", "self-signed", "--log-format", "json"])
             .args(&self.extra_args)
-            .env("RUST_LOG", &self.rust_log)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .context("cannot start canopy-server")?;
-        let announced = read_announcements(&mut child, "canopy-server", &self.log_path())?;
-        if let Some(token) = announced.admin_token {
-            self.admin_token = token;
-        }
-        self.fingerprint = announced.fingerprint;
-        self.base = announced.base;
-        self.port = announced.port;
+            .env("RUST_LOG", &self.rust_log);
+        let (child, announced) = start_announcing(command, "canopy-server", &self.log_path())?;
+        self.admin_token = announced
+            .admin_token
+            .unwrap_or(std::mem::take(&mut self.admin_token));
+        (self.fingerprint, self.base, self.port) =
+            (announced.fingerprint, announced.base, announced.port);
         self.child = Some(child);
         Ok(())
     }
 
     /// SIGKILL: no shutdown code runs, as in a power cut.
     pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        kill9(&mut self.child);
     }
 
     /// SIGTERM, then waits for the process to exit.
@@ -628,9 +647,23 @@ pub async fn enroll_device_with(
     token: &str,
     capabilities: Capabilities,
 ) -> Result<DeviceClient> {
+    enroll_in(server, token, capabilities, DeviceRole::Device).await
+}
+
+/// Enrolls an aggregator (the test plays an edge) with a fresh key.
+pub async fn enroll_aggregator(server: &TestServer, token: &str) -> Result<DeviceClient> {
+    enroll_in(server, token, capabilities(), DeviceRole::Aggregator).await
+}
+
+async fn enroll_in(
+    server: &TestServer,
+    token: &str,
+    capabilities: Capabilities,
+    role: DeviceRole,
+) -> Result<DeviceClient> {
     let transport = server.transport();
     let key = DeviceKey::generate();
-    let enrolled = canopy_sdk::enroll(&transport, token, &key, capabilities).await?;
+    let enrolled = canopy_sdk::enroll_as(&transport, token, &key, capabilities, role).await?;
     Ok(DeviceClient::new(
         transport,
         enrolled.device_id,
