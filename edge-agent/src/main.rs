@@ -88,7 +88,8 @@ enum Command {
     /// Run this machine as an edge aggregator (enrolled with `--role
     /// aggregator`): serve end devices with the server's device API and
     /// run the cloud's rounds over them as sub-rounds. Takes
-    /// `canopy-server serve`'s flags; stops on SIGTERM/SIGINT.
+    /// `canopy-server serve`'s flags, but listens on 127.0.0.1:9443 unless
+    /// `--listen` says otherwise; stops on SIGTERM/SIGINT.
     Aggregate(commands::aggregate::AggregateArgs),
 }
 
