@@ -42,24 +42,40 @@ async fn enroll_at_edge(edge: &Edge, token: &str) -> Result<(DeviceClient, Strin
 /// What one end device sent in one round.
 #[derive(Clone, Debug)]
 struct Sent {
+    /// The device's index: the devices were enrolled edge by edge, so
+    /// device i is edge i / DEVICES_PER_EDGE's.
+    device: usize,
     round: u32,
     num_samples: u64,
     values: Vec<f32>,
 }
 
-/// A device's update for a round: distinct per device and round, and
-/// known to the test, which computes flat FedAvg from it.
+/// A device's update for a round: known to the test, which computes flat
+/// FedAvg from it, and unlike any other device's or round's in every run
+/// of four values (a hash of device, round and position), so that a scan
+/// that finds one has found that update.
 fn update_of(device: usize, round: u32, len: usize) -> (u64, Vec<f32>) {
     let num_samples = 5 + device as u64 * 3;
     let values = (0..len)
-        .map(|k| ((device * 7 + round as usize * 13 + k) % 17) as f32 * 0.001 - 0.008)
+        .map(|k| {
+            let key = (device as u64) << 40 | u64::from(round) << 20 | k as u64;
+            let bits = key.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+            (bits as f32 / (1u64 << 24) as f32 - 0.5) * 0.02
+        })
         .collect();
     (num_samples, values)
 }
 
+/// How a device sends its update: plainly, or masked under SecAgg+.
+#[derive(Clone, Copy, PartialEq)]
+enum Sending {
+    Plain,
+    Secure,
+}
+
 /// Runs one device through every round: poll its edge, download the
-/// version (the SDK verifies the cloud's signature on it), upload.
-async fn play(device: DeviceClient, index: usize) -> Result<Vec<Sent>> {
+/// version (the SDK verifies the cloud's signature on it), send.
+async fn play(device: DeviceClient, index: usize, sending: Sending) -> Result<Vec<Sent>> {
     let mut sent = Vec::new();
     // Each sub-round is the edge's own one-round job, so the task's round
     // number is the edge's; the cloud's rounds come one after another.
@@ -75,9 +91,24 @@ async fn play(device: DeviceClient, index: usize) -> Result<Vec<Sent>> {
             .with_context(|| format!("device {index} cannot download in round {round}"))?;
         ensure!(model.digest == task.model_digest);
         let (num_samples, values) = update_of(index, round, task.layout.num_elements());
-        let encoded = encode_update(&task.layout, num_samples, &values)?;
-        device.upload_update(&task, encoded.into()).await?;
+        ensure!(
+            task.secure_aggregation.is_some() == (sending == Sending::Secure),
+            "device {index}'s task in round {round} is not as secure as the job"
+        );
+        match sending {
+            Sending::Plain => {
+                let encoded = encode_update(&task.layout, num_samples, &values)?;
+                device.upload_update(&task, encoded.into()).await?;
+            }
+            Sending::Secure => {
+                device
+                    .run_secure_round(&task, &values, num_samples)
+                    .await
+                    .with_context(|| format!("device {index}'s secure round {round}"))?;
+            }
+        }
         sent.push(Sent {
+            device: index,
             round,
             num_samples,
             values,
@@ -195,71 +226,119 @@ async fn distance(admin: &Admin, version: i64, expected: &[f64]) -> Result<f64> 
         .fold(0.0f64, f64::max))
 }
 
+/// A finished tiered job of [`ROUNDS`] rounds over [`EDGES`] edges of
+/// [`DEVICES_PER_EDGE`] devices each, and what each device sent.
+struct TieredRun {
+    cloud: TestServer,
+    edges: Vec<Edge>,
+    job: i64,
+    /// The largest difference between the job's model and flat FedAvg
+    /// over the devices' updates, computed here.
+    distance: f64,
+    sent: Vec<Sent>,
+}
+
+impl TieredRun {
+    async fn run(sending: Sending) -> Result<TieredRun> {
+        let cloud = TestServer::start(Database::Sqlite)?;
+        let cloud_admin = cloud.admin();
+        let (edges, fleets, _) = tiered_fleet(&cloud, EDGES, DEVICES_PER_EDGE).await?;
+        let players: Vec<_> = fleets
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .map(|(index, device)| tokio::spawn(play(device, index, sending)))
+            .collect();
+        let base_bytes = support::logreg_model_bytes(11);
+        let base = canopy_ir::format::read_model(&base_bytes)?;
+        let version = cloud_admin.upload_model("tiered", base_bytes).await?;
+        let mut spec = tiered_job(&version, ROUNDS, EDGES, EDGES, DEVICES_PER_EDGE);
+        if sending == Sending::Secure {
+            spec["secure_aggregation"] = json!({"enabled": true});
+        }
+        let job = cloud_admin.create_job(spec).await?;
+        let finished = cloud_admin.wait_for_job(job, JOB_TIMEOUT).await;
+        let logs = || {
+            edges
+                .iter()
+                .map(Edge::log)
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        };
+        let finished = finished.with_context(logs)?;
+        ensure!(
+            finished["state"] == "completed",
+            "job {finished}\nedges:\n{}",
+            logs()
+        );
+        let mut sent = Vec::new();
+        for player in players {
+            sent.extend(player.await??);
+        }
+        ensure!(sent.len() == EDGES * DEVICES_PER_EDGE * ROUNDS as usize);
+        // The upload is version 1 and each round made one more.
+        let final_version = 1 + i64::from(ROUNDS);
+        let last = cloud_admin
+            .ok(&format!("/api/v1/models/tiered/versions/{final_version}"))
+            .await?;
+        ensure!(
+            last["id"] == finished["current_version_id"],
+            "version {final_version} {last} is not the job's last {finished}"
+        );
+        let run = TieredRun {
+            cloud,
+            edges,
+            job,
+            distance: 0.0,
+            sent,
+        };
+        let expected = flat_fedavg(&base, &run.by_round());
+        let distance = distance(&cloud_admin, final_version, &expected).await?;
+        round_trees_add_up(&cloud_admin, job, &run.by_round(), sending).await?;
+        Ok(TieredRun { distance, ..run })
+    }
+
+    fn by_round(&self) -> Vec<Vec<&Sent>> {
+        (1..=ROUNDS)
+            .map(|round| self.sent.iter().filter(|s| s.round == round).collect())
+            .collect()
+    }
+}
+
 /// 1 cloud, 3 edges, 12 end devices, 3 rounds: the tiered job's model is
 /// flat FedAvg over the 12 devices' updates, to 1e-6.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tiered_job_equals_flat_fedavg_over_every_end_device() -> Result<()> {
-    let cloud = TestServer::start(Database::Sqlite)?;
-    let cloud_admin = cloud.admin();
-    let (edges, fleets, _) = tiered_fleet(&cloud, EDGES, DEVICES_PER_EDGE).await?;
-    let players: Vec<_> = fleets
-        .into_iter()
-        .flatten()
-        .enumerate()
-        .map(|(index, device)| tokio::spawn(play(device, index)))
-        .collect();
-    let base_bytes = support::logreg_model_bytes(11);
-    let base = canopy_ir::format::read_model(&base_bytes)?;
-    let version = cloud_admin.upload_model("tiered", base_bytes).await?;
-    let spec = tiered_job(&version, ROUNDS, EDGES, EDGES, DEVICES_PER_EDGE);
-    let job = cloud_admin.create_job(spec).await?;
-    let finished = cloud_admin.wait_for_job(job, JOB_TIMEOUT).await;
-    let logs = || {
-        edges
-            .iter()
-            .map(Edge::log)
-            .collect::<Vec<_>>()
-            .join("\n---\n")
-    };
-    let finished = finished.with_context(logs)?;
+    let run = TieredRun::run(Sending::Plain).await?;
     ensure!(
-        finished["state"] == "completed",
-        "job {finished}\nedges:\n{}",
-        logs()
+        run.distance <= 1e-6,
+        "the tiered model is {} from flat FedAvg",
+        run.distance
     );
-    let mut sent = Vec::new();
-    for player in players {
-        sent.extend(player.await??);
+    // The secure test's scan, where nothing is secret: it finds the
+    // devices' updates at their edges and the edges' sums at the cloud,
+    // so its silence in the secure run means something.
+    let leaks = secrecy::scan(&run, &QuantisationSteps::of_this_fleet()?)?;
+    for (tier, what) in [("edge", "device"), ("the cloud", "partial")] {
+        ensure!(
+            leaks
+                .iter()
+                .any(|leak| leak.starts_with(tier) && leak.contains(what)),
+            "the scan of a plain job finds no {what} at {tier}: {leaks:#?}"
+        );
     }
-    ensure!(sent.len() == EDGES * DEVICES_PER_EDGE * ROUNDS as usize);
-    let by_round: Vec<Vec<&Sent>> = (1..=ROUNDS)
-        .map(|round| sent.iter().filter(|s| s.round == round).collect())
-        .collect();
-    ensure!(
-        by_round
-            .iter()
-            .all(|updates| updates.len() == EDGES * DEVICES_PER_EDGE)
-    );
-    // The upload is version 1 and each round made one more.
-    let final_version = 1 + i64::from(ROUNDS);
-    let last = cloud_admin
-        .ok(&format!("/api/v1/models/tiered/versions/{final_version}"))
-        .await?;
-    ensure!(
-        last["id"] == finished["current_version_id"],
-        "version {final_version} {last} is not the job's last {finished}"
-    );
-    let worst = distance(&cloud_admin, final_version, &flat_fedavg(&base, &by_round)).await?;
-    ensure!(
-        worst <= 1e-6,
-        "the tiered model is {worst} from flat FedAvg"
-    );
-    round_trees_add_up(&cloud_admin, job, &by_round).await
+    Ok(())
 }
 
 /// Each cloud round's tree: its aggregators, each with its account of
-/// its sub-round, whose counts and samples are those of its devices.
-async fn round_trees_add_up(admin: &Admin, job: i64, by_round: &[Vec<&Sent>]) -> Result<()> {
+/// its sub-round, whose counts and samples are those of its devices. A
+/// secure round's samples are inside its sum: the cloud holds no edge's.
+async fn round_trees_add_up(
+    admin: &Admin,
+    job: i64,
+    by_round: &[Vec<&Sent>],
+    sending: Sending,
+) -> Result<()> {
     let rounds = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?;
     let rounds = rounds["items"].as_array().cloned().unwrap_or_default();
     ensure!(rounds.len() == by_round.len(), "{rounds:?}");
@@ -284,7 +363,17 @@ async fn round_trees_add_up(admin: &Admin, job: i64, by_round: &[Vec<&Sent>]) ->
                     && edge["num_samples"] == sub_round["samples"],
                 "round {number}: {edge}"
             );
+            if sending == Sending::Secure {
+                ensure!(
+                    edge["num_samples"].is_null(),
+                    "round {number}: the cloud knows an edge's weight: {edge}"
+                );
+                continue;
+            }
             samples += sub_round["samples"].as_u64().unwrap_or(0);
+        }
+        if sending == Sending::Secure {
+            continue;
         }
         let sent: u64 = by_round[number - 1].iter().map(|s| s.num_samples).sum();
         ensure!(
@@ -322,6 +411,7 @@ async fn an_edge_killed_mid_sub_round_loses_and_double_counts_nothing() -> Resul
             let (num_samples, values) = update_of(index, 1, task.layout.num_elements());
             let encoded = encode_update(&task.layout, num_samples, &values)?;
             let record = Sent {
+                device: index,
                 round: 1,
                 num_samples,
                 values,
@@ -435,4 +525,282 @@ async fn an_edge_down_past_its_deadline_leaves_the_round_to_the_others() -> Resu
         }
     }
     Ok(())
+}
+
+/// The same fleet with secure aggregation at both tiers: each edge's
+/// devices mask their updates for it (it learns their sum), and the edges
+/// mask their sub-rounds' results for the cloud (it learns the sum over
+/// the edges). The model equals flat FedAvg within the two tiers'
+/// quantisation steps, and no plaintext update is kept where it must not
+/// be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_secure_tiered_job_equals_flat_fedavg_and_keeps_each_tier_secret() -> Result<()> {
+    let run = TieredRun::run(Sending::Secure).await?;
+    let steps = QuantisationSteps::of_this_fleet()?;
+    // Each round adds at most one step of each tier to each value (the
+    // edge's mean is within a device-tier step of the true mean, the
+    // cloud's within a cloud-tier step of the edges'), and the f32 model
+    // rounds a little.
+    let bound = f64::from(ROUNDS) * (steps.device + steps.edge) + 1e-6;
+    ensure!(
+        run.distance <= bound,
+        "the secure tiered model is {} from flat FedAvg, over the quantisation bound {bound}",
+        run.distance
+    );
+    ensure!(
+        run.distance > 0.0,
+        "exactly flat FedAvg: was anything quantised?"
+    );
+    every_round_was_secure(&run).await?;
+    let leaks = secrecy::scan(&run, &steps)?;
+    ensure!(
+        leaks.is_empty(),
+        "plaintext kept where it must not be: {leaks:#?}"
+    );
+    Ok(())
+}
+
+/// The largest quantisation step of each tier in this test's rounds.
+struct QuantisationSteps {
+    /// Of a sub-round of [`DEVICES_PER_EDGE`] devices.
+    device: f64,
+    /// Of a cloud round of [`EDGES`] aggregators.
+    edge: f64,
+}
+
+impl QuantisationSteps {
+    fn of_this_fleet() -> Result<QuantisationSteps> {
+        use canopy_protocol::secagg::SecAggConfig;
+        let config = SecAggConfig {
+            enabled: true,
+            ..SecAggConfig::default()
+        };
+        let sub_round = config.plan(DEVICES_PER_EDGE, 1)?;
+        let cloud = config
+            .for_aggregators(DEVICES_PER_EDGE as u32, EDGES)?
+            .plan(EDGES, 1)?;
+        Ok(QuantisationSteps {
+            device: config.clip / sub_round.levels as f64,
+            edge: config.clip / cloud.levels as f64,
+        })
+    }
+}
+
+/// Both tiers ran SecAgg+: every cloud round and every edge's sub-round
+/// has a secure stage, and every participant at both tiers uploaded no
+/// plain update.
+async fn every_round_was_secure(run: &TieredRun) -> Result<()> {
+    let mut admins = vec![("the cloud".to_string(), run.cloud.admin(), Some(run.job))];
+    for (e, edge) in run.edges.iter().enumerate() {
+        admins.push((format!("edge {e}"), edge.admin(), None));
+    }
+    for (who, admin, only_job) in admins {
+        let jobs = admin.ok("/api/v1/jobs").await?;
+        let jobs = jobs["items"].as_array().cloned().unwrap_or_default();
+        let ids: Vec<i64> = jobs
+            .iter()
+            .filter_map(|job| job["id"].as_i64())
+            .filter(|id| only_job.is_none_or(|only| only == *id))
+            .collect();
+        ensure!(!ids.is_empty(), "{who} has no jobs");
+        for id in ids {
+            let rounds = admin.ok(&format!("/api/v1/jobs/{id}/rounds")).await?;
+            for round in rounds["items"].as_array().cloned().unwrap_or_default() {
+                ensure!(
+                    round["secure_stage"].is_string() && round["state"] == "succeeded",
+                    "{who}'s round is not a finished secure round: {round}"
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Scans each tier's files (database, its journal, blobs, logs) for the
+/// updates that tier must never see in plaintext.
+mod secrecy {
+    use std::path::{Path, PathBuf};
+
+    use anyhow::{Result, ensure};
+
+    use super::{DEVICES_PER_EDGE, QuantisationSteps, ROUNDS, Sent, TieredRun};
+
+    /// Four consecutive values of something secret, and how closely a
+    /// stored copy may differ from them (a quantised copy is not exact).
+    #[derive(Clone, Debug)]
+    struct Needle {
+        name: String,
+        values: [f64; 4],
+        tolerance: f64,
+    }
+
+    const RUN: usize = 4;
+
+    /// Every run of four values of `values`, as needles.
+    fn needles(name: &str, values: &[f64], tolerance: f64) -> Vec<Needle> {
+        values
+            .chunks_exact(RUN)
+            .enumerate()
+            .map(|(at, run)| Needle {
+                name: format!("{name} at value {}", at * RUN),
+                values: [run[0], run[1], run[2], run[3]],
+                tolerance,
+            })
+            .collect()
+    }
+
+    /// A device's update as sent, and as a plain fold keeps it (times its
+    /// weight).
+    fn device_needles(sent: &Sent) -> Vec<Needle> {
+        let values: Vec<f64> = sent.values.iter().map(|&v| f64::from(v)).collect();
+        let weighted: Vec<f64> = values.iter().map(|v| v * sent.num_samples as f64).collect();
+        let name = format!("device {}'s round {} update", sent.device, sent.round);
+        let mut found = needles(&name, &values, 1e-9);
+        found.extend(needles(&format!("{name}, weighted"), &weighted, 1e-6));
+        found
+    }
+
+    /// An edge's partial result for a round, as its mean (what a plain
+    /// uplink carries) and as its weighted sum (what it unmasks), each
+    /// within the device tier's quantisation.
+    fn edge_needles(edge: usize, round: u32, devices: &[&Sent], step: f64) -> Vec<Needle> {
+        let weight: f64 = devices.iter().map(|s| s.num_samples as f64).sum();
+        let len = devices[0].values.len();
+        let sum: Vec<f64> = (0..len)
+            .map(|k| {
+                devices
+                    .iter()
+                    .map(|s| s.num_samples as f64 * f64::from(s.values[k]))
+                    .sum()
+            })
+            .collect();
+        let mean: Vec<f64> = sum.iter().map(|v| v / weight).collect();
+        let name = format!("edge {edge}'s round {round} partial");
+        let mut found = needles(&format!("{name} mean"), &mean, step + 1e-7);
+        found.extend(needles(&format!("{name} sum"), &sum, weight * step + 1e-6));
+        found
+    }
+
+    /// What each tier keeps that it must not: one line per file that
+    /// holds a secret of another tier, naming the tier, the secret and
+    /// where.
+    pub fn scan(run: &TieredRun, steps: &QuantisationSteps) -> Result<Vec<String>> {
+        let mut per_edge: Vec<Vec<Needle>> = vec![Vec::new(); run.edges.len()];
+        let mut every_device = Vec::new();
+        for sent in &run.sent {
+            let found = device_needles(sent);
+            per_edge[sent.device / DEVICES_PER_EDGE].extend(found.iter().cloned());
+            every_device.extend(found);
+        }
+        let mut cloud_needles = every_device;
+        for round in 1..=ROUNDS {
+            for edge in 0..run.edges.len() {
+                let devices: Vec<&Sent> = run
+                    .sent
+                    .iter()
+                    .filter(|s| s.round == round && s.device / DEVICES_PER_EDGE == edge)
+                    .collect();
+                cloud_needles.extend(edge_needles(edge, round, &devices, steps.device));
+            }
+        }
+        let mut leaks = Vec::new();
+        for (e, edge) in run.edges.iter().enumerate() {
+            leaks.extend(needles_in(
+                &format!("edge {e}"),
+                edge.dir.path(),
+                &per_edge[e],
+            )?);
+        }
+        let cloud_dir = run.cloud.data_dir.path();
+        leaks.extend(needles_in("the cloud", cloud_dir, &cloud_needles)?);
+        Ok(leaks)
+    }
+
+    fn needles_in(tier: &str, dir: &Path, needles: &[Needle]) -> Result<Vec<String>> {
+        ensure!(!needles.is_empty(), "nothing to look for at {tier}");
+        let files = files_under(dir)?;
+        ensure!(
+            files
+                .iter()
+                .any(|(path, _)| path.extension().is_some_and(|e| e == "db"))
+                && files
+                    .iter()
+                    .any(|(path, _)| path.extension().is_some_and(|e| e == "log")),
+            "{tier}'s files hold no database or no log: {:?}",
+            files.iter().map(|(path, _)| path).collect::<Vec<_>>()
+        );
+        let mut leaks = Vec::new();
+        for (path, bytes) in &files {
+            if let Some((needle, offset, width)) = find(bytes, needles) {
+                leaks.push(format!(
+                    "{tier} keeps {} in {} at byte {offset}, as {width}-byte values",
+                    needle.name,
+                    path.display()
+                ));
+            }
+            let text = String::from_utf8_lossy(bytes);
+            for needle in needles.iter().filter(|n| n.tolerance < 1e-6) {
+                let printed = format!("{}", needle.values[0] as f32);
+                if printed.len() >= 8 && text.contains(&printed) {
+                    leaks.push(format!(
+                        "{tier} prints {} ({printed}) in {}",
+                        needle.name,
+                        path.display()
+                    ));
+                }
+            }
+        }
+        Ok(leaks)
+    }
+
+    fn files_under(dir: &Path) -> Result<Vec<(PathBuf, Vec<u8>)>> {
+        let mut files = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir)? {
+                let path = entry?.path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else if path.is_file() {
+                    files.push((path.clone(), std::fs::read(&path)?));
+                }
+            }
+        }
+        Ok(files)
+    }
+
+    /// The first needle found in `bytes` at any byte offset, as
+    /// consecutive little-endian f32s or f64s, with its offset and width.
+    fn find<'a>(bytes: &[u8], needles: &'a [Needle]) -> Option<(&'a Needle, usize, usize)> {
+        let mut by_first: Vec<(f64, &Needle)> = needles.iter().map(|n| (n.values[0], n)).collect();
+        by_first.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let widest = needles.iter().map(|n| n.tolerance).fold(0.0, f64::max);
+        for width in [4usize, 8] {
+            let read = |at: usize| -> f64 {
+                match width {
+                    4 => f64::from(f32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())),
+                    _ => f64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()),
+                }
+            };
+            for offset in 0..bytes.len().saturating_sub(width * RUN - 1) {
+                let first = read(offset);
+                if !first.is_finite() {
+                    continue;
+                }
+                let from = by_first.partition_point(|(v, _)| *v < first - widest);
+                for (value, needle) in &by_first[from..] {
+                    if *value > first + widest {
+                        break;
+                    }
+                    let matches = (0..RUN).all(|k| {
+                        (read(offset + k * width) - needle.values[k]).abs() <= needle.tolerance
+                    });
+                    if matches {
+                        return Some((needle, offset, width));
+                    }
+                }
+            }
+        }
+        None
+    }
 }

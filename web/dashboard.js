@@ -435,7 +435,9 @@ function showSubRounds(participants) {
     td.colSpan = columns;
     const summary = document.createElement("div");
     summary.className = "sub-round-summary";
-    summary.textContent = `└ sub-round: ${s.updates} of ${s.selected} end devices uploaded (${s.samples} samples)` +
+    // A secure sub-round's weight stays inside the masked sum.
+    const weight = s.samples == null ? "samples masked" : `${s.samples} samples`;
+    summary.textContent = `└ sub-round: ${s.updates} of ${s.selected} end devices uploaded (${weight})` +
       ` · ${s.dropouts} dropped` + (s.ineligible ? ` · ${s.ineligible} ineligible` : "") +
       ` · ${bytes(s.bytes_in)} up, ${bytes(s.bytes_out)} down · ${duration(s.duration_ms)}`;
     td.append(summary);

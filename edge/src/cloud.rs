@@ -10,9 +10,10 @@ use canopy_server::state::AppState;
 use canopy_server::store::uplinks::{self, UplinkState};
 use canopy_term::error_chain as chain;
 
+use crate::secure::Sessions;
 use crate::{EdgeSettings, pause, sub_round};
 
-pub async fn run(cloud: DeviceClient, state: AppState, edge: EdgeSettings) {
+pub async fn run(cloud: DeviceClient, state: AppState, edge: EdgeSettings, sessions: Sessions) {
     let heartbeat_every = Duration::from_millis(edge.heartbeat_interval_ms);
     let mut last_heartbeat: Option<Instant> = None;
     loop {
@@ -30,7 +31,7 @@ pub async fn run(cloud: DeviceClient, state: AppState, edge: EdgeSettings) {
         }
         let wait_ms = edge.poll_wait_ms.min(edge.heartbeat_interval_ms);
         match cloud.next_task(wait_ms).await {
-            Ok(Some(task)) => take(&cloud, &state, task, &edge).await,
+            Ok(Some(task)) => take(&cloud, &state, task, &edge, &sessions).await,
             Ok(None) => {}
             Err(error) => {
                 tracing::warn!(error = %chain(&error), "cannot poll the cloud for tasks; retrying");
@@ -61,10 +62,18 @@ async fn heartbeat(cloud: &DeviceClient, state: &AppState) -> Result<(), SdkErro
     Ok(())
 }
 
-/// Opens a sub-round for a task, or declines the task with the reason.
-/// The cloud hands a device its oldest open task again until it answers,
-/// so a task whose sub-round the edge already runs means: wait for it.
-async fn take(cloud: &DeviceClient, state: &AppState, task: Task, edge: &EdgeSettings) {
+/// Opens a sub-round for a task (and, for a secure cloud round, starts
+/// exchanging keys with the other aggregators), or declines the task with
+/// the reason. The cloud hands a device its oldest open task again until
+/// it answers, so a task whose sub-round the edge already runs means: wait
+/// for it.
+async fn take(
+    cloud: &DeviceClient,
+    state: &AppState,
+    task: Task,
+    edge: &EdgeSettings,
+    sessions: &Sessions,
+) {
     let round_id = task.round_id;
     match uplinks::for_cloud_round(&state.db, round_id).await {
         Ok(Some(_)) => {
@@ -81,6 +90,9 @@ async fn take(cloud: &DeviceClient, state: &AppState, task: Task, edge: &EdgeSet
     match sub_round::open(cloud, state, &task).await {
         Ok(job_id) => {
             tracing::info!(round = round_id, local_job = job_id, "opened a sub-round");
+            if task.secure_aggregation.is_some() {
+                sessions.begin(cloud, &task);
+            }
         }
         Err(refusal) => {
             let reason = chain(&refusal);

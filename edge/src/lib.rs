@@ -15,13 +15,17 @@
 //!   cloud round would write a version it keeps the devices' weighted mean
 //!   in the uplink row;
 //! - [`uplink`]: sends each kept result to the cloud, or tells the cloud
-//!   why a sub-round failed.
+//!   why a sub-round failed;
+//! - [`secure`]: in a secure cloud round, the edge is a SecAgg+
+//!   participant among the aggregators: it exchanges keys while its
+//!   sub-round (secure among its own devices) runs, then masks the result.
 //!
 //! *Architecture invariant:* nothing here aggregates, selects or admits:
 //! that is the server's code, run on the edge's database. This crate only
 //! moves tasks down and results up.
 
 mod cloud;
+mod secure;
 mod sub_round;
 mod uplink;
 
@@ -94,8 +98,14 @@ pub async fn run(
         aggregator = cloud.device_id,
         "edge aggregator started"
     );
-    let tasks = tokio::spawn(cloud::run(cloud.clone(), state.clone(), edge.clone()));
-    let uplinks = tokio::spawn(uplink::run(cloud, state.clone(), edge));
+    let sessions = secure::Sessions::default();
+    let tasks = tokio::spawn(cloud::run(
+        cloud.clone(),
+        state.clone(),
+        edge.clone(),
+        sessions.clone(),
+    ));
+    let uplinks = tokio::spawn(uplink::run(cloud, state.clone(), edge, sessions));
     let served = server::serve_started(running, &data_dir).await;
     tasks.abort();
     uplinks.abort();

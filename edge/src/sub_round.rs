@@ -72,16 +72,17 @@ pub async fn open(cloud: &DeviceClient, state: &AppState, task: &Task) -> Result
 }
 
 /// The local job that runs a sub-round: one round on the cloud's version
-/// with the sub-round's counts and deadline, the cloud's training settings
-/// and device policy, no retries (the cloud round will not wait for one),
-/// no evaluation and no server optimizer (both are the cloud's).
+/// with the sub-round's counts and deadline, the cloud's training settings,
+/// device policy and secure aggregation, no retries (the cloud round will
+/// not wait for one), no evaluation and no server optimizer (both are the
+/// cloud's).
 pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<JobSpec, Refusal> {
     let remaining_ms = u64::try_from(now_ms)
         .ok()
         .and_then(|now| sub_round.deadline_unix_ms.checked_sub(now))
         .filter(|&ms| ms >= 1_000)
         .ok_or(Refusal::TooLate)?;
-    let spec = serde_json::json!({
+    let mut spec = serde_json::json!({
         "name": format!("sub-round of cloud round {}", task.round_id),
         "model_version_id": 0,
         "rounds": 1,
@@ -99,6 +100,12 @@ pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<
         "evaluation": { "fraction": 0.0 },
         "max_samples_per_device": sub_round.max_samples_per_device,
     });
+    // Secure among the edge's devices when the cloud's job is: the edge
+    // learns only their sum.
+    if let Some(secure) = &sub_round.secure_aggregation {
+        spec["secure_aggregation"] =
+            serde_json::to_value(secure).map_err(|error| Refusal::LocalJob(error.to_string()))?;
+    }
     let spec: JobSpec =
         serde_json::from_value(spec).map_err(|error| Refusal::LocalJob(error.to_string()))?;
     spec.validate().map_err(Refusal::LocalJob)?;

@@ -6,18 +6,20 @@
 
 use bytes::Bytes;
 use canopy_protocol::messages::Task;
+use canopy_protocol::update::decode_update;
 use canopy_sdk::{DeviceClient, SdkError};
 use canopy_server::state::AppState;
 use canopy_server::store::rounds;
 use canopy_server::store::uplinks::{self, UplinkRow, UplinkState};
 use canopy_term::error_chain as chain;
 
+use crate::secure::Sessions;
 use crate::{EdgeSettings, pause};
 
 /// Uplinks handled per pass.
 const UPLINKS_PER_PASS: i64 = 16;
 
-pub async fn run(cloud: DeviceClient, state: AppState, edge: EdgeSettings) {
+pub async fn run(cloud: DeviceClient, state: AppState, edge: EdgeSettings, sessions: Sessions) {
     loop {
         let pending = match uplinks::pending(&state.db, UPLINKS_PER_PASS).await {
             Ok(pending) => pending,
@@ -27,7 +29,7 @@ pub async fn run(cloud: DeviceClient, state: AppState, edge: EdgeSettings) {
             }
         };
         for uplink in pending {
-            if let Err(error) = send(&cloud, &state, &uplink).await {
+            if let Err(error) = send(&cloud, &state, &uplink, &sessions).await {
                 tracing::warn!(
                     round = uplink.cloud_round_id, error = %chain(&error),
                     "cannot reach the cloud with a sub-round's outcome; retrying"
@@ -53,19 +55,41 @@ async fn send(
     cloud: &DeviceClient,
     state: &AppState,
     uplink: &UplinkRow,
+    sessions: &Sessions,
 ) -> Result<(), EdgeUplinkError> {
     let task: Task = serde_json::from_str(&uplink.cloud_task)
         .map_err(|error| EdgeUplinkError::Task(error.to_string()))?;
+    if task.secure_aggregation.is_some() {
+        return send_secure(cloud, state, uplink, task, sessions).await;
+    }
     report(cloud, state, uplink).await;
-    let answer = match (uplink.state, &uplink.partial) {
-        (UplinkState::Ready, Some(partial)) => upload(cloud, &task, partial).await?,
-        _ => {
-            let reason = format!("the aggregator's sub-round failed: {}", uplink.job_status);
-            decline(cloud, &task, &reason).await?
+    match (uplink.state, &uplink.partial) {
+        (UplinkState::Ready, Some(partial)) => {
+            let answer = upload(cloud, &task, partial).await?;
+            settle(state, uplink, answer, None).await
         }
-    };
-    match answer {
-        Answer::Taken if uplink.state == UplinkState::Ready => {
+        _ => {
+            let answer = decline(cloud, &task, &sub_round_failed(uplink)).await?;
+            settle(state, uplink, answer, Some(&uplink.job_status)).await
+        }
+    }
+}
+
+fn sub_round_failed(uplink: &UplinkRow) -> String {
+    format!("the aggregator's sub-round failed: {}", uplink.job_status)
+}
+
+/// Records what the cloud made of an uplink: the result it took (no
+/// `declined` reason), a decline it took (failed, for that reason), or its
+/// refusal (failed, for the cloud's reason).
+async fn settle(
+    state: &AppState,
+    uplink: &UplinkRow,
+    answer: Answer,
+    declined: Option<&str>,
+) -> Result<(), EdgeUplinkError> {
+    match (answer, declined) {
+        (Answer::Taken, None) => {
             tracing::info!(
                 round = uplink.cloud_round_id,
                 samples = uplink.num_samples,
@@ -73,15 +97,79 @@ async fn send(
             );
             uplinks::mark_sent(&state.db, uplink.job_id).await?;
         }
-        Answer::Taken => {
-            let reason = uplink.job_status.clone();
-            uplinks::mark_failed(&state.db, uplink.job_id, &reason).await?;
+        (Answer::Taken, Some(reason)) => {
+            uplinks::mark_failed(&state.db, uplink.job_id, reason).await?;
         }
-        Answer::Refused(reason) => {
+        (Answer::Refused(reason), _) => {
             tracing::warn!(round = uplink.cloud_round_id, %reason, "the cloud refused the sub-round's outcome");
             uplinks::mark_failed(&state.db, uplink.job_id, &reason).await?;
         }
     }
+    Ok(())
+}
+
+/// A secure cloud round's outcome: the sub-round's result masked with the
+/// round's keys, in a task of its own (its stages run until the cloud's
+/// round ends, and other uplinks must not wait), or a decline when the
+/// sub-round failed or the edge is out of the round.
+async fn send_secure(
+    cloud: &DeviceClient,
+    state: &AppState,
+    uplink: &UplinkRow,
+    task: Task,
+    sessions: &Sessions,
+) -> Result<(), EdgeUplinkError> {
+    let round_id = uplink.cloud_round_id;
+    let Some(partial) = uplink
+        .partial
+        .as_deref()
+        .filter(|_| uplink.state == UplinkState::Ready)
+    else {
+        // The keys go unused: to the cloud, a dropout, told at once.
+        sessions.end(round_id);
+        report(cloud, state, uplink).await;
+        let answer = decline(cloud, &task, &sub_round_failed(uplink)).await?;
+        return settle(state, uplink, answer, Some(&uplink.job_status)).await;
+    };
+    let turn = match decode_update(partial, &task.layout) {
+        Ok(result) => sessions
+            .turn(round_id)
+            .map(|round| round.map(|round| (round, result))),
+        Err(error) => Err(format!(
+            "the aggregator's kept result is unreadable: {error}"
+        )),
+    };
+    let (round, result) = match turn {
+        Ok(None) => return Ok(()),
+        Ok(Some(keyed)) => keyed,
+        Err(reason) => {
+            report(cloud, state, uplink).await;
+            let answer = decline(cloud, &task, &reason).await?;
+            settle(state, uplink, answer, Some(&reason)).await?;
+            sessions.end(round_id);
+            return Ok(());
+        }
+    };
+    report(cloud, state, uplink).await;
+    let (state, uplink, sessions) = (state.clone(), uplink.clone(), sessions.clone());
+    tokio::spawn(async move {
+        let answer = match round.finish(&result.values, result.num_samples).await {
+            Ok(receipt) => {
+                tracing::info!(
+                    round = round_id,
+                    weight = receipt.weight,
+                    bytes = receipt.masked_input_bytes,
+                    "masked the sub-round's result for the cloud"
+                );
+                Answer::Taken
+            }
+            Err(error) => Answer::Refused(chain(&error)),
+        };
+        if let Err(error) = settle(&state, &uplink, answer, None).await {
+            tracing::warn!(round = round_id, error = %chain(&error), "cannot record the secure round's outcome");
+        }
+        sessions.end(round_id);
+    });
     Ok(())
 }
 

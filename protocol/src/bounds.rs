@@ -32,6 +32,8 @@ pub enum BoundsError {
     },
     #[error("task field `layout` is invalid")]
     Layout(#[source] UpdateError),
+    #[error("task field `sub_round.secure_aggregation` is invalid: {0}")]
+    SubRoundSecure(String),
 }
 
 impl BoundsError {
@@ -40,6 +42,7 @@ impl BoundsError {
         match self {
             BoundsError::OutOfRange { field, .. } => field,
             BoundsError::Layout(_) => "layout",
+            BoundsError::SubRoundSecure(_) => "sub_round.secure_aggregation",
         }
     }
 }
@@ -151,7 +154,18 @@ impl SubRound {
             self.max_samples_per_device,
             1,
             crate::update::MAX_SAMPLES,
-        )
+        )?;
+        if let Some(config) = &self.secure_aggregation {
+            if !config.enabled {
+                return Err(BoundsError::SubRoundSecure(
+                    "it is present but not enabled".to_string(),
+                ));
+            }
+            config
+                .check_fields()
+                .map_err(|error| BoundsError::SubRoundSecure(error.to_string()))?;
+        }
+        Ok(())
     }
 }
 

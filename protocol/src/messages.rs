@@ -616,6 +616,12 @@ pub struct SubRound {
     /// Most samples one end device's update may claim; the cloud refuses
     /// an aggregator's update that claims more than [`SubRound::max_samples`].
     pub max_samples_per_device: u64,
+    /// When the cloud job is secure: the SecAgg+ settings the sub-round
+    /// runs under, so that the aggregator learns only its devices' sum
+    /// (which it then masks for the cloud's round among the aggregators,
+    /// whose plan comes in the task's `secure_aggregation`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_aggregation: Option<crate::secagg::SecAggConfig>,
 }
 
 impl SubRound {
@@ -857,8 +863,11 @@ pub struct SubRoundReport {
     /// Dropouts by reason, most frequent first.
     #[serde(default)]
     pub dropout_reasons: Vec<DropoutCount>,
-    /// Samples behind the accepted updates.
-    pub samples: u64,
+    /// Samples behind the accepted updates; absent for a secure
+    /// sub-round, whose weight the cloud learns only inside the sum over
+    /// its aggregators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<u64>,
     /// Update bytes the aggregator took in, and model bytes it sent.
     pub bytes_in: u64,
     pub bytes_out: u64,

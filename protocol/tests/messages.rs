@@ -476,7 +476,7 @@ fn sub_round_report() -> SubRoundReport {
             reason: "timeout: no update before the round's deadline".into(),
             devices: 2,
         }],
-        samples: 700,
+        samples: Some(700),
         bytes_in: 7_000,
         bytes_out: 10_000,
         duration_ms: 1_500,

@@ -513,14 +513,18 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
                 })
                 .into_iter()
                 .collect(),
-            samples: u64::from(updates) * 10,
+            samples: Some(u64::from(updates) * 10),
             bytes_in: u64::from(updates) * 2_600,
             bytes_out: u64::from(selected) * 12_000,
             duration_ms: 1_250,
         };
         aggregator.report_sub_round(&report).await?;
         let values = vec![0.01; task.layout.num_elements()];
-        let update = canopy_protocol::update::encode_update(&task.layout, report.samples, &values)?;
+        let update = canopy_protocol::update::encode_update(
+            &task.layout,
+            report.samples.unwrap_or(1),
+            &values,
+        )?;
         aggregator.upload_update(&task, Bytes::from(update)).await?;
     }
     let finished = admin.wait_for_job(job, Duration::from_secs(60)).await?;

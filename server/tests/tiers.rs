@@ -3,8 +3,9 @@
 //! aggregators and hand them a sub-round; an aggregator's weighted mean,
 //! with its total weight, makes FedAvg over its devices; and bad partial
 //! results (from a device that is no aggregator, with a bad signature,
-//! above the sub-round's weight bound, or a second one) are refused and
-//! change nothing. The edge itself is `tests/edge.rs`.
+//! above the sub-round's weight bound, a second one, or a plain one in a
+//! secure round) are refused and change nothing. The edge itself is
+//! `tests/edge.rs`.
 
 mod support;
 
@@ -82,15 +83,25 @@ async fn tiers(database: Database) -> Result<()> {
             reply.body
         );
     }
-    let mut secure = tiered_spec(&version, edges());
-    secure["secure_aggregation"] = json!({"enabled": true});
-    let reply = admin.post("/api/v1/jobs", secure).await?;
-    ensure!(
-        reply.status == 422 && reply.body.to_string().contains("cannot be combined yet"),
-        "{} {}",
-        reply.status,
-        reply.body
-    );
+    // Secure aggregation needs three participants at each tier: the
+    // error names the tier that has fewer.
+    for (min_aggregators, min_devices, fragment) in [
+        (3, 1, "in each sub-round"),
+        (2, 3, "in the rounds among aggregators"),
+    ] {
+        let mut secure = tiered_spec(&version, edges());
+        secure["min_devices"] = json!(min_aggregators);
+        secure["target_devices"] = json!(3);
+        secure["edges"]["min_devices"] = json!(min_devices);
+        secure["secure_aggregation"] = json!({"enabled": true});
+        let reply = admin.post("/api/v1/jobs", secure).await?;
+        let body = reply.body.to_string();
+        ensure!(
+            reply.status == 422 && body.contains(fragment) && body.contains("needs 3 to"),
+            "{fragment}: {} {body}",
+            reply.status
+        );
+    }
 
     // With end devices alone, a tiered job says whom it waits for.
     let device = enroll_device(&server, &admin.enrollment_token(1).await?).await?;
@@ -206,6 +217,62 @@ async fn tiers(database: Database) -> Result<()> {
         }
     }
     ensure!(k == len);
+    secure_rounds_take_no_plain_partial(&server, &admin, &version, [first, second]).await
+}
+
+/// A secure tiered job: each aggregator's task carries the secure
+/// sub-round's settings and the aggregators' plan, whose weight cap is a
+/// whole sub-round's; a plain partial result is refused and changes
+/// nothing (it would show the cloud that edge's sum).
+async fn secure_rounds_take_no_plain_partial(
+    server: &TestServer,
+    admin: &Admin,
+    version: &Value,
+    aggregators: [DeviceClient; 2],
+) -> Result<()> {
+    let token = admin.enrollment_token_for("aggregator", 1).await?;
+    let third = enroll_aggregator(server, &token).await?;
+    let mut spec = tiered_spec(version, edges());
+    spec["min_devices"] = json!(3);
+    spec["target_devices"] = json!(3);
+    spec["edges"]["min_devices"] = json!(3);
+    spec["secure_aggregation"] = json!({"enabled": true});
+    let job = admin.create_job(spec).await?;
+    let [first, second] = aggregators;
+    let mut tasks = Vec::new();
+    for aggregator in [&first, &second, &third] {
+        tasks.push(poll_task(aggregator).await?);
+    }
+    let task = &tasks[0];
+    let (sub_round, plan) = match (&task.sub_round, &task.secure_aggregation) {
+        (Some(sub_round), Some(secure)) => (sub_round, &secure.plan),
+        _ => anyhow::bail!("a secure tiered task without its two tiers: {task:?}"),
+    };
+    let device_tier = sub_round
+        .secure_aggregation
+        .as_ref()
+        .filter(|config| config.enabled);
+    ensure!(
+        device_tier.is_some_and(|config| config.max_weight == 1024)
+            && plan.participants == 3
+            && plan.max_weight == SUB_ROUND_TARGET * 1024,
+        "{task:?}"
+    );
+    let values = vec![0.01f32; task.layout.num_elements()];
+    let plain = Bytes::from(encode_update(&task.layout, 10, &values)?);
+    let error = first
+        .upload_update(task, plain)
+        .await
+        .expect_err("a plain partial in a secure round");
+    refused(error, 422, "runs secure aggregation")?;
+    let round = job_round(admin, job).await?;
+    ensure!(
+        round["metrics"]["updates_accepted"] == 0 && round["secure_stage"].is_string(),
+        "{round}"
+    );
+    admin
+        .post(&format!("/api/v1/jobs/{job}/cancel"), json!({}))
+        .await?;
     Ok(())
 }
 

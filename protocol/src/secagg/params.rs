@@ -229,6 +229,57 @@ impl SecAggConfig {
         Ok(())
     }
 
+    /// The settings of a tiered job's own rounds, whose participants are
+    /// aggregators: each masks its sub-round's mean update weighted by the
+    /// sub-round's total weight, at most `sub_round_devices` device
+    /// weights, so the weight cap is that many times this one. The cap
+    /// must hold whole for rounds of up to `max_aggregators` (where
+    /// [`SecAggConfig::scale_for`] would shrink it, an aggregator's weight
+    /// would be cut, and the job's FedAvg would no longer weight every end
+    /// device alike), so such settings are refused here, naming the bits
+    /// they need.
+    pub fn for_aggregators(
+        &self,
+        sub_round_devices: u32,
+        max_aggregators: usize,
+    ) -> Result<SecAggConfig, SecAggError> {
+        let max_weight = self.max_weight.saturating_mul(u64::from(sub_round_devices));
+        if max_weight > MAX_WEIGHT {
+            return Err(SecAggError::Config(format!(
+                "an aggregator's weight can reach {} ({sub_round_devices} end devices at \
+                 max_weight {}), over the {} a secure sum carries; lower max_weight or the \
+                 sub-rounds' target_devices",
+                thousands(max_weight as usize),
+                self.max_weight,
+                thousands(MAX_WEIGHT as usize)
+            )));
+        }
+        let tier = SecAggConfig {
+            max_weight,
+            ..self.clone()
+        };
+        let n = max_aggregators.max(MIN_PARTICIPANTS);
+        let kept = tier.scale_for(n)?.max_weight;
+        if kept < max_weight {
+            let needed = bits_needed(n as u128 * u128::from(max_weight));
+            let remedy = if needed <= MAX_BITS {
+                format!("raise bits to {needed}, or lower")
+            } else {
+                format!("that is over the {MAX_BITS}-bit limit, so lower")
+            };
+            return Err(SecAggError::Config(format!(
+                "rounds of {n} aggregators with weights up to {} ({sub_round_devices} end \
+                 devices at max_weight {}) need {needed} bits at the minimum \
+                 {MIN_PRECISION_LEVELS} levels per side, and bits = {}; {remedy} max_weight \
+                 or the sub-rounds' target_devices",
+                thousands(max_weight as usize),
+                self.max_weight,
+                self.bits
+            )));
+        }
+        Ok(tier)
+    }
+
     /// The parameters of a round of `participants` devices sending
     /// `update_len` values each.
     pub fn plan(&self, participants: usize, update_len: usize) -> Result<Plan, SecAggError> {
@@ -748,6 +799,38 @@ mod tests {
                 .contains("3 to 100000 devices per round"),
             "{too_many}"
         );
+    }
+
+    #[test]
+    fn the_aggregators_tier_carries_whole_sub_round_weights() {
+        let config = SecAggConfig {
+            enabled: true,
+            ..SecAggConfig::default()
+        };
+        // 3 aggregators of 4 devices each: every aggregator's weight, up
+        // to 4 × 1,024, is kept whole, and the sum still has headroom.
+        let tier = config.for_aggregators(4, 3).unwrap();
+        assert_eq!(tier.max_weight, 4 * 1024);
+        let plan = tier.plan(3, 10).unwrap();
+        assert_eq!(plan.max_weight, 4 * 1024);
+        assert_eq!(plan.levels, ((1i64 << 30) - 1) / (3 * 4 * 1024));
+        // 100 aggregators of 100 devices at 1,024 would need the cap cut:
+        // refused, naming the bits, not silently reweighted.
+        let error = config.for_aggregators(100, 100).unwrap_err().to_string();
+        assert!(
+            error.contains("rounds of 100 aggregators")
+                && error.contains("need 32 bits")
+                && error.contains("raise bits to 32"),
+            "{error}"
+        );
+        let fits = SecAggConfig {
+            max_weight: 8,
+            ..config.clone()
+        };
+        assert_eq!(fits.for_aggregators(100, 100).unwrap().max_weight, 800);
+        // A weight past what a secure sum carries at all.
+        let error = config.for_aggregators(2_000, 3).unwrap_err().to_string();
+        assert!(error.contains("over the 1,048,576"), "{error}");
     }
 
     #[test]

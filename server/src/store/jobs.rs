@@ -9,7 +9,7 @@ use utoipa::ToSchema;
 
 use canopy_protocol::bounds::{self, MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE};
 use canopy_protocol::messages::{DeviceRole, SubRound};
-use canopy_protocol::secagg::SecAggConfig;
+use canopy_protocol::secagg::{SecAggConfig, SecAggError};
 use canopy_protocol::update::MAX_SAMPLES;
 
 use super::{Page, from_json, text_enum};
@@ -184,6 +184,13 @@ pub struct EdgeTier {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1_000, maximum = 604_799_000)]
     pub deadline_ms: Option<u64>,
+}
+
+impl EdgeTier {
+    /// End devices each sub-round selects: its target plus over-selection.
+    pub fn selection_size(&self) -> u32 {
+        bounds::selection_size(self.target_devices, self.over_selection)
+    }
 }
 
 fn is_disabled(config: &SecAggConfig) -> bool {
@@ -471,22 +478,53 @@ impl JobSpec {
         Ok(())
     }
 
+    /// Checks the secure settings at every tier the job runs: its own
+    /// rounds (among aggregators, for a tiered job) and its sub-rounds.
     fn check_secure_aggregation(&self) -> Result<(), String> {
         self.secure_aggregation
             .check_fields()
             .map_err(|error| error.to_string())?;
-        if self.secure_aggregation.enabled {
-            self.secure_aggregation
-                .validate(self.min_devices as usize, self.selection_size() as usize)
-                .map_err(|error| {
-                    format!(
-                        "{error} (rounds select {} to {} devices)",
-                        self.min_devices,
-                        self.selection_size()
-                    )
-                })?;
+        if !self.secure_aggregation.enabled {
+            return Ok(());
         }
-        Ok(())
+        let (min, max) = (self.min_devices, self.selection_size());
+        let Some(edges) = &self.edges else {
+            return self
+                .secure_aggregation
+                .validate(min as usize, max as usize)
+                .map_err(|error| format!("{error} (rounds select {min} to {max} devices)"));
+        };
+        let sub_round_max = edges.selection_size();
+        self.secure_aggregation
+            .validate(edges.min_devices as usize, sub_round_max as usize)
+            .map_err(|error| {
+                format!(
+                    "{error} (in each sub-round, among its aggregator's end devices: sub-rounds \
+                     select {} to {sub_round_max} devices)",
+                    edges.min_devices
+                )
+            })?;
+        self.round_secure_aggregation()
+            .and_then(|tier| tier.validate(min as usize, max as usize))
+            .map_err(|error| {
+                format!(
+                    "{error} (in the rounds among aggregators: rounds select {min} to {max} \
+                     aggregators)"
+                )
+            })
+    }
+
+    /// The SecAgg+ settings of the job's own rounds: the job's, or for a
+    /// tiered job the aggregators' tier ([`SecAggConfig::for_aggregators`]),
+    /// whose weights are whole sub-rounds'. The sub-rounds run under the
+    /// job's own settings ([`JobSpec::sub_round`]).
+    pub fn round_secure_aggregation(&self) -> Result<SecAggConfig, SecAggError> {
+        match &self.edges {
+            None => Ok(self.secure_aggregation.clone()),
+            Some(edges) => self
+                .secure_aggregation
+                .for_aggregators(edges.selection_size(), self.selection_size() as usize),
+        }
     }
 
     /// Devices to select for a round: the target plus over-selection.
@@ -517,6 +555,10 @@ impl JobSpec {
             over_selection: edges.over_selection,
             deadline_unix_ms: deadline_unix_ms.saturating_sub(uplink_ms),
             max_samples_per_device: self.max_samples_per_device.unwrap_or(MAX_SAMPLES),
+            secure_aggregation: self
+                .secure_aggregation
+                .enabled
+                .then(|| self.secure_aggregation.clone()),
         })
     }
 
@@ -565,13 +607,6 @@ impl JobSpec {
                  `round_deadline_ms`, so that its result can reach this server"
             )
         })?;
-        if self.secure_aggregation.enabled {
-            return Err(
-                "`edges` and `secure_aggregation` cannot be combined yet: run the tiered \
-                        job without secure aggregation, or the secure job flat"
-                    .to_string(),
-            );
-        }
         Ok(())
     }
 }

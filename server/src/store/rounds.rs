@@ -695,6 +695,12 @@ pub enum UploadRejection {
          policy); its update is not taken"
     )]
     Withdrawn { round_id: i64, device_id: i64 },
+    #[error(
+        "round {round_id} runs secure aggregation, so it takes no plain update: an update \
+         goes masked through the round's SecAgg+ stages (the task's `secure_aggregation.path`), \
+         and a plain one would show this device's update to the server"
+    )]
+    Secure { round_id: i64 },
     #[error("round {round_id}'s stored sum has {stored} values, the update {got}")]
     SumLength {
         round_id: i64,
@@ -765,6 +771,9 @@ any_row! {
         pub base_version_id: i64,
         pub kind: RoundKind as String,
         pub job_id: i64,
+        /// A secure round's stage; `None` for a plain round, which alone
+        /// takes plain updates.
+        pub secagg_stage: Option<String>,
     }
 }
 
@@ -786,7 +795,7 @@ pub async fn standing(
 ) -> Result<Option<Standing>, sqlx::Error> {
     sqlx::query_as(
         "SELECT p.state AS participant, r.state AS round, r.deadline_ms, r.base_version_id, r.kind, \
-         r.job_id FROM participants p JOIN rounds r ON r.id = p.round_id \
+         r.job_id, r.secagg_stage FROM participants p JOIN rounds r ON r.id = p.round_id \
          WHERE p.round_id = $1 AND p.device_id = $2",
     )
     .bind(round_id)
@@ -1033,7 +1042,11 @@ pub async fn sub_round_report(
         dropouts: count(round.dropouts),
         ineligible: count(round.ineligible),
         dropout_reasons,
-        samples: u64::try_from(round.weight_total).unwrap_or(0),
+        // A secure round's weight is one of the secrets its sum hides.
+        samples: round
+            .secagg_stage
+            .is_none()
+            .then(|| u64::try_from(round.weight_total).unwrap_or(0)),
         bytes_in: u64::try_from(round.bytes_in).unwrap_or(0),
         bytes_out: u64::try_from(round.bytes_out).unwrap_or(0),
         duration_ms: u64::try_from(closed_ms - round.created_ms).unwrap_or(0),

@@ -117,6 +117,7 @@ fn rejection(error: UploadRejection) -> ApiError {
         UploadRejection::Closed { .. }
         | UploadRejection::Dropped { .. }
         | UploadRejection::Withdrawn { .. } => ApiError::gone(error.to_string()),
+        UploadRejection::Secure { .. } => ApiError::unprocessable(error.to_string()),
         UploadRejection::SumLength { .. } => ApiError::internal(error.to_string()),
     }
 }
@@ -137,6 +138,11 @@ async fn check_participant(
     };
     let participant = Some(standing.participant);
     rounds::admit(standing.gate(round_id), device_id, participant, now_ms()).map_err(rejection)?;
+    // A secure round's stage is set with its participants and never
+    // cleared while it takes input, so the check before the body decides.
+    if standing.secagg_stage.is_some() {
+        return Err(rejection(UploadRejection::Secure { round_id }));
+    }
     Ok((standing.kind, standing.base_version_id, standing.job_id))
 }
 
