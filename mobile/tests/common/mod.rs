@@ -24,8 +24,20 @@ pub fn target_dir() -> PathBuf {
 
 /// The `canopy-mobile` cdylib built with the tests: cargo writes it to
 /// `deps/` when it builds the tests, and copies it up only for `cargo
-/// build`, so the newer of the two is the one this build made.
+/// build`, so the newer of the two is the one this build made. Where
+/// `CANOPY_MOBILE_CDYLIB` names a copy, that copy: `.ci/run` makes one,
+/// since the `pip install ./mobile` it runs beside the tests rewrites
+/// `deps/`'s.
 pub fn cdylib() -> Result<PathBuf> {
+    if let Some(copy) = std::env::var_os("CANOPY_MOBILE_CDYLIB") {
+        let copy = PathBuf::from(copy);
+        ensure!(
+            copy.is_file(),
+            "CANOPY_MOBILE_CDYLIB names {}, which is not a file",
+            copy.display()
+        );
+        return Ok(copy);
+    }
     let name = format!(
         "{}canopy_mobile{}",
         std::env::consts::DLL_PREFIX,
