@@ -75,11 +75,16 @@ enum Sending {
 
 /// Runs one device through every round: poll its edge, download the
 /// version (the SDK verifies the cloud's signature on it), send.
-async fn play(device: DeviceClient, index: usize, sending: Sending) -> Result<Vec<Sent>> {
+async fn play(
+    device: DeviceClient,
+    index: usize,
+    sending: Sending,
+    rounds: u32,
+) -> Result<Vec<Sent>> {
     let mut sent = Vec::new();
     // Each sub-round is the edge's own one-round job, so the task's round
     // number is the edge's; the cloud's rounds come one after another.
-    for round in 1..=ROUNDS {
+    for round in 1..=rounds {
         let task = poll_task(&device).await?;
         ensure!(
             task.sub_round.is_none(),
@@ -247,7 +252,7 @@ impl TieredRun {
             .into_iter()
             .flatten()
             .enumerate()
-            .map(|(index, device)| tokio::spawn(play(device, index, sending)))
+            .map(|(index, device)| tokio::spawn(play(device, index, sending, ROUNDS)))
             .collect();
         let base_bytes = support::logreg_model_bytes(11);
         let base = canopy_ir::format::read_model(&base_bytes)?;
@@ -803,4 +808,63 @@ mod secrecy {
         }
         None
     }
+}
+
+/// An edge that restarts during a secure cloud round cannot mask its
+/// result for it (its round keys lived only in its process): once its
+/// sub-round closes it declines the cloud's task, saying why, and the
+/// cloud's round, which tolerates no dropout among 3 aggregators, fails
+/// then, long before its deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_edge_restarted_during_a_secure_round_declines_at_once() -> Result<()> {
+    let cloud = TestServer::start(Database::Sqlite)?;
+    let admin = cloud.admin();
+    let (mut edges, fleets, _) = tiered_fleet(&cloud, EDGES, DEVICES_PER_EDGE).await?;
+    let version = admin
+        .upload_model("tiered", support::logreg_model_bytes(14))
+        .await?;
+    let mut spec = tiered_job(&version, 1, EDGES, EDGES, DEVICES_PER_EDGE);
+    spec["secure_aggregation"] = json!({"enabled": true});
+    let started = std::time::Instant::now();
+    let job = admin.create_job(spec).await?;
+    let keyed = "exchanged keys with the other aggregators";
+    while !edges[0].log().contains(keyed) {
+        ensure!(
+            started.elapsed() < Duration::from_secs(60),
+            "edge 0 never exchanged keys: {}",
+            edges[0].log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    edges[0].kill9();
+    edges[0].start()?;
+    let players: Vec<_> = fleets
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(|(index, device)| tokio::spawn(play(device, index, Sending::Secure, 1)))
+        .collect();
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    let elapsed = started.elapsed();
+    ensure!(finished["state"] == "failed", "{finished}");
+    let round = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?["items"][0].clone();
+    let participants = admin
+        .ok(&format!("/api/v1/rounds/{}/participants", round["id"]))
+        .await?;
+    ensure!(
+        participants
+            .to_string()
+            .contains("restarted during the cloud's secure round"),
+        "{participants}\n{}",
+        edges[0].log()
+    );
+    ensure!(
+        elapsed < Duration::from_secs(45),
+        "the round took {elapsed:?}, as if it had waited for its 60 s deadline: {round}"
+    );
+    // Its devices' sub-round itself completed on the restarted edge.
+    for player in players {
+        player.await??;
+    }
+    Ok(())
 }
