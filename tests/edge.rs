@@ -475,6 +475,15 @@ async fn an_edge_killed_mid_sub_round_loses_and_double_counts_nothing() -> Resul
     Ok(())
 }
 
+/// A job's first round and its participants, as the admin API shows them.
+async fn first_round(admin: &Admin, job: i64) -> Result<(Value, Value)> {
+    let round = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?["items"][0].clone();
+    let participants = admin
+        .ok(&format!("/api/v1/rounds/{}/participants", round["id"]))
+        .await?;
+    Ok((round, participants))
+}
+
 /// An edge that stays down past its deadline: the cloud's round goes on
 /// with the other edge when the job's minimum allows, and fails by it
 /// otherwise, with the reason in the round's and the job's status.
@@ -507,14 +516,11 @@ async fn an_edge_down_past_its_deadline_leaves_the_round_to_the_others() -> Resu
             "min {min}: {finished}\n{}",
             edges[0].log()
         );
-        let round = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?["items"][0].clone();
+        let (round, participants) = first_round(&admin, job).await?;
         ensure!(
             round["metrics"]["updates_accepted"] == 1 && round["metrics"]["dropouts"] == 1,
             "{round}"
         );
-        let participants = admin
-            .ok(&format!("/api/v1/rounds/{}/participants", round["id"]))
-            .await?;
         ensure!(
             participants
                 .to_string()
@@ -847,10 +853,7 @@ async fn an_edge_restarted_during_a_secure_round_declines_at_once() -> Result<()
     let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
     let elapsed = started.elapsed();
     ensure!(finished["state"] == "failed", "{finished}");
-    let round = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?["items"][0].clone();
-    let participants = admin
-        .ok(&format!("/api/v1/rounds/{}/participants", round["id"]))
-        .await?;
+    let (round, participants) = first_round(&admin, job).await?;
     ensure!(
         participants
             .to_string()

@@ -1086,8 +1086,8 @@ async fn aggregate(
     job: &JobRow,
     spec: &JobSpec,
 ) -> Result<Option<RoundState>, OrchestratorError> {
-    if uplinks::for_job(&state.db.pool, job.id).await?.is_some() {
-        return keep_partial(state, round, job, spec).await;
+    if let Some(uplink) = uplinks::for_job(&state.db.pool, job.id).await? {
+        return keep_partial(state, round, job, spec, &uplink).await;
     }
     let base = base_version(state, round).await?;
     let next = match next_version(state, round, job, spec, &base).await? {
@@ -1157,13 +1157,14 @@ async fn keep_partial(
     round: &RoundRow,
     job: &JobRow,
     spec: &JobSpec,
+    uplink: &uplinks::UplinkRow,
 ) -> Result<Option<RoundState>, OrchestratorError> {
     let _writer = state.db.write_lock().await;
     let mut tx = state.db.pool.begin().await?;
     if !still_aggregating(state, &mut tx, round, job).await? {
         return Ok(None);
     }
-    let partial = match sub_round_result(&mut tx, round, job).await? {
+    let partial = match sub_round_result(&mut tx, round, uplink).await? {
         Ok(partial) => partial,
         Err(failure) => {
             let max_retries = i64::from(spec.max_round_retries);
@@ -1186,11 +1187,13 @@ async fn keep_partial(
     Ok(Some(RoundState::Succeeded))
 }
 
-/// A closed sub-round's encoded result, or why the round fails.
+/// A closed sub-round's encoded result, or why the round fails. The
+/// uplink's cloud task is written once, with the sub-round, so the row
+/// read before the transaction still holds.
 async fn sub_round_result(
     tx: &mut Tx<'_>,
     round: &RoundRow,
-    job: &JobRow,
+    uplink: &uplinks::UplinkRow,
 ) -> Result<Result<Vec<u8>, RoundFailure>, OrchestratorError> {
     if round.updates_accepted < round.min_devices {
         return Ok(Err(RoundFailure::TooFewUpdates {
@@ -1198,13 +1201,6 @@ async fn sub_round_result(
             needed: round.min_devices,
         }));
     }
-    let uplink =
-        uplinks::for_job(&mut **tx, job.id)
-            .await?
-            .ok_or(OrchestratorError::MissingJob {
-                round: round.id,
-                job: job.id,
-            })?;
     let task: canopy_protocol::messages::Task =
         from_json("uplinks.cloud_task", &uplink.cloud_task)?;
     let sum = rounds::update_sum(tx, round.id)

@@ -452,7 +452,9 @@ async fn a_throttled_device_waits_out_retry_after() -> Result<()> {
     let config = support::limits_file(dir.path(), "device_requests_per_second = 1")?;
     let server = TestServer::start_with(Database::Sqlite, &["--config", &config])?;
     let token = server.admin().enrollment_token(1).await?;
-    let notices: Arc<std::sync::Mutex<Vec<(Option<u16>, Duration)>>> = Arc::default();
+    // Each retry notice: the status that caused it and the wait.
+    type Notices = std::sync::Mutex<Vec<(Option<u16>, Duration)>>;
+    let notices: Arc<Notices> = Arc::default();
     let seen = Arc::clone(&notices);
     let device = support::enroll_device(&server, &token)
         .await?

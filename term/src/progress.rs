@@ -38,7 +38,7 @@ impl FitBar {
             if done > 0 {
                 bar.set_message(format!("loss {mean_loss:.4}"));
             }
-        } else if done > 0 && done % LOG_EVERY_BATCHES == 0 {
+        } else if done > 0 && done.is_multiple_of(LOG_EVERY_BATCHES) {
             tracing::info!(epoch, batch = done, batches, loss = mean_loss, "training");
         }
     }

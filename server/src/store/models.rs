@@ -125,11 +125,22 @@ pub async fn get_version(db: &Db, id: i64) -> Result<Option<VersionRow>, sqlx::E
 
 /// The first version with this content digest.
 pub async fn find_by_digest(db: &Db, digest: &str) -> Result<Option<VersionRow>, sqlx::Error> {
+    find_by_digest_with(&db.pool, digest).await
+}
+
+/// [`find_by_digest`] on any executor, e.g. inside a transaction.
+pub async fn find_by_digest_with<'e, E>(
+    executor: E,
+    digest: &str,
+) -> Result<Option<VersionRow>, sqlx::Error>
+where
+    E: sqlx::Executor<'e, Database = sqlx::Any>,
+{
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {VERSION_COLUMNS} FROM model_versions v WHERE v.digest = $1 ORDER BY v.id LIMIT 1"
     )))
     .bind(digest)
-    .fetch_optional(&db.pool)
+    .fetch_optional(executor)
     .await
 }
 

@@ -102,13 +102,8 @@ pub async fn begin(db: &Db, new: NewSubRound<'_>) -> Result<UplinkRow, sqlx::Err
 /// The edge's version of the cloud's model file: the one with its digest,
 /// or a new version of `model_name`.
 async fn version_for(tx: &mut Tx<'_>, new: &NewSubRound<'_>) -> Result<i64, sqlx::Error> {
-    let existing: Option<(i64,)> =
-        sqlx::query_as("SELECT id FROM model_versions WHERE digest = $1 ORDER BY id LIMIT 1")
-            .bind(new.digest)
-            .fetch_optional(&mut **tx)
-            .await?;
-    if let Some((id,)) = existing {
-        return Ok(id);
+    if let Some(existing) = models::find_by_digest_with(&mut **tx, new.digest).await? {
+        return Ok(existing.id);
     }
     let version = models::insert_version(
         tx,
