@@ -871,3 +871,86 @@ async fn an_edge_restarted_during_a_secure_round_declines_at_once() -> Result<()
     }
     Ok(())
 }
+
+/// A tiered job's versions are evaluated through its edges: each asks its
+/// own devices, and reports their sample-weighted mean with their samples
+/// as its own, so the cloud's federated evaluation is the sample-weighted
+/// mean over every end device that reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tiered_jobs_version_is_evaluated_by_every_end_device() -> Result<()> {
+    use canopy_protocol::messages::TaskKind;
+    use canopy_sdk::train::Evaluation;
+
+    let cloud = TestServer::start(Database::Sqlite)?;
+    let admin = cloud.admin();
+    let (edges, fleets, _) = tiered_fleet(&cloud, 2, 3).await?;
+    let version = admin
+        .upload_model("tiered", support::logreg_model_bytes(15))
+        .await?;
+    let mut spec = tiered_job(&version, 1, 2, 2, 3);
+    spec["evaluation"] = json!({"fraction": 1.0});
+    let job = admin.create_job(spec).await?;
+    let evaluation_of = |index: usize| Evaluation {
+        loss: 0.5 + 0.1 * index as f64,
+        accuracy: 0.6 + 0.05 * index as f64,
+        samples: 10 + 7 * index as u64,
+    };
+    let players: Vec<_> = fleets
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(|(index, device)| {
+            tokio::spawn(async move {
+                let task = poll_task(&device).await?;
+                ensure!(task.kind == TaskKind::Train, "device {index}: {task:?}");
+                let (num_samples, values) = update_of(index, 1, task.layout.num_elements());
+                let encoded = encode_update(&task.layout, num_samples, &values)?;
+                device.upload_update(&task, encoded.into()).await?;
+                let task = poll_task(&device).await?;
+                ensure!(task.kind == TaskKind::Evaluate, "device {index}: {task:?}");
+                device
+                    .report_evaluation(&task, &evaluation_of(index))
+                    .await?;
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await;
+    let logs = || {
+        edges
+            .iter()
+            .map(Edge::log)
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    };
+    let finished = finished.with_context(logs)?;
+    ensure!(finished["state"] == "completed", "{finished}\n{}", logs());
+    for player in players {
+        player.await??;
+    }
+    let reports: Vec<Evaluation> = (0..6).map(evaluation_of).collect();
+    let samples: u64 = reports.iter().map(|r| r.samples).sum();
+    let mean = |of: fn(&Evaluation) -> f64| {
+        reports
+            .iter()
+            .map(|r| of(r) * r.samples as f64)
+            .sum::<f64>()
+            / samples as f64
+    };
+    let (round, _) = first_round(&admin, job).await?;
+    let detail = admin.ok(&format!("/api/v1/rounds/{}", round["id"])).await?;
+    let metrics = &detail["metrics"];
+    let close = |field: &str, expected: f64| {
+        metrics[field]
+            .as_f64()
+            .is_some_and(|got| (got - expected).abs() <= 1e-9)
+    };
+    ensure!(
+        metrics["federated_eval_samples"] == samples
+            && metrics["federated_eval_devices"] == 2
+            && close("federated_eval_loss", mean(|r| r.loss))
+            && close("federated_eval_accuracy", mean(|r| r.accuracy)),
+        "{metrics}"
+    );
+    Ok(())
+}

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use canopy_protocol::messages::{Heartbeat, Task};
 use canopy_sdk::{DeviceClient, SdkError};
 use canopy_server::state::AppState;
-use canopy_server::store::uplinks::{self, UplinkState};
+use canopy_server::store::uplinks::{self, UplinkKind, UplinkState};
 use canopy_term::error_chain as chain;
 
 use crate::secure::Sessions;
@@ -74,10 +74,10 @@ async fn take(
     edge: &EdgeSettings,
     sessions: &Sessions,
 ) {
-    let round_id = task.round_id;
-    match uplinks::for_cloud_round(&state.db, round_id).await {
+    let (round_id, kind) = (task.round_id, UplinkKind::of(task.kind));
+    match uplinks::for_cloud_round(&state.db, round_id, kind).await {
         Ok(Some(_)) => {
-            wait_for_uplink(state, round_id, edge).await;
+            wait_for_uplink(state, round_id, kind, edge).await;
             return;
         }
         Ok(None) => {}
@@ -105,11 +105,11 @@ async fn take(
 }
 
 /// Waits, up to a heartbeat interval, until the cloud round's sub-round
-/// has been answered (its result sent, or its failure told).
-async fn wait_for_uplink(state: &AppState, round_id: i64, edge: &EdgeSettings) {
+/// of `kind` has been answered (its outcome sent, or its failure told).
+async fn wait_for_uplink(state: &AppState, round_id: i64, kind: UplinkKind, edge: &EdgeSettings) {
     let until = Instant::now() + Duration::from_millis(edge.heartbeat_interval_ms);
     while Instant::now() < until {
-        let open = uplinks::for_cloud_round(&state.db, round_id)
+        let open = uplinks::for_cloud_round(&state.db, round_id, kind)
             .await
             .ok()
             .flatten()

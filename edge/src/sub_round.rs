@@ -11,7 +11,7 @@ use canopy_server::db::{SqlError, now_ms};
 use canopy_server::signing::ModelSignature;
 use canopy_server::state::AppState;
 use canopy_server::store::jobs::JobSpec;
-use canopy_server::store::uplinks::{self, NewSubRound};
+use canopy_server::store::uplinks::{self, NewSubRound, UplinkKind};
 use canopy_server::store::{models, relayed_signatures};
 
 /// Why the edge declines a cloud task; the cloud records it as the
@@ -20,8 +20,6 @@ use canopy_server::store::{models, relayed_signatures};
 pub enum Refusal {
     #[error("this aggregator runs only sub-rounds of tiered jobs; the task has no `sub_round`")]
     NotTiered,
-    #[error("this aggregator does not relay {kind:?} tasks to its devices yet")]
-    Kind { kind: TaskKind },
     #[error("the task is outside the shared bounds")]
     Bounds(#[from] canopy_protocol::bounds::BoundsError),
     #[error("the sub-round's deadline has passed, or leaves under a second")]
@@ -42,9 +40,6 @@ pub async fn open(cloud: &DeviceClient, state: &AppState, task: &Task) -> Result
     let Some(sub_round) = &task.sub_round else {
         return Err(Refusal::NotTiered);
     };
-    if !matches!(task.kind, TaskKind::Train | TaskKind::Statistics) {
-        return Err(Refusal::Kind { kind: task.kind });
-    }
     let spec = local_job_spec(task, sub_round, now_ms())?;
     let signature = cached_signature(state, task).await?;
     let signature = match signature {
@@ -57,6 +52,7 @@ pub async fn open(cloud: &DeviceClient, state: &AppState, task: &Task) -> Result
         &state.db,
         NewSubRound {
             cloud_round_id: task.round_id,
+            kind: UplinkKind::of(task.kind),
             cloud_task_json: &cloud_task_json,
             model_name: &model_name,
             digest: &task.model_digest,
@@ -74,8 +70,10 @@ pub async fn open(cloud: &DeviceClient, state: &AppState, task: &Task) -> Result
 /// The local job that runs a sub-round: one round on the cloud's version
 /// with the sub-round's counts and deadline, the cloud's training settings,
 /// device policy and secure aggregation, no retries (the cloud round will
-/// not wait for one), no evaluation and no server optimizer (both are the
-/// cloud's).
+/// not wait for one), no server optimizer (the cloud's), and no evaluation
+/// of its own; for an evaluation task, only the evaluation of the cloud's
+/// version by every eligible device, up to the sub-round's target (the
+/// orchestrator trains nothing in such a job).
 pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<JobSpec, Refusal> {
     let remaining_ms = u64::try_from(now_ms)
         .ok()
@@ -97,7 +95,13 @@ pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<
         "device_policy": task.policy,
         "dataset": task.dataset,
         "max_round_retries": 0,
-        "evaluation": { "fraction": 0.0 },
+        "evaluation": match task.kind {
+            TaskKind::Evaluate => serde_json::json!({
+                "fraction": 1.0,
+                "max_devices": sub_round.target_devices,
+            }),
+            TaskKind::Train | TaskKind::Statistics => serde_json::json!({ "fraction": 0.0 }),
+        },
         "max_samples_per_device": sub_round.max_samples_per_device,
     });
     // Secure among the edge's devices when the cloud's job is: the edge

@@ -7,10 +7,13 @@
 use bytes::Bytes;
 use canopy_protocol::messages::Task;
 use canopy_protocol::update::decode_update;
+use canopy_sdk::train::Evaluation;
 use canopy_sdk::{DeviceClient, SdkError};
 use canopy_server::state::AppState;
+use canopy_server::store::evaluations;
+use canopy_server::store::jobs::JobState;
 use canopy_server::store::rounds;
-use canopy_server::store::uplinks::{self, UplinkRow, UplinkState};
+use canopy_server::store::uplinks::{self, UplinkKind, UplinkRow, UplinkState};
 use canopy_term::error_chain as chain;
 
 use crate::secure::Sessions;
@@ -59,6 +62,9 @@ async fn send(
 ) -> Result<(), EdgeUplinkError> {
     let task: Task = serde_json::from_str(&uplink.cloud_task)
         .map_err(|error| EdgeUplinkError::Task(error.to_string()))?;
+    if uplink.kind == UplinkKind::Evaluation {
+        return send_evaluation(cloud, state, uplink, &task).await;
+    }
     if task.secure_aggregation.is_some() {
         return send_secure(cloud, state, uplink, task, sessions).await;
     }
@@ -106,6 +112,47 @@ async fn settle(
         }
     }
     Ok(())
+}
+
+/// An evaluation sub-round's outcome, once its local job has completed
+/// (its evaluation closed): the sample-weighted mean of the devices'
+/// reports, as this aggregator's own report, so the cloud's mean over its
+/// aggregators is the mean over every end device that reported; or, when
+/// none did, a decline saying so.
+async fn send_evaluation(
+    cloud: &DeviceClient,
+    state: &AppState,
+    uplink: &UplinkRow,
+    task: &Task,
+) -> Result<(), EdgeUplinkError> {
+    let summary = match uplinks::local_round(&state.db, uplink.job_id).await? {
+        Some(round) => Some(evaluations::federated(&state.db, round.id).await?),
+        None => None,
+    };
+    let evaluation = summary.as_ref().and_then(|summary| {
+        Some(Evaluation {
+            loss: summary.loss?,
+            accuracy: summary.accuracy?,
+            samples: u64::try_from(summary.samples?).ok().filter(|&n| n > 0)?,
+        })
+    });
+    let Some(evaluation) = evaluation.filter(|_| uplink.job_state == JobState::Completed) else {
+        let asked = summary.map_or(0, |s| s.devices + s.dropped + s.ineligible);
+        let reason = format!(
+            "none of the aggregator's devices evaluated the version ({asked} asked): {}",
+            uplink.job_status
+        );
+        let answer = decline(cloud, task, &reason).await?;
+        return settle(state, uplink, answer, Some(&reason)).await;
+    };
+    let answer = match cloud.report_evaluation(task, &evaluation).await {
+        Ok(()) => Answer::Taken,
+        // Reported before a crash.
+        Err(error) if error.status() == Some(409) => Answer::Taken,
+        Err(error) if refused_for_good(&error) => Answer::Refused(chain(&error)),
+        Err(error) => return Err(error.into()),
+    };
+    settle(state, uplink, answer, None).await
 }
 
 /// A secure cloud round's outcome: the sub-round's result masked with the

@@ -128,6 +128,10 @@ async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
     let waiting = jobs::waiting_for_round(&state.db).await?;
     for job in waiting {
         let spec = job.spec()?;
+        if job.rounds_completed == 0 && evaluates_for_the_cloud(state, &job).await? {
+            open_evaluation_sub_round(state, &job, &spec).await?;
+            continue;
+        }
         let start = match job.rounds_completed {
             0 => prepare_start(state, &job, &spec).await?,
             _ => Start::Ready,
@@ -179,6 +183,54 @@ async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
             );
         }
     }
+    Ok(())
+}
+
+/// On an edge, whether the job is the evaluation sub-round of a cloud
+/// round: its devices evaluate the cloud's version, and nothing trains.
+async fn evaluates_for_the_cloud(state: &AppState, job: &JobRow) -> Result<bool, sqlx::Error> {
+    let uplink = uplinks::for_job(&state.db.pool, job.id).await?;
+    Ok(uplink.is_some_and(|uplink| uplink.kind == uplinks::UplinkKind::Evaluation))
+}
+
+/// An edge's evaluation sub-round: one round whose result is the job's
+/// version (the cloud's), succeeded at once, and the federated evaluation
+/// of that version by the edge's devices, as a cloud round's version is
+/// evaluated. The job completes when the evaluation closes (at once when
+/// no device could be asked), and the edge reports the evaluation's
+/// summary to the cloud (`canopy-edge`).
+async fn open_evaluation_sub_round(
+    state: &AppState,
+    job: &JobRow,
+    spec: &JobSpec,
+) -> Result<(), OrchestratorError> {
+    let writer = state.db.write_lock().await;
+    let mut tx = state.db.pool.begin().await?;
+    let new = rounds::NewRound {
+        kind: RoundKind::Train,
+        job_id: job.id,
+        number: 1,
+        attempt: 1,
+        base_version_id: job.current_version_id,
+        target_devices: i64::from(spec.target_devices),
+        min_devices: i64::from(spec.min_devices),
+    };
+    let Some(round_id) = rounds::open_round(&mut tx, &new).await? else {
+        return Ok(());
+    };
+    let round = reload(&mut tx, round_id).await?;
+    let evaluating = open_evaluation(state, &mut tx, &round, spec).await?;
+    let rounds = i64::from(spec.rounds);
+    rounds::succeed(&mut tx, &round, job.current_version_id, rounds, evaluating).await?;
+    tx.commit().await?;
+    drop(writer);
+    state.tasks_ready.notify_waiters();
+    tracing::info!(
+        job = job.id,
+        round = round_id,
+        evaluating,
+        "opened an evaluation sub-round"
+    );
     Ok(())
 }
 
@@ -970,9 +1022,9 @@ async fn open_evaluation(
     spec: &JobSpec,
 ) -> Result<bool, OrchestratorError> {
     let evaluation = &spec.evaluation;
-    // Aggregators do not relay evaluation tasks to their devices yet: a
-    // tiered job's versions are evaluated centrally, if at all.
-    if evaluation.fraction <= 0.0 || spec.edges.is_some() {
+    // A tiered job asks aggregators (`sample_eligible` selects what the
+    // job's rounds select), and each asks its own devices.
+    if evaluation.fraction <= 0.0 {
         return Ok(false);
     }
     let capacity = evaluation.max_devices as usize;

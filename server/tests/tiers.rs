@@ -83,6 +83,21 @@ async fn tiers(database: Database) -> Result<()> {
             reply.body
         );
     }
+    // Evaluation through the edges needs the uplink's time too.
+    let mut short = tiered_spec(&version, edges());
+    short["evaluation"] = json!({"fraction": 1.0, "deadline_ms": 5_000});
+    let reply = admin.post("/api/v1/jobs", short).await?;
+    ensure!(
+        reply.status == 422
+            && reply
+                .body
+                .to_string()
+                .contains("`evaluation.deadline_ms` is 5000 ms"),
+        "{} {}",
+        reply.status,
+        reply.body
+    );
+
     // Secure aggregation needs three participants at each tier: the
     // error names the tier that has fewer.
     for (min_aggregators, min_devices, fragment) in [

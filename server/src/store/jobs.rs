@@ -546,9 +546,7 @@ impl JobSpec {
     /// - edges.deadline_ms` before the round, the uplink's time.
     pub fn sub_round(&self, deadline_unix_ms: u64) -> Option<SubRound> {
         let edges = self.edges.as_ref()?;
-        let uplink_ms = self
-            .round_deadline_ms
-            .saturating_sub(self.edge_deadline_ms(edges));
+        let uplink_ms = self.uplink_ms(edges);
         Some(SubRound {
             min_devices: edges.min_devices,
             target_devices: edges.target_devices,
@@ -560,6 +558,30 @@ impl JobSpec {
                 .enabled
                 .then(|| self.secure_aggregation.clone()),
         })
+    }
+
+    /// The sub-round in which an aggregator has its own devices evaluate a
+    /// version of a tiered job, for an evaluation task due at
+    /// `deadline_unix_ms`: every eligible device of its own, up to
+    /// `evaluation.max_devices`, reporting the uplink's time before the
+    /// task is due. Unmasked: evaluation reports are not secret.
+    pub fn evaluation_sub_round(&self, deadline_unix_ms: u64) -> Option<SubRound> {
+        let edges = self.edges.as_ref()?;
+        Some(SubRound {
+            min_devices: 1,
+            target_devices: self.evaluation.max_devices,
+            over_selection: 0.0,
+            deadline_unix_ms: deadline_unix_ms.saturating_sub(self.uplink_ms(edges)),
+            max_samples_per_device: self.max_samples_per_device.unwrap_or(MAX_SAMPLES),
+            secure_aggregation: None,
+        })
+    }
+
+    /// The time a sub-round's outcome has to reach this server: the
+    /// round's deadline less the sub-round's.
+    fn uplink_ms(&self, edges: &EdgeTier) -> u64 {
+        self.round_deadline_ms
+            .saturating_sub(self.edge_deadline_ms(edges))
     }
 
     /// Writes the defaults that depend on other settings into the spec,
@@ -607,6 +629,18 @@ impl JobSpec {
                  `round_deadline_ms`, so that its result can reach this server"
             )
         })?;
+        // Evaluation sub-rounds leave the same time for their report.
+        let uplink_ms = self.uplink_ms(edges);
+        if self.evaluation.fraction > 0.0
+            && self.evaluation_deadline_ms() < uplink_ms + MIN_ROUND_DEADLINE_MS
+        {
+            return Err(format!(
+                "`evaluation.deadline_ms` is {} ms, but a tiered job's evaluation must last at \
+                 least {MIN_ROUND_DEADLINE_MS} ms more than the {uplink_ms} ms its aggregators \
+                 have to report (`round_deadline_ms` less `edges.deadline_ms`)",
+                self.evaluation_deadline_ms()
+            ));
+        }
         Ok(())
     }
 }

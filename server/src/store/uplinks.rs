@@ -5,6 +5,7 @@
 //! closed, the weighted mean its devices' updates make, until the cloud
 //! has it.
 
+use canopy_protocol::messages::TaskKind;
 use canopy_protocol::update::UpdateLayout;
 
 use super::jobs::{JOB_COLUMNS, JobRow, JobSpec, JobState};
@@ -31,11 +32,33 @@ text_enum! {
     }
 }
 
+text_enum! {
+    /// What an edge owes the cloud for a cloud round: one of each.
+    pub enum UplinkKind {
+        /// A training (or statistics) sub-round's weighted mean.
+        Result = "result",
+        /// Its devices' evaluation of the round's version: the
+        /// sample-weighted mean of their reports.
+        Evaluation = "evaluation",
+    }
+}
+
+impl UplinkKind {
+    /// The uplink a cloud task makes.
+    pub fn of(task: TaskKind) -> UplinkKind {
+        match task {
+            TaskKind::Evaluate => UplinkKind::Evaluation,
+            TaskKind::Train | TaskKind::Statistics => UplinkKind::Result,
+        }
+    }
+}
+
 any_row! {
     #[derive(Clone, Debug)]
     pub struct UplinkRow {
         pub job_id: i64,
         pub cloud_round_id: i64,
+        pub kind: UplinkKind as String,
         /// The cloud's task, as JSON.
         pub cloud_task: String,
         pub state: UplinkState as String,
@@ -48,13 +71,15 @@ any_row! {
     }
 }
 
-const UPLINK_COLUMNS: &str = "u.job_id, u.cloud_round_id, u.cloud_task, u.state, u.partial, \
-     u.num_samples, u.reason, j.state AS job_state, j.status_message AS job_status";
+const UPLINK_COLUMNS: &str = "u.job_id, u.cloud_round_id, u.task_kind AS kind, u.cloud_task, \
+     u.state, u.partial, u.num_samples, u.reason, j.state AS job_state, \
+     j.status_message AS job_status";
 
 /// A sub-round to open: the cloud's task, the version it trains, and the
 /// local job that runs it.
 pub struct NewSubRound<'a> {
     pub cloud_round_id: i64,
+    pub kind: UplinkKind,
     pub cloud_task_json: &'a str,
     /// The name the cloud's model goes by on the edge.
     pub model_name: &'a str,
@@ -74,18 +99,22 @@ pub async fn begin(db: &Db, new: NewSubRound<'_>) -> Result<UplinkRow, sqlx::Err
     {
         let _writer = db.write_lock().await;
         let mut tx = db.pool.begin().await?;
-        if by_cloud_round(&mut tx, new.cloud_round_id).await?.is_none() {
+        if by_cloud_round(&mut tx, new.cloud_round_id, new.kind)
+            .await?
+            .is_none()
+        {
             let version_id = version_for(&mut tx, &new).await?;
             relayed_signatures::put(&mut tx, new.digest, new.signature).await?;
             let mut spec = new.spec;
             spec.model_version_id = version_id;
             let job = insert_running_job(&mut tx, &spec).await?;
             sqlx::query(
-                "INSERT INTO uplinks (job_id, cloud_round_id, cloud_task, state, created_ms, \
-                 updated_ms) VALUES ($1, $2, $3, 'collecting', $4, $4)",
+                "INSERT INTO uplinks (job_id, cloud_round_id, task_kind, cloud_task, state, \
+                 created_ms, updated_ms) VALUES ($1, $2, $3, $4, 'collecting', $5, $5)",
             )
             .bind(job.id)
             .bind(new.cloud_round_id)
+            .bind(new.kind.as_str())
             .bind(new.cloud_task_json)
             .bind(now_ms())
             .execute(&mut *tx)
@@ -94,7 +123,7 @@ pub async fn begin(db: &Db, new: NewSubRound<'_>) -> Result<UplinkRow, sqlx::Err
         tx.commit().await?;
     }
     let mut tx = db.pool.begin().await?;
-    let row = by_cloud_round(&mut tx, new.cloud_round_id).await?;
+    let row = by_cloud_round(&mut tx, new.cloud_round_id, new.kind).await?;
     tx.rollback().await?;
     row.ok_or(sqlx::Error::RowNotFound)
 }
@@ -140,23 +169,27 @@ async fn insert_running_job(tx: &mut Tx<'_>, spec: &JobSpec) -> Result<JobRow, s
 async fn by_cloud_round(
     tx: &mut Tx<'_>,
     cloud_round_id: i64,
+    kind: UplinkKind,
 ) -> Result<Option<UplinkRow>, sqlx::Error> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {UPLINK_COLUMNS} FROM uplinks u JOIN jobs j ON j.id = u.job_id \
-         WHERE u.cloud_round_id = $1"
+         WHERE u.cloud_round_id = $1 AND u.task_kind = $2"
     )))
     .bind(cloud_round_id)
+    .bind(kind.as_str())
     .fetch_optional(&mut **tx)
     .await
 }
 
-/// The uplink of a cloud round, if the edge opened a sub-round for it.
+/// The uplink of a cloud round's task of `kind`, if the edge opened a
+/// sub-round for it.
 pub async fn for_cloud_round(
     db: &Db,
     cloud_round_id: i64,
+    kind: UplinkKind,
 ) -> Result<Option<UplinkRow>, sqlx::Error> {
     let mut tx = db.pool.begin().await?;
-    let row = by_cloud_round(&mut tx, cloud_round_id).await?;
+    let row = by_cloud_round(&mut tx, cloud_round_id, kind).await?;
     tx.rollback().await?;
     Ok(row)
 }
@@ -185,13 +218,15 @@ pub async fn local_round(db: &Db, job_id: i64) -> Result<Option<RoundRow>, sqlx:
     .await
 }
 
-/// Uplinks the edge has work for: results to send, and sub-rounds whose
-/// local job stopped without one (the cloud is told why).
+/// Uplinks the edge has work for: results to send, evaluations whose
+/// local job completed (it completes once its evaluation has closed), and
+/// sub-rounds whose local job stopped without a result (the cloud is told
+/// why). A training sub-round's uplink is ready before its job completes.
 pub async fn pending(db: &Db, limit: i64) -> Result<Vec<UplinkRow>, sqlx::Error> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {UPLINK_COLUMNS} FROM uplinks u JOIN jobs j ON j.id = u.job_id \
          WHERE u.state = 'ready' OR (u.state = 'collecting' AND j.state IN \
-         ('failed', 'cancelled')) ORDER BY u.job_id LIMIT $1"
+         ('completed', 'failed', 'cancelled')) ORDER BY u.job_id LIMIT $1"
     )))
     .bind(limit)
     .fetch_all(&db.pool)

@@ -256,7 +256,7 @@ async fn build_evaluation_task(
         dataset: spec.dataset.clone(),
         layout: (*layout).clone(),
         secure_aggregation: None,
-        sub_round: None,
+        sub_round: spec.evaluation_sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)),
         policy: spec.device_policy,
     })
 }
