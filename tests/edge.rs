@@ -954,3 +954,83 @@ async fn a_tiered_jobs_version_is_evaluated_by_every_end_device() -> Result<()> 
     );
     Ok(())
 }
+
+/// Device authorities at both tiers: the cloud's certifies its
+/// aggregators (each pins it and installs its certificate with
+/// `canopy-agent certify`), each edge's its own end devices (each pins
+/// its edge's authority), and a secure tiered job, whose key exchanges at
+/// both tiers then carry and check the certificates, completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn device_authorities_certify_both_tiers_of_a_secure_job() -> Result<()> {
+    use canopy_protocol::device_cert::DeviceAuthority;
+
+    let cloud_authority = DeviceAuthority::generate();
+    let cloud_hex = cloud_authority.public_key_hex();
+    let cloud = TestServer::start_with(Database::Sqlite, &["--device-authority", &cloud_hex])?;
+    let admin = cloud.admin();
+    let token = admin
+        .enrollment_token_for("aggregator", EDGES as u32)
+        .await?;
+    let mut edges = Vec::new();
+    let mut players = Vec::new();
+    for e in 0..EDGES {
+        let mut edge = Edge::enroll_with(&cloud, &token, &["--device-authority", &cloud_hex])?;
+        let status = edge.command().args(["status", "--json"]).output()?;
+        let status: Value = serde_json::from_slice(&status.stdout)?;
+        let id = status["device_id"]
+            .as_u64()
+            .context("the edge's device id")?;
+        let mut key = [0u8; 32];
+        hex::decode_to_slice(status["public_key"].as_str().unwrap_or_default(), &mut key)?;
+        let certificate = hex::encode(cloud_authority.certify(id, &key));
+        let certified = edge
+            .command()
+            .args(["certify", "--certificate", &certificate])
+            .output()?;
+        ensure!(
+            certified.status.success(),
+            "edge {e}: {}",
+            String::from_utf8_lossy(&certified.stderr)
+        );
+        let edge_authority = DeviceAuthority::generate();
+        edge.extra_args = vec![
+            "--device-authority".to_string(),
+            edge_authority.public_key_hex(),
+        ];
+        edge.start()?;
+        let device_token = edge
+            .admin()
+            .enrollment_token(DEVICES_PER_EDGE as u32)
+            .await?;
+        for d in 0..DEVICES_PER_EDGE {
+            let (device, _) = enroll_at_edge(&edge, &device_token).await?;
+            let device = device.with_device_authority(edge_authority.public_key());
+            let certificate =
+                edge_authority.certify(device.device_id as u64, &device.key().public_key());
+            device.install_certificate(&certificate).await?;
+            let index = e * DEVICES_PER_EDGE + d;
+            players.push(tokio::spawn(play(device, index, Sending::Secure, 1)));
+        }
+        edges.push(edge);
+    }
+    let version = admin
+        .upload_model("tiered", support::logreg_model_bytes(16))
+        .await?;
+    let mut spec = tiered_job(&version, 1, EDGES, EDGES, DEVICES_PER_EDGE);
+    spec["secure_aggregation"] = json!({"enabled": true});
+    let job = admin.create_job(spec).await?;
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await;
+    let logs = || {
+        edges
+            .iter()
+            .map(Edge::log)
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    };
+    let finished = finished.with_context(logs)?;
+    ensure!(finished["state"] == "completed", "{finished}\n{}", logs());
+    for player in players {
+        player.await??;
+    }
+    Ok(())
+}

@@ -38,6 +38,12 @@ impl Edge {
 
     /// Enrolls a new edge with the cloud as an aggregator.
     pub fn enroll(cloud: &TestServer, token: &str) -> Result<Edge> {
+        Edge::enroll_with(cloud, token, &[])
+    }
+
+    /// [`Edge::enroll`] with more of `enroll`'s arguments
+    /// (`--device-authority HEX`).
+    pub fn enroll_with(cloud: &TestServer, token: &str, extra_args: &[&str]) -> Result<Edge> {
         let edge = Edge {
             dir: private_tempdir()?,
             child: None,
@@ -51,6 +57,7 @@ impl Edge {
             .command()
             .args(["enroll", "--server", &cloud.base, "--token", token])
             .args(["--fingerprint", &cloud.fingerprint, "--role", "aggregator"])
+            .args(extra_args)
             .stdin(Stdio::null())
             .output()?;
         ensure!(
