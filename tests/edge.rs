@@ -262,20 +262,7 @@ impl TieredRun {
             spec["secure_aggregation"] = json!({"enabled": true});
         }
         let job = cloud_admin.create_job(spec).await?;
-        let finished = cloud_admin.wait_for_job(job, JOB_TIMEOUT).await;
-        let logs = || {
-            edges
-                .iter()
-                .map(Edge::log)
-                .collect::<Vec<_>>()
-                .join("\n---\n")
-        };
-        let finished = finished.with_context(logs)?;
-        ensure!(
-            finished["state"] == "completed",
-            "job {finished}\nedges:\n{}",
-            logs()
-        );
+        let finished = completed(&cloud_admin, job, &edges).await?;
         let mut sent = Vec::new();
         for player in players {
             sent.extend(player.await??);
@@ -473,6 +460,27 @@ async fn an_edge_killed_mid_sub_round_loses_and_double_counts_nothing() -> Resul
         "the model is {worst} from FedAvg over the four devices"
     );
     Ok(())
+}
+
+/// Waits for a job to complete; its failure shows the edges' logs.
+async fn completed(admin: &Admin, job: i64, edges: &[Edge]) -> Result<Value> {
+    let logs = || {
+        edges
+            .iter()
+            .map(Edge::log)
+            .collect::<Vec<_>>()
+            .join("\n---\n")
+    };
+    let finished = admin
+        .wait_for_job(job, JOB_TIMEOUT)
+        .await
+        .with_context(logs)?;
+    ensure!(
+        finished["state"] == "completed",
+        "job {finished}\nedges:\n{}",
+        logs()
+    );
+    Ok(finished)
 }
 
 /// A job's first round and its participants, as the admin API shows them.
@@ -915,16 +923,7 @@ async fn a_tiered_jobs_version_is_evaluated_by_every_end_device() -> Result<()> 
             })
         })
         .collect();
-    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await;
-    let logs = || {
-        edges
-            .iter()
-            .map(Edge::log)
-            .collect::<Vec<_>>()
-            .join("\n---\n")
-    };
-    let finished = finished.with_context(logs)?;
-    ensure!(finished["state"] == "completed", "{finished}\n{}", logs());
+    completed(&admin, job, &edges).await?;
     for player in players {
         player.await??;
     }
@@ -1019,16 +1018,7 @@ async fn device_authorities_certify_both_tiers_of_a_secure_job() -> Result<()> {
     let mut spec = tiered_job(&version, 1, EDGES, EDGES, DEVICES_PER_EDGE);
     spec["secure_aggregation"] = json!({"enabled": true});
     let job = admin.create_job(spec).await?;
-    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await;
-    let logs = || {
-        edges
-            .iter()
-            .map(Edge::log)
-            .collect::<Vec<_>>()
-            .join("\n---\n")
-    };
-    let finished = finished.with_context(logs)?;
-    ensure!(finished["state"] == "completed", "{finished}\n{}", logs());
+    completed(&admin, job, &edges).await?;
     for player in players {
         player.await??;
     }
