@@ -23,6 +23,35 @@ pub struct InstallArgs {
     /// `useradd --system` if missing. It owns the data directory.
     #[arg(long, default_value = "canopy-agent")]
     user: String,
+    /// Run this machine as an edge aggregator: the unit starts `aggregate`
+    /// instead of `run` (enroll with `--role aggregator`). It listens on
+    /// 127.0.0.1:9443 with a self-signed certificate; give it `--listen`
+    /// and `--tls` with `systemctl edit canopy-agent`.
+    #[arg(long)]
+    aggregate: bool,
+}
+
+/// What the unit starts: the daemon that trains, or an edge aggregator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Service {
+    Device,
+    Aggregator,
+}
+
+impl Service {
+    fn subcommand(self) -> &'static str {
+        match self {
+            Service::Device => "run",
+            Service::Aggregator => "aggregate",
+        }
+    }
+
+    fn description(self) -> &'static str {
+        match self {
+            Service::Device => "Canopy edge agent (federated learning)",
+            Service::Aggregator => "Canopy edge aggregator (federated learning)",
+        }
+    }
 }
 
 /// How long systemd waits after SIGTERM: the daemon's grace period for a
@@ -35,7 +64,11 @@ pub fn run(dir: &DataDir, args: InstallArgs) -> Result<()> {
     let prefix = absolute(&args.prefix)?;
     let binary = prefix.join("bin").join("canopy-agent");
     let unit_path = prefix.join("lib/systemd/system/canopy-agent.service");
-    let unit = unit_file(&binary, &data_dir, &args.user)?;
+    let service = match args.aggregate {
+        true => Service::Aggregator,
+        false => Service::Device,
+    };
+    let unit = unit_file(&binary, &data_dir, &args.user, service)?;
     let existing = ownership::lookup(&args.user)?;
     if let Some(account) = &existing {
         refuse_root(account)?;
@@ -65,7 +98,7 @@ pub fn run(dir: &DataDir, args: InstallArgs) -> Result<()> {
     write_public(&unit_path, unit.as_bytes())
         .with_context(|| format!("cannot write systemd unit `{}`", unit_path.display()))?;
     outln!("wrote systemd unit {}", unit_path.display())?;
-    next_steps(&dir, &binary, &unit_path)
+    next_steps(&dir, &binary, &unit_path, service)
 }
 
 fn refuse_root(account: &Account) -> Result<()> {
@@ -151,7 +184,7 @@ fn write_settings(dir: &DataDir) -> Result<()> {
     Ok(())
 }
 
-fn next_steps(dir: &DataDir, binary: &Path, unit_path: &Path) -> Result<()> {
+fn next_steps(dir: &DataDir, binary: &Path, unit_path: &Path, service: Service) -> Result<()> {
     outln!()?;
     outln!("next steps (as root: the data directory belongs to the service user):")?;
     let mut step = 1;
@@ -165,18 +198,38 @@ fn next_steps(dir: &DataDir, binary: &Path, unit_path: &Path) -> Result<()> {
         step += 1;
     }
     let cli = format!("{} --data-dir {}", binary.display(), dir.root.display());
+    let role = match service {
+        Service::Device => "",
+        Service::Aggregator => " --role aggregator",
+    };
     outln!(
-        "  {step}. {cli} enroll --server https://SERVER:8443 --token TOKEN --fingerprint sha256:HEX"
+        "  {step}. {cli} enroll{role} --server https://SERVER:8443 --token TOKEN --fingerprint sha256:HEX"
     )?;
-    outln!(
-        "  {}. {cli} data add NAME --kind csv --path FILE   (a file the service user can read)",
-        step + 1
-    )?;
-    outln!(
-        "  {}. edit {} to set limits (threads, memory, idle-only)",
-        step + 2,
-        dir.config().display()
-    )?;
+    match service {
+        Service::Device => {
+            outln!(
+                "  {}. {cli} data add NAME --kind csv --path FILE   (a file the service user can read)",
+                step + 1
+            )?;
+            outln!(
+                "  {}. edit {} to set limits (threads, memory, idle-only)",
+                step + 2,
+                dir.config().display()
+            )?;
+        }
+        Service::Aggregator => {
+            outln!(
+                "  {}. systemctl edit canopy-agent   (ExecStart= with `aggregate --listen \
+                 0.0.0.0:9443 --tls-cert FILE --tls-key FILE`, to serve other machines)",
+                step + 1
+            )?;
+            outln!(
+                "  {}. edit {} if the defaults do not fit",
+                step + 2,
+                dir.config().display()
+            )?;
+        }
+    }
     // An absolute path works for any prefix, inside systemd's search path
     // or not.
     outln!(
@@ -229,20 +282,21 @@ fn unit_arg(path: &Path) -> Result<String> {
 /// directory. No `MemoryMax`: the memory budget is `max_memory_mb` in
 /// config.toml, which operators edit after install and the daemon
 /// checks per task; the unit says how to add a hard cap.
-pub fn unit_file(binary: &Path, data_dir: &Path, user: &str) -> Result<String> {
+pub fn unit_file(binary: &Path, data_dir: &Path, user: &str, service: Service) -> Result<String> {
     check_user_name(user)?;
     let exe = unit_arg(binary)?;
     let data = unit_arg(data_dir)?;
+    let (description, subcommand) = (service.description(), service.subcommand());
     Ok(format!(
         "[Unit]\n\
-         Description=Canopy edge agent (federated learning)\n\
+         Description={description}\n\
          After=network-online.target\n\
          Wants=network-online.target\n\
          \n\
          [Service]\n\
          Type=simple\n\
          User={user}\n\
-         ExecStart={exe} --data-dir {data} run\n\
+         ExecStart={exe} --data-dir {data} {subcommand}\n\
          Restart=on-failure\n\
          RestartSec=10\n\
          KillSignal=SIGTERM\n\
@@ -291,6 +345,7 @@ mod tests {
             Path::new("/opt/canopy/bin/canopy-agent"),
             Path::new("/var/lib/canopy agent"),
             "canopy-agent",
+            Service::Device,
         )
         .unwrap()
     }
@@ -303,7 +358,27 @@ mod tests {
         ));
         assert!(unit.contains("TimeoutStopSec=35\n"));
         assert!(unit.contains("ReadWritePaths=\"/var/lib/canopy agent\"\n"));
-        assert!(unit_file(Path::new("/bin/x"), Path::new("/a%b"), "canopy-agent").is_err());
+        assert!(
+            unit_file(
+                Path::new("/bin/x"),
+                Path::new("/a%b"),
+                "canopy-agent",
+                Service::Device
+            )
+            .is_err()
+        );
+        // An aggregator's unit starts `aggregate` on the same directory.
+        let aggregator = unit_file(
+            Path::new("/opt/canopy/bin/canopy-agent"),
+            Path::new("/var/lib/canopy agent"),
+            "canopy-agent",
+            Service::Aggregator,
+        )
+        .unwrap();
+        assert!(aggregator.contains(
+            "ExecStart=/opt/canopy/bin/canopy-agent --data-dir \"/var/lib/canopy agent\" aggregate\n"
+        ));
+        assert!(aggregator.contains("Description=Canopy edge aggregator"));
     }
 
     /// Each `Key=value` line of the `[Service]` section.
@@ -346,14 +421,25 @@ mod tests {
         assert_eq!(value("RestrictAddressFamilies"), "AF_INET AF_INET6 AF_UNIX");
         assert_eq!(value("SystemCallFilter"), "@system-service");
         assert_eq!(value("UMask"), "0077");
-        let other = unit_file(Path::new("/bin/a"), Path::new("/var/lib/a"), "edge_ml").unwrap();
+        let other = unit_file(
+            Path::new("/bin/a"),
+            Path::new("/var/lib/a"),
+            "edge_ml",
+            Service::Device,
+        )
+        .unwrap();
         assert!(other.contains("\nUser=edge_ml\n"), "{other}");
     }
 
     #[test]
     fn root_and_odd_user_names_are_refused() {
         for bad in ["root", "", "Canopy", "a b", "x:y", "-x", &"a".repeat(33)] {
-            let error = unit_file(Path::new("/bin/a"), Path::new("/var/lib/a"), bad);
+            let error = unit_file(
+                Path::new("/bin/a"),
+                Path::new("/var/lib/a"),
+                bad,
+                Service::Device,
+            );
             assert!(error.is_err(), "`{bad}` was accepted");
         }
         let error = format!("{:#}", check_user_name("root").unwrap_err());
