@@ -65,24 +65,38 @@ async fn send(
     if uplink.kind == UplinkKind::Evaluation {
         return send_evaluation(cloud, state, uplink, &task).await;
     }
+    let Some(partial) = uplink
+        .partial
+        .as_deref()
+        .filter(|_| uplink.state == UplinkState::Ready)
+    else {
+        // In a secure round its keys go unused: to the cloud, a dropout,
+        // told at once.
+        sessions.end(uplink.cloud_round_id);
+        report(cloud, state, uplink).await;
+        let reason = format!("the aggregator's sub-round failed: {}", uplink.job_status);
+        let answer = decline(cloud, &task, &reason).await?;
+        return settle(state, uplink, answer, Some(&uplink.job_status)).await;
+    };
     if task.secure_aggregation.is_some() {
-        return send_secure(cloud, state, uplink, task, sessions).await;
+        return send_secure(cloud, state, uplink, &task, partial, sessions).await;
     }
     report(cloud, state, uplink).await;
-    match (uplink.state, &uplink.partial) {
-        (UplinkState::Ready, Some(partial)) => {
-            let answer = upload(cloud, &task, partial).await?;
-            settle(state, uplink, answer, None).await
-        }
-        _ => {
-            let answer = decline(cloud, &task, &sub_round_failed(uplink)).await?;
-            settle(state, uplink, answer, Some(&uplink.job_status)).await
-        }
-    }
+    let answer = upload(cloud, &task, partial).await?;
+    settle(state, uplink, answer, None).await
 }
 
-fn sub_round_failed(uplink: &UplinkRow) -> String {
-    format!("the aggregator's sub-round failed: {}", uplink.job_status)
+/// Declines the cloud's task for `reason`, and records the uplink as
+/// failed for it (or for the cloud's refusal).
+async fn give_up(
+    cloud: &DeviceClient,
+    state: &AppState,
+    uplink: &UplinkRow,
+    task: &Task,
+    reason: &str,
+) -> Result<(), EdgeUplinkError> {
+    let answer = decline(cloud, task, reason).await?;
+    settle(state, uplink, answer, Some(reason)).await
 }
 
 /// Records what the cloud made of an uplink: the result it took (no
@@ -142,8 +156,7 @@ async fn send_evaluation(
             "none of the aggregator's devices evaluated the version ({asked} asked): {}",
             uplink.job_status
         );
-        let answer = decline(cloud, task, &reason).await?;
-        return settle(state, uplink, answer, Some(&reason)).await;
+        return give_up(cloud, state, uplink, task, &reason).await;
     };
     let answer = match cloud.report_evaluation(task, &evaluation).await {
         Ok(()) => Answer::Taken,
@@ -155,29 +168,19 @@ async fn send_evaluation(
     settle(state, uplink, answer, None).await
 }
 
-/// A secure cloud round's outcome: the sub-round's result masked with the
-/// round's keys, in a task of its own (its stages run until the cloud's
-/// round ends, and other uplinks must not wait), or a decline when the
-/// sub-round failed or the edge is out of the round.
+/// A secure cloud round's result: the sub-round's `partial` masked with
+/// the round's keys, in a task of its own (its stages run until the
+/// cloud's round ends, and other uplinks must not wait), or a decline when
+/// the edge is out of the round.
 async fn send_secure(
     cloud: &DeviceClient,
     state: &AppState,
     uplink: &UplinkRow,
-    task: Task,
+    task: &Task,
+    partial: &[u8],
     sessions: &Sessions,
 ) -> Result<(), EdgeUplinkError> {
     let round_id = uplink.cloud_round_id;
-    let Some(partial) = uplink
-        .partial
-        .as_deref()
-        .filter(|_| uplink.state == UplinkState::Ready)
-    else {
-        // The keys go unused: to the cloud, a dropout, told at once.
-        sessions.end(round_id);
-        report(cloud, state, uplink).await;
-        let answer = decline(cloud, &task, &sub_round_failed(uplink)).await?;
-        return settle(state, uplink, answer, Some(&uplink.job_status)).await;
-    };
     let turn = match decode_update(partial, &task.layout) {
         Ok(result) => sessions
             .turn(round_id)
@@ -191,8 +194,7 @@ async fn send_secure(
         Ok(Some(keyed)) => keyed,
         Err(reason) => {
             report(cloud, state, uplink).await;
-            let answer = decline(cloud, &task, &reason).await?;
-            settle(state, uplink, answer, Some(&reason)).await?;
+            give_up(cloud, state, uplink, task, &reason).await?;
             sessions.end(round_id);
             return Ok(());
         }

@@ -154,36 +154,39 @@ async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
         let Some(job) = jobs::get_with(&mut *tx, job.id).await? else {
             continue;
         };
-        let number = match kind {
-            RoundKind::Statistics => 0,
-            RoundKind::Train => job.rounds_completed + 1,
-        };
-        let opened = rounds::open_round(
-            &mut tx,
-            &rounds::NewRound {
-                kind,
-                job_id: job.id,
-                number,
-                attempt: job.round_failures + 1,
-                base_version_id: job.current_version_id,
-                target_devices: i64::from(spec.target_devices),
-                min_devices: i64::from(spec.min_devices),
-            },
-        )
-        .await?;
+        let new = next_round(&job, &spec, kind);
+        let opened = rounds::open_round(&mut tx, &new).await?;
         tx.commit().await?;
         if let Some(round_id) = opened {
             tracing::info!(
                 job = job.id,
                 round = round_id,
-                number,
+                number = new.number,
                 kind = kind.as_str(),
-                attempt = job.round_failures + 1,
+                attempt = new.attempt,
                 "opened round"
             );
         }
     }
     Ok(())
+}
+
+/// The job's next round of `kind`, from the job as read under the writer
+/// lock: a statistics round is number 0, a training round the one after
+/// those completed, and its attempt counts the failures before it.
+fn next_round(job: &JobRow, spec: &JobSpec, kind: RoundKind) -> rounds::NewRound {
+    rounds::NewRound {
+        kind,
+        job_id: job.id,
+        number: match kind {
+            RoundKind::Statistics => 0,
+            RoundKind::Train => job.rounds_completed + 1,
+        },
+        attempt: job.round_failures + 1,
+        base_version_id: job.current_version_id,
+        target_devices: i64::from(spec.target_devices),
+        min_devices: i64::from(spec.min_devices),
+    }
 }
 
 /// On an edge, whether the job is the evaluation sub-round of a cloud
@@ -206,15 +209,10 @@ async fn open_evaluation_sub_round(
 ) -> Result<(), OrchestratorError> {
     let writer = state.db.write_lock().await;
     let mut tx = state.db.pool.begin().await?;
-    let new = rounds::NewRound {
-        kind: RoundKind::Train,
-        job_id: job.id,
-        number: 1,
-        attempt: 1,
-        base_version_id: job.current_version_id,
-        target_devices: i64::from(spec.target_devices),
-        min_devices: i64::from(spec.min_devices),
+    let Some(job) = jobs::get_with(&mut *tx, job.id).await? else {
+        return Ok(());
     };
+    let new = next_round(&job, spec, RoundKind::Train);
     let Some(round_id) = rounds::open_round(&mut tx, &new).await? else {
         return Ok(());
     };

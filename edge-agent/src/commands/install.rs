@@ -341,11 +341,15 @@ mod tests {
     use super::*;
 
     fn unit() -> String {
+        unit_for(Service::Device)
+    }
+
+    fn unit_for(service: Service) -> String {
         unit_file(
             Path::new("/opt/canopy/bin/canopy-agent"),
             Path::new("/var/lib/canopy agent"),
             "canopy-agent",
-            Service::Device,
+            service,
         )
         .unwrap()
     }
@@ -368,13 +372,7 @@ mod tests {
             .is_err()
         );
         // An aggregator's unit starts `aggregate` on the same directory.
-        let aggregator = unit_file(
-            Path::new("/opt/canopy/bin/canopy-agent"),
-            Path::new("/var/lib/canopy agent"),
-            "canopy-agent",
-            Service::Aggregator,
-        )
-        .unwrap();
+        let aggregator = unit_for(Service::Aggregator);
         assert!(aggregator.contains(
             "ExecStart=/opt/canopy/bin/canopy-agent --data-dir \"/var/lib/canopy agent\" aggregate\n"
         ));

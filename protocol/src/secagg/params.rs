@@ -262,16 +262,11 @@ impl SecAggConfig {
         let kept = tier.scale_for(n)?.max_weight;
         if kept < max_weight {
             let needed = bits_needed(n as u128 * u128::from(max_weight));
-            let remedy = if needed <= MAX_BITS {
-                format!("raise bits to {needed}, or lower")
-            } else {
-                format!("that is over the {MAX_BITS}-bit limit, so lower")
-            };
+            let remedy = bits_remedy(needed, "lower max_weight or the sub-rounds' target_devices");
             return Err(SecAggError::Config(format!(
                 "rounds of {n} aggregators with weights up to {} ({sub_round_devices} end \
                  devices at max_weight {}) need {needed} bits at the minimum \
-                 {MIN_PRECISION_LEVELS} levels per side, and bits = {}; {remedy} max_weight \
-                 or the sub-rounds' target_devices",
+                 {MIN_PRECISION_LEVELS} levels per side, and bits = {}; {remedy}",
                 thousands(max_weight as usize),
                 self.max_weight,
                 self.bits
@@ -323,11 +318,7 @@ impl SecAggConfig {
         let max_weight = u128::from(self.max_weight).min(affordable);
         if max_weight == 0 {
             let needed = bits_needed(n);
-            let remedy = if needed <= MAX_BITS {
-                format!("raise bits to {needed}, or select fewer devices per round")
-            } else {
-                format!("that is over the {MAX_BITS}-bit limit, so select fewer devices per round")
-            };
+            let remedy = bits_remedy(needed, "select fewer devices per round");
             return Err(SecAggError::Config(format!(
                 "bits = {} could overflow: the sum of {participants} updates at the minimum \
                  {MIN_PRECISION_LEVELS} fixed-point levels per side needs {needed} bits even at \
@@ -359,6 +350,16 @@ fn check_participants(participants: usize) -> Result<(), SecAggError> {
         )));
     }
     Ok(())
+}
+
+/// What to do when a sum needs `needed` bits: raise `bits` to it where it
+/// is allowed, else `otherwise`.
+fn bits_remedy(needed: u32, otherwise: &str) -> String {
+    if needed <= MAX_BITS {
+        format!("raise bits to {needed}, or {otherwise}")
+    } else {
+        format!("that is over the {MAX_BITS}-bit limit, so {otherwise}")
+    }
 }
 
 /// Ring width for `weight_units` (n·W) at the minimum levels.
