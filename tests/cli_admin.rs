@@ -20,15 +20,17 @@ use support::{Database, TestServer, sibling_binary};
 
 /// The README sections this test runs, by their headings, in this order:
 /// the second continues from what the first leaves.
-const README_SECTIONS: [&str; 3] = [
+const README_SECTIONS: [&str; 4] = [
     "## ML engineers: run a federated job from the command line",
     "## Secure aggregation",
     "## Operators: run an edge aggregator",
+    "## ML engineers: simulate a thousand devices",
 ];
 /// The sections: a server, three agents and a five-round job; the server
 /// again with a device authority, three certified agents and a three-round
 /// secure job; the server again, an edge aggregator with three agents, and
-/// a three-round job through it.
+/// a three-round job through it; then a simulation of 1,000 devices for
+/// five rounds, against its own in-process server.
 const README_TIMEOUT: Duration = Duration::from_secs(300);
 const WATCH_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -235,7 +237,32 @@ fn the_readme_section_runs_a_job_to_completion() -> Result<()> {
         "`canopy device ls` listed {online} online devices\n{report}"
     );
     secure_section_ran(&stdout, &report)?;
-    edge_section_ran(&stdout, &report)
+    edge_section_ran(&stdout, &report)?;
+    simulate_section_ran(&stdout, &report)
+}
+
+/// What `canopy simulate` printed: 1,000 devices enrolled, five rounds of
+/// 100 updates each, and the server's accuracy rising.
+fn simulate_section_ran(stdout: &str, report: &str) -> Result<()> {
+    ensure!(stdout.contains("1000 devices enrolled"), "{report}");
+    let rows: Vec<Vec<&str>> = stdout
+        .lines()
+        .skip_while(|line| !line.starts_with("job 1 `simulate: 1000 devices"))
+        .take_while(|line| !line.starts_with("job 1 completed"))
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .filter(|cells| cells.len() == 8 && cells[1] == "succeeded" && cells[2] == "100/100")
+        .collect();
+    ensure!(
+        rows.len() == 5,
+        "{} simulated rounds of 100/100\n{report}",
+        rows.len()
+    );
+    let (first, last): (f64, f64) = (rows[0][6].parse()?, rows[4][6].parse()?);
+    ensure!(
+        last > first && last > 0.5,
+        "the simulation's central accuracy went from {first} to {last}\n{report}"
+    );
+    Ok(())
 }
 
 /// What the edge aggregator's commands printed: the edge enrolled as an

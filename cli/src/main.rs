@@ -50,6 +50,14 @@ enum Command {
     /// it where the server cannot read its key.
     #[command(subcommand)]
     Authority(AuthorityCommand),
+    /// Run a federated job over many virtual devices, each enrolled with
+    /// its own key and data shard, against a server in this process or
+    /// the one you logged in to.
+    Simulate(Box<commands::simulate::SimulateArgs>),
+    /// One central evaluation of a simulation's in-process server, in a
+    /// process of its own; the server starts it.
+    #[command(hide = true, name = canopy_sim::cloud::CENTRAL_WORKER)]
+    CentralWorker(canopy_sim::cloud::CentralWorkerArgs),
 }
 
 #[derive(Subcommand)]
@@ -169,9 +177,24 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => return output::clap_exit(&error),
     };
-    progress::init_logging();
+    // The worker needs no runtime and no log: its threads would count
+    // against its address-space limit.
+    let cli = match cli.command {
+        Command::CentralWorker(args) => return canopy_sim::cloud::central_worker(args),
+        command => Cli { command },
+    };
+    // A simulation runs a server in this process, whose logs of each
+    // request (and each device's declined task, which the simulation
+    // counts) would bury the round table; CANOPY_LOG still turns them on.
+    let simulating = matches!(cli.command, Command::Simulate(_));
+    progress::init_logging(if simulating {
+        "warn,canopy_server::api::device=error"
+    } else {
+        "info"
+    });
     let result: anyhow::Result<ExitCode> = match cli.command {
         Command::Job(JobCommand::Watch(args)) => commands::watch::run(args),
+        Command::Simulate(args) => commands::simulate::run(*args),
         command => run(command).map(|()| ExitCode::SUCCESS),
     };
     match result {
@@ -211,6 +234,8 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Job(JobCommand::Resume(args)) => commands::jobs::act(args, JobAction::Resume),
         Command::Job(JobCommand::Cancel(args)) => commands::jobs::act(args, JobAction::Cancel),
         Command::Job(JobCommand::Watch(args)) => commands::watch::run(args).map(|_| ()),
+        Command::Simulate(args) => commands::simulate::run(*args).map(|_| ()),
+        Command::CentralWorker(_) => anyhow::bail!("the central worker runs on its own"),
         Command::Device(DeviceCommand::Ls(args)) => commands::devices::list(args),
         Command::Device(DeviceCommand::EnrollToken(args)) => commands::devices::enroll_token(args),
         Command::Dataset(DatasetCommand::Push(args)) => commands::datasets::push(args),

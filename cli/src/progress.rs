@@ -22,9 +22,10 @@ pub fn show(bar: &mut FitBar, progress: FitProgress) -> ControlFlow<()> {
     ControlFlow::Continue(())
 }
 
-pub fn init_logging() {
+/// Logs to stderr at `default_level`, or as `CANOPY_LOG` says.
+pub fn init_logging(default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("CANOPY_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -37,6 +37,7 @@ mod error;
 pub mod files;
 pub mod keystore;
 pub mod limits;
+pub mod local;
 pub mod retry;
 pub mod secure;
 #[cfg(any(test, feature = "testing"))]

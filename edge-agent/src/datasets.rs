@@ -13,11 +13,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::files::{DataDir, MAX_DATASETS_BYTES, hinted, read_text, write_public};
 
-/// Share of every dataset held out for evaluation, never trained on.
-pub const HOLDOUT_FRACTION: f64 = 0.1;
-/// Seed of that stratified split, fixed so the held-out samples are the
-/// same in every run, task and command.
-pub const HOLDOUT_SEED: u64 = 0x00ca_9097_a9e7;
 /// Most datasets one agent registers.
 pub const MAX_DATASETS: usize = 256;
 pub const MAX_NAME_CHARS: usize = 64;
@@ -284,42 +279,15 @@ pub fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Splits off the held-out evaluation set: `(train, holdout)`, stratified
-/// by class, the same every time for the same data.
+/// Splits off the held-out evaluation set (the SDK's rule, which
+/// simulated devices share), with the agent's error type.
 pub fn holdout(data: &Dataset) -> Result<(Dataset, Dataset)> {
-    data.split(HOLDOUT_FRACTION, HOLDOUT_SEED)
-        .context("cannot split off the held-out evaluation set")
+    Ok(canopy_sdk::local::holdout(data)?)
 }
 
-/// `data` shaped for `model`'s input (e.g. IDX `[1, 28, 28]` images as
-/// the MLP's `[784]`), after checking every label is one of the model's
-/// classes. Borrows when the shape already fits.
+/// `data` shaped for `model`'s input (the SDK's rule).
 pub fn fit_to_model<'a>(data: &'a Dataset, model: &Model) -> Result<Cow<'a, Dataset>> {
-    let shape =
-        canopy_engine::zoo::sample_shape(model).context("cannot read the model's input shape")?;
-    let classes =
-        canopy_engine::zoo::class_count(model).context("cannot read the model's classes")?;
-    if let Some(bad) = data
-        .labels()
-        .iter()
-        .find(|&&l| l < 0 || l as u64 >= classes as u64)
-    {
-        bail!(
-            "the dataset has label {bad}, but model `{}` has {classes} classes",
-            model.metadata.model_name
-        );
-    }
-    if data.feature_shape() == shape.as_slice() {
-        return Ok(Cow::Borrowed(data));
-    }
-    let from = data.feature_shape().to_vec();
-    let shaped = data.clone().with_feature_shape(&shape).map_err(|e| {
-        anyhow::Error::new(e).context(format!(
-            "the dataset's samples have shape {from:?}, but model `{}` expects {shape:?}",
-            model.metadata.model_name
-        ))
-    })?;
-    Ok(Cow::Owned(shaped))
+    Ok(canopy_sdk::local::fit_to_model(data, model)?)
 }
 
 #[cfg(test)]
@@ -358,18 +326,5 @@ mod tests {
         assert!(check_name("").is_err());
         assert!(check_name("a b").is_err());
         assert!(check_name(&"x".repeat(65)).is_err());
-    }
-
-    #[test]
-    fn the_holdout_is_deterministic_and_a_tenth() {
-        let n = 200;
-        let features: Vec<f32> = (0..n).map(|i| i as f32).collect();
-        let labels: Vec<i64> = (0..n).map(|i| (i % 4) as i64).collect();
-        let data = Dataset::new(features, vec![1], labels, 4).unwrap();
-        let (train, test) = holdout(&data).unwrap();
-        assert_eq!(test.len(), 20);
-        assert_eq!(train.len(), 180);
-        let (_, again) = holdout(&data).unwrap();
-        assert_eq!(test, again);
     }
 }

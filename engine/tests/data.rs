@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use canopy_engine::data::{
     CsvHeader, CsvOptions, Dataset, DirichletOptions, LabelColumn, load_csv, load_csv_with,
     load_dir, load_idx, load_npy, load_npy_dataset, partition_by_label, partition_dirichlet,
-    partition_dirichlet_with, partition_iid,
+    partition_dirichlet_sized, partition_dirichlet_with, partition_iid,
 };
 use canopy_engine::{EngineError, Value};
 
@@ -737,6 +737,40 @@ fn dirichlet_skew_follows_alpha_and_seed() {
     assert_partition_err(
         partition_dirichlet_with(&d, 8, 0.5, 0, &impossible),
         "at least 200 samples in 5 draws",
+    );
+}
+
+#[test]
+fn sized_dirichlet_gives_every_client_its_share_however_skewed() {
+    let (train, _) = load_dir(mnist_dir()).unwrap();
+    // 1,000 clients on 8,004 samples: the per-class partition cannot give
+    // each even a few samples; this one gives each 8 or 9.
+    let parts = partition_dirichlet_sized(&train, 1000, 0.5, 7).unwrap();
+    assert_eq!(parts.iter().map(Dataset::len).sum::<usize>(), 8004);
+    assert!(parts.iter().all(|p| (8..=9).contains(&p.len())));
+    assert_eq!(
+        partition_dirichlet_sized(&train, 1000, 0.5, 7).unwrap(),
+        parts
+    );
+    assert_ne!(
+        partition_dirichlet_sized(&train, 1000, 0.5, 8).unwrap(),
+        parts
+    );
+    let skewed = partition_dirichlet_sized(&train, 20, 0.1, 1).unwrap();
+    let near_iid = partition_dirichlet_sized(&train, 20, 100.0, 1).unwrap();
+    let (h_small, h_large) = (mean_label_entropy(&skewed), mean_label_entropy(&near_iid));
+    assert!(
+        h_small + 1.0 < h_large,
+        "alpha 0.1 entropy {h_small} vs alpha 100 entropy {h_large}"
+    );
+    let d = tagged(1000, 10);
+    assert_covers(&partition_dirichlet_sized(&d, 1000, 0.01, 3).unwrap(), 1000);
+    for alpha in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert_partition_err(partition_dirichlet_sized(&d, 4, alpha, 0), "alpha");
+    }
+    assert_partition_err(
+        partition_dirichlet_sized(&d, 1001, 1.0, 0),
+        "clients but only",
     );
 }
 

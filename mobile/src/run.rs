@@ -46,15 +46,6 @@ pub(crate) fn past_deadline(task: &Task) -> bool {
     now_ms() > task.deadline_unix_ms.saturating_add(CLOCK_SKEW_MS)
 }
 
-/// Deterministic per device and round (the edge agent's rule), so a
-/// resumed run continues the same shuffles.
-fn training_seed(device_id: i64, round_id: i64) -> u64 {
-    (device_id as u64)
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .rotate_left(17)
-        ^ (round_id as u64)
-}
-
 /// Why the run's stop signal fired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -193,7 +184,7 @@ pub(crate) fn run(context: RunContext<'_>, data: TrainingData) -> Result<TaskOut
             resumed.clone(),
         )),
     };
-    let seed = training_seed(enrollment.device_id, task.round_id);
+    let seed = canopy_sdk::local::training_seed(enrollment.device_id, task.round_id);
     let model_path = storage.model_path();
     let result = in_pool(limits.max_threads, || {
         device.run_task_with(task, &data, seed, &options, Some(&model_path))

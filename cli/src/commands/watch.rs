@@ -31,7 +31,7 @@ pub struct WatchArgs {
 
 /// How watching ended, short of an error.
 #[derive(Debug, PartialEq, Eq)]
-enum WatchEnd {
+pub(crate) enum WatchEnd {
     Completed,
     Interrupted,
 }
@@ -69,7 +69,7 @@ struct Shown {
     status: String,
 }
 
-async fn watch(remote: &Remote, id: i64, interval: Duration) -> Result<WatchEnd> {
+pub(crate) async fn watch(remote: &Remote, id: i64, interval: Duration) -> Result<WatchEnd> {
     let subject = Subject::job(id);
     let job = remote.get(&format!("/api/v1/jobs/{id}"), &subject).await?;
     outln!(

@@ -11,41 +11,30 @@
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
-use canopy_engine::data::Dataset;
 use canopy_protocol::messages::{DatasetInfo, MAX_DATASETS as MAX_REPORTED_DATASETS};
+use canopy_sdk::local::LocalData;
 
-use crate::datasets::{DatasetEntry, Registry, holdout};
+use crate::datasets::{DatasetEntry, Registry};
 use crate::files::DataDir;
 
 /// Most datasets held in memory at once, the default included.
 pub(super) const MAX_LOADED_DATASETS: usize = 2;
 
-/// One dataset, split once: trained on, and held out.
-pub(super) struct LocalData {
-    pub name: String,
-    pub train: Dataset,
-    pub holdout: Dataset,
-}
-
-impl LocalData {
-    fn load(entry: &DatasetEntry) -> Result<LocalData> {
-        let data = entry
-            .source()
-            .load()
-            .with_context(|| format!("cannot load registered dataset `{}`", entry.name))?;
-        let (train, held_out) = holdout(&data)?;
-        tracing::info!(
-            dataset = %entry.name,
-            train = train.len(),
-            holdout = held_out.len(),
-            "dataset loaded"
-        );
-        Ok(LocalData {
-            name: entry.name.clone(),
-            train,
-            holdout: held_out,
-        })
-    }
+/// A registered dataset, loaded and split once (the SDK's rule, which
+/// simulated devices share).
+fn load(entry: &DatasetEntry) -> Result<LocalData> {
+    let data = entry
+        .source()
+        .load()
+        .with_context(|| format!("cannot load registered dataset `{}`", entry.name))?;
+    let local = LocalData::split(&entry.name, &data)?;
+    tracing::info!(
+        dataset = %entry.name,
+        train = local.train.len(),
+        holdout = local.holdout.len(),
+        "dataset loaded"
+    );
+    Ok(local)
 }
 
 pub(super) struct LocalDatasets {
@@ -61,7 +50,7 @@ impl LocalDatasets {
     pub fn open(dir: &DataDir, name: Option<&str>) -> Result<LocalDatasets> {
         let registry = Registry::load(dir)?;
         let entry = registry.resolve(dir, name)?;
-        let default = Arc::new(LocalData::load(entry)?);
+        let default = Arc::new(load(entry)?);
         Ok(LocalDatasets {
             registry,
             default,
@@ -135,7 +124,7 @@ impl LocalDatasets {
             .registry
             .get(name)
             .expect("check found the dataset in the registry");
-        let data = Arc::new(LocalData::load(entry)?);
+        let data = Arc::new(load(entry)?);
         if others.len() + 1 >= MAX_LOADED_DATASETS {
             others.remove(0);
         }

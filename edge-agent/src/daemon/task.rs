@@ -16,20 +16,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use bytes::Bytes;
-use canopy_protocol::messages::{RoundMetrics, Task, TaskKind};
-use canopy_sdk::train::{
-    EvalOptions, Evaluation, LocalUpdate, TrainOptions, evaluate, statistics_update, train_task,
-};
+use canopy_protocol::messages::{Task, TaskKind};
+use canopy_sdk::local::{evaluate_held_out, round_metrics, train_and_evaluate, training_seed};
+use canopy_sdk::train::{EvalOptions, LocalUpdate, TrainOptions, statistics_update};
 use canopy_sdk::{
     CancelToken, DeviceClient, DownloadedModel, RetryNotice, RetryObserver, RetryPolicy, SdkError,
     SecureRound, StageObserver, StageProgress,
 };
 
-use super::data::LocalData;
 use super::{Daemon, new_record, record_outcome};
-use crate::datasets::fit_to_model;
 use crate::files::now_ms;
 use crate::status::{AgentState, TaskResult};
 
@@ -178,14 +175,6 @@ fn retry_logger(round_id: i64) -> RetryObserver {
     })
 }
 
-/// Deterministic per device and round, different across both.
-fn training_seed(device_id: i64, round_id: i64) -> u64 {
-    (device_id as u64)
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .rotate_left(17)
-        ^ (round_id as u64)
-}
-
 /// One task's run: the task, the client its requests go through (its
 /// token fires at the round's deadline), and the token that stops its
 /// training when the daemon abandons it.
@@ -300,19 +289,16 @@ impl Daemon {
         tracing::info!(round_id = task.round_id, backend = %options.backend, "training");
         let (evaluation, update) = off_thread("training", move || {
             let data = datasets.get(owned_task.dataset.as_deref())?;
-            train_and_evaluate(&model.bytes, &owned_task, &data, seed, &options)
+            Ok(train_and_evaluate(
+                &model.bytes,
+                &owned_task,
+                &data,
+                seed,
+                &options,
+            )?)
         })
         .await?;
-        let metrics = RoundMetrics {
-            round_id: task.round_id,
-            train_loss: Some(update.train_loss).filter(|l| l.is_finite() && *l >= 0.0),
-            eval_loss: evaluation
-                .map(|e| e.loss)
-                .filter(|l| l.is_finite() && *l >= 0.0),
-            eval_accuracy: evaluation.map(|e| e.accuracy),
-            eval_samples: evaluation.map(|e| e.samples),
-            train_duration_ms: Some(update.train_duration_ms),
-        };
+        let metrics = round_metrics(task, evaluation, &update);
         tracing::info!(
             round_id = task.round_id,
             samples = update.num_samples,
@@ -406,7 +392,9 @@ impl Daemon {
         };
         let evaluation = off_thread("evaluation", move || {
             let data = datasets.get(name.as_deref())?;
-            rayon::scope(|_| evaluate_held_out(&model.bytes, &data, &options))
+            Ok(rayon::scope(|_| {
+                evaluate_held_out(&model.bytes, &data, &options)
+            })?)
         })
         .await?;
         tracing::info!(
@@ -537,32 +525,6 @@ impl Daemon {
     }
 }
 
-/// The model evaluated on the held-out split, on the agent's backend; an
-/// error when there is none or it does not fit the model, which the agent
-/// declines with.
-fn evaluate_held_out(
-    model_bytes: &[u8],
-    data: &LocalData,
-    options: &EvalOptions,
-) -> Result<Evaluation> {
-    let model =
-        canopy_ir::format::read_model(model_bytes).context("the downloaded model does not load")?;
-    let held_out = fit_to_model(&data.holdout, &model).with_context(|| {
-        format!(
-            "local dataset `{}` does not fit the task's model",
-            data.name
-        )
-    })?;
-    if held_out.is_empty() {
-        anyhow::bail!(
-            "local dataset `{}` has no held-out samples to evaluate on",
-            data.name
-        );
-    }
-    evaluate(&model, &held_out, options)
-        .context("evaluating the round's model on the held-out data failed")
-}
-
 /// Runs engine work (training, statistics, evaluation) off the async
 /// runtime; its error, or its panic, fails the task with the cause.
 async fn off_thread<T: Send + 'static>(
@@ -580,44 +542,6 @@ async fn off_thread<T: Send + 'static>(
             format!("{what} stopped unexpectedly: {join}"),
         )),
     }
-}
-
-/// Evaluates the downloaded global model on the held-out split, then
-/// trains it on the training split, both on the agent's backend and
-/// shaped for the model.
-fn train_and_evaluate(
-    model_bytes: &[u8],
-    task: &Task,
-    data: &LocalData,
-    seed: u64,
-    options: &TrainOptions,
-) -> Result<(Option<Evaluation>, LocalUpdate)> {
-    let model =
-        canopy_ir::format::read_model(model_bytes).context("the downloaded model does not load")?;
-    let context = || {
-        format!(
-            "local dataset `{}` does not fit the task's model",
-            data.name
-        )
-    };
-    let train = fit_to_model(&data.train, &model).with_context(context)?;
-    let held_out = fit_to_model(&data.holdout, &model).with_context(context)?;
-    let on_training_backend = EvalOptions {
-        backend: options.backend.clone(),
-        ..EvalOptions::default()
-    };
-    let evaluation = if held_out.is_empty() {
-        None
-    } else {
-        Some(
-            evaluate(&model, &held_out, &on_training_backend)
-                .context("evaluating the global model on the held-out data failed")?,
-        )
-    };
-    drop(model);
-    let update =
-        train_task(model_bytes, task, &train, seed, options).context("local training failed")?;
-    Ok((evaluation, update))
 }
 
 #[cfg(test)]
@@ -730,12 +654,5 @@ mod tests {
             retry_after_ms: None,
         };
         assert_eq!(request_failure(&server), TaskResult::Failed);
-    }
-
-    #[test]
-    fn seeds_differ_by_device_and_round() {
-        assert_ne!(training_seed(1, 1), training_seed(2, 1));
-        assert_ne!(training_seed(1, 1), training_seed(1, 2));
-        assert_eq!(training_seed(3, 4), training_seed(3, 4));
     }
 }

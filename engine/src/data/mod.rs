@@ -33,7 +33,7 @@ pub use idx::{load_idx, load_idx_labels, load_idx_within};
 pub use npy::{load_npy, load_npy_dataset, load_npy_dataset_within};
 pub use partition::{
     DEFAULT_MIN_CLIENT_SAMPLES, DirichletOptions, partition_by_label, partition_dirichlet,
-    partition_dirichlet_with, partition_iid,
+    partition_dirichlet_sized, partition_dirichlet_with, partition_iid,
 };
 
 use std::path::Path;

@@ -1,0 +1,399 @@
+//! `canopy simulate`: a federated job over many virtual devices, each
+//! enrolled with its own key and shard and running the SDK's own code
+//! (crate `canopy-sim`), against a server started in this process or the
+//! one `canopy login` saved (`--login`). Prints the job's rounds as
+//! `canopy job watch` does.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use canopy_sdk::{CancelToken, Transport};
+use canopy_sim::setup::{self, JobSettings, MAX_HIDDEN, MAX_ROUNDS};
+use canopy_sim::{Fleet, FleetSettings, MAX_DEVICES, Partition};
+use canopy_term::progress::StepBar;
+use clap::Args;
+use reqwest::Method;
+use serde_json::{Value, json};
+
+use crate::output::{errln, outln};
+use crate::remote::{Login, Payload, Remote, Subject};
+
+use super::watch::{INTERRUPTED_EXIT, WatchEnd, watch};
+
+/// The model every simulation pushes (a new version each run).
+const MODEL_NAME: &str = "sim-mlp";
+/// The held-out split the server evaluates each version on.
+const TEST_DATASET: &str = "sim-test";
+/// How often the rounds are read while the job runs.
+const WATCH_INTERVAL_MS: u64 = 500;
+
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    /// Virtual devices to enroll, each with its own key and shard.
+    #[arg(long, default_value_t = 100)]
+    devices: usize,
+    /// Devices each round trains.
+    #[arg(long, default_value_t = 10)]
+    per_round: u32,
+    /// Federated rounds.
+    #[arg(long, default_value_t = 10)]
+    rounds: u32,
+    /// `digits` (the bundled UCI digits), a folder of IDX files (its test
+    /// files become the server's held-out set), or a CSV file (label last).
+    #[arg(long, default_value = setup::BUNDLED_DIGITS)]
+    data: String,
+    /// How the training data is dealt to devices: `iid`,
+    /// `dirichlet:ALPHA` (label skew; smaller is more skewed) or
+    /// `shards:K` (K classes per device).
+    #[arg(long, default_value = "dirichlet:0.5")]
+    partition: Partition,
+    /// Seeds the split, the partition, the model and the devices' keys.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Hidden units of the MLP (128 on MNIST: 101,770 parameters).
+    #[arg(long, default_value_t = 32)]
+    hidden: usize,
+    /// Local epochs per round.
+    #[arg(long, default_value_t = 1)]
+    epochs: u32,
+    #[arg(long, default_value_t = 16)]
+    batch_size: u32,
+    #[arg(long, default_value_t = 0.1)]
+    learning_rate: f64,
+    #[arg(long, default_value_t = 60_000)]
+    round_deadline_ms: u64,
+    /// How often an idle device checks in for a task; by default about
+    /// 1,000 check-ins a second over the fleet, each device every 1 to 30 s.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    check_in_ms: Option<u64>,
+    /// Run against the server `canopy login` saved, instead of one started
+    /// in this process. It must allow this many enrollments from one
+    /// address (docs/simulate.md).
+    #[arg(long)]
+    login: bool,
+    /// Write the job's final model file here.
+    #[arg(long)]
+    save_model: Option<PathBuf>,
+}
+
+impl SimulateArgs {
+    fn check(&self) -> Result<()> {
+        ensure!(
+            (1..=MAX_DEVICES).contains(&self.devices),
+            "--devices must be between 1 and {MAX_DEVICES}, got {}",
+            self.devices
+        );
+        ensure!(
+            self.per_round >= 1 && self.per_round as usize <= self.devices,
+            "--per-round {} must be between 1 and --devices ({})",
+            self.per_round,
+            self.devices
+        );
+        ensure!(
+            (1..=MAX_ROUNDS).contains(&self.rounds),
+            "--rounds must be between 1 and {MAX_ROUNDS}, got {}",
+            self.rounds
+        );
+        ensure!(
+            (1..=MAX_HIDDEN).contains(&self.hidden),
+            "--hidden must be between 1 and {MAX_HIDDEN}, got {}",
+            self.hidden
+        );
+        ensure!(
+            self.learning_rate.is_finite() && self.learning_rate > 0.0,
+            "--learning-rate must be a positive number, got {}",
+            self.learning_rate
+        );
+        Ok(())
+    }
+
+    fn job(&self) -> JobSettings {
+        JobSettings {
+            name: format!("simulate: {} devices, {}", self.devices, self.partition),
+            rounds: self.rounds,
+            per_round: self.per_round,
+            epochs: self.epochs,
+            batch_size: self.batch_size,
+            learning_rate: self.learning_rate,
+            round_deadline_ms: self.round_deadline_ms,
+            central_dataset: Some(TEST_DATASET.to_string()),
+        }
+    }
+}
+
+pub fn run(args: SimulateArgs) -> Result<ExitCode> {
+    args.check()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the simulation's runtime")?;
+    runtime.block_on(async {
+        tokio::select! {
+            end = simulate(&args) => end,
+            signal = tokio::signal::ctrl_c() => match signal {
+                Ok(()) => {
+                    errln!("simulation stopped");
+                    Ok(ExitCode::from(INTERRUPTED_EXIT))
+                }
+                Err(error) => Err(anyhow!(error).context("cannot listen for Ctrl-C")),
+            },
+        }
+    })
+}
+
+/// The server the devices and the admin calls go to, and, when it runs in
+/// this process, what stops it.
+struct Target {
+    login: Login,
+    running: Option<canopy_sim::cloud::Running>,
+}
+
+async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
+    let started = Instant::now();
+    let scratch = tempfile::Builder::new()
+        .prefix("canopy-simulate-")
+        .tempdir()?;
+    let data = setup::load(&args.data, args.seed, scratch.path())?;
+    let shards = args
+        .partition
+        .deal(&data.train, args.devices, args.seed)
+        .map_err(explain)?;
+    let mut fleet_settings = FleetSettings::new(args.devices, args.seed, "sim");
+    if let Some(check_in_ms) = args.check_in_ms {
+        fleet_settings.check_in_ms = check_in_ms;
+    }
+    let target = target(args, scratch.path(), &fleet_settings).await?;
+    let remote = Remote::new(target.login.clone())?;
+    outln!(
+        "server: {}{}",
+        target.login.url,
+        if target.running.is_some() {
+            " (in this process, SQLite)"
+        } else {
+            ""
+        }
+    )?;
+
+    let version = push_model(&remote, &data.train, args).await?;
+    push_test_split(&remote, &data.test, scratch.path()).await?;
+    let token = enrollment_token(&remote, args.devices).await?;
+    let transport = Transport::new(&target.login.url, &target.login.trust())?;
+    let enrolling = Instant::now();
+    let fleet = enroll(transport, &token, shards, fleet_settings).await?;
+    outln!(
+        "{} devices enrolled in {:.1} s ({} partition of {} samples; each idle device keeps {} bytes)",
+        fleet.len(),
+        enrolling.elapsed().as_secs_f64(),
+        args.partition,
+        data.train.len(),
+        Fleet::idle_bytes_per_device()
+    )?;
+
+    let job = create_job(&remote, &args.job().body(version)).await?;
+    let fleet = Arc::new(fleet);
+    let stop = CancelToken::new();
+    let running_fleet = {
+        let (fleet, stop) = (fleet.clone(), stop.clone());
+        tokio::spawn(async move { fleet.run(stop).await })
+    };
+    let watched = watch(&remote, job, Duration::from_millis(WATCH_INTERVAL_MS)).await;
+    stop.cancel();
+    let report = running_fleet.await.context("the simulated fleet stopped")?;
+    outln!(
+        "devices: {} check-ins, {} updates, {} evaluations, {} tasks declined; {:.1} s in all",
+        report.polls,
+        report.trained,
+        report.evaluated,
+        report.failed,
+        started.elapsed().as_secs_f64()
+    )?;
+    if let Some(first) = &report.first_failure {
+        outln!("first task declined: {first}")?;
+    }
+    let end = watched?;
+    if let (WatchEnd::Completed, Some(path)) = (&end, &args.save_model) {
+        save_model(&remote, job, path).await?;
+        outln!("final model written to {}", path.display())?;
+    }
+    if let Some(running) = target.running {
+        running.shutdown().await?;
+    }
+    Ok(match end {
+        WatchEnd::Completed => ExitCode::SUCCESS,
+        WatchEnd::Interrupted => ExitCode::from(INTERRUPTED_EXIT),
+    })
+}
+
+fn explain(error: canopy_sim::SimError) -> anyhow::Error {
+    let hint = error.hint();
+    let error = anyhow::Error::new(error);
+    match hint {
+        Some(hint) => crate::files::Hint::attach(error, hint),
+        None => error,
+    }
+}
+
+async fn target(
+    args: &SimulateArgs,
+    scratch: &std::path::Path,
+    fleet: &FleetSettings,
+) -> Result<Target> {
+    if args.login {
+        return Ok(Target {
+            login: crate::remote::config::load()?,
+            running: None,
+        });
+    }
+    let running = canopy_sim::cloud::start(scratch, args.devices, fleet)
+        .await
+        .map_err(explain)?;
+    let login = Login {
+        url: running.base_url(),
+        token: running
+            .admin_token
+            .clone()
+            .context("the simulation's server issued no admin token")?,
+        fingerprint: running.fingerprint.clone(),
+        ca_cert: None,
+    };
+    Ok(Target {
+        login,
+        running: Some(running),
+    })
+}
+
+async fn push_model(
+    remote: &Remote,
+    train: &canopy_engine::data::Dataset,
+    args: &SimulateArgs,
+) -> Result<i64> {
+    let bytes = setup::initial_model(train, args.hidden, args.seed)?;
+    let subject = Subject::new(format!("model `{MODEL_NAME}`"), Some("canopy model ls"));
+    let version = remote
+        .call(
+            Method::POST,
+            &format!("/api/v1/models/{MODEL_NAME}/versions"),
+            Payload::Bytes {
+                bytes,
+                content_type: "application/octet-stream",
+            },
+            &subject,
+        )
+        .await?;
+    version["id"]
+        .as_i64()
+        .context("the server's answer to the model upload has no version id")
+}
+
+async fn push_test_split(
+    remote: &Remote,
+    test: &canopy_engine::data::Dataset,
+    scratch: &std::path::Path,
+) -> Result<()> {
+    let path = scratch.join("sim-test.csv");
+    canopy_engine::data::write_csv(&path, test)?;
+    let form = super::datasets::upload_form(&path, None).await?;
+    remote
+        .call(
+            Method::PUT,
+            &format!("/api/v1/datasets/{TEST_DATASET}"),
+            Payload::Form(form),
+            &Subject::new(
+                format!("dataset `{TEST_DATASET}`"),
+                Some("canopy dataset ls"),
+            ),
+        )
+        .await?;
+    Ok(())
+}
+
+async fn enrollment_token(remote: &Remote, devices: usize) -> Result<String> {
+    let answer = remote
+        .post(
+            "/api/v1/enrollment-tokens",
+            json!({"expires_in": "1d", "max_uses": devices, "label": "canopy simulate"}),
+            &Subject::new("an enrollment token", None),
+        )
+        .await?;
+    Ok(answer["secret"]
+        .as_str()
+        .context("the server's answer has no enrollment secret")?
+        .to_string())
+}
+
+async fn enroll(
+    transport: Transport,
+    token: &str,
+    shards: Vec<canopy_engine::data::Dataset>,
+    settings: FleetSettings,
+) -> Result<Fleet> {
+    let total = shards.len();
+    let mut bar = StepBar::new(1);
+    bar.step("enrolling devices");
+    let bar = std::sync::Mutex::new(bar);
+    let progress = |done: usize| {
+        if done.is_multiple_of(64) || done == total {
+            let mut bar = bar.lock().unwrap_or_else(|p| p.into_inner());
+            bar.detail(format!("{done}/{total}"));
+        }
+    };
+    let fleet = Fleet::enroll(transport, token, shards, settings, progress).await;
+    bar.into_inner().unwrap_or_else(|p| p.into_inner()).finish();
+    fleet.map_err(explain)
+}
+
+async fn create_job(remote: &Remote, body: &Value) -> Result<i64> {
+    let job = remote
+        .post(
+            "/api/v1/jobs",
+            body.clone(),
+            &Subject::new("the simulated job", None),
+        )
+        .await?;
+    let id = job["id"].as_i64().context("the job answer has no id")?;
+    remote
+        .post(
+            &format!("/api/v1/jobs/{id}/start"),
+            json!({}),
+            &Subject::job(id),
+        )
+        .await?;
+    Ok(id)
+}
+
+/// The job's current version, downloaded to `path`.
+async fn save_model(remote: &Remote, job: i64, path: &std::path::Path) -> Result<()> {
+    let subject = Subject::job(job);
+    let job_view = remote.get(&format!("/api/v1/jobs/{job}"), &subject).await?;
+    let id = job_view["current_version_id"]
+        .as_i64()
+        .context("the job names no current version")?;
+    let versions = remote
+        .list_all(
+            &format!("/api/v1/models/{MODEL_NAME}/versions"),
+            &Subject::new(format!("model `{MODEL_NAME}`"), Some("canopy model ls")),
+        )
+        .await?;
+    let number = versions
+        .iter()
+        .find(|v| v["id"].as_i64() == Some(id))
+        .and_then(|v| v["version"].as_i64())
+        .with_context(|| format!("model `{MODEL_NAME}` lists no version with id {id}"))?;
+    let response = remote
+        .request(
+            Method::GET,
+            &format!("/api/v1/models/{MODEL_NAME}/versions/{number}/download"),
+            Payload::Empty,
+        )
+        .send()
+        .await?;
+    if !response.status().is_success() {
+        bail!("downloading the final model answered {}", response.status());
+    }
+    let bytes = response.bytes().await?;
+    crate::files::write_atomic(path, &bytes, 0o644)
+        .with_context(|| format!("cannot write the final model to {}", path.display()))
+}

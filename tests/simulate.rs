@@ -1,0 +1,281 @@
+//! `canopy simulate` against real agents: ten virtual devices reproduce
+//! the model that ten `canopy-agent` processes train on the same shards,
+//! model, job and seeds; and its settings are checked before anything
+//! starts.
+
+#[path = "../server/tests/support/mod.rs"]
+mod support;
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use canopy_engine::data::write_csv;
+use canopy_sim::Partition;
+use canopy_sim::setup::{self, JobSettings};
+use support::{Admin, Database, TestServer, fetch_model, sibling_binary};
+
+const DEVICES: usize = 10;
+const ROUNDS: u32 = 3;
+const SEED: u64 = 11;
+const HIDDEN: usize = 32;
+const PARTITION: &str = "dirichlet:0.5";
+const JOB_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The job both runs train: every device in every round.
+fn job_settings() -> JobSettings {
+    JobSettings {
+        name: "agents".into(),
+        rounds: ROUNDS,
+        per_round: DEVICES as u32,
+        epochs: 1,
+        batch_size: 16,
+        learning_rate: 0.1,
+        round_deadline_ms: 60_000,
+        central_dataset: None,
+    }
+}
+
+fn agent(dir: &Path, args: &[&str]) -> Command {
+    let mut command = Command::new(sibling_binary("canopy-agent"));
+    command
+        .arg("--data-dir")
+        .arg(dir)
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    command
+}
+
+fn checked(mut command: Command, what: &str) -> Result<Output> {
+    let output = command
+        .output()
+        .with_context(|| format!("cannot run {what}"))?;
+    ensure!(
+        output.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(output)
+}
+
+struct Agents(Vec<Child>);
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The trainable parameters of model `name`'s version with id `id`.
+async fn trainable_of(admin: &Admin, name: &str, id: i64) -> Result<Vec<f64>> {
+    let versions = admin
+        .ok(&format!("/api/v1/models/{name}/versions?limit=100"))
+        .await?;
+    let number = versions["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|v| v["id"].as_i64() == Some(id))
+        .and_then(|v| v["version"].as_i64())
+        .with_context(|| format!("no version with id {id}: {versions}"))?;
+    Ok(trainable(&fetch_model(admin, name, number).await?))
+}
+
+fn trainable(model: &canopy_ir::Model) -> Vec<f64> {
+    model
+        .parameters
+        .iter()
+        .filter(|parameter| parameter.trainable)
+        .flat_map(|parameter| match &parameter.data.buffer {
+            canopy_ir::data::Buffer::F32(values) => values.iter().map(|&v| f64::from(v)).collect(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// Ten agents, each enrolled in turn with shard k of the simulation's own
+/// partition, train the simulation's model under its job settings.
+async fn agents_model(work: &Path) -> Result<Vec<f64>> {
+    let data = setup::load(setup::BUNDLED_DIGITS, SEED, work)?;
+    let partition: Partition = PARTITION.parse().map_err(anyhow::Error::msg)?;
+    let shards = partition.deal(&data.train, DEVICES, SEED)?;
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let model = setup::initial_model(&data.train, HIDDEN, SEED)?;
+    let version = admin.upload_model("sim-mlp", model).await?;
+    let token = admin.enrollment_token(DEVICES as u32).await?;
+    let mut agents = Agents(Vec::new());
+    for (index, shard) in shards.iter().enumerate() {
+        let dir = work.join(format!("agent-{index}"));
+        std::fs::create_dir_all(&dir)?;
+        let csv = dir.join("shard.csv");
+        write_csv(&csv, shard)?;
+        let enroll = [
+            "enroll",
+            "--server",
+            &server.base,
+            "--token",
+            &token,
+            "--fingerprint",
+            &server.fingerprint,
+            "--backend",
+            "cpu",
+        ];
+        checked(agent(&dir, &enroll), "canopy-agent enroll")?;
+        let add = [
+            "data",
+            "add",
+            "sim",
+            "--kind",
+            "csv",
+            "--path",
+            csv.to_str().unwrap_or_default(),
+        ];
+        checked(agent(&dir, &add), "canopy-agent data add")?;
+        let log = std::fs::File::create(dir.join("agent.log"))?;
+        let child = agent(
+            &dir,
+            &["run", "--max-threads", "1", "--poll-wait-ms", "2000"],
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()?;
+        agents.0.push(child);
+    }
+    let body = job_settings().body(version["id"].as_i64().unwrap_or_default());
+    let job_id = admin.create_job(body).await?;
+    let done = admin.wait_for_job(job_id, JOB_TIMEOUT).await?;
+    ensure!(
+        done["state"] == "completed",
+        "the agents' job ended: {done}"
+    );
+    trainable_of(
+        &admin,
+        "sim-mlp",
+        done["current_version_id"].as_i64().unwrap_or_default(),
+    )
+    .await
+}
+
+fn simulate(args: &[&str]) -> Result<Output> {
+    Ok(Command::new(sibling_binary("canopy"))
+        .arg("simulate")
+        .args(args)
+        .env("HOME", std::env::temp_dir())
+        .stdin(Stdio::null())
+        .output()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_simulated_devices_reproduce_ten_real_agents() -> Result<()> {
+    let work = tempfile::tempdir()?;
+    let expected = agents_model(work.path()).await?;
+    let saved = work.path().join("simulated.canopy");
+    let (devices, rounds, seed, hidden) = (
+        DEVICES.to_string(),
+        ROUNDS.to_string(),
+        SEED.to_string(),
+        HIDDEN.to_string(),
+    );
+    let output = simulate(&[
+        "--devices",
+        &devices,
+        "--per-round",
+        &devices,
+        "--rounds",
+        &rounds,
+        "--seed",
+        &seed,
+        "--hidden",
+        &hidden,
+        "--partition",
+        PARTITION,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--learning-rate",
+        "0.1",
+        "--save-model",
+        saved.to_str().unwrap_or_default(),
+    ])?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    ensure!(
+        output.status.success(),
+        "canopy simulate failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    for heading in ["round", "federated acc", "central acc"] {
+        ensure!(stdout.contains(heading), "no `{heading}` column:\n{stdout}");
+    }
+    let simulated = trainable(&canopy_ir::format::read_model(&std::fs::read(&saved)?)?);
+    ensure!(
+        simulated.len() == expected.len(),
+        "{} against {} parameters",
+        simulated.len(),
+        expected.len()
+    );
+    let distance = simulated
+        .iter()
+        .zip(&expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    println!("largest difference from the agents' model: {distance:e}");
+    ensure!(
+        distance <= 1e-6,
+        "the simulation's model is {distance} from the agents'"
+    );
+    // A control: the model moved in training, so equal means something.
+    let initial = setup::initial_model(
+        &setup::load(setup::BUNDLED_DIGITS, SEED, work.path())?.train,
+        HIDDEN,
+        SEED,
+    )?;
+    let initial = trainable(&canopy_ir::format::read_model(&initial)?);
+    let moved = initial
+        .iter()
+        .zip(&expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    ensure!(moved > 1e-3, "training moved the model only {moved}");
+    Ok(())
+}
+
+#[test]
+fn bad_settings_are_refused_naming_the_setting() -> Result<()> {
+    let cases: [(&[&str], &str); 6] = [
+        (
+            &["--devices", "10", "--per-round", "11"],
+            "--per-round 11 must be between 1 and --devices (10)",
+        ),
+        (&["--devices", "0"], "--devices must be between 1 and"),
+        (
+            &["--devices", "2000000"],
+            "--devices must be between 1 and 1000000",
+        ),
+        (
+            &["--partition", "dirichlet:0"],
+            "`0` is not a Dirichlet concentration",
+        ),
+        (&["--partition", "halves"], "`halves` is not a partition"),
+        (
+            &["--devices", "5000"],
+            "--partition dirichlet:0.5 cannot deal 1438 samples to 5000 devices",
+        ),
+    ];
+    for (args, expected) in cases {
+        let output = simulate(args)?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(!output.status.success(), "{args:?} was accepted");
+        ensure!(
+            stderr.contains(expected),
+            "{args:?}: expected `{expected}` in:\n{stderr}"
+        );
+    }
+    Ok(())
+}
