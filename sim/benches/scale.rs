@@ -166,6 +166,27 @@ fn data(at_least: usize) -> Result<Dataset> {
     )?)
 }
 
+/// The job once it has left `running`. A busy machine (twenty edges and a
+/// fleet on two cores) can stall an admin request past its timeout; that
+/// is retried until the job's own timeout, not taken as the run's end.
+async fn finished(admin: &Admin, job: i64) -> Result<Value> {
+    let deadline = Instant::now() + JOB_TIMEOUT;
+    loop {
+        match admin.ok(&format!("/api/v1/jobs/{job}")).await {
+            Ok(state) if !matches!(state["state"].as_str(), Some("running" | "created")) => {
+                return Ok(state);
+            }
+            Ok(_) => {}
+            Err(error) => eprintln!("job {job}: reading its state failed, retrying: {error:#}"),
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "job {job} did not finish in {JOB_TIMEOUT:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 fn own_rss() -> u64 {
     proc_status_bytes(std::process::id(), "VmRSS").unwrap_or(0)
 }
@@ -263,7 +284,7 @@ async fn run(
     let job_id = admin
         .create_job(job(&version, options.rounds, per_round, edges))
         .await?;
-    let finished = admin.wait_for_job(job_id, JOB_TIMEOUT).await?;
+    let finished = finished(&admin, job_id).await?;
     let peak_rss = proc_status_bytes(pid, "VmHWM").context("VmHWM")?;
     let (in_after, out_after) = counters(&admin).await?;
     stop.cancel();
@@ -292,22 +313,27 @@ async fn run(
     })
 }
 
-fn print(main: &[Figures], sweep: &[Figures]) {
+fn print_heading() {
     println!(
         "{:<26} {:>15} {:>16} {:>13} {:>10} {:>17}",
         "run", "bytes in/round", "bytes out/round", "peak RSS MiB", "round s", "idle B/device"
     );
-    for f in main.iter().chain(sweep) {
-        println!(
-            "{:<26} {:>15.0} {:>16.0} {:>13.1} {:>10.1} {:>17.0}",
-            f.label,
-            f.bytes_in,
-            f.bytes_out,
-            f.peak_rss as f64 / MIB,
-            f.round_ms / 1000.0,
-            f.idle_bytes_per_device
-        );
-    }
+}
+
+/// One run's row, printed as soon as it ends.
+fn print_row(f: &Figures) {
+    println!(
+        "{:<26} {:>15.0} {:>16.0} {:>13.1} {:>10.1} {:>17.0}",
+        f.label,
+        f.bytes_in,
+        f.bytes_out,
+        f.peak_rss as f64 / MIB,
+        f.round_ms / 1000.0,
+        f.idle_bytes_per_device
+    );
+}
+
+fn print_ratios(main: &[Figures], sweep: &[Figures]) {
     let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::INFINITY };
     let (flat, tiered) = (&main[0], &main[1]);
     println!(
@@ -330,10 +356,12 @@ fn print(main: &[Figures], sweep: &[Figures]) {
 #[tokio::main]
 async fn main() -> Result<()> {
     let options = parse_options()?;
-    let main = vec![
-        run(&options, options.devices, options.per_round, 0).await?,
-        run(&options, options.devices, options.per_round, options.edges).await?,
-    ];
+    print_heading();
+    let mut main = Vec::new();
+    for edges in [0, options.edges] {
+        main.push(run(&options, options.devices, options.per_round, edges).await?);
+        print_row(main.last().expect("a run"));
+    }
     let smallest = options
         .sweep
         .iter()
@@ -344,7 +372,8 @@ async fn main() -> Result<()> {
     let mut sweep = Vec::new();
     for &enrolled in &options.sweep {
         sweep.push(run(&options, enrolled, sweep_round, 0).await?);
+        print_row(sweep.last().expect("a run"));
     }
-    print(&main, &sweep);
+    print_ratios(&main, &sweep);
     Ok(())
 }
