@@ -124,14 +124,9 @@ async fn play(
 
 /// The trainable parameters of a model, in layout order.
 fn trainable(model: &canopy_ir::Model) -> Vec<f64> {
-    model
-        .parameters
-        .iter()
-        .filter(|parameter| parameter.trainable)
-        .flat_map(|parameter| match &parameter.data.buffer {
-            canopy_ir::data::Buffer::F32(values) => values.iter().map(|&v| f64::from(v)).collect(),
-            _ => Vec::new(),
-        })
+    support::trainable(model)
+        .into_iter()
+        .map(f64::from)
         .collect()
 }
 

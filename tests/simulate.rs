@@ -87,14 +87,9 @@ async fn trainable_of(admin: &Admin, name: &str, id: i64) -> Result<Vec<f64>> {
 }
 
 fn trainable(model: &canopy_ir::Model) -> Vec<f64> {
-    model
-        .parameters
-        .iter()
-        .filter(|parameter| parameter.trainable)
-        .flat_map(|parameter| match &parameter.data.buffer {
-            canopy_ir::data::Buffer::F32(values) => values.iter().map(|&v| f64::from(v)).collect(),
-            _ => Vec::new(),
-        })
+    support::trainable(model)
+        .into_iter()
+        .map(f64::from)
         .collect()
 }
 
@@ -248,7 +243,7 @@ async fn ten_simulated_devices_reproduce_ten_real_agents() -> Result<()> {
 
 #[test]
 fn bad_settings_are_refused_naming_the_setting() -> Result<()> {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (
             &["--devices", "10", "--per-round", "11"],
             "--per-round 11 must be between 1 and --devices (10)",
@@ -266,6 +261,11 @@ fn bad_settings_are_refused_naming_the_setting() -> Result<()> {
         (
             &["--devices", "5000"],
             "--partition dirichlet:0.5 cannot deal 1438 samples to 5000 devices",
+        ),
+        (&["--step-ms", "0"], "--step-ms must be more than 0"),
+        (
+            &["--step-ms", "10", "--step-spread", "0.5"],
+            "--step-spread must be between 1 and 1000",
         ),
     ];
     for (args, expected) in cases {

@@ -36,7 +36,7 @@ use canopy_sdk::{DeviceClient, Transport};
 use serde_json::{Value, json};
 use support::edge::Edge;
 use support::proc_stats::{proc_status_bytes, reset_peak};
-use support::{Admin, Database, TestServer, model_bytes};
+use support::{Database, TestServer, model_bytes, server_counters};
 use tokio::task::JoinSet;
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -95,41 +95,6 @@ struct Figures {
     bytes_out: f64,
     peak_rss: u64,
     round_ms: f64,
-}
-
-/// The cloud's counters that matter here, from its Prometheus text.
-#[derive(Clone, Copy, Default)]
-struct Counters {
-    requests: f64,
-    bytes_in: f64,
-    bytes_out: f64,
-}
-
-async fn counters(admin: &Admin) -> Result<Counters> {
-    let text = admin
-        .transport
-        .http()
-        .get(admin.transport.url("/metrics"))
-        .bearer_auth(&admin.token)
-        .send()
-        .await?
-        .text()
-        .await?;
-    let mut counters = Counters::default();
-    for line in text.lines().filter(|line| !line.starts_with('#')) {
-        let Some((name, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let value: f64 = value.parse().unwrap_or(0.0);
-        if name.starts_with("canopy_http_request_duration_seconds_count") {
-            counters.requests += value;
-        } else if name == "canopy_update_bytes_received_total" {
-            counters.bytes_in += value;
-        } else if name == "canopy_model_bytes_sent_total" {
-            counters.bytes_out += value;
-        }
-    }
-    Ok(counters)
 }
 
 /// Enrolls `n` devices with the server at `transport`.
@@ -221,7 +186,7 @@ async fn run(options: &Options, devices: usize, edges: usize) -> Result<Figures>
         .upload_model("fan-in", model_bytes(architecture, 7))
         .await?;
     let pid = cloud.pid().context("the cloud's pid")?;
-    let before = counters(&admin).await?;
+    let before = server_counters(&admin).await?;
     reset_peak(pid).context("cannot reset the cloud's peak RSS")?;
     let mut players = JoinSet::new();
     for (index, device) in fleet.into_iter().enumerate() {
@@ -235,7 +200,7 @@ async fn run(options: &Options, devices: usize, edges: usize) -> Result<Figures>
         .await?;
     let finished = admin.wait_for_job(job_id, JOB_TIMEOUT).await?;
     let peak_rss = proc_status_bytes(pid, "VmHWM").context("VmHWM")?;
-    let after = counters(&admin).await?;
+    let after = server_counters(&admin).await?;
     if finished["state"] != "completed" {
         let logs: Vec<String> = nodes.iter().map(Edge::log).collect();
         bail!("{label}: job ended {finished}\n{}", logs.join("\n---\n"));

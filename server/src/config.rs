@@ -603,6 +603,26 @@ pub struct Settings {
     pub limits: Limits,
 }
 
+impl Settings {
+    /// A server of one's own for a run on this machine (the demo's, a
+    /// simulation's): a free loopback port, HTTPS with a development
+    /// certificate, SQLite and blobs under `dir/server`, no device
+    /// authority, and `limits`.
+    pub fn local(dir: &Path, limits: Limits) -> Settings {
+        let server = dir.join("server");
+        Settings {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            database_url: sqlite_url(&server.join("canopy.db")),
+            blob_store: server.join("blobs").display().to_string(),
+            data_dir: server,
+            tls: TlsSetting::SelfSigned,
+            log_format: LogFormat::Pretty,
+            device_authority: None,
+            limits,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum TlsSetting {
     Files {

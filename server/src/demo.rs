@@ -25,7 +25,7 @@ use canopy_engine::optim::Optimizer;
 use canopy_engine::zoo::{Architecture, ModelConfig, build_model, fit_input_stats};
 use serde_json::{Value, json};
 
-use canopy_server::config::{Limits, LogFormat, Settings, TlsSetting, sqlite_url};
+use canopy_server::config::{Limits, Settings};
 
 /// The UCI digits, bundled so the demo runs from any directory.
 const DIGITS_CSV_GZ: &[u8] = include_bytes!("../../datasets/digits/digits.csv.gz");
@@ -299,16 +299,7 @@ fn demo_settings(dir: &Path) -> Settings {
         orchestrator_tick_ms: 50,
         ..Limits::default()
     };
-    Settings {
-        data_dir: dir.join("server"),
-        listen: "127.0.0.1:0".parse().expect("a valid address"),
-        database_url: sqlite_url(&dir.join("server/canopy.db")),
-        blob_store: dir.join("server/blobs").display().to_string(),
-        tls: TlsSetting::SelfSigned,
-        log_format: LogFormat::Pretty,
-        device_authority: None,
-        limits,
-    }
+    Settings::local(dir, limits)
 }
 
 fn load_digits(dir: &Path, seed: u64) -> Result<(Dataset, Dataset)> {

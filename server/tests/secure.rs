@@ -25,6 +25,7 @@ use reqwest::Method;
 use serde_json::{Value, json};
 use support::{
     Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task,
+    trainable,
 };
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
@@ -337,18 +338,6 @@ fn expected_params(
         .zip(&weighted)
         .map(|(p, w)| (p + w / weight as f64) as f32)
         .collect())
-}
-
-fn trainable(model: &canopy_ir::Model) -> Vec<f32> {
-    model
-        .parameters
-        .iter()
-        .filter(|p| p.trainable)
-        .flat_map(|p| match &p.data.buffer {
-            Buffer::F32(values) => values.clone(),
-            _ => Vec::new(),
-        })
-        .collect()
 }
 
 /// Eight devices; one declines before AdvertiseKeys, one goes silent before

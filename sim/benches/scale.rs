@@ -37,7 +37,7 @@ use canopy_sim::{Fleet, FleetSettings, Partition};
 use serde_json::{Value, json};
 use support::edge::Edge;
 use support::proc_stats::{proc_status_bytes, reset_peak};
-use support::{Admin, Database, TestServer};
+use support::{Admin, Database, TestServer, server_counters};
 
 const MIB: f64 = 1024.0 * 1024.0;
 const JOB_TIMEOUT: Duration = Duration::from_secs(3_600);
@@ -119,32 +119,6 @@ struct Figures {
     round_ms: f64,
     /// This process's RSS grown by enrolling the fleet, per device.
     idle_bytes_per_device: f64,
-}
-
-/// The cloud's update bytes in and model bytes out, from `/metrics`.
-async fn counters(admin: &Admin) -> Result<(f64, f64)> {
-    let text = admin
-        .transport
-        .http()
-        .get(admin.transport.url("/metrics"))
-        .bearer_auth(&admin.token)
-        .send()
-        .await?
-        .text()
-        .await?;
-    let (mut bytes_in, mut bytes_out) = (0.0, 0.0);
-    for line in text.lines().filter(|line| !line.starts_with('#')) {
-        let Some((name, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let value: f64 = value.parse().unwrap_or(0.0);
-        match name {
-            "canopy_update_bytes_received_total" => bytes_in += value,
-            "canopy_model_bytes_sent_total" => bytes_out += value,
-            _ => {}
-        }
-    }
-    Ok((bytes_in, bytes_out))
 }
 
 /// MNIST-10k's training images, repeated until there are `at_least`.
@@ -271,7 +245,7 @@ async fn run(
     let idle_bytes_per_device = own_rss().saturating_sub(before_enrolling) as f64 / enrolled as f64;
     let version = admin.upload_model("scale", model).await?;
     let pid = cloud.pid().context("the cloud's pid")?;
-    let (in_before, out_before) = counters(&admin).await?;
+    let before = server_counters(&admin).await?;
     reset_peak(pid).context("cannot reset the cloud's peak RSS")?;
     let stop = CancelToken::new();
     let mut running = tokio::task::JoinSet::new();
@@ -286,7 +260,7 @@ async fn run(
         .await?;
     let finished = finished(&admin, job_id).await?;
     let peak_rss = proc_status_bytes(pid, "VmHWM").context("VmHWM")?;
-    let (in_after, out_after) = counters(&admin).await?;
+    let after = server_counters(&admin).await?;
     stop.cancel();
     while running.join_next().await.is_some() {}
     if finished["state"] != "completed" {
@@ -305,8 +279,8 @@ async fn run(
     Ok(Figures {
         label,
         enrolled,
-        bytes_in: (in_after - in_before) / per_round_count,
-        bytes_out: (out_after - out_before) / per_round_count,
+        bytes_in: (after.bytes_in - before.bytes_in) / per_round_count,
+        bytes_out: (after.bytes_out - before.bytes_out) / per_round_count,
         peak_rss,
         round_ms: round_ms.iter().sum::<f64>() / round_ms.len().max(1) as f64,
         idle_bytes_per_device,

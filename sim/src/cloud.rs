@@ -12,7 +12,7 @@ use std::path::Path;
 pub use canopy_server::central::worker::{
     SUBCOMMAND as CENTRAL_WORKER, WorkerArgs as CentralWorkerArgs, run as central_worker,
 };
-use canopy_server::config::{Limits, LogFormat, Settings, TlsSetting, sqlite_url};
+use canopy_server::config::{Limits, Settings};
 pub use canopy_server::server::Running;
 
 use crate::SimError;
@@ -44,16 +44,7 @@ pub fn settings(dir: &Path, devices: usize, fleet: &FleetSettings) -> Settings {
         orchestrator_tick_ms: 50,
         ..defaults
     };
-    Settings {
-        data_dir: dir.join("server"),
-        listen: "127.0.0.1:0".parse().expect("a valid address"),
-        database_url: sqlite_url(&dir.join("server/canopy.db")),
-        blob_store: dir.join("server/blobs").display().to_string(),
-        tls: TlsSetting::SelfSigned,
-        log_format: LogFormat::Pretty,
-        device_authority: None,
-        limits,
-    }
+    Settings::local(dir, limits)
 }
 
 /// Starts the server [`settings`] describe; its first admin token and its

@@ -28,6 +28,9 @@ use canopy_sdk::local::{
 };
 use canopy_sdk::train::{EvalOptions, TrainOptions, statistics_update};
 use canopy_sdk::{CancelToken, DeviceClient, RetryPolicy, SdkError, Transport};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand_distr::{Distribution, StandardNormal};
 use sha2::{Digest, Sha256};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -73,6 +76,49 @@ pub struct FleetSettings {
     pub train_concurrency: usize,
     /// Devices working on a task at once.
     pub max_active: usize,
+    /// How long each device takes per training step, beyond the host's
+    /// own compute; `None`: as fast as the host computes.
+    pub step_time: Option<StepTime>,
+}
+
+/// Simulated device speeds: each device's time per training step, drawn
+/// log-normal and rescaled so that the slowest device takes exactly
+/// `spread` times as long as the fastest, with `median_ms` their geometric
+/// middle. A device waits that long per step after computing its update
+/// (the host computes every device at its own speed), so a synchronous
+/// round waits for its slowest device as a real one does.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepTime {
+    pub median_ms: f64,
+    pub spread: f64,
+}
+
+/// Most milliseconds a simulated step may take.
+pub const MAX_STEP_MS: f64 = 60_000.0;
+/// Largest ratio between the slowest and the fastest device.
+pub const MAX_SPREAD: f64 = 1_000.0;
+
+impl StepTime {
+    /// `devices` step times in milliseconds, reproducibly from `seed`.
+    pub fn per_device(self, devices: usize, seed: u64) -> Vec<f32> {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_57e9);
+        let z: Vec<f64> = (0..devices)
+            .map(|_| StandardNormal.sample(&mut rng))
+            .collect();
+        let low = z.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let width = high - low;
+        z.iter()
+            .map(|&z| {
+                let position = if width > 0.0 {
+                    (z - low) / width - 0.5
+                } else {
+                    0.0
+                };
+                (self.median_ms * self.spread.powf(position)) as f32
+            })
+            .collect()
+    }
 }
 
 impl FleetSettings {
@@ -88,6 +134,7 @@ impl FleetSettings {
             enroll_concurrency: devices.clamp(1, 32),
             train_concurrency: cores,
             max_active: devices.clamp(1, MAX_ACTIVE_DEVICES),
+            step_time: None,
         }
     }
 }
@@ -144,6 +191,9 @@ struct Shared {
     counters: Counters,
     compute: Semaphore,
     active: Arc<Semaphore>,
+    /// Each slot's simulated time per training step, in milliseconds;
+    /// empty when devices run at the host's speed. 4 bytes a device.
+    step_ms: Vec<f32>,
 }
 
 /// Device `index`'s key: SHA-256 over the domain, the seed and the index.
@@ -242,6 +292,10 @@ impl Fleet {
             active: Arc::new(Semaphore::new(
                 settings.max_active.clamp(1, MAX_ACTIVE_DEVICES),
             )),
+            step_ms: settings
+                .step_time
+                .map(|time| time.per_device(devices, settings.seed))
+                .unwrap_or_default(),
             settings,
             shards,
             slots,
@@ -496,7 +550,7 @@ async fn run_task(
         ));
     }
     let model = client.download_model(task).await?;
-    let Some(Ok(_compute)) = stop.run(shared.compute.acquire()).await else {
+    let Some(Ok(compute_place)) = stop.run(shared.compute.acquire()).await else {
         return Err(TaskError::Stopped);
     };
     let owned = (shared.clone(), task.clone(), stop.clone());
@@ -507,8 +561,12 @@ async fn run_task(
     })
     .await
     .map_err(|join| TaskError::Failed(format!("the device's computation stopped: {join}")))?;
+    // The host's compute is free again: the device's own time, the upload
+    // and the metrics wait without it.
+    drop(compute_place);
     match computed? {
         Computed::Update { update, metrics } => {
+            device_time(shared, slot, task, update.num_samples, stop).await?;
             client
                 .upload_update(task, Bytes::from(update.encoded))
                 .await?;
@@ -520,6 +578,30 @@ async fn run_task(
         Computed::Evaluation(evaluation) => client.report_evaluation(task, &evaluation).await?,
     }
     Ok(())
+}
+
+/// Waits out the simulated device's own time for a training task's steps
+/// (none for statistics, which train nothing).
+async fn device_time(
+    shared: &Shared,
+    slot: usize,
+    task: &Task,
+    samples: u64,
+    stop: &CancelToken,
+) -> Result<(), TaskError> {
+    let Some(&step_ms) = shared.step_ms.get(slot) else {
+        return Ok(());
+    };
+    if task.kind != TaskKind::Train {
+        return Ok(());
+    }
+    let batch = u64::from(task.training.batch_size.max(1));
+    let steps = u64::from(task.training.epochs) * samples.div_ceil(batch);
+    let wait = Duration::from_secs_f64(f64::from(step_ms) * steps as f64 / 1_000.0);
+    match stop.run(tokio::time::sleep(wait)).await {
+        Some(()) => Ok(()),
+        None => Err(TaskError::Stopped),
+    }
 }
 
 enum Computed {
@@ -587,6 +669,25 @@ mod tests {
     #[test]
     fn an_idle_device_costs_a_few_bytes() {
         assert!(Fleet::idle_bytes_per_device() <= 24);
+    }
+
+    #[test]
+    fn step_times_span_the_spread_around_the_median() {
+        let time = StepTime {
+            median_ms: 100.0,
+            spread: 10.0,
+        };
+        let times = time.per_device(20, 3);
+        let fastest = times.iter().copied().fold(f32::INFINITY, f32::min);
+        let slowest = times.iter().copied().fold(0.0, f32::max);
+        assert!(
+            (slowest / fastest - 10.0).abs() < 1e-3,
+            "{fastest} to {slowest}"
+        );
+        assert!((f64::from(fastest * slowest).sqrt() - 100.0).abs() < 1e-2);
+        assert_eq!(times, time.per_device(20, 3), "reproducible");
+        assert_ne!(times, time.per_device(20, 4));
+        assert_eq!(time.per_device(1, 3), vec![100.0]);
     }
 
     #[test]

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use canopy_sdk::{CancelToken, Transport};
+use canopy_sim::fleet::{MAX_SPREAD, MAX_STEP_MS};
 use canopy_sim::setup::{self, JobSettings, MAX_HIDDEN, MAX_ROUNDS};
-use canopy_sim::{Fleet, FleetSettings, MAX_DEVICES, Partition};
+use canopy_sim::{Fleet, FleetSettings, MAX_DEVICES, Partition, StepTime};
 use canopy_term::progress::StepBar;
 use clap::Args;
 use reqwest::Method;
@@ -69,6 +70,15 @@ pub struct SimulateArgs {
     /// 1,000 check-ins a second over the fleet, each device every 1 to 30 s.
     #[arg(long, value_parser = clap::value_parser!(u64).range(100..=600_000))]
     check_in_ms: Option<u64>,
+    /// Simulated device speed: the median time per training step, in
+    /// milliseconds, each device's drawn log-normal (see --step-spread).
+    /// By default devices run at the host's speed.
+    #[arg(long)]
+    step_ms: Option<f64>,
+    /// How many times longer the slowest device's step takes than the
+    /// fastest's, with --step-ms.
+    #[arg(long, default_value_t = 10.0, requires = "step_ms")]
+    step_spread: f64,
     /// Run against the server `canopy login` saved, instead of one started
     /// in this process. It must allow this many enrollments from one
     /// address (docs/simulate.md).
@@ -102,12 +112,35 @@ impl SimulateArgs {
             "--hidden must be between 1 and {MAX_HIDDEN}, got {}",
             self.hidden
         );
+        if let Some(step_ms) = self.step_ms {
+            ensure!(
+                step_ms.is_finite() && step_ms > 0.0 && step_ms <= MAX_STEP_MS,
+                "--step-ms must be more than 0 and at most {MAX_STEP_MS}, got {step_ms}"
+            );
+            ensure!(
+                self.step_spread.is_finite() && (1.0..=MAX_SPREAD).contains(&self.step_spread),
+                "--step-spread must be between 1 and {MAX_SPREAD}, got {}",
+                self.step_spread
+            );
+        }
         ensure!(
             self.learning_rate.is_finite() && self.learning_rate > 0.0,
             "--learning-rate must be a positive number, got {}",
             self.learning_rate
         );
         Ok(())
+    }
+
+    fn fleet(&self) -> FleetSettings {
+        let mut settings = FleetSettings::new(self.devices, self.seed, "sim");
+        if let Some(check_in_ms) = self.check_in_ms {
+            settings.check_in_ms = check_in_ms;
+        }
+        settings.step_time = self.step_ms.map(|median_ms| StepTime {
+            median_ms,
+            spread: self.step_spread,
+        });
+        settings
     }
 
     fn job(&self) -> JobSettings {
@@ -161,10 +194,7 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
         .partition
         .deal(&data.train, args.devices, args.seed)
         .map_err(explain)?;
-    let mut fleet_settings = FleetSettings::new(args.devices, args.seed, "sim");
-    if let Some(check_in_ms) = args.check_in_ms {
-        fleet_settings.check_in_ms = check_in_ms;
-    }
+    let fleet_settings = args.fleet();
     let target = target(args, scratch.path(), &fleet_settings).await?;
     let remote = Remote::new(target.login.clone())?;
     outln!(
@@ -202,17 +232,7 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
     let watched = watch(&remote, job, Duration::from_millis(WATCH_INTERVAL_MS)).await;
     stop.cancel();
     let report = running_fleet.await.context("the simulated fleet stopped")?;
-    outln!(
-        "devices: {} check-ins, {} updates, {} evaluations, {} tasks declined; {:.1} s in all",
-        report.polls,
-        report.trained,
-        report.evaluated,
-        report.failed,
-        started.elapsed().as_secs_f64()
-    )?;
-    if let Some(first) = &report.first_failure {
-        outln!("first task declined: {first}")?;
-    }
+    print_report(&report, started)?;
     let end = watched?;
     if let (WatchEnd::Completed, Some(path)) = (&end, &args.save_model) {
         save_model(&remote, job, path).await?;
@@ -225,6 +245,22 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
         WatchEnd::Completed => ExitCode::SUCCESS,
         WatchEnd::Interrupted => ExitCode::from(INTERRUPTED_EXIT),
     })
+}
+
+/// What the devices did, and the first task they declined and why.
+fn print_report(report: &canopy_sim::FleetReport, started: Instant) -> Result<()> {
+    outln!(
+        "devices: {} check-ins, {} updates, {} evaluations, {} tasks declined; {:.1} s in all",
+        report.polls,
+        report.trained,
+        report.evaluated,
+        report.failed,
+        started.elapsed().as_secs_f64()
+    )?;
+    if let Some(first) = &report.first_failure {
+        outln!("first task declined: {first}")?;
+    }
+    Ok(())
 }
 
 fn explain(error: canopy_sim::SimError) -> anyhow::Error {

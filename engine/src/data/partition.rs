@@ -163,12 +163,7 @@ pub fn partition_dirichlet_with(
     opts: &DirichletOptions,
 ) -> EngineResult<Vec<Dataset>> {
     check_clients(data, num_clients)?;
-    if !(alpha.is_finite() && alpha > 0.0) {
-        return Err(part_err(format!(
-            "alpha must be a positive finite number, got {alpha}"
-        )));
-    }
-    let gamma = Gamma::new(alpha, 1.0).map_err(|e| part_err(format!("alpha {alpha}: {e}")))?;
+    let gamma = dirichlet_gamma(alpha)?;
     let by_class = data.indices_by_class();
     let mut rng = StdRng::seed_from_u64(seed);
     for _ in 0..opts.max_attempts {
@@ -199,12 +194,7 @@ pub fn partition_dirichlet_sized(
     seed: u64,
 ) -> EngineResult<Vec<Dataset>> {
     check_clients(data, num_clients)?;
-    if !(alpha.is_finite() && alpha > 0.0) {
-        return Err(part_err(format!(
-            "alpha must be a positive finite number, got {alpha}"
-        )));
-    }
-    let gamma = Gamma::new(alpha, 1.0).map_err(|e| part_err(format!("alpha {alpha}: {e}")))?;
+    let gamma = dirichlet_gamma(alpha)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut by_class = data.indices_by_class();
     by_class
@@ -257,6 +247,17 @@ fn draw_class(mix: &[f64], by_class: &[Vec<usize>], rng: &mut StdRng) -> usize {
         last = Some(c);
     }
     last.expect("a client's share never exceeds the samples left")
+}
+
+/// The Gamma(alpha, 1) that Dirichlet(alpha, ..., alpha) draws are
+/// normalised from, once alpha is checked.
+fn dirichlet_gamma(alpha: f64) -> EngineResult<Gamma<f64>> {
+    if !(alpha.is_finite() && alpha > 0.0) {
+        return Err(part_err(format!(
+            "alpha must be a positive finite number, got {alpha}"
+        )));
+    }
+    Gamma::new(alpha, 1.0).map_err(|e| part_err(format!("alpha {alpha}: {e}")))
 }
 
 /// One full draw: each class's shuffled samples are cut at the cumulative

@@ -707,6 +707,58 @@ pub fn model_bytes(architecture: canopy_engine::zoo::Architecture, seed: u64) ->
 }
 
 /// Downloads a version's file through the admin API and parses it.
+/// A server's counters that benches compare, from its Prometheus text.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ServerCounters {
+    /// Requests answered, every route.
+    pub requests: f64,
+    /// Update bytes taken in.
+    pub bytes_in: f64,
+    /// Model bytes sent.
+    pub bytes_out: f64,
+}
+
+/// [`ServerCounters`] read from `/metrics`.
+pub async fn server_counters(admin: &Admin) -> Result<ServerCounters> {
+    let text = admin
+        .transport
+        .http()
+        .get(admin.transport.url("/metrics"))
+        .bearer_auth(&admin.token)
+        .send()
+        .await?
+        .text()
+        .await?;
+    let mut counters = ServerCounters::default();
+    for line in text.lines().filter(|line| !line.starts_with('#')) {
+        let Some((name, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let value: f64 = value.parse().unwrap_or(0.0);
+        if name.starts_with("canopy_http_request_duration_seconds_count") {
+            counters.requests += value;
+        } else if name == "canopy_update_bytes_received_total" {
+            counters.bytes_in += value;
+        } else if name == "canopy_model_bytes_sent_total" {
+            counters.bytes_out += value;
+        }
+    }
+    Ok(counters)
+}
+
+/// A model's trainable parameters, in order, as one vector.
+pub fn trainable(model: &canopy_ir::Model) -> Vec<f32> {
+    model
+        .parameters
+        .iter()
+        .filter(|parameter| parameter.trainable)
+        .flat_map(|parameter| match &parameter.data.buffer {
+            canopy_ir::data::Buffer::F32(values) => values.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
 pub async fn fetch_model(admin: &Admin, name: &str, version: i64) -> Result<canopy_ir::Model> {
     let response = admin
         .transport
