@@ -150,14 +150,9 @@ pub fn evaluate_held_out(
 ) -> Result<Evaluation, LocalDataError> {
     let model =
         crate::train::read_model(model_bytes).map_err(|e| LocalDataError::Model(Box::new(e)))?;
-    let held_out = data.fitted(&data.holdout, &model)?;
-    if held_out.is_empty() {
-        return Err(LocalDataError::NoHeldOut {
-            name: data.name.clone(),
-        });
-    }
-    crate::train::evaluate(&model, &held_out, options)
-        .map_err(|e| LocalDataError::Evaluate(Box::new(e)))
+    held_out_evaluation(&model, data, options)?.ok_or_else(|| LocalDataError::NoHeldOut {
+        name: data.name.clone(),
+    })
 }
 
 /// A training task's work: the downloaded global model evaluated on the
@@ -173,23 +168,31 @@ pub fn train_and_evaluate(
     let model =
         crate::train::read_model(model_bytes).map_err(|e| LocalDataError::Model(Box::new(e)))?;
     let train = data.fitted(&data.train, &model)?;
-    let held_out = data.fitted(&data.holdout, &model)?;
     let on_training_backend = EvalOptions {
         backend: options.backend.clone(),
         ..EvalOptions::default()
     };
-    let evaluation = if held_out.is_empty() {
-        None
-    } else {
-        Some(
-            crate::train::evaluate(&model, &held_out, &on_training_backend)
-                .map_err(|e| LocalDataError::Evaluate(Box::new(e)))?,
-        )
-    };
+    let evaluation = held_out_evaluation(&model, data, &on_training_backend)?;
     drop(model);
     let update = crate::train::train_task(model_bytes, task, &train, seed, options)
         .map_err(|e| LocalDataError::Train(Box::new(e)))?;
     Ok((evaluation, update))
+}
+
+/// `model` on `data`'s held-out split, shaped for it; `None` when the split
+/// is empty.
+fn held_out_evaluation(
+    model: &Model,
+    data: &LocalData,
+    options: &EvalOptions,
+) -> Result<Option<Evaluation>, LocalDataError> {
+    let held_out = data.fitted(&data.holdout, model)?;
+    if held_out.is_empty() {
+        return Ok(None);
+    }
+    crate::train::evaluate(model, &held_out, options)
+        .map(Some)
+        .map_err(|e| LocalDataError::Evaluate(Box::new(e)))
 }
 
 /// The metrics a device reports after a training task: the loss and

@@ -2,12 +2,10 @@
 //! `datasets.toml`, the deterministic 10% held out for evaluation, and
 //! shaping a dataset for a model.
 
-use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use canopy_engine::data::{Dataset, LabelColumn, load_csv, load_idx, load_npy_dataset};
-use canopy_ir::Model;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
@@ -277,17 +275,6 @@ pub fn check_name(name: &str) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// Splits off the held-out evaluation set (the SDK's rule, which
-/// simulated devices share), with the agent's error type.
-pub fn holdout(data: &Dataset) -> Result<(Dataset, Dataset)> {
-    Ok(canopy_sdk::local::holdout(data)?)
-}
-
-/// `data` shaped for `model`'s input (the SDK's rule).
-pub fn fit_to_model<'a>(data: &'a Dataset, model: &Model) -> Result<Cow<'a, Dataset>> {
-    Ok(canopy_sdk::local::fit_to_model(data, model)?)
 }
 
 #[cfg(test)]

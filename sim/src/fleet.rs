@@ -235,46 +235,38 @@ impl Fleet {
         if devices > MAX_DEVICES {
             return Err(SimError::TooManyDevices { devices });
         }
-        let concurrency = settings.enroll_concurrency.clamp(1, MAX_ENROLL_CONCURRENCY);
         let mut enrolled: Vec<(i64, u32)> = Vec::with_capacity(devices);
         let mut server_key = String::new();
-        let mut running = JoinSet::new();
-        let mut next: u32 = 0;
-        while enrolled.len() < devices {
-            while running.len() < concurrency && (next as usize) < devices {
-                let (transport, token, seed) = (
-                    transport.clone(),
-                    enrollment_token.to_string(),
-                    settings.seed,
-                );
-                let index = next;
-                running.spawn(async move {
-                    let key = device_key(seed, index);
-                    let answer = canopy_sdk::enroll_with(
-                        &transport,
-                        &token,
-                        &key,
-                        capabilities(),
-                        &TASK_RETRY,
-                        &CancelToken::new(),
-                    )
-                    .await;
-                    (index, answer)
-                });
-                next += 1;
+        let (token, seed) = (enrollment_token.to_string(), settings.seed);
+        let enroll_one = |index: usize| {
+            let (transport, token) = (transport.clone(), token.clone());
+            async move {
+                let key_index = index as u32;
+                let key = device_key(seed, key_index);
+                canopy_sdk::enroll_with(
+                    &transport,
+                    &token,
+                    &key,
+                    capabilities(),
+                    &TASK_RETRY,
+                    &CancelToken::new(),
+                )
+                .await
+                .map(|answer| (answer, key_index))
+                .map_err(|source| SimError::Enroll { index, source })
             }
-            let Some(joined) = running.join_next().await else {
-                break;
-            };
-            let (index, answer) = joined.expect("an enrollment does not panic");
-            let answer = answer.map_err(|source| SimError::Enroll {
-                index: index as usize,
-                source,
-            })?;
-            server_key = answer.server_public_key;
-            enrolled.push((answer.device_id, index));
-            progress(enrolled.len());
-        }
+        };
+        bounded(
+            devices,
+            settings.enroll_concurrency,
+            enroll_one,
+            |(answer, key_index)| {
+                server_key = answer.server_public_key;
+                enrolled.push((answer.device_id, key_index));
+                progress(enrolled.len());
+            },
+        )
+        .await?;
         enrolled.sort_unstable();
         let slots: Vec<Slot> = enrolled
             .into_iter()
@@ -310,12 +302,6 @@ impl Fleet {
 
     pub fn is_empty(&self) -> bool {
         self.shared.slots.is_empty()
-    }
-
-    /// The server's id of the device in slot `slot`, which holds shard
-    /// `slot`.
-    pub fn device_id(&self, slot: usize) -> Option<i64> {
-        self.shared.slots.get(slot).map(|s| s.device_id)
     }
 
     /// What the fleet keeps for a device that has no task: its slot and its
@@ -374,26 +360,47 @@ impl Shared {
     }
 }
 
-/// Each device's first heartbeat, which offers its shard.
-async fn report_datasets(shared: &Arc<Shared>) -> Result<(), SimError> {
-    let concurrency = shared
-        .settings
-        .enroll_concurrency
-        .clamp(1, MAX_ENROLL_CONCURRENCY);
+/// Runs `work(i)` for every `i` in `0..count`, at most `concurrency`
+/// (up to [`MAX_ENROLL_CONCURRENCY`]) at once on the runtime's threads,
+/// handing each result to `done` as it finishes; the first error stops it.
+async fn bounded<T, Fut>(
+    count: usize,
+    concurrency: usize,
+    work: impl Fn(usize) -> Fut,
+    mut done: impl FnMut(T),
+) -> Result<(), SimError>
+where
+    T: Send + 'static,
+    Fut: std::future::Future<Output = Result<T, SimError>> + Send + 'static,
+{
+    let concurrency = concurrency.clamp(1, MAX_ENROLL_CONCURRENCY);
     let mut running = JoinSet::new();
     let mut next = 0;
-    let devices = shared.slots.len();
-    while next < devices || !running.is_empty() {
-        while running.len() < concurrency && next < devices {
-            let (shared, slot) = (shared.clone(), next);
-            running.spawn(async move { heartbeat(&shared, slot).await });
+    while next < count || !running.is_empty() {
+        while running.len() < concurrency && next < count {
+            running.spawn(work(next));
             next += 1;
         }
         if let Some(joined) = running.join_next().await {
-            joined.expect("a heartbeat does not panic")?;
+            done(joined.expect("enrollment and heartbeats do not panic")?);
         }
     }
     Ok(())
+}
+
+/// Each device's first heartbeat, which offers its shard.
+async fn report_datasets(shared: &Arc<Shared>) -> Result<(), SimError> {
+    let beat = |slot: usize| {
+        let shared = shared.clone();
+        async move { heartbeat(&shared, slot).await }
+    };
+    bounded(
+        shared.slots.len(),
+        shared.settings.enroll_concurrency,
+        beat,
+        |()| {},
+    )
+    .await
 }
 
 async fn heartbeat(shared: &Shared, slot: usize) -> Result<(), SimError> {
@@ -438,7 +445,7 @@ async fn check_in_lane(shared: Arc<Shared>, lane: usize, lanes: usize, stop: Can
             if shared.busy[slot].load(Ordering::Acquire) {
                 continue;
             }
-            let Some(task) = check_in(&shared, slot, &stop).await else {
+            let Some((client, task)) = check_in(&shared, slot, &stop).await else {
                 continue;
             };
             let Some(Ok(place)) = stop.run(shared.active.clone().acquire_owned()).await else {
@@ -448,7 +455,7 @@ async fn check_in_lane(shared: Arc<Shared>, lane: usize, lanes: usize, stop: Can
             let (shared, stop) = (shared.clone(), stop.clone());
             tasks.spawn(async move {
                 let _place = place;
-                work(&shared, slot, task, stop).await;
+                work(&shared, slot, &client, task, stop).await;
                 shared.busy[slot].store(false, Ordering::Release);
             });
         }
@@ -456,15 +463,23 @@ async fn check_in_lane(shared: Arc<Shared>, lane: usize, lanes: usize, stop: Can
     while tasks.join_next().await.is_some() {}
 }
 
-/// One check-in: the device's task, if it has one.
-async fn check_in(shared: &Shared, slot: usize, stop: &CancelToken) -> Option<Task> {
+/// One check-in: the device's task, if it has one, and the device's
+/// client, which then works on it.
+async fn check_in(
+    shared: &Shared,
+    slot: usize,
+    stop: &CancelToken,
+) -> Option<(DeviceClient, Task)> {
     shared.counters.polls.fetch_add(1, Ordering::Relaxed);
     let polled = match shared.client(slot, stop.clone()) {
-        Ok(client) => client.next_task(0).await,
+        Ok(client) => client
+            .next_task(0)
+            .await
+            .map(|task| task.map(|task| (client, task))),
         Err(error) => Err(error),
     };
     match polled {
-        Ok(task) => task,
+        Ok(found) => found,
         Err(SdkError::Cancelled) => None,
         Err(error) => {
             shared.counters.poll_errors.fetch_add(1, Ordering::Relaxed);
@@ -475,16 +490,15 @@ async fn check_in(shared: &Shared, slot: usize, stop: &CancelToken) -> Option<Ta
 }
 
 /// A task's work, to its end; a failure is counted, logged and declined.
-async fn work(shared: &Arc<Shared>, slot: usize, task: Task, stop: CancelToken) {
-    let client = match shared.client(slot, stop.clone()) {
-        Ok(client) => client,
-        Err(error) => {
-            tracing::warn!(slot, error = %canopy_term::error_chain(&error), "no client");
-            return;
-        }
-    };
+async fn work(
+    shared: &Arc<Shared>,
+    slot: usize,
+    client: &DeviceClient,
+    task: Task,
+    stop: CancelToken,
+) {
     let kind = task.kind;
-    match run_task(shared, slot, &client, &task, &stop).await {
+    match run_task(shared, slot, client, &task, &stop).await {
         Ok(()) => {
             let counter = match kind {
                 TaskKind::Train => &shared.counters.trained,

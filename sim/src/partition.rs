@@ -68,9 +68,8 @@ impl FromStr for Partition {
 
 impl Partition {
     /// `data` dealt to `devices` devices, reproducibly from `seed`. Every
-    /// device gets at least one sample to train on after its held-out
-    /// share is split off (`canopy_sdk::local::holdout`), or the error
-    /// names the first that would not.
+    /// device gets at least one sample to train on, or the error names the
+    /// first that would not.
     pub fn deal(self, data: &Dataset, devices: usize, seed: u64) -> Result<Vec<Dataset>, SimError> {
         let refused = |cause: String| SimError::Partition {
             partition: self,
@@ -90,16 +89,13 @@ impl Partition {
             Partition::Shards { classes } => partition_by_label(data, devices, classes, seed),
         }
         .map_err(|error| refused(canopy_term::error_chain(&error)))?;
-        for (index, shard) in shards.iter().enumerate() {
-            let (train, _) = canopy_sdk::local::holdout(shard)
-                .map_err(|error| refused(canopy_term::error_chain(&error)))?;
-            if train.is_empty() {
-                return Err(refused(format!(
-                    "device {index} would hold {} samples and none to train on once its held-out \
-                     share is split off",
-                    shard.len()
-                )));
-            }
+        // The held-out split (`canopy_sdk::local::holdout`) takes a tenth
+        // of each class, rounded, so never a class's only sample: a device
+        // has something to train on exactly when its shard is not empty.
+        if let Some(index) = shards.iter().position(Dataset::is_empty) {
+            return Err(refused(format!(
+                "device {index} would hold no samples, so nothing to train on"
+            )));
         }
         Ok(shards)
     }

@@ -18,10 +18,11 @@ use canopy_protocol::bounds::{
     MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_MODEL_BYTES, check_batch_size, check_epochs,
     check_learning_rate,
 };
+use canopy_sdk::local::{fit_to_model, holdout};
 use canopy_term::progress::FitBar;
 use clap::Args;
 
-use crate::datasets::{DataKind, DataSource, Registry, fit_to_model, holdout};
+use crate::datasets::{DataKind, DataSource, Registry};
 use crate::files::{DataDir, hinted, read_bounded};
 use crate::output::outln;
 
