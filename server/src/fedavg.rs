@@ -67,8 +67,13 @@ pub fn check_trainable(model: &Model) -> Result<UpdateLayout, FedAvgError> {
 }
 
 pub fn fold(sum: &mut [f64], weight: u64, update: &[f32]) {
+    fold_weighted(sum, weight as f64, update);
+}
+
+/// Adds `weight · update` to the sum: an asynchronous job's update weighs
+/// its samples times its staleness weight.
+pub fn fold_weighted(sum: &mut [f64], weight: f64, update: &[f32]) {
     debug_assert_eq!(sum.len(), update.len());
-    let weight = weight as f64;
     for (total, value) in sum.iter_mut().zip(update) {
         *total += weight * f64::from(*value);
     }

@@ -186,6 +186,13 @@ fn next_round(job: &JobRow, spec: &JobSpec, kind: RoundKind) -> rounds::NewRound
         base_version_id: job.current_version_id,
         target_devices: i64::from(spec.target_devices),
         min_devices: i64::from(spec.min_devices),
+        max_staleness: match kind {
+            RoundKind::Statistics => None,
+            RoundKind::Train => spec
+                .asynchronous
+                .as_ref()
+                .map(|asynchronous| i64::from(asynchronous.max_staleness)),
+        },
     }
 }
 
@@ -425,6 +432,9 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
             Selected::Failed => outcome = Some(RoundState::Failed),
         }
         round = reload(&mut tx, round.id).await?;
+    } else if round.state == RoundState::Training && round.is_buffer() {
+        notify_devices |= top_up(state, &mut tx, &round, &spec).await?;
+        round = reload(&mut tx, round.id).await?;
     }
     if round.state == RoundState::Training && spec.secure_aggregation.enabled {
         match secure::advance(state, &mut tx, &round, &spec).await? {
@@ -436,10 +446,10 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
             secure::Advanced::Unmasked => notify_secure = true,
         }
         round = reload(&mut tx, round.id).await?;
-    } else if let Some(drop_reason) =
+    } else if let Some(closing) =
         close_reason(&round).filter(|_| round.state == RoundState::Training)
     {
-        rounds::close(&mut tx, round.id, drop_reason).await?;
+        rounds::close(&mut tx, round.id, closing.drop_reason).await?;
         tracing::info!(
             round = round.id,
             updates = round.updates_accepted,
@@ -449,6 +459,16 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
     }
     tx.commit().await?;
     drop(writer);
+    if round.is_buffer() && round.state == RoundState::Training {
+        let expired = rounds::expire_buffered(&state.db, round.job_id).await?;
+        if expired > 0 {
+            tracing::info!(
+                job = round.job_id,
+                expired,
+                "dropped devices past their deadline"
+            );
+        }
+    }
     if notify_devices {
         state.tasks_ready.notify_waiters();
     }
@@ -457,6 +477,10 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
     }
     if round.state == RoundState::Aggregating {
         outcome = aggregate(state, &round, &job, &spec).await?;
+        if round.is_buffer() && outcome == Some(RoundState::Succeeded) {
+            // The next buffer is open: top it up with devices now.
+            state.orchestrator_wake.notify_one();
+        }
     }
     if let Some(outcome) = outcome {
         state.metrics.round_finished(outcome.as_str());
@@ -514,15 +538,28 @@ async fn select(
     job: &JobRow,
     spec: &JobSpec,
 ) -> Result<Selected, OrchestratorError> {
-    let wanted = spec.selection_size() as usize;
+    // An asynchronous job's devices still training on earlier buffers
+    // count against its concurrency, and toward the buffer's minimum.
+    let busy = match round.is_buffer() {
+        true => usize::try_from(rounds::busy_in_job(tx, job.id).await?).unwrap_or(0),
+        false => 0,
+    };
+    let wanted = (spec.selection_size() as usize).saturating_sub(busy);
     let input_shape = match spec.dataset {
         Some(_) => Some(model_input_shape(state, round.base_version_id).await?),
         None => None,
     };
-    let (chosen, eligibility) =
-        sample_eligible(state, tx, spec, input_shape.as_deref(), wanted).await?;
+    let (chosen, eligibility) = sample_eligible(
+        state,
+        tx,
+        Some(round.id),
+        spec,
+        input_shape.as_deref(),
+        wanted,
+    )
+    .await?;
     let eligible = eligibility.eligible;
-    if eligible < spec.min_devices as usize {
+    if eligible + busy < spec.min_devices as usize {
         let shortfall = format!(
             "{eligible} eligible online, the round needs at least {}{}",
             spec.min_devices,
@@ -568,6 +605,47 @@ async fn select(
         "selected devices"
     );
     Ok(Selected::Training)
+}
+
+/// Keeps an asynchronous job's `concurrency` devices training: selects
+/// free eligible devices into its open buffer for the places that devices
+/// which uploaded, dropped or expired have left. Whether it selected any.
+async fn top_up(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    spec: &JobSpec,
+) -> Result<bool, OrchestratorError> {
+    let busy = rounds::busy_in_job(tx, round.job_id).await?;
+    let wanted = i64::from(spec.selection_size()) - busy;
+    if wanted <= 0 {
+        return Ok(false);
+    }
+    let input_shape = match spec.dataset {
+        Some(_) => Some(model_input_shape(state, round.base_version_id).await?),
+        None => None,
+    };
+    let wanted = usize::try_from(wanted).unwrap_or(0);
+    let (chosen, _) = sample_eligible(
+        state,
+        tx,
+        Some(round.id),
+        spec,
+        input_shape.as_deref(),
+        wanted,
+    )
+    .await?;
+    if chosen.is_empty() {
+        return Ok(false);
+    }
+    rounds::top_up(tx, round.id, &chosen).await?;
+    tracing::debug!(
+        round = round.id,
+        selected = chosen.len(),
+        busy,
+        "topped up the buffer"
+    );
+    Ok(true)
 }
 
 /// On an edge, when the job runs a sub-round: the time it must close by,
@@ -866,11 +944,13 @@ impl Eligibility {
 }
 
 /// A uniform sample of up to `capacity` eligible online devices (by
-/// [`classify`]) that are free, by reservoir sampling, so memory is
+/// [`classify`]) that are free (and not yet in the round they would train
+/// in, `training_round`), by reservoir sampling, so memory is
 /// bounded by the sample however many devices are online.
 async fn sample_eligible(
     state: &AppState,
     tx: &mut Tx<'_>,
+    training_round: Option<i64>,
     spec: &JobSpec,
     input_shape: Option<&[u64]>,
     capacity: usize,
@@ -880,7 +960,7 @@ async fn sample_eligible(
     let mut chosen: Vec<i64> = Vec::with_capacity(capacity);
     let mut eligibility = Eligibility::default();
     let needs_certificate = needs_certificate(state, spec);
-    let mut candidates = rounds::candidates(tx, now_ms() - window);
+    let mut candidates = rounds::candidates(tx, now_ms() - window, training_round);
     while let Some(candidate) = candidates.next().await {
         let candidate = candidate?;
         let verdict = classify(&candidate, spec, input_shape, needs_certificate)?;
@@ -1031,7 +1111,7 @@ async fn open_evaluation(
         None => None,
     };
     let (mut chosen, eligibility) =
-        sample_eligible(state, tx, spec, input_shape.as_deref(), capacity).await?;
+        sample_eligible(state, tx, None, spec, input_shape.as_deref(), capacity).await?;
     let eligible = eligibility.eligible;
     // Any sub-sample of a uniform sample is uniform.
     let wanted = ((eligible as f64) * evaluation.fraction).ceil() as usize;
@@ -1100,21 +1180,38 @@ fn matches_filter(candidate: &CandidateRow, filter: &DeviceFilter) -> Result<boo
 /// counts in `ineligible`), so the count of those still working is
 /// arithmetic, not a scan (which would make each upload's check cost
 /// O(devices)).
-fn close_reason(round: &RoundRow) -> Option<&'static str> {
+fn close_reason(round: &RoundRow) -> Option<Closing> {
     let answered = round.updates_accepted + round.dropouts + round.ineligible;
-    if round.updates_accepted >= round.target_devices {
-        Some("not needed: the round reached its target before this device uploaded")
+    let past_deadline = round
+        .deadline_ms
+        .is_some_and(|deadline| now_ms() >= deadline);
+    let drop_reason = if round.is_buffer() {
+        // A full buffer's devices train on: a later buffer takes their
+        // updates. A buffer's deadline is its own devices' too.
+        if round.updates_accepted >= round.target_devices {
+            return Some(Closing { drop_reason: None });
+        }
+        past_deadline.then_some("timeout: no update before the buffer's deadline")?
+    } else if round.updates_accepted >= round.target_devices {
+        "not needed: the round reached its target before this device uploaded"
     } else if answered >= round.selected_count {
         // Every device has answered, so no one is left to drop.
-        Some("not needed: every selected device had answered")
-    } else if round
-        .deadline_ms
-        .is_some_and(|deadline| now_ms() >= deadline)
-    {
-        Some("timeout: no update before the round's deadline")
+        "not needed: every selected device had answered"
+    } else if past_deadline {
+        "timeout: no update before the round's deadline"
     } else {
-        None
-    }
+        return None;
+    };
+    Some(Closing {
+        drop_reason: Some(drop_reason),
+    })
+}
+
+/// A training round that closes now.
+struct Closing {
+    /// Why its devices still pending drop out; `None` when they train on
+    /// (a full buffer of an asynchronous job).
+    drop_reason: Option<&'static str>,
 }
 
 /// Writes the round's result as a new version, or records why the round
@@ -1340,7 +1437,13 @@ async fn finish_training(
     version: &VersionRow,
     optimizer_state: &OptimizerState,
 ) -> Result<(), OrchestratorError> {
-    let evaluating = open_evaluation(state, tx, round, spec).await?;
+    let last = round.number >= i64::from(spec.rounds);
+    // An asynchronous job's devices are busy training, so only its last
+    // version is evaluated federatedly; the central evaluation takes each.
+    let evaluating = match round.is_buffer() && !last {
+        true => false,
+        false => open_evaluation(state, tx, round, spec).await?,
+    };
     // Central evaluation runs after the commit (`central.rs`); marking it
     // pending here makes it durable and holds the job open until it is done.
     let central = spec.evaluation.central_dataset.is_some();
@@ -1349,17 +1452,50 @@ async fn finish_training(
     }
     let awaiting = evaluating || central;
     rounds::succeed(tx, round, version.id, i64::from(spec.rounds), awaiting).await?;
-    if round.number >= i64::from(spec.rounds) {
+    if last {
         strategy_store::delete(tx, job.id).await?;
     } else {
         let encoded = optimizer_state.encode();
         strategy_store::put(tx, job.id, i64::from(optimizer_state.rounds), &encoded).await?;
+    }
+    if round.is_buffer() {
+        next_buffer(tx, job.id, spec, last).await?;
     }
     tracing::info!(
         job = job.id, round = round.id, number = round.number, updates = round.updates_accepted,
         samples = round.weight_total, version = version.version, digest = %version.digest,
         "round succeeded"
     );
+    Ok(())
+}
+
+/// After an asynchronous job's buffer made its version: the next buffer,
+/// open at once on that version so that updates keep folding; or, after
+/// the last, every device still training is let go.
+async fn next_buffer(
+    tx: &mut Tx<'_>,
+    job_id: i64,
+    spec: &JobSpec,
+    last: bool,
+) -> Result<(), OrchestratorError> {
+    if last {
+        let reason = "not needed: the job made its last version before this device uploaded";
+        rounds::drop_buffered(tx, job_id, reason).await?;
+        return Ok(());
+    }
+    let Some(job) = jobs::get_with(&mut **tx, job_id).await? else {
+        return Ok(());
+    };
+    let new = next_round(&job, spec, RoundKind::Train);
+    let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
+    if let Some(round_id) = rounds::open_buffer(tx, &new, deadline).await? {
+        tracing::debug!(
+            job = job_id,
+            round = round_id,
+            number = new.number,
+            "opened buffer"
+        );
+    }
     Ok(())
 }
 

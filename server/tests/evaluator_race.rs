@@ -78,6 +78,7 @@ impl Database {
             base_version_id: 1,
             target_devices: 1,
             min_devices: 1,
+            max_staleness: None,
         };
         let round_id = rounds::open_round(&mut tx, &new)
             .await?
@@ -217,7 +218,7 @@ async fn race_close(
             tokio::spawn(answer(db, round_id, what))
         }
         Close::Training => {
-            rounds::close(&mut close, round_id, TRAINING_CLOSE_REASON).await?;
+            rounds::close(&mut close, round_id, Some(TRAINING_CLOSE_REASON)).await?;
             tokio::spawn(participant_answer(db, round_id, what))
         }
     };

@@ -173,6 +173,78 @@ async fn over_selection_and_filters() -> Result<()> {
     Ok(())
 }
 
+/// Asynchronous settings that cannot work are refused, each naming the
+/// setting and why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_asynchronous_settings_are_refused() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(3)).await?;
+    let with = |target: u32, asynchronous: Value, extra: Value| {
+        let mut body = spec(&version, 1, target, 0.0, json!({}));
+        body["asynchronous"] = asynchronous;
+        for (key, value) in extra.as_object().cloned().unwrap_or_default() {
+            body[key] = value;
+        }
+        body
+    };
+    let cases = [
+        (
+            with(30, json!({"concurrency": 20}), json!({})),
+            "`target_devices` (the buffer size K, 30) is above `asynchronous.concurrency` (20)",
+        ),
+        (
+            with(2, json!({"concurrency": 20, "max_staleness": 0}), json!({})),
+            "`asynchronous.max_staleness` must be at least 1, got 0",
+        ),
+        (
+            with(2, json!({"concurrency": 0}), json!({})),
+            "`asynchronous.concurrency` must be between 1 and",
+        ),
+        (
+            with(
+                2,
+                json!({"concurrency": 4, "staleness_exponent": 9.0}),
+                json!({}),
+            ),
+            "`asynchronous.staleness_exponent` must be between 0 and 4",
+        ),
+        (
+            with(
+                2,
+                json!({"concurrency": 4}),
+                json!({"secure_aggregation": {"enabled": true}}),
+            ),
+            "`asynchronous` cannot be combined with `secure_aggregation`",
+        ),
+        (
+            with(2, json!({"concurrency": 4, "buffer": 3}), json!({})),
+            "unknown field `buffer`",
+        ),
+    ];
+    for (body, wanted) in cases {
+        let refused = admin.post("/api/v1/jobs", body).await?;
+        let message = refused.body["error"]["message"]
+            .as_str()
+            .unwrap_or_default();
+        assert_eq!(refused.status, 422, "{}", refused.body);
+        assert!(message.contains(wanted), "wanted {wanted:?} in: {message}");
+    }
+    let accepted = admin
+        .post(
+            "/api/v1/jobs",
+            with(2, json!({"concurrency": 4}), json!({})),
+        )
+        .await?;
+    assert_eq!(accepted.status, 201, "{}", accepted.body);
+    assert_eq!(accepted.body["spec"]["asynchronous"]["max_staleness"], 20);
+    assert_eq!(
+        accepted.body["spec"]["asynchronous"]["staleness_exponent"],
+        0.5
+    );
+    Ok(())
+}
+
 /// A model devices cannot train is stored, but a job on it is refused with
 /// the reason found when it was uploaded, not a guess.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1005,3 +1005,285 @@ async fn a_declining_device_says_why() -> Result<()> {
     );
     Ok(())
 }
+
+/// An asynchronous job's spec: `buffer` updates per version, `concurrency`
+/// devices training at once, updates at most `max_staleness` versions old.
+fn async_spec(version_id: i64, rounds: u32, buffer: u32, concurrency: u32) -> Value {
+    let mut spec = job_spec(version_id, rounds, 1, buffer, 120_000);
+    spec["asynchronous"] = json!({"concurrency": concurrency, "max_staleness": 1});
+    spec
+}
+
+/// The trainable parameters of a model, in the order devices send them.
+type Params = Vec<(String, Vec<f32>)>;
+
+fn params_of(model: &canopy_ir::Model) -> Params {
+    model
+        .parameters
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| {
+            let Buffer::F32(values) = &p.data.buffer else {
+                panic!("f32 parameter")
+            };
+            (p.name.clone(), values.clone())
+        })
+        .collect()
+}
+
+/// FedBuff computed independently: the buffer's version is
+/// θ + Σ (1+τᵢ)^-½·nᵢ·Δᵢ / Σ nᵢ over the updates it took, each with its
+/// staleness τᵢ.
+fn fedbuff_step(params: &Params, folded: &[(&Sent, u32)]) -> Params {
+    let total: f64 = folded.iter().map(|(s, _)| s.samples as f64).sum();
+    let mut offset = 0;
+    let mut out = Vec::new();
+    for (name, values) in params {
+        let stepped = values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let weighted: f64 = folded
+                    .iter()
+                    .map(|(s, staleness)| {
+                        let weight = (1.0 + f64::from(*staleness)).powf(-0.5);
+                        weight * s.samples as f64 * f64::from(s.values[offset + i])
+                    })
+                    .sum();
+                (f64::from(*v) + weighted / total) as f32
+            })
+            .collect();
+        offset += values.len();
+        out.push((name.clone(), stepped));
+    }
+    out
+}
+
+fn assert_version(model: &canopy_ir::Model, params: &Params) {
+    assert_params(model, &params.iter().cloned().collect());
+}
+
+/// Waits until round `id` has succeeded (its buffer became a version).
+async fn wait_for_version(admin: &Admin, round_id: i64) -> Result<Value> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let round = admin.ok(&format!("/api/v1/rounds/{round_id}")).await?;
+        if round["state"] == "succeeded" {
+            return Ok(round);
+        }
+        ensure!(
+            round["state"] != "failed" && std::time::Instant::now() < deadline,
+            "buffer {round_id} did not become a version: {round}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A device's next task, which must be on buffer `number`.
+async fn task_in(device: &DeviceClient, number: u32) -> Result<Task> {
+    let task = poll_task(device).await?;
+    ensure!(
+        task.round_number == number,
+        "device {} got a task of buffer {}, not {number}",
+        device.device_id,
+        task.round_number
+    );
+    Ok(task)
+}
+
+/// The id of an asynchronous job's buffer `number`.
+async fn buffer_id(admin: &Admin, job: i64, number: u32) -> Result<i64> {
+    let rounds = admin
+        .ok(&format!("/api/v1/jobs/{job}/rounds?limit=100"))
+        .await?;
+    let items = rounds["items"].as_array().cloned().unwrap_or_default();
+    items
+        .iter()
+        .find(|round| round["number"] == number)
+        .and_then(|round| round["id"].as_i64())
+        .ok_or_else(|| anyhow::anyhow!("job {job} has no buffer {number}: {rounds}"))
+}
+
+/// FedBuff, step by step with three devices, buffers of two and a
+/// maximum staleness of one. Devices take whatever task the server gives
+/// them (it keeps all three busy, selecting a device again as soon as it
+/// is free and not yet in the open buffer), and upload in a fixed order;
+/// each version is checked against FedBuff computed here, with each
+/// update's staleness the versions made since its task's buffer opened.
+/// A device keeps training across a buffer's close, a too-stale update is
+/// refused with its reason and the device freed, and the participants
+/// record where each update went.
+async fn buffers_match_fedbuff(database: Database) -> Result<()> {
+    let server = TestServer::start(database)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(11)).await?;
+    let token = admin.enrollment_token(3).await?;
+    let mut devices = Vec::new();
+    for _ in 0..3 {
+        devices.push(enroll_device(&server, &token).await?);
+    }
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let job = admin.create_job(async_spec(version_id, 4, 2, 3)).await?;
+    let mut params = params_of(&fetch_model(&admin, "logreg", 1).await?);
+    let mut held: Vec<Option<Task>> = vec![None, None, None];
+    for device in 0..3 {
+        held[device] = Some(task_in(&devices[device], 1).await?);
+    }
+    // A and B fill buffer 1, then 2; C's task from buffer 1 is then two
+    // versions old and refused; C and A fill buffer 3, B (staleness 1)
+    // and C buffer 4.
+    let (a, b, c) = (0, 1, 2);
+    let order = [a, b, a, b, c, c, a, b, c];
+    let (mut open, mut folded) = (1u32, Vec::new());
+    let mut stale_refused = None;
+    for (step, &device) in order.iter().enumerate() {
+        let task = match held[device].take() {
+            Some(task) => task,
+            None => poll_task(&devices[device]).await?,
+        };
+        let staleness = open - task.round_number;
+        if staleness > 1 {
+            refuses_stale(&devices[device], &task).await?;
+            stale_refused = Some((task.round_id, devices[device].device_id));
+            continue;
+        }
+        let samples = 10 * (device as u64 + 1) + step as u64;
+        let sent = train(&devices[device], &task, samples).await?;
+        folded.push((sent, staleness, task.round_id, devices[device].device_id));
+        if folded.len() < 2 {
+            continue;
+        }
+        let buffer = buffer_id(&admin, job, open).await?;
+        let made = wait_for_version(&admin, buffer).await?;
+        assert_eq!(made["metrics"]["updates_accepted"], 2, "{made}");
+        let weights: Vec<(&Sent, u32)> = folded.iter().map(|(s, t, _, _)| (s, *t)).collect();
+        params = fedbuff_step(&params, &weights);
+        assert_version(
+            &fetch_model(&admin, "logreg", i64::from(open) + 1).await?,
+            &params,
+        );
+        for (_, staleness, round_id, device_id) in &folded {
+            let row = participant(&admin, *round_id, *device_id).await?;
+            assert_eq!(row["folded_round_id"], buffer, "{row}");
+            assert_eq!(row["staleness"], *staleness, "{row}");
+        }
+        folded.clear();
+        open += 1;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    assert_eq!(finished["state"], "completed", "{finished}");
+    assert_eq!(open, 5, "four buffers made four versions");
+    let (round_id, device_id) = stale_refused.expect("C's update was too stale");
+    let row = participant(&admin, round_id, device_id).await?;
+    assert_eq!(row["state"], "dropped", "{row}");
+    let first = admin
+        .ok(&format!(
+            "/api/v1/rounds/{}",
+            buffer_id(&admin, job, 1).await?
+        ))
+        .await?;
+    assert_eq!(first["max_staleness"], 1, "{first}");
+    Ok(())
+}
+
+/// A device's update trained on a version too old: refused with 410 and
+/// the setting named.
+async fn refuses_stale(device: &DeviceClient, task: &Task) -> Result<()> {
+    let values = delta(&task.layout, 99);
+    let encoded = encode_update(&task.layout, 5, &values)?;
+    let refused = device.upload_update(task, Bytes::from(encoded)).await;
+    let message = refused
+        .as_ref()
+        .err()
+        .map(|error| format!("{error:#}"))
+        .unwrap_or_default();
+    assert_eq!(status_of(refused), Some(410), "a stale update is gone");
+    assert!(message.contains("max_staleness"), "{message}");
+    Ok(())
+}
+
+/// A participant's row, from its round's detail.
+async fn participant(admin: &Admin, round_id: i64, device_id: i64) -> Result<Value> {
+    let round = admin.ok(&format!("/api/v1/rounds/{round_id}")).await?;
+    let rows = round["participants"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    rows.into_iter()
+        .find(|row| row["device_id"] == device_id)
+        .ok_or_else(|| anyhow::anyhow!("device {device_id} is not in round {round_id}: {round}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asynchronous_buffers_match_fedbuff_on_sqlite() -> Result<()> {
+    buffers_match_fedbuff(Database::Sqlite).await
+}
+
+/// kill -9 of the server while a buffer fills, restart: the update it
+/// took survives, the same update sent again is refused, the device that
+/// was training on across the close still lands in the next buffer with
+/// its staleness, and every version is exactly FedBuff's.
+async fn buffers_survive_kill_9(database: Database) -> Result<()> {
+    let mut server = TestServer::start(database)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(13)).await?;
+    let token = admin.enrollment_token(3).await?;
+    let mut devices = Vec::new();
+    for _ in 0..3 {
+        devices.push(enroll_device(&server, &token).await?);
+    }
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let job = admin.create_job(async_spec(version_id, 2, 2, 3)).await?;
+    let mut params = params_of(&fetch_model(&admin, "logreg", 1).await?);
+    let mut tasks = Vec::new();
+    for device in &devices {
+        tasks.push(task_in(device, 1).await?);
+    }
+    let sent_a1 = train(&devices[0], &tasks[0], 10).await?;
+
+    server.restart()?;
+    let admin = server.admin();
+    for device in &mut devices {
+        device.set_transport(server.transport());
+    }
+    let buffer1 = admin
+        .ok(&format!("/api/v1/rounds/{}", tasks[0].round_id))
+        .await?;
+    assert_eq!(buffer1["metrics"]["updates_accepted"], 1, "{buffer1}");
+    let again = encode_update(&tasks[0].layout, sent_a1.samples, &sent_a1.values)?;
+    assert_eq!(
+        status_of(
+            devices[0]
+                .upload_update(&tasks[0], Bytes::from(again))
+                .await
+        ),
+        Some(409),
+        "re-sent after restart"
+    );
+    let sent_b1 = train(&devices[1], &tasks[1], 20).await?;
+    if let Err(e) = wait_for_version(&admin, tasks[0].round_id).await {
+        eprintln!("{}", server.log());
+        return Err(e);
+    }
+    params = fedbuff_step(&params, &[(&sent_a1, 0), (&sent_b1, 0)]);
+    assert_version(&fetch_model(&admin, "logreg", 2).await?, &params);
+
+    let a2 = task_in(&devices[0], 2).await?;
+    let sent_c1 = train(&devices[2], &tasks[2], 30).await?;
+    let sent_a2 = train(&devices[0], &a2, 10).await?;
+    params = fedbuff_step(&params, &[(&sent_c1, 1), (&sent_a2, 0)]);
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    assert_eq!(finished["state"], "completed", "{finished}");
+    assert_version(&fetch_model(&admin, "logreg", 3).await?, &params);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asynchronous_kill_9_on_sqlite() -> Result<()> {
+    buffers_survive_kill_9(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asynchronous_kill_9_on_postgres() -> Result<()> {
+    buffers_survive_kill_9(Database::Postgres).await
+}

@@ -116,6 +116,18 @@ pub struct JobSettings {
     pub round_deadline_ms: u64,
     /// The held-out dataset on the server that evaluates each version.
     pub central_dataset: Option<String>,
+    /// Asynchronous rounds (FedBuff), with `per_round` devices training at
+    /// once; synchronous rounds when `None`.
+    pub buffer: Option<Buffer>,
+}
+
+/// An asynchronous job's buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct Buffer {
+    /// Updates per version (K).
+    pub size: u32,
+    /// The oldest update a version takes, in versions.
+    pub max_staleness: u32,
 }
 
 impl JobSettings {
@@ -125,7 +137,7 @@ impl JobSettings {
         if let Some(dataset) = &self.central_dataset {
             evaluation["central_dataset"] = json!(dataset);
         }
-        json!({
+        let mut body = json!({
             "name": self.name,
             "model_version_id": model_version_id,
             "rounds": self.rounds,
@@ -138,6 +150,16 @@ impl JobSettings {
             "learning_rate": self.learning_rate,
             "max_round_retries": 3,
             "evaluation": evaluation,
-        })
+        });
+        if let Some(buffer) = self.buffer {
+            // A buffer at its deadline makes a version of what it has.
+            body["min_devices"] = json!(1);
+            body["target_devices"] = json!(buffer.size);
+            body["asynchronous"] = json!({
+                "concurrency": self.per_round,
+                "max_staleness": buffer.max_staleness,
+            });
+        }
+        body
     }
 }

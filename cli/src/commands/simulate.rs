@@ -36,12 +36,21 @@ pub struct SimulateArgs {
     /// Virtual devices to enroll, each with its own key and shard.
     #[arg(long, default_value_t = 100)]
     devices: usize,
-    /// Devices each round trains.
+    /// Devices each round trains; with --buffer-size, the devices that
+    /// train at once.
     #[arg(long, default_value_t = 10)]
     per_round: u32,
-    /// Federated rounds.
+    /// Federated rounds; with --buffer-size, versions.
     #[arg(long, default_value_t = 10)]
     rounds: u32,
+    /// Run the job asynchronously (FedBuff): --per-round devices train at
+    /// once, each on the newest version it can get, and every BUFFER_SIZE
+    /// updates make a version, each weighted down by its staleness.
+    #[arg(long)]
+    buffer_size: Option<u32>,
+    /// With --buffer-size: the oldest update a version takes, in versions.
+    #[arg(long, default_value_t = 20, requires = "buffer_size")]
+    max_staleness: u32,
     /// `digits` (the bundled UCI digits), a folder of IDX files (its test
     /// files become the server's held-out set), or a CSV file (label last).
     #[arg(long, default_value = setup::BUNDLED_DIGITS)]
@@ -87,6 +96,10 @@ pub struct SimulateArgs {
     /// Write the job's final model file here.
     #[arg(long)]
     save_model: Option<PathBuf>,
+    /// Write the learning curve here as CSV: each version's number, its
+    /// seconds since the job started, and its central accuracy and loss.
+    #[arg(long)]
+    curve: Option<PathBuf>,
 }
 
 impl SimulateArgs {
@@ -102,6 +115,20 @@ impl SimulateArgs {
             self.per_round,
             self.devices
         );
+        if let Some(buffer_size) = self.buffer_size {
+            ensure!(
+                (1..=self.per_round).contains(&buffer_size),
+                "--buffer-size {buffer_size} must be between 1 and --per-round ({}), the devices \
+                 that train at once: a version would wait for more updates than devices train",
+                self.per_round
+            );
+            ensure!(
+                self.max_staleness >= 1,
+                "--max-staleness must be at least 1, got 0: a version would take only the \
+                 updates trained on the one before it (leave --buffer-size out for \
+                 synchronous rounds)"
+            );
+        }
         ensure!(
             (1..=MAX_ROUNDS).contains(&self.rounds),
             "--rounds must be between 1 and {MAX_ROUNDS}, got {}",
@@ -153,6 +180,10 @@ impl SimulateArgs {
             learning_rate: self.learning_rate,
             round_deadline_ms: self.round_deadline_ms,
             central_dataset: Some(TEST_DATASET.to_string()),
+            buffer: self.buffer_size.map(|buffer_size| setup::Buffer {
+                size: buffer_size,
+                max_staleness: self.max_staleness,
+            }),
         }
     }
 }
@@ -238,6 +269,10 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
         save_model(&remote, job, path).await?;
         outln!("final model written to {}", path.display())?;
     }
+    if let Some(path) = &args.curve {
+        write_curve(&remote, job, path).await?;
+        outln!("learning curve written to {}", path.display())?;
+    }
     if let Some(running) = target.running {
         running.shutdown().await?;
     }
@@ -245,6 +280,34 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
         WatchEnd::Completed => ExitCode::SUCCESS,
         WatchEnd::Interrupted => ExitCode::from(INTERRUPTED_EXIT),
     })
+}
+
+/// The job's learning curve against time, as CSV: a row per version a
+/// training round (or buffer) made, timed from when the job started.
+async fn write_curve(remote: &Remote, job: i64, path: &std::path::Path) -> Result<()> {
+    let subject = Subject::new(format!("job {job}"), None);
+    let detail = remote.get(&format!("/api/v1/jobs/{job}"), &subject).await?;
+    let rounds = remote
+        .list_all(&format!("/api/v1/jobs/{job}/rounds"), &subject)
+        .await?;
+    let started_ms = detail["started_ms"].as_i64().unwrap_or_default();
+    let mut csv = String::from("version,seconds,central_accuracy,central_loss,updates\n");
+    let made = rounds
+        .iter()
+        .filter(|round| round["state"] == "succeeded" && round["kind"] == "train");
+    for round in made {
+        let metrics = &round["metrics"];
+        let finished_ms = round["finished_ms"].as_i64().unwrap_or(started_ms);
+        csv.push_str(&format!(
+            "{},{:.3},{},{},{}\n",
+            round["number"],
+            (finished_ms - started_ms) as f64 / 1000.0,
+            metrics["central_eval_accuracy"],
+            metrics["central_eval_loss"],
+            metrics["updates_accepted"],
+        ));
+    }
+    std::fs::write(path, csv).with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// What the devices did, and the first task they declined and why.

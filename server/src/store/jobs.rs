@@ -159,6 +159,58 @@ pub struct JobSpec {
     /// out. See `docs/edge.md`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub edges: Option<EdgeTier>,
+    /// Runs the job asynchronously (FedBuff, Nguyen et al. 2022): up to
+    /// `concurrency` devices train at once, each on the newest version
+    /// when it was selected, and every `target_devices` updates (the
+    /// buffer size K) make a version, each update weighted down by its
+    /// staleness. Each of `rounds` is one buffer. Synchronous rounds when
+    /// left out. See `docs/strategies.md`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub asynchronous: Option<Asynchronous>,
+}
+
+/// An asynchronous job's settings (FedBuff). A round is a buffer: it
+/// opens on the newest version, takes updates from devices selected in
+/// it or in earlier buffers, and closes at `target_devices` updates (or
+/// at its deadline with at least `min_devices`) into the next version.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Asynchronous {
+    /// Devices training at once, over all the job's buffers; at least
+    /// `target_devices`, or a buffer could never fill.
+    #[schema(minimum = 1, maximum = 100_000)]
+    pub concurrency: u32,
+    /// Oldest update a buffer takes, in versions: one trained on the
+    /// version of a buffer more than this many buffers back is refused
+    /// (and its device freed for a new task).
+    #[serde(default = "default_max_staleness")]
+    #[schema(minimum = 1, maximum = 10_000, default = 20)]
+    pub max_staleness: u32,
+    /// An update `τ` versions old is weighted `(1 + τ)^-exponent` times
+    /// its samples; FedBuff's `1/√(1 + τ)` when left out.
+    #[serde(default = "default_staleness_exponent")]
+    #[schema(minimum = 0, maximum = 4, default = 0.5)]
+    pub staleness_exponent: f64,
+}
+
+/// Largest `asynchronous.max_staleness`.
+pub const MAX_STALENESS: u32 = 10_000;
+/// Largest `asynchronous.staleness_exponent`.
+pub const MAX_STALENESS_EXPONENT: f64 = 4.0;
+
+fn default_max_staleness() -> u32 {
+    20
+}
+
+fn default_staleness_exponent() -> f64 {
+    0.5
+}
+
+impl Asynchronous {
+    /// The weight of an update `staleness` versions old, per sample.
+    pub fn staleness_weight(&self, staleness: u64) -> f64 {
+        (1.0 + staleness as f64).powf(-self.staleness_exponent)
+    }
 }
 
 /// A tiered job's sub-rounds, which each selected aggregator runs over
@@ -340,7 +392,68 @@ impl JobSpec {
         self.check_evaluation()?;
         self.device_policy.validate()?;
         self.check_edges()?;
+        self.check_asynchronous()?;
         self.check_secure_aggregation()
+    }
+
+    /// An asynchronous job's settings, and what it cannot be combined with.
+    fn check_asynchronous(&self) -> Result<(), String> {
+        let Some(asynchronous) = &self.asynchronous else {
+            return Ok(());
+        };
+        check_range(
+            "asynchronous.concurrency",
+            asynchronous.concurrency,
+            1,
+            MAX_DEVICES_PER_ROUND,
+        )?;
+        if self.target_devices > asynchronous.concurrency {
+            return Err(format!(
+                "`target_devices` (the buffer size K, {}) is above `asynchronous.concurrency` \
+                 ({}): a buffer would wait for more updates than devices train at once; lower \
+                 `target_devices` or raise `asynchronous.concurrency`",
+                self.target_devices, asynchronous.concurrency
+            ));
+        }
+        if asynchronous.max_staleness == 0 {
+            return Err(
+                "`asynchronous.max_staleness` must be at least 1, got 0: every device would \
+                 have to finish before the next version, which is a synchronous round (leave \
+                 `asynchronous` out for that)"
+                    .to_string(),
+            );
+        }
+        check_range(
+            "asynchronous.max_staleness",
+            asynchronous.max_staleness,
+            1,
+            MAX_STALENESS,
+        )?;
+        let exponent = asynchronous.staleness_exponent;
+        if !(0.0..=MAX_STALENESS_EXPONENT).contains(&exponent) {
+            return Err(out_of_range(
+                "asynchronous.staleness_exponent",
+                exponent,
+                0.0,
+                MAX_STALENESS_EXPONENT,
+            ));
+        }
+        if self.secure_aggregation.enabled {
+            return Err(
+                "`asynchronous` cannot be combined with `secure_aggregation`: SecAgg+ unmasks \
+                 the sum of one fixed cohort, and a buffer's updates come from devices selected \
+                 in different buffers"
+                    .to_string(),
+            );
+        }
+        if self.edges.is_some() {
+            return Err(
+                "`asynchronous` cannot be combined with `edges` yet: an edge's sub-round is \
+                 synchronous; run the asynchronous job flat"
+                    .to_string(),
+            );
+        }
+        Ok(())
     }
 
     fn check_evaluation(&self) -> Result<(), String> {
@@ -527,9 +640,13 @@ impl JobSpec {
         }
     }
 
-    /// Devices to select for a round: the target plus over-selection.
+    /// Devices to select for a round: the target plus over-selection; in
+    /// an asynchronous job, the devices that train at once.
     pub fn selection_size(&self) -> u32 {
-        bounds::selection_size(self.target_devices, self.over_selection)
+        match &self.asynchronous {
+            Some(asynchronous) => asynchronous.concurrency,
+            None => bounds::selection_size(self.target_devices, self.over_selection),
+        }
     }
 
     /// The role of the devices the job's rounds select: aggregators for a

@@ -52,6 +52,37 @@ impl RoundState {
             RoundState::Selecting | RoundState::Training | RoundState::Aggregating
         )
     }
+
+    /// Whether a round in this state hands out its participants' tasks and
+    /// takes their updates (an upload also checks the deadline): while it
+    /// trains, and a buffer of an asynchronous job also once it has closed,
+    /// since its devices train on past the close, until their deadline.
+    /// Architecture invariant: only such a buffer keeps pending
+    /// participants after its close; every other close drops them.
+    pub fn takes_updates(self, buffered: bool) -> bool {
+        match self {
+            RoundState::Training => true,
+            RoundState::Aggregating | RoundState::Succeeded => buffered,
+            RoundState::Selecting | RoundState::Failed => false,
+        }
+    }
+}
+
+/// [`RoundState::takes_updates`] of round `r`, as SQL.
+pub fn takes_updates_sql() -> String {
+    let states = |buffered: bool| -> String {
+        let names: Vec<String> = RoundState::ALL
+            .iter()
+            .filter(|state| state.takes_updates(buffered))
+            .map(|state| format!("'{}'", state.as_str()))
+            .collect();
+        format!("({})", names.join(", "))
+    };
+    format!(
+        "(r.state IN {} OR (r.max_staleness IS NOT NULL AND r.state IN {}))",
+        states(false),
+        states(true)
+    )
 }
 
 /// The open round states, as SQL; the text of [`RoundState`]'s open variants.
@@ -104,6 +135,9 @@ any_row! {
         pub central_eval_error: Option<String>,
         /// A failed round's [`crate::round_failure::FailureKind`], by name.
         pub failure_kind: Option<String>,
+        /// A buffer of an asynchronous job: the oldest update it takes, in
+        /// versions; `None` in a synchronous round.
+        pub max_staleness: Option<i64>,
     }
 }
 
@@ -112,9 +146,14 @@ pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_versio
      weight_total, bytes_in, bytes_out, dropouts, ineligible, status_message, kind, created_ms, \
      training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage, eval_state, \
      central_eval_loss, central_eval_accuracy, central_eval_samples, central_eval_state, \
-     central_eval_error, failure_kind";
+     central_eval_error, failure_kind, max_staleness";
 
 impl RoundRow {
+    /// Whether the round is a buffer of an asynchronous job.
+    pub fn is_buffer(&self) -> bool {
+        self.max_staleness.is_some()
+    }
+
     /// The state of the federated evaluation of the round's version.
     pub fn evaluation_state(
         &self,
@@ -146,6 +185,8 @@ pub struct NewRound {
     pub base_version_id: i64,
     pub target_devices: i64,
     pub min_devices: i64,
+    /// A buffer of an asynchronous job: its maximum staleness.
+    pub max_staleness: Option<i64>,
 }
 
 /// Opens the next round of a job unless one is open; the partial unique
@@ -153,7 +194,8 @@ pub struct NewRound {
 pub async fn open_round(tx: &mut Tx<'_>, new: &NewRound) -> Result<Option<i64>, sqlx::Error> {
     let row: Option<(i64,)> = sqlx::query_as(
         "INSERT INTO rounds (job_id, number, attempt, state, base_version_id, target_devices, \
-         min_devices, created_ms, kind) VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7, $8) \
+         min_devices, created_ms, kind, max_staleness) \
+         VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7, $8, $9) \
          ON CONFLICT DO NOTHING RETURNING id",
     )
     .bind(new.job_id)
@@ -164,9 +206,147 @@ pub async fn open_round(tx: &mut Tx<'_>, new: &NewRound) -> Result<Option<i64>, 
     .bind(new.min_devices)
     .bind(now_ms())
     .bind(new.kind.as_str())
+    .bind(new.max_staleness)
     .fetch_optional(&mut **tx)
     .await?;
     Ok(row.map(|(id,)| id))
+}
+
+/// Opens an asynchronous job's next buffer straight into `training`, in
+/// the transaction that finishes the one before it, so that updates
+/// arriving meanwhile have a buffer to fold into; the orchestrator tops
+/// it up with devices on its next tick. `None` when a round is open.
+pub async fn open_buffer(
+    tx: &mut Tx<'_>,
+    new: &NewRound,
+    deadline_ms: i64,
+) -> Result<Option<i64>, sqlx::Error> {
+    debug_assert!(new.max_staleness.is_some() && new.kind == RoundKind::Train);
+    let Some(id) = open_round(tx, new).await? else {
+        return Ok(None);
+    };
+    let now = now_ms();
+    sqlx::query(
+        "UPDATE rounds SET state = 'training', training_started_ms = $1, deadline_ms = $2 \
+         WHERE id = $3 AND state = 'selecting'",
+    )
+    .bind(now)
+    .bind(deadline_ms)
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(Some(id))
+}
+
+/// Adds devices to a buffer that is training: an asynchronous job keeps
+/// its `concurrency` devices busy as others finish.
+pub async fn top_up(tx: &mut Tx<'_>, round_id: i64, device_ids: &[i64]) -> Result<(), sqlx::Error> {
+    let now = now_ms();
+    for device_id in device_ids {
+        sqlx::query(
+            "INSERT INTO participants (round_id, device_id, state, selected_ms) \
+             VALUES ($1, $2, 'selected', $3)",
+        )
+        .bind(round_id)
+        .bind(device_id)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    }
+    sqlx::query(
+        "UPDATE rounds SET selected_count = selected_count + $1 WHERE id = $2 AND state = 'training'",
+    )
+    .bind(device_ids.len() as i64)
+    .bind(round_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// The condition that participant `p` of round `r` holds its device busy
+/// (`$1` binds now): pending in an open round, or in a closed buffer of a
+/// job still under way, until the round's deadline. Selection skips busy
+/// devices, and an asynchronous job counts its busy devices against its
+/// concurrency.
+fn busy_sql() -> String {
+    format!(
+        "p.state IN {PENDING_STATES} AND (r.state IN {OPEN_STATES} OR ({} AND r.deadline_ms > $1 \
+         AND EXISTS (SELECT 1 FROM jobs j WHERE j.id = r.job_id \
+         AND j.state IN ('created', 'running', 'paused'))))",
+        takes_updates_sql()
+    )
+}
+
+/// Devices an asynchronous job holds busy now, over all its buffers.
+pub async fn busy_in_job(tx: &mut Tx<'_>, job_id: i64) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) FROM participants p JOIN rounds r ON r.id = p.round_id \
+         WHERE r.job_id = $2 AND {}",
+        busy_sql()
+    )))
+    .bind(now_ms())
+    .bind(job_id)
+    .fetch_one(&mut **tx)
+    .await
+}
+
+/// Drops the participants of an asynchronous job's closed buffers whose
+/// deadline has passed, counting them as their rounds' dropouts, and
+/// returns how many. Its own transaction takes the rounds' row locks in
+/// id order, as every fold does (the participant's round, then the open
+/// buffer), so the two never wait on each other.
+pub async fn expire_buffered(db: &Db, job_id: i64) -> Result<u64, sqlx::Error> {
+    let now = now_ms();
+    let _writer = db.write_lock().await;
+    let mut tx = db.pool.begin().await?;
+    let expired: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT r.id FROM rounds r WHERE r.job_id = $1 AND r.max_staleness IS NOT NULL \
+         AND r.state IN ('aggregating', 'succeeded') AND r.deadline_ms <= $2 AND EXISTS ( \
+         SELECT 1 FROM participants p WHERE p.round_id = r.id AND p.state IN {PENDING_STATES}) \
+         ORDER BY r.id{}",
+        db.for_update()
+    )))
+    .bind(job_id)
+    .bind(now)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut total = 0;
+    let reason = "timeout: no update before the deadline of the buffer that selected it";
+    for round_id in expired {
+        let dropped =
+            task_state::drop_pending::<ParticipantState>(&mut tx, round_id, reason).await?;
+        sqlx::query("UPDATE rounds SET dropouts = dropouts + $1 WHERE id = $2")
+            .bind(dropped as i64)
+            .bind(round_id)
+            .execute(&mut *tx)
+            .await?;
+        total += dropped;
+    }
+    tx.commit().await?;
+    Ok(total)
+}
+
+/// Drops every pending participant of a job's closed buffers, when its
+/// last version is made: nothing will take their updates.
+pub async fn drop_buffered(tx: &mut Tx<'_>, job_id: i64, reason: &str) -> Result<(), sqlx::Error> {
+    let rounds: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM rounds WHERE job_id = $1 AND max_staleness IS NOT NULL \
+         AND state IN ('aggregating', 'succeeded') ORDER BY id",
+    )
+    .bind(job_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    for round_id in rounds {
+        let dropped = task_state::drop_pending::<ParticipantState>(tx, round_id, reason).await?;
+        if dropped > 0 {
+            sqlx::query("UPDATE rounds SET dropouts = dropouts + $1 WHERE id = $2")
+                .bind(dropped as i64)
+                .bind(round_id)
+                .execute(&mut **tx)
+                .await?;
+        }
+    }
+    Ok(())
 }
 
 pub async fn get(db: &Db, id: i64) -> Result<Option<RoundRow>, sqlx::Error> {
@@ -293,28 +473,52 @@ pub fn enrolled_candidates(
     .fetch(&db.pool)
 }
 
-/// Online, unrevoked devices that are not busy in another open round.
-/// Streamed, so selection memory is bounded by the sample it keeps.
+/// Online, unrevoked devices that are not busy in another round and, for
+/// selection into `training_round`, not yet in it (a device takes part in a round once: an
+/// asynchronous job's device that finished in the open buffer waits for
+/// the next). Streamed, so selection memory is bounded by the sample it
+/// keeps.
 pub fn candidates<'a>(
     tx: &'a mut Tx<'_>,
     online_since_ms: i64,
+    training_round: Option<i64>,
 ) -> futures_util::stream::BoxStream<'a, Result<CandidateRow, sqlx::Error>> {
-    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+    let not_in_round = match training_round {
+        Some(_) => {
+            " AND NOT EXISTS (SELECT 1 FROM participants q WHERE q.round_id = $3 \
+             AND q.device_id = d.id)"
+        }
+        None => "",
+    };
+    let query = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {CANDIDATE_COLUMNS} FROM devices d \
-         WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $1 AND NOT EXISTS ( \
+         WHERE d.revoked_ms IS NULL AND d.last_seen_ms >= $2 AND NOT EXISTS ( \
            SELECT 1 FROM participants p JOIN rounds r ON r.id = p.round_id \
-           WHERE p.device_id = d.id AND p.state IN {PENDING_STATES} \
-           AND r.state IN {OPEN_STATES}) \
-         ORDER BY d.id"
+           WHERE p.device_id = d.id AND {}){not_in_round} \
+         ORDER BY d.id",
+        busy_sql()
     )))
-    .bind(online_since_ms)
-    .fetch(&mut **tx)
+    .bind(now_ms())
+    .bind(online_since_ms);
+    match training_round {
+        Some(round_id) => query.bind(round_id).fetch(&mut **tx),
+        None => query.fetch(&mut **tx),
+    }
 }
 
 /// Stops accepting updates: `training` → `aggregating`; devices that did
-/// not upload become dropouts, with `drop_reason` saying why.
-pub async fn close(tx: &mut Tx<'_>, round_id: i64, drop_reason: &str) -> Result<(), sqlx::Error> {
-    let dropped = task_state::drop_pending::<ParticipantState>(tx, round_id, drop_reason).await?;
+/// not upload become dropouts, with `drop_reason` saying why. A buffer
+/// closed by its size passes `None`: its devices train on, and a later
+/// buffer takes their updates.
+pub async fn close(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    drop_reason: Option<&str>,
+) -> Result<(), sqlx::Error> {
+    let dropped = match drop_reason {
+        Some(reason) => task_state::drop_pending::<ParticipantState>(tx, round_id, reason).await?,
+        None => 0,
+    };
     sqlx::query(
         "UPDATE rounds SET state = 'aggregating', closed_ms = $1, dropouts = dropouts + $2 \
          WHERE id = $3 AND state = 'training'",
@@ -576,12 +780,16 @@ any_row! {
         pub drop_reason: Option<String>,
         /// An aggregator's account of its sub-round, as JSON.
         pub sub_round: Option<String>,
+        /// In an asynchronous job: the buffer that took the update, and
+        /// its staleness in versions.
+        pub folded_round_id: Option<i64>,
+        pub staleness: Option<i64>,
     }
 }
 
 const PARTICIPANT_COLUMNS: &str = "round_id, device_id, state, selected_ms, delivered_ms, \
      uploaded_ms, num_samples, update_bytes, train_loss, eval_loss, eval_accuracy, eval_samples, \
-     train_duration_ms, drop_reason, sub_round";
+     train_duration_ms, drop_reason, sub_round, folded_round_id, staleness";
 
 pub async fn participants(
     db: &Db,
@@ -701,6 +909,22 @@ pub enum UploadRejection {
          and a plain one would show this device's update to the server"
     )]
     Secure { round_id: i64 },
+    #[error(
+        "device {device_id}'s update was trained on the version of buffer {round_id}, \
+         {staleness} versions behind the newest, and the job takes updates at most \
+         {max_staleness} behind (`asynchronous.max_staleness`)"
+    )]
+    Stale {
+        round_id: i64,
+        device_id: i64,
+        staleness: i64,
+        max_staleness: i64,
+    },
+    #[error(
+        "round {round_id}'s job has no buffer open to take the update: the last one is still \
+         being made into a version"
+    )]
+    NoOpenBuffer { round_id: i64 },
     #[error("round {round_id}'s stored sum has {stored} values, the update {got}")]
     SumLength {
         round_id: i64,
@@ -709,12 +933,14 @@ pub enum UploadRejection {
     },
 }
 
-/// What decides whether a round takes an update: its state and deadline.
+/// What decides whether a round takes an update: its state and deadline,
+/// and whether it is a buffer of an asynchronous job.
 #[derive(Clone, Copy, Debug)]
 pub struct RoundGate {
     pub round_id: i64,
     pub state: RoundState,
     pub deadline_ms: Option<i64>,
+    pub buffered: bool,
 }
 
 /// The decision on an upload, for the check before its body is read and
@@ -730,7 +956,7 @@ pub fn admit(
 ) -> Result<(), UploadRejection> {
     let round_id = round.round_id;
     let late = round.deadline_ms.is_some_and(|deadline| now_ms > deadline);
-    let training = round.state == RoundState::Training;
+    let training = round.state.takes_updates(round.buffered);
     match task_state::admit(participant.map(TaskState::phase), training && !late) {
         Admission::Taken => Ok(()),
         Admission::NotMember => Err(UploadRejection::NotParticipant {
@@ -774,6 +1000,7 @@ any_row! {
         /// A secure round's stage; `None` for a plain round, which alone
         /// takes plain updates.
         pub secagg_stage: Option<String>,
+        pub max_staleness: Option<i64>,
     }
 }
 
@@ -783,6 +1010,7 @@ impl Standing {
             round_id,
             state: self.round,
             deadline_ms: self.deadline_ms,
+            buffered: self.max_staleness.is_some(),
         }
     }
 }
@@ -795,7 +1023,8 @@ pub async fn standing(
 ) -> Result<Option<Standing>, sqlx::Error> {
     sqlx::query_as(
         "SELECT p.state AS participant, r.state AS round, r.deadline_ms, r.base_version_id, r.kind, \
-         r.job_id, r.secagg_stage FROM participants p JOIN rounds r ON r.id = p.round_id \
+         r.job_id, r.secagg_stage, r.max_staleness FROM participants p \
+         JOIN rounds r ON r.id = p.round_id \
          WHERE p.round_id = $1 AND p.device_id = $2",
     )
     .bind(round_id)
@@ -810,7 +1039,30 @@ any_row! {
         state: RoundState as String,
         deadline_ms: Option<i64>,
         weight_total: i64,
+        job_id: i64,
+        number: i64,
+        max_staleness: Option<i64>,
     }
+}
+
+any_row! {
+    /// An asynchronous job's open buffer, under its lock.
+    struct LockedBuffer {
+        id: i64,
+        number: i64,
+        weight_total: i64,
+    }
+}
+
+/// Where a batch of updates folds: the round itself, or for a buffer of
+/// an asynchronous job the buffer open now, with each update weighted by
+/// its staleness.
+struct FoldTarget {
+    round_id: i64,
+    weight_total: i64,
+    /// How many versions behind the target the updates were trained, and
+    /// the weight that gives them per sample; `None` in a synchronous round.
+    staleness: Option<(i64, f64)>,
 }
 
 /// A decoded, checked update, ready to fold.
@@ -837,33 +1089,44 @@ pub async fn accept_updates(
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
     let round: Option<LockedRound> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT state, deadline_ms, weight_total FROM rounds WHERE id = $1{}",
+        "SELECT state, deadline_ms, weight_total, job_id, number, max_staleness FROM rounds \
+         WHERE id = $1{}",
         db.for_update()
     )))
     .bind(round_id)
     .fetch_optional(&mut *tx)
     .await?;
     let Some(round) = round else {
-        let refuse = |u: &AcceptedUpdate| {
-            Err(UploadRejection::NotParticipant {
-                round_id,
-                device_id: u.device_id,
-            })
+        let why = |device_id| UploadRejection::NotParticipant {
+            round_id,
+            device_id,
         };
-        return Ok(updates.iter().map(refuse).collect());
+        return Ok(refuse_all(updates, why));
     };
     let gate = RoundGate {
         round_id,
         state: round.state,
         deadline_ms: round.deadline_ms,
+        buffered: round.max_staleness.is_some(),
     };
-    let mut weight_total = round.weight_total;
-    let stored = update_sum(&mut tx, round_id).await?;
+    let Some(target) = fold_target(db, &mut tx, round_id, &round).await? else {
+        return Ok(refuse_all(updates, |_| UploadRejection::NoOpenBuffer {
+            round_id,
+        }));
+    };
+    let mut weight_total = target.weight_total;
+    let stored = update_sum(&mut tx, target.round_id).await?;
     let mut sum = stored.map(|bytes| fedavg::decode_sum(&bytes));
     let mut outcomes = Vec::with_capacity(updates.len());
     let (mut accepted, mut bytes_in) = (0i64, 0i64);
     for update in updates {
-        let outcome = fold_one(&mut tx, gate, update, &mut sum, now).await?;
+        let fold = Fold {
+            gate,
+            target: &target,
+            max_staleness: round.max_staleness,
+            now,
+        };
+        let outcome = fold_one(&mut tx, &fold, update, &mut sum).await?;
         if outcome.is_ok() {
             accepted += 1;
             bytes_in = bytes_in.saturating_add(i64::try_from(update.bytes).unwrap_or(i64::MAX));
@@ -873,16 +1136,82 @@ pub async fn accept_updates(
         outcomes.push(outcome);
     }
     if accepted == 0 {
+        // Only refusals; a stale one dropped its participant, which stands.
+        tx.commit().await?;
         let refusals = outcomes.into_iter().map(|outcome| outcome.map(|()| 0));
         return Ok(refusals.collect());
     }
     if let Some(sum) = &sum {
-        store_sum(&mut tx, round_id, fedavg::encode_sum(sum)).await?;
+        store_sum(&mut tx, target.round_id, fedavg::encode_sum(sum)).await?;
     }
     let weight_total = Some(weight_total);
-    let counted = count_batch(&mut tx, round_id, accepted, bytes_in, weight_total).await?;
+    let counted = count_batch(&mut tx, target.round_id, accepted, bytes_in, weight_total).await?;
     tx.commit().await?;
     Ok(numbered(outcomes, counted))
+}
+
+/// The same refusal for every update of a batch.
+fn refuse_all(
+    updates: &[AcceptedUpdate],
+    why: impl Fn(i64) -> UploadRejection,
+) -> Vec<Result<u64, UploadRejection>> {
+    updates
+        .iter()
+        .map(|update| Err(why(update.device_id)))
+        .collect()
+}
+
+/// Where updates to `round` fold, under the target's row lock: the round
+/// itself, or for a buffer of an asynchronous job the job's buffer that
+/// trains now (locked after the round, as ids ascend: the same order as
+/// every other fold and as [`expire_buffered`]); `None` while the job's
+/// last buffer is being made into a version and the next is not open yet.
+async fn fold_target(
+    db: &Db,
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    round: &LockedRound,
+) -> Result<Option<FoldTarget>, sqlx::Error> {
+    if round.max_staleness.is_none() {
+        return Ok(Some(FoldTarget {
+            round_id,
+            weight_total: round.weight_total,
+            staleness: None,
+        }));
+    }
+    let buffer: Option<LockedBuffer> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT id, number, weight_total FROM rounds WHERE job_id = $1 AND state = 'training' \
+         AND max_staleness IS NOT NULL ORDER BY id DESC LIMIT 1{}",
+        db.for_update()
+    )))
+    .bind(round.job_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    let Some(buffer) = buffer else {
+        return Ok(None);
+    };
+    let config: String = sqlx::query_scalar("SELECT config FROM jobs WHERE id = $1")
+        .bind(round.job_id)
+        .fetch_one(&mut **tx)
+        .await?;
+    let spec: super::jobs::JobSpec = super::from_json("jobs.config", &config)?;
+    let staleness = (buffer.number - round.number).max(0);
+    let weight = spec.asynchronous.map_or(1.0, |asynchronous| {
+        asynchronous.staleness_weight(u64::try_from(staleness).unwrap_or(0))
+    });
+    Ok(Some(FoldTarget {
+        round_id: buffer.id,
+        weight_total: buffer.weight_total,
+        staleness: Some((staleness, weight)),
+    }))
+}
+
+/// What [`fold_one`] checks an update against, and where it folds.
+struct Fold<'a> {
+    gate: RoundGate,
+    target: &'a FoldTarget,
+    max_staleness: Option<i64>,
+    now: i64,
 }
 
 /// Counts a folded batch in the round's row: its accepted updates and
@@ -930,14 +1259,24 @@ pub fn numbered<E>(outcomes: Vec<Result<(), E>>, before: u64) -> Vec<Result<u64,
 /// this update.
 async fn fold_one(
     tx: &mut Tx<'_>,
-    gate: RoundGate,
+    fold: &Fold<'_>,
     update: &AcceptedUpdate,
     sum: &mut Option<Vec<f64>>,
-    now: i64,
 ) -> Result<Result<(), UploadRejection>, sqlx::Error> {
-    let (round_id, device_id) = (gate.round_id, update.device_id);
+    let (round_id, device_id, now) = (fold.gate.round_id, update.device_id, fold.now);
     let participant = task_state::member_state(tx, round_id, device_id).await?;
-    if let Err(rejection) = admit(gate, device_id, participant, now) {
+    if let Err(rejection) = admit(fold.gate, device_id, participant, now) {
+        return Ok(Err(rejection));
+    }
+    let (staleness, weight) = fold.target.staleness.unwrap_or((0, 1.0));
+    if let Some(max_staleness) = fold.max_staleness.filter(|&limit| staleness > limit) {
+        let rejection = UploadRejection::Stale {
+            round_id,
+            device_id,
+            staleness,
+            max_staleness,
+        };
+        drop_stale(tx, round_id, device_id, &rejection.to_string()).await?;
         return Ok(Err(rejection));
     }
     let sum = sum.get_or_insert_with(|| vec![0.0; update.values.len()]);
@@ -959,6 +1298,16 @@ async fn fold_one(
             Value::Int(i64::try_from(update.bytes).unwrap_or(i64::MAX)),
         ),
     ];
+    let buffered = fold.target.staleness.map(|(staleness, _)| {
+        [
+            ("folded_round_id", Value::Int(fold.target.round_id)),
+            ("staleness", Value::Int(staleness)),
+        ]
+    });
+    let columns: Vec<_> = columns
+        .into_iter()
+        .chain(buffered.into_iter().flatten())
+        .collect();
     let uploaded = ParticipantState::Uploaded;
     if !task_state::move_pending(tx, round_id, device_id, uploaded, &columns).await? {
         // Under the round's lock only a writer that skips it (none should)
@@ -966,8 +1315,27 @@ async fn fold_one(
         let reason = "the participant left meanwhile";
         return Ok(Err(UploadRejection::Closed { round_id, reason }));
     }
-    fedavg::fold(sum, update.num_samples, &update.values);
+    fedavg::fold_weighted(sum, update.num_samples as f64 * weight, &update.values);
     Ok(Ok(()))
+}
+
+/// Drops a participant whose update is too stale to take, so that its
+/// device is free for a task on a newer version.
+async fn drop_stale(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    device_id: i64,
+    reason: &str,
+) -> Result<(), sqlx::Error> {
+    let columns = [("drop_reason", Value::Text(reason))];
+    let dropped = ParticipantState::Dropped;
+    if task_state::move_pending(tx, round_id, device_id, dropped, &columns).await? {
+        sqlx::query("UPDATE rounds SET dropouts = dropouts + 1 WHERE id = $1")
+            .bind(round_id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    Ok(())
 }
 
 /// The config of the job a round belongs to, `None` when there is no such
@@ -1098,7 +1466,8 @@ pub async fn add_bytes_out(
     let _writer = db.write_lock().await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "UPDATE rounds SET bytes_out = bytes_out + $1 WHERE base_version_id = $2 \
-         AND state IN {OPEN_STATES} AND id IN (SELECT round_id FROM participants WHERE device_id = $3)"
+         AND (state IN {OPEN_STATES} OR max_staleness IS NOT NULL) \
+         AND id IN (SELECT round_id FROM participants WHERE device_id = $3)"
     )))
     .bind(i64::try_from(bytes).unwrap_or(i64::MAX))
     .bind(version_id)
@@ -1132,6 +1501,7 @@ mod tests {
             round_id: 7,
             state: round,
             deadline_ms: Some(1_000),
+            buffered: false,
         };
         admit(gate, 3, participant, if late { 2_000 } else { 500 })
     }

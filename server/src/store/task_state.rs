@@ -71,7 +71,7 @@ impl TaskKind {
     /// deadline.
     fn is_open(self, round: &LockedRound, now_ms: i64) -> Result<bool, sqlx::Error> {
         Ok(match self {
-            TaskKind::Training => round.state == RoundState::Training,
+            TaskKind::Training => round.state.takes_updates(round.max_staleness.is_some()),
             TaskKind::Evaluation => {
                 let evaluation = round
                     .eval_state
@@ -87,12 +87,15 @@ impl TaskKind {
     }
 
     /// The condition under which round `r` hands out this kind of task:
-    /// while it trains, or while its evaluation is open, until the
-    /// deadline (`$1`, now).
-    fn open_sql(self) -> &'static str {
+    /// while it takes updates ([`RoundState::takes_updates`]), or while its
+    /// evaluation is open, until the deadline (`$1`, now).
+    fn open_sql(self) -> String {
         match self {
-            TaskKind::Training => "r.state = 'training' AND r.deadline_ms > $1",
-            TaskKind::Evaluation => "r.eval_state = 'open' AND r.eval_deadline_ms > $1",
+            TaskKind::Training => format!(
+                "{} AND r.deadline_ms > $1",
+                super::rounds::takes_updates_sql()
+            ),
+            TaskKind::Evaluation => "r.eval_state = 'open' AND r.eval_deadline_ms > $1".to_string(),
         }
     }
 
@@ -312,6 +315,7 @@ any_row! {
         state: RoundState as String,
         eval_state: Option<String>,
         eval_deadline_ms: Option<i64>,
+        max_staleness: Option<i64>,
     }
 }
 
@@ -330,7 +334,7 @@ pub async fn answer<S: TaskState>(
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
     let round: Option<LockedRound> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT state, eval_state, eval_deadline_ms FROM rounds WHERE id = $1{}",
+        "SELECT state, eval_state, eval_deadline_ms, max_staleness FROM rounds WHERE id = $1{}",
         db.for_update()
     )))
     .bind(round_id)

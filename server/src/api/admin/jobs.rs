@@ -474,6 +474,12 @@ pub struct RoundView {
     /// For secure rounds, the SecAgg+ stage reached: advertise, share,
     /// check, collect, consistency or unmask.
     pub secure_stage: Option<String>,
+    /// For a buffer of an asynchronous job, the oldest update it takes, in
+    /// versions; absent for a synchronous round. A buffer's `selected`
+    /// counts the devices it selected, its `updates_accepted` the updates
+    /// it took, from devices selected in it or in earlier buffers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_staleness: Option<i64>,
 }
 
 impl From<&RoundRow> for RoundView {
@@ -496,6 +502,7 @@ impl From<&RoundRow> for RoundView {
             deadline_ms: row.deadline_ms,
             finished_ms: row.finished_ms,
             secure_stage: row.secagg_stage.clone(),
+            max_staleness: row.max_staleness,
         }
     }
 }
@@ -526,6 +533,13 @@ pub struct ParticipantView {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub sub_round: Option<serde_json::Value>,
+    /// In an asynchronous job, the buffer (round id) that took the
+    /// device's update, and how many versions behind it the update was
+    /// trained.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub folded_round_id: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub staleness: Option<i64>,
 }
 
 impl From<ParticipantRow> for ParticipantView {
@@ -546,6 +560,8 @@ impl From<ParticipantRow> for ParticipantView {
             sub_round: row
                 .sub_round
                 .and_then(|text| serde_json::from_str(&text).ok()),
+            folded_round_id: row.folded_round_id,
+            staleness: row.staleness,
         }
     }
 }

@@ -56,14 +56,34 @@ impl Foldable for AcceptedUpdate {
         &state.folds
     }
 
+    /// An asynchronous job's updates wait, up to [`MAX_WAIT_FOR_BUFFER`],
+    /// while its last buffer becomes a version and the next is not open
+    /// yet (a refusal that covers the whole batch, since the batch's
+    /// updates all fold into the one buffer).
     async fn fold_batch(
         state: &AppState,
         round_id: i64,
         batch: Vec<Self>,
     ) -> Result<Vec<Result<u64, UploadRejection>>, sqlx::Error> {
-        rounds::accept_updates(&state.db, round_id, &batch).await
+        let give_up = std::time::Instant::now() + MAX_WAIT_FOR_BUFFER;
+        loop {
+            let outcomes = rounds::accept_updates(&state.db, round_id, &batch).await?;
+            let waiting = outcomes
+                .iter()
+                .any(|outcome| matches!(outcome, Err(UploadRejection::NoOpenBuffer { .. })));
+            if !waiting || std::time::Instant::now() >= give_up {
+                return Ok(outcomes);
+            }
+            tokio::time::sleep(BUFFER_POLL).await;
+        }
     }
 }
+
+/// How long an update to an asynchronous job waits for its next buffer to
+/// open: far longer than making a version takes.
+pub const MAX_WAIT_FOR_BUFFER: std::time::Duration = std::time::Duration::from_secs(30);
+/// How often a waiting update looks for the next buffer.
+const BUFFER_POLL: std::time::Duration = std::time::Duration::from_millis(10);
 
 pub struct FoldQueue<T: Foldable> {
     inner: Mutex<Queues<T>>,

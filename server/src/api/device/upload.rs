@@ -116,7 +116,10 @@ fn rejection(error: UploadRejection) -> ApiError {
         UploadRejection::Duplicate { .. } => ApiError::conflict(error.to_string()),
         UploadRejection::Closed { .. }
         | UploadRejection::Dropped { .. }
-        | UploadRejection::Withdrawn { .. } => ApiError::gone(error.to_string()),
+        | UploadRejection::Withdrawn { .. }
+        | UploadRejection::Stale { .. } => ApiError::gone(error.to_string()),
+        // The wait in `folds` has already passed: the version is late.
+        UploadRejection::NoOpenBuffer { .. } => ApiError::busy(error.to_string(), 1),
         UploadRejection::Secure { .. } => ApiError::unprocessable(error.to_string()),
         UploadRejection::SumLength { .. } => ApiError::internal(error.to_string()),
     }
