@@ -34,6 +34,7 @@ fn job_settings() -> JobSettings {
         learning_rate: 0.1,
         round_deadline_ms: 60_000,
         central_dataset: None,
+        strategy: None,
         buffer: None,
     }
 }

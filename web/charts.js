@@ -87,14 +87,16 @@ export function emptyText(finishedRounds, missing) {
 
 /// Draws a line chart into `container`, replacing what was there.
 ///
-/// `series`: [{ key, name, className, points: [{ x, y }] }], x ascending.
-/// Each series is one <polyline data-series=KEY data-rounds="1,2,…"> with
-/// one vertex per point, so a test (or a curious user) can read exactly
-/// which rounds it shows. `yTitle`: the y axis's title. `fit`: bounds
+/// `series`: [{ key, name, className, points: [{ x, y, name? }] }], x
+/// ascending. Each series is one <polyline data-series=KEY
+/// data-rounds="1,2,…"> with one vertex per point, so a test (or a
+/// curious user) can read exactly which rounds (or, over time, which
+/// seconds) it shows. `x`: the x axis, { title, integers } (rounds when
+/// left out); a point's `name` labels its marker. `yTitle`: the y axis's title. `fit`: bounds
 /// for a range fitted to the data (see `yRange`). `finishedRounds` and
 /// `missing`: what an empty chart says (see `emptyText`). The <svg>
 /// carries its y range as data-y-low and data-y-high.
-export function lineChart(container, { series, yTitle, fit, finishedRounds, missing }) {
+export function lineChart(container, { series, x = { title: "round", integers: true }, yTitle, fit, finishedRounds, missing }) {
   const width = Math.max(260, Math.floor(container.clientWidth || 600));
   const height = 210;
   const margin = { left: 60, right: 12, top: 12, bottom: 42 };
@@ -123,12 +125,13 @@ export function lineChart(container, { series, yTitle, fit, finishedRounds, miss
     text(-6, sy(value) + 4, label(value), "tick y", frame);
   }
   const xCount = Math.max(2, Math.floor(plotW / 60));
-  for (const value of all.length === 0 ? [] : ticks(Math.ceil(xLow), Math.floor(xHigh), xCount, true)) {
+  const xTicks = x.integers ? ticks(Math.ceil(xLow), Math.floor(xHigh), xCount, true) : ticks(xLow, xHigh, xCount, false);
+  for (const value of all.length === 0 ? [] : xTicks) {
     svg("line", { x1: sx(value), x2: sx(value), y1: plotH, y2: plotH + 4, class: "axis" }, frame);
     text(sx(value), plotH + 16, label(value), "tick x", frame);
   }
   svg("line", { x1: 0, x2: plotW, y1: plotH, y2: plotH, class: "axis" }, frame);
-  text(plotW / 2, plotH + 32, "round", "axis-title x", frame);
+  text(plotW / 2, plotH + 32, x.title, "axis-title x", frame);
   if (yTitle) {
     const title = text(0, 0, yTitle, "axis-title y", frame);
     title.setAttribute("transform", `translate(${14 - margin.left},${plotH / 2}) rotate(-90)`);
@@ -151,7 +154,8 @@ export function lineChart(container, { series, yTitle, fit, finishedRounds, miss
     if (s.points.length <= MAX_MARKERS) {
       for (const p of s.points) {
         const dot = svg("circle", { cx: sx(p.x), cy: sy(p.y), r: 3 }, group);
-        svg("title", {}, dot).textContent = `${s.name}, round ${p.x}: ${label(p.y)}`;
+        const where = p.name ? `${p.name} at ${label(p.x)} s` : `round ${p.x}`;
+        svg("title", {}, dot).textContent = `${s.name}, ${where}: ${label(p.y)}`;
       }
     }
   }

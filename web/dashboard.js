@@ -260,8 +260,12 @@ function renderSettings(job) {
     ["model version", `id ${spec.model_version_id} (now at id ${job.current_version_id})`],
     ["strategy", strategy.name + (params(strategy, "name") ? ` (${params(strategy, "name")})` : " (defaults)")],
     ["learning rate", `${spec.learning_rate}, schedule ${schedule.kind}` + (params(schedule, "kind") ? ` (${params(schedule, "kind")})` : "")],
-    [edges ? "aggregators per round" : "devices per round",
-      `${spec.min_devices} to ${spec.target_devices}, over-selection ${spec.over_selection}`],
+    ...(spec.asynchronous ? [["asynchronous (FedBuff)",
+      `${spec.asynchronous.concurrency} devices train at once; a version every ${spec.target_devices} updates ` +
+      `(at least ${spec.min_devices} by a buffer's deadline), updates at most ${spec.asynchronous.max_staleness} ` +
+      `versions old, weighted (1 + staleness)^-${spec.asynchronous.staleness_exponent}`]]
+      : [[edges ? "aggregators per round" : "devices per round",
+        `${spec.min_devices} to ${spec.target_devices}, over-selection ${spec.over_selection}`]]),
     ...(edges ? [["edge tier", `each aggregator's sub-round takes ${edges.min_devices} to ${edges.target_devices} end devices, ` +
       `over-selection ${edges.over_selection}, deadline ${duration(edges.deadline_ms)}`]] : []),
     ["local training", `${spec.local_epochs} epochs, batch ${spec.batch_size}`],
@@ -295,12 +299,25 @@ function renderSettings(job) {
 
 /// One point per succeeded training round that has the value: a failed
 /// attempt shares its number with the attempt that succeeded, and never
-/// counts; the statistics round (0) trains nothing.
-function points(rounds, pick) {
+/// counts; the statistics round (0) trains nothing. An asynchronous
+/// job's rounds are buffers, each a version, made as fast as updates
+/// come: its points are versions over time, at the seconds since the job
+/// started (`xAxis`).
+function points(rounds, pick, job) {
+  const overTime = Boolean(job && job.spec.asynchronous);
   return rounds
     .filter((r) => r.state === "succeeded" && r.kind !== "statistics" && typeof pick(r) === "number")
-    .map((r) => ({ x: r.number, y: pick(r) }))
+    .map((r) => overTime
+      ? { x: Math.max(0, (r.finished_ms - (job.started_ms || r.created_ms)) / 1000), y: pick(r), name: `buffer ${r.number}'s version` }
+      : { x: r.number, y: pick(r) })
     .sort((a, b) => a.x - b.x);
+}
+
+/// The x axis of a job's charts.
+function xAxis(job) {
+  return job.spec.asynchronous
+    ? { title: "seconds since the job started", integers: false }
+    : { title: "round", integers: true };
 }
 
 /// How a secure job's training loss differs: a plain round weights the
@@ -316,18 +333,21 @@ function lossNote(job) {
 function renderCharts(rounds, job) {
   const note = state.historyTruncated ? `latest ${HISTORY_ROUNDS} rounds` : "";
   const finishedRounds = points(rounds, () => 0).length;
+  const x = xAxis(job);
   const evaluation = job.spec.evaluation || {};
   const evaluated = evaluation.fraction > 0 || Boolean(evaluation.central_dataset);
   lineChart($("chart-loss"), {
+    x,
     yTitle: "training loss",
     finishedRounds,
     missing: "a training loss yet",
-    series: [{ key: "train_loss", name: "training loss", className: "s-loss", points: points(rounds, (r) => r.metrics.train_loss), note }],
+    series: [{ key: "train_loss", name: "training loss", className: "s-loss", points: points(rounds, (r) => r.metrics.train_loss, job), note }],
   });
   const lossExplained = $("loss-note");
   lossExplained.textContent = lossNote(job);
   lossExplained.hidden = !lossExplained.textContent;
   lineChart($("chart-accuracy"), {
+    x,
     yTitle: "accuracy",
     fit: [0, 1],
     finishedRounds,
@@ -335,12 +355,12 @@ function renderCharts(rounds, job) {
     series: [
       {
         key: "federated_eval_accuracy", name: "federated acc", className: "s-federated",
-        points: points(rounds, (r) => r.metrics.federated_eval_accuracy),
+        points: points(rounds, (r) => r.metrics.federated_eval_accuracy, job),
         note: ["devices' held-out data, the version the round produced", note].filter(Boolean).join("; "),
       },
       {
         key: "central_eval_accuracy", name: "central acc", className: "s-central",
-        points: points(rounds, (r) => r.metrics.central_eval_accuracy),
+        points: points(rounds, (r) => r.metrics.central_eval_accuracy, job),
         note: ["the server's held-out dataset", note].filter(Boolean).join("; "),
       },
     ],

@@ -432,7 +432,12 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
             Selected::Failed => outcome = Some(RoundState::Failed),
         }
         round = reload(&mut tx, round.id).await?;
-    } else if round.state == RoundState::Training && round.is_buffer() {
+    } else if round.state == RoundState::Training
+        && round.is_buffer()
+        && round.updates_accepted < round.target_devices
+    {
+        // A full buffer closes below: a device selected into it now
+        // would train on a version already one behind.
         notify_devices |= top_up(state, &mut tx, &round, &spec).await?;
         round = reload(&mut tx, round.id).await?;
     }

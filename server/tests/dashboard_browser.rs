@@ -529,6 +529,7 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
     }
     let finished = admin.wait_for_job(job, Duration::from_secs(60)).await?;
     ensure!(finished["state"] == "completed", "{finished}");
+    let async_job = asynchronous_job(&server).await?;
 
     let status = Command::new("node")
         .arg(&script)
@@ -536,6 +537,7 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
         .env("CANOPY_URL", &server.base)
         .env("CANOPY_TOKEN", &server.admin_token)
         .env("CANOPY_JOB_ID", job.to_string())
+        .env("CANOPY_ASYNC_JOB_ID", async_job.to_string())
         .env("CANOPY_ARTIFACTS", &artifacts)
         .env("CANOPY_CHROMIUM", CHROMIUM)
         .stdin(Stdio::null())
@@ -546,7 +548,11 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
         "the browser script failed ({status}); its output is above, screenshots in {}",
         artifacts.display()
     );
-    for shot in ["tiered-round-desktop.png", "tiered-round-420px.png"] {
+    for shot in [
+        "tiered-round-desktop.png",
+        "tiered-round-420px.png",
+        "asynchronous-job.png",
+    ] {
         let size = std::fs::metadata(artifacts.join(shot))
             .map(|m| m.len())
             .unwrap_or(0);
@@ -557,4 +563,59 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A finished asynchronous job: two end devices, one training at a time
+/// each, a version from every update, three versions.
+async fn asynchronous_job(server: &TestServer) -> Result<i64> {
+    let admin = server.admin();
+    let version = admin
+        .upload_model("buffered", support::logreg_model_bytes(5))
+        .await?;
+    let token = admin.enrollment_token(2).await?;
+    let mut devices = Vec::new();
+    for _ in 0..2 {
+        devices.push(support::enroll_device(server, &token).await?);
+    }
+    let job = admin
+        .create_job(json!({
+            "name": "buffered", "model_version_id": version["id"], "rounds": 3,
+            "min_devices": 1, "target_devices": 1, "over_selection": 0.0,
+            "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8,
+            "learning_rate": 0.1, "evaluation": {"fraction": 0.0},
+            "asynchronous": {"concurrency": 2},
+        }))
+        .await?;
+    for number in 1..=3u32 {
+        let device = &devices[(number % 2) as usize];
+        let task = support::poll_task(device).await?;
+        let values = vec![0.01; task.layout.num_elements()];
+        let update = canopy_protocol::update::encode_update(&task.layout, 10, &values)?;
+        device.upload_update(&task, Bytes::from(update)).await?;
+        device
+            .report_metrics(&canopy_protocol::messages::RoundMetrics {
+                round_id: task.round_id,
+                train_loss: Some(1.0 / f64::from(number)),
+                eval_loss: None,
+                eval_accuracy: None,
+                eval_samples: None,
+                train_duration_ms: Some(5),
+            })
+            .await?;
+        let rounds = admin.ok(&format!("/api/v1/jobs/{job}")).await?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut made = rounds["rounds_completed"].as_i64().unwrap_or(0);
+        while made < i64::from(number) {
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "buffer {number} made no version"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let job = admin.ok(&format!("/api/v1/jobs/{job}")).await?;
+            made = job["rounds_completed"].as_i64().unwrap_or(0);
+        }
+    }
+    let finished = admin.wait_for_job(job, Duration::from_secs(60)).await?;
+    ensure!(finished["state"] == "completed", "{finished}");
+    Ok(job)
 }

@@ -190,6 +190,7 @@ fn job(version: &Value, rounds: u32, per_round: usize, edges: usize) -> Value {
         learning_rate: 0.05,
         round_deadline_ms: 1_800_000,
         central_dataset: None,
+        strategy: None,
         buffer: None,
     };
     let mut body = settings.body(version["id"].as_i64().unwrap_or_default());

@@ -116,6 +116,8 @@ pub struct JobSettings {
     pub round_deadline_ms: u64,
     /// The held-out dataset on the server that evaluates each version.
     pub central_dataset: Option<String>,
+    /// The job's `strategy` (JSON); FedAvg when `None`.
+    pub strategy: Option<Value>,
     /// Asynchronous rounds (FedBuff), with `per_round` devices training at
     /// once; synchronous rounds when `None`.
     pub buffer: Option<Buffer>,
@@ -128,6 +130,8 @@ pub struct Buffer {
     pub size: u32,
     /// The oldest update a version takes, in versions.
     pub max_staleness: u32,
+    /// An update τ versions old weighs (1 + τ)^-exponent times its samples.
+    pub staleness_exponent: f64,
 }
 
 impl JobSettings {
@@ -151,6 +155,9 @@ impl JobSettings {
             "max_round_retries": 3,
             "evaluation": evaluation,
         });
+        if let Some(strategy) = &self.strategy {
+            body["strategy"] = strategy.clone();
+        }
         if let Some(buffer) = self.buffer {
             // A buffer at its deadline makes a version of what it has.
             body["min_devices"] = json!(1);
@@ -158,6 +165,7 @@ impl JobSettings {
             body["asynchronous"] = json!({
                 "concurrency": self.per_round,
                 "max_staleness": buffer.max_staleness,
+                "staleness_exponent": buffer.staleness_exponent,
             });
         }
         body

@@ -4,7 +4,8 @@
 // Started by server/tests/dashboard_browser.rs against a server whose job
 // CANOPY_JOB_ID has finished one round through two aggregators that
 // reported their sub-rounds (the first: 4 of 5 devices, one timed out; the
-// second: 3 of 3).
+// second: 3 of 3); and an asynchronous job, CANOPY_ASYNC_JOB_ID, whose
+// three buffers each made a version, drawn against time.
 //
 // Exits non-zero with the first failed check. Screenshots go to
 // CANOPY_ARTIFACTS.
@@ -15,6 +16,7 @@ import { join } from "node:path";
 const base = env("CANOPY_URL");
 const token = env("CANOPY_TOKEN");
 const jobId = Number(env("CANOPY_JOB_ID"));
+const asyncJobId = Number(env("CANOPY_ASYNC_JOB_ID"));
 const artifacts = env("CANOPY_ARTIFACTS");
 const executablePath = env("CANOPY_CHROMIUM");
 
@@ -58,11 +60,42 @@ async function main() {
     const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
     check(overflow <= 1, `at 420 px the page does not scroll sideways (${overflow} px too wide)`);
     await page.screenshot({ path: join(artifacts, "tiered-round-420px.png"), fullPage: true });
+    await page.setViewportSize({ width: 1280, height: 900 });
+    await asynchronousOverTime(page);
     check(problems.length === 0, `no errors on the page: ${JSON.stringify(problems)}`);
     console.log("[tiers.spec] the tiered round's tree is shown");
   } finally {
     await browser.close();
   }
+}
+
+/// An asynchronous job's charts are versions over time: the x axis is
+/// seconds since the job started, one point per buffer's version, and its
+/// settings say how it buffers.
+async function asynchronousOverTime(page) {
+  // A new load: the dashboard reads its hash when the page loads.
+  await page.goto("about:blank");
+  await page.goto(`${base}/dashboard#token=${encodeURIComponent(token)}&job=${asyncJobId}`);
+  const pointsShown = () => document.querySelector("#chart-loss polyline[data-series=train_loss]")
+    ?.dataset.rounds.split(",").filter(Boolean).length;
+  try {
+    await page.waitForFunction((expected) => document.querySelector("#chart-loss polyline[data-series=train_loss]")
+      ?.dataset.rounds.split(",").filter(Boolean).length === expected, 3, { timeout: 15_000 });
+  } catch (error) {
+    throw new Error(`the asynchronous job's loss chart shows ${await page.evaluate(pointsShown)} points, not 3: ` +
+      (await page.textContent("#chart-loss")) + "; " + error.message);
+  }
+  const title = await page.textContent("#chart-loss .axis-title.x");
+  check(title === "seconds since the job started", `the loss chart's x title: ${title}`);
+  const seconds = await page.$eval("#chart-loss polyline[data-series=train_loss]",
+    (line) => line.dataset.rounds.split(",").map(Number));
+  check(seconds.every((x, i) => x >= 0 && x < 120 && (i === 0 || x >= seconds[i - 1])),
+    `one point per version, at ascending seconds since the start: ${seconds}`);
+  const marker = await page.textContent("#chart-loss circle title");
+  check(/buffer 1's version at [0-9.]+ s/.test(marker), `a marker names its buffer and time: ${marker}`);
+  const settings = await page.textContent("#job-settings");
+  check(settings.includes("2 devices train at once; a version every 1 updates"), `the settings: ${settings}`);
+  await page.screenshot({ path: join(artifacts, "asynchronous-job.png"), fullPage: true });
 }
 
 main().catch((error) => {

@@ -51,6 +51,10 @@ pub struct SimulateArgs {
     /// With --buffer-size: the oldest update a version takes, in versions.
     #[arg(long, default_value_t = 20, requires = "buffer_size")]
     max_staleness: u32,
+    /// With --buffer-size: an update τ versions old weighs (1 + τ)^-E
+    /// times its samples.
+    #[arg(long, default_value_t = 0.5, requires = "buffer_size")]
+    staleness_exponent: f64,
     /// `digits` (the bundled UCI digits), a folder of IDX files (its test
     /// files become the server's held-out set), or a CSV file (label last).
     #[arg(long, default_value = setup::BUNDLED_DIGITS)]
@@ -75,6 +79,11 @@ pub struct SimulateArgs {
     learning_rate: f64,
     #[arg(long, default_value_t = 60_000)]
     round_deadline_ms: u64,
+    /// The job's server strategy, as the jobs API takes it (JSON), e.g.
+    /// '{"name": "fedavgm", "server_learning_rate": 0.5}'; FedAvg when
+    /// left out (docs/strategies.md).
+    #[arg(long, value_parser = parse_strategy)]
+    strategy: Option<Value>,
     /// How often an idle device checks in for a task; by default about
     /// 1,000 check-ins a second over the fleet, each device every 1 to 30 s.
     #[arg(long, value_parser = clap::value_parser!(u64).range(100..=600_000))]
@@ -97,7 +106,8 @@ pub struct SimulateArgs {
     #[arg(long)]
     save_model: Option<PathBuf>,
     /// Write the learning curve here as CSV: each version's number, its
-    /// seconds since the job started, and its central accuracy and loss.
+    /// seconds since the job started, its central accuracy and loss, the
+    /// updates it took and how long it took to make from them.
     #[arg(long)]
     curve: Option<PathBuf>,
 }
@@ -180,11 +190,22 @@ impl SimulateArgs {
             learning_rate: self.learning_rate,
             round_deadline_ms: self.round_deadline_ms,
             central_dataset: Some(TEST_DATASET.to_string()),
+            strategy: self.strategy.clone(),
             buffer: self.buffer_size.map(|buffer_size| setup::Buffer {
                 size: buffer_size,
                 max_staleness: self.max_staleness,
+                staleness_exponent: self.staleness_exponent,
             }),
         }
+    }
+}
+
+/// A `--strategy` value: a JSON object (the server checks its fields).
+fn parse_strategy(text: &str) -> Result<Value, String> {
+    match serde_json::from_str::<Value>(text) {
+        Ok(value) if value.is_object() => Ok(value),
+        Ok(_) => Err("expected a JSON object, e.g. '{\"name\": \"fedavgm\"}'".to_string()),
+        Err(error) => Err(format!("not JSON: {error}")),
     }
 }
 
@@ -291,7 +312,8 @@ async fn write_curve(remote: &Remote, job: i64, path: &std::path::Path) -> Resul
         .list_all(&format!("/api/v1/jobs/{job}/rounds"), &subject)
         .await?;
     let started_ms = detail["started_ms"].as_i64().unwrap_or_default();
-    let mut csv = String::from("version,seconds,central_accuracy,central_loss,updates\n");
+    let mut csv =
+        String::from("version,seconds,central_accuracy,central_loss,updates,aggregating_ms\n");
     let made = rounds
         .iter()
         .filter(|round| round["state"] == "succeeded" && round["kind"] == "train");
@@ -299,12 +321,13 @@ async fn write_curve(remote: &Remote, job: i64, path: &std::path::Path) -> Resul
         let metrics = &round["metrics"];
         let finished_ms = round["finished_ms"].as_i64().unwrap_or(started_ms);
         csv.push_str(&format!(
-            "{},{:.3},{},{},{}\n",
+            "{},{:.3},{},{},{},{}\n",
             round["number"],
             (finished_ms - started_ms) as f64 / 1000.0,
             metrics["central_eval_accuracy"],
             metrics["central_eval_loss"],
             metrics["updates_accepted"],
+            round["durations"]["aggregating_ms"],
         ));
     }
     std::fs::write(path, csv).with_context(|| format!("cannot write {}", path.display()))

@@ -820,6 +820,9 @@ any_row! {
     }
 }
 
+/// The means over the updates a round took: its own participants' in a
+/// synchronous round, in a buffer those of the updates folded into it,
+/// whichever buffer selected their devices.
 pub async fn metrics(db: &Db, round_id: i64) -> Result<RoundMetricsRow, sqlx::Error> {
     // Casts make both databases return a float (PostgreSQL's SUM of a
     // BIGINT is NUMERIC, which the `Any` driver cannot decode).
@@ -829,7 +832,8 @@ pub async fn metrics(db: &Db, round_id: i64) -> Result<RoundMetricsRow, sqlx::Er
            SUM(eval_accuracy * eval_samples) / NULLIF(CAST(SUM(CASE WHEN eval_accuracy IS NULL THEN 0 ELSE eval_samples END) AS DOUBLE PRECISION), 0) AS eval_accuracy, \
            SUM(eval_loss * eval_samples) / NULLIF(CAST(SUM(CASE WHEN eval_loss IS NULL THEN 0 ELSE eval_samples END) AS DOUBLE PRECISION), 0) AS eval_loss, \
            AVG(CAST(train_duration_ms AS DOUBLE PRECISION)) AS mean_train_duration_ms \
-         FROM participants WHERE round_id = $1",
+         FROM participants WHERE folded_round_id = $1 \
+         OR (round_id = $1 AND folded_round_id IS NULL)",
     )
     .bind(round_id)
     .fetch_one(&db.pool)
