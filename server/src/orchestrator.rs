@@ -543,26 +543,12 @@ async fn select(
     job: &JobRow,
     spec: &JobSpec,
 ) -> Result<Selected, OrchestratorError> {
-    // An asynchronous job's devices still training on earlier buffers
-    // count against its concurrency, and toward the buffer's minimum.
-    let busy = match round.is_buffer() {
-        true => usize::try_from(rounds::busy_in_job(tx, job.id).await?).unwrap_or(0),
-        false => 0,
-    };
-    let wanted = (spec.selection_size() as usize).saturating_sub(busy);
-    let input_shape = match spec.dataset {
-        Some(_) => Some(model_input_shape(state, round.base_version_id).await?),
-        None => None,
-    };
-    let (chosen, eligibility) = sample_eligible(
-        state,
-        tx,
-        Some(round.id),
-        spec,
-        input_shape.as_deref(),
-        wanted,
-    )
-    .await?;
+    let Sample {
+        chosen,
+        eligibility,
+        busy,
+        input_shape,
+    } = sample_for(state, tx, round, spec).await?;
     let eligible = eligibility.eligible;
     if eligible + busy < spec.min_devices as usize {
         let shortfall = format!(
@@ -612,6 +598,49 @@ async fn select(
     Ok(Selected::Training)
 }
 
+/// Who selection would add to a training round now, and why others could not take part.
+struct Sample {
+    chosen: Vec<i64>,
+    eligibility: Eligibility,
+    /// Devices the job holds busy already: an asynchronous job's, training
+    /// on earlier buffers, which count against its concurrency and toward
+    /// a buffer's minimum; none for a synchronous round.
+    busy: usize,
+    input_shape: Option<Vec<u64>>,
+}
+
+/// A uniform sample of the free eligible devices for a training round,
+/// as many as the job's selection size less the devices it holds busy.
+async fn sample_for(
+    state: &AppState,
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    spec: &JobSpec,
+) -> Result<Sample, OrchestratorError> {
+    let busy = match round.is_buffer() {
+        true => usize::try_from(rounds::busy_in_job(tx, round.job_id).await?).unwrap_or(0),
+        false => 0,
+    };
+    let wanted = (spec.selection_size() as usize).saturating_sub(busy);
+    let input_shape = match (&spec.dataset, wanted) {
+        (Some(_), 1..) => Some(model_input_shape(state, round.base_version_id).await?),
+        _ => None,
+    };
+    let (chosen, eligibility) = match wanted {
+        0 => (Vec::new(), Eligibility::default()),
+        _ => {
+            let shape = input_shape.as_deref();
+            sample_eligible(state, tx, Some(round.id), spec, shape, wanted).await?
+        }
+    };
+    Ok(Sample {
+        chosen,
+        eligibility,
+        busy,
+        input_shape,
+    })
+}
+
 /// Keeps an asynchronous job's `concurrency` devices training: selects
 /// free eligible devices into its open buffer for the places that devices
 /// which uploaded, dropped or expired have left. Whether it selected any.
@@ -621,25 +650,7 @@ async fn top_up(
     round: &RoundRow,
     spec: &JobSpec,
 ) -> Result<bool, OrchestratorError> {
-    let busy = rounds::busy_in_job(tx, round.job_id).await?;
-    let wanted = i64::from(spec.selection_size()) - busy;
-    if wanted <= 0 {
-        return Ok(false);
-    }
-    let input_shape = match spec.dataset {
-        Some(_) => Some(model_input_shape(state, round.base_version_id).await?),
-        None => None,
-    };
-    let wanted = usize::try_from(wanted).unwrap_or(0);
-    let (chosen, _) = sample_eligible(
-        state,
-        tx,
-        Some(round.id),
-        spec,
-        input_shape.as_deref(),
-        wanted,
-    )
-    .await?;
+    let Sample { chosen, busy, .. } = sample_for(state, tx, round, spec).await?;
     if chosen.is_empty() {
         return Ok(false);
     }
