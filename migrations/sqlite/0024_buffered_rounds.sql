@@ -6,3 +6,5 @@
 ALTER TABLE rounds ADD COLUMN max_staleness BIGINT;
 ALTER TABLE participants ADD COLUMN folded_round_id BIGINT;
 ALTER TABLE participants ADD COLUMN staleness BIGINT;
+-- A buffer's metrics are those of the updates folded into it.
+CREATE INDEX participants_folded ON participants (folded_round_id) WHERE folded_round_id IS NOT NULL;

@@ -68,20 +68,22 @@ impl RoundState {
     }
 }
 
+/// The round states for which `keep` holds, as an SQL list.
+fn states_sql(keep: impl Fn(RoundState) -> bool) -> String {
+    let names: Vec<String> = RoundState::ALL
+        .iter()
+        .filter(|&&state| keep(state))
+        .map(|state| format!("'{}'", state.as_str()))
+        .collect();
+    format!("({})", names.join(", "))
+}
+
 /// [`RoundState::takes_updates`] of round `r`, as SQL.
 pub fn takes_updates_sql() -> String {
-    let states = |buffered: bool| -> String {
-        let names: Vec<String> = RoundState::ALL
-            .iter()
-            .filter(|state| state.takes_updates(buffered))
-            .map(|state| format!("'{}'", state.as_str()))
-            .collect();
-        format!("({})", names.join(", "))
-    };
     format!(
         "(r.state IN {} OR (r.max_staleness IS NOT NULL AND r.state IN {}))",
-        states(false),
-        states(true)
+        states_sql(|state| state.takes_updates(false)),
+        states_sql(|state| state.takes_updates(true))
     )
 }
 
@@ -290,6 +292,34 @@ pub async fn busy_in_job(tx: &mut Tx<'_>, job_id: i64) -> Result<i64, sqlx::Erro
     .await
 }
 
+/// The states of a closed buffer that still takes updates
+/// ([`RoundState::takes_updates`] of a buffer but not of a round), as SQL.
+fn closed_buffer_states_sql() -> String {
+    states_sql(|state| state.takes_updates(true) && !state.takes_updates(false))
+}
+
+/// Drops the pending participants of `rounds` with `reason`, counting
+/// them as each round's dropouts; how many.
+async fn drop_pending_in(
+    tx: &mut Tx<'_>,
+    rounds: &[i64],
+    reason: &str,
+) -> Result<u64, sqlx::Error> {
+    let mut total = 0;
+    for &round_id in rounds {
+        let dropped = task_state::drop_pending::<ParticipantState>(tx, round_id, reason).await?;
+        if dropped > 0 {
+            sqlx::query("UPDATE rounds SET dropouts = dropouts + $1 WHERE id = $2")
+                .bind(dropped as i64)
+                .bind(round_id)
+                .execute(&mut **tx)
+                .await?;
+        }
+        total += dropped;
+    }
+    Ok(total)
+}
+
 /// Drops the participants of an asynchronous job's closed buffers whose
 /// deadline has passed, counting them as their rounds' dropouts, and
 /// returns how many. Its own transaction takes the rounds' row locks in
@@ -301,27 +331,18 @@ pub async fn expire_buffered(db: &Db, job_id: i64) -> Result<u64, sqlx::Error> {
     let mut tx = db.pool.begin().await?;
     let expired: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT r.id FROM rounds r WHERE r.job_id = $1 AND r.max_staleness IS NOT NULL \
-         AND r.state IN ('aggregating', 'succeeded') AND r.deadline_ms <= $2 AND EXISTS ( \
+         AND r.state IN {} AND r.deadline_ms <= $2 AND EXISTS ( \
          SELECT 1 FROM participants p WHERE p.round_id = r.id AND p.state IN {PENDING_STATES}) \
          ORDER BY r.id{}",
+        closed_buffer_states_sql(),
         db.for_update()
     )))
     .bind(job_id)
     .bind(now)
     .fetch_all(&mut *tx)
     .await?;
-    let mut total = 0;
     let reason = "timeout: no update before the deadline of the buffer that selected it";
-    for round_id in expired {
-        let dropped =
-            task_state::drop_pending::<ParticipantState>(&mut tx, round_id, reason).await?;
-        sqlx::query("UPDATE rounds SET dropouts = dropouts + $1 WHERE id = $2")
-            .bind(dropped as i64)
-            .bind(round_id)
-            .execute(&mut *tx)
-            .await?;
-        total += dropped;
-    }
+    let total = drop_pending_in(&mut tx, &expired, reason).await?;
     tx.commit().await?;
     Ok(total)
 }
@@ -329,23 +350,15 @@ pub async fn expire_buffered(db: &Db, job_id: i64) -> Result<u64, sqlx::Error> {
 /// Drops every pending participant of a job's closed buffers, when its
 /// last version is made: nothing will take their updates.
 pub async fn drop_buffered(tx: &mut Tx<'_>, job_id: i64, reason: &str) -> Result<(), sqlx::Error> {
-    let rounds: Vec<i64> = sqlx::query_scalar(
+    let rounds: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT id FROM rounds WHERE job_id = $1 AND max_staleness IS NOT NULL \
-         AND state IN ('aggregating', 'succeeded') ORDER BY id",
-    )
+         AND state IN {} ORDER BY id",
+        closed_buffer_states_sql()
+    )))
     .bind(job_id)
     .fetch_all(&mut **tx)
     .await?;
-    for round_id in rounds {
-        let dropped = task_state::drop_pending::<ParticipantState>(tx, round_id, reason).await?;
-        if dropped > 0 {
-            sqlx::query("UPDATE rounds SET dropouts = dropouts + $1 WHERE id = $2")
-                .bind(dropped as i64)
-                .bind(round_id)
-                .execute(&mut **tx)
-                .await?;
-        }
-    }
+    drop_pending_in(tx, &rounds, reason).await?;
     Ok(())
 }
 
@@ -823,19 +836,22 @@ any_row! {
 /// The means over the updates a round took: its own participants' in a
 /// synchronous round, in a buffer those of the updates folded into it,
 /// whichever buffer selected their devices.
-pub async fn metrics(db: &Db, round_id: i64) -> Result<RoundMetricsRow, sqlx::Error> {
+pub async fn metrics(db: &Db, round: &RoundRow) -> Result<RoundMetricsRow, sqlx::Error> {
+    let took = match round.is_buffer() {
+        true => "folded_round_id",
+        false => "round_id",
+    };
     // Casts make both databases return a float (PostgreSQL's SUM of a
     // BIGINT is NUMERIC, which the `Any` driver cannot decode).
-    sqlx::query_as(
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT \
            SUM(train_loss * COALESCE(num_samples, 1)) / NULLIF(CAST(SUM(CASE WHEN train_loss IS NULL THEN 0 ELSE COALESCE(num_samples, 1) END) AS DOUBLE PRECISION), 0) AS train_loss, \
            SUM(eval_accuracy * eval_samples) / NULLIF(CAST(SUM(CASE WHEN eval_accuracy IS NULL THEN 0 ELSE eval_samples END) AS DOUBLE PRECISION), 0) AS eval_accuracy, \
            SUM(eval_loss * eval_samples) / NULLIF(CAST(SUM(CASE WHEN eval_loss IS NULL THEN 0 ELSE eval_samples END) AS DOUBLE PRECISION), 0) AS eval_loss, \
            AVG(CAST(train_duration_ms AS DOUBLE PRECISION)) AS mean_train_duration_ms \
-         FROM participants WHERE folded_round_id = $1 \
-         OR (round_id = $1 AND folded_round_id IS NULL)",
-    )
-    .bind(round_id)
+         FROM participants WHERE {took} = $1"
+    )))
+    .bind(round.id)
     .fetch_one(&db.pool)
     .await
 }
@@ -1488,6 +1504,42 @@ mod tests {
     fn sql_list(states: impl Iterator<Item = &'static str>) -> String {
         let quoted: Vec<String> = states.map(|state| format!("'{state}'")).collect();
         format!("({})", quoted.join(", "))
+    }
+
+    #[test]
+    fn a_closed_buffer_still_takes_its_devices_updates() {
+        use ParticipantState::Delivered;
+        use RoundState::*;
+        let gate = |state, buffered| RoundGate {
+            round_id: 7,
+            state,
+            deadline_ms: Some(1_000),
+            buffered,
+        };
+        assert!(admit(gate(Succeeded, true), 3, Some(Delivered), 500).is_ok());
+        assert!(admit(gate(Aggregating, true), 3, Some(Delivered), 500).is_ok());
+        let closed = |result| matches!(result, Err(UploadRejection::Closed { .. }));
+        assert!(closed(admit(
+            gate(Succeeded, false),
+            3,
+            Some(Delivered),
+            500
+        )));
+        assert!(closed(admit(gate(Failed, true), 3, Some(Delivered), 500)));
+        assert!(closed(admit(
+            gate(Succeeded, true),
+            3,
+            Some(Delivered),
+            2_000
+        )));
+        assert_eq!(closed_buffer_states_sql(), "('aggregating', 'succeeded')");
+        let fedbuff = super::super::jobs::Asynchronous {
+            concurrency: 4,
+            max_staleness: 20,
+            staleness_exponent: 0.5,
+        };
+        assert_eq!(fedbuff.staleness_weight(0), 1.0);
+        assert_eq!(fedbuff.staleness_weight(3), 0.5);
     }
 
     #[test]

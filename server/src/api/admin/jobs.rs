@@ -599,7 +599,7 @@ async fn detail(
     row: &RoundRow,
     with_participants: bool,
 ) -> ApiResult<RoundDetail> {
-    let metrics = rounds::metrics(&state.db, row.id).await?;
+    let metrics = rounds::metrics(&state.db, row).await?;
     let federated = evaluations::federated(&state.db, row.id).await?;
     let (participants, participants_next_cursor) = if with_participants {
         let page = crate::store::Page {
