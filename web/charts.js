@@ -91,12 +91,12 @@ export function emptyText(finishedRounds, missing) {
 /// ascending. Each series is one <polyline data-series=KEY
 /// data-rounds="1,2,…"> with one vertex per point, so a test (or a
 /// curious user) can read exactly which rounds (or, over time, which
-/// seconds) it shows. `x`: the x axis, { title, integers } (rounds when
-/// left out); a point's `name` labels its marker. `yTitle`: the y axis's title. `fit`: bounds
+/// seconds) it shows. `x`: the x axis, { title, integers, unit: [one,
+/// many] } (rounds when left out); a point's `name` labels its marker. `yTitle`: the y axis's title. `fit`: bounds
 /// for a range fitted to the data (see `yRange`). `finishedRounds` and
 /// `missing`: what an empty chart says (see `emptyText`). The <svg>
 /// carries its y range as data-y-low and data-y-high.
-export function lineChart(container, { series, x = { title: "round", integers: true }, yTitle, fit, finishedRounds, missing }) {
+export function lineChart(container, { series, x = { title: "round", integers: true, unit: ["round", "rounds"] }, yTitle, fit, finishedRounds, missing }) {
   const width = Math.max(260, Math.floor(container.clientWidth || 600));
   const height = 210;
   const margin = { left: 60, right: 12, top: 12, bottom: 42 };
@@ -159,17 +159,18 @@ export function lineChart(container, { series, x = { title: "round", integers: t
       }
     }
   }
-  container.replaceChildren(root, legend(series));
+  container.replaceChildren(root, legend(series, x.unit));
 }
 
-function legend(series) {
+/// `unit`: what a point is, singular and plural.
+function legend(series, [one, many]) {
   const list = document.createElement("ul");
   list.className = "legend";
   for (const s of series) {
     const item = document.createElement("li");
     const swatch = document.createElement("span");
     swatch.className = "swatch " + s.className;
-    item.append(swatch, `${s.name} (${s.points.length} ${s.points.length === 1 ? "round" : "rounds"})`);
+    item.append(swatch, `${s.name} (${s.points.length} ${s.points.length === 1 ? one : many})`);
     if (s.note) {
       const note = document.createElement("span");
       note.className = "muted";

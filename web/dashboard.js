@@ -261,7 +261,8 @@ function renderSettings(job) {
     ["strategy", strategy.name + (params(strategy, "name") ? ` (${params(strategy, "name")})` : " (defaults)")],
     ["learning rate", `${spec.learning_rate}, schedule ${schedule.kind}` + (params(schedule, "kind") ? ` (${params(schedule, "kind")})` : "")],
     ...(spec.asynchronous ? [["asynchronous (FedBuff)",
-      `${spec.asynchronous.concurrency} devices train at once; a version every ${spec.target_devices} updates ` +
+      `${spec.asynchronous.concurrency} devices train at once; a version every ` +
+      (spec.target_devices === 1 ? "update " : `${spec.target_devices} updates `) +
       `(at least ${spec.min_devices} by a buffer's deadline), updates at most ${spec.asynchronous.max_staleness} ` +
       `versions old, weighted (1 + staleness)^-${spec.asynchronous.staleness_exponent}`]]
       : [[edges ? "aggregators per round" : "devices per round",
@@ -316,8 +317,8 @@ function points(rounds, pick, job) {
 /// The x axis of a job's charts.
 function xAxis(job) {
   return job.spec.asynchronous
-    ? { title: "seconds since the job started", integers: false }
-    : { title: "round", integers: true };
+    ? { title: "seconds since the job started", integers: false, per: "per version, over time", unit: ["version", "versions"] }
+    : { title: "round", integers: true, per: "per round", unit: ["round", "rounds"] };
 }
 
 /// How a secure job's training loss differs: a plain round weights the
@@ -334,6 +335,7 @@ function renderCharts(rounds, job) {
   const note = state.historyTruncated ? `latest ${HISTORY_ROUNDS} rounds` : "";
   const finishedRounds = points(rounds, () => 0).length;
   const x = xAxis(job);
+  document.querySelectorAll(".chart-per").forEach((span) => { span.textContent = x.per; });
   const evaluation = job.spec.evaluation || {};
   const evaluated = evaluation.fraction > 0 || Boolean(evaluation.central_dataset);
   lineChart($("chart-loss"), {

@@ -80,7 +80,7 @@ fn parse_options() -> Result<Options> {
         }
     }
     ensure!(
-        options.devices % options.edges == 0 && options.devices / options.edges >= 2,
+        options.devices.is_multiple_of(options.edges) && options.devices / options.edges >= 2,
         "--devices must be a multiple of --edges, with at least 2 devices per edge"
     );
     Ok(options)

@@ -94,7 +94,11 @@ async function asynchronousOverTime(page) {
   const marker = await page.textContent("#chart-loss circle title");
   check(/buffer 1's version at [0-9.]+ s/.test(marker), `a marker names its buffer and time: ${marker}`);
   const settings = await page.textContent("#job-settings");
-  check(settings.includes("2 devices train at once; a version every 1 updates"), `the settings: ${settings}`);
+  check(settings.includes("2 devices train at once; a version every update (at least 1"), `the settings: ${settings}`);
+  const legend = await page.textContent("#chart-loss .legend");
+  check(legend.includes("training loss (3 versions)"), `the legend counts versions: ${legend}`);
+  const caption = await page.$eval("#chart-accuracy", (chart) => chart.closest("figure").querySelector("figcaption").textContent);
+  check(caption === "Accuracy per version, over time", `the accuracy chart's caption: ${caption}`);
   await page.screenshot({ path: join(artifacts, "asynchronous-job.png"), fullPage: true });
 }
 
