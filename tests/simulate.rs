@@ -245,7 +245,7 @@ async fn ten_simulated_devices_reproduce_ten_real_agents() -> Result<()> {
 
 #[test]
 fn bad_settings_are_refused_naming_the_setting() -> Result<()> {
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 10] = [
         (
             &["--devices", "10", "--per-round", "11"],
             "--per-round 11 must be between 1 and --devices (10)",
@@ -269,6 +269,14 @@ fn bad_settings_are_refused_naming_the_setting() -> Result<()> {
             &["--step-ms", "10", "--step-spread", "0.5"],
             "--step-spread must be between 1 and 1000",
         ),
+        (
+            &["--per-round", "4", "--buffer-size", "5"],
+            "--buffer-size 5 must be between 1 and --per-round (4), the devices that train at once",
+        ),
+        (
+            &["--buffer-size", "2", "--max-staleness", "0"],
+            "--max-staleness must be at least 1, got 0",
+        ),
     ];
     for (args, expected) in cases {
         let output = simulate(args)?;
@@ -278,6 +286,55 @@ fn bad_settings_are_refused_naming_the_setting() -> Result<()> {
             stderr.contains(expected),
             "{args:?}: expected `{expected}` in:\n{stderr}"
         );
+    }
+    Ok(())
+}
+
+/// `canopy simulate --buffer-size`: an asynchronous job runs to its last
+/// version, and `--curve` writes one row per version, each evaluated.
+#[test]
+fn an_asynchronous_simulation_writes_its_curve() -> Result<()> {
+    let work = tempfile::tempdir()?;
+    let curve = work.path().join("curve.csv");
+    let curve_arg = curve.display().to_string();
+    let args = [
+        "--devices",
+        "8",
+        "--per-round",
+        "6",
+        "--buffer-size",
+        "3",
+        "--rounds",
+        "4",
+        "--partition",
+        "iid",
+        "--curve",
+        &curve_arg,
+    ];
+    let output = simulate(&args)?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    ensure!(
+        output.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    ensure!(stdout.contains("completed: 4 rounds"), "{stdout}");
+    let text = std::fs::read_to_string(&curve)?;
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    ensure!(rows.len() == 4, "one row per version:\n{text}");
+    for (i, row) in rows.iter().enumerate() {
+        ensure!(row[0] == (i + 1).to_string(), "versions in order:\n{text}");
+        let accuracy: f64 = row[2].parse()?;
+        ensure!(
+            (0.0..=1.0).contains(&accuracy),
+            "an evaluated version:\n{text}"
+        );
+        let updates: u32 = row[4].parse()?;
+        ensure!(updates == 3, "a buffer takes exactly its size:\n{text}");
     }
     Ok(())
 }

@@ -1071,6 +1071,8 @@ any_row! {
         id: i64,
         number: i64,
         weight_total: i64,
+        updates_accepted: i64,
+        target_devices: i64,
     }
 }
 
@@ -1083,6 +1085,9 @@ struct FoldTarget {
     /// How many versions behind the target the updates were trained, and
     /// the weight that gives them per sample; `None` in a synchronous round.
     staleness: Option<(i64, f64)>,
+    /// A buffer takes exactly its size: the updates it still has room for
+    /// (at least one); `None` in a synchronous round.
+    room: Option<i64>,
 }
 
 /// A decoded, checked update, ready to fold.
@@ -1129,10 +1134,17 @@ pub async fn accept_updates(
         deadline_ms: round.deadline_ms,
         buffered: round.max_staleness.is_some(),
     };
-    let Some(target) = fold_target(db, &mut tx, round_id, &round).await? else {
-        return Ok(refuse_all(updates, |_| UploadRejection::NoOpenBuffer {
-            round_id,
-        }));
+    let target = match fold_target(db, &mut tx, round_id, &round).await? {
+        Target::Fold(target) => target,
+        Target::Wait => {
+            let why = |_| UploadRejection::NoOpenBuffer { round_id };
+            return Ok(refuse_all(updates, why));
+        }
+        Target::Over => {
+            let reason = "the job made its last version";
+            let why = |_| UploadRejection::Closed { round_id, reason };
+            return Ok(refuse_all(updates, why));
+        }
     };
     let mut weight_total = target.weight_total;
     let stored = update_sum(&mut tx, target.round_id).await?;
@@ -1140,6 +1152,11 @@ pub async fn accept_updates(
     let mut outcomes = Vec::with_capacity(updates.len());
     let (mut accepted, mut bytes_in) = (0i64, 0i64);
     for update in updates {
+        if target.room.is_some_and(|room| accepted >= room) {
+            // Full: the update waits for the next buffer.
+            outcomes.push(Err(UploadRejection::NoOpenBuffer { round_id }));
+            continue;
+        }
         let fold = Fold {
             gate,
             target: &target,
@@ -1185,45 +1202,100 @@ fn refuse_all(
 /// itself, or for a buffer of an asynchronous job the job's buffer that
 /// trains now (locked after the round, as ids ascend: the same order as
 /// every other fold and as [`expire_buffered`]); `None` while the job's
-/// last buffer is being made into a version and the next is not open yet.
+/// last buffer is full or being made into a version and the next is not
+/// open yet ([`Target::Wait`]), or for good ([`Target::Over`]).
 async fn fold_target(
     db: &Db,
     tx: &mut Tx<'_>,
     round_id: i64,
     round: &LockedRound,
-) -> Result<Option<FoldTarget>, sqlx::Error> {
+) -> Result<Target, sqlx::Error> {
     if round.max_staleness.is_none() {
-        return Ok(Some(FoldTarget {
+        return Ok(Target::Fold(FoldTarget {
             round_id,
             weight_total: round.weight_total,
             staleness: None,
+            room: None,
         }));
     }
     let buffer: Option<LockedBuffer> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT id, number, weight_total FROM rounds WHERE job_id = $1 AND state = 'training' \
-         AND max_staleness IS NOT NULL ORDER BY id DESC LIMIT 1{}",
+        "SELECT id, number, weight_total, updates_accepted, target_devices FROM rounds \
+         WHERE job_id = $1 AND state = 'training' AND max_staleness IS NOT NULL \
+         ORDER BY id DESC LIMIT 1{}",
         db.for_update()
     )))
     .bind(round.job_id)
     .fetch_optional(&mut **tx)
     .await?;
-    let Some(buffer) = buffer else {
-        return Ok(None);
+    let job: JobNow =
+        sqlx::query_as("SELECT config, state, rounds_completed FROM jobs WHERE id = $1")
+            .bind(round.job_id)
+            .fetch_one(&mut **tx)
+            .await?;
+    let spec: super::jobs::JobSpec = super::from_json("jobs.config", &job.config)?;
+    // A full buffer is about to close: no buffer has room.
+    let Some(buffer) = buffer.filter(|buffer| buffer.updates_accepted < buffer.target_devices)
+    else {
+        return next_buffer_coming(tx, round.job_id, &job, &spec).await;
     };
-    let config: String = sqlx::query_scalar("SELECT config FROM jobs WHERE id = $1")
-        .bind(round.job_id)
-        .fetch_one(&mut **tx)
-        .await?;
-    let spec: super::jobs::JobSpec = super::from_json("jobs.config", &config)?;
     let staleness = (buffer.number - round.number).max(0);
     let weight = spec.asynchronous.map_or(1.0, |asynchronous| {
         asynchronous.staleness_weight(u64::try_from(staleness).unwrap_or(0))
     });
-    Ok(Some(FoldTarget {
+    Ok(Target::Fold(FoldTarget {
         round_id: buffer.id,
         weight_total: buffer.weight_total,
         staleness: Some((staleness, weight)),
+        room: Some(buffer.target_devices - buffer.updates_accepted),
     }))
+}
+
+/// Where a batch of updates goes.
+enum Target {
+    Fold(FoldTarget),
+    /// The job's buffer is full or becoming a version, and another will
+    /// open: the updates wait for it.
+    Wait,
+    /// No buffer will open again: the job made (or is making) its last
+    /// version, or it has stopped.
+    Over,
+}
+
+any_row! {
+    /// What decides whether an asynchronous job will open another buffer.
+    struct JobNow {
+        config: String,
+        state: super::jobs::JobState as String,
+        rounds_completed: i64,
+    }
+}
+
+/// With no buffer that has room: whether another will open, that is the
+/// job is under way and its newest buffer (or, with none open, its last
+/// version) is not its last.
+async fn next_buffer_coming(
+    tx: &mut Tx<'_>,
+    job_id: i64,
+    job: &JobNow,
+    spec: &super::jobs::JobSpec,
+) -> Result<Target, sqlx::Error> {
+    use super::jobs::JobState;
+    let newest: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT MAX(number) FROM rounds WHERE job_id = $1 AND state IN {OPEN_STATES}"
+    )))
+    .bind(job_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    let under_way = matches!(
+        job.state,
+        JobState::Created | JobState::Running | JobState::Paused
+    );
+    let last = newest.unwrap_or(job.rounds_completed) >= i64::from(spec.rounds);
+    Ok(if under_way && !last {
+        Target::Wait
+    } else {
+        Target::Over
+    })
 }
 
 /// What [`fold_one`] checks an update against, and where it folds.

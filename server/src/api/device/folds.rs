@@ -57,22 +57,36 @@ impl Foldable for AcceptedUpdate {
     }
 
     /// An asynchronous job's updates wait, up to [`MAX_WAIT_FOR_BUFFER`],
-    /// while its last buffer becomes a version and the next is not open
-    /// yet (a refusal that covers the whole batch, since the batch's
-    /// updates all fold into the one buffer).
+    /// while its buffer is full or becoming a version and the next is not
+    /// open yet; those that found room are answered with the rest.
     async fn fold_batch(
         state: &AppState,
         round_id: i64,
         batch: Vec<Self>,
     ) -> Result<Vec<Result<u64, UploadRejection>>, sqlx::Error> {
         let give_up = std::time::Instant::now() + MAX_WAIT_FOR_BUFFER;
+        let mut answers: Vec<Option<Result<u64, UploadRejection>>> = Vec::new();
+        answers.resize_with(batch.len(), || None);
+        let mut waiting: Vec<(usize, Self)> = batch.into_iter().enumerate().collect();
         loop {
-            let outcomes = rounds::accept_updates(&state.db, round_id, &batch).await?;
-            let waiting = outcomes
-                .iter()
-                .any(|outcome| matches!(outcome, Err(UploadRejection::NoOpenBuffer { .. })));
-            if !waiting || std::time::Instant::now() >= give_up {
-                return Ok(outcomes);
+            let (places, updates): (Vec<usize>, Vec<Self>) = waiting.into_iter().unzip();
+            let outcomes = rounds::accept_updates(&state.db, round_id, &updates).await?;
+            let last_try = std::time::Instant::now() >= give_up;
+            waiting = Vec::new();
+            for ((place, update), outcome) in places.into_iter().zip(updates).zip(outcomes) {
+                match outcome {
+                    Err(UploadRejection::NoOpenBuffer { .. }) if !last_try => {
+                        waiting.push((place, update));
+                    }
+                    outcome => answers[place] = Some(outcome),
+                }
+            }
+            if waiting.is_empty() {
+                let no_buffer = || Err(UploadRejection::NoOpenBuffer { round_id });
+                return Ok(answers
+                    .into_iter()
+                    .map(|a| a.unwrap_or_else(no_buffer))
+                    .collect());
             }
             tokio::time::sleep(BUFFER_POLL).await;
         }
