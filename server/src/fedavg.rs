@@ -66,12 +66,8 @@ pub fn check_trainable(model: &Model) -> Result<UpdateLayout, FedAvgError> {
     Ok(layout)
 }
 
-pub fn fold(sum: &mut [f64], weight: u64, update: &[f32]) {
-    fold_weighted(sum, weight as f64, update);
-}
-
-/// Adds `weight · update` to the sum: an asynchronous job's update weighs
-/// its samples times its staleness weight.
+/// Adds `weight · update` to the sum: an update weighs its samples (in an
+/// asynchronous job, times its staleness weight).
 pub fn fold_weighted(sum: &mut [f64], weight: f64, update: &[f32]) {
     debug_assert_eq!(sum.len(), update.len());
     for (total, value) in sum.iter_mut().zip(update) {
@@ -210,8 +206,8 @@ mod tests {
     #[test]
     fn fold_weights_by_samples() {
         let mut sum = vec![0.0; 2];
-        fold(&mut sum, 3, &[1.0, 2.0]);
-        fold(&mut sum, 1, &[-1.0, 0.5]);
+        fold_weighted(&mut sum, 3.0, &[1.0, 2.0]);
+        fold_weighted(&mut sum, 1.0, &[-1.0, 0.5]);
         assert_eq!(sum, vec![2.0, 6.5]);
     }
 }

@@ -227,34 +227,15 @@ pub async fn open_buffer(
     let Some(id) = open_round(tx, new).await? else {
         return Ok(None);
     };
-    let now = now_ms();
-    sqlx::query(
-        "UPDATE rounds SET state = 'training', training_started_ms = $1, deadline_ms = $2 \
-         WHERE id = $3 AND state = 'selecting'",
-    )
-    .bind(now)
-    .bind(deadline_ms)
-    .bind(id)
-    .execute(&mut **tx)
-    .await?;
+    // Training with no devices yet: the orchestrator's top-up selects them.
+    task_state::open::<ParticipantState>(tx, id, &[], deadline_ms).await?;
     Ok(Some(id))
 }
 
 /// Adds devices to a buffer that is training: an asynchronous job keeps
 /// its `concurrency` devices busy as others finish.
 pub async fn top_up(tx: &mut Tx<'_>, round_id: i64, device_ids: &[i64]) -> Result<(), sqlx::Error> {
-    let now = now_ms();
-    for device_id in device_ids {
-        sqlx::query(
-            "INSERT INTO participants (round_id, device_id, state, selected_ms) \
-             VALUES ($1, $2, 'selected', $3)",
-        )
-        .bind(round_id)
-        .bind(device_id)
-        .bind(now)
-        .execute(&mut **tx)
-        .await?;
-    }
+    task_state::select::<ParticipantState>(tx, round_id, device_ids).await?;
     sqlx::query(
         "UPDATE rounds SET selected_count = selected_count + $1 WHERE id = $2 AND state = 'training'",
     )
@@ -1420,13 +1401,7 @@ async fn drop_stale(
     reason: &str,
 ) -> Result<(), sqlx::Error> {
     let columns = [("drop_reason", Value::Text(reason))];
-    let dropped = ParticipantState::Dropped;
-    if task_state::move_pending(tx, round_id, device_id, dropped, &columns).await? {
-        sqlx::query("UPDATE rounds SET dropouts = dropouts + 1 WHERE id = $1")
-            .bind(round_id)
-            .execute(&mut **tx)
-            .await?;
-    }
+    task_state::leave(tx, round_id, device_id, ParticipantState::Dropped, &columns).await?;
     Ok(())
 }
 

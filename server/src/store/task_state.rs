@@ -348,18 +348,10 @@ pub async fn answer<S: TaskState>(
     if admission != Admission::Taken {
         return Ok(admission);
     }
-    if !move_pending(&mut tx, round_id, device_id, to, columns).await? {
+    if !leave(&mut tx, round_id, device_id, to, columns).await? {
         // Under the round's lock only a writer that skips it (none should)
         // can have moved the task since the read: nothing was written.
         return Ok(Admission::Closed);
-    }
-    if let Some(counter) = S::KIND.counter(to.phase()) {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE rounds SET {counter} = {counter} + 1 WHERE id = $1"
-        )))
-        .bind(round_id)
-        .execute(&mut *tx)
-        .await?;
     }
     tx.commit().await?;
     Ok(Admission::Taken)
@@ -381,6 +373,31 @@ pub async fn member_state<S: TaskState>(
     .await?;
     text.map(|text| parse_state(&format!("{table}.state"), text))
         .transpose()
+}
+
+/// Moves a pending task to `to` with `columns`, counting it in the
+/// round's row where the kind keeps a count of that phase (dropouts,
+/// withdrawals); false when it was not pending. The caller holds the
+/// round's row lock.
+pub async fn leave<S: TaskState>(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    device_id: i64,
+    to: S,
+    columns: &[(&'static str, Value<'_>)],
+) -> Result<bool, sqlx::Error> {
+    if !move_pending(tx, round_id, device_id, to, columns).await? {
+        return Ok(false);
+    }
+    if let Some(counter) = S::KIND.counter(to.phase()) {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE rounds SET {counter} = {counter} + 1 WHERE id = $1"
+        )))
+        .bind(round_id)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(true)
 }
 
 /// Moves a pending task to `to` with `columns`; false when it was not
@@ -507,15 +524,13 @@ pub async fn has_task_on_version<S: TaskState>(
     Ok(found.is_some())
 }
 
-/// Opens the round's tasks of this kind for these devices, `selected`,
-/// until `deadline_ms`: the round starts training, or the evaluation of
-/// its version opens (and, with no evaluators, closes at once).
-pub async fn open<S: TaskState>(
+/// Gives these devices a task of this kind in the round, `selected` now;
+/// when, for the round's row.
+pub async fn select<S: TaskState>(
     tx: &mut Tx<'_>,
     round_id: i64,
     device_ids: &[i64],
-    deadline_ms: i64,
-) -> Result<(), sqlx::Error> {
+) -> Result<i64, sqlx::Error> {
     let now = now_ms();
     let insert = format!(
         "INSERT INTO {} (round_id, device_id, state, selected_ms) VALUES ($1, $2, 'selected', $3)",
@@ -529,6 +544,19 @@ pub async fn open<S: TaskState>(
             .execute(&mut **tx)
             .await?;
     }
+    Ok(now)
+}
+
+/// Opens the round's tasks of this kind for these devices, `selected`,
+/// until `deadline_ms`: the round starts training, or the evaluation of
+/// its version opens (and, with no evaluators, closes at once).
+pub async fn open<S: TaskState>(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    device_ids: &[i64],
+    deadline_ms: i64,
+) -> Result<(), sqlx::Error> {
+    let now = select::<S>(tx, round_id, device_ids).await?;
     sqlx::query(S::KIND.open_round_sql())
         .bind(device_ids.len() as i64)
         .bind(now)
