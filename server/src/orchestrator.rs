@@ -227,9 +227,10 @@ async fn open_evaluation_sub_round(
     let evaluating = open_evaluation(state, &mut tx, &round, spec).await?;
     let rounds = i64::from(spec.rounds);
     rounds::succeed(&mut tx, &round, job.current_version_id, rounds, evaluating).await?;
+    let announcing = state.announcing();
     tx.commit().await?;
+    drop(announcing);
     drop(writer);
-    state.tasks_ready.notify_waiters();
     tracing::info!(
         job = job.id,
         round = round_id,
@@ -462,7 +463,9 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
         );
         round = reload(&mut tx, round.id).await?;
     }
+    let announcing = notify_devices.then(|| state.announcing());
     tx.commit().await?;
+    drop(announcing);
     drop(writer);
     if round.is_buffer() && round.state == RoundState::Training {
         let expired = rounds::expire_buffered(&state.db, round.job_id).await?;
@@ -473,9 +476,6 @@ async fn advance(state: &AppState, round_id: i64) -> Result<(), OrchestratorErro
                 "dropped devices past their deadline"
             );
         }
-    }
-    if notify_devices {
-        state.tasks_ready.notify_waiters();
     }
     if notify_secure || notify_devices {
         state.secagg_progress.notify_waiters();
@@ -1286,7 +1286,10 @@ async fn aggregate(
             failure.record(&mut tx, round, max_retries).await?
         }
     };
+    // A version made may open its federated evaluation: tasks for devices.
+    let announcing = (outcome == RoundState::Succeeded).then(|| state.announcing());
     tx.commit().await?;
+    drop(announcing);
     Ok(Some(outcome))
 }
 

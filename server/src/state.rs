@@ -28,7 +28,8 @@ pub struct Inner {
     pub signing: SigningRing,
     pub settings: Settings,
     pub metrics: Arc<Metrics>,
-    /// Woken when rounds select devices, so long polls answer at once.
+    /// Woken when rounds select devices, so long polls answer at once
+    /// (through [`AppState::announcing`], which also refreshes the board).
     pub tasks_ready: Notify,
     /// Woken when an update lands, so the orchestrator can close a full round.
     pub orchestrator_wake: Notify,
@@ -160,6 +161,14 @@ impl AppState {
         self.shutting_down.load(Ordering::Relaxed)
     }
 
+    /// Held across the commit of a transaction that gives devices tasks.
+    /// While it is held no poll trusts the task board; when it drops,
+    /// waiting polls look again and the board is read anew.
+    pub fn announcing(&self) -> Announcing<'_> {
+        self.task_board.selection_begins();
+        Announcing { state: self }
+    }
+
     pub fn cached_layout(&self, version_id: i64) -> Option<Arc<UpdateLayout>> {
         self.layouts.lock().ok()?.get(&version_id).cloned()
     }
@@ -185,5 +194,18 @@ impl AppState {
             }
             layouts.insert(version_id, layout);
         }
+    }
+}
+
+/// A selection being committed; see [`AppState::announcing`].
+#[must_use = "the announcement is made when this drops, after the commit"]
+pub struct Announcing<'a> {
+    state: &'a AppState,
+}
+
+impl Drop for Announcing<'_> {
+    fn drop(&mut self) {
+        self.state.task_board.selection_ends();
+        self.state.tasks_ready.notify_waiters();
     }
 }

@@ -350,6 +350,48 @@ fn a_download_cut_mid_way_resumes_with_a_range_request() -> Result<()> {
     Ok(())
 }
 
+/// A zero-wait check-in is answered from the process's task board when
+/// the device is not on it; a selection committed before the check-in
+/// began must still be seen, however fresh the board was.
+#[test]
+fn a_zero_wait_check_in_sees_its_selection_at_once() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let rt = runtime()?;
+    let admin = server.admin();
+    let (version, token) = rt.block_on(async {
+        let version = admin.upload_model("logreg", logreg_model_bytes(1)).await?;
+        anyhow::Ok((version, admin.enrollment_token(1).await?))
+    })?;
+    let device = enroll_blocking(&server, &token, &server.base, RetryPolicy::default())?;
+    assert_eq!(device.next_task(0)?, None, "no job yet");
+    let job = rt.block_on(admin.create_job(job_spec(&version["id"])))?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // Zero-wait check-ins keep the board fresh until the admin API shows
+    // the selection committed; the check-in after that must find it.
+    let selected = loop {
+        ensure!(Instant::now() < deadline, "job {job} selected nobody");
+        if let Some(task) = device.next_task(0)? {
+            break task;
+        }
+        let rounds = rt.block_on(admin.ok(&format!("/api/v1/jobs/{job}/rounds")))?;
+        let Some(round) = rounds["items"][0]["id"].as_i64() else {
+            continue;
+        };
+        let participants =
+            rt.block_on(admin.ok(&format!("/api/v1/rounds/{round}/participants")))?;
+        if participants["items"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty())
+        {
+            break device
+                .next_task(0)?
+                .context("selected, and the next zero-wait check-in found no task")?;
+        }
+    };
+    assert_eq!(selected.job_id, job);
+    Ok(())
+}
+
 #[test]
 fn cancelling_a_long_poll_returns_promptly() -> Result<()> {
     let server = TestServer::start(Database::Sqlite)?;

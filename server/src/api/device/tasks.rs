@@ -2,6 +2,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::store::rounds::RoundKind;
 use axum::Extension;
@@ -68,13 +69,21 @@ pub async fn next_task(
         // Register interest before looking, so a wake-up between the look
         // and the wait is not lost.
         let woken = state.tasks_ready.notified();
-        // Evaluating a finished round's version is quick and costs no
-        // training, so it goes before the next round's training.
-        if let Some(task) = evaluations::take(&state.db, device.device_id).await? {
-            return Ok(axum::Json(build_evaluation_task(&state, task).await?).into_response());
-        }
-        if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
-            return Ok(axum::Json(build_task(&state, task).await?).into_response());
+        // Most polls of a large fleet come from devices with nothing to do:
+        // the board answers those without a task query of their own.
+        if state
+            .task_board
+            .may_have_task(&state, device.device_id)
+            .await?
+        {
+            // Evaluating a finished round's version is quick and costs no
+            // training, so it goes before the next round's training.
+            if let Some(task) = evaluations::take(&state.db, device.device_id).await? {
+                return Ok(axum::Json(build_evaluation_task(&state, task).await?).into_response());
+            }
+            if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
+                return Ok(axum::Json(build_task(&state, task).await?).into_response());
+            }
         }
         if tokio::time::Instant::now() >= deadline || state.is_shutting_down() {
             return Ok(StatusCode::NO_CONTENT.into_response());
@@ -87,34 +96,73 @@ pub async fn next_task(
     }
 }
 
-/// Which devices have a task waiting, read for all of a process's waiting
-/// polls at once: when this process's orchestrator selects devices
-/// (`tasks_ready`), and at least every `POLL_RECHECK_MS` for rounds opened
-/// by another server process. A waiting poll looks at its own rows only
-/// once its device is on the board, so 10,000 idle polls cost the database
-/// one read per interval instead of two each.
+/// Which devices have a task waiting, read for all of a process's task
+/// polls at once: again after this process's orchestrator selects devices
+/// ([`AppState::announcing`]), and at least every `POLL_RECHECK_MS` for
+/// rounds opened by another server process. A waiting poll looks at its
+/// own rows only once its device is on the board, so 10,000 idle
+/// devices, polling or waiting, cost the database one read per interval
+/// instead of two each per look.
+///
+/// Architecture invariant: a transaction that selects devices commits
+/// while it holds [`AppState::announcing`], so a poll that begins after
+/// the commit sees its tasks; another process's selection is seen within
+/// `POLL_RECHECK_MS`.
 #[derive(Default)]
 pub struct TaskBoard {
     snapshot: tokio::sync::Mutex<Option<BoardSnapshot>>,
+    /// Selections of this process now committing.
+    selecting: AtomicU64,
+    /// Selections of this process done; a snapshot read before the latest
+    /// is stale whatever its age.
+    selections: AtomicU64,
 }
 
 struct BoardSnapshot {
     /// When the read began: it saw every commit before then.
     read_started: tokio::time::Instant,
+    /// `selections` when the read began, or `None` when a selection was
+    /// committing then, which the read may or may not have seen.
+    selections: Option<u64>,
     devices: Arc<HashSet<i64>>,
 }
 
 impl TaskBoard {
-    /// The board as read since `fresh_since`, read again when older; one
-    /// read at a time, which the polls waiting for it then share.
+    pub(crate) fn selection_begins(&self) {
+        self.selecting.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(crate) fn selection_ends(&self) {
+        self.selections.fetch_add(1, Ordering::SeqCst);
+        self.selecting.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// False when the board, at most `POLL_RECHECK_MS` old and read after
+    /// this process's last selection, has no task for `device_id`.
+    pub(crate) async fn may_have_task(&self, state: &AppState, device_id: i64) -> ApiResult<bool> {
+        let interval = std::time::Duration::from_millis(POLL_RECHECK_MS);
+        let now = tokio::time::Instant::now();
+        let fresh_since = now.checked_sub(interval).unwrap_or(now);
+        Ok(self.devices(state, fresh_since).await?.contains(&device_id))
+    }
+
+    /// The board as read since `fresh_since` and after the last selection,
+    /// read again when older; one read at a time, which the polls waiting
+    /// for it then share.
     async fn devices(
         &self,
         state: &AppState,
         fresh_since: tokio::time::Instant,
     ) -> ApiResult<Arc<HashSet<i64>>> {
         let mut snapshot = self.snapshot.lock().await;
+        // Both read before the board is, so a selection that commits
+        // during the read leaves the snapshot stale.
+        let committing = self.selecting.load(Ordering::SeqCst) > 0;
+        let selections = (!committing).then(|| self.selections.load(Ordering::SeqCst));
         if let Some(current) = snapshot.as_ref()
             && current.read_started >= fresh_since
+            && current.selections.is_some()
+            && current.selections == selections
         {
             return Ok(current.devices.clone());
         }
@@ -122,6 +170,7 @@ impl TaskBoard {
         let devices = Arc::new(rounds::devices_with_tasks(&state.db).await?);
         *snapshot = Some(BoardSnapshot {
             read_started,
+            selections,
             devices: devices.clone(),
         });
         Ok(devices)
