@@ -54,8 +54,9 @@ pub struct Inner {
     pub device_requests: Arc<InFlight<i64>>,
     pub device_polls: Arc<InFlight<i64>>,
     pub device_keys: crate::device_keys::DeviceKeys,
-    /// When this process last wrote each device's seen-time.
-    pub seen_marks: crate::store::devices::SeenMarks,
+    /// Signed requests' nonces, written in batches, with each device's
+    /// seen-time.
+    pub nonces: crate::store::devices::NonceBook,
     /// Devices refused at their rate or in-flight cap, until their
     /// `Retry-After` has passed.
     pub throttled_devices: crate::inflight::Throttle<i64>,
@@ -126,7 +127,7 @@ impl AppState {
             device_requests: InFlight::new(limits.max_requests_per_device),
             device_polls: InFlight::new(limits.max_polls_per_device),
             device_keys: Default::default(),
-            seen_marks: Default::default(),
+            nonces: Default::default(),
             throttled_devices: Default::default(),
             folds: Default::default(),
             masked_folds: Default::default(),

@@ -520,6 +520,70 @@ async fn wait_for_rounds(admin: &Admin, job: i64, round: u32) -> Result<Value> {
     }
 }
 
+/// Nonces are written in batches (`NonceBook`): of one signed request sent
+/// eight times at once (the device's in-flight cap) exactly one is taken,
+/// and 64 distinct requests from eight devices sent at once all are.
+async fn nonces_hold_under_concurrency(database: Database) -> Result<()> {
+    let server = TestServer::start(database)?;
+    let token = server.admin().enrollment_token(8).await?;
+    let mut devices = Vec::new();
+    for _ in 0..8 {
+        devices.push(enroll_device(&server, &token).await?);
+    }
+    let path = "/device/v1/heartbeat";
+    let body = Bytes::from_static(b"{}");
+    let sign = |device: &DeviceClient| {
+        auth::sign_request(
+            device.key(),
+            device.device_id,
+            "POST",
+            path,
+            &body,
+            now_ms(),
+        )
+    };
+    let statuses = |sent: Vec<Result<reqwest::Response, SdkError>>| -> Result<Vec<u16>> {
+        Ok(sent
+            .into_iter()
+            .map(|r| r.map(|r| r.status().as_u16()))
+            .collect::<Result<_, _>>()?)
+    };
+
+    let signed = sign(&devices[0]);
+    let replays = futures_util::future::join_all(
+        (0..8).map(|_| devices[0].send_signed(Method::POST, path, body.clone(), &signed)),
+    )
+    .await;
+    let mut replays = statuses(replays)?;
+    replays.sort_unstable();
+    assert_eq!(replays, [200, 401, 401, 401, 401, 401, 401, 401]);
+
+    let requests: Vec<_> = devices
+        .iter()
+        .flat_map(|device| (0..8).map(move |_| device))
+        .map(|device| (device, sign(device)))
+        .collect();
+    let distinct = futures_util::future::join_all(
+        requests
+            .iter()
+            .map(|(device, signed)| device.send_signed(Method::POST, path, body.clone(), signed)),
+    )
+    .await;
+    let distinct = statuses(distinct)?;
+    assert!(distinct.iter().all(|&s| s == 200), "{distinct:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nonces_hold_under_concurrency_on_sqlite() -> Result<()> {
+    nonces_hold_under_concurrency(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nonces_hold_under_concurrency_on_postgres() -> Result<()> {
+    nonces_hold_under_concurrency(Database::Postgres).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn federated_job_on_sqlite() -> Result<()> {
     federated_job_matches_fedavg(Database::Sqlite).await

@@ -2,6 +2,7 @@
 
 use crate::store::row::any_row;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use canopy_protocol::messages::{
     Capabilities, DatasetInfo, DeviceConditions, DeviceRole, GpuAdapter,
@@ -264,36 +265,144 @@ impl SeenMarks {
     }
 }
 
-/// Records a nonce; false when the device already used it (a replay).
-/// A fresh one also marks the device as seen, when [`SeenMarks`] says
-/// its row is due. Each is one statement, committed on its own: a nonce
-/// recorded without the seen-time that follows it costs nothing.
-pub async fn use_nonce(
+/// Most nonces written in one transaction.
+pub const MAX_NONCE_BATCH: usize = 512;
+
+/// The nonces of signed device requests, written with group commit: the
+/// request that takes the writer's turn writes every nonce queued by then
+/// (at most [`MAX_NONCE_BATCH`]) in one transaction, so a fleet's polls
+/// cost the database one commit per batch instead of one each, and a
+/// request behind ten thousand polls waits for a few batches, not for ten
+/// thousand commits. A fresh nonce also marks its device as seen, when
+/// [`SeenMarks`] says its row is due.
+///
+/// Architecture invariant: a nonce is answered fresh only after the
+/// transaction that recorded it committed; the write runs as its own task,
+/// so a request dropped mid-write cannot leave a committed nonce unanswered
+/// or an answered one uncommitted.
+#[derive(Default)]
+pub struct NonceBook {
+    queue: std::sync::Mutex<Vec<PendingNonce>>,
+    writing: Arc<tokio::sync::Mutex<()>>,
+    seen: Arc<SeenMarks>,
+}
+
+struct PendingNonce {
+    device_id: i64,
+    nonce: String,
+    expires_ms: i64,
+    reply: tokio::sync::oneshot::Sender<Result<bool, sqlx::Error>>,
+}
+
+impl NonceBook {
+    /// Records a nonce; false when the device already used it (a replay).
+    pub async fn record(
+        &self,
+        db: &Db,
+        device_id: i64,
+        nonce: &str,
+        expires_ms: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.lock_queue().push(PendingNonce {
+            device_id,
+            nonce: nonce.to_string(),
+            expires_ms,
+            reply,
+        });
+        let turn = self.writing.clone().lock_owned().await;
+        let batch = {
+            let mut queue = self.lock_queue();
+            let take = queue.len().min(MAX_NONCE_BATCH);
+            queue.drain(..take).collect::<Vec<_>>()
+        };
+        // Empty when an earlier turn wrote this request's nonce.
+        if !batch.is_empty() {
+            let (db, seen) = (db.clone(), self.seen.clone());
+            let written = tokio::spawn(async move {
+                let _turn = turn;
+                write_and_answer(&db, &seen, batch).await;
+            });
+            // A panic drops the batch's answers, which ends below.
+            let _ = written.await;
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(sqlx::Error::Protocol(
+                "the nonce writer stopped before answering".into(),
+            ))
+        })
+    }
+
+    fn lock_queue(&self) -> std::sync::MutexGuard<'_, Vec<PendingNonce>> {
+        self.queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Writes a batch and answers each request in it. When the batch's
+/// transaction fails, each nonce is written on its own, so that one bad
+/// row fails only its own request.
+async fn write_and_answer(db: &Db, seen: &SeenMarks, batch: Vec<PendingNonce>) {
+    let rows: Vec<(i64, &str, i64)> = batch
+        .iter()
+        .map(|p| (p.device_id, p.nonce.as_str(), p.expires_ms))
+        .collect();
+    let answers = match insert_nonces(db, seen, &rows).await {
+        Ok(fresh) => fresh.into_iter().map(Ok).collect(),
+        Err(error) if rows.len() == 1 => vec![Err(error)],
+        Err(_) => {
+            let mut answers = Vec::with_capacity(rows.len());
+            for row in &rows {
+                let one = insert_nonces(db, seen, std::slice::from_ref(row)).await;
+                answers.push(one.map(|fresh| fresh.first().copied().unwrap_or(false)));
+            }
+            answers
+        }
+    };
+    for (pending, answer) in batch.into_iter().zip(answers) {
+        // The request may have gone; its nonce stays recorded.
+        let _ = pending.reply.send(answer);
+    }
+}
+
+/// Inserts `(device, nonce, expiry)` rows in one transaction; for each,
+/// whether it was fresh. A device's seen-time is written with its fresh
+/// nonce when due.
+async fn insert_nonces(
     db: &Db,
     seen: &SeenMarks,
-    device_id: i64,
-    nonce: &str,
-    expires_ms: i64,
-) -> Result<bool, sqlx::Error> {
+    rows: &[(i64, &str, i64)],
+) -> Result<Vec<bool>, sqlx::Error> {
     let now = now_ms();
     let _writer = db.write_lock().await;
-    let inserted = sqlx::query(
-        "INSERT INTO device_nonces (device_id, nonce, expires_ms) VALUES ($1, $2, $3) \
-         ON CONFLICT (device_id, nonce) DO NOTHING",
-    )
-    .bind(device_id)
-    .bind(nonce)
-    .bind(expires_ms)
-    .execute(&db.pool)
-    .await?;
-    let fresh = inserted.rows_affected() == 1;
-    if fresh && seen.due(device_id, now) {
-        sqlx::query("UPDATE devices SET last_seen_ms = $1 WHERE id = $2 AND last_seen_ms < $3")
-            .bind(now)
-            .bind(device_id)
-            .bind(now - SEEN_PRECISION_MS)
-            .execute(&db.pool)
-            .await?;
+    let mut tx = db.pool.begin().await?;
+    let mut fresh = Vec::with_capacity(rows.len());
+    let mut marked = Vec::new();
+    for &(device_id, nonce, expires_ms) in rows {
+        let inserted = sqlx::query(
+            "INSERT INTO device_nonces (device_id, nonce, expires_ms) VALUES ($1, $2, $3) \
+             ON CONFLICT (device_id, nonce) DO NOTHING",
+        )
+        .bind(device_id)
+        .bind(nonce)
+        .bind(expires_ms)
+        .execute(&mut *tx)
+        .await?;
+        let is_fresh = inserted.rows_affected() == 1;
+        if is_fresh && seen.due(device_id, now) && !marked.contains(&device_id) {
+            sqlx::query("UPDATE devices SET last_seen_ms = $1 WHERE id = $2 AND last_seen_ms < $3")
+                .bind(now)
+                .bind(device_id)
+                .bind(now - SEEN_PRECISION_MS)
+                .execute(&mut *tx)
+                .await?;
+            marked.push(device_id);
+        }
+        fresh.push(is_fresh);
+    }
+    tx.commit().await?;
+    for device_id in marked {
         seen.record(device_id, now);
     }
     Ok(fresh)

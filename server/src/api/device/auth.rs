@@ -32,7 +32,6 @@ use crate::db::now_ms;
 use crate::device_keys::DeviceKey;
 use crate::inflight::InFlightGuard;
 use crate::state::AppState;
-use crate::store::devices;
 
 /// Bytes reserved up front for a body, whatever its declared length: more
 /// arrive as it is read.
@@ -125,14 +124,10 @@ impl FromRequestParts<AppState> for DeviceAuth {
         // A nonce must outlive every timestamp that could still pass the
         // clock check, so it is kept for twice the allowed skew.
         let expires_ms = now_ms() + 2 * auth::MAX_CLOCK_SKEW_MS as i64;
-        if !devices::use_nonce(
-            &state.db,
-            &state.seen_marks,
-            device_id,
-            &request.nonce,
-            expires_ms,
-        )
-        .await?
+        if !state
+            .nonces
+            .record(&state.db, device_id, &request.nonce, expires_ms)
+            .await?
         {
             return Err(ApiError::unauthorized(format!(
                 "replayed request: device {} already used nonce {}",
