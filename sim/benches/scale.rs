@@ -21,7 +21,7 @@
 //! ```text
 //! cargo build --release -p canopy-agent -p canopy-server --bin canopy-agent --bin canopy-server
 //! cargo bench -p canopy-sim --bench scale
-//! cargo bench -p canopy-sim --bench scale -- --devices 100000 --per-round 10000 --edges 20 --sweep 1000,10000,100000
+//! cargo bench -p canopy-sim --bench scale -- --devices 100000 --per-round 10000 --edges 20 --rounds 1 --sweep 1000,100000
 //! ```
 
 #[path = "../../server/tests/support/mod.rs"]
