@@ -340,9 +340,9 @@ impl NonceBook {
     }
 }
 
-/// Writes a batch and answers each request in it. When the batch's
-/// transaction fails, each nonce is written on its own, so that one bad
-/// row fails only its own request.
+/// Writes a batch and answers each request in it. When the database
+/// refuses the batch's transaction, each nonce is written on its own, so
+/// that one bad row fails only its own request.
 async fn write_and_answer(db: &Db, seen: &SeenMarks, batch: Vec<PendingNonce>) {
     let rows: Vec<(i64, &str, i64)> = batch
         .iter()
@@ -351,7 +351,8 @@ async fn write_and_answer(db: &Db, seen: &SeenMarks, batch: Vec<PendingNonce>) {
     let answers = match insert_nonces(db, seen, &rows).await {
         Ok(fresh) => fresh.into_iter().map(Ok).collect(),
         Err(error) if rows.len() == 1 => vec![Err(error)],
-        Err(_) => {
+        // A statement the database refused: one row's fault, maybe.
+        Err(sqlx::Error::Database(_)) => {
             let mut answers = Vec::with_capacity(rows.len());
             for row in &rows {
                 let one = insert_nonces(db, seen, std::slice::from_ref(row)).await;
@@ -359,10 +360,23 @@ async fn write_and_answer(db: &Db, seen: &SeenMarks, batch: Vec<PendingNonce>) {
             }
             answers
         }
+        // The database itself (unreachable, its pool exhausted): every
+        // request gets the error at once, not one timeout each in turn.
+        Err(error) => rows.iter().map(|_| Err(same_error(&error))).collect(),
     };
     for (pending, answer) in batch.into_iter().zip(answers) {
         // The request may have gone; its nonce stays recorded.
         let _ = pending.reply.send(answer);
+    }
+}
+
+/// `error` again, for another request: sqlx errors are not `Clone`. The
+/// kinds answered differently (a busy pool is 503) stay what they were.
+fn same_error(error: &sqlx::Error) -> sqlx::Error {
+    match error {
+        sqlx::Error::PoolTimedOut => sqlx::Error::PoolTimedOut,
+        sqlx::Error::PoolClosed => sqlx::Error::PoolClosed,
+        other => sqlx::Error::Protocol(other.to_string()),
     }
 }
 
