@@ -4,6 +4,8 @@ use crate::store::row::any_row;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use tokio::sync::oneshot::error::TryRecvError;
+
 use canopy_protocol::messages::{
     Capabilities, DatasetInfo, DeviceConditions, DeviceRole, GpuAdapter,
 };
@@ -310,14 +312,21 @@ impl NonceBook {
             expires_ms,
             reply,
         });
-        let turn = self.writing.clone().lock_owned().await;
-        let batch = {
-            let mut queue = self.lock_queue();
-            let take = queue.len().min(MAX_NONCE_BATCH);
-            queue.drain(..take).collect::<Vec<_>>()
-        };
-        // Empty when an earlier turn wrote this request's nonce.
-        if !batch.is_empty() {
+        let mut answer = answer;
+        // A turn writes the oldest nonces queued, which may not include
+        // this one when more than a batch waits (and the requests behind
+        // them may have gone): take turns until it is answered.
+        loop {
+            let turn = self.writing.clone().lock_owned().await;
+            let batch = {
+                let mut queue = self.lock_queue();
+                let take = queue.len().min(MAX_NONCE_BATCH);
+                queue.drain(..take).collect::<Vec<_>>()
+            };
+            // Empty: an earlier turn, now ended, answered this nonce.
+            if batch.is_empty() {
+                break;
+            }
             let (db, seen) = (db.clone(), self.seen.clone());
             let written = tokio::spawn(async move {
                 let _turn = turn;
@@ -325,6 +334,11 @@ impl NonceBook {
             });
             // A panic drops the batch's answers, which ends below.
             let _ = written.await;
+            match answer.try_recv() {
+                Ok(answered) => return answered,
+                Err(TryRecvError::Empty) => {}
+                Err(TryRecvError::Closed) => break,
+            }
         }
         answer.await.unwrap_or_else(|_| {
             Err(sqlx::Error::Protocol(
