@@ -1,0 +1,259 @@
+//! Benchmark: asynchronous (FedBuff) against synchronous rounds with slow
+//! devices, over several draws of the devices' speeds, in one run.
+//!
+//! For each seed, `canopy simulate` runs the same job twice on MNIST-10k
+//! (IID over 20 devices, the MLP 784-128-10): synchronously, 20 devices a
+//! round for `--rounds` rounds, then asynchronously, all 20 training at
+//! once and a version every `--buffer-size` updates. Each device's time
+//! per step is drawn log-normal from the seed (median `--step-ms`, the
+//! slowest exactly `--spread` times the fastest), so a synchronous round
+//! waits for its slowest device. The seed also deals the data, draws the
+//! starting model and keys the devices: both runs of a seed share all of
+//! it.
+//!
+//! Figures, per seed: the synchronous run's final central accuracy and
+//! wall time, the time the asynchronous run first reaches that accuracy,
+//! and their ratio (the issue's target: at most 0.5); then the median
+//! ratio and how many seeds met it. Both runs' learning curves (each
+//! version's seconds since the job started, central accuracy and loss) are
+//! written under `--out` when it is given.
+//!
+//! ```text
+//! cargo bench -p canopy-cli --bench fedbuff
+//! cargo bench -p canopy-cli --bench fedbuff -- --seeds 7,8,9,10,11 --out fedbuff-curves
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail, ensure};
+
+const CANOPY: &str = env!("CARGO_BIN_EXE_canopy");
+/// The dataset, relative to the workspace root (the bench runs in `cli/`).
+const DATA: &str = "../datasets/mnist-10k";
+/// Most seeds one run takes: each costs about a minute and a half.
+const MAX_SEEDS: usize = 100;
+
+struct Options {
+    seeds: Vec<u64>,
+    rounds: u32,
+    buffer_size: u32,
+    versions: u32,
+    step_ms: f64,
+    spread: f64,
+    out: Option<PathBuf>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            seeds: vec![7, 8, 9, 10, 11],
+            rounds: 30,
+            buffer_size: 10,
+            versions: 120,
+            step_ms: 20.0,
+            spread: 10.0,
+            out: None,
+        }
+    }
+}
+
+fn parse_options() -> Result<Options> {
+    let mut options = Options::default();
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        // `cargo bench` passes `--bench` to every bench binary.
+        if flag == "--bench" {
+            continue;
+        }
+        let mut value = || args.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--seeds" => {
+                options.seeds = value()?
+                    .split(',')
+                    .map(|seed| {
+                        seed.trim()
+                            .parse()
+                            .context("--seeds: a comma-separated list of integers")
+                    })
+                    .collect::<Result<_>>()?;
+            }
+            "--rounds" => options.rounds = value()?.parse().context("--rounds")?,
+            "--buffer-size" => options.buffer_size = value()?.parse().context("--buffer-size")?,
+            "--versions" => options.versions = value()?.parse().context("--versions")?,
+            "--step-ms" => options.step_ms = value()?.parse().context("--step-ms")?,
+            "--spread" => options.spread = value()?.parse().context("--spread")?,
+            "--out" => options.out = Some(PathBuf::from(value()?)),
+            other => bail!(
+                "unknown option {other}; the options are --seeds, --rounds, --buffer-size, \
+                 --versions, --step-ms, --spread and --out"
+            ),
+        }
+    }
+    ensure!(
+        (1..=MAX_SEEDS).contains(&options.seeds.len()),
+        "--seeds takes 1 to {MAX_SEEDS} seeds, got {}",
+        options.seeds.len()
+    );
+    Ok(options)
+}
+
+/// One version of a learning curve.
+struct Point {
+    seconds: f64,
+    accuracy: f64,
+}
+
+/// Reads `canopy simulate --curve`'s CSV: version, seconds, central
+/// accuracy, then columns this bench does not use.
+fn read_curve(path: &Path) -> Result<Vec<Point>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the learning curve {}", path.display()))?;
+    let mut points = Vec::new();
+    for (number, line) in text.lines().enumerate().skip(1) {
+        let fields: Vec<&str> = line.split(',').collect();
+        let field = |i: usize| -> Result<f64> {
+            fields
+                .get(i)
+                .and_then(|value| value.parse().ok())
+                .with_context(|| {
+                    format!(
+                        "{} line {}: column {i} is not a number",
+                        path.display(),
+                        number + 1
+                    )
+                })
+        };
+        points.push(Point {
+            seconds: field(1)?,
+            accuracy: field(2)?,
+        });
+    }
+    ensure!(!points.is_empty(), "{} has no versions", path.display());
+    Ok(points)
+}
+
+/// Runs one simulated job and returns its curve.
+fn simulate(options: &Options, seed: u64, mode: &[String], curve: &Path) -> Result<Vec<Point>> {
+    let output = Command::new(CANOPY)
+        .arg("simulate")
+        .args(["--devices", "20", "--per-round", "20", "--data", DATA])
+        .args(["--partition", "iid", "--hidden", "128"])
+        .args(["--seed", &seed.to_string()])
+        .args(["--step-ms", &options.step_ms.to_string()])
+        .args(["--step-spread", &options.spread.to_string()])
+        .args(mode)
+        .arg("--curve")
+        .arg(curve)
+        .output()
+        .context("cannot start `canopy simulate`")?;
+    ensure!(
+        output.status.success(),
+        "`canopy simulate --seed {seed} {}` failed: {}",
+        mode.join(" "),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    read_curve(curve)
+}
+
+/// What one seed measured.
+struct Comparison {
+    seed: u64,
+    sync_accuracy: f64,
+    sync_seconds: f64,
+    async_seconds: Option<f64>,
+    async_final_accuracy: f64,
+}
+
+impl Comparison {
+    fn ratio(&self) -> Option<f64> {
+        self.async_seconds
+            .map(|seconds| seconds / self.sync_seconds)
+    }
+}
+
+fn compare(options: &Options, seed: u64, folder: &Path) -> Result<Comparison> {
+    let sync_mode = vec!["--rounds".to_string(), options.rounds.to_string()];
+    let sync_curve = folder.join(format!("sync-seed{seed}.csv"));
+    let sync = simulate(options, seed, &sync_mode, &sync_curve)?;
+    let async_mode = vec![
+        "--buffer-size".to_string(),
+        options.buffer_size.to_string(),
+        "--rounds".to_string(),
+        options.versions.to_string(),
+    ];
+    let async_curve = folder.join(format!("async-seed{seed}.csv"));
+    let asynchronous = simulate(options, seed, &async_mode, &async_curve)?;
+    let last = sync.last().expect("read_curve refuses an empty curve");
+    let reached = asynchronous
+        .iter()
+        .find(|point| point.accuracy >= last.accuracy)
+        .map(|point| point.seconds);
+    Ok(Comparison {
+        seed,
+        sync_accuracy: last.accuracy,
+        sync_seconds: last.seconds,
+        async_seconds: reached,
+        async_final_accuracy: asynchronous.last().map_or(0.0, |point| point.accuracy),
+    })
+}
+
+fn main() -> Result<()> {
+    let options = parse_options()?;
+    ensure!(
+        Path::new(DATA).is_dir(),
+        "{DATA} is missing: run the bench from the workspace with `cargo bench -p canopy-cli --bench fedbuff`"
+    );
+    let scratch = tempfile::tempdir()?;
+    let folder = match &options.out {
+        Some(out) => {
+            std::fs::create_dir_all(out)
+                .with_context(|| format!("cannot create {}", out.display()))?;
+            out.clone()
+        }
+        None => scratch.path().to_path_buf(),
+    };
+    println!(
+        "fedbuff: 20 devices, MNIST-10k IID, MLP 784-128-10, step {} ms median, slowest {}x the fastest; \
+         synchronous {} rounds against buffers of {} ({} versions)",
+        options.step_ms, options.spread, options.rounds, options.buffer_size, options.versions
+    );
+    println!(
+        "{:>5} {:>10} {:>9} {:>14} {:>7} {:>12}",
+        "seed", "sync final", "sync s", "async reaches", "ratio", "async final"
+    );
+    let started = Instant::now();
+    let mut ratios = Vec::new();
+    for &seed in &options.seeds {
+        let comparison = compare(&options, seed, &folder)?;
+        let reached = comparison
+            .async_seconds
+            .map_or("never".to_string(), |seconds| format!("{seconds:.1} s"));
+        let ratio = comparison
+            .ratio()
+            .map_or("-".to_string(), |ratio| format!("{ratio:.2}"));
+        println!(
+            "{:>5} {:>10.4} {:>9.1} {:>14} {:>7} {:>12.4}",
+            comparison.seed,
+            comparison.sync_accuracy,
+            comparison.sync_seconds,
+            reached,
+            ratio,
+            comparison.async_final_accuracy
+        );
+        ratios.push(comparison.ratio().unwrap_or(f64::INFINITY));
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios[ratios.len() / 2];
+    let met = ratios.iter().filter(|&&ratio| ratio <= 0.5).count();
+    println!(
+        "median ratio {median:.2}; at most 0.5 on {met} of {} seeds ({:.0} s in all)",
+        ratios.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(out) = &options.out {
+        println!("curves written to {}", out.display());
+    }
+    Ok(())
+}
