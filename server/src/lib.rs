@@ -19,6 +19,7 @@ pub mod db;
 pub mod device_keys;
 pub mod fedavg;
 pub mod file_modes;
+pub mod group_commit;
 pub mod inflight;
 pub mod metrics;
 pub mod migrations;

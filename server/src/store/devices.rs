@@ -4,7 +4,7 @@ use crate::store::row::any_row;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use tokio::sync::oneshot::error::TryRecvError;
+use crate::group_commit::GroupCommit;
 
 use canopy_protocol::messages::{
     Capabilities, DatasetInfo, DeviceConditions, DeviceRole, GpuAdapter,
@@ -270,22 +270,21 @@ impl SeenMarks {
 /// Most nonces written in one transaction.
 pub const MAX_NONCE_BATCH: usize = 512;
 
-/// The nonces of signed device requests, written with group commit: the
-/// request that takes the writer's turn writes every nonce queued by then
-/// (at most [`MAX_NONCE_BATCH`]) in one transaction, so a fleet's polls
-/// cost the database one commit per batch instead of one each, and a
-/// request behind ten thousand polls waits for a few batches, not for ten
-/// thousand commits. A fresh nonce also marks its device as seen, when
-/// [`SeenMarks`] says its row is due.
+/// The nonces of signed device requests, written with group commit
+/// ([`crate::group_commit`]): one worker writes every nonce queued by its
+/// turn (at most [`MAX_NONCE_BATCH`]) in one transaction, so a fleet's
+/// polls cost the database one commit per batch instead of one each, and
+/// a request behind ten thousand polls waits for a few batches, not for
+/// ten thousand commits. A fresh nonce also marks its device as seen,
+/// when [`SeenMarks`] says its row is due.
 ///
 /// Architecture invariant: a nonce is answered fresh only after the
-/// transaction that recorded it committed; the write runs as its own task,
-/// so a request dropped mid-write cannot leave a committed nonce unanswered
+/// transaction that recorded it committed; the worker is its own task, so
+/// a request dropped mid-write cannot leave a committed nonce unanswered
 /// or an answered one uncommitted.
 #[derive(Default)]
 pub struct NonceBook {
-    queue: std::sync::Mutex<Vec<PendingNonce>>,
-    writing: Arc<tokio::sync::Mutex<()>>,
+    queue: GroupCommit<(), PendingNonce, Result<bool, sqlx::Error>>,
     seen: Arc<SeenMarks>,
 }
 
@@ -293,7 +292,6 @@ struct PendingNonce {
     device_id: i64,
     nonce: String,
     expires_ms: i64,
-    reply: tokio::sync::oneshot::Sender<Result<bool, sqlx::Error>>,
 }
 
 impl NonceBook {
@@ -305,64 +303,40 @@ impl NonceBook {
         nonce: &str,
         expires_ms: i64,
     ) -> Result<bool, sqlx::Error> {
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        self.lock_queue().push(PendingNonce {
+        let pending = PendingNonce {
             device_id,
             nonce: nonce.to_string(),
             expires_ms,
-            reply,
-        });
-        let mut answer = answer;
-        // A turn writes the oldest nonces queued, which may not include
-        // this one when more than a batch waits (and the requests behind
-        // them may have gone): take turns until it is answered.
-        loop {
-            let turn = self.writing.clone().lock_owned().await;
-            let batch = {
-                let mut queue = self.lock_queue();
-                let take = queue.len().min(MAX_NONCE_BATCH);
-                queue.drain(..take).collect::<Vec<_>>()
-            };
-            // Empty: an earlier turn, now ended, answered this nonce.
-            if batch.is_empty() {
-                break;
-            }
-            let (db, seen) = (db.clone(), self.seen.clone());
-            let written = tokio::spawn(async move {
-                let _turn = turn;
-                write_and_answer(&db, &seen, batch).await;
-            });
-            // A panic drops the batch's answers, which ends below.
-            let _ = written.await;
-            match answer.try_recv() {
-                Ok(answered) => return answered,
-                Err(TryRecvError::Empty) => {}
-                Err(TryRecvError::Closed) => break,
-            }
-        }
-        answer.await.unwrap_or_else(|_| {
-            Err(sqlx::Error::Protocol(
-                "the nonce writer stopped before answering".into(),
-            ))
-        })
-    }
-
-    fn lock_queue(&self) -> std::sync::MutexGuard<'_, Vec<PendingNonce>> {
+        };
+        let (db, seen) = (db.clone(), self.seen.clone());
+        let write = move |(), batch| {
+            let (db, seen) = (db.clone(), seen.clone());
+            async move { write_nonces(&db, &seen, batch).await }
+        };
         self.queue
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .submit((), pending, MAX_NONCE_BATCH, write)
+            .await
+            .unwrap_or_else(|| {
+                Err(sqlx::Error::Protocol(
+                    "the nonce writer stopped before answering".into(),
+                ))
+            })
     }
 }
 
-/// Writes a batch and answers each request in it. When the database
-/// refuses the batch's transaction, each nonce is written on its own, so
-/// that one bad row fails only its own request.
-async fn write_and_answer(db: &Db, seen: &SeenMarks, batch: Vec<PendingNonce>) {
+/// Writes a batch: for each nonce in order, whether it was fresh. When the
+/// database refuses the batch's transaction, each nonce is written on its
+/// own, so that one bad row fails only its own request.
+async fn write_nonces(
+    db: &Db,
+    seen: &SeenMarks,
+    batch: Vec<PendingNonce>,
+) -> Vec<Result<bool, sqlx::Error>> {
     let rows: Vec<(i64, &str, i64)> = batch
         .iter()
         .map(|p| (p.device_id, p.nonce.as_str(), p.expires_ms))
         .collect();
-    let answers = match insert_nonces(db, seen, &rows).await {
+    match insert_nonces(db, seen, &rows).await {
         Ok(fresh) => fresh.into_iter().map(Ok).collect(),
         Err(error) if rows.len() == 1 => vec![Err(error)],
         // A statement the database refused: one row's fault, maybe.
@@ -377,10 +351,6 @@ async fn write_and_answer(db: &Db, seen: &SeenMarks, batch: Vec<PendingNonce>) {
         // The database itself (unreachable, its pool exhausted): every
         // request gets the error at once, not one timeout each in turn.
         Err(error) => rows.iter().map(|_| Err(same_error(&error))).collect(),
-    };
-    for (pending, answer) in batch.into_iter().zip(answers) {
-        // The request may have gone; its nonce stays recorded.
-        let _ = pending.reply.send(answer);
     }
 }
 

@@ -7,23 +7,17 @@
 //! the commit, so an upload is acknowledged only once it is committed
 //! (what a commit survives: ARCHITECTURE.md, "What a commit survives"). Plain
 //! updates, secure rounds' masked inputs and their smaller stage messages
-//! (keys, shares, signatures, revealed shares) each have a queue, and this
-//! one loop drains them all ([`Foldable`]).
+//! (keys, shares, signatures, revealed shares) each have a queue
+//! ([`Foldable`]), drained by the server's one group commit
+//! ([`crate::group_commit`]).
 
-use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::Mutex;
-
-use tokio::sync::oneshot;
 
 use crate::api::error::ApiError;
+use crate::group_commit::GroupCommit;
 use crate::state::AppState;
 use crate::store::rounds::{self, AcceptedUpdate, UploadRejection};
 use canopy_term::error_chain as chain;
-
-type Reply<R> = oneshot::Sender<Result<u64, FoldError<R>>>;
-/// An item waiting in a round's queue, and where its answer goes.
-type Queued<T> = (T, Reply<<T as Foldable>::Refusal>);
 
 #[derive(Debug)]
 pub enum FoldError<R> {
@@ -99,26 +93,9 @@ pub const MAX_WAIT_FOR_BUFFER: std::time::Duration = std::time::Duration::from_s
 /// How often a waiting update looks for the next buffer.
 const BUFFER_POLL: std::time::Duration = std::time::Duration::from_millis(10);
 
-pub struct FoldQueue<T: Foldable> {
-    inner: Mutex<Queues<T>>,
-}
-
-impl<T: Foldable> Default for FoldQueue<T> {
-    fn default() -> Self {
-        FoldQueue {
-            inner: Mutex::new(Queues {
-                pending: HashMap::new(),
-                active: HashSet::new(),
-            }),
-        }
-    }
-}
-
-struct Queues<T: Foldable> {
-    pending: HashMap<i64, Vec<Queued<T>>>,
-    /// Rounds with a worker draining them.
-    active: HashSet<i64>,
-}
+/// A kind's queues of items by round, each answered with how many the
+/// round had accepted with it, or why not.
+pub type FoldQueue<T> = GroupCommit<i64, T, Result<u64, FoldError<<T as Foldable>::Refusal>>>;
 
 /// Queues an item and waits until it is committed or refused.
 pub async fn submit<T: Foldable>(
@@ -126,69 +103,47 @@ pub async fn submit<T: Foldable>(
     round_id: i64,
     item: T,
 ) -> Result<u64, FoldError<T::Refusal>> {
-    let (reply, answer) = oneshot::channel();
-    let start_worker = {
-        let mut queues = T::queue(state)
-            .inner
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        queues
-            .pending
-            .entry(round_id)
-            .or_default()
-            .push((item, reply));
-        queues.active.insert(round_id)
-    };
-    if start_worker {
-        tokio::spawn(drain::<T>(state.clone(), round_id));
-    }
-    answer.await.unwrap_or_else(|_| {
-        Err(FoldError::Failed(ApiError::internal(
-            "the fold worker stopped",
-        )))
-    })
+    let worker_state = state.clone();
+    let max_batch = state.settings.limits.max_fold_batch;
+    let write = move |round_id, items| fold_and_answer(worker_state.clone(), round_id, items);
+    T::queue(state)
+        .submit(round_id, item, max_batch, write)
+        .await
+        .unwrap_or_else(|| {
+            Err(FoldError::Failed(ApiError::internal(
+                "the fold worker stopped",
+            )))
+        })
 }
 
-/// Folds batches until the round's queue is empty, then retires. Taking
-/// the batch and retiring happen under the same lock as `submit`'s check,
-/// so an update is never left queued without a worker.
-async fn drain<T: Foldable>(state: AppState, round_id: i64) {
-    loop {
-        let batch = {
-            let mut queues = T::queue(&state)
-                .inner
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            let queue = queues.pending.entry(round_id).or_default();
-            if queue.is_empty() {
-                queues.pending.remove(&round_id);
-                queues.active.remove(&round_id);
-                return;
-            }
-            let take = queue.len().min(state.settings.limits.max_fold_batch);
-            queue.drain(..take).collect::<Vec<_>>()
-        };
-        let (items, replies): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
-        match T::fold_batch(&state, round_id, items).await {
-            Ok(outcomes) => {
-                for (reply, outcome) in replies.into_iter().zip(outcomes) {
-                    let _ = reply.send(outcome.map_err(FoldError::Refused));
-                }
-                state.orchestrator_wake.notify_one();
-            }
-            Err(error) => {
-                let busy = matches!(error, sqlx::Error::PoolTimedOut);
-                let message = chain(&error);
-                tracing::error!(round = round_id, error = %message, "cannot fold a batch");
-                for reply in replies {
-                    let failure = if busy {
-                        ApiError::unavailable("the database is busy; retry the upload shortly")
-                    } else {
-                        ApiError::internal(format!("cannot commit the batch: {message}"))
-                    };
-                    let _ = reply.send(Err(FoldError::Failed(failure)));
-                }
-            }
+/// Folds one batch into its round in one transaction and answers each
+/// item; a failure of the transaction answers every item with it.
+async fn fold_and_answer<T: Foldable>(
+    state: AppState,
+    round_id: i64,
+    items: Vec<T>,
+) -> Vec<Result<u64, FoldError<T::Refusal>>> {
+    let count = items.len();
+    match T::fold_batch(&state, round_id, items).await {
+        Ok(outcomes) => {
+            state.orchestrator_wake.notify_one();
+            outcomes
+                .into_iter()
+                .map(|outcome| outcome.map_err(FoldError::Refused))
+                .collect()
+        }
+        Err(error) => {
+            let busy = matches!(error, sqlx::Error::PoolTimedOut);
+            let message = chain(&error);
+            tracing::error!(round = round_id, error = %message, "cannot fold a batch");
+            let failure = || {
+                FoldError::Failed(if busy {
+                    ApiError::unavailable("the database is busy; retry the upload shortly")
+                } else {
+                    ApiError::internal(format!("cannot commit the batch: {message}"))
+                })
+            };
+            (0..count).map(|_| Err(failure())).collect()
         }
     }
 }
