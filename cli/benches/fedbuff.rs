@@ -185,7 +185,8 @@ fn compare(options: &Options, seed: u64, folder: &Path) -> Result<Comparison> {
     ];
     let async_curve = folder.join(format!("async-seed{seed}.csv"));
     let asynchronous = simulate(options, seed, &async_mode, &async_curve)?;
-    let last = sync.last().expect("read_curve refuses an empty curve");
+    let non_empty = "read_curve refuses an empty curve";
+    let last = sync.last().expect(non_empty);
     let reached = asynchronous
         .iter()
         .find(|point| point.accuracy >= last.accuracy)
@@ -195,7 +196,7 @@ fn compare(options: &Options, seed: u64, folder: &Path) -> Result<Comparison> {
         sync_accuracy: last.accuracy,
         sync_seconds: last.seconds,
         async_seconds: reached,
-        async_final_accuracy: asynchronous.last().map_or(0.0, |point| point.accuracy),
+        async_final_accuracy: asynchronous.last().expect(non_empty).accuracy,
     })
 }
 
