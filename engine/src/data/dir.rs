@@ -93,7 +93,7 @@ pub const DATASET_LAYOUTS: &str = "train-images*/train-labels* + test-* IDX or .
      train*.csv[.gz] + test*.csv[.gz], or a single .csv[.gz]";
 
 /// Regular file names in `dir`, sorted, skipping hidden files.
-fn list_files(dir: &Path) -> EngineResult<Vec<String>> {
+pub(crate) fn list_files(dir: &Path) -> EngineResult<Vec<String>> {
     // `read_dir` on a file says only "Not a directory": name the mix-up.
     if std::fs::metadata(dir).is_ok_and(|meta| meta.is_file()) {
         let cause = format!(

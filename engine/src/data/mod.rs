@@ -22,6 +22,7 @@ pub mod limits;
 mod npy;
 mod partition;
 mod read;
+mod shakespeare;
 
 pub use batch::{Batch, Batches};
 pub use csv::{
@@ -35,6 +36,7 @@ pub use partition::{
     DEFAULT_MIN_CLIENT_SAMPLES, DirichletOptions, partition_by_label, partition_dirichlet,
     partition_dirichlet_sized, partition_dirichlet_with, partition_iid,
 };
+pub use shakespeare::{CHARACTERS, Part, Role, VOCABULARY_SIZE, char_index, load_shakespeare};
 
 use std::path::Path;
 
