@@ -240,6 +240,11 @@ struct TieredRun {
 
 impl TieredRun {
     async fn run(sending: Sending) -> Result<TieredRun> {
+        TieredRun::run_with(sending, |_| {}).await
+    }
+
+    /// [`TieredRun::run`] with the job's spec changed by `adjust` first.
+    async fn run_with(sending: Sending, adjust: impl FnOnce(&mut Value)) -> Result<TieredRun> {
         let cloud = TestServer::start(Database::Sqlite)?;
         let cloud_admin = cloud.admin();
         let (edges, fleets, _) = tiered_fleet(&cloud, EDGES, DEVICES_PER_EDGE).await?;
@@ -256,6 +261,7 @@ impl TieredRun {
         if sending == Sending::Secure {
             spec["secure_aggregation"] = json!({"enabled": true});
         }
+        adjust(&mut spec);
         let job = cloud_admin.create_job(spec).await?;
         let finished = completed(&cloud_admin, job, &edges).await?;
         let mut sent = Vec::new();
@@ -313,6 +319,35 @@ async fn a_tiered_job_equals_flat_fedavg_over_every_end_device() -> Result<()> {
                 .any(|leak| leak.starts_with(tier) && leak.contains(what)),
             "the scan of a plain job finds no {what} at {tier}: {leaks:#?}"
         );
+    }
+    Ok(())
+}
+
+/// The same fleet under an asynchronous job (FedBuff at the cloud over
+/// its edges): as many edges train at once as a buffer takes, and an edge
+/// that finished waits for the next buffer, so every buffer holds each
+/// edge's sub-round on the newest version, none stale, and the job is
+/// flat FedAvg again, to 1e-6, through the real edges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_asynchronous_job_buffers_its_edges_results() -> Result<()> {
+    let run = TieredRun::run_with(Sending::Plain, |spec| {
+        spec["asynchronous"] = json!({"concurrency": EDGES, "max_staleness": 1});
+    })
+    .await?;
+    ensure!(
+        run.distance <= 1e-6,
+        "the buffered tiered model is {} from flat FedAvg",
+        run.distance
+    );
+    let rounds = run
+        .cloud
+        .admin()
+        .ok(&format!("/api/v1/jobs/{}/rounds", run.job))
+        .await?;
+    let buffers = rounds["items"].as_array().map_or(0, Vec::len);
+    ensure!(buffers == ROUNDS as usize, "{rounds}");
+    for round in rounds["items"].as_array().into_iter().flatten() {
+        ensure!(round["max_staleness"] == 1, "not a buffer: {round}");
     }
     Ok(())
 }

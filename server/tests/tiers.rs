@@ -291,6 +291,98 @@ async fn secure_rounds_take_no_plain_partial(
     Ok(())
 }
 
+/// An asynchronous tiered job: the cloud buffers its edges' results
+/// (FedBuff over aggregators). Two aggregators train at once, a buffer
+/// takes one result: the first makes version 1, and the second, trained
+/// on version 0, lands in the next buffer one version stale, weighing
+/// 1/√2 of its own mean.
+async fn asynchronous_tiers(database: Database) -> Result<()> {
+    let server = TestServer::start(database)?;
+    let admin = server.admin();
+    let base_bytes = support::logreg_model_bytes(5);
+    let base = canopy_ir::format::read_model(&base_bytes)?;
+    let version = admin.upload_model("buffered", base_bytes).await?;
+    let token = admin.enrollment_token_for("aggregator", 2).await?;
+    let first = enroll_aggregator(&server, &token).await?;
+    let second = enroll_aggregator(&server, &token).await?;
+    let mut spec = tiered_spec(&version, edges());
+    spec["name"] = json!("buffered");
+    spec["rounds"] = json!(2);
+    spec["min_devices"] = json!(1);
+    spec["target_devices"] = json!(1);
+    spec["asynchronous"] = json!({"concurrency": 2, "max_staleness": 2});
+    let job = admin.create_job(spec).await?;
+    let task = poll_task(&first).await?;
+    let other = poll_task(&second).await?;
+    ensure!(
+        task.sub_round.is_some() && other.sub_round.is_some() && task.round_id == other.round_id,
+        "both aggregators run a sub-round for the first buffer: {task:?} {other:?}"
+    );
+
+    let len = task.layout.num_elements();
+    let first_values: Vec<f32> = (0..len).map(|k| (k % 7) as f32 * 0.01).collect();
+    let second_values: Vec<f32> = (0..len).map(|k| (k % 5) as f32 * -0.02).collect();
+    let partial = |samples: u64, values: &[f32]| -> Result<Bytes> {
+        Ok(Bytes::from(encode_update(&task.layout, samples, values)?))
+    };
+    first
+        .upload_update(&task, partial(3 * PER_DEVICE, &first_values)?)
+        .await?;
+    second
+        .upload_update(&other, partial(PER_DEVICE, &second_values)?)
+        .await?;
+    let finished = admin.wait_for_job(job, Duration::from_secs(60)).await?;
+    ensure!(finished["state"] == "completed", "{finished}");
+
+    let first_buffer = admin
+        .ok(&format!("/api/v1/rounds/{}", task.round_id))
+        .await?;
+    let late = first_buffer["participants"]
+        .as_array()
+        .and_then(|all| all.iter().find(|p| p["device_id"] == second.device_id))
+        .cloned()
+        .unwrap_or_default();
+    ensure!(
+        late["staleness"] == 1 && late["folded_round_id"] != task.round_id,
+        "the second aggregator's result went to the next buffer, one version stale: \
+         {first_buffer}"
+    );
+    let trained = fetch_model(&admin, "buffered", 3).await?;
+    let stale_weight = 2f64.sqrt().recip();
+    let before = base.parameters.iter().filter(|p| p.trainable);
+    let after = trained.parameters.iter().filter(|p| p.trainable);
+    let mut k = 0;
+    for (old, new) in before.zip(after) {
+        let (canopy_ir::data::Buffer::F32(old), canopy_ir::data::Buffer::F32(new)) =
+            (&old.data.buffer, &new.data.buffer)
+        else {
+            anyhow::bail!("parameters are not f32");
+        };
+        for (o, n) in old.iter().zip(new) {
+            let version_1 = (f64::from(*o) + f64::from(first_values[k])) as f32;
+            let version_2 =
+                (f64::from(version_1) + stale_weight * f64::from(second_values[k])) as f32;
+            ensure!(
+                (n - version_2).abs() <= 1e-6,
+                "element {k}: {n} != {version_2}"
+            );
+            k += 1;
+        }
+    }
+    ensure!(k == len);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asynchronous_tiers_on_sqlite() -> Result<()> {
+    asynchronous_tiers(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asynchronous_tiers_on_postgres() -> Result<()> {
+    asynchronous_tiers(Database::Postgres).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tiers_on_sqlite() -> Result<()> {
     tiers(Database::Sqlite).await

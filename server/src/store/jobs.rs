@@ -163,8 +163,9 @@ pub struct JobSpec {
     /// `concurrency` devices train at once, each on the newest version
     /// when it was selected, and every `target_devices` updates (the
     /// buffer size K) make a version, each update weighted down by its
-    /// staleness. Each of `rounds` is one buffer. Synchronous rounds when
-    /// left out. See `docs/strategies.md`.
+    /// staleness. Each of `rounds` is one buffer. With `edges`, the
+    /// devices are aggregators and an update is a sub-round's result.
+    /// Synchronous rounds when left out. See `docs/strategies.md`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub asynchronous: Option<Asynchronous>,
 }
@@ -443,13 +444,6 @@ impl JobSpec {
                 "`asynchronous` cannot be combined with `secure_aggregation`: SecAgg+ unmasks \
                  the sum of one fixed cohort, and a buffer's updates come from devices selected \
                  in different buffers"
-                    .to_string(),
-            );
-        }
-        if self.edges.is_some() {
-            return Err(
-                "`asynchronous` cannot be combined with `edges` yet: an edge's sub-round is \
-                 synchronous; run the asynchronous job flat"
                     .to_string(),
             );
         }
