@@ -245,7 +245,7 @@ async fn ten_simulated_devices_reproduce_ten_real_agents() -> Result<()> {
 
 #[test]
 fn bad_settings_are_refused_naming_the_setting() -> Result<()> {
-    let cases: [(&[&str], &str); 10] = [
+    let cases: [(&[&str], &str); 13] = [
         (
             &["--devices", "10", "--per-round", "11"],
             "--per-round 11 must be between 1 and --devices (10)",
@@ -276,6 +276,23 @@ fn bad_settings_are_refused_naming_the_setting() -> Result<()> {
         (
             &["--buffer-size", "2", "--max-staleness", "0"],
             "--max-staleness must be at least 1, got 0",
+        ),
+        (
+            &["--login", "--part", "3/2"],
+            "expected I/P with 1 ≤ I ≤ P ≤ 10000, got `3/2`",
+        ),
+        (&["--part", "1/2"], "--login"),
+        (
+            &[
+                "--login",
+                "--devices",
+                "10",
+                "--per-round",
+                "5",
+                "--part",
+                "1/20",
+            ],
+            "--part 1/20 splits 10 devices into more parts than devices",
         ),
     ];
     for (args, expected) in cases {
@@ -335,6 +352,95 @@ fn an_asynchronous_simulation_writes_its_curve() -> Result<()> {
         );
         let updates: u32 = row[4].parse()?;
         ensure!(updates == 3, "a buffer takes exactly its size:\n{text}");
+    }
+    Ok(())
+}
+
+/// One simulation spread over two `canopy simulate` processes against one
+/// server on PostgreSQL, each hosting half the devices: part 1 creates
+/// the job, part 2 joins it, and every round needs all ten devices, so
+/// neither could finish it alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_share_one_simulation() -> Result<()> {
+    let server = TestServer::start(Database::Postgres)?;
+    let admin = server.admin();
+    let home = tempfile::tempdir()?;
+    let canopy = |args: &[&str]| {
+        let mut command = Command::new(sibling_binary("canopy"));
+        command
+            .args(args)
+            .env("HOME", home.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        command
+    };
+    let login = canopy(&[
+        "login",
+        &server.base,
+        "--token",
+        &admin.token,
+        "--fingerprint",
+        &server.fingerprint,
+    ])
+    .output()?;
+    ensure!(
+        login.status.success(),
+        "{}",
+        String::from_utf8_lossy(&login.stderr)
+    );
+    let part = |part: &str| {
+        canopy(&[
+            "simulate",
+            "--login",
+            "--devices",
+            "10",
+            "--per-round",
+            "10",
+            "--rounds",
+            "2",
+            "--partition",
+            "iid",
+            "--part",
+            part,
+        ])
+        .spawn()
+    };
+    // The joining part starts first: it waits for the job to appear.
+    let second = part("2/2")?;
+    let first = part("1/2")?;
+    let (first, second) = (first.wait_with_output()?, second.wait_with_output()?);
+    let mut outputs = Vec::new();
+    for (name, output) in [("part 1", first), ("part 2", second)] {
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        ensure!(
+            output.status.success(),
+            "{name} failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        // Five devices, each in both rounds.
+        ensure!(stdout.contains(", 10 updates,"), "{name}:\n{stdout}");
+        outputs.push(stdout);
+    }
+    ensure!(
+        outputs[0].contains("part 1 of 2: devices 0 to 5 of 10")
+            && outputs[1].contains("part 2 of 2: devices 5 to 10 of 10")
+            && outputs[1].contains("joined job"),
+        "{outputs:#?}"
+    );
+    let jobs = admin.ok("/api/v1/jobs").await?;
+    let job = &jobs["items"][0];
+    ensure!(job["state"] == "completed", "{jobs}");
+    let rounds = admin
+        .ok(&format!("/api/v1/jobs/{}/rounds", job["id"]))
+        .await?;
+    let rounds = rounds["items"].as_array().cloned().unwrap_or_default();
+    ensure!(rounds.len() == 2, "{rounds:?}");
+    for round in rounds {
+        ensure!(
+            round["metrics"]["updates_accepted"] == 10,
+            "every round took all ten devices' updates: {round}"
+        );
     }
     Ok(())
 }

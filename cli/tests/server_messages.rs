@@ -309,7 +309,7 @@ fn expired_tokens_are_listed_as_expired() -> Result<()> {
         .as_array()
         .into_iter()
         .flatten()
-        .find(|item| item["id"].to_string() == id)
+        .find(|item| matches!((item["id"].as_i64(), id.parse::<i64>()), (Some(a), Ok(b)) if a == b))
         .with_context(|| format!("token {id} in {tokens}"))?;
     ensure!(item["state"] == "expired", "{item}");
     let stderr = cli.fails(&[

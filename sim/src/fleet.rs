@@ -81,6 +81,19 @@ pub struct FleetSettings {
     /// How long each device takes per training step, beyond the host's
     /// own compute; `None`: as fast as the host computes.
     pub step_time: Option<StepTime>,
+    /// Which of the simulation's devices this fleet hosts, when several
+    /// processes share them: its first shard is device `first_device` of
+    /// `all_devices`, which seeds that device's key and draws its speed.
+    /// One process hosts them all by default.
+    pub part: Option<FleetPart>,
+}
+
+/// The devices one of several processes hosts: its shards are devices
+/// `first_device..first_device + shards` of `all_devices`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FleetPart {
+    pub first_device: usize,
+    pub all_devices: usize,
 }
 
 /// Simulated device speeds: each device's time per training step, drawn
@@ -137,6 +150,7 @@ impl FleetSettings {
             train_concurrency: cores,
             max_active: devices.clamp(1, MAX_ACTIVE_DEVICES),
             step_time: None,
+            part: None,
         }
     }
 }
@@ -237,13 +251,26 @@ impl Fleet {
         if devices > MAX_DEVICES {
             return Err(SimError::TooManyDevices { devices });
         }
+        let part = settings.part.unwrap_or(FleetPart {
+            first_device: 0,
+            all_devices: devices,
+        });
+        let hosted = part.first_device..part.first_device.saturating_add(devices);
+        if hosted.end > part.all_devices || part.all_devices > MAX_DEVICES {
+            return Err(SimError::BadPart {
+                first: hosted.start,
+                end: hosted.end,
+                all: part.all_devices,
+            });
+        }
         let mut enrolled: Vec<(i64, u32)> = Vec::with_capacity(devices);
         let mut server_key = String::new();
         let (token, seed) = (enrollment_token.to_string(), settings.seed);
         let enroll_one = |index: usize| {
             let (transport, token) = (transport.clone(), token.clone());
             async move {
-                let key_index = index as u32;
+                // Below MAX_DEVICES, checked above: a u32.
+                let key_index = (part.first_device + index) as u32;
                 let key = device_key(seed, key_index);
                 canopy_sdk::enroll_with(
                     &transport,
@@ -288,7 +315,7 @@ impl Fleet {
             )),
             step_ms: settings
                 .step_time
-                .map(|time| time.per_device(devices, settings.seed))
+                .map(|time| time.per_device(part.all_devices, settings.seed)[hosted].to_vec())
                 .unwrap_or_default(),
             settings,
             shards,

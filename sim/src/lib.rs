@@ -20,7 +20,7 @@ pub mod fleet;
 pub mod partition;
 pub mod setup;
 
-pub use fleet::{Fleet, FleetReport, FleetSettings, StepTime};
+pub use fleet::{Fleet, FleetPart, FleetReport, FleetSettings, StepTime};
 pub use partition::Partition;
 
 /// Most devices one simulation process hosts.
@@ -40,6 +40,15 @@ pub enum SimError {
     TooManyDevices { devices: usize },
     #[error("--devices must be at least 1")]
     NoDevices,
+    #[error(
+        "this process would host devices {first} to {end} of {all}, which are not all among \
+         them (or more than one simulation hosts, {MAX_DEVICES})"
+    )]
+    BadPart {
+        first: usize,
+        end: usize,
+        all: usize,
+    },
     #[error("simulated device {index} could not enroll")]
     Enroll {
         index: usize,

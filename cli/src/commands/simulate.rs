@@ -13,7 +13,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use canopy_sdk::{CancelToken, Transport};
 use canopy_sim::fleet::{MAX_SPREAD, MAX_STEP_MS};
 use canopy_sim::setup::{self, JobSettings, MAX_HIDDEN, MAX_ROUNDS};
-use canopy_sim::{Fleet, FleetSettings, MAX_DEVICES, Partition, StepTime};
+use canopy_sim::{Fleet, FleetPart, FleetSettings, MAX_DEVICES, Partition, StepTime};
 use canopy_term::progress::StepBar;
 use clap::Args;
 use reqwest::Method;
@@ -102,6 +102,14 @@ pub struct SimulateArgs {
     /// address (docs/simulate.md).
     #[arg(long)]
     login: bool,
+    /// Host part I of P of the devices (`2/4`: the second quarter), to
+    /// spread one simulation over P processes or machines against one
+    /// server (--login; PostgreSQL behind it for more than one machine's
+    /// fleet). Give every process the same settings but this one. Part 1
+    /// pushes the model and creates the job; the others enroll their
+    /// devices, wait for that job to appear and train in it until it ends.
+    #[arg(long, value_parser = parse_part, requires = "login")]
+    part: Option<Part>,
     /// Write the job's final model file here.
     #[arg(long)]
     save_model: Option<PathBuf>,
@@ -125,6 +133,16 @@ impl SimulateArgs {
             self.per_round,
             self.devices
         );
+        if let Some(part) = self.part {
+            ensure!(
+                part.of <= self.devices,
+                "--part {}/{} splits {} devices into more parts than devices: give P at most \
+                 --devices",
+                part.index,
+                part.of,
+                self.devices
+            );
+        }
         if let Some(buffer_size) = self.buffer_size {
             ensure!(
                 (1..=self.per_round).contains(&buffer_size),
@@ -168,8 +186,19 @@ impl SimulateArgs {
         Ok(())
     }
 
+    fn part(&self) -> Part {
+        self.part.unwrap_or(Part::WHOLE)
+    }
+
     fn fleet(&self) -> FleetSettings {
-        let mut settings = FleetSettings::new(self.devices, self.seed, "sim");
+        let hosted = self.part().range(self.devices);
+        let mut settings = FleetSettings::new(hosted.len(), self.seed, "sim");
+        if self.part.is_some() {
+            settings.part = Some(FleetPart {
+                first_device: hosted.start,
+                all_devices: self.devices,
+            });
+        }
         if let Some(check_in_ms) = self.check_in_ms {
             settings.check_in_ms = check_in_ms;
         }
@@ -198,6 +227,55 @@ impl SimulateArgs {
             }),
         }
     }
+}
+
+/// Most processes one simulation spreads over.
+const MAX_PARTS: usize = 10_000;
+/// How long a part other than the first waits for the job to appear.
+const JOIN_WAIT_MS: u64 = 600_000;
+/// How often it looks.
+const JOIN_POLL_MS: u64 = 500;
+
+/// A `--part I/P` value: this process hosts the I-th of P equal ranges of
+/// the devices (the last ones take the remainder).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Part {
+    /// From 1.
+    index: usize,
+    of: usize,
+}
+
+impl Part {
+    const WHOLE: Part = Part { index: 1, of: 1 };
+
+    /// The devices of `devices` this part hosts.
+    fn range(self, devices: usize) -> std::ops::Range<usize> {
+        (self.index - 1) * devices / self.of..self.index * devices / self.of
+    }
+
+    /// The part that creates the job.
+    fn creates_job(self) -> bool {
+        self.index == 1
+    }
+}
+
+fn parse_part(text: &str) -> Result<Part, String> {
+    let (index, of) = text
+        .split_once('/')
+        .ok_or_else(|| format!("expected I/P, e.g. 2/4, got `{text}`"))?;
+    let number = |value: &str| {
+        value
+            .trim()
+            .parse::<usize>()
+            .map_err(|_| format!("expected I/P with whole numbers, e.g. 2/4, got `{text}`"))
+    };
+    let (index, of) = (number(index)?, number(of)?);
+    if !(1..=MAX_PARTS).contains(&of) || !(1..=of).contains(&index) {
+        return Err(format!(
+            "expected I/P with 1 ≤ I ≤ P ≤ {MAX_PARTS}, got `{text}`"
+        ));
+    }
+    Ok(Part { index, of })
 }
 
 /// A `--strategy` value: a JSON object (the server checks its fields).
@@ -242,10 +320,14 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
         .prefix("canopy-simulate-")
         .tempdir()?;
     let data = setup::load(&args.data, args.seed, scratch.path())?;
-    let shards = args
+    let part = args.part();
+    let hosted = part.range(args.devices);
+    let shards: Vec<_> = args
         .partition
         .deal(&data.train, args.devices, args.seed)
-        .map_err(explain)?;
+        .map_err(explain)?
+        .drain(hosted.clone())
+        .collect();
     let fleet_settings = args.fleet();
     let target = target(args, scratch.path(), &fleet_settings).await?;
     let remote = Remote::new(target.login.clone())?;
@@ -259,9 +341,15 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
         }
     )?;
 
-    let version = push_model(&remote, &data.train, args).await?;
-    push_test_split(&remote, &data.test, scratch.path()).await?;
-    let token = enrollment_token(&remote, args.devices).await?;
+    let version = match part.creates_job() {
+        true => {
+            let version = push_model(&remote, &data.train, args).await?;
+            push_test_split(&remote, &data.test, scratch.path()).await?;
+            Some(version)
+        }
+        false => None,
+    };
+    let token = enrollment_token(&remote, shards.len()).await?;
     let transport = Transport::new(&target.login.url, &target.login.trust())?;
     let enrolling = Instant::now();
     let fleet = enroll(transport, &token, shards, fleet_settings).await?;
@@ -274,7 +362,20 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
         Fleet::idle_bytes_per_device()
     )?;
 
-    let job = create_job(&remote, &args.job().body(version)).await?;
+    if part != Part::WHOLE {
+        outln!(
+            "part {} of {}: devices {} to {} of {}",
+            part.index,
+            part.of,
+            hosted.start,
+            hosted.end,
+            args.devices
+        )?;
+    }
+    let job = match version {
+        Some(version) => create_job(&remote, &args.job().body(version)).await?,
+        None => join_job(&remote, &args.job().name).await?,
+    };
     let fleet = Arc::new(fleet);
     let stop = CancelToken::new();
     let running_fleet = {
@@ -467,6 +568,36 @@ async fn enroll(
     fleet.map_err(explain)
 }
 
+/// The job part 1 of the simulation created: the newest job named `name`
+/// that has not ended, once it appears.
+async fn join_job(remote: &Remote, name: &str) -> Result<i64> {
+    let waiting = Instant::now();
+    loop {
+        let jobs = remote
+            .list_all("/api/v1/jobs", &Subject::new("jobs", None))
+            .await?;
+        let found = jobs
+            .iter()
+            .filter(|job| {
+                job["name"] == name && matches!(job["state"].as_str(), Some("created" | "running"))
+            })
+            .filter_map(|job| job["id"].as_i64())
+            .max();
+        if let Some(id) = found {
+            outln!("joined job {id} `{name}`")?;
+            return Ok(id);
+        }
+        if waiting.elapsed() >= Duration::from_millis(JOIN_WAIT_MS) {
+            bail!(
+                "no job `{name}` appeared on the server in {} s\n\
+                 hint: start part 1 (`--part 1/P`) with the same settings: it creates the job",
+                JOIN_WAIT_MS / 1_000
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(JOIN_POLL_MS)).await;
+    }
+}
+
 async fn create_job(remote: &Remote, body: &Value) -> Result<i64> {
     let job = remote
         .post(
@@ -518,4 +649,34 @@ async fn save_model(remote: &Remote, job: i64, path: &std::path::Path) -> Result
     let bytes = response.bytes().await?;
     crate::files::write_atomic(path, &bytes, 0o644)
         .with_context(|| format!("cannot write the final model to {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_cover_the_devices_once() {
+        for (devices, parts) in [(10, 3), (7, 7), (100_000, 6), (5, 1)] {
+            let mut next = 0;
+            for index in 1..=parts {
+                let range = Part { index, of: parts }.range(devices);
+                assert_eq!(range.start, next, "{devices} devices in {parts} parts");
+                assert!(
+                    !range.is_empty(),
+                    "part {index}/{parts} of {devices} is empty"
+                );
+                next = range.end;
+            }
+            assert_eq!(next, devices);
+        }
+    }
+
+    #[test]
+    fn a_part_is_i_of_p() {
+        assert_eq!(parse_part("2/4"), Ok(Part { index: 2, of: 4 }));
+        for bad in ["0/4", "5/4", "2", "a/b", "1/0", "1/10001"] {
+            assert!(parse_part(bad).is_err(), "{bad}");
+        }
+    }
 }
