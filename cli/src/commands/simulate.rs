@@ -588,11 +588,15 @@ async fn join_job(remote: &Remote, name: &str) -> Result<i64> {
             return Ok(id);
         }
         if waiting.elapsed() >= Duration::from_millis(JOIN_WAIT_MS) {
-            bail!(
-                "no job `{name}` appeared on the server in {} s\n\
-                 hint: start part 1 (`--part 1/P`) with the same settings: it creates the job",
+            let error = anyhow!(
+                "no job `{name}` appeared on the server in {} s",
                 JOIN_WAIT_MS / 1_000
             );
+            return Err(crate::files::Hint::attach(
+                error,
+                "start part 1 (`--part 1/P`) with the same settings against the same server: it \
+                 creates the job the other parts join",
+            ));
         }
         tokio::time::sleep(Duration::from_millis(JOIN_POLL_MS)).await;
     }
