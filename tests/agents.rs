@@ -623,14 +623,7 @@ async fn every_version_is_evaluated_federatedly_and_centrally() -> Result<()> {
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     };
     let server = &fleet.server;
-    canopy(&[
-        "login",
-        &server.base,
-        "--token",
-        &admin.token,
-        "--fingerprint",
-        &server.fingerprint,
-    ])?;
+    canopy(&server.login_args(&admin.token))?;
     let test_csv = eval_dir.join("test.csv");
     canopy(&[
         "dataset",

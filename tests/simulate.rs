@@ -375,15 +375,7 @@ async fn two_processes_share_one_simulation() -> Result<()> {
             .stderr(Stdio::piped());
         command
     };
-    let login = canopy(&[
-        "login",
-        &server.base,
-        "--token",
-        &admin.token,
-        "--fingerprint",
-        &server.fingerprint,
-    ])
-    .output()?;
+    let login = canopy(&server.login_args(&admin.token)).output()?;
     ensure!(
         login.status.success(),
         "{}",

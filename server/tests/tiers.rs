@@ -44,6 +44,28 @@ async fn job_round(admin: &Admin, job: i64) -> Result<Value> {
     Ok(rounds["items"][0].clone())
 }
 
+/// Every one of the `len` trainable values of `trained` is, to 1e-6,
+/// `expected(k, the base model's value)`.
+fn each_parameter_is(
+    base: &canopy_ir::Model,
+    trained: &canopy_ir::Model,
+    len: usize,
+    expected: impl Fn(usize, f32) -> f32,
+) -> Result<()> {
+    let (before, after) = (support::trainable(base), support::trainable(trained));
+    ensure!(
+        before.len() == len && after.len() == len,
+        "{} and {} trainable values, not {len}",
+        before.len(),
+        after.len()
+    );
+    for (k, (old, new)) in before.iter().zip(&after).enumerate() {
+        let want = expected(k, *old);
+        ensure!((new - want).abs() <= 1e-6, "element {k}: {new} != {want}");
+    }
+    Ok(())
+}
+
 /// Refused with `status`, saying `fragment`.
 fn refused(error: canopy_sdk::SdkError, status: u16, fragment: &str) -> Result<()> {
     let text = canopy_sdk::error_chain(&error);
@@ -212,26 +234,10 @@ async fn tiers(database: Database) -> Result<()> {
 
     let (a, b) = (bound as f64, PER_DEVICE as f64);
     let trained = fetch_model(&admin, "tiered", 2).await?;
-    let before = base.parameters.iter().filter(|p| p.trainable);
-    let after = trained.parameters.iter().filter(|p| p.trainable);
-    let mut k = 0;
-    for (old, new) in before.zip(after) {
-        let (canopy_ir::data::Buffer::F32(old), canopy_ir::data::Buffer::F32(new)) =
-            (&old.data.buffer, &new.data.buffer)
-        else {
-            anyhow::bail!("parameters are not f32");
-        };
-        for (o, n) in old.iter().zip(new) {
-            let mean = (a * f64::from(first_values[k]) + b * f64::from(second_values[k])) / (a + b);
-            let expected = f64::from((f64::from(*o) + mean) as f32);
-            ensure!(
-                (f64::from(*n) - expected).abs() <= 1e-6,
-                "element {k}: {n} != {expected}"
-            );
-            k += 1;
-        }
-    }
-    ensure!(k == len);
+    each_parameter_is(&base, &trained, len, |k, old| {
+        let mean = (a * f64::from(first_values[k]) + b * f64::from(second_values[k])) / (a + b);
+        (f64::from(old) + mean) as f32
+    })?;
     secure_rounds_take_no_plain_partial(&server, &admin, &version, [first, second]).await
 }
 
@@ -349,27 +355,10 @@ async fn asynchronous_tiers(database: Database) -> Result<()> {
     );
     let trained = fetch_model(&admin, "buffered", 3).await?;
     let stale_weight = 2f64.sqrt().recip();
-    let before = base.parameters.iter().filter(|p| p.trainable);
-    let after = trained.parameters.iter().filter(|p| p.trainable);
-    let mut k = 0;
-    for (old, new) in before.zip(after) {
-        let (canopy_ir::data::Buffer::F32(old), canopy_ir::data::Buffer::F32(new)) =
-            (&old.data.buffer, &new.data.buffer)
-        else {
-            anyhow::bail!("parameters are not f32");
-        };
-        for (o, n) in old.iter().zip(new) {
-            let version_1 = (f64::from(*o) + f64::from(first_values[k])) as f32;
-            let version_2 =
-                (f64::from(version_1) + stale_weight * f64::from(second_values[k])) as f32;
-            ensure!(
-                (n - version_2).abs() <= 1e-6,
-                "element {k}: {n} != {version_2}"
-            );
-            k += 1;
-        }
-    }
-    ensure!(k == len);
+    each_parameter_is(&base, &trained, len, |k, old| {
+        let version_1 = (f64::from(old) + f64::from(first_values[k])) as f32;
+        (f64::from(version_1) + stale_weight * f64::from(second_values[k])) as f32
+    })?;
     Ok(())
 }
 

@@ -216,6 +216,18 @@ pub struct TestServer {
 }
 
 impl TestServer {
+    /// The arguments of `canopy login` to this server with `token`.
+    pub fn login_args<'a>(&'a self, token: &'a str) -> [&'a str; 6] {
+        [
+            "login",
+            &self.base,
+            "--token",
+            token,
+            "--fingerprint",
+            &self.fingerprint,
+        ]
+    }
+
     pub fn start(database: Database) -> Result<TestServer> {
         TestServer::start_with(database, &[])
     }
