@@ -36,7 +36,10 @@ pub use partition::{
     DEFAULT_MIN_CLIENT_SAMPLES, DirichletOptions, partition_by_label, partition_dirichlet,
     partition_dirichlet_sized, partition_dirichlet_with, partition_iid,
 };
-pub use shakespeare::{CHARACTERS, Part, Role, VOCABULARY_SIZE, char_index, load_shakespeare};
+pub use shakespeare::{
+    CHARACTERS, Part, Role, VOCABULARY_SIZE, char_index, load_shakespeare,
+    most_frequent_character_baseline,
+};
 
 use std::path::Path;
 

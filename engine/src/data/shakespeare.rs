@@ -127,6 +127,34 @@ impl Role {
     }
 }
 
+/// The baseline a next-character model must beat: the share of the test
+/// parts' labels (every character after the first `sequence_len` of a
+/// role's test text) that equal the training parts' most frequent
+/// character, with that character.
+pub fn most_frequent_character_baseline(roles: &[Role], sequence_len: usize) -> (char, f64) {
+    let mut train_counts = vec![0u64; VOCABULARY_SIZE];
+    for role in roles {
+        for character in role.text(Part::Train).chars() {
+            train_counts[char_index(character)] += 1;
+        }
+    }
+    let commonest = (0..VOCABULARY_SIZE)
+        .max_by_key(|&index| train_counts[index])
+        .unwrap_or(0);
+    let (mut hits, mut labels) = (0u64, 0u64);
+    for role in roles {
+        for character in role.text(Part::Test).chars().skip(sequence_len) {
+            labels += 1;
+            hits += u64::from(char_index(character) == commonest);
+        }
+    }
+    let character = commonest
+        .checked_sub(1)
+        .and_then(|position| CHARACTERS.chars().nth(position))
+        .unwrap_or('\u{fffd}');
+    (character, hits as f64 / labels.max(1) as f64)
+}
+
 /// A character's index: its position in [`CHARACTERS`] plus one, or 0.
 pub fn char_index(character: char) -> usize {
     CHARACTERS
