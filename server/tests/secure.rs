@@ -275,22 +275,6 @@ impl Device {
     }
 }
 
-/// Waits until round `round_id`'s key stage is `stage`.
-async fn wait_for_stage(admin: &Admin, round_id: i64, stage: &str) -> Result<()> {
-    let started = Instant::now();
-    loop {
-        let round = admin.ok(&format!("/api/v1/rounds/{round_id}")).await?;
-        if round["secure_stage"] == stage {
-            return Ok(());
-        }
-        ensure!(
-            started.elapsed() < JOB_TIMEOUT,
-            "round {round_id} never reached stage {stage}: {round}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// ConsistencyCheck, then Unmasking, for every device: each stage closes
 /// once all have answered.
 async fn sign_then_unmask(devices: &mut [Device]) -> Result<()> {
@@ -616,7 +600,9 @@ async fn past_the_tolerance_the_round_fails_cleanly() -> Result<()> {
     }
     // The stage closes once all six receipts are in, in its own time: a
     // decline before then would count in ShareReceipt, not MaskedInput.
-    wait_for_stage(&admin, devices[0].task.round_id, "collect").await?;
+    admin
+        .wait_for_stage(devices[0].task.round_id, "collect", JOB_TIMEOUT)
+        .await?;
     devices[4].decline().await?;
     devices[5].decline().await?;
     for (i, device) in devices[..4].iter_mut().enumerate() {

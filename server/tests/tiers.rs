@@ -66,6 +66,28 @@ fn each_parameter_is(
     Ok(())
 }
 
+/// A cloud with a logistic-regression model uploaded as `name`: the
+/// server, the model, and its version.
+async fn cloud_with_model(
+    database: Database,
+    name: &str,
+) -> Result<(TestServer, canopy_ir::Model, Value)> {
+    let server = TestServer::start(database)?;
+    let base_bytes = support::logreg_model_bytes(5);
+    let base = canopy_ir::format::read_model(&base_bytes)?;
+    let version = server.admin().upload_model(name, base_bytes).await?;
+    Ok((server, base, version))
+}
+
+/// Two aggregators' mean updates of `len` values, different from each
+/// other in every few elements.
+fn two_means(len: usize) -> [Vec<f32>; 2] {
+    [
+        (0..len).map(|k| (k % 7) as f32 * 0.01).collect(),
+        (0..len).map(|k| (k % 5) as f32 * -0.02).collect(),
+    ]
+}
+
 /// Refused with `status`, saying `fragment`.
 fn refused(error: canopy_sdk::SdkError, status: u16, fragment: &str) -> Result<()> {
     let text = canopy_sdk::error_chain(&error);
@@ -78,11 +100,8 @@ fn refused(error: canopy_sdk::SdkError, status: u16, fragment: &str) -> Result<(
 }
 
 async fn tiers(database: Database) -> Result<()> {
-    let server = TestServer::start(database)?;
+    let (server, base, version) = cloud_with_model(database, "tiered").await?;
     let admin = server.admin();
-    let base_bytes = support::logreg_model_bytes(5);
-    let base = canopy_ir::format::read_model(&base_bytes)?;
-    let version = admin.upload_model("tiered", base_bytes).await?;
 
     // Settings the tier cannot run are refused, naming the setting.
     for (edges, fragment) in [
@@ -180,8 +199,7 @@ async fn tiers(database: Database) -> Result<()> {
     );
 
     let len = task.layout.num_elements();
-    let first_values: Vec<f32> = (0..len).map(|k| (k % 7) as f32 * 0.01).collect();
-    let second_values: Vec<f32> = (0..len).map(|k| (k % 5) as f32 * -0.02).collect();
+    let [first_values, second_values] = two_means(len);
     let bound = SUB_ROUND_TARGET * PER_DEVICE;
     let partial = |samples: u64, values: &[f32]| -> Result<Bytes> {
         Ok(Bytes::from(encode_update(&task.layout, samples, values)?))
@@ -303,11 +321,8 @@ async fn secure_rounds_take_no_plain_partial(
 /// on version 0, lands in the next buffer one version stale, weighing
 /// 1/√2 of its own mean.
 async fn asynchronous_tiers(database: Database) -> Result<()> {
-    let server = TestServer::start(database)?;
+    let (server, base, version) = cloud_with_model(database, "buffered").await?;
     let admin = server.admin();
-    let base_bytes = support::logreg_model_bytes(5);
-    let base = canopy_ir::format::read_model(&base_bytes)?;
-    let version = admin.upload_model("buffered", base_bytes).await?;
     let token = admin.enrollment_token_for("aggregator", 2).await?;
     let first = enroll_aggregator(&server, &token).await?;
     let second = enroll_aggregator(&server, &token).await?;
@@ -326,8 +341,7 @@ async fn asynchronous_tiers(database: Database) -> Result<()> {
     );
 
     let len = task.layout.num_elements();
-    let first_values: Vec<f32> = (0..len).map(|k| (k % 7) as f32 * 0.01).collect();
-    let second_values: Vec<f32> = (0..len).map(|k| (k % 5) as f32 * -0.02).collect();
+    let [first_values, second_values] = two_means(len);
     let partial = |samples: u64, values: &[f32]| -> Result<Bytes> {
         Ok(Bytes::from(encode_update(&task.layout, samples, values)?))
     };

@@ -597,6 +597,26 @@ impl Admin {
         }
     }
 
+    /// Polls a secure round until its key stage is `stage`.
+    pub async fn wait_for_stage(
+        &self,
+        round_id: i64,
+        stage: &str,
+        timeout: Duration,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let round = self.ok(&format!("/api/v1/rounds/{round_id}")).await?;
+            if round["secure_stage"] == stage {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("round {round_id} never reached stage {stage}: {round}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Polls a job until its status message contains `fragment`.
     pub async fn wait_for_status(
         &self,
