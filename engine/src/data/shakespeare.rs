@@ -237,7 +237,7 @@ impl PlayParser {
     fn line(&mut self, line: &str) {
         let trimmed = line.trim();
         if !self.in_acts {
-            self.in_acts = is_act_or_scene(trimmed) && starts_act(trimmed);
+            self.in_acts = starts_act(trimmed);
             return;
         }
         if trimmed.is_empty() {
