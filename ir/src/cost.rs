@@ -126,6 +126,47 @@ fn node_flops(graph: &Graph, node: &Node, batch: usize) -> u64 {
             window_flops(elements(operand(0), batch), attrs).saturating_add(out_elements)
         }
         Op::CustomGrad(custom) => flops(&custom.forward, batch),
+        // The results are moved out of the tuple, not copied.
+        Op::Output { .. } => 0,
+        Op::Scan(scan) => {
+            let trips = scan.length.resolve(batch) as u64;
+            flops(&scan.body, batch).saturating_mul(trips)
+        }
+        // Costed as the dearer branch: either may run.
+        Op::Cond(cond) => flops(&cond.then_branch, batch).max(flops(&cond.else_branch, batch)),
+        Op::WhileLoop(w) => {
+            let trip = flops(&w.body, batch).saturating_add(flops(&w.cond, batch));
+            trip.saturating_mul(w.max_trips as u64)
+        }
+    }
+}
+
+/// The bytes a node's value holds: all of a control-flow node's results
+/// (an `output` reading one then counts it again until the tuple's last
+/// reader, which only raises the bound).
+fn node_bytes(graph: &Graph, index: usize, batch: usize) -> u64 {
+    let node = &graph.nodes()[index];
+    if !node.op.is_tuple() {
+        return bytes(&node.ty, batch);
+    }
+    let results = graph
+        .results(crate::ValueId(index as u32))
+        .unwrap_or_else(|_| vec![node.ty.clone()]);
+    results
+        .iter()
+        .fold(0u64, |sum, ty| sum.saturating_add(bytes(ty, batch)))
+}
+
+/// The most bytes an op's nested graphs hold while it runs.
+fn inner_peak_bytes(op: &Op, batch: usize) -> u64 {
+    match op {
+        Op::CustomGrad(custom) => peak_bytes(&custom.forward, batch),
+        _ => op
+            .subgraphs()
+            .iter()
+            .map(|g| peak_bytes(g, batch))
+            .max()
+            .unwrap_or(0),
     }
 }
 
@@ -161,17 +202,15 @@ fn peak_bytes(graph: &Graph, batch: usize) -> u64 {
     let mut freed_after: Vec<u64> = vec![0; end];
     for (index, &last) in last_use.iter().enumerate() {
         if last < end {
-            freed_after[last] = freed_after[last].saturating_add(bytes(&nodes[index].ty, batch));
+            freed_after[last] =
+                freed_after[last].saturating_add(node_bytes(graph, index, batch));
         }
     }
     let (mut live, mut peak) = (0u64, 0u64);
     for (index, node) in nodes.iter().enumerate() {
-        live = live.saturating_add(bytes(&node.ty, batch));
-        // A call's body holds its own values while it runs.
-        let inner = match &node.op {
-            Op::CustomGrad(custom) => peak_bytes(&custom.forward, batch),
-            _ => 0,
-        };
+        live = live.saturating_add(node_bytes(graph, index, batch));
+        // A call's or a loop's body holds its own values while it runs.
+        let inner = inner_peak_bytes(&node.op, batch);
         peak = peak.max(live.saturating_add(inner));
         live = live.saturating_sub(freed_after[index]);
     }

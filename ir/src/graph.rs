@@ -175,13 +175,79 @@ impl Graph {
                 ));
             }
         }
-        let types: Vec<&TensorType> = inputs.iter().map(|&i| self.ty(i)).collect();
-        let ty = infer_type(&op, &types).map_err(|cause| node_error(next, op.name(), cause))?;
+        let ty = self
+            .infer(&op, inputs)
+            .map_err(|cause| node_error(next, op.name(), cause))?;
         self.push_node(Node {
             op,
             inputs: inputs.to_vec(),
             ty,
         })
+    }
+
+    /// The type of `op` applied to `inputs`, which exist; an `output` reads
+    /// its type from the control-flow node it projects.
+    pub(crate) fn infer(&self, op: &Op, inputs: &[ValueId]) -> Result<TensorType, String> {
+        let Op::Output { index } = op else {
+            let types: Vec<&TensorType> = inputs.iter().map(|&i| self.ty(i)).collect();
+            return infer_type(op, &types);
+        };
+        let &[tuple] = inputs else {
+            return Err(format!("expects 1 input, got {}", inputs.len()));
+        };
+        let mut results = self.results(tuple)?;
+        if *index >= results.len() {
+            return Err(format!(
+                "reads result {index} of {tuple}, which has {}",
+                results.len()
+            ));
+        }
+        Ok(results.swap_remove(*index))
+    }
+
+    /// The results' types of the control-flow node `tuple`.
+    pub fn results(&self, tuple: ValueId) -> Result<Vec<TensorType>, String> {
+        let node = self.node(tuple);
+        let types: Vec<&TensorType> = node.inputs.iter().map(|&i| self.ty(i)).collect();
+        node.op.results(&types).unwrap_or_else(|| {
+            Err(format!(
+                "{tuple} ({}) has one result; only a control-flow node is read by `output`",
+                node.op.name()
+            ))
+        })
+    }
+
+    /// Appends a control-flow node and one `output` node per result;
+    /// returns the outputs.
+    pub fn push_tuple(&mut self, op: Op, inputs: &[ValueId]) -> IrResult<Vec<ValueId>> {
+        let tuple = self.push(op, inputs)?;
+        let count = self.results(tuple).map_err(IrError::Invalid)?.len();
+        (0..count)
+            .map(|index| self.push(Op::Output { index }, &[tuple]))
+            .collect()
+    }
+
+    /// Gives the control-flow node `tuple` a new op that keeps its operands
+    /// and its results, adding results after them. Reverse mode uses it to
+    /// make a loop save what its backward pass reads: the `output` nodes
+    /// already reading it keep their meaning.
+    pub(crate) fn extend_tuple(&mut self, tuple: ValueId, op: Op) -> IrResult<()> {
+        let old = self.results(tuple).map_err(IrError::Invalid)?;
+        let node = self.node(tuple);
+        let types: Vec<&TensorType> = node.inputs.iter().map(|&i| self.ty(i)).collect();
+        let new = op
+            .results(&types)
+            .unwrap_or_else(|| Err("is not a control-flow op".into()))
+            .map_err(|cause| node_error(tuple, op.name(), cause))?;
+        if new.len() < old.len() || new[..old.len()] != old[..] {
+            return Err(node_error(
+                tuple,
+                op.name(),
+                "a replacement must keep the node's results, adding only after them",
+            ));
+        }
+        self.nodes[tuple.index()].op = op;
+        Ok(())
     }
 
     /// Appends a node whose type the caller vouches for; used by readers and

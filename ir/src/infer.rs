@@ -146,6 +146,11 @@ fn infer_unchecked(op: &Op, t: &[&TensorType]) -> Result<TensorType, Cause> {
             }
             Ok(TensorType::new(DType::F32, Shape(shape.clone())))
         }
+        Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) => {
+            let results = op.results(t).expect("a control-flow op has results")?;
+            Ok(results.into_iter().next().expect("results are never empty"))
+        }
+        Op::Output { .. } => Err("an output's type is its producer's; see Graph::push".into()),
         Op::CustomGrad(custom) => {
             let inputs = custom.forward.inputs();
             for (i, (&declared, given)) in inputs.iter().zip(t).enumerate() {

@@ -11,6 +11,7 @@
 
 pub mod autodiff;
 mod composite;
+pub mod control;
 pub mod cost;
 pub mod data;
 pub mod error;
@@ -23,6 +24,7 @@ pub mod passes;
 pub mod types;
 pub mod verify;
 
+pub use control::{Cond, Scan, WhileLoop};
 pub use cost::{GraphCost, graph_cost};
 pub use data::{Buffer, TensorData};
 pub use error::{IrError, IrResult, NodeError};

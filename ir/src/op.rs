@@ -5,9 +5,10 @@
 //! OIHW for convolution filters. Semantics, one line each, are the contract
 //! that every backend and every autodiff rule follows.
 
+use crate::control::{Cond, Scan, WhileLoop};
 use crate::data::TensorData;
 use crate::graph::Graph;
-use crate::types::{DType, Dim};
+use crate::types::{DType, Dim, TensorType};
 
 /// Elementwise unary ops. All take and return f32 except `Not` (bool).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -329,6 +330,18 @@ pub enum Op {
     },
     /// A call with a user-written backward rule.
     CustomGrad(Box<CustomGrad>),
+    /// Opset 3. A loop over a leading axis with a carry (see [`Scan`]).
+    Scan(Box<Scan>),
+    /// Opset 3. One of two graphs, chosen by a bool scalar (see [`Cond`]).
+    Cond(Box<Cond>),
+    /// Opset 3. A loop with a condition and a bound on its trips (see
+    /// [`WhileLoop`]).
+    WhileLoop(Box<WhileLoop>),
+    /// Opset 3. Result `index` of the control-flow node it reads, the only
+    /// op that reads one (see `control.rs`).
+    Output {
+        index: usize,
+    },
 }
 
 impl Op {
@@ -340,6 +353,12 @@ impl Op {
             Op::Unary(UnaryOp::Erf | UnaryOp::GeluErf | UnaryOp::Softplus | UnaryOp::Log1p)
             | Op::ArgMax { .. } => 2,
             Op::CustomGrad(custom) => custom.forward.opset().max(custom.backward.opset()),
+            Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) => self
+                .subgraphs()
+                .iter()
+                .map(|g| g.opset())
+                .fold(3, u16::max),
+            Op::Output { .. } => 3,
             _ => 1,
         }
     }
@@ -416,6 +435,10 @@ impl Op {
             Op::OneHot { .. } => "one_hot",
             Op::RandomUniform { .. } => "random_uniform",
             Op::CustomGrad(_) => "custom_grad",
+            Op::Scan(_) => "scan",
+            Op::Cond(_) => "cond",
+            Op::WhileLoop(_) => "while_loop",
+            Op::Output { .. } => "output",
         }
     }
 
@@ -438,7 +461,8 @@ impl Op {
             | Op::Softmax { .. }
             | Op::LogSoftmax { .. }
             | Op::OneHot { .. }
-            | Op::RandomUniform { .. } => 1,
+            | Op::RandomUniform { .. }
+            | Op::Output { .. } => 1,
             Op::Binary(_)
             | Op::MatMul { .. }
             | Op::Conv2d(_)
@@ -451,7 +475,38 @@ impl Op {
             Op::Where => 3,
             Op::Concat { .. } => return None,
             Op::CustomGrad(c) => c.forward.inputs().len(),
+            Op::Scan(scan) => scan.body.inputs().len(),
+            Op::Cond(cond) => cond.then_branch.inputs().len() + 1,
+            Op::WhileLoop(w) => w.body.inputs().len(),
         })
+    }
+
+    /// The graphs nested in this op (bodies, branches, custom rules).
+    pub fn subgraphs(&self) -> Vec<&Graph> {
+        match self {
+            Op::CustomGrad(c) => vec![&c.forward, &c.backward],
+            Op::Scan(scan) => vec![&scan.body],
+            Op::Cond(cond) => vec![&cond.then_branch, &cond.else_branch],
+            Op::WhileLoop(w) => vec![&w.cond, &w.body],
+            _ => Vec::new(),
+        }
+    }
+
+    /// For a control-flow op, its results' types given operands of types
+    /// `t` (`None` for every other op: those have one result).
+    pub fn results(&self, t: &[&TensorType]) -> Option<Result<Vec<TensorType>, String>> {
+        Some(match self {
+            Op::Scan(scan) => scan.results(t),
+            Op::Cond(cond) => cond.results(t),
+            Op::WhileLoop(w) => w.results(t),
+            _ => return None,
+        })
+    }
+
+    /// True for a control-flow op: its value is a tuple that only
+    /// [`Op::Output`] nodes read.
+    pub fn is_tuple(&self) -> bool {
+        matches!(self, Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_))
     }
 
     /// True for ops whose result depends only on their inputs and attributes

@@ -4,12 +4,11 @@
 use std::collections::HashSet;
 
 use crate::error::{IrError, IrResult, node_error};
-use crate::graph::{Graph, MAX_NODES, ValueId};
-use crate::infer::infer_type;
+use crate::graph::{Graph, MAX_NODES, Node, ValueId};
 use crate::op::{CustomGrad, Op};
 
-/// How deeply custom-gradient graphs may nest; bounds recursion on
-/// untrusted input.
+/// How deeply graphs may nest (custom gradients, loop bodies, branches);
+/// bounds recursion on untrusted input.
 pub const MAX_NESTING: usize = 8;
 
 pub fn verify(graph: &Graph) -> IrResult<()> {
@@ -19,7 +18,7 @@ pub fn verify(graph: &Graph) -> IrResult<()> {
 fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
     if depth > MAX_NESTING {
         return Err(IrError::LimitExceeded {
-            what: "levels of nested custom-gradient graphs",
+            what: "levels of nested graphs",
             limit: MAX_NESTING,
         });
     }
@@ -47,11 +46,11 @@ fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
             input_nodes.push(id);
             continue;
         }
-        if let Op::CustomGrad(custom) = &node.op {
-            verify_custom(custom, depth).map_err(|e| node_error(id, name, e.to_string()))?;
-        }
-        let types: Vec<_> = node.inputs.iter().map(|&i| graph.ty(i)).collect();
-        let inferred = infer_type(&node.op, &types).map_err(|cause| node_error(id, name, cause))?;
+        verify_subgraphs(&node.op, depth).map_err(|e| node_error(id, name, e.to_string()))?;
+        verify_tuple_reads(graph, node).map_err(|cause| node_error(id, name, cause))?;
+        let inferred = graph
+            .infer(&node.op, &node.inputs)
+            .map_err(|cause| node_error(id, name, cause))?;
         if inferred != node.ty {
             return Err(node_error(
                 id,
@@ -85,6 +84,40 @@ fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
         }
         if !names.insert(name.as_str()) {
             return Err(IrError::DuplicateOutput(name.clone()));
+        }
+        if graph.node(*value).op.is_tuple() {
+            return Err(IrError::Invalid(format!(
+                "graph output `{name}` is the tuple {value}; it must be one of its `output` nodes"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Verifies the graphs nested in `op` one level deeper.
+fn verify_subgraphs(op: &Op, depth: usize) -> IrResult<()> {
+    if let Op::CustomGrad(custom) = op {
+        return verify_custom(custom, depth);
+    }
+    for graph in op.subgraphs() {
+        verify_at_depth(graph, depth + 1)?;
+    }
+    Ok(())
+}
+
+/// A control-flow node's value is a tuple: `output` nodes, and only they,
+/// read it.
+fn verify_tuple_reads(graph: &Graph, node: &Node) -> Result<(), String> {
+    let is_output = matches!(node.op, Op::Output { .. });
+    for &input in &node.inputs {
+        let tuple = graph.node(input).op.is_tuple();
+        if tuple && !is_output {
+            return Err(format!(
+                "reads the tuple {input}; only an `output` node may read a control-flow node"
+            ));
+        }
+        if is_output && !tuple {
+            return Err(format!("reads {input}, which is not a control-flow node"));
         }
     }
     Ok(())

@@ -17,6 +17,14 @@ use crate::types::DType;
 pub fn differentiable_edge(graph: &Graph, id: ValueId, k: usize) -> bool {
     let node = graph.node(id);
     let input = node.inputs[k];
+    // A tuple's `ty` is only its result 0: an f32 operand of a control-flow
+    // node may reach any f32 result, and an `output` carries what it reads.
+    if node.op.is_tuple() {
+        return graph.ty(input).dtype == DType::F32;
+    }
+    if let Op::Output { .. } = node.op {
+        return node.ty.dtype == DType::F32;
+    }
     if node.ty.dtype != DType::F32 || graph.ty(input).dtype != DType::F32 {
         return false;
     }

@@ -1,6 +1,9 @@
 //! Reverse mode: the backward sweep and every VJP rule, in one `match`.
 
-use crate::autodiff::activity;
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use crate::autodiff::{activity, control};
 use crate::autodiff::util::{
     accumulate, broadcast_to, check_type, keep_dims_shape, mask, or_zeros, reduce_count,
     reshape_to, scale_by_unary_derivative, unbroadcast,
@@ -27,14 +30,47 @@ pub fn backpropagate(
             accumulate(g, &mut ct[value.index()], seed)?;
         }
     }
+    // The cotangents of each control-flow node's results, gathered from
+    // the `output` nodes that read them (which come after it).
+    let mut tuple_ct: HashMap<usize, Vec<Option<ValueId>>> = HashMap::new();
     for i in (0..n).rev() {
-        let Some(cotangent) = ct[i] else { continue };
         let id = ValueId(i as u32);
         let node = g.node(id).clone();
-        if node.inputs.is_empty() {
-            continue;
-        }
-        let contributions = vjp_rule(g, &node.op, &node.inputs, id, cotangent)?;
+        let contributions = match &node.op {
+            // ⟨ct, output_r(t)⟩: the cotangent of result r of the tuple.
+            Op::Output { index } => {
+                let Some(cotangent) = ct[i] else { continue };
+                let tuple = node.inputs[0];
+                if !active[tuple.index()] {
+                    continue;
+                }
+                let slots = match tuple_ct.entry(tuple.index()) {
+                    Entry::Occupied(e) => e.into_mut(),
+                    Entry::Vacant(e) => {
+                        let count = g.results(tuple).map_err(IrError::Invalid)?.len();
+                        e.insert(vec![None; count])
+                    }
+                };
+                accumulate(g, &mut slots[*index], cotangent)?;
+                continue;
+            }
+            op if op.is_tuple() => {
+                let Some(cts) = tuple_ct.remove(&i) else { continue };
+                let wanted: Vec<bool> = (0..node.inputs.len())
+                    .map(|k| {
+                        active[node.inputs[k].index()] && activity::differentiable_edge(g, id, k)
+                    })
+                    .collect();
+                tuple_vjp(g, op, &node.inputs, id, &cts, &wanted)?
+            }
+            op => {
+                let Some(cotangent) = ct[i] else { continue };
+                if node.inputs.is_empty() {
+                    continue;
+                }
+                vjp_rule(g, op, &node.inputs, id, cotangent)?
+            }
+        };
         for (k, (&x, c)) in node.inputs.iter().zip(contributions).enumerate() {
             let wanted = active[x.index()] && activity::differentiable_edge(g, id, k);
             if let (true, Some(c)) = (wanted, c) {
@@ -44,6 +80,30 @@ pub fn backpropagate(
         }
     }
     wrt.iter().map(|&w| or_zeros(g, ct[w.index()], w)).collect()
+}
+
+/// The VJP of a control-flow node, given its results' cotangents (`None`
+/// where none reached one): the contributions of its operands, for those
+/// `wanted`. See `control.rs`.
+fn tuple_vjp(
+    g: &mut Graph,
+    op: &Op,
+    x: &[ValueId],
+    tuple: ValueId,
+    cts: &[Option<ValueId>],
+    wanted: &[bool],
+) -> IrResult<Vec<Option<ValueId>>> {
+    match op {
+        Op::Scan(scan) => control::scan_vjp(g, scan, x, tuple, cts, wanted),
+        Op::Cond(cond) => control::cond_vjp(g, cond, x, cts, wanted),
+        Op::WhileLoop(_) => Err(IrError::Invalid(
+            "reverse mode through `while_loop` is not built yet; a loop with a fixed trip count can be a `scan`".into(),
+        )),
+        _ => Err(IrError::Invalid(format!(
+            "`{}` is not a control-flow op",
+            op.name()
+        ))),
+    }
 }
 
 /// The VJP of one node: given the cotangent `ct` of its output `y`, the
@@ -230,6 +290,14 @@ fn vjp_rule(
             vec![None, Some(g.push(Op::Gather { axis: *axis }, &[ct, x[0]])?)]
         }
         Op::OneHot { .. } | Op::RandomUniform { .. } | Op::ArgMax { .. } => vec![None],
+        // Control flow has several results: the sweep gathers their
+        // cotangents and calls `tuple_vjp`.
+        Op::Output { .. } | Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) => {
+            return Err(IrError::Invalid(format!(
+                "`{}` is differentiated by the sweep, not by a single-result rule",
+                op.name()
+            )));
+        }
         // The user's rule, inlined with (inputs…, y, dy).
         Op::CustomGrad(custom) => {
             let mut args = x.to_vec();

@@ -125,6 +125,9 @@ fn jvp_rule(
         Op::Gather { .. } => g.push(op.clone(), &[tangent(t, 0, op)?, x[1]]),
         Op::ScatterAdd { .. } => g.push(op.clone(), &[x[0], tangent(t, 1, op)?]),
         Op::OneHot { .. } | Op::RandomUniform { .. } | Op::ArgMax { .. } => Err(internal(op)),
+        Op::Output { .. } | Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) => Err(IrError::Invalid(
+            format!("forward mode through `{}` is not built yet", op.name()),
+        )),
         // Differentiate the forward graph itself: custom rules are for
         // reverse mode only.
         Op::CustomGrad(custom) => {

@@ -20,6 +20,7 @@
 
 mod activity;
 mod backward;
+mod control;
 mod custom;
 mod forward;
 mod util;

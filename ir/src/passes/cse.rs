@@ -66,6 +66,9 @@ fn node_hash(op: &Op, inputs: &[ValueId]) -> u64 {
         Op::Constant(data) => hash_data(data, &mut h),
         // Hashing whole subgraphs is wasteful; equality settles collisions.
         Op::CustomGrad(custom) => custom.name.hash(&mut h),
+        Op::Scan(scan) => (scan.carries, scan.scanned, scan.body.len()).hash(&mut h),
+        Op::Cond(cond) => (cond.then_branch.len(), cond.else_branch.len()).hash(&mut h),
+        Op::WhileLoop(w) => (w.carries, w.max_trips, w.body.len()).hash(&mut h),
         // Every other op's attributes are small integers, flags and dims,
         // all rendered faithfully by Debug, so new ops need no new code here.
         other => format!("{other:?}").hash(&mut h),

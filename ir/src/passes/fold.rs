@@ -62,7 +62,10 @@ fn try_fold(
     max_elements: usize,
 ) -> IrResult<Option<TensorData>> {
     let node = rb.src.node(id);
-    if matches!(node.op, Op::Input { .. } | Op::Constant(_)) || node.inputs.is_empty() {
+    // A control-flow node is a tuple: it is never one constant (a loop
+    // over constants stays a loop; its results are not folded either).
+    let tuple = node.op.is_tuple() || matches!(node.op, Op::Output { .. });
+    if tuple || matches!(node.op, Op::Input { .. } | Op::Constant(_)) || node.inputs.is_empty() {
         return Ok(None);
     }
     match node.ty.shape.num_elements() {

@@ -1,0 +1,417 @@
+//! Reverse mode through control flow, without unrolling: the VJP of a
+//! `scan` is a reverse `scan`, and the VJP of a `cond` is a `cond` of its
+//! branches' VJPs. Both are built from the one backward sweep
+//! (`backward::backpropagate`) run on the body, so every op's rule is
+//! written once.
+//!
+//! A scan's backward body needs values of its forward step. Those are its
+//! *residuals*: the forward values its derivative nodes read. The rule
+//! makes the primal scan stack them as extra results (`Graph::extend_tuple`),
+//! and the reverse scan reads one step of each; values that depend only on
+//! the loop's constants are recomputed in the backward body instead of
+//! being stacked once per step.
+
+use crate::autodiff::backward::backpropagate;
+use crate::autodiff::util::zeros;
+use crate::control::{Cond, Scan};
+use crate::error::{IrError, IrResult};
+use crate::graph::{Graph, ValueId};
+use crate::op::Op;
+use crate::passes::eliminate_dead_code;
+use crate::types::DType;
+
+/// The contributions of a `scan` node's operands (carries, xs, consts),
+/// given its results' cotangents `cts`; `wanted[k]` says which operands
+/// need one.
+pub(super) fn scan_vjp(
+    g: &mut Graph,
+    scan: &Scan,
+    x: &[ValueId],
+    tuple: ValueId,
+    cts: &[Option<ValueId>],
+    wanted: &[bool],
+) -> IrResult<Vec<Option<ValueId>>> {
+    let plan = BodyVjp::new(scan, cts, wanted)?;
+    if plan.outputs_len() == 0 {
+        return Ok(vec![None; x.len()]);
+    }
+    let results_before = g.results(tuple).map_err(IrError::Invalid)?.len();
+    let forward = plan.forward_body()?;
+    let mut primal = scan.clone();
+    primal.body = forward;
+    g.extend_tuple(tuple, Op::Scan(Box::new(primal)))?;
+    let mut stacked = Vec::with_capacity(plan.residuals.len());
+    for r in 0..plan.residuals.len() {
+        stacked.push(g.push(
+            Op::Output {
+                index: results_before + r,
+            },
+            &[tuple],
+        )?);
+    }
+    let (c, s) = (scan.carries, scan.scanned);
+    let mut operands = Vec::new();
+    for &i in &plan.f32_carries {
+        operands.push(seed(g, cts[i], x[i])?);
+    }
+    for &k in &plan.wanted_consts {
+        let ty = g.ty(x[c + s + k]).clone();
+        operands.push(zeros(g, &ty)?);
+    }
+    operands.extend(&stacked);
+    operands.extend(&x[c..c + s]);
+    operands.extend(plan.seeded_ys.iter().map(|&k| cts[c + k].expect("seeded")));
+    operands.extend(&x[c + s..]);
+    let reverse = Scan {
+        body: plan.backward_body()?,
+        carries: plan.f32_carries.len() + plan.wanted_consts.len(),
+        scanned: stacked.len() + s + plan.seeded_ys.len(),
+        length: scan.length,
+        reverse: !scan.reverse,
+    };
+    let results = g.push_tuple(Op::Scan(Box::new(reverse)), &operands)?;
+    let mut contributions = vec![None; x.len()];
+    let mut next = results.into_iter();
+    for &i in &plan.f32_carries {
+        contributions[i] = next.next();
+    }
+    for &k in &plan.wanted_consts {
+        contributions[c + s + k] = next.next();
+    }
+    for &j in &plan.wanted_xs {
+        contributions[c + j] = next.next();
+    }
+    Ok(contributions)
+}
+
+/// The contributions of a `cond` node's operands (the predicate, then the
+/// branches' operands): a `cond` on the same predicate whose branches are
+/// the VJPs of the primal branches. Each recomputes its branch's forward
+/// values, so nothing is saved across the two sweeps.
+pub(super) fn cond_vjp(
+    g: &mut Graph,
+    cond: &Cond,
+    x: &[ValueId],
+    cts: &[Option<ValueId>],
+    wanted: &[bool],
+) -> IrResult<Vec<Option<ValueId>>> {
+    let wanted_operands: Vec<usize> = (1..x.len()).filter(|&k| wanted[k]).collect();
+    let seeded: Vec<usize> = (0..cts.len()).filter(|&r| cts[r].is_some()).collect();
+    if wanted_operands.is_empty() || seeded.is_empty() {
+        return Ok(vec![None; x.len()]);
+    }
+    let wrt: Vec<usize> = wanted_operands.iter().map(|k| k - 1).collect();
+    let adjoint = Cond {
+        then_branch: branch_vjp(&cond.then_branch, &seeded, &wrt)?,
+        else_branch: branch_vjp(&cond.else_branch, &seeded, &wrt)?,
+    };
+    let mut operands = x.to_vec();
+    operands.extend(seeded.iter().map(|&r| cts[r].expect("seeded")));
+    let grads = g.push_tuple(Op::Cond(Box::new(adjoint)), &operands)?;
+    let mut contributions = vec![None; x.len()];
+    for (&k, grad) in wanted_operands.iter().zip(grads) {
+        contributions[k] = Some(grad);
+    }
+    Ok(contributions)
+}
+
+/// A branch's VJP as a graph: (operands…, cotangents of the `seeded`
+/// results…) → the gradient of each operand in `wrt`.
+fn branch_vjp(branch: &Graph, seeded: &[usize], wrt: &[usize]) -> IrResult<Graph> {
+    let mut vjp = branch.clone();
+    let n = branch.len();
+    let mut seeds = Vec::with_capacity(seeded.len());
+    for &r in seeded {
+        let out = branch.outputs()[r].1;
+        let ct = vjp.input(format!("cotangent/{r}"), branch.ty(out).clone())?;
+        seeds.push((out, ct));
+    }
+    let wrt_ids: Vec<ValueId> = wrt.iter().map(|&k| branch.inputs()[k]).collect();
+    let grads = backpropagate(&mut vjp, n, &seeds, &wrt_ids)?;
+    let outputs = wrt
+        .iter()
+        .zip(grads)
+        .map(|(k, grad)| (format!("grad/{k}"), grad))
+        .collect();
+    vjp.set_outputs(outputs)?;
+    eliminate_dead_code(&vjp)
+}
+
+/// A result's cotangent, or zeros where none reached it.
+fn seed(g: &mut Graph, ct: Option<ValueId>, like: ValueId) -> IrResult<ValueId> {
+    match ct {
+        Some(ct) => Ok(ct),
+        None => {
+            let ty = g.ty(like).clone();
+            zeros(g, &ty)
+        }
+    }
+}
+
+/// Where a value of the differentiated body comes from.
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    Carry(usize),
+    Step(usize),
+    Const(usize),
+    /// A cotangent input of the body's VJP: of carry `i`'s result, or of
+    /// `ys[k]`.
+    CarryCotangent(usize),
+    YCotangent(usize),
+    /// A forward value that depends only on constants: recomputed.
+    Invariant,
+    /// A forward value that changes from step to step.
+    Varying,
+    /// A node of the backward sweep.
+    Backward,
+}
+
+/// One scan body differentiated: the body with its backward sweep appended
+/// (`vjp`), each node's role, and the forward values the backward nodes
+/// read (`residuals`, in node order).
+struct BodyVjp<'a> {
+    scan: &'a Scan,
+    vjp: Graph,
+    roles: Vec<Role>,
+    residuals: Vec<ValueId>,
+    /// Carries that are f32: each has a cotangent carried backwards.
+    f32_carries: Vec<usize>,
+    wanted_xs: Vec<usize>,
+    wanted_consts: Vec<usize>,
+    /// The `ys` whose stacked result has a cotangent.
+    seeded_ys: Vec<usize>,
+    /// The body's gradients: one per f32 carry, then per wanted x, then
+    /// per wanted const.
+    grads: Vec<ValueId>,
+}
+
+impl<'a> BodyVjp<'a> {
+    fn new(scan: &'a Scan, cts: &[Option<ValueId>], wanted: &[bool]) -> IrResult<BodyVjp<'a>> {
+        let body = &scan.body;
+        let (c, s, n) = (scan.carries, scan.scanned, body.len());
+        let is_f32 = |k: usize| body.ty(body.inputs()[k]).dtype == DType::F32;
+        let f32_carries: Vec<usize> = (0..c).filter(|&i| is_f32(i)).collect();
+        let wanted_xs: Vec<usize> = (0..s).filter(|&j| wanted[c + j] && is_f32(c + j)).collect();
+        let wanted_consts: Vec<usize> = (0..scan.consts())
+            .filter(|&k| wanted[c + s + k] && is_f32(c + s + k))
+            .collect();
+        let out_f32 = |r: usize| body.ty(body.outputs()[r].1).dtype == DType::F32;
+        let seeded_ys: Vec<usize> = (0..scan.ys())
+            .filter(|&k| cts[c + k].is_some() && out_f32(c + k))
+            .collect();
+
+        let mut vjp = body.clone();
+        let mut seeds = Vec::new();
+        let mut roles = vec![Role::Varying; n];
+        for &i in &f32_carries {
+            let out = body.outputs()[i].1;
+            seeds.push((out, vjp.input(format!("cotangent/carry/{i}"), body.ty(out).clone())?));
+        }
+        for &k in &seeded_ys {
+            let out = body.outputs()[c + k].1;
+            seeds.push((out, vjp.input(format!("cotangent/y/{k}"), body.ty(out).clone())?));
+        }
+        let input = |k: usize| body.inputs()[k];
+        let mut wrt: Vec<ValueId> = f32_carries.iter().map(|&i| input(i)).collect();
+        wrt.extend(wanted_xs.iter().map(|&j| input(c + j)));
+        wrt.extend(wanted_consts.iter().map(|&k| input(c + s + k)));
+        let grads = backpropagate(&mut vjp, n, &seeds, &wrt)?;
+
+        for (k, &id) in body.inputs().iter().enumerate() {
+            roles[id.index()] = match k {
+                _ if k < c => Role::Carry(k),
+                _ if k < c + s => Role::Step(k - c),
+                _ => Role::Const(k - c - s),
+            };
+        }
+        roles.extend((n..vjp.len()).map(|_| Role::Backward));
+        let cotangent_inputs = &vjp.inputs()[body.inputs().len()..];
+        for (&id, &i) in cotangent_inputs.iter().zip(&f32_carries) {
+            roles[id.index()] = Role::CarryCotangent(i);
+        }
+        for (&id, &k) in cotangent_inputs[f32_carries.len()..].iter().zip(&seeded_ys) {
+            roles[id.index()] = Role::YCotangent(k);
+        }
+        classify_forward(&vjp, &mut roles);
+        let residuals = residuals(&vjp, &roles, &grads);
+        Ok(BodyVjp {
+            scan,
+            vjp,
+            roles,
+            residuals,
+            f32_carries,
+            wanted_xs,
+            wanted_consts,
+            seeded_ys,
+            grads,
+        })
+    }
+
+    /// Results of the reverse scan.
+    fn outputs_len(&self) -> usize {
+        self.f32_carries.len() + self.wanted_consts.len() + self.wanted_xs.len()
+    }
+
+    /// The primal body, now also returning each residual of its step
+    /// (after its own results, so the primal results keep their indices).
+    fn forward_body(&self) -> IrResult<Graph> {
+        let mut body = Graph::new();
+        let mut map: Vec<Option<ValueId>> = vec![None; self.vjp.len()];
+        for (index, node) in self.vjp.nodes().iter().enumerate() {
+            let value = match self.roles[index] {
+                Role::Carry(_) | Role::Step(_) | Role::Const(_) => {
+                    let Op::Input { name } = &node.op else {
+                        unreachable!("body inputs are input nodes")
+                    };
+                    body.input(name.clone(), node.ty.clone())?
+                }
+                Role::Invariant | Role::Varying => {
+                    let inputs = remap(&map, &node.inputs)?;
+                    body.push(node.op.clone(), &inputs)?
+                }
+                _ => continue,
+            };
+            map[index] = Some(value);
+        }
+        let mut outputs: Vec<(String, ValueId)> = self
+            .scan
+            .body
+            .outputs()
+            .iter()
+            .map(|(name, v)| Ok((name.clone(), remap(&map, &[*v])?[0])))
+            .collect::<IrResult<_>>()?;
+        for (r, &id) in self.residuals.iter().enumerate() {
+            outputs.push((format!("residual/{r}"), remap(&map, &[id])?[0]));
+        }
+        body.set_outputs(outputs)?;
+        Ok(body)
+    }
+
+    /// The reverse scan's body: (cotangents of the f32 carries…, gradient
+    /// sums of the wanted consts…, one step of each residual…, of each x…,
+    /// of each seeded y's cotangent…, the consts…) → (the carries'
+    /// cotangents one step earlier…, the sums with this step's…, the wanted
+    /// xs' gradients…).
+    fn backward_body(&self) -> IrResult<Graph> {
+        let (c, s) = (self.scan.carries, self.scan.scanned);
+        let vjp = &self.vjp;
+        let body = &self.scan.body;
+        let mut h = Graph::new();
+        let mut map: Vec<Option<ValueId>> = vec![None; vjp.len()];
+        let ty = |id: ValueId| vjp.ty(id).clone();
+        let role_input = |role: Role| -> ValueId {
+            let position = self.roles.iter().position(|&r| r == role).expect("role");
+            ValueId(position as u32)
+        };
+        for &i in &self.f32_carries {
+            let id = role_input(Role::CarryCotangent(i));
+            map[id.index()] = Some(h.input(format!("cotangent/carry/{i}"), ty(id))?);
+        }
+        let mut sums = Vec::new();
+        for &k in &self.wanted_consts {
+            sums.push(h.input(format!("sum/{k}"), ty(body.inputs()[c + s + k]))?);
+        }
+        for (r, &id) in self.residuals.iter().enumerate() {
+            map[id.index()] = Some(h.input(format!("residual/{r}"), ty(id))?);
+        }
+        for j in 0..s {
+            let id = body.inputs()[c + j];
+            map[id.index()] = Some(h.input(format!("step/{j}"), ty(id))?);
+        }
+        for &k in &self.seeded_ys {
+            let id = role_input(Role::YCotangent(k));
+            map[id.index()] = Some(h.input(format!("cotangent/y/{k}"), ty(id))?);
+        }
+        for k in 0..self.scan.consts() {
+            let id = body.inputs()[c + s + k];
+            map[id.index()] = Some(h.input(format!("const/{k}"), ty(id))?);
+        }
+        for (index, node) in vjp.nodes().iter().enumerate() {
+            let copy = match self.roles[index] {
+                Role::Invariant => !matches!(node.op, Op::Input { .. }),
+                Role::Backward => map[index].is_none(),
+                _ => false,
+            };
+            if copy && map[index].is_none() {
+                let inputs = remap(&map, &node.inputs)?;
+                map[index] = Some(h.push(node.op.clone(), &inputs)?);
+            }
+        }
+        let grad = |k: usize| remap(&map, &[self.grads[k]]).map(|v| v[0]);
+        let mut outputs = Vec::new();
+        for (k, &i) in self.f32_carries.iter().enumerate() {
+            outputs.push((format!("cotangent/carry/{i}"), grad(k)?));
+        }
+        let after_xs = self.f32_carries.len() + self.wanted_xs.len();
+        for (k, (&const_k, sum)) in self.wanted_consts.iter().zip(sums).enumerate() {
+            let total = h.add(sum, grad(after_xs + k)?)?;
+            outputs.push((format!("sum/{const_k}"), total));
+        }
+        for (k, &j) in self.wanted_xs.iter().enumerate() {
+            outputs.push((format!("grad/step/{j}"), grad(self.f32_carries.len() + k)?));
+        }
+        h.set_outputs(outputs)?;
+        eliminate_dead_code(&h)
+    }
+}
+
+fn remap(map: &[Option<ValueId>], ids: &[ValueId]) -> IrResult<Vec<ValueId>> {
+    ids.iter()
+        .map(|id| {
+            map[id.index()].ok_or_else(|| {
+                IrError::Invalid(format!(
+                    "scan autodiff: {id} is read where the loop does not have it"
+                ))
+            })
+        })
+        .collect()
+}
+
+/// Marks the forward values among the body's nodes: invariant when every
+/// operand is a constant or invariant, else varying. An `output` that the
+/// sweep appended to read a nested loop's new results is forward too.
+fn classify_forward(vjp: &Graph, roles: &mut [Role]) {
+    for (index, node) in vjp.nodes().iter().enumerate() {
+        let forward = match roles[index] {
+            Role::Varying | Role::Invariant => true,
+            Role::Backward => {
+                matches!(node.op, Op::Output { .. })
+                    && matches!(roles[node.inputs[0].index()], Role::Varying | Role::Invariant)
+            }
+            _ => continue,
+        };
+        if !forward || matches!(node.op, Op::Input { .. }) {
+            continue;
+        }
+        let invariant = node
+            .inputs
+            .iter()
+            .all(|i| matches!(roles[i.index()], Role::Const(_) | Role::Invariant));
+        roles[index] = if invariant {
+            Role::Invariant
+        } else {
+            Role::Varying
+        };
+    }
+}
+
+/// The varying forward values (and carries) that backward nodes or the
+/// gradients read: each is stacked by the primal scan.
+fn residuals(vjp: &Graph, roles: &[Role], grads: &[ValueId]) -> Vec<ValueId> {
+    let mut read = vec![false; vjp.len()];
+    for (index, node) in vjp.nodes().iter().enumerate() {
+        if roles[index] == Role::Backward {
+            for input in &node.inputs {
+                read[input.index()] = true;
+            }
+        }
+    }
+    for grad in grads {
+        read[grad.index()] = true;
+    }
+    (0..vjp.len())
+        .filter(|&i| read[i] && matches!(roles[i], Role::Varying | Role::Carry(_)))
+        .filter(|&i| !vjp.nodes()[i].op.is_tuple())
+        .map(|i| ValueId(i as u32))
+        .collect()
+}
