@@ -28,6 +28,16 @@ pub enum EngineError {
         #[source]
         source: KernelError,
     },
+    /// A failure inside a loop body or branch, at one step of the node
+    /// that runs it.
+    #[error("node %{node} ({op}), step {step}")]
+    Nested {
+        node: usize,
+        op: &'static str,
+        step: usize,
+        #[source]
+        source: Box<EngineError>,
+    },
     /// A graph input whose value does not fit its declared type.
     #[error("input `{name}`: {cause}")]
     Input { name: String, cause: String },

@@ -72,6 +72,42 @@ impl Value {
         }
     }
 
+    /// Step `t` of a stacked value: index `t` of its leading axis.
+    pub fn step(&self, t: usize) -> Value {
+        use ndarray::Axis;
+        match self {
+            Value::F32(a) => Value::F32(a.index_axis(Axis(0), t).to_owned()),
+            Value::I64(a) => Value::I64(a.index_axis(Axis(0), t).to_owned()),
+            Value::I32(a) => Value::I32(a.index_axis(Axis(0), t).to_owned()),
+            Value::Bool(a) => Value::Bool(a.index_axis(Axis(0), t).to_owned()),
+        }
+    }
+
+    /// Writes `step` at index `t` of this stacked value's leading axis.
+    pub fn set_step(&mut self, t: usize, step: &Value) -> Result<(), EngineError> {
+        use ndarray::Axis;
+        let mismatch = |stacked: &[usize], got: &Value| {
+            EngineError::Shape(format!(
+                "a step of {}{:?} must be {stacked:?} without its leading axis, got {}{:?}",
+                got.dtype(),
+                stacked,
+                got.dtype(),
+                got.shape()
+            ))
+        };
+        if self.dtype() != step.dtype() || self.shape().get(1..) != Some(step.shape()) {
+            return Err(mismatch(self.shape(), step));
+        }
+        match (self, step) {
+            (Value::F32(a), Value::F32(s)) => a.index_axis_mut(Axis(0), t).assign(s),
+            (Value::I64(a), Value::I64(s)) => a.index_axis_mut(Axis(0), t).assign(s),
+            (Value::I32(a), Value::I32(s)) => a.index_axis_mut(Axis(0), t).assign(s),
+            (Value::Bool(a), Value::Bool(s)) => a.index_axis_mut(Axis(0), t).assign(s),
+            _ => unreachable!("dtypes checked above"),
+        }
+        Ok(())
+    }
+
     pub fn as_f32(&self) -> Result<&ArrayD<f32>, EngineError> {
         match self {
             Value::F32(a) => Ok(a),

@@ -70,11 +70,7 @@ fn output_types(g: &Graph) -> Vec<&TensorType> {
     g.outputs().iter().map(|(_, v)| g.ty(*v)).collect()
 }
 
-fn expect_types(
-    what: &str,
-    expected: &[&TensorType],
-    got: &[&TensorType],
-) -> Result<(), Cause> {
+fn expect_types(what: &str, expected: &[&TensorType], got: &[&TensorType]) -> Result<(), Cause> {
     if expected.len() != got.len() {
         return Err(format!(
             "{what}: expected {} values, got {}",
@@ -92,7 +88,10 @@ fn expect_types(
 
 impl Scan {
     pub fn consts(&self) -> usize {
-        self.body.inputs().len().saturating_sub(self.carries + self.scanned)
+        self.body
+            .inputs()
+            .len()
+            .saturating_sub(self.carries + self.scanned)
     }
 
     pub fn ys(&self) -> usize {
@@ -119,10 +118,16 @@ impl Scan {
             ));
         }
         expect_types("initial carries", &body_in[..c], &t[..c])?;
-        expect_types("the body's carries out (a carry keeps its type)", &body_in[..c], &body_out[..c])?;
+        expect_types(
+            "the body's carries out (a carry keeps its type)",
+            &body_in[..c],
+            &body_out[..c],
+        )?;
         for (j, x) in t[c..c + s].iter().enumerate() {
             let Some((&lead, rest)) = x.shape.0.split_first() else {
-                return Err(format!("scanned input {j} is a scalar; it needs a leading axis"));
+                return Err(format!(
+                    "scanned input {j} is a scalar; it needs a leading axis"
+                ));
             };
             if lead != self.length {
                 return Err(format!(
@@ -160,8 +165,16 @@ impl Cond {
         if pred.dtype != DType::Bool || pred.rank() != 0 {
             return Err(format!("the predicate must be a bool scalar, is {pred}"));
         }
-        expect_types("then branch inputs", &input_types(&self.then_branch), operands)?;
-        expect_types("else branch inputs", &input_types(&self.else_branch), operands)?;
+        expect_types(
+            "then branch inputs",
+            &input_types(&self.then_branch),
+            operands,
+        )?;
+        expect_types(
+            "else branch inputs",
+            &input_types(&self.else_branch),
+            operands,
+        )?;
         let then_out = output_types(&self.then_branch);
         expect_types(
             "else branch results (the then branch's types)",

@@ -202,8 +202,7 @@ fn peak_bytes(graph: &Graph, batch: usize) -> u64 {
     let mut freed_after: Vec<u64> = vec![0; end];
     for (index, &last) in last_use.iter().enumerate() {
         if last < end {
-            freed_after[last] =
-                freed_after[last].saturating_add(node_bytes(graph, index, batch));
+            freed_after[last] = freed_after[last].saturating_add(node_bytes(graph, index, batch));
         }
     }
     let (mut live, mut peak) = (0u64, 0u64);

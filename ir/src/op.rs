@@ -353,11 +353,9 @@ impl Op {
             Op::Unary(UnaryOp::Erf | UnaryOp::GeluErf | UnaryOp::Softplus | UnaryOp::Log1p)
             | Op::ArgMax { .. } => 2,
             Op::CustomGrad(custom) => custom.forward.opset().max(custom.backward.opset()),
-            Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) => self
-                .subgraphs()
-                .iter()
-                .map(|g| g.opset())
-                .fold(3, u16::max),
+            Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) => {
+                self.subgraphs().iter().map(|g| g.opset()).fold(3, u16::max)
+            }
             Op::Output { .. } => 3,
             _ => 1,
         }

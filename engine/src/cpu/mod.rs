@@ -4,6 +4,7 @@
 //! at compile time and hands a value to its last consumer by ownership, so
 //! elementwise kernels and in-graph optimizer updates write in place.
 
+mod control;
 pub mod kernels;
 
 use canopy_ir::{Dim, Graph, Op, TensorType, ValueId};
@@ -45,6 +46,13 @@ pub struct CpuExecutable {
     profile: Option<Vec<(std::time::Duration, u64)>>,
     /// Inputs kept between runs (`Executable::make_resident`).
     residency: HostResidency,
+    /// Each control-flow node's graphs, compiled (`Op::subgraphs` order).
+    bodies: Vec<Vec<CpuExecutable>>,
+    /// Each control-flow node's result types.
+    result_types: Vec<Vec<TensorType>>,
+    /// For each `output` node: whether it is the last to read its result,
+    /// so it may take the value instead of copying it.
+    takes_result: Vec<bool>,
 }
 
 impl Drop for CpuExecutable {
@@ -99,6 +107,33 @@ impl CpuExecutable {
                 _ => None,
             })
             .collect();
+        let mut bodies = Vec::with_capacity(graph.len());
+        let mut result_types = Vec::with_capacity(graph.len());
+        for (index, node) in graph.nodes().iter().enumerate() {
+            if !node.op.is_tuple() {
+                bodies.push(Vec::new());
+                result_types.push(Vec::new());
+                continue;
+            }
+            let compiled = node
+                .op
+                .subgraphs()
+                .into_iter()
+                .map(CpuExecutable::new)
+                .collect::<EngineResult<Vec<_>>>()?;
+            bodies.push(compiled);
+            let results = graph
+                .results(ValueId(index as u32))
+                .map_err(|cause| EngineError::Internal(format!("node %{index}: {cause}")))?;
+            result_types.push(results);
+        }
+        let mut takes_result = vec![false; graph.len()];
+        let mut seen = std::collections::HashSet::new();
+        for (index, node) in graph.nodes().iter().enumerate().rev() {
+            if let Op::Output { index: result } = node.op {
+                takes_result[index] = seen.insert((node.inputs[0], result));
+            }
+        }
         let input_names = graph.input_names().iter().map(|s| s.to_string()).collect();
         let output_names = graph.outputs().iter().map(|(n, _)| n.clone()).collect();
         let profile = (std::env::var("CANOPY_PROFILE").as_deref() == Ok("1"))
@@ -111,6 +146,9 @@ impl CpuExecutable {
             output_names,
             profile,
             residency: HostResidency::default(),
+            bodies,
+            result_types,
+            takes_result,
         })
     }
 
@@ -203,7 +241,24 @@ impl CpuExecutable {
             });
         }
         let batch = self.bind_batch(&inputs)?;
-        let mut values: Vec<Option<Value>> = vec![None; self.graph.len()];
+        let mut profile = self.profile.take();
+        let inputs = inputs.into_iter().map(Arg::Owned).collect();
+        let result = self.execute(inputs, batch, profile.as_mut());
+        self.profile = profile;
+        result
+    }
+
+    /// Runs the graph on `inputs`, owned or borrowed: a loop body borrows
+    /// its constants (weights) from the enclosing graph at every step.
+    pub(crate) fn execute<'a>(
+        &'a self,
+        inputs: Vec<Arg<'a>>,
+        batch: usize,
+        mut profile: Option<&mut Vec<(std::time::Duration, u64)>>,
+    ) -> EngineResult<Vec<Value>> {
+        let mut values: Vec<Option<Arg<'a>>> = Vec::new();
+        values.resize_with(self.graph.len(), || None);
+        let mut tuples: Vec<Option<Vec<Option<Value>>>> = vec![None; self.graph.len()];
         for (&id, value) in self.graph.inputs().iter().zip(inputs) {
             values[id.index()] = Some(value);
         }
@@ -211,16 +266,34 @@ impl CpuExecutable {
             if matches!(node.op, Op::Input { .. } | Op::Constant(_)) {
                 continue;
             }
-            let started = self.profile.is_some().then(std::time::Instant::now);
-            let result = self.eval_node(index, &mut values, batch)?;
-            if let (Some(profile), Some(started)) = (&mut self.profile, started) {
+            let started = profile.is_some().then(std::time::Instant::now);
+            if node.op.is_tuple() {
+                let results = self.eval_tuple(index, &mut values, batch)?;
+                tuples[index] = Some(results.into_iter().map(Some).collect());
+            } else if let Op::Output { index: result } = node.op {
+                let tuple = node.inputs[0].index();
+                let slots = tuples[tuple]
+                    .as_mut()
+                    .expect("executor invariant: a tuple lives until its last output");
+                let value = if self.takes_result[index] {
+                    slots[result].take()
+                } else {
+                    slots[result].clone()
+                };
+                let value = value.expect("executor invariant: a result is taken once, last");
+                values[index] = Some(Arg::Owned(value));
+            } else {
+                let result = self.eval_node(index, &mut values, batch)?;
+                values[index] = Some(Arg::Owned(result));
+            }
+            if let (Some(profile), Some(started)) = (profile.as_deref_mut(), started) {
                 profile[index].0 += started.elapsed();
                 profile[index].1 += 1;
             }
-            values[index] = Some(result);
             for input in &node.inputs {
                 if self.last_use[input.index()] == index {
                     values[input.index()] = None;
+                    tuples[input.index()] = None;
                 }
             }
         }
@@ -232,7 +305,7 @@ impl CpuExecutable {
                 self.lookup(&values, *id).clone()
             } else {
                 match values[id.index()].take() {
-                    Some(v) => v,
+                    Some(v) => v.into_value(),
                     None => self.lookup(&values, *id).clone(),
                 }
             };
@@ -241,23 +314,19 @@ impl CpuExecutable {
         Ok(result)
     }
 
-    fn lookup<'a>(&'a self, values: &'a [Option<Value>], id: ValueId) -> &'a Value {
+    fn lookup<'v>(&'v self, values: &'v [Option<Arg<'_>>], id: ValueId) -> &'v Value {
         values[id.index()]
             .as_ref()
+            .map(Arg::value)
             .or(self.constants[id.index()].as_ref())
             .expect("executor invariant: a value is live until its last use")
     }
 
-    fn eval_node(
-        &self,
-        index: usize,
-        values: &mut [Option<Value>],
-        batch: usize,
-    ) -> EngineResult<Value> {
+    /// The operands of node `index`: each handed over by ownership at its
+    /// last use when this node reads it once, else borrowed.
+    fn operands<'v>(&'v self, index: usize, values: &'v mut [Option<Arg<'_>>]) -> Vec<Arg<'v>> {
         let node = &self.graph.nodes()[index];
-        // A value is handed over by ownership only at its last use, and only
-        // when this node reads it once.
-        let mut owned: Vec<Option<Value>> = node
+        let mut owned: Vec<Option<Arg<'_>>> = node
             .inputs
             .iter()
             .map(|id| {
@@ -269,15 +338,25 @@ impl CpuExecutable {
                 }
             })
             .collect();
-        let args: Vec<Arg<'_>> = node
-            .inputs
+        let values: &'v [Option<Arg<'_>>] = values;
+        node.inputs
             .iter()
             .zip(owned.iter_mut())
             .map(|(&id, slot)| match slot.take() {
-                Some(v) => Arg::Owned(v),
+                Some(arg) => arg,
                 None => Arg::Shared(self.lookup(values, id)),
             })
-            .collect();
+            .collect()
+    }
+
+    fn eval_node(
+        &self,
+        index: usize,
+        values: &mut [Option<Arg<'_>>],
+        batch: usize,
+    ) -> EngineResult<Value> {
+        let node = &self.graph.nodes()[index];
+        let args = self.operands(index, values);
         kernels::eval(&node.op, args, &node.ty, batch).map_err(|source| EngineError::Kernel {
             node: Some(index),
             op: node.op.name(),
@@ -288,5 +367,23 @@ impl CpuExecutable {
                 .collect(),
             source,
         })
+    }
+
+    fn eval_tuple(
+        &self,
+        index: usize,
+        values: &mut [Option<Arg<'_>>],
+        batch: usize,
+    ) -> EngineResult<Vec<Value>> {
+        let node = &self.graph.nodes()[index];
+        let args = self.operands(index, values);
+        let run = control::Run {
+            node: index,
+            op: &node.op,
+            bodies: &self.bodies[index],
+            results: &self.result_types[index],
+            batch,
+        };
+        run.eval(args)
     }
 }

@@ -3,11 +3,11 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
-use crate::autodiff::{activity, control};
 use crate::autodiff::util::{
     accumulate, broadcast_to, check_type, keep_dims_shape, mask, or_zeros, reduce_count,
     reshape_to, scale_by_unary_derivative, unbroadcast,
 };
+use crate::autodiff::{activity, control};
 use crate::error::{IrError, IrResult};
 use crate::graph::{Graph, ValueId};
 use crate::op::{BinaryOp, Op, ReduceKind};
@@ -55,7 +55,9 @@ pub fn backpropagate(
                 continue;
             }
             op if op.is_tuple() => {
-                let Some(cts) = tuple_ct.remove(&i) else { continue };
+                let Some(cts) = tuple_ct.remove(&i) else {
+                    continue;
+                };
                 let wanted: Vec<bool> = (0..node.inputs.len())
                     .map(|k| {
                         active[node.inputs[k].index()] && activity::differentiable_edge(g, id, k)

@@ -123,7 +123,8 @@ fn branch_vjp(branch: &Graph, seeded: &[usize], wrt: &[usize]) -> IrResult<Graph
     let mut seeds = Vec::with_capacity(seeded.len());
     for &r in seeded {
         let out = branch.outputs()[r].1;
-        let ct = vjp.input(format!("cotangent/{r}"), branch.ty(out).clone())?;
+        let name = fresh_input_name(&vjp, format!("cotangent/{r}"));
+        let ct = vjp.input(name, branch.ty(out).clone())?;
         seeds.push((out, ct));
     }
     let wrt_ids: Vec<ValueId> = wrt.iter().map(|&k| branch.inputs()[k]).collect();
@@ -135,6 +136,15 @@ fn branch_vjp(branch: &Graph, seeded: &[usize], wrt: &[usize]) -> IrResult<Graph
         .collect();
     vjp.set_outputs(outputs)?;
     eliminate_dead_code(&vjp)
+}
+
+/// `name`, primed until no input of `graph` has it: a body differentiated
+/// twice already has the first pass's cotangent inputs.
+fn fresh_input_name(graph: &Graph, mut name: String) -> String {
+    while graph.find_input(&name).is_some() {
+        name.push('\'');
+    }
+    name
 }
 
 /// A result's cotangent, or zeros where none reached it.
@@ -205,11 +215,13 @@ impl<'a> BodyVjp<'a> {
         let mut roles = vec![Role::Varying; n];
         for &i in &f32_carries {
             let out = body.outputs()[i].1;
-            seeds.push((out, vjp.input(format!("cotangent/carry/{i}"), body.ty(out).clone())?));
+            let name = fresh_input_name(&vjp, format!("cotangent/carry/{i}"));
+            seeds.push((out, vjp.input(name, body.ty(out).clone())?));
         }
         for &k in &seeded_ys {
             let out = body.outputs()[c + k].1;
-            seeds.push((out, vjp.input(format!("cotangent/y/{k}"), body.ty(out).clone())?));
+            let name = fresh_input_name(&vjp, format!("cotangent/y/{k}"));
+            seeds.push((out, vjp.input(name, body.ty(out).clone())?));
         }
         let input = |k: usize| body.inputs()[k];
         let mut wrt: Vec<ValueId> = f32_carries.iter().map(|&i| input(i)).collect();
@@ -281,7 +293,12 @@ impl<'a> BodyVjp<'a> {
             .map(|(name, v)| Ok((name.clone(), remap(&map, &[*v])?[0])))
             .collect::<IrResult<_>>()?;
         for (r, &id) in self.residuals.iter().enumerate() {
-            outputs.push((format!("residual/{r}"), remap(&map, &[id])?[0]));
+            // A body differentiated twice already saves the first pass's.
+            let mut name = format!("residual/{r}");
+            while outputs.iter().any(|(taken, _)| *taken == name) {
+                name.push('\'');
+            }
+            outputs.push((name, remap(&map, &[id])?[0]));
         }
         body.set_outputs(outputs)?;
         Ok(body)
@@ -376,7 +393,10 @@ fn classify_forward(vjp: &Graph, roles: &mut [Role]) {
             Role::Varying | Role::Invariant => true,
             Role::Backward => {
                 matches!(node.op, Op::Output { .. })
-                    && matches!(roles[node.inputs[0].index()], Role::Varying | Role::Invariant)
+                    && matches!(
+                        roles[node.inputs[0].index()],
+                        Role::Varying | Role::Invariant
+                    )
             }
             _ => continue,
         };
@@ -414,4 +434,182 @@ fn residuals(vjp: &Graph, roles: &[Role], grads: &[ValueId]) -> Vec<ValueId> {
         .filter(|&i| !vjp.nodes()[i].op.is_tuple())
         .map(|i| ValueId(i as u32))
         .collect()
+}
+
+/// The tangent of a control-flow node: a node of the same kind that
+/// carries tangents beside the primal values, and for each primal result
+/// the index of its tangent among that node's results (`None` for results
+/// that are not f32). `t[k]` is the tangent of operand `k`, if any.
+pub(super) fn tuple_jvp(
+    g: &mut Graph,
+    op: &Op,
+    x: &[ValueId],
+    t: &[Option<ValueId>],
+) -> IrResult<(ValueId, Vec<Option<usize>>)> {
+    match op {
+        Op::Scan(scan) => scan_jvp(g, scan, x, t),
+        Op::Cond(cond) => cond_jvp(g, cond, x, t),
+        _ => Err(IrError::Invalid(format!(
+            "forward mode through `{}` is not built yet",
+            op.name()
+        ))),
+    }
+}
+
+/// `scan` in forward mode: a scan whose body is the body's JVP, each
+/// carry paired with its tangent, each step input with its tangent.
+fn scan_jvp(
+    g: &mut Graph,
+    scan: &Scan,
+    x: &[ValueId],
+    t: &[Option<ValueId>],
+) -> IrResult<(ValueId, Vec<Option<usize>>)> {
+    let body = &scan.body;
+    let (c, s) = (scan.carries, scan.scanned);
+    let is_f32 = |k: usize| body.ty(body.inputs()[k]).dtype == DType::F32;
+    // Carries always carry a tangent: one step's may be zero, the next's not.
+    let f32_carries: Vec<usize> = (0..c).filter(|&i| is_f32(i)).collect();
+    let moving = |k: usize| t[k].is_some() && is_f32(k);
+    let xs: Vec<usize> = (c..c + s).filter(|&k| moving(k)).collect();
+    let consts: Vec<usize> = (c + s..x.len()).filter(|&k| moving(k)).collect();
+    let groups = [
+        (0..c).collect::<Vec<_>>(),
+        f32_carries.clone(),
+        (c..c + s).collect(),
+        xs.clone(),
+        (c + s..x.len()).collect(),
+        consts.clone(),
+    ];
+    let (jvp_body, f32_outputs) = reordered_jvp(body, &groups, c)?;
+    let mut operands = x[..c].to_vec();
+    for &i in &f32_carries {
+        operands.push(seed(g, t[i], x[i])?);
+    }
+    operands.extend(&x[c..c + s]);
+    operands.extend(xs.iter().map(|&k| t[k].expect("moving")));
+    operands.extend(&x[c + s..]);
+    operands.extend(consts.iter().map(|&k| t[k].expect("moving")));
+    let tangent_scan = Scan {
+        body: jvp_body,
+        carries: c + f32_carries.len(),
+        scanned: s + xs.len(),
+        length: scan.length,
+        reverse: scan.reverse,
+    };
+    let tuple = g.push(Op::Scan(Box::new(tangent_scan)), &operands)?;
+    // Results: carries, their tangents, ys, their tangents.
+    let ys = scan.ys();
+    let nf_carries = f32_carries.len();
+    let mut map = vec![None; c + ys];
+    for (p, &i) in f32_carries.iter().enumerate() {
+        map[i] = Some(c + p);
+    }
+    let mut p = 0;
+    for (k, slot) in map[c..].iter_mut().enumerate() {
+        if f32_outputs.contains(&(c + k)) {
+            *slot = Some(c + nf_carries + ys + p);
+            p += 1;
+        }
+    }
+    Ok((tuple, map))
+}
+
+/// `cond` in forward mode: a `cond` of the branches' JVPs.
+fn cond_jvp(
+    g: &mut Graph,
+    cond: &Cond,
+    x: &[ValueId],
+    t: &[Option<ValueId>],
+) -> IrResult<(ValueId, Vec<Option<usize>>)> {
+    let n = x.len() - 1;
+    let branch = &cond.then_branch;
+    let moving: Vec<usize> = (0..n)
+        .filter(|&k| t[k + 1].is_some() && branch.ty(branch.inputs()[k]).dtype == DType::F32)
+        .collect();
+    let groups = [(0..n).collect::<Vec<_>>(), moving.clone()];
+    let results = branch.outputs().len();
+    let (then_branch, f32_outputs) = reordered_jvp(&cond.then_branch, &groups, results)?;
+    let (else_branch, _) = reordered_jvp(&cond.else_branch, &groups, results)?;
+    let mut operands = x.to_vec();
+    operands.extend(moving.iter().map(|&k| t[k + 1].expect("moving")));
+    let tuple = g.push(
+        Op::Cond(Box::new(Cond {
+            then_branch,
+            else_branch,
+        })),
+        &operands,
+    )?;
+    let mut map = vec![None; results];
+    for (p, &r) in f32_outputs.iter().enumerate() {
+        map[r] = Some(results + p);
+    }
+    Ok((tuple, map))
+}
+
+/// The JVP of `graph` with its inputs declared in the order `groups` gives:
+/// input positions, alternately primal (every group at an even place) and
+/// tangent (odd places, tangents of the positions listed). Its outputs are
+/// ordered primal `0..split`, their tangents, primal `split..`, their
+/// tangents, so a scan's carries stay first. Returns it and the positions
+/// of the f32 outputs (those with tangents).
+fn reordered_jvp(
+    graph: &Graph,
+    groups: &[Vec<usize>],
+    split: usize,
+) -> IrResult<(Graph, Vec<usize>)> {
+    let name = |k: usize| graph.input_name(graph.inputs()[k]).to_string();
+    let wrt: Vec<String> = groups
+        .iter()
+        .skip(1)
+        .step_by(2)
+        .flatten()
+        .map(|&k| name(k))
+        .collect();
+    let wrt_refs: Vec<&str> = wrt.iter().map(String::as_str).collect();
+    let jvp = crate::autodiff::jvp(graph, &wrt_refs)?;
+    let primal_count = graph.inputs().len();
+    let mut h = Graph::new();
+    let mut args: Vec<Option<ValueId>> = vec![None; jvp.inputs().len()];
+    let mut tangent_position = primal_count;
+    for (g_index, group) in groups.iter().enumerate() {
+        let tangent = g_index % 2 == 1;
+        for &k in group {
+            let (slot, label) = if tangent {
+                tangent_position += 1;
+                (tangent_position - 1, format!("tangent/{}", name(k)))
+            } else {
+                (k, name(k))
+            };
+            let ty = jvp.ty(jvp.inputs()[slot]).clone();
+            args[slot] = Some(h.input(label, ty)?);
+        }
+    }
+    let args: Vec<ValueId> = args
+        .into_iter()
+        .map(|a| a.expect("every input declared"))
+        .collect();
+    let outs = h.inline(&jvp, &args)?;
+    let primal_outputs = graph.outputs().len();
+    let f32_outputs: Vec<usize> = (0..primal_outputs)
+        .filter(|&r| graph.ty(graph.outputs()[r].1).dtype == DType::F32)
+        .collect();
+    let names: Vec<String> = jvp.outputs().iter().map(|(n, _)| n.clone()).collect();
+    let mut order: Vec<usize> = (0..split).collect();
+    let tangent_of =
+        |r: usize| primal_outputs + f32_outputs.iter().position(|&o| o == r).expect("f32");
+    order.extend(
+        f32_outputs
+            .iter()
+            .filter(|&&r| r < split)
+            .map(|&r| tangent_of(r)),
+    );
+    order.extend(split..primal_outputs);
+    order.extend(
+        f32_outputs
+            .iter()
+            .filter(|&&r| r >= split)
+            .map(|&r| tangent_of(r)),
+    );
+    h.set_outputs(order.iter().map(|&o| (names[o].clone(), outs[o])).collect())?;
+    Ok((h, f32_outputs))
 }

@@ -1,10 +1,12 @@
 //! Forward mode: the tangent sweep and every JVP rule, in one `match`.
 
-use crate::autodiff::activity;
+use std::collections::HashMap;
+
 use crate::autodiff::util::{
     broadcast_to, check_type, keep_dims_shape, mask, or_zeros, reshape_to,
     scale_by_unary_derivative,
 };
+use crate::autodiff::{activity, control};
 use crate::error::{IrError, IrResult};
 use crate::graph::{Graph, ValueId};
 use crate::op::{BinaryOp, Op, ReduceKind};
@@ -25,10 +27,24 @@ pub fn propagate(
     for &(input, tangent) in tangents {
         tan[input.index()] = Some(tangent);
     }
+    // Each control-flow node's tangent node, and where among its results
+    // the tangent of each primal result is.
+    let mut tuple_tan: HashMap<usize, (ValueId, Vec<Option<usize>>)> = HashMap::new();
     for i in 0..n {
         let id = ValueId(i as u32);
         let node = g.node(id).clone();
         if !active[i] || node.inputs.is_empty() {
+            continue;
+        }
+        if let Op::Output { index } = node.op {
+            let tangent = match tuple_tan.get(&node.inputs[0].index()) {
+                Some(&(tuple, ref map)) => match map[index] {
+                    Some(r) => Some(g.push(Op::Output { index: r }, &[tuple])?),
+                    None => None,
+                },
+                None => None,
+            };
+            tan[i] = Some(or_zeros(g, tangent, id)?);
             continue;
         }
         let t_in: Vec<Option<ValueId>> = (0..node.inputs.len())
@@ -38,6 +54,11 @@ pub fn propagate(
                 if flows { tan[x.index()] } else { None }
             })
             .collect();
+        if node.op.is_tuple() {
+            let tangent = control::tuple_jvp(g, &node.op, &node.inputs, &t_in)?;
+            tuple_tan.insert(i, tangent);
+            continue;
+        }
         let t = jvp_rule(g, &node.op, &node.inputs, id, &t_in)?;
         check_type(g, t, id, node.op.name())?;
         tan[i] = Some(t);
@@ -125,9 +146,13 @@ fn jvp_rule(
         Op::Gather { .. } => g.push(op.clone(), &[tangent(t, 0, op)?, x[1]]),
         Op::ScatterAdd { .. } => g.push(op.clone(), &[x[0], tangent(t, 1, op)?]),
         Op::OneHot { .. } | Op::RandomUniform { .. } | Op::ArgMax { .. } => Err(internal(op)),
-        Op::Output { .. } | Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) => Err(IrError::Invalid(
-            format!("forward mode through `{}` is not built yet", op.name()),
-        )),
+        // The sweep pairs each with a node of its kind (`control.rs`).
+        Op::Output { .. } | Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) => {
+            Err(IrError::Invalid(format!(
+                "`{}` is differentiated by the sweep, not by a single-result rule",
+                op.name()
+            )))
+        }
         // Differentiate the forward graph itself: custom rules are for
         // reverse mode only.
         Op::CustomGrad(custom) => {

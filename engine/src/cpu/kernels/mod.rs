@@ -78,12 +78,16 @@ pub fn eval(
 ) -> Result<Value, KernelError> {
     let out_shape = out_ty.shape.resolve(batch);
     match op {
-        Op::Input { .. } | Op::Constant(_) | Op::CustomGrad(_) => {
-            Err(KernelError::Internal(format!(
-                "op `{}` is handled by the executor, not by a kernel",
-                op.name()
-            )))
-        }
+        Op::Input { .. }
+        | Op::Constant(_)
+        | Op::CustomGrad(_)
+        | Op::Scan(_)
+        | Op::Cond(_)
+        | Op::WhileLoop(_)
+        | Op::Output { .. } => Err(KernelError::Internal(format!(
+            "op `{}` is handled by the executor, not by a kernel",
+            op.name()
+        ))),
         Op::Unary(u) => {
             let [x] = operands(args)?;
             elementwise::unary(*u, x)

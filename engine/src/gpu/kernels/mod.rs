@@ -95,12 +95,15 @@ pub enum Family {
     Conv,
     /// `pool.rs`: pooling and its adjoints.
     Pool,
+    /// Control flow (`scan`, `cond`, `while_loop` and their `output`s),
+    /// which runs on the CPU backend only, for now.
+    ControlFlow,
 }
 
 #[cfg(test)]
 canopy_ir::all_variants! {
     /// Every family, for the test that each one generates kernels.
-    Family [NoKernel, Inlined, Elementwise, MatMul, Reduce, Shape, Softmax, Index, Random, Conv, Pool]
+    Family [NoKernel, Inlined, Elementwise, MatMul, Reduce, Shape, Softmax, Index, Random, Conv, Pool, ControlFlow]
 }
 
 impl Family {
@@ -109,6 +112,7 @@ impl Family {
         match op {
             Op::Input { .. } | Op::Constant(_) | Op::Reshape { .. } => Family::NoKernel,
             Op::CustomGrad(_) => Family::Inlined,
+            Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) | Op::Output { .. } => Family::ControlFlow,
             Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Broadcast { .. } => {
                 Family::Elementwise
             }
@@ -140,6 +144,10 @@ pub fn check(op: &Op, operands: &[DType], out: DType) -> Result<(), String> {
     match Family::of(op) {
         Family::NoKernel | Family::Shape | Family::Index | Family::Random => Ok(()),
         Family::Inlined => Err(format!("{} is inlined before compiling", op.name())),
+        Family::ControlFlow => Err(format!(
+            "{} (control flow) runs on the CPU backend only, for now",
+            op.name()
+        )),
         Family::Elementwise => elementwise::check(op, first, out),
         Family::Reduce => reduce::check(op, first),
         Family::MatMul | Family::Softmax if first == DType::F32 => Ok(()),
@@ -153,6 +161,7 @@ pub fn generate(site: &Site<'_>) -> Result<Vec<Kernel>, String> {
     match Family::of(site.op) {
         Family::NoKernel => Ok(Vec::new()),
         Family::Inlined => Err(format!("{} has no kernel of its own", site.op.name())),
+        Family::ControlFlow => Err(format!("{} has no GPU kernel", site.op.name())),
         Family::Elementwise => elementwise::generate(site),
         Family::MatMul => gemm::generate(site),
         Family::Reduce => reduce::generate(site),
@@ -418,6 +427,10 @@ mod tests {
         let refusal = check(&custom, &[DType::F32], DType::F32).unwrap_err();
         assert!(refusal.contains("custom_grad"), "{refusal}");
         seen[Family::of(&custom).position()] = true;
+        let output = Op::Output { index: 0 };
+        let refusal = check(&output, &[DType::F32], DType::F32).unwrap_err();
+        assert!(refusal.contains("CPU backend only"), "{refusal}");
+        seen[Family::of(&output).position()] = true;
         let missing: Vec<Family> = Family::ALL
             .into_iter()
             .filter(|family| !seen[family.position()])

@@ -1,0 +1,485 @@
+//! Control flow (`scan`, `cond`, `while_loop`): forward results, and
+//! derivatives in both modes against finite differences, against each
+//! other, against the same model unrolled by hand, and differentiated
+//! again (the VJP graph's own VJP), with nesting both ways.
+
+mod common;
+
+use canopy_engine::{Backend, CpuBackend, Value};
+use canopy_ir::autodiff::vjp;
+use canopy_ir::{
+    BinaryOp, Cond, DType, Dim, Graph, Op, Scan, Shape, TensorType, UnaryOp, ValueId, WhileLoop,
+};
+use common::{Rng, check_vjp_jvp, run, to_f64};
+
+fn f32_ty(shape: &[usize]) -> TensorType {
+    TensorType::f32(shape)
+}
+
+fn random(shape: &[usize], rng: &mut Rng) -> Value {
+    let n = shape.iter().product();
+    Value::f32(shape, (0..n).map(|_| rng.uniform()).collect()).expect("shape")
+}
+
+/// One recurrent step: h' = tanh(h·W + x_t), y_t = h'·h' (elementwise).
+fn rnn_step(g: &mut Graph, h: ValueId, x: ValueId, w: ValueId) -> (ValueId, ValueId) {
+    let hw = g.matmul(h, w).expect("h·W");
+    let pre = g.add(hw, x).expect("+ x");
+    let next = g.unary(UnaryOp::Tanh, pre).expect("tanh");
+    let y = g.mul(next, next).expect("y");
+    (next, y)
+}
+
+fn rnn_body(batch: usize, width: usize) -> Graph {
+    let mut body = Graph::new();
+    let h = body.input("h", f32_ty(&[batch, width])).expect("h");
+    let x = body.input("x", f32_ty(&[batch, width])).expect("x");
+    let w = body.input("w", f32_ty(&[width, width])).expect("w");
+    let (next, y) = rnn_step(&mut body, h, x, w);
+    body.set_output("h", next).expect("out");
+    body.set_output("y", y).expect("out");
+    body
+}
+
+/// A recurrent network over `steps` steps as one scan: outputs the final
+/// state and the stacked per-step outputs.
+fn rnn_scan(steps: usize, batch: usize, width: usize, reverse: bool) -> Graph {
+    let mut g = Graph::new();
+    let h0 = g.input("h0", f32_ty(&[batch, width])).expect("h0");
+    let xs = g.input("xs", f32_ty(&[steps, batch, width])).expect("xs");
+    let w = g.input("w", f32_ty(&[width, width])).expect("w");
+    let scan = Scan {
+        body: rnn_body(batch, width),
+        carries: 1,
+        scanned: 1,
+        length: Dim::Fixed(steps),
+        reverse,
+    };
+    let results = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[h0, xs, w])
+        .expect("scan");
+    g.set_output("h", results[0]).expect("out");
+    g.set_output("ys", results[1]).expect("out");
+    g
+}
+
+/// The same network unrolled by hand.
+fn rnn_unrolled(steps: usize, batch: usize, width: usize) -> Graph {
+    let mut g = Graph::new();
+    let mut h = g.input("h0", f32_ty(&[batch, width])).expect("h0");
+    let xs = g.input("xs", f32_ty(&[steps, batch, width])).expect("xs");
+    let w = g.input("w", f32_ty(&[width, width])).expect("w");
+    let mut ys = Vec::new();
+    for t in 0..steps {
+        let slice = g
+            .push(
+                Op::Slice {
+                    axis: 0,
+                    start: t,
+                    end: t + 1,
+                },
+                &[xs],
+            )
+            .expect("slice");
+        let x = g
+            .reshape(slice, Shape::fixed(&[batch, width]).0)
+            .expect("x_t");
+        let (next, y) = rnn_step(&mut g, h, x, w);
+        h = next;
+        ys.push(
+            g.reshape(y, Shape::fixed(&[1, batch, width]).0)
+                .expect("y_t"),
+        );
+    }
+    let stacked = g.push(Op::Concat { axis: 0 }, &ys).expect("stack");
+    g.set_output("h", h).expect("out");
+    g.set_output("ys", stacked).expect("out");
+    g
+}
+
+fn rnn_inputs(steps: usize, batch: usize, width: usize, seed: u64) -> Vec<Value> {
+    let mut rng = Rng(seed);
+    vec![
+        random(&[batch, width], &mut rng),
+        random(&[steps, batch, width], &mut rng),
+        random(&[width, width], &mut rng),
+    ]
+}
+
+#[test]
+fn a_scan_computes_what_the_unrolled_graph_computes() {
+    let inputs = rnn_inputs(5, 2, 3, 1);
+    let scanned = run(&rnn_scan(5, 2, 3, false), inputs.clone());
+    let unrolled = run(&rnn_unrolled(5, 2, 3), inputs);
+    assert_eq!(scanned, unrolled);
+}
+
+#[test]
+fn a_scan_differentiates_in_both_modes_and_twice() {
+    check_vjp_jvp(&rnn_scan(4, 2, 3, false), &rnn_inputs(4, 2, 3, 2));
+}
+
+#[test]
+fn a_reverse_scan_differentiates_in_both_modes_and_twice() {
+    check_vjp_jvp(&rnn_scan(4, 2, 3, true), &rnn_inputs(4, 2, 3, 3));
+}
+
+/// Reverse mode through the scan and through the unrolled graph, with the
+/// same cotangents, agree to 1e-5 relative.
+#[test]
+fn the_scan_gradient_is_the_unrolled_gradient() {
+    let (steps, batch, width) = (6, 2, 3);
+    let wrt = ["h0", "xs", "w"];
+    let mut inputs = rnn_inputs(steps, batch, width, 4);
+    let mut rng = Rng(5);
+    inputs.push(random(&[batch, width], &mut rng));
+    inputs.push(random(&[steps, batch, width], &mut rng));
+    let scanned = run(
+        &vjp(&rnn_scan(steps, batch, width, false), &wrt).expect("vjp"),
+        inputs.clone(),
+    );
+    let unrolled = run(
+        &vjp(&rnn_unrolled(steps, batch, width), &wrt).expect("vjp"),
+        inputs,
+    );
+    for (k, (a, b)) in scanned.iter().zip(&unrolled).enumerate() {
+        let (a, b) = (to_f64(a), to_f64(b));
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs().max(y.abs()) + 1e-7,
+                "output {k} element {i}: scan {x}, unrolled {y}"
+            );
+        }
+    }
+}
+
+/// Differentiating a loop adds a fixed number of nodes: a scan of 1,000
+/// steps and one of 10 have graphs, and gradient graphs, of one size.
+#[test]
+fn node_counts_do_not_grow_with_the_trip_count() {
+    let wrt = ["h0", "xs", "w"];
+    let short = rnn_scan(10, 2, 3, false);
+    let long = rnn_scan(1000, 2, 3, false);
+    assert_eq!(short.len(), long.len());
+    let (short_vjp, long_vjp) = (
+        vjp(&short, &wrt).expect("vjp"),
+        vjp(&long, &wrt).expect("vjp"),
+    );
+    assert_eq!(short_vjp.len(), long_vjp.len());
+    let nested = |g: &Graph| -> usize {
+        g.nodes()
+            .iter()
+            .flat_map(|n| n.op.subgraphs())
+            .map(Graph::len)
+            .sum()
+    };
+    assert_eq!(nested(&short_vjp), nested(&long_vjp));
+    assert!(long_vjp.len() < 40, "{} nodes", long_vjp.len());
+    let unrolled = vjp(&rnn_unrolled(10, 2, 3), &wrt).expect("vjp");
+    assert!(
+        long_vjp.len() < unrolled.len() / 4,
+        "{} vs {}",
+        long_vjp.len(),
+        unrolled.len()
+    );
+}
+
+/// A scan whose trip count is the symbolic batch: a running sum over the
+/// rows of an [N, 3] input.
+#[test]
+fn a_scan_over_the_batch_dimension() {
+    let mut body = Graph::new();
+    let total = body.input("total", f32_ty(&[3])).expect("total");
+    let row = body.input("row", f32_ty(&[3])).expect("row");
+    let next = body.add(total, row).expect("add");
+    let scaled = body.mul(next, row).expect("mul");
+    body.set_output("total", next).expect("out");
+    body.set_output("scaled", scaled).expect("out");
+    let mut g = Graph::new();
+    let zero = g.input("start", f32_ty(&[3])).expect("start");
+    let rows = g
+        .input(
+            "rows",
+            TensorType::new(DType::F32, Shape(vec![Dim::Batch, Dim::Fixed(3)])),
+        )
+        .expect("rows");
+    let scan = Scan {
+        body,
+        carries: 1,
+        scanned: 1,
+        length: Dim::Batch,
+        reverse: false,
+    };
+    let results = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[zero, rows])
+        .expect("scan");
+    g.set_output("total", results[0]).expect("out");
+    g.set_output("scaled", results[1]).expect("out");
+    let rows = Value::f32(&[4, 3], (0..12).map(|i| i as f32 * 0.1).collect()).expect("rows");
+    let start = Value::f32(&[3], vec![1.0, 0.0, -1.0]).expect("start");
+    let out = run(&g, vec![start.clone(), rows.clone()]);
+    assert_eq!(
+        to_f64(&out[0])
+            .iter()
+            .map(|x| (x * 1e4).round() / 1e4)
+            .collect::<Vec<_>>(),
+        vec![2.8, 2.2, 1.6]
+    );
+    assert_eq!(out[1].shape(), &[4, 3]);
+    check_vjp_jvp(&g, &[start, rows]);
+}
+
+/// then: x·x·w; else: exp(x) + w.
+fn two_branches(shape: &[usize]) -> Cond {
+    let mut then_branch = Graph::new();
+    let x = then_branch.input("x", f32_ty(shape)).expect("x");
+    let w = then_branch.input("w", f32_ty(shape)).expect("w");
+    let xx = then_branch.mul(x, x).expect("xx");
+    let y = then_branch.mul(xx, w).expect("y");
+    then_branch.set_output("y", y).expect("out");
+    let mut else_branch = Graph::new();
+    let x = else_branch.input("x", f32_ty(shape)).expect("x");
+    let w = else_branch.input("w", f32_ty(shape)).expect("w");
+    let e = else_branch.exp(x).expect("exp");
+    let y = else_branch.add(e, w).expect("y");
+    else_branch.set_output("y", y).expect("out");
+    Cond {
+        then_branch,
+        else_branch,
+    }
+}
+
+fn cond_graph(shape: &[usize]) -> Graph {
+    let mut g = Graph::new();
+    let pred = g
+        .input("pred", TensorType::new(DType::Bool, Shape(vec![])))
+        .expect("pred");
+    let x = g.input("x", f32_ty(shape)).expect("x");
+    let w = g.input("w", f32_ty(shape)).expect("w");
+    let y = g
+        .push_tuple(Op::Cond(Box::new(two_branches(shape))), &[pred, x, w])
+        .expect("cond");
+    g.set_output("y", y[0]).expect("out");
+    g
+}
+
+fn bool_scalar(b: bool) -> Value {
+    Value::Bool(ndarray::ArrayD::from_elem(ndarray::IxDyn(&[]), b))
+}
+
+#[test]
+fn a_cond_runs_the_chosen_branch_and_differentiates_through_it() {
+    let mut rng = Rng(6);
+    let (x, w) = (random(&[2, 3], &mut rng), random(&[2, 3], &mut rng));
+    for pred in [true, false] {
+        let inputs = vec![bool_scalar(pred), x.clone(), w.clone()];
+        let y = to_f64(&run(&cond_graph(&[2, 3]), inputs.clone())[0]);
+        let (xs, ws) = (to_f64(&x), to_f64(&w));
+        for i in 0..6 {
+            let want = if pred {
+                xs[i] * xs[i] * ws[i]
+            } else {
+                xs[i].exp() + ws[i]
+            };
+            assert!(
+                (y[i] - want).abs() < 1e-5,
+                "pred {pred}: {} vs {want}",
+                y[i]
+            );
+        }
+        check_vjp_jvp(&cond_graph(&[2, 3]), &inputs);
+    }
+}
+
+/// A scan whose body branches on a per-step flag: cond inside scan.
+#[test]
+fn a_cond_inside_a_scan_differentiates() {
+    let mut body = Graph::new();
+    let h = body.input("h", f32_ty(&[3])).expect("h");
+    let flag = body
+        .input("flag", TensorType::new(DType::Bool, Shape(vec![])))
+        .expect("flag");
+    let w = body.input("w", f32_ty(&[3])).expect("w");
+    let next = body
+        .push_tuple(Op::Cond(Box::new(two_branches(&[3]))), &[flag, h, w])
+        .expect("cond")[0];
+    let tanh = body.unary(UnaryOp::Tanh, next).expect("tanh");
+    body.set_output("h", tanh).expect("out");
+    let mut g = Graph::new();
+    let h0 = g.input("h0", f32_ty(&[3])).expect("h0");
+    let flags = g
+        .input("flags", TensorType::new(DType::Bool, Shape::fixed(&[5])))
+        .expect("flags");
+    let w = g.input("w", f32_ty(&[3])).expect("w");
+    let scan = Scan {
+        body,
+        carries: 1,
+        scanned: 1,
+        length: Dim::Fixed(5),
+        reverse: false,
+    };
+    let h = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[h0, flags, w])
+        .expect("scan")[0];
+    g.set_output("h", h).expect("out");
+    let mut rng = Rng(7);
+    let flags = Value::Bool(
+        ndarray::ArrayD::from_shape_vec(
+            ndarray::IxDyn(&[5]),
+            vec![true, false, false, true, false],
+        )
+        .expect("flags"),
+    );
+    check_vjp_jvp(&g, &[random(&[3], &mut rng), flags, random(&[3], &mut rng)]);
+}
+
+/// A branch that runs a whole recurrent scan: scan inside cond.
+#[test]
+fn a_scan_inside_a_cond_differentiates() {
+    let (steps, batch, width) = (3, 2, 2);
+    let inner = rnn_scan(steps, batch, width, false);
+    let mut then_branch = Graph::new();
+    let h0 = then_branch
+        .input("h0", f32_ty(&[batch, width]))
+        .expect("h0");
+    let xs = then_branch
+        .input("xs", f32_ty(&[steps, batch, width]))
+        .expect("xs");
+    let w = then_branch.input("w", f32_ty(&[width, width])).expect("w");
+    let outs = then_branch.inline(&inner, &[h0, xs, w]).expect("inline");
+    then_branch.set_output("h", outs[0]).expect("out");
+    let mut else_branch = Graph::new();
+    let h0 = else_branch
+        .input("h0", f32_ty(&[batch, width]))
+        .expect("h0");
+    let _xs = else_branch
+        .input("xs", f32_ty(&[steps, batch, width]))
+        .expect("xs");
+    let w = else_branch.input("w", f32_ty(&[width, width])).expect("w");
+    let hw = else_branch.matmul(h0, w).expect("h·w");
+    else_branch.set_output("h", hw).expect("out");
+    let mut g = Graph::new();
+    let pred = g
+        .input("pred", TensorType::new(DType::Bool, Shape(vec![])))
+        .expect("pred");
+    let h0 = g.input("h0", f32_ty(&[batch, width])).expect("h0");
+    let xs = g.input("xs", f32_ty(&[steps, batch, width])).expect("xs");
+    let w = g.input("w", f32_ty(&[width, width])).expect("w");
+    let cond = Cond {
+        then_branch,
+        else_branch,
+    };
+    let h = g
+        .push_tuple(Op::Cond(Box::new(cond)), &[pred, h0, xs, w])
+        .expect("cond")[0];
+    g.set_output("h", h).expect("out");
+    for pred in [true, false] {
+        let mut inputs = vec![bool_scalar(pred)];
+        inputs.extend(rnn_inputs(steps, batch, width, 8));
+        check_vjp_jvp(&g, &inputs);
+    }
+}
+
+/// Doubling until the value reaches a bound: the loop stops on its
+/// condition, or at `max_trips`, and counts its trips either way.
+#[test]
+fn a_while_loop_stops_on_its_condition_or_its_bound() {
+    let mut cond = Graph::new();
+    let x = cond.input("x", f32_ty(&[])).expect("x");
+    let bound = cond.input("bound", f32_ty(&[])).expect("bound");
+    let go = cond.binary(BinaryOp::Lt, x, bound).expect("lt");
+    cond.set_output("go", go).expect("out");
+    let mut body = Graph::new();
+    let x = body.input("x", f32_ty(&[])).expect("x");
+    let _bound = body.input("bound", f32_ty(&[])).expect("bound");
+    let two = body.scalar(2.0).expect("2");
+    let doubled = body.mul(x, two).expect("mul");
+    body.set_output("x", doubled).expect("out");
+    let graph = |max_trips: usize| {
+        let mut g = Graph::new();
+        let x = g.input("x", f32_ty(&[])).expect("x");
+        let bound = g.input("bound", f32_ty(&[])).expect("bound");
+        let w = WhileLoop {
+            cond: cond.clone(),
+            body: body.clone(),
+            carries: 1,
+            max_trips,
+        };
+        let results = g
+            .push_tuple(Op::WhileLoop(Box::new(w)), &[x, bound])
+            .expect("while");
+        g.set_output("x", results[0]).expect("out");
+        g.set_output("trips", results[1]).expect("out");
+        g
+    };
+    let inputs = vec![Value::scalar_f32(1.5), Value::scalar_f32(100.0)];
+    let out = CpuBackend
+        .compile(&graph(50))
+        .expect("compile")
+        .run(inputs.clone())
+        .expect("run");
+    assert_eq!(out, vec![Value::scalar_f32(192.0), Value::scalar_i64(7)]);
+    let out = CpuBackend
+        .compile(&graph(3))
+        .expect("compile")
+        .run(inputs)
+        .expect("run");
+    assert_eq!(out, vec![Value::scalar_f32(12.0), Value::scalar_i64(3)]);
+}
+
+/// A failure inside a body names the loop's node and the step.
+#[test]
+fn an_error_inside_a_body_names_the_node_and_the_step() {
+    let mut body = Graph::new();
+    let total = body.input("total", f32_ty(&[])).expect("total");
+    let index = body
+        .input("index", TensorType::new(DType::I64, Shape::fixed(&[1])))
+        .expect("index");
+    let table = body.input("table", f32_ty(&[2])).expect("table");
+    let picked = body
+        .push(Op::Gather { axis: 0 }, &[table, index])
+        .expect("gather");
+    let sum = body.sum(picked, &[0], false).expect("sum");
+    let next = body.add(total, sum).expect("add");
+    body.set_output("total", next).expect("out");
+    let mut g = Graph::new();
+    let start = g.input("start", f32_ty(&[])).expect("start");
+    let indices = g
+        .input(
+            "indices",
+            TensorType::new(DType::I64, Shape::fixed(&[3, 1])),
+        )
+        .expect("i");
+    let table = g.input("table", f32_ty(&[2])).expect("table");
+    let scan = Scan {
+        body,
+        carries: 1,
+        scanned: 1,
+        length: Dim::Fixed(3),
+        reverse: false,
+    };
+    let total = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[start, indices, table])
+        .expect("scan")[0];
+    g.set_output("total", total).expect("out");
+    let inputs = vec![
+        Value::scalar_f32(0.0),
+        Value::i64(&[3, 1], vec![0, 1, 7]).expect("indices"),
+        Value::f32(&[2], vec![1.0, 2.0]).expect("table"),
+    ];
+    let error = CpuBackend
+        .compile(&g)
+        .expect("compile")
+        .run(inputs)
+        .expect_err("index 7 of 2");
+    let mut report = error.to_string();
+    let mut source = std::error::Error::source(&error);
+    while let Some(cause) = source {
+        report += &format!(": {cause}");
+        source = cause.source();
+    }
+    assert!(
+        report.contains("scan") && report.contains("step 2"),
+        "{report}"
+    );
+}
