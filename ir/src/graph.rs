@@ -151,14 +151,21 @@ impl Graph {
     }
 
     /// Replaces all outputs at once; names must be distinct.
+    /// Linear in the outputs: a file may declare very many.
     pub fn set_outputs(&mut self, outputs: Vec<(String, ValueId)>) -> IrResult<()> {
-        self.outputs.clear();
-        for (name, value) in outputs {
-            if self.find_output(&name).is_some() {
-                return Err(IrError::DuplicateOutput(name));
+        let mut names = std::collections::HashSet::with_capacity(outputs.len());
+        for (name, value) in &outputs {
+            if !names.insert(name.as_str()) {
+                return Err(IrError::DuplicateOutput(name.clone()));
             }
-            self.set_output(name, value)?;
+            if value.index() >= self.nodes.len() {
+                return Err(IrError::DanglingOutput {
+                    name: name.clone(),
+                    value: value.index(),
+                });
+            }
         }
+        self.outputs = outputs;
         Ok(())
     }
 
@@ -221,9 +228,17 @@ impl Graph {
     /// returns the outputs.
     pub fn push_tuple(&mut self, op: Op, inputs: &[ValueId]) -> IrResult<Vec<ValueId>> {
         let tuple = self.push(op, inputs)?;
-        let count = self.results(tuple).map_err(IrError::Invalid)?.len();
-        (0..count)
-            .map(|index| self.push(Op::Output { index }, &[tuple]))
+        let results = self.results(tuple).map_err(IrError::Invalid)?;
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(index, ty)| {
+                self.push_node(Node {
+                    op: Op::Output { index },
+                    inputs: vec![tuple],
+                    ty,
+                })
+            })
             .collect()
     }
 

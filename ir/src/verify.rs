@@ -1,11 +1,12 @@
 //! The verifier: checks every structural invariant of a graph built from
 //! raw parts (a file, a pass), naming the node, its op and the cause.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use crate::error::{IrError, IrResult, node_error};
 use crate::graph::{Graph, MAX_NODES, Node, ValueId};
 use crate::op::{CustomGrad, Op};
+use crate::types::TensorType;
 
 /// How deeply graphs may nest (custom gradients, loop bodies, branches);
 /// bounds recursion on untrusted input.
@@ -29,6 +30,9 @@ fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
         });
     }
     let mut input_nodes = Vec::new();
+    // Each control-flow node's result types, derived once: re-deriving
+    // them for every `output` would make a file of k results cost k².
+    let mut results: HashMap<ValueId, Vec<TensorType>> = HashMap::new();
     for (index, node) in graph.nodes().iter().enumerate() {
         let id = ValueId(index as u32);
         let name = node.op.name();
@@ -48,8 +52,7 @@ fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
         }
         verify_subgraphs(&node.op, depth).map_err(|e| node_error(id, name, e.to_string()))?;
         verify_tuple_reads(graph, node).map_err(|cause| node_error(id, name, cause))?;
-        let inferred = graph
-            .infer(&node.op, &node.inputs)
+        let inferred = infer_with(graph, id, node, &mut results)
             .map_err(|cause| node_error(id, name, cause))?;
         if inferred != node.ty {
             return Err(node_error(
@@ -92,6 +95,44 @@ fn verify_at_depth(graph: &Graph, depth: usize) -> IrResult<()> {
         }
     }
     Ok(())
+}
+
+/// The type of `node`, reading an `output`'s from `results` and recording
+/// a control-flow node's there.
+fn infer_with(
+    graph: &Graph,
+    id: ValueId,
+    node: &Node,
+    results: &mut HashMap<ValueId, Vec<TensorType>>,
+) -> Result<TensorType, String> {
+    if let Op::Output { index } = node.op {
+        let tuple = node.inputs[0];
+        let types = results
+            .get(&tuple)
+            .ok_or_else(|| format!("reads {tuple}, which is not a control-flow node"))?;
+        return types
+            .get(index)
+            .cloned()
+            .ok_or_else(|| format!("reads result {index} of {tuple}, which has {}", types.len()));
+    }
+    if node.op.is_tuple() {
+        let types: Vec<&TensorType> = node.inputs.iter().map(|&i| graph.ty(i)).collect();
+        let arity = node
+            .op
+            .arity()
+            .expect("control-flow ops have a fixed arity");
+        if types.len() != arity {
+            return Err(format!("expects {arity} inputs, got {}", types.len()));
+        }
+        let found = node
+            .op
+            .results(&types)
+            .expect("a control-flow op has results")?;
+        let first = found[0].clone();
+        results.insert(id, found);
+        return Ok(first);
+    }
+    graph.infer(&node.op, &node.inputs)
 }
 
 /// Verifies the graphs nested in `op` one level deeper.

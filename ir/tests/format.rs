@@ -8,8 +8,8 @@ use canopy_ir::format::{
     read_model_with_limits, write_model,
 };
 use canopy_ir::{
-    BinaryOp, Buffer, Conv2dAttrs, CustomGrad, DType, Dim, Graph, Metadata, Model, Op, Parameter,
-    Pool2dAttrs, ReduceKind, TensorData, TensorType, UnaryOp, ValueId,
+    BinaryOp, Buffer, Cond, Conv2dAttrs, CustomGrad, DType, Dim, Graph, Metadata, Model, Op,
+    Parameter, Pool2dAttrs, ReduceKind, Scan, TensorData, TensorType, UnaryOp, ValueId, WhileLoop,
 };
 use sha2::{Digest, Sha256};
 
@@ -214,7 +214,8 @@ fn window_ops(g: &mut Graph, c: ValueId) -> ValueId {
     g.add(both, mp_up).unwrap()
 }
 
-/// Shape, reduction, index, elementwise and custom-gradient ops on [N, 108].
+/// Shape, reduction, index, elementwise, custom-gradient and control-flow
+/// ops on [N, 108].
 fn shape_ops(g: &mut Graph, flat: ValueId) -> Vec<ValueId> {
     let t = g.transpose(flat, vec![1, 0]).unwrap();
     let s = g.sum(flat, &[1], true).unwrap();
@@ -252,7 +253,71 @@ fn shape_ops(g: &mut Graph, flat: ValueId) -> Vec<ValueId> {
         .push(Op::CustomGrad(Box::new(custom_square(2))), &[cat])
         .unwrap();
     outs.push(custom);
+    outs.extend(control_ops(g, cat));
     outs
+}
+
+/// A graph of `inputs` whose outputs are `body` applied to them.
+fn graph_of(inputs: &[TensorType], body: impl Fn(&mut Graph, &[ValueId]) -> Vec<ValueId>) -> Graph {
+    let mut g = Graph::new();
+    let args: Vec<ValueId> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, ty)| g.input(format!("in{i}"), ty.clone()).unwrap())
+        .collect();
+    for (i, v) in body(&mut g, &args).into_iter().enumerate() {
+        g.set_output(format!("out{i}"), v).unwrap();
+    }
+    g
+}
+
+/// `scan` (reversed, over the batch), `cond`, `while_loop` and the
+/// `output` nodes reading them, on cat: [N, 9].
+fn control_ops(g: &mut Graph, cat: ValueId) -> Vec<ValueId> {
+    let row = TensorType::f32(&[9]);
+    let body = graph_of(&[row.clone(), row.clone()], |b, a| {
+        let t = b.add(a[0], a[1]).unwrap();
+        vec![t, t]
+    });
+    let scan = Scan {
+        body,
+        carries: 1,
+        scanned: 1,
+        length: Dim::Batch,
+        reverse: true,
+    };
+    let init = g.constant(TensorData::zeros(DType::F32, vec![9])).unwrap();
+    let scanned = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[init, cat])
+        .unwrap();
+    let pred = g
+        .constant(tensor(vec![], Buffer::Bool(vec![true])))
+        .unwrap();
+    let cond = Cond {
+        then_branch: graph_of(std::slice::from_ref(&row), |b, a| {
+            vec![b.exp(a[0]).unwrap()]
+        }),
+        else_branch: graph_of(&[row], |b, a| vec![b.neg(a[0]).unwrap()]),
+    };
+    let chosen = g
+        .push_tuple(Op::Cond(Box::new(cond)), &[pred, scanned[0]])
+        .unwrap();
+    let count = TensorType::scalar(DType::I64);
+    let w = WhileLoop {
+        cond: graph_of(std::slice::from_ref(&count), |b, a| {
+            let three = b.constant(TensorData::scalar_i64(3)).unwrap();
+            vec![b.binary(BinaryOp::Lt, a[0], three).unwrap()]
+        }),
+        body: graph_of(&[count], |b, a| {
+            let one = b.constant(TensorData::scalar_i64(1)).unwrap();
+            vec![b.add(a[0], one).unwrap()]
+        }),
+        carries: 1,
+        max_trips: 10,
+    };
+    let i0 = g.constant(TensorData::scalar_i64(0)).unwrap();
+    let counted = g.push_tuple(Op::WhileLoop(Box::new(w)), &[i0]).unwrap();
+    vec![scanned[1], chosen[0], counted[0], counted[1]]
 }
 
 fn index_ops(g: &mut Graph, cat: ValueId) -> Vec<ValueId> {
@@ -412,6 +477,10 @@ const OTHER_OP_NAMES: &[&str] = &[
     "argmax",
     "random_uniform",
     "custom_grad",
+    "scan",
+    "cond",
+    "while_loop",
+    "output",
 ];
 
 /// Every op name the format knows.
@@ -430,9 +499,8 @@ fn all_op_names() -> BTreeSet<&'static str> {
 fn collect_ops(g: &Graph, names: &mut BTreeSet<&'static str>) {
     for node in g.nodes() {
         names.insert(node.op.name());
-        if let Op::CustomGrad(c) = &node.op {
-            collect_ops(&c.forward, names);
-            collect_ops(&c.backward, names);
+        for sub in node.op.subgraphs() {
+            collect_ops(sub, names);
         }
     }
 }
@@ -566,8 +634,8 @@ fn mlp_round_trips_bit_exact() {
 fn a_file_declares_the_newest_opset_its_ops_need() {
     let mut bytes = write_model(&all_ops_model()).unwrap();
     assert_eq!(u16::from_le_bytes([bytes[10], bytes[11]]), OPSET_VERSION);
-    assert_eq!(OPSET_VERSION, 2);
-    // The same file claiming opset 1 holds ops v1 does not have.
+    assert_eq!(OPSET_VERSION, 3);
+    // The same file claiming an older opset holds ops that opset lacks.
     bytes[10..12].copy_from_slice(&1u16.to_le_bytes());
     fix_digest(&mut bytes);
     let err = read_model(&bytes).unwrap_err().to_string();
@@ -575,11 +643,31 @@ fn a_file_declares_the_newest_opset_its_ops_need() {
         err.contains("opset-2 op") && err.contains("declares opset 1"),
         "{err}"
     );
-    // A newer opset than this reader knows is refused by number.
-    bytes[10..12].copy_from_slice(&3u16.to_le_bytes());
+    bytes[10..12].copy_from_slice(&2u16.to_le_bytes());
     fix_digest(&mut bytes);
     let err = read_model(&bytes).unwrap_err().to_string();
-    assert!(err.contains("unsupported opset version 3"), "{err}");
+    assert!(
+        err.contains("uses `scan`, an opset-3 op") && err.contains("declares opset 2"),
+        "{err}"
+    );
+    // A newer opset than this reader knows is refused by number.
+    bytes[10..12].copy_from_slice(&4u16.to_le_bytes());
+    fix_digest(&mut bytes);
+    let err = read_model(&bytes).unwrap_err().to_string();
+    assert!(err.contains("unsupported opset version 4"), "{err}");
+    // A newer opset than the ops need is a second encoding of the model.
+    let mut v1 = write_model(&mlp()).unwrap();
+    for claimed in [2u16, 3] {
+        v1[10..12].copy_from_slice(&claimed.to_le_bytes());
+        fix_digest(&mut v1);
+        let err = read_model(&v1).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "declares opset {claimed}, but its ops need only opset 1"
+            )),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -749,11 +837,11 @@ fn newer_versions_are_rejected() {
     );
     assert!(digest(&bad).is_err());
     let mut bad = file.clone();
-    bad[10..12].copy_from_slice(&3u16.to_le_bytes());
+    bad[10..12].copy_from_slice(&4u16.to_le_bytes());
     fix_digest(&mut bad);
     assert_eq!(
         read_err(&bad),
-        "unsupported opset version 3 (this reader supports up to 2)"
+        "unsupported opset version 4 (this reader supports up to 3)"
     );
     let mut bad = file.clone();
     bad[12] = 1;

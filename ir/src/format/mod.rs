@@ -35,8 +35,10 @@ pub const MAGIC: [u8; 8] = *b"CANOPYIR";
 /// The file layout version this crate writes and the newest it reads.
 pub const FORMAT_VERSION: u16 = 1;
 /// The op-set version (op names, attributes and semantics) this crate
-/// writes and the newest it reads.
-pub const OPSET_VERSION: u16 = 2;
+/// writes and the newest it reads. 3 added control flow (`scan`, `cond`,
+/// `while_loop`, `output`); a file declares the newest its ops need, so
+/// files of opsets 1 and 2 read as before.
+pub const OPSET_VERSION: u16 = 3;
 /// Alignment of the data section and of every tensor in it, in bytes.
 pub const ALIGN: usize = 64;
 /// Constants with at most this many elements are stored inline in the

@@ -2,14 +2,16 @@
 //! that op has. An op's attribute list is fixed here, and the reader rejects
 //! missing and extra attributes alike, so every op has one encoding.
 
+use crate::control::{Cond, Scan, WhileLoop};
 use crate::data::{Buffer, TensorData};
 use crate::error::IrResult;
+use crate::graph::Graph;
 use crate::op::{BinaryOp, Conv2dAttrs, CustomGrad, Op, Pool2dAttrs, ReduceKind, UnaryOp};
 use crate::types::{DType, Dim};
 
 use super::error::FormatError;
 use super::read::Decoder;
-use super::schema::{DimRec, NodeRec};
+use super::schema::{DimRec, GraphRec, NodeRec};
 use super::write::{DataWriter, check_tensor, dim_value, encode_graph};
 use super::{INLINE_MAX_ELEMENTS, hex};
 
@@ -38,6 +40,10 @@ fn attrs_of(op: &str) -> Option<&'static [&'static str]> {
         "one_hot" => &["depth"],
         "argmax" => &["axis", "keep_dims"],
         "custom_grad" => &["name", "forward", "backward"],
+        "scan" => &["carries", "scanned", "length", "reverse", "body"],
+        "cond" => &["then_branch", "else_branch"],
+        "while_loop" => &["carries", "max_trips", "cond", "body"],
+        "output" => &["index"],
         _ if find_unary(op).is_some() || find_binary(op).is_some() => &[],
         _ if find_reduce(op).is_some() => &["axes", "keep_dims"],
         _ => return None,
@@ -131,6 +137,24 @@ pub(crate) fn encode_op(op: &Op, data: &mut DataWriter) -> IrResult<NodeRec> {
             r.forward = Some(Box::new(encode_graph(&c.forward, data)?));
             r.backward = Some(Box::new(encode_graph(&c.backward, data)?));
         }
+        Op::Scan(scan) => {
+            r.carries = Some(dim_value(scan.carries)?);
+            r.scanned = Some(dim_value(scan.scanned)?);
+            r.length = Some(dim(&scan.length)?);
+            r.reverse = Some(scan.reverse);
+            r.body = Some(Box::new(encode_graph(&scan.body, data)?));
+        }
+        Op::Cond(cond) => {
+            r.then_branch = Some(Box::new(encode_graph(&cond.then_branch, data)?));
+            r.else_branch = Some(Box::new(encode_graph(&cond.else_branch, data)?));
+        }
+        Op::WhileLoop(w) => {
+            r.carries = Some(dim_value(w.carries)?);
+            r.max_trips = Some(dim_value(w.max_trips)?);
+            r.cond = Some(Box::new(encode_graph(&w.cond, data)?));
+            r.body = Some(Box::new(encode_graph(&w.body, data)?));
+        }
+        Op::Output { index } => r.index = Some(dim_value(*index)?),
         _ => encode_window_op(op, &mut r)?,
     }
     Ok(r)
@@ -193,19 +217,20 @@ fn pair(v: &[usize; 2]) -> IrResult<[u64; 2]> {
 }
 
 fn dims(shape: &[Dim]) -> IrResult<Vec<DimRec>> {
-    shape
-        .iter()
-        .map(|d| match d {
-            Dim::Fixed(n) => dim_value(*n).map(DimRec::Fixed),
-            Dim::Batch => Ok(DimRec::Batch),
-        })
-        .collect()
+    shape.iter().map(dim).collect()
+}
+
+fn dim(d: &Dim) -> IrResult<DimRec> {
+    match d {
+        Dim::Fixed(n) => dim_value(*n).map(DimRec::Fixed),
+        Dim::Batch => Ok(DimRec::Batch),
+    }
 }
 
 // ---- decoding ----------------------------------------------------------
 
 /// Decodes the op of one node record at `loc` (e.g. "entry point `infer`,
-/// node 3"), at custom-gradient nesting `depth`.
+/// node 3"), in a graph nested `depth` levels inside its entry point.
 pub(crate) fn decode_op(
     r: &NodeRec,
     dec: &mut Decoder<'_>,
@@ -294,6 +319,12 @@ impl Attrs<'_, '_, '_> {
                 keep_dims: self.need(&r.keep_dims, "keep_dims")?,
             },
             "custom_grad" => self.custom_grad(depth)?,
+            "scan" => self.scan(depth)?,
+            "cond" => self.cond(depth)?,
+            "while_loop" => self.while_loop(depth)?,
+            "output" => Op::Output {
+                index: self.int(r.index, "index")?,
+            },
             name => self.axis_or_window_op(name)?,
         })
     }
@@ -384,6 +415,14 @@ impl Attrs<'_, '_, '_> {
         v.iter().map(|&x| self.int(Some(x), name)).collect()
     }
 
+    /// A dimension attribute, bounded like a shape's dimensions.
+    fn dim(&self, v: Option<DimRec>, name: &str) -> Result<Dim, FormatError> {
+        match self.need(&v, name)? {
+            DimRec::Fixed(n) => self.int(Some(n), name).map(Dim::Fixed),
+            DimRec::Batch => Ok(Dim::Batch),
+        }
+    }
+
     fn dims(&self) -> Result<Vec<Dim>, FormatError> {
         let shape = self.need(&self.r.shape, "shape")?;
         self.dec.dims(&shape, self.loc)
@@ -463,20 +502,13 @@ impl Attrs<'_, '_, '_> {
 
     fn custom_grad(&mut self, depth: usize) -> Result<Op, FormatError> {
         let name = self.string(&self.r.name, "name")?;
-        let limit = self.dec.limits.max_nesting;
-        if depth + 1 > limit {
-            return Err(FormatError::limit(
-                format!("{}: custom-gradient nesting depth", self.loc),
-                (depth + 1) as u64,
-                limit as u64,
-            ));
-        }
-        let (r, loc) = (self.r, self.loc);
-        let forward = self.need_graph(&r.forward, "forward")?;
-        let backward = self.need_graph(&r.backward, "backward")?;
-        let at = |part| format!("{loc}, custom gradient `{name}` {part}");
-        let forward = self.dec.graph(forward, &at("forward"), depth + 1)?;
-        let backward = self.dec.graph(backward, &at("backward"), depth + 1)?;
+        let r = self.r;
+        let what = format!("custom gradient `{name}`");
+        let [forward, backward] = self.graphs(
+            depth,
+            &what,
+            [(&r.forward, "forward"), (&r.backward, "backward")],
+        )?;
         Ok(Op::CustomGrad(Box::new(CustomGrad {
             name,
             forward,
@@ -484,12 +516,95 @@ impl Attrs<'_, '_, '_> {
         })))
     }
 
-    fn need_graph<'g>(
-        &self,
-        g: &'g Option<Box<super::schema::GraphRec>>,
-        name: &str,
-    ) -> Result<&'g super::schema::GraphRec, FormatError> {
-        g.as_deref()
-            .ok_or_else(|| self.err(format!("op `custom_grad` lacks attribute `{name}`")))
+    fn scan(&mut self, depth: usize) -> Result<Op, FormatError> {
+        let r = self.r;
+        let carries = self.int(r.carries, "carries")?;
+        let scanned = self.int(r.scanned, "scanned")?;
+        // A dim, so that a scan over the symbolic batch is representable
+        // and a fixed length is bounded by `max_dim` like any dimension.
+        let length = self.dim(r.length, "length")?;
+        let reverse = self.need(&r.reverse, "reverse")?;
+        let [body] = self.graphs(depth, "scan", [(&r.body, "body")])?;
+        Ok(Op::Scan(Box::new(Scan {
+            body,
+            carries,
+            scanned,
+            length,
+            reverse,
+        })))
+    }
+
+    fn cond(&mut self, depth: usize) -> Result<Op, FormatError> {
+        let r = self.r;
+        let [then_branch, else_branch] = self.graphs(
+            depth,
+            "cond",
+            [
+                (&r.then_branch, "then_branch"),
+                (&r.else_branch, "else_branch"),
+            ],
+        )?;
+        Ok(Op::Cond(Box::new(Cond {
+            then_branch,
+            else_branch,
+        })))
+    }
+
+    fn while_loop(&mut self, depth: usize) -> Result<Op, FormatError> {
+        let r = self.r;
+        let carries = self.int(r.carries, "carries")?;
+        let trips = self.need(&r.max_trips, "max_trips")?;
+        let limit = self.dec.limits.max_while_trips as u64;
+        if trips > limit {
+            return Err(FormatError::limit(
+                format!("{}: attribute `max_trips`", self.loc),
+                trips,
+                limit,
+            ));
+        }
+        let max_trips = self.int(Some(trips), "max_trips")?;
+        let [cond, body] =
+            self.graphs(depth, "while_loop", [(&r.cond, "cond"), (&r.body, "body")])?;
+        Ok(Op::WhileLoop(Box::new(WhileLoop {
+            cond,
+            body,
+            carries,
+            max_trips,
+        })))
+    }
+
+    /// Decodes the graphs nested in this node, one level below `depth`,
+    /// each named `{what} {attribute}` in errors. `parts` is in attribute
+    /// order, which is also the order of the graphs' tensors in the data
+    /// section.
+    fn graphs<const N: usize>(
+        &mut self,
+        depth: usize,
+        what: &str,
+        parts: [(&Option<Box<GraphRec>>, &str); N],
+    ) -> Result<[Graph; N], FormatError> {
+        let mut recs = Vec::with_capacity(N);
+        for (rec, name) in parts {
+            let rec = rec
+                .as_deref()
+                .ok_or_else(|| self.err(format!("op `{}` lacks attribute `{name}`", self.r.op)))?;
+            recs.push((rec, name));
+        }
+        let limit = self.dec.limits.max_nesting;
+        if depth + 1 > limit {
+            return Err(FormatError::limit(
+                format!("{}: nested graph depth", self.loc),
+                (depth + 1) as u64,
+                limit as u64,
+            ));
+        }
+        let mut graphs = Vec::with_capacity(N);
+        for (rec, name) in recs {
+            let loc = format!("{}, {what} {name}", self.loc);
+            graphs.push(self.dec.graph(rec, &loc, depth + 1)?);
+        }
+        Ok(graphs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one graph per part")))
     }
 }

@@ -15,7 +15,7 @@ use super::error::FormatError;
 use super::limits::ReadLimits;
 use super::preamble::{self, PREAMBLE_LEN, Preamble, align};
 use super::schema::{DataRef, DimRec, GraphRec, HeaderRec, MetadataRec, ParamRec, TypeRec};
-use super::{ALIGN, hex, ops};
+use super::{ALIGN, hex, ops, write};
 
 pub(crate) fn read_model(bytes: &[u8], limits: &ReadLimits) -> Result<Model, FormatError> {
     let pre = preamble::parse(bytes, limits)?;
@@ -25,7 +25,10 @@ pub(crate) fn read_model(bytes: &[u8], limits: &ReadLimits) -> Result<Model, For
         &bytes[PREAMBLE_LEN + pre.header_len..pre.data_start()],
         "header padding",
     )?;
-    check_json_depth(header, 7 + 3 * limits.max_nesting)?;
+    // One level more than `max_nesting` may parse, so that a graph nested
+    // one level too deep reaches the decoder, whose error names the node
+    // and the depth; deeper JSON is refused here, before serde recurses.
+    check_json_depth(header, 7 + 3 * (limits.max_nesting + 1))?;
     let rec: HeaderRec = serde_json::from_slice(header).map_err(header_error)?;
     let mut dec = Decoder {
         limits,
@@ -43,6 +46,8 @@ pub(crate) fn read_model(bytes: &[u8], limits: &ReadLimits) -> Result<Model, For
 
 /// Every op must exist in the op set the file declares: a file that says
 /// opset 1 but holds an opset-2 op was not written by a conforming writer.
+/// Nor was one declaring a newer opset than its ops need (the writer
+/// declares exactly that), which would give one model two encodings.
 fn check_opset(model: &Model, declared: u16) -> Result<(), FormatError> {
     for (name, graph) in &model.entry_points {
         if let Some(node) = graph.nodes().iter().find(|n| n.op.opset() > declared) {
@@ -55,6 +60,12 @@ fn check_opset(model: &Model, declared: u16) -> Result<(), FormatError> {
                 ),
             ));
         }
+    }
+    let needed = write::model_opset(model);
+    if declared > needed {
+        return Err(FormatError::NonCanonical(format!(
+            "the file declares opset {declared}, but its ops need only opset {needed}"
+        )));
     }
     Ok(())
 }
@@ -93,9 +104,12 @@ fn check_zero(bytes: &[u8], what: &str) -> Result<(), FormatError> {
     }
 }
 
-/// Rejects JSON nested deeper than the schema allows (7 levels plus 3 per
-/// custom-gradient level) before serde recurses into it, so hostile nesting
-/// cannot exhaust the stack.
+/// Rejects JSON nested deeper than `max` before serde recurses into it, so
+/// hostile nesting cannot exhaust the stack. The schema needs 7 levels for
+/// an entry point (header, `entry_points`, graph, `nodes`, node, `type`,
+/// `shape`) and 3 more per nested graph: every op that nests one (custom
+/// gradients, loops, branches) holds it as a node attribute, which adds
+/// the graph, its `nodes` and a node.
 fn check_json_depth(json: &[u8], max: usize) -> Result<(), FormatError> {
     let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
     for &b in json {
@@ -240,8 +254,8 @@ impl<'b> Decoder<'b> {
         })
     }
 
-    /// Decodes and verifies one graph (an entry point, or a custom
-    /// gradient's forward or backward graph at `depth` > 0).
+    /// Decodes and verifies one graph (an entry point, or a graph nested
+    /// in a node, such as a loop body, at `depth` > 0).
     pub(crate) fn graph(
         &mut self,
         rec: &GraphRec,

@@ -121,6 +121,29 @@ pub(crate) struct NodeRec {
     pub forward: Option<Box<GraphRec>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backward: Option<Box<GraphRec>>,
+    // Opset 3: control flow. The scalars come before the graphs so that
+    // a reader of the JSON sees a loop's shape before its body, and the
+    // graphs keep the order in which their tensors are packed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub carries: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scanned: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub length: Option<DimRec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reverse: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_trips: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cond: Option<Box<GraphRec>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<Box<GraphRec>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub then_branch: Option<Box<GraphRec>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub else_branch: Option<Box<GraphRec>>,
     pub inputs: Vec<u32>,
     #[serde(rename = "type")]
     pub ty: TypeRec,
@@ -155,6 +178,16 @@ impl NodeRec {
             ("data", self.data.is_some()),
             ("forward", self.forward.is_some()),
             ("backward", self.backward.is_some()),
+            ("index", self.index.is_some()),
+            ("carries", self.carries.is_some()),
+            ("scanned", self.scanned.is_some()),
+            ("length", self.length.is_some()),
+            ("reverse", self.reverse.is_some()),
+            ("max_trips", self.max_trips.is_some()),
+            ("cond", self.cond.is_some()),
+            ("body", self.body.is_some()),
+            ("then_branch", self.then_branch.is_some()),
+            ("else_branch", self.else_branch.is_some()),
         ]
         .into_iter()
         .filter_map(|(name, present)| present.then_some(name))

@@ -34,13 +34,18 @@ pub(crate) fn write_model(model: &Model) -> IrResult<Vec<u8>> {
     };
     let json = serde_json::to_vec(&header)
         .map_err(|e| IrError::Invalid(format!("cannot encode the header: {e}")))?;
-    let opset = model
+    Ok(preamble::assemble(&json, &data.bytes, model_opset(model)))
+}
+
+/// The opset a file of `model` declares: the newest its ops need, so a
+/// model of older ops stays readable by older readers.
+pub(crate) fn model_opset(model: &Model) -> u16 {
+    model
         .entry_points
         .values()
         .map(Graph::opset)
         .max()
-        .unwrap_or(1);
-    Ok(preamble::assemble(&json, &data.bytes, opset))
+        .unwrap_or(1)
 }
 
 /// The data section under construction; every tensor starts 64-aligned and
