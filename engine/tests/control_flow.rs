@@ -483,3 +483,143 @@ fn an_error_inside_a_body_names_the_node_and_the_step() {
         "{report}"
     );
 }
+
+/// A recurrent update run while a counter is below a bound given as an
+/// input: x ← tanh(x·w + b) for `bound` trips, at most `max_trips`.
+fn counted_loop(max_trips: usize) -> Graph {
+    let carry_types = [f32_ty(&[2, 3]), f32_ty(&[])];
+    let const_types = [f32_ty(&[3, 3]), f32_ty(&[3]), f32_ty(&[])];
+    let names = ["x", "i", "w", "b", "bound"];
+    let declare = |g: &mut Graph| -> Vec<ValueId> {
+        carry_types
+            .iter()
+            .chain(&const_types)
+            .zip(names)
+            .map(|(ty, name)| g.input(name, ty.clone()).expect("input"))
+            .collect()
+    };
+    let mut cond = Graph::new();
+    let v = declare(&mut cond);
+    let go = cond.binary(BinaryOp::Lt, v[1], v[4]).expect("lt");
+    cond.set_output("go", go).expect("out");
+    let mut body = Graph::new();
+    let v = declare(&mut body);
+    let xw = body.matmul(v[0], v[2]).expect("x·w");
+    let pre = body.add(xw, v[3]).expect("+ b");
+    let x = body.unary(UnaryOp::Tanh, pre).expect("tanh");
+    let one = body.scalar(1.0).expect("1");
+    let i = body.add(v[1], one).expect("i + 1");
+    body.set_output("x", x).expect("out");
+    body.set_output("i", i).expect("out");
+    let mut g = Graph::new();
+    let v = declare(&mut g);
+    let w = WhileLoop {
+        cond,
+        body,
+        carries: 2,
+        max_trips,
+    };
+    let results = g.push_tuple(Op::WhileLoop(Box::new(w)), &v).expect("while");
+    let scaled = g.mul(results[0], results[0]).expect("x²");
+    g.set_output("x", scaled).expect("out");
+    g.set_output("trips", results[2]).expect("out");
+    g
+}
+
+fn counted_inputs(bound: f32) -> Vec<Value> {
+    let mut rng = Rng(9);
+    vec![
+        random(&[2, 3], &mut rng),
+        Value::scalar_f32(0.0),
+        random(&[3, 3], &mut rng),
+        random(&[3], &mut rng),
+        Value::scalar_f32(bound),
+    ]
+}
+
+/// Reverse mode through a bounded `while_loop` (which JAX's is not), and
+/// forward mode, against finite differences, each other, and twice: when
+/// the condition ends the loop, and when its bound does.
+#[test]
+fn a_while_loop_differentiates_in_both_modes_and_twice() {
+    for (max_trips, bound, trips) in [(8, 4.5, 5), (3, 4.5, 3)] {
+        let g = counted_loop(max_trips);
+        let inputs = counted_inputs(bound);
+        let out = run(&g, inputs.clone());
+        assert_eq!(out[1], Value::scalar_i64(trips));
+        check_vjp_jvp(&g, &inputs);
+    }
+}
+
+/// The loop's reverse mode agrees with the loop unrolled by hand.
+#[test]
+fn the_while_loop_gradient_is_the_unrolled_gradient() {
+    let g = counted_loop(8);
+    let inputs = counted_inputs(4.5);
+    let mut unrolled = Graph::new();
+    let x0 = unrolled.input("x", f32_ty(&[2, 3])).expect("x");
+    let _i = unrolled.input("i", f32_ty(&[])).expect("i");
+    let w = unrolled.input("w", f32_ty(&[3, 3])).expect("w");
+    let b = unrolled.input("b", f32_ty(&[3])).expect("b");
+    let _bound = unrolled.input("bound", f32_ty(&[])).expect("bound");
+    let mut x = x0;
+    for _ in 0..5 {
+        let xw = unrolled.matmul(x, w).expect("x·w");
+        let pre = unrolled.add(xw, b).expect("+ b");
+        x = unrolled.unary(UnaryOp::Tanh, pre).expect("tanh");
+    }
+    let scaled = unrolled.mul(x, x).expect("x²");
+    unrolled.set_output("x", scaled).expect("out");
+    let wrt = ["x", "w", "b"];
+    let mut with_ct = inputs.clone();
+    with_ct.push(random(&[2, 3], &mut Rng(10)));
+    let looped = run(&vjp(&g, &wrt).expect("vjp"), with_ct.clone());
+    let reference = run(&vjp(&unrolled, &wrt).expect("vjp"), with_ct);
+    // Outputs: x, trips, then the three gradients; the reference has no trips.
+    for (k, (a, b)) in looped[2..].iter().zip(&reference[1..]).enumerate() {
+        for (i, (x, y)) in to_f64(a).iter().zip(to_f64(b)).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * x.abs().max(y.abs()) + 1e-7,
+                "gradient {k} element {i}: loop {x}, unrolled {y}"
+            );
+        }
+    }
+}
+
+/// A Hessian-vector product through a scan: forward mode over the
+/// reverse-mode gradient (whose backward pass is itself a scan), against
+/// central differences of the gradient along the same direction.
+#[test]
+fn a_hessian_vector_product_through_a_scan() {
+    use canopy_ir::autodiff::{grad, jvp};
+    let mut g = rnn_scan(4, 2, 3, false);
+    let ys = g.find_output("ys").expect("ys");
+    let loss = g.sum_all(ys).expect("loss");
+    g.set_outputs(vec![("loss".into(), loss)]).expect("out");
+    let gradient = grad(&g, "loss", &["w"]).expect("grad");
+    let hvp = jvp(&gradient, &["w"]).expect("jvp of grad");
+    let inputs = rnn_inputs(4, 2, 3, 11);
+    let direction = random(&[3, 3], &mut Rng(12));
+    let mut with_direction = inputs.clone();
+    with_direction.push(direction.clone());
+    let analytic = to_f64(&run(&hvp, with_direction)[1]);
+    let eps = 1e-2f32;
+    let shifted = |sign: f32| {
+        let mut moved = inputs.clone();
+        let Value::F32(w) = &mut moved[2] else {
+            unreachable!("w is f32")
+        };
+        w.zip_mut_with(direction.as_f32().expect("f32"), |x, &d| {
+            *x += sign * eps * d
+        });
+        to_f64(&run(&gradient, moved)[0])
+    };
+    let (plus, minus) = (shifted(1.0), shifted(-1.0));
+    for (i, a) in analytic.iter().enumerate() {
+        let numeric = (plus[i] - minus[i]) / (2.0 * f64::from(eps));
+        assert!(
+            (a - numeric).abs() <= 1e-2 * a.abs().max(numeric.abs()) + 2e-3,
+            "element {i}: {a} vs {numeric}"
+        );
+    }
+}

@@ -98,8 +98,10 @@ fn tuple_vjp(
     match op {
         Op::Scan(scan) => control::scan_vjp(g, scan, x, tuple, cts, wanted),
         Op::Cond(cond) => control::cond_vjp(g, cond, x, cts, wanted),
+        // Reverse mode sees no `while_loop`: `lower_while_loops` makes each
+        // a scan of `max_trips` guarded steps first.
         Op::WhileLoop(_) => Err(IrError::Invalid(
-            "reverse mode through `while_loop` is not built yet; a loop with a fixed trip count can be a `scan`".into(),
+            "a `while_loop` reached the reverse sweep unlowered".into(),
         )),
         _ => Err(IrError::Invalid(format!(
             "`{}` is not a control-flow op",

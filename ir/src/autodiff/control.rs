@@ -13,12 +13,15 @@
 
 use crate::autodiff::backward::backpropagate;
 use crate::autodiff::util::zeros;
-use crate::control::{Cond, Scan};
+use crate::control::{Cond, Scan, WhileLoop};
+use crate::data::TensorData;
 use crate::error::{IrError, IrResult};
 use crate::graph::{Graph, ValueId};
 use crate::op::Op;
+use crate::op::{BinaryOp, UnaryOp};
 use crate::passes::eliminate_dead_code;
 use crate::types::DType;
+use crate::types::{Dim, TensorType};
 
 /// The contributions of a `scan` node's operands (carries, xs, consts),
 /// given its results' cotangents `cts`; `wanted[k]` says which operands
@@ -449,6 +452,7 @@ pub(super) fn tuple_jvp(
     match op {
         Op::Scan(scan) => scan_jvp(g, scan, x, t),
         Op::Cond(cond) => cond_jvp(g, cond, x, t),
+        Op::WhileLoop(w) => while_jvp(g, w, x, t),
         _ => Err(IrError::Invalid(format!(
             "forward mode through `{}` is not built yet",
             op.name()
@@ -612,4 +616,199 @@ fn reordered_jvp(
     );
     h.set_outputs(order.iter().map(|&o| (names[o].clone(), outs[o])).collect())?;
     Ok((h, f32_outputs))
+}
+
+/// `while_loop` in forward mode: the same loop carrying each f32 carry's
+/// tangent beside it; the condition reads only the primal carries.
+fn while_jvp(
+    g: &mut Graph,
+    w: &WhileLoop,
+    x: &[ValueId],
+    t: &[Option<ValueId>],
+) -> IrResult<(ValueId, Vec<Option<usize>>)> {
+    let body = &w.body;
+    let c = w.carries;
+    let is_f32 = |k: usize| body.ty(body.inputs()[k]).dtype == DType::F32;
+    let f32_carries: Vec<usize> = (0..c).filter(|&i| is_f32(i)).collect();
+    let consts: Vec<usize> = (c..x.len())
+        .filter(|&k| t[k].is_some() && is_f32(k))
+        .collect();
+    let groups = [
+        (0..c).collect::<Vec<_>>(),
+        f32_carries.clone(),
+        (c..x.len()).collect(),
+        consts.clone(),
+    ];
+    let (jvp_body, _) = reordered_jvp(body, &groups, c)?;
+    // The condition takes the JVP body's inputs and reads the primal ones.
+    let mut cond = Graph::new();
+    let mut primal = Vec::new();
+    for (position, &input) in jvp_body.inputs().iter().enumerate() {
+        let name = jvp_body.input_name(input).to_string();
+        let id = cond.input(name, jvp_body.ty(input).clone())?;
+        let tangent = (c..c + f32_carries.len()).contains(&position)
+            || position >= c + f32_carries.len() + (x.len() - c);
+        if !tangent {
+            primal.push(id);
+        }
+    }
+    let go = cond.inline(&w.cond, &primal)?;
+    cond.set_outputs(vec![("go".into(), go[0])])?;
+    let mut operands = x[..c].to_vec();
+    for &i in &f32_carries {
+        operands.push(seed(g, t[i], x[i])?);
+    }
+    operands.extend(&x[c..]);
+    operands.extend(consts.iter().map(|&k| t[k].expect("moving")));
+    let tangent_loop = WhileLoop {
+        cond,
+        body: jvp_body,
+        carries: c + f32_carries.len(),
+        max_trips: w.max_trips,
+    };
+    let tuple = g.push(Op::WhileLoop(Box::new(tangent_loop)), &operands)?;
+    let mut map = vec![None; c + 1];
+    for (p, &i) in f32_carries.iter().enumerate() {
+        map[i] = Some(c + p);
+    }
+    Ok((tuple, map))
+}
+
+/// A bounded `while_loop` as the `scan` reverse mode differentiates: one
+/// step per allowed trip, each running the body under a `cond` that is
+/// true while the loop would still run. The scan carries the loop's
+/// carries, then its trip count and a `done` flag, so its results start
+/// with the loop's. Reverse mode saves a residual per allowed trip (zeros
+/// after the last real one), which is what makes the loop differentiable
+/// backwards: JAX's `while_loop` is not.
+pub(crate) fn while_as_scan(w: &WhileLoop) -> IrResult<Scan> {
+    let c = w.carries;
+    let names: Vec<String> = w
+        .body
+        .inputs()
+        .iter()
+        .map(|&i| w.body.input_name(i).to_string())
+        .collect();
+    let types: Vec<TensorType> = w
+        .body
+        .inputs()
+        .iter()
+        .map(|&i| w.body.ty(i).clone())
+        .collect();
+    let mut body = Graph::new();
+    let mut carries = Vec::new();
+    for k in 0..c {
+        carries.push(body.input(names[k].clone(), types[k].clone())?);
+    }
+    let trips_name = fresh_among(&names, "trips");
+    let done_name = fresh_among(&names, "done");
+    let trips = body.input(trips_name.clone(), TensorType::scalar(DType::I64))?;
+    let done = body.input(done_name.clone(), TensorType::scalar(DType::Bool))?;
+    let mut operands = carries.clone();
+    for k in c..names.len() {
+        operands.push(body.input(names[k].clone(), types[k].clone())?);
+    }
+    let wants = body.inline(&w.cond, &operands)?[0];
+    let running = body.unary(UnaryOp::Not, done)?;
+    let go = body.binary(BinaryOp::And, running, wants)?;
+    let mut identity = Graph::new();
+    let mut kept = Vec::new();
+    for k in 0..names.len() {
+        let id = identity.input(names[k].clone(), types[k].clone())?;
+        if k < c {
+            kept.push((w.body.outputs()[k].0.clone(), id));
+        }
+    }
+    identity.set_outputs(kept)?;
+    let step = Cond {
+        then_branch: w.body.clone(),
+        else_branch: identity,
+    };
+    let mut guarded = vec![go];
+    guarded.extend(&operands);
+    let next = body.push_tuple(Op::Cond(Box::new(step)), &guarded)?;
+    let counted = body.cast(go, DType::I64)?;
+    let trips_next = body.add(trips, counted)?;
+    let stopped = body.unary(UnaryOp::Not, go)?;
+    let mut outputs: Vec<(String, ValueId)> = w
+        .body
+        .outputs()
+        .iter()
+        .zip(next)
+        .map(|((name, _), v)| (name.clone(), v))
+        .collect();
+    outputs.push((trips_name, trips_next));
+    outputs.push((done_name, stopped));
+    body.set_outputs(outputs)?;
+    Ok(Scan {
+        body,
+        carries: c + 2,
+        scanned: 0,
+        length: Dim::Fixed(w.max_trips),
+        reverse: false,
+    })
+}
+
+fn fresh_among(names: &[String], base: &str) -> String {
+    let mut name = base.to_string();
+    while names.iter().any(|n| *n == name) {
+        name.push('\'');
+    }
+    name
+}
+
+/// `graph` with every `while_loop` (in it and in the graphs nested in
+/// it) replaced by [`while_as_scan`], for reverse mode; the rest is
+/// copied as it is, so every output keeps its name and value.
+pub(crate) fn lower_while_loops(graph: &Graph) -> IrResult<Graph> {
+    if !has_while_loop(graph) {
+        return Ok(graph.clone());
+    }
+    let mut out = Graph::new();
+    let mut map: Vec<ValueId> = Vec::with_capacity(graph.len());
+    for node in graph.nodes() {
+        let inputs: Vec<ValueId> = node.inputs.iter().map(|i| map[i.index()]).collect();
+        let id = match &node.op {
+            Op::Input { name } => out.input(name.clone(), node.ty.clone())?,
+            Op::WhileLoop(w) => {
+                let mut w = (**w).clone();
+                w.cond = lower_while_loops(&w.cond)?;
+                w.body = lower_while_loops(&w.body)?;
+                let scan = while_as_scan(&w)?;
+                let c = w.carries;
+                let mut operands = inputs[..c].to_vec();
+                operands.push(out.constant(TensorData::scalar_i64(0))?);
+                operands.push(out.constant(TensorData::zeros(DType::Bool, vec![]))?);
+                operands.extend(&inputs[c..]);
+                out.push(Op::Scan(Box::new(scan)), &operands)?
+            }
+            Op::Scan(scan) => {
+                let mut scan = (**scan).clone();
+                scan.body = lower_while_loops(&scan.body)?;
+                out.push(Op::Scan(Box::new(scan)), &inputs)?
+            }
+            Op::Cond(cond) => {
+                let lowered = Cond {
+                    then_branch: lower_while_loops(&cond.then_branch)?,
+                    else_branch: lower_while_loops(&cond.else_branch)?,
+                };
+                out.push(Op::Cond(Box::new(lowered)), &inputs)?
+            }
+            op => out.push(op.clone(), &inputs)?,
+        };
+        map.push(id);
+    }
+    let outputs = graph
+        .outputs()
+        .iter()
+        .map(|(name, v)| (name.clone(), map[v.index()]))
+        .collect();
+    out.set_outputs(outputs)?;
+    Ok(out)
+}
+
+fn has_while_loop(graph: &Graph) -> bool {
+    graph.nodes().iter().any(|node| {
+        matches!(node.op, Op::WhileLoop(_)) || node.op.subgraphs().into_iter().any(has_while_loop)
+    })
 }
