@@ -751,7 +751,7 @@ pub(crate) fn while_as_scan(w: &WhileLoop) -> IrResult<Scan> {
 
 fn fresh_among(names: &[String], base: &str) -> String {
     let mut name = base.to_string();
-    while names.iter().any(|n| *n == name) {
+    while names.contains(&name) {
         name.push('\'');
     }
     name
