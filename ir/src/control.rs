@@ -29,6 +29,15 @@ pub const MAX_WHILE_TRIPS: usize = 1 << 24;
 /// the first when `reverse` (the stacked `y` keep the index of their step
 /// either way). `length` is the trip count: the leading dimension of every
 /// `xs`, fixed or the symbolic batch; with no `xs` it alone gives the count.
+///
+/// `checkpoint` says what reverse mode saves for the backward pass; the
+/// results are the same whatever it is. 0: every step's residuals (the
+/// fastest). 1: only the carry entering each step, each step's body
+/// recomputed backwards. k > 1: only every k-th carry, each segment of k
+/// steps recomputed (saving its residuals) when the backward pass reaches
+/// it, so memory falls from T steps of residuals to T/k carries plus k
+/// steps, for one more forward pass; k must divide a fixed `length`
+/// ([`Scan::sqrt_checkpoint`] picks the divisor nearest √T).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Scan {
     pub body: Graph,
@@ -36,6 +45,7 @@ pub struct Scan {
     pub scanned: usize,
     pub length: Dim,
     pub reverse: bool,
+    pub checkpoint: usize,
 }
 
 /// `cond(pred, operands…)`: `then_branch(operands…)` when the bool scalar
@@ -87,6 +97,19 @@ fn expect_types(what: &str, expected: &[&TensorType], got: &[&TensorType]) -> Re
 }
 
 impl Scan {
+    /// The divisor of `length` nearest √length (the smaller on a tie): the
+    /// checkpoint interval that minimises T/k + k.
+    pub fn sqrt_checkpoint(length: usize) -> usize {
+        let root = (length as f64).sqrt();
+        (1..=length.max(1))
+            .filter(|k| length % k == 0)
+            .min_by(|a, b| {
+                let (da, db) = ((*a as f64 - root).abs(), (*b as f64 - root).abs());
+                da.total_cmp(&db)
+            })
+            .unwrap_or(1)
+    }
+
     pub fn consts(&self) -> usize {
         self.body
             .inputs()
@@ -116,6 +139,24 @@ impl Scan {
                 body_in.len(),
                 t.len()
             ));
+        }
+        if self.checkpoint > 1 {
+            match self.length {
+                Dim::Fixed(n) if n % self.checkpoint == 0 => {}
+                Dim::Fixed(n) => {
+                    return Err(format!(
+                        "checkpoint {} does not divide the length {n}; Scan::sqrt_checkpoint({n}) = {} does",
+                        self.checkpoint,
+                        Scan::sqrt_checkpoint(n)
+                    ));
+                }
+                Dim::Batch => {
+                    return Err(format!(
+                        "checkpoint {} needs a fixed length, not the batch dimension",
+                        self.checkpoint
+                    ));
+                }
+            }
         }
         expect_types("initial carries", &body_in[..c], &t[..c])?;
         expect_types(

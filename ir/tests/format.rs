@@ -285,6 +285,7 @@ fn control_ops(g: &mut Graph, cat: ValueId) -> Vec<ValueId> {
         scanned: 1,
         length: Dim::Batch,
         reverse: true,
+        checkpoint: 0,
     };
     let init = g.constant(TensorData::zeros(DType::F32, vec![9])).unwrap();
     let scanned = g

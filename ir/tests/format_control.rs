@@ -63,6 +63,7 @@ fn running_total(length: Dim, reverse: bool) -> Graph {
         scanned: 1,
         length,
         reverse,
+        checkpoint: 0,
     };
     let outs = g
         .push_tuple(Op::Scan(Box::new(scan)), &[init, xs, k])
@@ -171,6 +172,7 @@ fn scan_in_branch() -> Graph {
         scanned: 1,
         length: Dim::Fixed(4),
         reverse: true,
+        checkpoint: 2,
     };
     let total = then_branch
         .push_tuple(Op::Scan(Box::new(scan)), &[init.unwrap(), xs])
@@ -209,6 +211,7 @@ fn nested_scans(levels: usize) -> Graph {
             scanned: 0,
             length: Dim::Fixed(2),
             reverse: false,
+            checkpoint: 0,
         };
         g.push_tuple(Op::Scan(Box::new(scan)), &[c]).unwrap()[0]
     };
@@ -323,7 +326,7 @@ fn a_scan_round_trips() {
     let h = header(&bytes);
     // The scalars, then the body; the results are read by `output` nodes.
     assert!(
-        h.contains(r#"{"op":"scan","carries":1,"scanned":1,"length":5,"reverse":false,"body":{"nodes":[{"op":"input","name":"total","#),
+        h.contains(r#"{"op":"scan","carries":1,"scanned":1,"length":5,"reverse":false,"checkpoint":0,"body":{"nodes":[{"op":"input","name":"total","#),
         "{h}"
     );
     assert!(
@@ -338,7 +341,7 @@ fn a_scan_round_trips() {
 fn a_reverse_scan_over_the_batch_round_trips() {
     let bytes = assert_round_trip(running_total(Dim::Batch, true));
     let h = header(&bytes);
-    assert!(h.contains(r#""length":"N","reverse":true,"body":"#), "{h}");
+    assert!(h.contains(r#""length":"N","reverse":true,"checkpoint":0,"body":"#), "{h}");
     assert!(
         h.contains(r#""type":{"dtype":"f32","shape":["N",3]}"#),
         "{h}"
@@ -377,7 +380,7 @@ fn a_scan_nested_in_a_branch_round_trips() {
         h.contains(r#"{"op":"cond","then_branch":{"nodes":[{"op":"input","name":"xs","#),
         "{h}"
     );
-    assert!(h.contains(r#""op":"scan","carries":1,"scanned":1,"length":4,"reverse":true,"body":"#));
+    assert!(h.contains(r#""op":"scan","carries":1,"scanned":1,"length":4,"reverse":true,"checkpoint":2,"body":"#));
 }
 
 #[test]
@@ -503,7 +506,12 @@ fn control_flow_attributes_are_exact() {
     let file = write_model(&model(graph)).unwrap();
     let limits = ReadLimits::default();
     let at = format!("entry point `e`, node {node}: ");
-    for attr in [r#""reverse":false,"#, r#""length":5,"#, r#""carries":1,"#] {
+    for attr in [
+        r#""reverse":false,"#,
+        r#""checkpoint":0,"#,
+        r#""length":5,"#,
+        r#""carries":1,"#,
+    ] {
         let name = attr.split('"').nth(1).unwrap();
         let bad = edit_header(&file, |h| replace_once(h, attr, ""));
         assert_eq!(

@@ -98,7 +98,7 @@ fn tuple_vjp(
     match op {
         Op::Scan(scan) => control::scan_vjp(g, scan, x, tuple, cts, wanted),
         Op::Cond(cond) => control::cond_vjp(g, cond, x, cts, wanted),
-        // Reverse mode sees no `while_loop`: `lower_while_loops` makes each
+        // Reverse mode sees no `while_loop`: `lower_for_reverse` makes each
         // a scan of `max_trips` guarded steps first.
         Op::WhileLoop(_) => Err(IrError::Invalid(
             "a `while_loop` reached the reverse sweep unlowered".into(),

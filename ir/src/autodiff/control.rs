@@ -11,6 +11,8 @@
 //! the loop's constants are recomputed in the backward body instead of
 //! being stacked once per step.
 
+use std::collections::HashMap;
+
 use crate::autodiff::backward::backpropagate;
 use crate::autodiff::util::zeros;
 use crate::control::{Cond, Scan, WhileLoop};
@@ -71,6 +73,7 @@ pub(super) fn scan_vjp(
         scanned: stacked.len() + s + plan.seeded_ys.len(),
         length: scan.length,
         reverse: !scan.reverse,
+        checkpoint: 0,
     };
     let results = g.push_tuple(Op::Scan(Box::new(reverse)), &operands)?;
     let mut contributions = vec![None; x.len()];
@@ -145,6 +148,15 @@ fn branch_vjp(branch: &Graph, seeded: &[usize], wrt: &[usize]) -> IrResult<Graph
 /// twice already has the first pass's cotangent inputs.
 fn fresh_input_name(graph: &Graph, mut name: String) -> String {
     while graph.find_input(&name).is_some() {
+        name.push('\'');
+    }
+    name
+}
+
+/// `name`, primed until no output in `outputs` has it: a body
+/// differentiated twice already saves the first pass's residuals.
+fn fresh_output_name(outputs: &[(String, ValueId)], mut name: String) -> String {
+    while outputs.iter().any(|(taken, _)| *taken == name) {
         name.push('\'');
     }
     name
@@ -248,7 +260,8 @@ impl<'a> BodyVjp<'a> {
             roles[id.index()] = Role::YCotangent(k);
         }
         classify_forward(&vjp, &mut roles);
-        let residuals = residuals(&vjp, &roles, &grads);
+        let recompute = scan.checkpoint == 1;
+        let residuals = residuals(&vjp, &roles, &grads, recompute);
         Ok(BodyVjp {
             scan,
             vjp,
@@ -270,6 +283,17 @@ impl<'a> BodyVjp<'a> {
     /// The primal body, now also returning each residual of its step
     /// (after its own results, so the primal results keep their indices).
     fn forward_body(&self) -> IrResult<Graph> {
+        if self.scan.checkpoint == 1 {
+            // Recomputing: the body as it was (nested loops not saving
+            // their residuals either), plus the carries it saves.
+            let mut body = self.scan.body.clone();
+            let mut outputs = body.outputs().to_vec();
+            for (r, &id) in self.residuals.iter().enumerate() {
+                outputs.push((fresh_output_name(&outputs, format!("residual/{r}")), id));
+            }
+            body.set_outputs(outputs)?;
+            return Ok(body);
+        }
         let mut body = Graph::new();
         let mut map: Vec<Option<ValueId>> = vec![None; self.vjp.len()];
         for (index, node) in self.vjp.nodes().iter().enumerate() {
@@ -296,11 +320,7 @@ impl<'a> BodyVjp<'a> {
             .map(|(name, v)| Ok((name.clone(), remap(&map, &[*v])?[0])))
             .collect::<IrResult<_>>()?;
         for (r, &id) in self.residuals.iter().enumerate() {
-            // A body differentiated twice already saves the first pass's.
-            let mut name = format!("residual/{r}");
-            while outputs.iter().any(|(taken, _)| *taken == name) {
-                name.push('\'');
-            }
+            let name = fresh_output_name(&outputs, format!("residual/{r}"));
             outputs.push((name, remap(&map, &[id])?[0]));
         }
         body.set_outputs(outputs)?;
@@ -349,6 +369,8 @@ impl<'a> BodyVjp<'a> {
         for (index, node) in vjp.nodes().iter().enumerate() {
             let copy = match self.roles[index] {
                 Role::Invariant => !matches!(node.op, Op::Input { .. }),
+                // Recomputing: the step's forward values from its carries.
+                Role::Varying => self.scan.checkpoint == 1,
                 Role::Backward => map[index].is_none(),
                 _ => false,
             };
@@ -420,8 +442,23 @@ fn classify_forward(vjp: &Graph, roles: &mut [Role]) {
 
 /// The varying forward values (and carries) that backward nodes or the
 /// gradients read: each is stacked by the primal scan.
-fn residuals(vjp: &Graph, roles: &[Role], grads: &[ValueId]) -> Vec<ValueId> {
+fn residuals(vjp: &Graph, roles: &[Role], grads: &[ValueId], recompute: bool) -> Vec<ValueId> {
     let mut read = vec![false; vjp.len()];
+    if recompute {
+        // Only carries are saved; whatever reads them is recomputed.
+        for node in vjp.nodes() {
+            for input in &node.inputs {
+                read[input.index()] = true;
+            }
+        }
+        for grad in grads {
+            read[grad.index()] = true;
+        }
+        return (0..vjp.len())
+            .filter(|&i| read[i] && matches!(roles[i], Role::Carry(_)))
+            .map(|i| ValueId(i as u32))
+            .collect();
+    }
     for (index, node) in vjp.nodes().iter().enumerate() {
         if roles[index] == Role::Backward {
             for input in &node.inputs {
@@ -499,6 +536,7 @@ fn scan_jvp(
         scanned: s + xs.len(),
         length: scan.length,
         reverse: scan.reverse,
+        checkpoint: scan.checkpoint,
     };
     let tuple = g.push(Op::Scan(Box::new(tangent_scan)), &operands)?;
     // Results: carries, their tangents, ys, their tangents.
@@ -746,6 +784,7 @@ pub(crate) fn while_as_scan(w: &WhileLoop) -> IrResult<Scan> {
         scanned: 0,
         length: Dim::Fixed(w.max_trips),
         reverse: false,
+        checkpoint: 0,
     })
 }
 
@@ -760,20 +799,33 @@ fn fresh_among(names: &[String], base: &str) -> String {
 /// `graph` with every `while_loop` (in it and in the graphs nested in
 /// it) replaced by [`while_as_scan`], for reverse mode; the rest is
 /// copied as it is, so every output keeps its name and value.
-pub(crate) fn lower_while_loops(graph: &Graph) -> IrResult<Graph> {
-    if !has_while_loop(graph) {
+pub(crate) fn lower_for_reverse(graph: &Graph) -> IrResult<Graph> {
+    if !needs_lowering(graph) {
         return Ok(graph.clone());
     }
     let mut out = Graph::new();
     let mut map: Vec<ValueId> = Vec::with_capacity(graph.len());
-    for node in graph.nodes() {
+    // The results standing for each checkpointed scan's.
+    let mut segmented: HashMap<usize, Vec<ValueId>> = HashMap::new();
+    for (index, node) in graph.nodes().iter().enumerate() {
         let inputs: Vec<ValueId> = node.inputs.iter().map(|i| map[i.index()]).collect();
         let id = match &node.op {
+            Op::Output { index: result } if segmented.contains_key(&node.inputs[0].index()) => {
+                segmented[&node.inputs[0].index()][*result]
+            }
+            Op::Scan(scan) if scan.checkpoint > 1 => {
+                let mut scan = (**scan).clone();
+                scan.body = lower_for_reverse(&scan.body)?;
+                let results = segments(&mut out, &scan, &inputs)?;
+                let first = results[0];
+                segmented.insert(index, results);
+                first
+            }
             Op::Input { name } => out.input(name.clone(), node.ty.clone())?,
             Op::WhileLoop(w) => {
                 let mut w = (**w).clone();
-                w.cond = lower_while_loops(&w.cond)?;
-                w.body = lower_while_loops(&w.body)?;
+                w.cond = lower_for_reverse(&w.cond)?;
+                w.body = lower_for_reverse(&w.body)?;
                 let scan = while_as_scan(&w)?;
                 let c = w.carries;
                 let mut operands = inputs[..c].to_vec();
@@ -784,13 +836,13 @@ pub(crate) fn lower_while_loops(graph: &Graph) -> IrResult<Graph> {
             }
             Op::Scan(scan) => {
                 let mut scan = (**scan).clone();
-                scan.body = lower_while_loops(&scan.body)?;
+                scan.body = lower_for_reverse(&scan.body)?;
                 out.push(Op::Scan(Box::new(scan)), &inputs)?
             }
             Op::Cond(cond) => {
                 let lowered = Cond {
-                    then_branch: lower_while_loops(&cond.then_branch)?,
-                    else_branch: lower_while_loops(&cond.else_branch)?,
+                    then_branch: lower_for_reverse(&cond.then_branch)?,
+                    else_branch: lower_for_reverse(&cond.else_branch)?,
                 };
                 out.push(Op::Cond(Box::new(lowered)), &inputs)?
             }
@@ -807,8 +859,68 @@ pub(crate) fn lower_while_loops(graph: &Graph) -> IrResult<Graph> {
     Ok(out)
 }
 
-fn has_while_loop(graph: &Graph) -> bool {
+/// Whether `graph` (or a graph nested in it) has a `while_loop` or a
+/// scan checkpointed in segments.
+fn needs_lowering(graph: &Graph) -> bool {
     graph.nodes().iter().any(|node| {
-        matches!(node.op, Op::WhileLoop(_)) || node.op.subgraphs().into_iter().any(has_while_loop)
+        let lowered = match &node.op {
+            Op::WhileLoop(_) => true,
+            Op::Scan(scan) => scan.checkpoint > 1,
+            _ => false,
+        };
+        lowered || node.op.subgraphs().into_iter().any(needs_lowering)
     })
+}
+
+/// A scan checkpointed every k steps as two: an outer scan over its T/k
+/// segments that saves only the carry entering each (checkpoint 1), whose
+/// body is an inner scan over one segment's k steps that saves its
+/// residuals (checkpoint 0) when the backward pass recomputes it. The
+/// `xs` and stacked `ys` are reshaped between [T, …] and [T/k, k, …].
+/// Returns the values standing for the scan's results.
+fn segments(g: &mut Graph, scan: &Scan, operands: &[ValueId]) -> IrResult<Vec<ValueId>> {
+    let Dim::Fixed(length) = scan.length else {
+        return Err(IrError::Invalid("checkpointing needs a fixed length".into()));
+    };
+    let (c, s, k) = (scan.carries, scan.scanned, scan.checkpoint);
+    let count = length / k;
+    let inner = Scan {
+        body: scan.body.clone(),
+        length: Dim::Fixed(k),
+        checkpoint: 0,
+        ..scan.clone()
+    };
+    let body_inputs = scan.body.inputs();
+    let mut outer_body = Graph::new();
+    let mut args = Vec::with_capacity(body_inputs.len());
+    for (position, &input) in body_inputs.iter().enumerate() {
+        let mut ty = scan.body.ty(input).clone();
+        if (c..c + s).contains(&position) {
+            ty.shape.0.insert(0, Dim::Fixed(k));
+        }
+        args.push(outer_body.input(scan.body.input_name(input).to_string(), ty)?);
+    }
+    let results = outer_body.push_tuple(Op::Scan(Box::new(inner)), &args)?;
+    let names = scan.body.outputs().iter().map(|(name, _)| name.clone());
+    outer_body.set_outputs(names.zip(results).collect())?;
+    let outer = Scan {
+        body: outer_body,
+        length: Dim::Fixed(count),
+        checkpoint: 1,
+        ..scan.clone()
+    };
+    let mut outer_operands = operands[..c].to_vec();
+    for &xs in &operands[c..c + s] {
+        let mut dims = g.ty(xs).shape.0.clone();
+        dims.splice(0..1, [Dim::Fixed(count), Dim::Fixed(k)]);
+        outer_operands.push(g.reshape(xs, dims)?);
+    }
+    outer_operands.extend(&operands[c + s..]);
+    let mut results = g.push_tuple(Op::Scan(Box::new(outer)), &outer_operands)?;
+    for stacked in &mut results[c..] {
+        let mut dims = g.ty(*stacked).shape.0.clone();
+        dims.splice(0..2, [Dim::Fixed(length)]);
+        *stacked = g.reshape(*stacked, dims)?;
+    }
+    Ok(results)
 }

@@ -12,7 +12,8 @@
 //! - [`custom_grad`] / [`call_custom`]: user-written backward rules.
 //! - Control flow (`control.rs`): a `scan`'s VJP is a reverse `scan`, a
 //!   `cond`'s a `cond`; a bounded `while_loop` is differentiated backwards
-//!   as a `scan` of `max_trips` guarded steps.
+//!   as a `scan` of `max_trips` guarded steps, and a scan checkpointed
+//!   every k steps as a scan of segments (see `Scan::checkpoint`).
 //!
 //! Only *active* nodes are differentiated: those that depend on a `wrt`
 //! input and lead to a differentiated output (see `activity.rs`). A frozen
@@ -47,7 +48,7 @@ pub const TANGENT_PREFIX: &str = "tangent/";
 /// Inputs: the original inputs, then `cotangent/<out>` for each f32 output.
 /// Outputs: the original outputs, then `grad/<w>` for each name in `wrt`.
 pub fn vjp(graph: &Graph, wrt: &[&str]) -> IrResult<Graph> {
-    let graph = &control::lower_while_loops(graph)?;
+    let graph = &control::lower_for_reverse(graph)?;
     let wrt_ids = resolve_wrt(graph, wrt)?;
     let mut g = graph.clone();
     let mut seeds = Vec::new();
@@ -100,7 +101,7 @@ pub fn jvp(graph: &Graph, wrt: &[&str]) -> IrResult<Graph> {
 /// Shared front half of [`grad`] and [`value_and_grad`]: seeds the scalar
 /// `output` with 1.0 and backpropagates.
 fn seeded_backward(graph: &Graph, output: &str, wrt: &[&str]) -> IrResult<(Graph, Vec<ValueId>)> {
-    let graph = &control::lower_while_loops(graph)?;
+    let graph = &control::lower_for_reverse(graph)?;
     let wrt_ids = resolve_wrt(graph, wrt)?;
     let value = graph
         .find_output(output)

@@ -40,7 +40,7 @@ fn attrs_of(op: &str) -> Option<&'static [&'static str]> {
         "one_hot" => &["depth"],
         "argmax" => &["axis", "keep_dims"],
         "custom_grad" => &["name", "forward", "backward"],
-        "scan" => &["carries", "scanned", "length", "reverse", "body"],
+        "scan" => &["carries", "scanned", "length", "reverse", "checkpoint", "body"],
         "cond" => &["then_branch", "else_branch"],
         "while_loop" => &["carries", "max_trips", "cond", "body"],
         "output" => &["index"],
@@ -142,6 +142,7 @@ pub(crate) fn encode_op(op: &Op, data: &mut DataWriter) -> IrResult<NodeRec> {
             r.scanned = Some(dim_value(scan.scanned)?);
             r.length = Some(dim(&scan.length)?);
             r.reverse = Some(scan.reverse);
+            r.checkpoint = Some(dim_value(scan.checkpoint)?);
             r.body = Some(Box::new(encode_graph(&scan.body, data)?));
         }
         Op::Cond(cond) => {
@@ -524,6 +525,7 @@ impl Attrs<'_, '_, '_> {
         // and a fixed length is bounded by `max_dim` like any dimension.
         let length = self.dim(r.length, "length")?;
         let reverse = self.need(&r.reverse, "reverse")?;
+        let checkpoint = self.int(r.checkpoint, "checkpoint")?;
         let [body] = self.graphs(depth, "scan", [(&r.body, "body")])?;
         Ok(Op::Scan(Box::new(Scan {
             body,
@@ -531,6 +533,7 @@ impl Attrs<'_, '_, '_> {
             scanned,
             length,
             reverse,
+            checkpoint,
         })))
     }
 

@@ -135,6 +135,8 @@ pub(crate) struct NodeRec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reverse: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_trips: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cond: Option<Box<GraphRec>>,
@@ -183,6 +185,7 @@ impl NodeRec {
             ("scanned", self.scanned.is_some()),
             ("length", self.length.is_some()),
             ("reverse", self.reverse.is_some()),
+            ("checkpoint", self.checkpoint.is_some()),
             ("max_trips", self.max_trips.is_some()),
             ("cond", self.cond.is_some()),
             ("body", self.body.is_some()),
