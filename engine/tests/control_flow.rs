@@ -678,7 +678,10 @@ fn checkpointed_scans_give_the_same_gradients_from_less_memory() {
     };
     let (all, root) = (peak(0), peak(Scan::sqrt_checkpoint(1000)));
     assert_eq!(Scan::sqrt_checkpoint(1000), 25);
-    assert!(root * 5 < all, "peak with checkpoints every 25 steps {root} B, without {all} B");
+    assert!(
+        root * 5 < all,
+        "peak with checkpoints every 25 steps {root} B, without {all} B"
+    );
 }
 
 /// A gated recurrence whose saved values outweigh its inputs and outputs,
@@ -704,7 +707,9 @@ fn gated_scan(steps: usize, checkpoint: usize) -> Graph {
     body.set_output("h", next).expect("out");
     let mut g = Graph::new();
     let h0 = g.input("h0", f32_ty(&[batch, width])).expect("h0");
-    let xs = g.input("xs", f32_ty(&[steps, batch, features])).expect("xs");
+    let xs = g
+        .input("xs", f32_ty(&[steps, batch, features]))
+        .expect("xs");
     let w = g.input("w", f32_ty(&[width, width])).expect("w");
     let u = g.input("u", f32_ty(&[features, width])).expect("u");
     let scan = Scan {
@@ -715,7 +720,9 @@ fn gated_scan(steps: usize, checkpoint: usize) -> Graph {
         reverse: false,
         checkpoint,
     };
-    let h = g.push_tuple(Op::Scan(Box::new(scan)), &[h0, xs, w, u]).expect("scan")[0];
+    let h = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[h0, xs, w, u])
+        .expect("scan")[0];
     g.set_output("h", h).expect("out");
     g
 }
@@ -734,7 +741,12 @@ fn a_checkpoint_that_does_not_divide_the_length_is_refused() {
         reverse: false,
         checkpoint: 3,
     };
-    let error = g.push_tuple(Op::Scan(Box::new(scan)), &[h0, xs, w]).expect_err("3 ∤ 10");
+    let error = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[h0, xs, w])
+        .expect_err("3 ∤ 10");
     let message = error.to_string();
-    assert!(message.contains("checkpoint 3 does not divide the length 10") && message.contains("= 2"), "{message}");
+    assert!(
+        message.contains("checkpoint 3 does not divide the length 10") && message.contains("= 2"),
+        "{message}"
+    );
 }
