@@ -102,7 +102,7 @@ impl Scan {
     pub fn sqrt_checkpoint(length: usize) -> usize {
         let root = (length as f64).sqrt();
         (1..=length.max(1))
-            .filter(|k| length % k == 0)
+            .filter(|&k| length.is_multiple_of(k))
             .min_by(|a, b| {
                 let (da, db) = ((*a as f64 - root).abs(), (*b as f64 - root).abs());
                 da.total_cmp(&db)
@@ -142,7 +142,7 @@ impl Scan {
         }
         if self.checkpoint > 1 {
             match self.length {
-                Dim::Fixed(n) if n % self.checkpoint == 0 => {}
+                Dim::Fixed(n) if n.is_multiple_of(self.checkpoint) => {}
                 Dim::Fixed(n) => {
                     return Err(format!(
                         "checkpoint {} does not divide the length {n}; Scan::sqrt_checkpoint({n}) = {} does",
