@@ -22,6 +22,7 @@ pub mod gpu;
 pub mod nn;
 pub mod optim;
 pub mod proximal;
+pub mod recurrent;
 pub mod select;
 pub mod split;
 pub mod stats;

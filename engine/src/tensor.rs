@@ -421,3 +421,136 @@ impl Tensor {
         apply(Op::RandomUniform { shape }, &[seed])
     }
 }
+
+/// How [`scan`] runs its loop: backwards when `reverse`, and what reverse
+/// mode saves (see [`canopy_ir::Scan`]'s `checkpoint`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScanOptions {
+    pub reverse: bool,
+    pub checkpoint: usize,
+}
+
+/// A loop over the leading axis of `xs`, as one `scan` node: `step` maps
+/// (carries, one step of each of `xs`, `consts`) to (new carries, per-step
+/// outputs). Returns the final carries and the per-step outputs stacked.
+///
+/// `step` is traced once, into the loop's body, whatever the number of
+/// steps; it reads only its arguments (a tensor of the enclosing trace is
+/// refused), so weights it uses are passed as `consts`. In eager mode the
+/// body runs on the CPU backend.
+pub fn scan<F>(
+    init: &[Tensor],
+    xs: &[Tensor],
+    consts: &[Tensor],
+    options: ScanOptions,
+    step: F,
+) -> EngineResult<(Vec<Tensor>, Vec<Tensor>)>
+where
+    F: FnOnce(&[Tensor], &[Tensor], &[Tensor]) -> EngineResult<(Vec<Tensor>, Vec<Tensor>)>,
+{
+    let length = match xs.first().map(Tensor::dims) {
+        Some(dims) if !dims.is_empty() => dims[0],
+        _ => {
+            return Err(EngineError::Shape(
+                "scan needs at least one scanned input with a leading axis".into(),
+            ));
+        }
+    };
+    let mut names = Vec::new();
+    let mut types = Vec::new();
+    for (k, t) in init.iter().enumerate() {
+        names.push(format!("carry/{k}"));
+        types.push(t.ty());
+    }
+    for (k, t) in xs.iter().enumerate() {
+        let mut ty = t.ty();
+        if ty.shape.0.is_empty() {
+            return Err(EngineError::Shape(format!("scanned input {k} is a scalar")));
+        }
+        ty.shape.0.remove(0);
+        names.push(format!("x/{k}"));
+        types.push(ty);
+    }
+    for (k, t) in consts.iter().enumerate() {
+        names.push(format!("const/{k}"));
+        types.push(t.ty());
+    }
+    let inputs: Vec<(&str, TensorType)> = names.iter().map(String::as_str).zip(types).collect();
+    let carries = init.len();
+    let scanned = xs.len();
+    let body = trace(&inputs, |args| {
+        let (c, rest) = args.split_at(carries);
+        let (x, k) = rest.split_at(scanned);
+        let (next, ys) = step(c, x, k)?;
+        if next.len() != carries {
+            return Err(EngineError::Shape(format!(
+                "a scan step must return {carries} carries, returned {}",
+                next.len()
+            )));
+        }
+        let named_carries = next
+            .into_iter()
+            .enumerate()
+            .map(|(k, t)| (format!("carry/{k}"), t));
+        let named_ys = ys
+            .into_iter()
+            .enumerate()
+            .map(|(k, t)| (format!("y/{k}"), t));
+        Ok(named_carries.chain(named_ys).collect())
+    })?;
+    let op = Op::Scan(Box::new(canopy_ir::Scan {
+        body,
+        carries,
+        scanned,
+        length,
+        reverse: options.reverse,
+        checkpoint: options.checkpoint,
+    }));
+    let operands: Vec<&Tensor> = init.iter().chain(xs).chain(consts).collect();
+    let mut results = apply_tuple(op, &operands)?;
+    let ys = results.split_off(carries);
+    Ok((results, ys))
+}
+
+/// Applies a control-flow `op` to `inputs` and returns its results: the
+/// node and its `output`s while tracing, a one-node graph run on the CPU
+/// backend otherwise.
+pub fn apply_tuple(op: Op, inputs: &[&Tensor]) -> EngineResult<Vec<Tensor>> {
+    if let Some(trace) = tracing() {
+        let ids = inputs
+            .iter()
+            .map(|t| graph_value(t))
+            .collect::<EngineResult<Vec<_>>>()?;
+        let outs = with_graph(|g| {
+            let outs = g.push_tuple(op, &ids)?;
+            Ok(outs
+                .into_iter()
+                .map(|id| (id, g.ty(id).clone()))
+                .collect::<Vec<_>>())
+        })?;
+        return Ok(outs
+            .into_iter()
+            .map(|(id, ty)| Tensor {
+                repr: Repr::Traced { id, trace, ty },
+            })
+            .collect());
+    }
+    let mut graph = Graph::new();
+    let mut ids = Vec::with_capacity(inputs.len());
+    for (k, t) in inputs.iter().enumerate() {
+        ids.push(graph.input(format!("operand/{k}"), t.ty())?);
+    }
+    let outs = graph.push_tuple(op, &ids)?;
+    let named = outs
+        .iter()
+        .enumerate()
+        .map(|(k, &v)| (format!("result/{k}"), v));
+    graph.set_outputs(named.collect())?;
+    let values = inputs
+        .iter()
+        .map(|t| t.value().cloned())
+        .collect::<EngineResult<Vec<_>>>()?;
+    let mut exe = crate::cpu::CpuExecutable::new(&graph)?;
+    let results = crate::backend::Executable::run(&mut exe, values)?;
+    Ok(results.into_iter().map(Tensor::from_value).collect())
+}

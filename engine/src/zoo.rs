@@ -16,11 +16,12 @@ use canopy_ir::{DType, Dim, Graph, Metadata, Model, Op, Parameter, Shape, Tensor
 use crate::data::Dataset;
 use crate::error::{EngineError, EngineResult, Part};
 use crate::nn::{
-    Conv2d, Flatten, Follows, ForwardCtx, INPUT_STATS_PREFIX, Initializer, Layer, Linear,
-    MaxPool2d, Params, ReLU, Sequential, Standardize, correct_count, init_params,
+    Conv2d, Embedding, Flatten, Follows, ForwardCtx, INPUT_STATS_PREFIX, Initializer, Layer,
+    Linear, MaxPool2d, Params, ReLU, Sequential, Standardize, correct_count, init_params,
     softmax_cross_entropy,
 };
 use crate::optim::{INPUT_SEED, Optimizer, build_train_step};
+use crate::recurrent::{Cell, Indices, LastStep, Recurrent};
 use crate::stats::{InputMoments, InputStatsState, fit_model};
 use crate::tensor::{Tensor, trace};
 
@@ -52,6 +53,47 @@ pub enum Architecture {
         inputs: usize,
         classes: usize,
     },
+    /// Next-character prediction: `sequence` character indices (as f32
+    /// features) → an embedding → `layers` recurrent layers → a linear map
+    /// of the last step's state over the `vocabulary`.
+    CharLm {
+        vocabulary: usize,
+        sequence: usize,
+        embedding: usize,
+        hidden: usize,
+        layers: usize,
+        cell: Cell,
+    },
+}
+
+impl Architecture {
+    /// `canopy model new charlm`'s default: one GRU layer of 128 over 80
+    /// characters with an 8-wide embedding, small enough to train on a
+    /// phone's CPU in a federated round.
+    pub fn charlm(vocabulary: usize) -> Architecture {
+        Architecture::CharLm {
+            vocabulary,
+            sequence: 80,
+            embedding: 8,
+            hidden: 128,
+            layers: 1,
+            cell: Cell::Gru,
+        }
+    }
+
+    /// The FedAvg paper's Shakespeare model (McMahan et al. 2017): an
+    /// 8-wide embedding, two LSTM layers of 256 and a softmax over the
+    /// vocabulary, unrolled over 80 characters (here: a loop of 80 steps).
+    pub fn charlm_fedavg(vocabulary: usize) -> Architecture {
+        Architecture::CharLm {
+            vocabulary,
+            sequence: 80,
+            embedding: 8,
+            hidden: 256,
+            layers: 2,
+            cell: Cell::Lstm,
+        }
+    }
 }
 
 impl Architecture {
@@ -60,6 +102,7 @@ impl Architecture {
             Architecture::Mlp { .. } => "mlp",
             Architecture::LeNet5 { .. } => "lenet5",
             Architecture::LogReg { .. } => "logreg",
+            Architecture::CharLm { .. } => "charlm",
         }
     }
 
@@ -68,6 +111,7 @@ impl Architecture {
             Architecture::Mlp { classes, .. }
             | Architecture::LeNet5 { classes }
             | Architecture::LogReg { classes, .. } => classes,
+            Architecture::CharLm { vocabulary, .. } => vocabulary,
         }
     }
 
@@ -76,6 +120,7 @@ impl Architecture {
         match *self {
             Architecture::Mlp { inputs, .. } | Architecture::LogReg { inputs, .. } => vec![inputs],
             Architecture::LeNet5 { .. } => vec![1, 28, 28],
+            Architecture::CharLm { sequence, .. } => vec![sequence],
         }
     }
 
@@ -114,6 +159,27 @@ impl Architecture {
                 .push(Linear::new("fc2", 120, 84).init(hidden))
                 .push(ReLU)
                 .push(Linear::new("fc3", 84, classes).init(output)),
+            Architecture::CharLm {
+                vocabulary,
+                embedding,
+                hidden: width,
+                layers,
+                cell,
+                ..
+            } => {
+                let mut net = Sequential::new().push(Indices).push(Embedding {
+                    name: "embed".into(),
+                    count: vocabulary,
+                    dim: embedding,
+                });
+                for layer in 0..layers {
+                    let inputs = if layer == 0 { embedding } else { width };
+                    let name = format!("{}{}", cell.name(), layer + 1);
+                    net = net.push(Recurrent::new(&name, cell, inputs, width));
+                }
+                net.push(LastStep)
+                    .push(Linear::new("out", width, vocabulary).init(output))
+            }
         }
     }
 
@@ -126,6 +192,17 @@ impl Architecture {
             } => format!("mlp:{inputs},{hidden},{classes}"),
             Architecture::LeNet5 { classes } => format!("lenet5:{classes}"),
             Architecture::LogReg { inputs, classes } => format!("logreg:{inputs},{classes}"),
+            Architecture::CharLm {
+                vocabulary,
+                sequence,
+                embedding,
+                hidden,
+                layers,
+                cell,
+            } => format!(
+                "charlm:{},{vocabulary},{sequence},{embedding},{hidden},{layers}",
+                cell.name()
+            ),
         }
     }
 }
