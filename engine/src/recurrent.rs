@@ -54,6 +54,9 @@ pub struct Recurrent {
     /// What reverse mode saves (see `canopy_ir::Scan`): 0, every step's
     /// values; k, every k-th state.
     pub checkpoint: usize,
+    /// Trace every step as nodes of its own instead of one loop: the same
+    /// function, for comparing graph sizes (its graph grows with T).
+    pub unrolled: bool,
 }
 
 impl Recurrent {
@@ -64,7 +67,13 @@ impl Recurrent {
             inputs,
             hidden,
             checkpoint: 0,
+            unrolled: false,
         }
+    }
+
+    pub fn unrolled(mut self) -> Recurrent {
+        self.unrolled = true;
+        self
     }
 
     pub fn checkpoint(mut self, every: usize) -> Recurrent {
@@ -124,7 +133,7 @@ impl Layer for Recurrent {
             checkpoint: self.checkpoint,
         };
         let (cell, hidden) = (self.cell, self.hidden);
-        let (_, ys) = scan(&carries, &[projected], &consts, options, |c, x, k| {
+        let step = |c: &[Tensor], x: &[Tensor], k: &[Tensor]| {
             let from_hidden = c[0].matmul(&k[0])?.add(&k[1])?;
             let next = match cell {
                 Cell::Gru => gru_step(&c[0], &x[0], &from_hidden, hidden)?,
@@ -132,9 +141,51 @@ impl Layer for Recurrent {
             };
             let output = next[0].clone();
             Ok((next, vec![output]))
-        })?;
-        ys[0].transpose(vec![1, 0, 2])
+        };
+        let ys = if self.unrolled {
+            unroll(&carries, &projected, &consts, step)?
+        } else {
+            scan(&carries, &[projected], &consts, options, step)?
+                .1
+                .remove(0)
+        };
+        ys.transpose(vec![1, 0, 2])
     }
+}
+
+/// The steps of a scan traced one after another: `xs` [T, …] → the
+/// first per-step output stacked [T, …].
+fn unroll<F>(carries: &[Tensor], xs: &Tensor, consts: &[Tensor], step: F) -> EngineResult<Tensor>
+where
+    F: Fn(&[Tensor], &[Tensor], &[Tensor]) -> EngineResult<(Vec<Tensor>, Vec<Tensor>)>,
+{
+    let dims = xs.dims();
+    let Some(&Dim::Fixed(steps)) = dims.first() else {
+        return Err(EngineError::Shape(format!(
+            "unrolling needs a fixed length, got {}",
+            xs.ty()
+        )));
+    };
+    let mut carries = carries.to_vec();
+    let mut outputs = Vec::with_capacity(steps);
+    for t in 0..steps {
+        let slice = apply(
+            Op::Slice {
+                axis: 0,
+                start: t,
+                end: t + 1,
+            },
+            &[xs],
+        )?;
+        let x = slice.reshape(dims[1..].to_vec())?;
+        let (next, ys) = step(&carries, &[x], consts)?;
+        let mut stacked_dims = vec![Dim::Fixed(1)];
+        stacked_dims.extend(ys[0].dims());
+        outputs.push(ys[0].reshape(stacked_dims)?);
+        carries = next;
+    }
+    let parts: Vec<&Tensor> = outputs.iter().collect();
+    apply(Op::Concat { axis: 0 }, &parts)
 }
 
 /// Gate `index` of `[N, gates·H]`.

@@ -63,6 +63,10 @@ pub enum Architecture {
         hidden: usize,
         layers: usize,
         cell: Cell,
+        /// Each recurrent layer traced step by step instead of as one loop:
+        /// the same function, for comparing graph sizes (it grows with the
+        /// sequence).
+        unrolled: bool,
     },
 }
 
@@ -78,6 +82,32 @@ impl Architecture {
             hidden: 128,
             layers: 1,
             cell: Cell::Gru,
+            unrolled: false,
+        }
+    }
+
+    /// The same architecture with its recurrent layers traced step by
+    /// step (only `CharLm` has any).
+    pub fn unrolled(self) -> Architecture {
+        match self {
+            Architecture::CharLm {
+                vocabulary,
+                sequence,
+                embedding,
+                hidden,
+                layers,
+                cell,
+                ..
+            } => Architecture::CharLm {
+                vocabulary,
+                sequence,
+                embedding,
+                hidden,
+                layers,
+                cell,
+                unrolled: true,
+            },
+            other => other,
         }
     }
 
@@ -92,6 +122,7 @@ impl Architecture {
             hidden: 256,
             layers: 2,
             cell: Cell::Lstm,
+            unrolled: false,
         }
     }
 }
@@ -165,6 +196,7 @@ impl Architecture {
                 hidden: width,
                 layers,
                 cell,
+                unrolled,
                 ..
             } => {
                 let mut net = Sequential::new().push(Indices).push(Embedding {
@@ -175,7 +207,8 @@ impl Architecture {
                 for layer in 0..layers {
                     let inputs = if layer == 0 { embedding } else { width };
                     let name = format!("{}{}", cell.name(), layer + 1);
-                    net = net.push(Recurrent::new(&name, cell, inputs, width));
+                    let layer = Recurrent::new(&name, cell, inputs, width);
+                    net = net.push(if unrolled { layer.unrolled() } else { layer });
                 }
                 net.push(LastStep)
                     .push(Linear::new("out", width, vocabulary).init(output))
@@ -199,9 +232,11 @@ impl Architecture {
                 hidden,
                 layers,
                 cell,
+                unrolled,
             } => format!(
-                "charlm:{},{vocabulary},{sequence},{embedding},{hidden},{layers}",
-                cell.name()
+                "charlm:{},{vocabulary},{sequence},{embedding},{hidden},{layers}{}",
+                cell.name(),
+                if unrolled { ",unrolled" } else { "" }
             ),
         }
     }

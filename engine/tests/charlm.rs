@@ -193,6 +193,7 @@ fn a_charlm_learns_hamlets_next_character() {
         hidden: 64,
         layers: 1,
         cell: Cell::Gru,
+        unrolled: false,
     };
     let config = ModelConfig {
         architecture,
@@ -235,4 +236,66 @@ fn a_charlm_learns_hamlets_next_character() {
         "{} vs baseline {baseline}",
         stats.accuracy
     );
+}
+
+/// Nodes of a graph and of every graph nested in it.
+fn all_nodes(graph: &canopy_ir::Graph) -> usize {
+    graph.len()
+        + graph
+            .nodes()
+            .iter()
+            .flat_map(|n| n.op.subgraphs())
+            .map(all_nodes)
+            .sum::<usize>()
+}
+
+/// No unrolling: the shipped `train_step` of a `charlm` reading 80
+/// characters (the loop's bodies counted) is smaller than the same model
+/// reading 8, unrolled.
+#[test]
+fn a_charlm_of_80_steps_is_smaller_than_8_steps_unrolled() {
+    let train_step = |architecture: Architecture| {
+        let config = ModelConfig {
+            architecture,
+            seed: 1,
+            optimizer: Optimizer::sgd(),
+            frozen_prefixes: vec![],
+            producer: "test".into(),
+        };
+        let model = build_model(&config).expect("model");
+        all_nodes(model.entry(ENTRY_TRAIN_STEP).expect("train_step"))
+    };
+    let vocabulary = canopy_engine::data::VOCABULARY_SIZE;
+    for base in [
+        Architecture::charlm(vocabulary),
+        Architecture::charlm_fedavg(vocabulary),
+    ] {
+        let Architecture::CharLm {
+            vocabulary,
+            embedding,
+            hidden,
+            layers,
+            cell,
+            ..
+        } = base.clone()
+        else {
+            unreachable!("a charlm")
+        };
+        let looped = train_step(base);
+        let short = Architecture::CharLm {
+            vocabulary,
+            sequence: 8,
+            embedding,
+            hidden,
+            layers,
+            cell,
+            unrolled: false,
+        };
+        let unrolled = train_step(short.unrolled());
+        eprintln!(
+            "{} × {layers}: 80 steps as a loop {looped} nodes, 8 steps unrolled {unrolled}",
+            cell.name()
+        );
+        assert!(looped < unrolled, "{looped} vs {unrolled}");
+    }
 }

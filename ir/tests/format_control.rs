@@ -341,7 +341,10 @@ fn a_scan_round_trips() {
 fn a_reverse_scan_over_the_batch_round_trips() {
     let bytes = assert_round_trip(running_total(Dim::Batch, true));
     let h = header(&bytes);
-    assert!(h.contains(r#""length":"N","reverse":true,"checkpoint":0,"body":"#), "{h}");
+    assert!(
+        h.contains(r#""length":"N","reverse":true,"checkpoint":0,"body":"#),
+        "{h}"
+    );
     assert!(
         h.contains(r#""type":{"dtype":"f32","shape":["N",3]}"#),
         "{h}"
@@ -380,7 +383,9 @@ fn a_scan_nested_in_a_branch_round_trips() {
         h.contains(r#"{"op":"cond","then_branch":{"nodes":[{"op":"input","name":"xs","#),
         "{h}"
     );
-    assert!(h.contains(r#""op":"scan","carries":1,"scanned":1,"length":4,"reverse":true,"checkpoint":2,"body":"#));
+    assert!(h.contains(
+        r#""op":"scan","carries":1,"scanned":1,"length":4,"reverse":true,"checkpoint":2,"body":"#
+    ));
 }
 
 #[test]

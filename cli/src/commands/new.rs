@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use canopy_engine::nn::Initializer;
 use canopy_engine::optim::Optimizer;
+use canopy_engine::recurrent::Cell;
 use canopy_engine::stats::InputStatsState;
 use canopy_engine::zoo::{Architecture, ModelConfig, build_model_with_init};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -16,6 +17,15 @@ pub enum Arch {
     Mlp,
     Lenet5,
     Logreg,
+    /// Next-character prediction over a text dataset (embedding,
+    /// recurrent layers, a linear map over the vocabulary).
+    Charlm,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum CellArg {
+    Gru,
+    Lstm,
 }
 
 #[derive(Args)]
@@ -25,12 +35,34 @@ pub struct NewArgs {
     /// Input features (mlp, logreg).
     #[arg(long, default_value_t = 784)]
     inputs: usize,
-    /// Hidden units (mlp).
+    /// Hidden units (mlp; charlm: per recurrent layer).
     #[arg(long, default_value_t = 128)]
     hidden: usize,
-    /// Output classes.
-    #[arg(long, default_value_t = 10)]
-    classes: usize,
+    /// Output classes (charlm: the vocabulary) [default: 10; charlm: 77,
+    /// the Shakespeare dataset's characters and one for any other].
+    #[arg(long)]
+    classes: Option<usize>,
+    /// Recurrent cell (charlm).
+    #[arg(long, value_enum, default_value = "gru")]
+    cell: CellArg,
+    /// Recurrent layers (charlm).
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    /// Width of the character embedding (charlm).
+    #[arg(long, default_value_t = 8)]
+    embedding: usize,
+    /// Characters the model reads before predicting the next (charlm).
+    #[arg(long, default_value_t = 80)]
+    sequence: usize,
+    /// The FedAvg paper's Shakespeare model (charlm): two LSTM layers of
+    /// 256 over an 8-wide embedding and 80 characters.
+    #[arg(long, conflicts_with_all = ["cell", "layers", "hidden", "embedding", "sequence"])]
+    fedavg: bool,
+    /// Trace each recurrent layer step by step instead of as one loop
+    /// (charlm): the same model, in a graph that grows with `--sequence`,
+    /// for comparing sizes with `canopy model inspect`.
+    #[arg(long)]
+    unrolled: bool,
     /// Seed of the parameter initialiser.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -63,29 +95,57 @@ fn init_parser() -> impl TypedValueParser<Value = Initializer> {
 /// Largest layer width accepted, so a typo cannot ask for terabytes.
 const MAX_WIDTH: usize = 1 << 16;
 
+/// Most recurrent layers accepted.
+const MAX_LAYERS: usize = 16;
+/// Longest sequence a charlm reads (the Shakespeare loader's own limit).
+const MAX_SEQUENCE: usize = canopy_engine::data::MAX_SEQUENCE_LEN;
+
 pub fn run(args: NewArgs) -> Result<()> {
-    for (name, value) in [
-        ("inputs", args.inputs),
-        ("hidden", args.hidden),
-        ("classes", args.classes),
+    let classes = args.classes.unwrap_or(match args.arch {
+        Arch::Charlm => canopy_engine::data::VOCABULARY_SIZE,
+        _ => 10,
+    });
+    for (name, value, max) in [
+        ("inputs", args.inputs, MAX_WIDTH),
+        ("hidden", args.hidden, MAX_WIDTH),
+        ("classes", classes, MAX_WIDTH),
+        ("layers", args.layers, MAX_LAYERS),
+        ("embedding", args.embedding, MAX_WIDTH),
+        ("sequence", args.sequence, MAX_SEQUENCE),
     ] {
-        if value == 0 || value > MAX_WIDTH {
-            bail!("--{name} {value} is out of range (1..={MAX_WIDTH})");
+        if value == 0 || value > max {
+            bail!("--{name} {value} is out of range (1..={max})");
         }
     }
     let architecture = match args.arch {
         Arch::Mlp => Architecture::Mlp {
             inputs: args.inputs,
             hidden: args.hidden,
-            classes: args.classes,
+            classes,
         },
-        Arch::Lenet5 => Architecture::LeNet5 {
-            classes: args.classes,
-        },
+        Arch::Lenet5 => Architecture::LeNet5 { classes },
         Arch::Logreg => Architecture::LogReg {
             inputs: args.inputs,
-            classes: args.classes,
+            classes,
         },
+        Arch::Charlm if args.fedavg => Architecture::charlm_fedavg(classes),
+        Arch::Charlm => Architecture::CharLm {
+            vocabulary: classes,
+            sequence: args.sequence,
+            embedding: args.embedding,
+            hidden: args.hidden,
+            layers: args.layers,
+            cell: match args.cell {
+                CellArg::Gru => Cell::Gru,
+                CellArg::Lstm => Cell::Lstm,
+            },
+            unrolled: false,
+        },
+    };
+    let architecture = match architecture {
+        Architecture::CharLm { .. } if args.unrolled => architecture.unrolled(),
+        _ if args.unrolled => bail!("--unrolled applies to charlm only"),
+        _ => architecture,
     };
     let config = ModelConfig {
         architecture,

@@ -37,7 +37,7 @@ pub use partition::{
     partition_dirichlet_sized, partition_dirichlet_with, partition_iid,
 };
 pub use shakespeare::{
-    CHARACTERS, Part, Role, VOCABULARY_SIZE, char_index, load_shakespeare,
+    CHARACTERS, MAX_SEQUENCE_LEN, Part, Role, VOCABULARY_SIZE, char_index, load_shakespeare,
     most_frequent_character_baseline,
 };
 

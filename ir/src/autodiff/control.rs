@@ -880,7 +880,9 @@ fn needs_lowering(graph: &Graph) -> bool {
 /// Returns the values standing for the scan's results.
 fn segments(g: &mut Graph, scan: &Scan, operands: &[ValueId]) -> IrResult<Vec<ValueId>> {
     let Dim::Fixed(length) = scan.length else {
-        return Err(IrError::Invalid("checkpointing needs a fixed length".into()));
+        return Err(IrError::Invalid(
+            "checkpointing needs a fixed length".into(),
+        ));
     };
     let (c, s, k) = (scan.carries, scan.scanned, scan.checkpoint);
     let count = length / k;

@@ -111,6 +111,14 @@ pub(crate) fn lower(ex: &mut Exporter<'_>, id: ValueId) -> Result<(), OnnxError>
                 "export an inference graph (`infer`, `eval`); training graphs run on canopy's backends",
             ));
         }
+        op @ (Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) | Op::Output { .. }) => {
+            return Err(refuse(
+                id,
+                op,
+                "control flow does not export to ONNX yet",
+                "export a model without loops or branches",
+            ));
+        }
         op @ Op::CustomGrad(_) => {
             return Err(refuse(
                 id,
