@@ -47,6 +47,8 @@ pub enum LocalDataError {
     },
     #[error("local dataset `{name}` has no held-out samples to evaluate on")]
     NoHeldOut { name: String },
+    #[error("cannot make next-character samples of the text")]
+    Text(#[source] Box<canopy_engine::EngineError>),
     #[error("the downloaded model does not load")]
     Model(#[source] Box<TrainError>),
     #[error("evaluating the round's model on the held-out data failed")]
@@ -125,6 +127,32 @@ impl LocalData {
             name: name.to_string(),
             train,
             holdout,
+        })
+    }
+
+    /// A device's own text as next-character samples of `sequence_len`
+    /// characters, under `name`: trained on all but the last fifth of its
+    /// lines and held out on the rest, in order (the Shakespeare task's
+    /// split, [`canopy_engine::data::train_lines`]). A random split of
+    /// overlapping windows would test on characters trained on.
+    pub fn text(
+        name: &str,
+        lines: &[String],
+        sequence_len: usize,
+    ) -> Result<LocalData, LocalDataError> {
+        use canopy_engine::data::{Part, next_character_samples, part_text};
+        let samples = |part| {
+            next_character_samples(
+                std::path::Path::new(name),
+                &part_text(lines, part),
+                sequence_len,
+            )
+            .map_err(|e| LocalDataError::Text(Box::new(e)))
+        };
+        Ok(LocalData {
+            name: name.to_string(),
+            train: samples(Part::Train)?,
+            holdout: samples(Part::Test)?,
         })
     }
 
@@ -223,6 +251,28 @@ mod tests {
         assert_ne!(training_seed(1, 1), training_seed(2, 1));
         assert_ne!(training_seed(1, 1), training_seed(1, 2));
         assert_eq!(training_seed(3, 4), training_seed(3, 4));
+    }
+
+    /// A text's held-out samples are windows of its last lines only.
+    #[test]
+    fn a_text_holds_out_its_last_fifth_in_order() {
+        let lines: Vec<String> = (0..10).map(|i| format!("line {i} of ten")).collect();
+        let local = LocalData::text("role", &lines, 4).unwrap();
+        let decode = |data: &Dataset, i: usize| -> String {
+            let (features, label) = data.sample(i).unwrap();
+            let chars: Vec<char> = canopy_engine::data::CHARACTERS.chars().collect();
+            let mut text: String = features.iter().map(|&f| chars[f as usize - 1]).collect();
+            text.push(chars[label as usize - 1]);
+            text
+        };
+        assert_eq!(decode(&local.holdout, 0), "line ");
+        assert!((0..local.holdout.len()).all(|i| !decode(&local.holdout, i).contains("7")));
+        assert_eq!(
+            local.holdout.len(),
+            "line 8 of ten\nline 9 of ten\n".len() - 4
+        );
+        let last_train = decode(&local.train, local.train.len() - 1);
+        assert_eq!(last_train, " ten\n");
     }
 
     #[test]

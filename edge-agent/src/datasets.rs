@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use canopy_engine::data::{Dataset, LabelColumn, load_csv, load_idx, load_npy_dataset};
+use canopy_sdk::local::LocalData;
 use clap::ValueEnum;
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +32,10 @@ pub enum DataKind {
     /// A folder holding `images.npy` and `labels.npy`, or the images
     /// file with `--labels FILE`.
     Npy,
+    /// One UTF-8 text file (plain or `.gz`), for next-character models
+    /// (`charlm`): every window of `--sequence` characters, labelled with
+    /// the character after it. The last fifth of its lines is held out.
+    Text,
 }
 
 impl DataKind {
@@ -39,6 +44,7 @@ impl DataKind {
             DataKind::Idx => "idx",
             DataKind::Csv => "csv",
             DataKind::Npy => "npy",
+            DataKind::Text => "text",
         }
     }
 }
@@ -50,12 +56,47 @@ pub struct DataSource {
     pub path: PathBuf,
     /// The labels file, when given separately.
     pub labels: Option<PathBuf>,
+    /// Characters per sample, for `text` (80 when not given).
+    pub sequence: Option<usize>,
 }
 
+/// Characters per sample of a `text` dataset when `--sequence` is not
+/// given: what `canopy model new charlm` reads.
+pub const DEFAULT_TEXT_SEQUENCE: usize = 80;
+
 impl DataSource {
-    /// Loads the dataset, naming the dataset's path in every error.
-    pub fn load(&self) -> Result<Dataset> {
+    /// The dataset, split once into what is trained on and what is held
+    /// out: in line order for text, by the SDK's stratified rule otherwise.
+    pub fn load_local(&self, name: &str) -> Result<LocalData> {
+        if self.kind == DataKind::Text {
+            if self.labels.is_some() {
+                bail!("--labels is for idx and npy data; a text's labels are its next characters");
+            }
+            let lines = canopy_engine::data::read_text_lines(&self.path)
+                .with_context(|| format!("cannot load text dataset `{}`", self.path.display()))?;
+            let sequence = self.sequence.unwrap_or(DEFAULT_TEXT_SEQUENCE);
+            let local = LocalData::text(name, &lines, sequence)
+                .with_context(|| format!("cannot load text dataset `{}`", self.path.display()))?;
+            if local.train.is_empty() {
+                bail!(
+                    "text dataset `{}` is too short: its training lines hold no window of {sequence} characters and the next",
+                    self.path.display()
+                );
+            }
+            return Ok(local);
+        }
+        if self.sequence.is_some() {
+            bail!("--sequence is for text data");
+        }
+        let data = self.load()?;
+        Ok(LocalData::split(name, &data)?)
+    }
+
+    /// Loads samples of a kind that is not text, naming the dataset's
+    /// path in every error.
+    fn load(&self) -> Result<Dataset> {
         let loaded = match (self.kind, &self.labels) {
+            (DataKind::Text, _) => unreachable!("load_local reads text by lines"),
             (DataKind::Csv, Some(_)) => bail!(
                 "--labels is for idx and npy data; a CSV file holds its labels in the last column"
             ),
@@ -164,6 +205,9 @@ pub struct DatasetEntry {
     /// Absolute path of the labels file, when given separately.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<PathBuf>,
+    /// Characters per sample, for `text`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sequence: Option<usize>,
     pub samples: u64,
     pub feature_shape: Vec<usize>,
     pub classes: u64,
@@ -176,6 +220,7 @@ impl DatasetEntry {
             kind: self.kind,
             path: self.path.clone(),
             labels: self.labels.clone(),
+            sequence: self.sequence,
         }
     }
 }
@@ -287,6 +332,7 @@ mod tests {
             kind: DataKind::Csv,
             path: PathBuf::from("/data/x.csv"),
             labels: None,
+            sequence: None,
             samples: 10,
             feature_shape: vec![4],
             classes: 2,

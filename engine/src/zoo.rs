@@ -276,10 +276,14 @@ pub fn build_model_with_init(config: &ModelConfig, init: Initializer) -> EngineR
     properties.insert(PROP_INPUT_SHAPE.into(), join(&arch.input_shape()));
     properties.insert(PROP_CLASSES.into(), arch.classes().to_string());
     properties.insert(PROP_INIT.into(), init.to_string());
-    properties.insert(
-        PROP_INPUT_STATS.into(),
-        InputStatsState::Unfitted.marker().into(),
-    );
+    // Only a network that standardises its input has statistics to fit.
+    let standardizes = parameters.iter().any(|p| p.name == crate::nn::INPUT_MEAN);
+    let stats = if standardizes {
+        InputStatsState::Unfitted
+    } else {
+        InputStatsState::Absent
+    };
+    properties.insert(PROP_INPUT_STATS.into(), stats.marker().into());
     let mut model = Model {
         metadata: Metadata {
             model_name: arch.name().into(),

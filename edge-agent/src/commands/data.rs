@@ -40,6 +40,10 @@ pub struct AddArgs {
     /// The labels file, for `idx` and `npy` when --path names the images file.
     #[arg(long)]
     labels: Option<PathBuf>,
+    /// Characters per sample, for `text` [default: 80, what `canopy model
+    /// new charlm` reads].
+    #[arg(long)]
+    sequence: Option<usize>,
     /// Make this the default dataset.
     #[arg(long)]
     default: bool,
@@ -58,17 +62,21 @@ fn add(dir: &DataDir, args: AddArgs) -> Result<()> {
         kind: args.kind,
         path: absolute(&args.path)?,
         labels: args.labels.as_deref().map(absolute).transpose()?,
+        sequence: args.sequence,
     };
-    let data = source
-        .load()
+    let local = source
+        .load_local(&args.name)
         .with_context(|| format!("dataset `{}` was not added", args.name))?;
+    let data = &local.train;
+    let samples = local.train.len() + local.holdout.len();
     let mut registry = Registry::load(dir)?;
     let entry = DatasetEntry {
         name: args.name.clone(),
         kind: source.kind,
         path: source.path.clone(),
         labels: source.labels.clone(),
-        samples: data.len() as u64,
+        sequence: source.sequence,
+        samples: samples as u64,
         feature_shape: data.feature_shape().to_vec(),
         classes: data.num_classes() as u64,
         added_unix_ms: now_ms(),
@@ -76,12 +84,17 @@ fn add(dir: &DataDir, args: AddArgs) -> Result<()> {
     let replaced = registry.upsert(entry, args.default)?;
     dir.create()?;
     registry.save(dir)?;
-    let counts = data.class_counts();
+    let counts: Vec<usize> = data
+        .class_counts()
+        .iter()
+        .zip(local.holdout.class_counts())
+        .map(|(a, b)| a + b)
+        .collect();
     outln!(
         "{} dataset `{}`: {} samples, feature shape {:?}, {} classes (smallest class {} samples, largest {})",
         if replaced { "replaced" } else { "added" },
         args.name,
-        data.len(),
+        samples,
         data.feature_shape(),
         data.num_classes(),
         counts.iter().min().copied().unwrap_or(0),

@@ -18,7 +18,7 @@ use canopy_protocol::bounds::{
     MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_MODEL_BYTES, check_batch_size, check_epochs,
     check_learning_rate,
 };
-use canopy_sdk::local::{fit_to_model, holdout};
+use canopy_sdk::local::fit_to_model;
 use canopy_term::progress::FitBar;
 use clap::Args;
 
@@ -62,7 +62,7 @@ pub struct EvalArgs {
     #[arg(long)]
     model: PathBuf,
     /// A registered dataset.
-    #[arg(long, conflicts_with_all = ["kind", "path", "labels"])]
+    #[arg(long, conflicts_with_all = ["kind", "path", "labels", "sequence"])]
     dataset: Option<String>,
     /// An unregistered dataset's kind (see `data add --help`).
     #[arg(long, value_enum, requires = "path")]
@@ -73,6 +73,9 @@ pub struct EvalArgs {
     /// The labels file, for `idx` and `npy` when --path names the images file.
     #[arg(long, requires = "kind")]
     labels: Option<PathBuf>,
+    /// Characters per sample, for `text` [default: 80].
+    #[arg(long, requires = "kind")]
+    sequence: Option<usize>,
     #[arg(long, default_value_t = 256)]
     batch: usize,
     /// Print one JSON object `{"accuracy", "loss", "samples"}` and nothing else.
@@ -131,11 +134,11 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
     let lr = learning_rate(&args, &model)?;
     let registry = Registry::load(dir)?;
     let entry = registry.resolve(dir, args.dataset.as_deref())?;
-    let data = entry
+    let local = entry
         .source()
-        .load()
+        .load_local(&entry.name)
         .with_context(|| format!("cannot load registered dataset `{}`", entry.name))?;
-    let (train, test) = holdout(&data)?;
+    let (train, test) = (local.train, local.holdout);
     let context = || {
         format!(
             "dataset `{}` does not fit model `{}`",
@@ -151,9 +154,9 @@ pub fn train(dir: &DataDir, args: TrainArgs) -> Result<()> {
         .into_owned();
     if test.is_empty() {
         bail!(
-            "dataset `{}` has too few samples ({}) to hold out 10% for evaluation",
+            "dataset `{}` has too few samples ({}) to hold any out for evaluation",
             entry.name,
-            data.len()
+            train.len()
         );
     }
     if needs_input_stats(&model) {
@@ -253,12 +256,14 @@ pub fn eval(dir: &DataDir, args: EvalArgs) -> Result<()> {
                 kind,
                 path: path.clone(),
                 labels: args.labels.clone(),
+                sequence: args.sequence,
             },
         ),
         _ => bail!("give --dataset NAME, or --kind and --path"),
     };
-    let data = source.load()?;
-    let (_, test) = holdout(&data)?;
+    let local = source.load_local(&name)?;
+    let samples = local.train.len() + local.holdout.len();
+    let test = local.holdout;
     let test = fit_to_model(&test, &model).with_context(|| {
         format!(
             "dataset {name} does not fit model `{}`",
@@ -266,10 +271,7 @@ pub fn eval(dir: &DataDir, args: EvalArgs) -> Result<()> {
         )
     })?;
     if test.is_empty() {
-        bail!(
-            "dataset {name} has too few samples ({}) to hold out 10% for evaluation",
-            data.len()
-        );
+        bail!("dataset {name} has too few samples ({samples}) to hold any out for evaluation");
     }
     let backend = open_backend(args.backend)?;
     let stats = evaluate(&model, &test, args.batch, backend.as_ref())?;

@@ -23,11 +23,10 @@ pub(super) const MAX_LOADED_DATASETS: usize = 2;
 /// A registered dataset, loaded and split once (the SDK's rule, which
 /// simulated devices share).
 fn load(entry: &DatasetEntry) -> Result<LocalData> {
-    let data = entry
+    let local = entry
         .source()
-        .load()
+        .load_local(&entry.name)
         .with_context(|| format!("cannot load registered dataset `{}`", entry.name))?;
-    let local = LocalData::split(&entry.name, &data)?;
     tracing::info!(
         dataset = %entry.name,
         train = local.train.len(),

@@ -38,7 +38,8 @@ pub use partition::{
 };
 pub use shakespeare::{
     CHARACTERS, MAX_SEQUENCE_LEN, Part, Role, VOCABULARY_SIZE, char_index, load_shakespeare,
-    most_frequent_character_baseline,
+    most_frequent_character_baseline, next_character_samples, part_text, read_text_lines,
+    train_lines,
 };
 
 use std::path::Path;

@@ -74,57 +74,95 @@ impl Role {
     /// How many of the lines, from the start, are for training: all but
     /// the last fifth (rounded down).
     pub fn train_lines(&self) -> usize {
-        self.lines.len() - self.lines.len() / TEST_FRACTION_DENOMINATOR
+        train_lines(&self.lines)
     }
 
     /// The part's text: its lines, each ended by a line break.
     pub fn text(&self, part: Part) -> String {
-        let split = self.train_lines();
-        let lines = match part {
-            Part::Train => &self.lines[..split],
-            Part::Test => &self.lines[split..],
-        };
-        let mut text = String::new();
-        for line in lines {
-            text.push_str(line);
-            text.push('\n');
-        }
-        text
+        part_text(&self.lines, part)
     }
 
     /// Every window of `sequence_len` characters of the part's text, each
-    /// labelled with the character after it; features are indices into
-    /// [`CHARACTERS`] (see [`char_index`]), shape `[sequence_len]`. Empty
-    /// when the part is not longer than one window.
+    /// labelled with the character after it (see [`next_character_samples`]).
     pub fn next_character_samples(&self, part: Part, sequence_len: usize) -> EngineResult<Dataset> {
         let origin = format!("{}/{}", self.play, self.speaker);
-        if !(1..=MAX_SEQUENCE_LEN).contains(&sequence_len) {
-            let cause =
-                format!("sequence length {sequence_len} must be between 1 and {MAX_SEQUENCE_LEN}");
-            return Err(data_err(Path::new(&origin), cause));
-        }
-        let indices: Vec<f32> = self
-            .text(part)
-            .chars()
-            .map(|c| char_index(c) as f32)
-            .collect();
-        let samples = indices.len().saturating_sub(sequence_len);
-        let values = samples.saturating_mul(sequence_len);
-        if samples > MAX_SAMPLES || values > MAX_ELEMENTS {
-            let cause = format!(
-                "{samples} windows of {sequence_len} characters are more than a dataset may hold \
-                 ({MAX_SAMPLES} samples, {MAX_ELEMENTS} values)"
-            );
-            return Err(data_err(Path::new(&origin), cause));
-        }
-        let mut features = Vec::with_capacity(values);
-        let mut labels = Vec::with_capacity(samples);
-        for start in 0..samples {
-            features.extend_from_slice(&indices[start..start + sequence_len]);
-            labels.push(indices[start + sequence_len] as i64);
-        }
-        Dataset::new(features, vec![sequence_len], labels, VOCABULARY_SIZE)
+        next_character_samples(Path::new(&origin), &self.text(part), sequence_len)
     }
+}
+
+/// How many of `lines`, from the start, are for training: all but the last
+/// fifth (rounded down). The one split of a text, for a role of the plays
+/// and for a device's own text alike: in order, so that no test window
+/// shares characters with a training one.
+pub fn train_lines(lines: &[String]) -> usize {
+    lines.len() - lines.len() / TEST_FRACTION_DENOMINATOR
+}
+
+/// The part's text: its lines, each ended by a line break.
+pub fn part_text(lines: &[String], part: Part) -> String {
+    let split = train_lines(lines);
+    let lines = match part {
+        Part::Train => &lines[..split],
+        Part::Test => &lines[split..],
+    };
+    let mut text = String::new();
+    for line in lines {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text
+}
+
+/// Every window of `sequence_len` characters of `text`, each labelled with
+/// the character after it; features are indices into [`CHARACTERS`] (see
+/// [`char_index`]), shape `[sequence_len]`. Empty when the text is not
+/// longer than one window. Errors name `origin`.
+pub fn next_character_samples(
+    origin: &Path,
+    text: &str,
+    sequence_len: usize,
+) -> EngineResult<Dataset> {
+    if !(1..=MAX_SEQUENCE_LEN).contains(&sequence_len) {
+        let cause =
+            format!("sequence length {sequence_len} must be between 1 and {MAX_SEQUENCE_LEN}");
+        return Err(data_err(origin, cause));
+    }
+    let indices: Vec<f32> = text.chars().map(|c| char_index(c) as f32).collect();
+    let samples = indices.len().saturating_sub(sequence_len);
+    let values = samples.saturating_mul(sequence_len);
+    if samples > MAX_SAMPLES || values > MAX_ELEMENTS {
+        let cause = format!(
+            "{samples} windows of {sequence_len} characters are more than a dataset may hold \
+             ({MAX_SAMPLES} samples, {MAX_ELEMENTS} values)"
+        );
+        return Err(data_err(origin, cause));
+    }
+    let mut features = Vec::with_capacity(values);
+    let mut labels = Vec::with_capacity(samples);
+    for start in 0..samples {
+        features.extend_from_slice(&indices[start..start + sequence_len]);
+        labels.push(indices[start + sequence_len] as i64);
+    }
+    Dataset::new(features, vec![sequence_len], labels, VOCABULARY_SIZE)
+}
+
+/// The lines of a UTF-8 text file (`.gz` or plain), under the default
+/// [`DataBounds`]; a line longer than [`MAX_LINE_BYTES`] or a file that is
+/// not UTF-8 is refused, naming the file.
+pub fn read_text_lines(path: impl AsRef<Path>) -> EngineResult<Vec<String>> {
+    let path = path.as_ref();
+    let mut file = DataFile::open(path, &DataBounds::DEFAULT)?;
+    let mut lines = Vec::new();
+    let mut raw = Vec::new();
+    while file.read_line(&mut raw, MAX_LINE_BYTES)? {
+        let line = std::str::from_utf8(&raw)
+            .map_err(|_| data_err(path, "not UTF-8 text; hint: save the file as UTF-8"))?;
+        lines.push(line.trim_end_matches(['\r', '\n']).to_string());
+    }
+    if lines.is_empty() {
+        return Err(data_err(path, "the file holds no text"));
+    }
+    Ok(lines)
 }
 
 /// The baseline a next-character model must beat: the share of the test
