@@ -104,15 +104,15 @@ impl Agent {
     fn add_named_data(&self, name: &str, shard: &Dataset) -> Result<()> {
         let path = self.dir.path().join(format!("{name}.csv"));
         write_csv(&path, shard)?;
-        let output = self.output(&[
-            "data",
-            "add",
-            name,
-            "--kind",
-            "csv",
-            "--path",
-            path.to_str().unwrap_or_default(),
-        ])?;
+        self.add_file(name, "csv", &path, &[])
+    }
+
+    /// `data add NAME --kind KIND --path PATH`, then `extra`.
+    fn add_file(&self, name: &str, kind: &str, path: &Path, extra: &[&str]) -> Result<()> {
+        let path = path.to_str().unwrap_or_default();
+        let mut args = vec!["data", "add", name, "--kind", kind, "--path", path];
+        args.extend_from_slice(extra);
+        let output = self.output(&args)?;
         ensure!(
             output.status.success(),
             "data add failed: {}",
@@ -1059,22 +1059,7 @@ async fn a_charlm_learns_shakespeare_federatedly() -> Result<()> {
         let agent = Agent::enroll(&server, &token)?;
         let path = agent.dir.path().join("lines.txt");
         std::fs::write(&path, role.lines.join("\n") + "\n")?;
-        let added = agent.output(&[
-            "data",
-            "add",
-            "lines",
-            "--kind",
-            "text",
-            "--sequence",
-            "20",
-            "--path",
-            path.to_str().unwrap_or_default(),
-        ])?;
-        ensure!(
-            added.status.success(),
-            "data add: {}",
-            String::from_utf8_lossy(&added.stderr)
-        );
+        agent.add_file("lines", "text", &path, &["--sequence", "20"])?;
         agents.push(agent);
     }
     for agent in &mut agents {

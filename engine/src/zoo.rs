@@ -88,27 +88,11 @@ impl Architecture {
 
     /// The same architecture with its recurrent layers traced step by
     /// step (only `CharLm` has any).
-    pub fn unrolled(self) -> Architecture {
-        match self {
-            Architecture::CharLm {
-                vocabulary,
-                sequence,
-                embedding,
-                hidden,
-                layers,
-                cell,
-                ..
-            } => Architecture::CharLm {
-                vocabulary,
-                sequence,
-                embedding,
-                hidden,
-                layers,
-                cell,
-                unrolled: true,
-            },
-            other => other,
+    pub fn unrolled(mut self) -> Architecture {
+        if let Architecture::CharLm { unrolled, .. } = &mut self {
+            *unrolled = true;
         }
+        self
     }
 
     /// The FedAvg paper's Shakespeare model (McMahan et al. 2017): an

@@ -56,7 +56,9 @@ pub fn evaluate(
     // outright; and a device evaluates a few batches per round, where a
     // session's export and creation would cost about what it saves.
     let backend = options.backend.engine_backend();
-    let stats = canopy_engine::train::evaluate(model, data, options.batch, backend.as_ref())?;
+    let stats = super::placement::or_on_cpu(backend.as_ref(), "evaluation", |b| {
+        canopy_engine::train::evaluate(model, data, options.batch, b)
+    })?;
     Ok(Evaluation {
         loss: stats.loss,
         accuracy: stats.accuracy,

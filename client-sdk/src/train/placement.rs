@@ -3,7 +3,7 @@
 //! the first. Either way the step, and so the update, is the same.
 
 use canopy_engine::train::Trainer;
-use canopy_engine::{Backend, EngineError};
+use canopy_engine::{Backend, CpuBackend, EngineError};
 use canopy_ir::Model;
 
 use super::TrainError;
@@ -37,7 +37,7 @@ impl<'a> Placement<'a> {
     /// The trainer for `model`'s `train_step` placed here.
     pub(super) fn trainer(self, model: &Model, seed: u64) -> Result<Trainer, TrainError> {
         let (backbone, head) = match self {
-            Placement::One(backend) => return Ok(Trainer::new(model, backend, seed)?),
+            Placement::One(backend) => return one(model, backend, seed),
             Placement::Split { backbone, head } => (backbone, head),
         };
         if !has_frozen_backbone(model) {
@@ -73,6 +73,35 @@ impl<'a> Placement<'a> {
             }
             Err(other) => Err(other.into()),
         }
+    }
+}
+
+/// The whole step on `backend` (see [`or_on_cpu`]).
+fn one(model: &Model, backend: &dyn Backend, seed: u64) -> Result<Trainer, TrainError> {
+    Ok(or_on_cpu(backend, "training step", |b| {
+        Trainer::new(model, b, seed)
+    })?)
+}
+
+/// `run` on `backend`, or on the CPU when `backend` cannot run one of the
+/// graph's ops (the GPU and loops, today): the same result up to float
+/// rounding, where failing would lose the device's round. The one home of
+/// that rule, for training and evaluation alike.
+pub(super) fn or_on_cpu<T>(
+    backend: &dyn Backend,
+    what: &str,
+    run: impl Fn(&dyn Backend) -> Result<T, EngineError>,
+) -> Result<T, EngineError> {
+    match run(backend) {
+        Err(why @ EngineError::Unsupported { .. }) if backend.name() != CpuBackend.name() => {
+            tracing::warn!(
+                reason = %crate::error::error_chain(&why),
+                "the {} backend cannot run this model's {what}; running it on the CPU",
+                backend.name()
+            );
+            run(&CpuBackend)
+        }
+        other => other,
     }
 }
 
