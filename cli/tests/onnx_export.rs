@@ -1,10 +1,11 @@
 //! `canopy model export` against ONNX Runtime: the zoo's MLP (on the
-//! bundled digits) and LeNet-5 (on MNIST), trained for an epoch, exported
-//! (`infer` and `eval`), checked by `onnx.checker` and run by ONNX Runtime
-//! in Python (`tests/reference/onnx_export.py`) on 200 real samples: the
-//! outputs equal `canopy model run`'s to 1e-5. The exported `infer`,
-//! imported again with `canopy model import`, gives bit-identical outputs
-//! on the CPU backend.
+//! bundled digits) and LeNet-5 (on MNIST), trained for an epoch, and the
+//! recurrent `charlm` (on Hamlet's lines; its GRU loop exports as an ONNX
+//! `Scan`), exported (`infer` and `eval`), checked by `onnx.checker` and
+//! run by ONNX Runtime in Python (`tests/reference/onnx_export.py`) on 200
+//! real samples: the outputs equal `canopy model run`'s to 1e-5. The
+//! exported `infer`, imported again with `canopy model import`, gives
+//! bit-identical outputs on the CPU backend.
 
 mod common;
 
@@ -133,27 +134,33 @@ fn train_and_export(dir: &Path, case: &ZooCase) -> Result<(PathBuf, PathBuf, Pat
         "-o",
         trained.to_str().unwrap(),
     ])?;
+    let (infer, eval) = export_entries(dir, case.name, &trained)?;
+    Ok((trained, infer, eval))
+}
+
+/// Exports `infer` and `eval` of `model`; returns the ONNX files.
+fn export_entries(dir: &Path, name: &str, model: &Path) -> Result<(PathBuf, PathBuf)> {
     let mut files = Vec::new();
     for entry in ["infer", "eval"] {
-        let onnx = dir.join(format!("{}.{entry}.onnx", case.name));
+        let onnx = dir.join(format!("{name}.{entry}.onnx"));
         let stdout = canopy_ok(&[
             "model",
             "export",
-            trained.to_str().unwrap(),
+            model.to_str().unwrap(),
             "--entry",
             entry,
             "-o",
             onnx.to_str().unwrap(),
         ])?;
         ensure!(
-            stdout.contains(&format!("exported `{}`: {entry} (", trained.display()))
+            stdout.contains(&format!("exported `{}`: {entry} (", model.display()))
                 && stdout.contains("opset 17 ->"),
             "{stdout}"
         );
         files.push(onnx);
     }
     let [infer, eval] = <[PathBuf; 2]>::try_from(files).expect("two entries");
-    Ok((trained, infer, eval))
+    Ok((infer, eval))
 }
 
 /// `model run` of `entry` on the case's samples into `out`.
@@ -285,5 +292,97 @@ fn entry_points_that_cannot_be_exported_are_refused_with_a_hint() -> Result<()> 
         );
         assert!(!onnx.exists(), "{entry} left a file behind");
     }
+    Ok(())
+}
+
+/// Windows of `sequence` characters of Hamlet's held-out lines, every
+/// `stride`-th, as `charlm_x.npy` (character indices as f32, as the model
+/// reads them) and `charlm_y.npy` (the next character's index).
+fn write_hamlet_windows(dir: &Path, sequence: usize, stride: usize) -> Result<()> {
+    use canopy_engine::data::{Part, char_index, load_shakespeare};
+    let roles = load_shakespeare(datasets().join("shakespeare"))?;
+    // The play's longest role is Hamlet's (`Ham.` in the text).
+    let hamlet = roles
+        .iter()
+        .filter(|role| role.play == "hamlet")
+        .max_by_key(|role| role.lines.len())
+        .context("the play `hamlet` in datasets/shakespeare")?;
+    let text: Vec<f32> = hamlet
+        .text(Part::Test)
+        .chars()
+        .map(|c| char_index(c) as f32)
+        .collect();
+    let starts: Vec<usize> = (0..text.len().saturating_sub(sequence))
+        .step_by(stride)
+        .take(SAMPLES)
+        .collect();
+    ensure!(starts.len() == SAMPLES, "Hamlet's test lines are too short");
+    let x: Vec<f32> = starts
+        .iter()
+        .flat_map(|&s| text[s..s + sequence].iter().copied())
+        .collect();
+    let y: Vec<i64> = starts.iter().map(|&s| text[s + sequence] as i64).collect();
+    ndarray_npy::write_npy(
+        dir.join("charlm_x.npy"),
+        &ndarray::Array2::from_shape_vec((SAMPLES, sequence), x)?,
+    )?;
+    ndarray_npy::write_npy(dir.join("charlm_y.npy"), &ndarray::Array1::from(y))?;
+    Ok(())
+}
+
+/// Samples the charlm test runs: as many as the reference inputs.
+const SAMPLES: usize = 200;
+
+/// `canopy model new charlm`: a GRU over 80 characters, one `scan` node,
+/// exports as one ONNX `Scan` (the model stays the size of one step, not
+/// of 80) that ONNX Runtime runs on Hamlet's lines with canopy's logits,
+/// loss and accuracy; the export imports back to bit-identical logits.
+#[test]
+fn a_charlm_exports_its_loop_and_matches_onnx_runtime_and_imports_back() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let dir = dir.path();
+    let model = dir.join("charlm.canopy");
+    canopy_ok(&["model", "new", "charlm", "-o", model.to_str().unwrap()])?;
+    write_hamlet_windows(dir, 80, 7)?;
+    let (infer, eval) = export_entries(dir, "charlm", &model)?;
+
+    let bytes = std::fs::read(&infer)?;
+    let onnx = canopy_onnx::decode_model(&bytes, &canopy_onnx::Limits::default())?;
+    let graph = onnx.graph.context("a main graph")?;
+    let scans = graph.node.iter().filter(|n| n.op_type == "Scan").count();
+    ensure!(
+        scans == 1 && graph.node.len() < 40,
+        "{} nodes, {scans} Scan",
+        graph.node.len()
+    );
+
+    for (entry, onnx) in [("infer", &infer), ("eval", &eval)] {
+        let ours = dir.join(format!("charlm.{entry}.canopy.npz"));
+        let theirs = dir.join(format!("charlm.{entry}.ort.npz"));
+        canopy_run(&model, entry, dir, "charlm", &ours)?;
+        ort_run(onnx, dir, "charlm", entry == "eval", &theirs)?;
+        let difference = max_difference(&theirs, &ours)?;
+        eprintln!("charlm {entry}: ONNX Runtime vs canopy, max |difference| {difference:e}");
+        ensure!(
+            difference <= f64::from(TOLERANCE),
+            "charlm {entry}: ONNX Runtime differs from canopy by {difference}"
+        );
+    }
+
+    let reimported = dir.join("charlm.reimported.canopy");
+    canopy_ok(&[
+        "model",
+        "import",
+        infer.to_str().unwrap(),
+        "-o",
+        reimported.to_str().unwrap(),
+    ])?;
+    let again = dir.join("charlm.reimported.npz");
+    canopy_run(&reimported, "infer", dir, "charlm", &again)?;
+    let difference = max_difference(&again, &dir.join("charlm.infer.canopy.npz"))?;
+    ensure!(
+        difference == 0.0,
+        "charlm: the re-imported export differs from the original by {difference}"
+    );
     Ok(())
 }

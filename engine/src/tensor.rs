@@ -229,16 +229,75 @@ pub fn call(graph: &Graph, args: &[&Tensor]) -> EngineResult<Vec<Tensor>> {
             args.len()
         )));
     }
+    /// Runs the control-flow `node` of `graph` on eager `inputs` on the CPU
+    /// backend, its operands typed as `graph` declares them: a loop over
+    /// the batch dimension, or a body typed with it, needs the symbolic batch
+    /// that eager values (all fixed sizes) no longer show; the executable
+    /// binds it from the values.
+    fn run_tuple(
+        graph: &Graph,
+        node: &canopy_ir::Node,
+        inputs: &[&Tensor],
+    ) -> EngineResult<Vec<Tensor>> {
+        let mut one = Graph::new();
+        let mut ids = Vec::with_capacity(inputs.len());
+        for (k, &operand) in node.inputs.iter().enumerate() {
+            ids.push(one.input(format!("operand/{k}"), graph.ty(operand).clone())?);
+        }
+        let outs = one.push_tuple(node.op.clone(), &ids)?;
+        let named = outs
+            .iter()
+            .enumerate()
+            .map(|(k, &v)| (format!("result/{k}"), v));
+        one.set_outputs(named.collect())?;
+        let values = inputs
+            .iter()
+            .map(|t| t.value().cloned())
+            .collect::<EngineResult<Vec<_>>>()?;
+        let mut exe = crate::cpu::CpuExecutable::new(&one)?;
+        let results = crate::backend::Executable::run(&mut exe, values)?;
+        Ok(results.into_iter().map(Tensor::from_value).collect())
+    }
+
     let mut values: Vec<Tensor> = Vec::with_capacity(graph.len());
+    // A control-flow node's results, by node index, for its `output`s.
+    let mut tuples: std::collections::HashMap<usize, Vec<Tensor>> =
+        std::collections::HashMap::new();
     let mut next_arg = args.iter();
-    for node in graph.nodes() {
+    for (index, node) in graph.nodes().iter().enumerate() {
+        let inputs: Vec<&Tensor> = node.inputs.iter().map(|i| &values[i.index()]).collect();
         let value = match &node.op {
             Op::Input { .. } => (*next_arg.next().expect("arity checked above")).clone(),
             Op::Constant(data) if tracing().is_none() => Tensor::from_value(Value::from_data(data)),
-            op => {
-                let inputs: Vec<&Tensor> = node.inputs.iter().map(|i| &values[i.index()]).collect();
-                apply(op.clone(), &inputs)?
+            op if op.is_tuple() => {
+                // `apply` makes one value per node, which a loop or branch
+                // does not have: it is traced (`apply_tuple`) or run as a
+                // one-node graph, and its `output`s pick the results. The
+                // tuple's own slot holds its first result, which only its
+                // `output`s could read.
+                let results = match tracing() {
+                    Some(_) => apply_tuple(op.clone(), &inputs)?,
+                    None => run_tuple(graph, node, &inputs)?,
+                };
+                let first = results.first().cloned().ok_or_else(|| {
+                    EngineError::Internal(format!("control-flow node %{index} has no results"))
+                })?;
+                tuples.insert(index, results);
+                first
             }
+            Op::Output { index: result } => {
+                let tuple = node.inputs.first().map_or(usize::MAX, |t| t.index());
+                tuples
+                    .get(&tuple)
+                    .and_then(|results| results.get(*result))
+                    .cloned()
+                    .ok_or_else(|| {
+                        EngineError::Internal(format!(
+                            "node %{index} reads result {result} of %{tuple}, which is not a control-flow node with that result"
+                        ))
+                    })?
+            }
+            op => apply(op.clone(), &inputs)?,
         };
         values.push(value);
     }

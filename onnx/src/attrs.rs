@@ -1,7 +1,7 @@
 //! Typed, checked access to a node's attributes.
 
 use crate::error::OnnxError;
-use crate::proto::{AttributeProto, NodeProto, TensorProto, attribute_type};
+use crate::proto::{AttributeProto, GraphProto, NodeProto, TensorProto, attribute_type};
 
 /// A node's attributes, with the node's description for error messages.
 pub(crate) struct Attrs<'a> {
@@ -135,5 +135,14 @@ impl<'a> Attrs<'a> {
                 .map(Some)
                 .ok_or_else(|| self.invalid(format!("attribute `{name}` holds no tensor"))),
         }
+    }
+
+    /// The required graph attribute `name` (a Loop's body, an If's branch).
+    pub(crate) fn graph(&self, name: &str) -> Result<&'a GraphProto, OnnxError> {
+        self.find(name, attribute_type::GRAPH)?
+            .ok_or_else(|| self.invalid(format!("required attribute `{name}` is missing")))?
+            .g
+            .as_ref()
+            .ok_or_else(|| self.invalid(format!("attribute `{name}` holds no graph")))
     }
 }

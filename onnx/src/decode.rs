@@ -20,7 +20,9 @@ use crate::proto::{
 /// Decodes and validates a serialized ONNX model: its size, every count and
 /// name against `limits`, and every tensor (initializers and tensor-valued
 /// attributes) for a supported data type, no external data, and a payload
-/// that matches its dims exactly.
+/// that matches its dims exactly; subgraphs (If branches, Loop and Scan
+/// bodies) like the main graph, nested at most `limits.max_graph_depth`
+/// deep.
 pub fn decode_model(bytes: &[u8], limits: &Limits) -> Result<ModelProto, OnnxError> {
     if bytes.len() > limits.max_model_bytes {
         return Err(OnnxError::limit(
@@ -46,11 +48,24 @@ pub fn validate_model(model: &ModelProto, limits: &Limits) -> Result<(), OnnxErr
         check_name("an opset_import domain", &opset.domain, limits)?;
     }
     let graph = model.graph.as_ref().ok_or(OnnxError::MissingGraph)?;
-    validate_graph(graph, limits)
+    validate_graph(graph, limits, 0, &mut 0)
 }
 
-fn validate_graph(graph: &GraphProto, limits: &Limits) -> Result<(), OnnxError> {
+/// Validates `graph`, nested `depth` levels in the main graph; `nodes`
+/// counts the nodes of every graph validated so far.
+fn validate_graph(
+    graph: &GraphProto,
+    limits: &Limits,
+    depth: usize,
+    nodes: &mut usize,
+) -> Result<(), OnnxError> {
     check_count("nodes in the graph", graph.node.len(), limits.max_nodes)?;
+    *nodes = nodes.saturating_add(graph.node.len());
+    check_count(
+        "nodes in the main graph and its subgraphs",
+        *nodes,
+        limits.max_nodes,
+    )?;
     check_count(
         "initializers in the graph",
         graph.initializer.len(),
@@ -78,7 +93,7 @@ fn validate_graph(graph: &GraphProto, limits: &Limits) -> Result<(), OnnxError> 
         validate_tensor(tensor, &tensor.name, limits)?;
     }
     for node in &graph.node {
-        validate_node(node, limits)?;
+        validate_node(node, limits, depth, nodes)?;
     }
     Ok(())
 }
@@ -95,7 +110,12 @@ fn validate_value_info(info: &ValueInfoProto, limits: &Limits) -> Result<(), Onn
     Ok(())
 }
 
-fn validate_node(node: &NodeProto, limits: &Limits) -> Result<(), OnnxError> {
+fn validate_node(
+    node: &NodeProto,
+    limits: &Limits,
+    depth: usize,
+    nodes: &mut usize,
+) -> Result<(), OnnxError> {
     check_name("a node", &node.name, limits)?;
     check_name("an op type", &node.op_type, limits)?;
     check_name("a domain", &node.domain, limits)?;
@@ -111,7 +131,7 @@ fn validate_node(node: &NodeProto, limits: &Limits) -> Result<(), OnnxError> {
         check_name("a node input or output", name, limits)?;
     }
     for attribute in &node.attribute {
-        validate_attribute(node, attribute, limits)?;
+        validate_attribute(node, attribute, limits, depth, nodes)?;
     }
     Ok(())
 }
@@ -120,6 +140,8 @@ fn validate_attribute(
     node: &NodeProto,
     attribute: &AttributeProto,
     limits: &Limits,
+    depth: usize,
+    nodes: &mut usize,
 ) -> Result<(), OnnxError> {
     check_name("an attribute", &attribute.name, limits)?;
     let what = format!(
@@ -148,6 +170,20 @@ fn validate_attribute(
             &tensor.name
         };
         validate_tensor(tensor, name, limits)?;
+    }
+    // A subgraph (an If branch, a Loop or Scan body) is as untrusted as the
+    // main graph, one level deeper: the depth bound keeps this recursion
+    // (and import's) short.
+    for graph in attribute.g.iter().chain(&attribute.graphs) {
+        check_count(
+            &format!(
+                "levels of nested graphs (at attribute `{}` of node `{}` ({}))",
+                attribute.name, node.name, node.op_type
+            ),
+            depth + 1,
+            limits.graph_depth(),
+        )?;
+        validate_graph(graph, limits, depth + 1, nodes)?;
     }
     Ok(())
 }

@@ -118,6 +118,15 @@ pub enum OnnxError {
     },
     #[error("{node}: {cause}")]
     InvalidNode { node: String, cause: String },
+    /// A control-flow node (If, Loop, Scan) valid in ONNX whose form
+    /// canopy-ir's loops and branches cannot express: a loop with no
+    /// constant bound, a scan along another axis, ….
+    #[error("{node}: {cause}; hint: {hint}")]
+    UnsupportedControlFlow {
+        node: String,
+        cause: String,
+        hint: String,
+    },
     /// canopy-ir refused the lowered node (shape or dtype mismatch).
     #[error("{node}: {source}")]
     Lowering {

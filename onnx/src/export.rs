@@ -17,7 +17,9 @@
 //! ([`canopy_ir::Op`]'s doc comments), composed where ONNX opset 17 has no
 //! single op for it (`rsqrt`, `square`, both GELUs, `log1p`, `one_hot`,
 //! `ne`). Custom gradients are inlined (their forward graph is what they
-//! compute). Ops with no exact ONNX form (`random_uniform`: ONNX's
+//! compute). Control flow is ONNX's own, bodies as subgraphs
+//! (`export/control.rs`): `scan` → `Scan`, `cond` → `If`, `while_loop` →
+//! `Loop`. Ops with no exact ONNX form (`random_uniform`: ONNX's
 //! generator is not canopy's; the training-only adjoints `scatter_add`,
 //! `conv2d_backward_*`, `max_pool2d_select`/`_backward`,
 //! `avg_pool2d_backward`) are refused with an
@@ -27,9 +29,11 @@
 //! wraps a negative index where the IR reports an error, and ONNX leaves
 //! NaN handling of `ArgMax`, `ReduceMax`, `Max` and `Min` to the runtime.
 
+mod control;
 mod lower;
 
-use std::collections::{BTreeMap, HashSet};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use canopy_ir::model::PARAM_PREFIX;
 use canopy_ir::{Buffer, DType, Dim, Graph, Model, Op, TensorData, TensorType, ValueId};
@@ -171,12 +175,11 @@ fn export_bound(
     bound: &Bindings<'_>,
     options: &ExportOptions,
 ) -> Result<ModelProto, OnnxError> {
-    let graph =
-        canopy_ir::passes::inline_custom_grads(graph).map_err(|source| OnnxError::Export {
-            what: "the graph".to_string(),
-            cause: format!("its custom gradients do not inline: {source}"),
-            hint: "verify the graph (`canopy model inspect`)".to_string(),
-        })?;
+    let graph = inline_custom_grads(graph).map_err(|source| OnnxError::Export {
+        what: "the graph".to_string(),
+        cause: format!("its custom gradients do not inline: {source}"),
+        hint: "verify the graph (`canopy model inspect`)".to_string(),
+    })?;
     let mut exporter = Exporter::new(&graph, bound)?;
     for (index, node) in graph.nodes().iter().enumerate() {
         let id = ValueId(index as u32);
@@ -190,18 +193,113 @@ fn export_bound(
     Ok(exporter.finish(options))
 }
 
-/// The export of one graph under way.
-pub(crate) struct Exporter<'g> {
+/// `graph` with every custom gradient replaced by its forward graph, in
+/// loop bodies and branches too (`canopy_ir::passes::inline_custom_grads`
+/// does the top level only); borrowed when there is none.
+fn inline_custom_grads(graph: &Graph) -> canopy_ir::IrResult<Cow<'_, Graph>> {
+    fn has_custom(graph: &Graph) -> bool {
+        graph.nodes().iter().any(|node| match &node.op {
+            Op::CustomGrad(_) => true,
+            op => op.subgraphs().into_iter().any(has_custom),
+        })
+    }
+    fn rebuild(graph: &Graph) -> canopy_ir::IrResult<Graph> {
+        let mut out = Graph::new();
+        let mut map: Vec<ValueId> = Vec::with_capacity(graph.len());
+        for node in graph.nodes() {
+            let inputs: Vec<ValueId> = node.inputs.iter().map(|i| map[i.index()]).collect();
+            let id = match &node.op {
+                Op::Input { name } => out.input(name.clone(), node.ty.clone())?,
+                Op::CustomGrad(custom) => out.inline(&rebuild(&custom.forward)?, &inputs)?[0],
+                Op::Scan(scan) => {
+                    let body = rebuild(&scan.body)?;
+                    let op = Op::Scan(Box::new(canopy_ir::Scan {
+                        body,
+                        ..(**scan).clone()
+                    }));
+                    out.push(op, &inputs)?
+                }
+                Op::Cond(cond) => {
+                    let op = Op::Cond(Box::new(canopy_ir::Cond {
+                        then_branch: rebuild(&cond.then_branch)?,
+                        else_branch: rebuild(&cond.else_branch)?,
+                    }));
+                    out.push(op, &inputs)?
+                }
+                Op::WhileLoop(w) => {
+                    let op = Op::WhileLoop(Box::new(canopy_ir::WhileLoop {
+                        cond: rebuild(&w.cond)?,
+                        body: rebuild(&w.body)?,
+                        carries: w.carries,
+                        max_trips: w.max_trips,
+                    }));
+                    out.push(op, &inputs)?
+                }
+                op => out.push(op.clone(), &inputs)?,
+            };
+            map.push(id);
+        }
+        let outputs = graph
+            .outputs()
+            .iter()
+            .map(|(name, v)| (name.clone(), map[v.index()]))
+            .collect();
+        out.set_outputs(outputs)?;
+        Ok(out)
+    }
+    if has_custom(graph) {
+        rebuild(graph).map(Cow::Owned)
+    } else {
+        Ok(Cow::Borrowed(graph))
+    }
+}
+
+/// One graph being lowered: the main graph, a body or branch (an ONNX
+/// subgraph), or a graph inlined into its enclosing one (a `while_loop`'s
+/// condition).
+struct Scope<'g> {
     graph: &'g Graph,
-    bound: &'g Bindings<'g>,
-    /// The ONNX name of each IR value.
+    /// The ONNX name of each of its values.
     names: Vec<String>,
-    used: HashSet<String>,
     nodes: Vec<NodeProto>,
+    /// (control-flow node, result index) → the first `output` node reading
+    /// it, whose name the ONNX node's output takes.
+    readers: HashMap<(ValueId, usize), ValueId>,
+}
+
+impl<'g> Scope<'g> {
+    fn new(graph: &'g Graph, names: Vec<String>) -> Self {
+        let mut readers = HashMap::new();
+        for (index, node) in graph.nodes().iter().enumerate() {
+            if let (Op::Output { index: result }, [tuple]) = (&node.op, node.inputs.as_slice()) {
+                readers
+                    .entry((*tuple, *result))
+                    .or_insert(ValueId(index as u32));
+            }
+        }
+        Scope {
+            graph,
+            names,
+            nodes: Vec::new(),
+            readers,
+        }
+    }
+}
+
+/// The export of one graph under way. Lowering works on the innermost
+/// scope (the graph whose nodes are being lowered); names are unique
+/// across all scopes, and every initializer (a body's constants too) is
+/// the main graph's, which subgraphs read by name from the outer scope.
+pub(crate) struct Exporter<'g> {
+    bound: &'g Bindings<'g>,
+    used: HashSet<String>,
     initializers: Vec<TensorProto>,
     inputs: Vec<ValueInfoProto>,
     /// See [`Exporter::batch_mask`].
     batch_mask: Option<String>,
+    /// The main graph first, then each body or branch being lowered inside
+    /// the one before.
+    scopes: Vec<Scope<'g>>,
 }
 
 impl<'g> Exporter<'g> {
@@ -235,28 +333,41 @@ impl<'g> Exporter<'g> {
         for (output, _) in graph.outputs() {
             claim(output, format!("graph output `{output}`"), &mut used)?;
         }
-        for (output, value) in graph.outputs() {
-            let computed = !matches!(graph.node(*value).op, Op::Input { .. } | Op::Constant(_));
-            if computed && names[value.index()].is_empty() {
-                names[value.index()] = output.clone();
-            }
-        }
+        let outputs: Vec<(String, ValueId)> = graph.outputs().to_vec();
+        name_by_outputs(graph, &mut names, &outputs);
         let mut exporter = Exporter {
-            graph,
             bound,
-            names,
             used,
-            nodes: Vec::new(),
             initializers: Vec::new(),
             inputs: Vec::new(),
             batch_mask: None,
+            scopes: Vec::new(),
         };
+        exporter.name_the_rest(graph, &mut names, "");
+        exporter.scopes.push(Scope::new(graph, names));
+        Ok(exporter)
+    }
+
+    /// Fresh names for the values `names` leaves unnamed, after their op
+    /// and index, under `prefix`.
+    fn name_the_rest(&mut self, graph: &Graph, names: &mut [String], prefix: &str) {
         for (index, node) in graph.nodes().iter().enumerate() {
-            if exporter.names[index].is_empty() {
-                exporter.names[index] = exporter.fresh(&format!("{}_{index}", node.op.name()));
+            if names[index].is_empty() {
+                names[index] = self.fresh(&format!("{prefix}{}_{index}", node.op.name()));
             }
         }
-        Ok(exporter)
+    }
+
+    fn scope(&self) -> &Scope<'g> {
+        self.scopes
+            .last()
+            .expect("the main graph's scope is never left")
+    }
+
+    fn scope_mut(&mut self) -> &mut Scope<'g> {
+        self.scopes
+            .last_mut()
+            .expect("the main graph's scope is never left")
     }
 
     /// A name no other value has, `base` when it is free.
@@ -268,16 +379,125 @@ impl<'g> Exporter<'g> {
         name
     }
 
+    /// The graph whose nodes are being lowered.
     pub(crate) fn graph(&self) -> &'g Graph {
-        self.graph
+        self.scope().graph
     }
 
     pub(crate) fn name(&self, id: ValueId) -> String {
-        self.names[id.index()].clone()
+        self.scope().names[id.index()].clone()
     }
 
     pub(crate) fn ty(&self, id: ValueId) -> &'g TensorType {
-        self.graph.ty(id)
+        self.graph().ty(id)
+    }
+
+    /// The ONNX name of result `index` of the control-flow node `tuple`:
+    /// the name of the first `output` node reading it, or a fresh one
+    /// when none does (ONNX still needs a name for it).
+    pub(crate) fn result_name(&mut self, tuple: ValueId, index: usize) -> String {
+        match self.scope().readers.get(&(tuple, index)) {
+            Some(&reader) => self.name(reader),
+            None => {
+                let base = format!("{}/result{index}", self.name(tuple));
+                self.fresh(&base)
+            }
+        }
+    }
+
+    /// Starts lowering `graph` one scope down, its values named under
+    /// `base`: `inputs` names its inputs
+    /// in order (a subgraph's declared inputs, or values of the enclosing
+    /// scope it reads by name), `outputs` its outputs (fresh names the
+    /// caller claimed), which the values computed for them take.
+    pub(crate) fn enter(
+        &mut self,
+        graph: &'g Graph,
+        base: &str,
+        inputs: Vec<String>,
+        outputs: &[String],
+    ) {
+        let mut names = vec![String::new(); graph.len()];
+        for (&input, name) in graph.inputs().iter().zip(inputs) {
+            names[input.index()] = name;
+        }
+        let named: Vec<(String, ValueId)> = outputs
+            .iter()
+            .cloned()
+            .zip(graph.outputs().iter().map(|(_, v)| *v))
+            .collect();
+        name_by_outputs(graph, &mut names, &named);
+        self.name_the_rest(graph, &mut names, &format!("{base}/"));
+        self.scopes.push(Scope::new(graph, names));
+    }
+
+    /// Lowers every node of the innermost scope's graph.
+    pub(crate) fn lower_scope(&mut self) -> Result<(), OnnxError> {
+        let graph = self.graph();
+        for (index, node) in graph.nodes().iter().enumerate() {
+            let id = ValueId(index as u32);
+            match &node.op {
+                Op::Input { .. } => {}
+                Op::Constant(data) => self.add_initializer(id, data),
+                _ => lower::lower(self, id)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the innermost scope, whose outputs are named `outputs` (an
+    /// `Identity` names one whose value is named otherwise); returns its
+    /// nodes.
+    pub(crate) fn leave(&mut self, outputs: &[String]) -> Vec<NodeProto> {
+        let values: Vec<ValueId> = self.graph().outputs().iter().map(|(_, v)| *v).collect();
+        for (output, value) in outputs.iter().zip(values) {
+            let source = self.name(value);
+            if source != *output {
+                self.emit("Identity", vec![source], output, Vec::new());
+            }
+        }
+        self.scopes
+            .pop()
+            .expect("leave follows enter, one level down")
+            .nodes
+    }
+
+    /// Appends `nodes` (an inlined graph's) to the innermost scope.
+    pub(crate) fn extend(&mut self, nodes: Vec<NodeProto>) {
+        self.scope_mut().nodes.extend(nodes);
+    }
+
+    /// `graph` as an ONNX subgraph named `base` whose inputs are
+    /// `declared` and whose values named `inputs` are read as the
+    /// graph's inputs, in order (declared ones, and values of the
+    /// enclosing scope read by name).
+    pub(crate) fn subgraph(
+        &mut self,
+        graph: &'g Graph,
+        base: &str,
+        inputs: Vec<String>,
+        declared: Vec<ValueInfoProto>,
+    ) -> Result<GraphProto, OnnxError> {
+        let outputs: Vec<String> = graph
+            .outputs()
+            .iter()
+            .map(|(name, _)| self.fresh(&format!("{base}/{name}")))
+            .collect();
+        self.enter(graph, base, inputs, &outputs);
+        self.lower_scope()?;
+        let node = self.leave(&outputs);
+        let output = outputs
+            .iter()
+            .zip(graph.outputs())
+            .map(|(name, (_, value))| value_info(name, graph.ty(*value)))
+            .collect();
+        Ok(GraphProto {
+            node,
+            name: base.to_string(),
+            input: declared,
+            output,
+            ..Default::default()
+        })
     }
 
     fn bind_input(&mut self, id: ValueId, name: &str) {
@@ -286,14 +506,14 @@ impl<'g> Exporter<'g> {
                 self.initializers.push(tensor_proto(initializer, data));
             }
             None => {
-                let info = value_info(&self.names[id.index()], self.graph.ty(id));
+                let info = value_info(&self.name(id), self.graph().ty(id));
                 self.inputs.push(info);
             }
         }
     }
 
     fn add_initializer(&mut self, id: ValueId, data: &TensorData) {
-        let tensor = tensor_proto(&self.names[id.index()], data);
+        let tensor = tensor_proto(&self.name(id), data);
         self.initializers.push(tensor);
     }
 
@@ -305,14 +525,19 @@ impl<'g> Exporter<'g> {
         output: &str,
         attribute: Vec<AttributeProto>,
     ) {
-        self.nodes.push(NodeProto {
-            name: output.to_string(),
-            op_type: op_type.to_string(),
-            input: inputs,
-            output: vec![output.to_string()],
-            attribute,
-            ..Default::default()
-        });
+        self.emit_outputs(op_type, inputs, vec![output.to_string()], attribute);
+    }
+
+    /// Adds a node with several outputs, named after its first.
+    pub(crate) fn emit_outputs(
+        &mut self,
+        op_type: &str,
+        inputs: Vec<String>,
+        outputs: Vec<String>,
+        attribute: Vec<AttributeProto>,
+    ) {
+        let node = node_proto(op_type, inputs, outputs, attribute);
+        self.scope_mut().nodes.push(node);
     }
 
     /// Adds a node with a fresh output named after `base`; returns it.
@@ -341,6 +566,13 @@ impl<'g> Exporter<'g> {
         self.constant(base, role, &data)
     }
 
+    /// A fresh i64 scalar initializer.
+    pub(crate) fn constant_scalar_i64(&mut self, base: &str, role: &str, value: i64) -> String {
+        let data = TensorData::new(Vec::new(), Buffer::I64(vec![value]))
+            .expect("a scalar holds one element");
+        self.constant(base, role, &data)
+    }
+
     pub(crate) fn constant_f32(&mut self, base: &str, role: &str, value: f32) -> String {
         self.constant(base, role, &TensorData::scalar_f32(value))
     }
@@ -348,14 +580,16 @@ impl<'g> Exporter<'g> {
     /// A `[N]` bool tensor (its values do not matter, only its shape):
     /// `Where(mask, v, v)` gives `v` a batch dimension with ops import
     /// reads back, where `Shape` would need run-time shape arithmetic.
-    /// Made once, from the first graph input with the batch dimension and
-    /// no empty one: its first element along every other axis.
+    /// Made once, in the main graph (a body reads it from the outer
+    /// scope), from the first main-graph input with the batch dimension
+    /// and no empty one: its first element along every other axis.
     pub(crate) fn batch_mask(&mut self, node: ValueId) -> Result<String, OnnxError> {
         if let Some(name) = &self.batch_mask {
             return Ok(name.clone());
         }
-        let carrier = self.graph.inputs().iter().find_map(|&input| {
-            let dims = &self.graph.ty(input).shape.0;
+        let main = self.scopes[0].graph;
+        let carrier = main.inputs().iter().find_map(|&input| {
+            let dims = &main.ty(input).shape.0;
             let axis = dims.iter().position(|&d| d == Dim::Batch)?;
             let batches = dims.iter().filter(|&&d| d == Dim::Batch).count();
             (batches == 1 && !dims.contains(&Dim::Fixed(0))).then_some((input, axis, dims.len()))
@@ -363,14 +597,17 @@ impl<'g> Exporter<'g> {
         let Some((input, batch_axis, rank)) = carrier else {
             return Err(OnnxError::ExportUnsupported {
                 node: node.to_string(),
-                op: self.graph.node(node).op.name(),
+                op: self.graph().node(node).op.name(),
                 cause: "it adds the batch dimension, but no graph input has it (once, and no empty dimension)"
                     .to_string(),
                 hint: "give the graph an input with the batch dimension".to_string(),
             });
         };
+        // Built as a scope of its own, then moved to the main graph's
+        // nodes: every scope inside it can read the mask.
         let base = self.fresh("batch_mask");
-        let mut column = self.name(input);
+        self.scopes.push(Scope::new(main, Vec::new()));
+        let mut column = self.scopes[0].names[input.index()].clone();
         let others: Vec<i64> = (0..rank as i64)
             .filter(|&a| a != batch_axis as i64)
             .collect();
@@ -384,6 +621,8 @@ impl<'g> Exporter<'g> {
         let flat = self.emit_temp(&base, "Reshape", vec![column, flat], Vec::new());
         let to = attr_int("to", i64::from(data_type::BOOL));
         self.emit("Cast", vec![flat], &base, vec![to]);
+        let nodes = self.scopes.pop().expect("pushed above").nodes;
+        self.scopes[0].nodes.extend(nodes);
         self.batch_mask = Some(base.clone());
         Ok(base)
     }
@@ -391,7 +630,8 @@ impl<'g> Exporter<'g> {
     /// Outputs whose value is named otherwise (an input, a constant,
     /// another output's value) get an `Identity`.
     fn name_outputs(&mut self) {
-        for (output, value) in self.graph.outputs() {
+        let graph = self.graph();
+        for (output, value) in graph.outputs() {
             let source = self.name(*value);
             if source != *output {
                 self.emit("Identity", vec![source], output, Vec::new());
@@ -399,15 +639,16 @@ impl<'g> Exporter<'g> {
         }
     }
 
-    fn finish(self, options: &ExportOptions) -> ModelProto {
-        let outputs = self
+    fn finish(mut self, options: &ExportOptions) -> ModelProto {
+        let main = self.scopes.pop().expect("the main graph's scope");
+        let outputs = main
             .graph
             .outputs()
             .iter()
-            .map(|(name, value)| value_info(name, self.graph.ty(*value)))
+            .map(|(name, value)| value_info(name, main.graph.ty(*value)))
             .collect();
         let graph = GraphProto {
-            node: self.nodes,
+            node: main.nodes,
             name: options.graph_name.clone(),
             initializer: self.initializers,
             input: self.inputs,
@@ -425,6 +666,35 @@ impl<'g> Exporter<'g> {
                 version: EXPORT_OPSET,
             }],
             ..Default::default()
+        }
+    }
+}
+
+/// A node, named after its first output.
+pub(crate) fn node_proto(
+    op_type: &str,
+    inputs: Vec<String>,
+    outputs: Vec<String>,
+    attribute: Vec<AttributeProto>,
+) -> NodeProto {
+    NodeProto {
+        name: outputs.first().cloned().unwrap_or_default(),
+        op_type: op_type.to_string(),
+        input: inputs,
+        output: outputs,
+        attribute,
+        ..Default::default()
+    }
+}
+
+/// Names each computed value (not an input or a constant, which are named
+/// otherwise) after the first of `outputs` that it is, where `names`
+/// leaves it unnamed.
+fn name_by_outputs(graph: &Graph, names: &mut [String], outputs: &[(String, ValueId)]) {
+    for (output, value) in outputs {
+        let computed = !matches!(graph.node(*value).op, Op::Input { .. } | Op::Constant(_));
+        if computed && names[value.index()].is_empty() {
+            names[value.index()] = output.clone();
         }
     }
 }

@@ -27,7 +27,8 @@ pub const MAX_OPSET: i64 = 21;
 #[derive(Clone, Debug, PartialEq)]
 pub struct ImportedModel {
     pub graph: Graph,
-    /// Every initializer by name, then the float tensors import made from
+    /// Every initializer of the main graph by name (a subgraph's own are
+    /// constants of its body), then the float tensors import made from
     /// node attributes (an `ai.onnx.ml` LinearClassifier's coefficients
     /// and intercepts, as `NODE.coefficients` and `NODE.intercepts`).
     pub initializers: Vec<(String, TensorData)>,
@@ -66,18 +67,7 @@ pub fn import_model_with(
 ) -> Result<ImportedModel, OnnxError> {
     validate_model(model, limits)?;
     let graph = model.graph.as_ref().ok_or(OnnxError::MissingGraph)?;
-    let mut importer = Importer {
-        graph: Graph::new(),
-        opset: default_opset(model)?,
-        model,
-        limits,
-        values: HashMap::new(),
-        constants: Vec::new(),
-        options,
-        initializer_names: HashSet::new(),
-        parameters: Vec::new(),
-        attribute_tensors: Vec::new(),
-    };
+    let mut importer = Importer::new(model, limits, options)?;
     let mut initializers = importer.define_initializers(graph)?;
     importer.define_inputs(graph)?;
     for (index, node) in graph.node.iter().enumerate() {
@@ -133,19 +123,70 @@ fn default_opset(model: &ModelProto) -> Result<i64, OnnxError> {
 pub(crate) struct Binding {
     /// Who defined it, for duplicate-name errors.
     origin: String,
-    /// The graph value, once one exists.
+    /// The graph value, once one exists (in the graph of the scope that
+    /// holds the binding).
     value: Option<ValueId>,
-    /// Index into `Importer::constants` when the value is a known constant.
-    constant: Option<usize>,
+    /// Where the contents are when the value is a known constant: the
+    /// level of the scope that holds them (0 is the main graph) and their
+    /// index in its constants.
+    constant: Option<(usize, usize)>,
+}
+
+/// A graph being lowered: the main graph, or a body or branch (an ONNX
+/// subgraph) one level down from the scope around it.
+#[derive(Default)]
+pub(crate) struct Scope {
+    graph: Graph,
+    values: HashMap<String, Binding>,
+    constants: Vec<TensorData>,
+    /// The enclosing scope's values this one reads, which become its last
+    /// inputs (a body's constants, a branch's operands): the ONNX name and
+    /// the value in the enclosing scope, in the order first read.
+    captures: Vec<(String, ValueId)>,
+    /// Where the scope is, for error messages: "" for the main graph, " in
+    /// the body of node …" for a subgraph.
+    within: String,
+}
+
+/// A body or branch lowered by [`Importer::lower_body`].
+pub(crate) struct Body<T> {
+    pub(crate) graph: Graph,
+    /// The enclosing scope's values it reads, after its declared inputs:
+    /// (ONNX name, value in the enclosing scope).
+    pub(crate) captures: Vec<(String, ValueId)>,
+    /// What the caller's `finish` returned.
+    pub(crate) result: T,
+}
+
+/// How a body or branch starts.
+pub(crate) struct BodySpec<'g> {
+    pub(crate) graph: &'g GraphProto,
+    /// "the body of node …", for its nodes' error messages.
+    pub(crate) role: String,
+    /// Inputs it declares, in order: the ONNX name and the type.
+    pub(crate) inputs: Vec<(String, TensorType)>,
+    /// Names bound to a known constant rather than an input (a Loop
+    /// body's condition, true whenever the body runs).
+    pub(crate) constants: Vec<(String, TensorData)>,
+    /// Values of the enclosing scope it reads before any other, as its
+    /// first inputs after the declared ones (an If's else branch reads
+    /// what its then branch read, so both take the same operands).
+    pub(crate) captured: Vec<(String, ValueId)>,
 }
 
 pub(crate) struct Importer<'a> {
+    /// The graph of the scope being lowered.
     pub(crate) graph: Graph,
     pub(crate) opset: i64,
     model: &'a ModelProto,
     pub(crate) limits: &'a Limits,
     values: HashMap<String, Binding>,
     constants: Vec<TensorData>,
+    /// The scope being lowered reads these from the one around it.
+    captures: Vec<(String, ValueId)>,
+    within: String,
+    /// The scopes around the one being lowered, the main graph first.
+    outer: Vec<Scope>,
     options: ImportOptions,
     initializer_names: HashSet<String>,
     parameters: Vec<String>,
@@ -153,7 +194,36 @@ pub(crate) struct Importer<'a> {
     attribute_tensors: Vec<(String, TensorData)>,
 }
 
+impl<'a> Importer<'a> {
+    fn new(
+        model: &'a ModelProto,
+        limits: &'a Limits,
+        options: ImportOptions,
+    ) -> Result<Self, OnnxError> {
+        Ok(Importer {
+            graph: Graph::new(),
+            opset: default_opset(model)?,
+            model,
+            limits,
+            values: HashMap::new(),
+            constants: Vec::new(),
+            captures: Vec::new(),
+            within: String::new(),
+            outer: Vec::new(),
+            options,
+            initializer_names: HashSet::new(),
+            parameters: Vec::new(),
+            attribute_tensors: Vec::new(),
+        })
+    }
+}
+
 impl Importer<'_> {
+    /// The level of the scope being lowered (0: the main graph).
+    fn level(&self) -> usize {
+        self.outer.len()
+    }
+
     fn define(&mut self, name: &str, origin: String, binding: Binding) -> Result<(), OnnxError> {
         if name.is_empty() {
             return Err(OnnxError::EmptyName { what: origin });
@@ -192,7 +262,7 @@ impl Importer<'_> {
         let binding = Binding {
             origin: origin.clone(),
             value: None,
-            constant: Some(self.constants.len()),
+            constant: Some((self.level(), self.constants.len())),
         };
         self.define(name, origin, binding)?;
         self.constants.push(data);
@@ -200,7 +270,9 @@ impl Importer<'_> {
     }
 
     /// Binds `name` to whatever `source` is bound to (Identity, Dropout),
-    /// keeping a known constant known.
+    /// keeping a known constant known. A source of an enclosing scope that
+    /// is not a plain constant (a computed value, a parameter) is read
+    /// into this scope first.
     pub(crate) fn define_alias(
         &mut self,
         name: &str,
@@ -208,39 +280,99 @@ impl Importer<'_> {
         source: &str,
         node: &str,
     ) -> Result<(), OnnxError> {
-        let mut binding = self.binding(source, node)?.clone();
+        let (level, found) = self.lookup(source, node)?;
+        let mut binding = found.clone();
+        if level != self.level()
+            && (binding.constant.is_none() || self.is_parameter(source, &binding))
+        {
+            let value = self.value(source, node)?;
+            binding.value = Some(value);
+        } else if level != self.level() {
+            // A plain constant: this scope makes its own constant node if
+            // it reads it as a value.
+            binding.value = None;
+        }
         binding.origin = origin.clone();
         self.define(name, origin, binding)
     }
 
-    fn binding(&self, name: &str, node: &str) -> Result<&Binding, OnnxError> {
-        self.values
-            .get(name)
+    /// The binding of `name` in the innermost scope that has one, with
+    /// that scope's level.
+    fn lookup(&self, name: &str, node: &str) -> Result<(usize, &Binding), OnnxError> {
+        if let Some(binding) = self.values.get(name) {
+            return Ok((self.level(), binding));
+        }
+        self.outer
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(level, scope)| scope.values.get(name).map(|b| (level, b)))
             .ok_or_else(|| OnnxError::UndefinedValue {
                 node: node.to_string(),
                 value: name.to_string(),
             })
     }
 
+    fn constant_at(&self, (level, index): (usize, usize)) -> Option<&TensorData> {
+        if level == self.level() {
+            self.constants.get(index)
+        } else {
+            self.outer.get(level)?.constants.get(index)
+        }
+    }
+
+    /// Whether reading `name`, bound to the known constant `binding`, as a
+    /// value makes it a parameter: a float initializer of the main graph,
+    /// with [`ImportOptions::parameters`].
+    fn is_parameter(&self, name: &str, binding: &Binding) -> bool {
+        let Some(at) = binding.constant else {
+            return false;
+        };
+        at.0 == 0
+            && self.options.parameters
+            && self.initializer_names.contains(name)
+            && self
+                .constant_at(at)
+                .is_some_and(|d| d.dtype() == DType::F32)
+    }
+
     /// The graph value of `name`, adding a constant node the first time a
-    /// known constant is read as a value.
+    /// known constant is read as a value. A name of an enclosing scope is
+    /// captured: each scope between it and this one reads it as an input.
     pub(crate) fn value(&mut self, name: &str, node: &str) -> Result<ValueId, OnnxError> {
-        let binding = self.binding(name, node)?;
+        let here = self.level();
+        let (level, binding) = self.lookup(name, node)?;
+        if level < here {
+            return self.capture(name, level, node);
+        }
         if let Some(value) = binding.value {
             return Ok(value);
         }
+        let binding = binding.clone();
+        let value = self.materialize(name, &binding, node)?;
+        if let Some(binding) = self.values.get_mut(name) {
+            binding.value = Some(value);
+        }
+        Ok(value)
+    }
+
+    /// A value in this scope's graph for the known constant `binding`: a
+    /// parameter input (see [`Importer::is_parameter`]) or a constant node.
+    fn materialize(
+        &mut self,
+        name: &str,
+        binding: &Binding,
+        node: &str,
+    ) -> Result<ValueId, OnnxError> {
         let data = binding
             .constant
-            .and_then(|index| self.constants.get(index))
+            .and_then(|at| self.constant_at(at))
             .cloned()
             .ok_or_else(|| OnnxError::UndefinedValue {
                 node: node.to_string(),
                 value: name.to_string(),
             })?;
-        let as_parameter = self.options.parameters
-            && self.initializer_names.contains(name)
-            && data.dtype() == DType::F32;
-        let value = if as_parameter {
+        if self.is_parameter(name, binding) {
             let ty = TensorType::new(data.dtype(), Shape::fixed(&data.shape));
             self.parameters.push(name.to_string());
             self.graph
@@ -248,19 +380,184 @@ impl Importer<'_> {
                 .map_err(|source| OnnxError::Lowering {
                     node: format!("{node} (parameter `{name}`)"),
                     source,
-                })?
+                })
         } else {
             self.graph
                 .constant(data)
                 .map_err(|source| OnnxError::Lowering {
                     node: format!("{node} (constant `{name}`)"),
                     source,
-                })?
-        };
-        if let Some(binding) = self.values.get_mut(name) {
-            binding.value = Some(value);
+                })
         }
-        Ok(value)
+    }
+
+    /// Reads `name`, bound at the enclosing scope `level`, into this scope:
+    /// its value there, then an input of each scope from there to here.
+    fn capture(&mut self, name: &str, level: usize, node: &str) -> Result<ValueId, OnnxError> {
+        // Lower the scopes down to `level` one by one, so that the value
+        // is made in its own scope's graph by the same code as here.
+        let mut lowered = Vec::with_capacity(self.level() - level);
+        while self.level() > level {
+            lowered.push(self.leave_scope());
+        }
+        let mut value = self.value(name, node);
+        // Every scope is resumed, error or not: the caller leaves them in
+        // order.
+        while let Some(scope) = lowered.pop() {
+            self.enter_scope(scope);
+            value = value.and_then(|outer| self.read_outer(name, outer, node));
+        }
+        value
+    }
+
+    /// Makes `outer`, the enclosing scope's value of `name`, an input of
+    /// this scope, bound to `name`; returns the input.
+    fn read_outer(&mut self, name: &str, outer: ValueId, node: &str) -> Result<ValueId, OnnxError> {
+        let enclosing = self.outer.last().expect("a body has an enclosing scope");
+        let ty = enclosing.graph.ty(outer).clone();
+        // A known constant stays known (a Reshape's shape read in a body).
+        let constant = enclosing.values.get(name).and_then(|b| b.constant);
+        let input =
+            self.graph
+                .input(name.to_string(), ty)
+                .map_err(|source| OnnxError::Lowering {
+                    node: format!("{node} (reading `{name}` from the enclosing graph)"),
+                    source,
+                })?;
+        self.captures.push((name.to_string(), outer));
+        let binding = Binding {
+            origin: format!("the enclosing graph's `{name}`"),
+            value: Some(input),
+            constant,
+        };
+        self.values.insert(name.to_string(), binding);
+        Ok(input)
+    }
+
+    /// Saves the scope being lowered and starts a new, empty one inside it.
+    fn push_scope(&mut self, within: String) {
+        let scope = Scope {
+            graph: std::mem::take(&mut self.graph),
+            values: std::mem::take(&mut self.values),
+            constants: std::mem::take(&mut self.constants),
+            captures: std::mem::take(&mut self.captures),
+            within: std::mem::replace(&mut self.within, within),
+        };
+        self.outer.push(scope);
+    }
+
+    /// Ends the scope being lowered, resuming the one around it; returns
+    /// the ended one.
+    fn leave_scope(&mut self) -> Scope {
+        let enclosing = self.outer.pop().expect("leave_scope follows push_scope");
+        self.swap_scope(enclosing)
+    }
+
+    /// Resumes `scope`, one level inside the scope being lowered.
+    fn enter_scope(&mut self, scope: Scope) {
+        self.push_scope(String::new());
+        let placeholder = self.swap_scope(scope);
+        debug_assert!(placeholder.graph.is_empty());
+    }
+
+    /// Makes `scope` the one being lowered; returns the one that was.
+    fn swap_scope(&mut self, mut scope: Scope) -> Scope {
+        std::mem::swap(&mut self.graph, &mut scope.graph);
+        std::mem::swap(&mut self.values, &mut scope.values);
+        std::mem::swap(&mut self.constants, &mut scope.constants);
+        std::mem::swap(&mut self.captures, &mut scope.captures);
+        std::mem::swap(&mut self.within, &mut scope.within);
+        scope
+    }
+
+    /// Lowers the subgraph `spec.graph` one scope down: its declared
+    /// inputs, its initializers (constants of its own) and its nodes. A
+    /// name it reads but does not define is read from the enclosing scopes
+    /// ([`Importer::value`]). Then `finish` runs inside it and sets its
+    /// outputs, so it can shape them (a Loop adds its trip counter).
+    pub(crate) fn lower_body<T>(
+        &mut self,
+        spec: BodySpec<'_>,
+        node: &str,
+        finish: impl FnOnce(&mut Self) -> Result<T, OnnxError>,
+    ) -> Result<Body<T>, OnnxError> {
+        if self.level() + 1 > self.limits.graph_depth() {
+            return Err(OnnxError::limit(
+                format!("levels of nested graphs at {node}"),
+                self.level() + 1,
+                self.limits.graph_depth(),
+            ));
+        }
+        self.push_scope(format!(" in {}", spec.role));
+        let result = self.lower_body_inside(&spec, finish);
+        let body = self.leave_scope();
+        Ok(Body {
+            graph: body.graph,
+            captures: body.captures,
+            result: result?,
+        })
+    }
+
+    fn lower_body_inside<T>(
+        &mut self,
+        spec: &BodySpec<'_>,
+        finish: impl FnOnce(&mut Self) -> Result<T, OnnxError>,
+    ) -> Result<T, OnnxError> {
+        let role = &spec.role;
+        for (name, outer) in &spec.captured {
+            self.read_outer(name, *outer, role)?;
+        }
+        for (name, ty) in &spec.inputs {
+            let origin = format!("input `{name}` of {role}");
+            let value = self
+                .graph
+                .input(name.clone(), ty.clone())
+                .map_err(|source| OnnxError::Lowering {
+                    node: origin.clone(),
+                    source,
+                })?;
+            self.define_value(name, origin, value)?;
+        }
+        for (name, data) in &spec.constants {
+            self.define_constant(name, format!("input `{name}` of {role}"), data.clone())?;
+        }
+        for tensor in &spec.graph.initializer {
+            if tensor.name.is_empty() {
+                return Err(OnnxError::EmptyName {
+                    what: format!("an initializer of {role}"),
+                });
+            }
+            let data = tensor_data(tensor, &tensor.name, self.limits)?;
+            let origin = format!("initializer `{}` of {role}", tensor.name);
+            self.define_constant(&tensor.name, origin, data)?;
+        }
+        for (index, node) in spec.graph.node.iter().enumerate() {
+            self.lower_node(index, node)?;
+        }
+        finish(self)
+    }
+
+    /// The values of a subgraph's outputs `outputs` (its outputs from
+    /// position `first` on), as the scope being lowered computes them.
+    pub(crate) fn body_outputs(
+        &mut self,
+        outputs: &[ValueInfoProto],
+        first: usize,
+        role: &str,
+    ) -> Result<Vec<(String, ValueId)>, OnnxError> {
+        outputs
+            .iter()
+            .enumerate()
+            .map(|(position, info)| {
+                let what = format!("output {} of {role}", first + position);
+                if info.name.is_empty() {
+                    return Err(OnnxError::EmptyName { what });
+                }
+                let value = self.value(&info.name, &what)?;
+                check_declared_dtype(info, self.graph.ty(value).dtype)?;
+                Ok((info.name.clone(), value))
+            })
+            .collect()
     }
 
     /// The contents of `name` when it is a known constant.
@@ -269,8 +566,8 @@ impl Importer<'_> {
         name: &str,
         node: &str,
     ) -> Result<Option<&TensorData>, OnnxError> {
-        let binding = self.binding(name, node)?;
-        Ok(binding.constant.and_then(|index| self.constants.get(index)))
+        let (_, binding) = self.lookup(name, node)?;
+        Ok(binding.constant.and_then(|at| self.constant_at(at)))
     }
 
     /// The graph value of a float tensor a node holds as an attribute (an
@@ -286,7 +583,9 @@ impl Importer<'_> {
     ) -> Result<ValueId, OnnxError> {
         let origin = format!("an attribute of {node}");
         self.define_constant(name, origin, data.clone())?;
-        self.initializer_names.insert(name.to_string());
+        if self.level() == 0 {
+            self.initializer_names.insert(name.to_string());
+        }
         self.attribute_tensors.push((name.to_string(), data));
         self.value(name, node)
     }
@@ -378,8 +677,8 @@ impl Importer<'_> {
             )
     }
 
-    fn lower_node(&mut self, index: usize, node: &NodeProto) -> Result<(), OnnxError> {
-        let describe = describe_node(index, node);
+    pub(crate) fn lower_node(&mut self, index: usize, node: &NodeProto) -> Result<(), OnnxError> {
+        let describe = format!("{}{}", describe_node(index, node), self.within);
         if is_default_domain(&node.domain) {
             return crate::ops::lower(self, node, &describe);
         }

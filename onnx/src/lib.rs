@@ -16,7 +16,9 @@
 //!    the op's ONNX semantics. [`SUPPORTED_OPS`] lists the ops. The
 //!    `ai.onnx.ml` ops scikit-learn's exporter writes for linear models and
 //!    MLPs (opsets 1 to 5, [`SUPPORTED_ML_OPS`]) are lowered too, ZipMap as
-//!    its probability tensor.
+//!    its probability tensor. If, Loop and Scan become canopy-ir's `cond`,
+//!    `while_loop` and `scan`, their subgraphs lowered as bodies that read
+//!    outer values as inputs; a Loop needs a constant trip count.
 //!
 //! Anything import cannot reproduce exactly (an op, a domain, an opset, an
 //! attribute value such as asymmetric padding or `count_include_pad=0` with
@@ -26,8 +28,8 @@
 //!
 //! [`export_graph`] and [`export_model`] go the other way: a canopy-ir graph
 //! (or a model's entry point with its parameters as initializers) as an
-//! ONNX model, default domain, opset [`EXPORT_OPSET`]; [`encode`] gives
-//! the file's bytes.
+//! ONNX model, default domain, opset [`EXPORT_OPSET`], control flow as
+//! ONNX's `Scan`, `If` and `Loop`; [`encode`] gives the file's bytes.
 //!
 //! Architecture invariant: like canopy-ir, this crate does no I/O; it maps
 //! bytes to graphs.

@@ -8,7 +8,8 @@ pub struct Limits {
     /// The whole serialized model. Checked before decoding, so the decoded
     /// structs (at most a small multiple of this) stay bounded too.
     pub max_model_bytes: usize,
-    /// Nodes in the main graph.
+    /// Nodes in the main graph, and in it and all its subgraphs (If
+    /// branches, Loop and Scan bodies) together.
     pub max_nodes: usize,
     /// Initializers in the main graph.
     pub max_initializers: usize,
@@ -28,6 +29,18 @@ pub struct Limits {
     pub max_name_bytes: usize,
     /// Entries in `opset_import`.
     pub max_opset_imports: usize,
+    /// Levels of subgraphs nested in the main graph (an If branch or a
+    /// Loop or Scan body is one level, a loop in it two). Bounds the
+    /// recursion of validation and import; canopy-ir allows at most
+    /// [`canopy_ir::verify::MAX_NESTING`], which a larger value is
+    /// clamped to.
+    pub max_graph_depth: usize,
+    /// The largest trip count import accepts: a Loop's maximum `M`, a
+    /// Scan's fixed number of steps. A loop's reverse pass keeps one carry
+    /// per trip, so this bounds memory too; canopy-ir allows at most
+    /// [`canopy_ir::control::MAX_WHILE_TRIPS`], which a larger value is
+    /// clamped to.
+    pub max_trips: usize,
 }
 
 impl Default for Limits {
@@ -46,6 +59,20 @@ impl Default for Limits {
             max_node_arity: 1024,
             max_name_bytes: 4096,
             max_opset_imports: 64,
+            max_graph_depth: canopy_ir::verify::MAX_NESTING,
+            max_trips: canopy_ir::control::MAX_WHILE_TRIPS,
         }
+    }
+}
+
+impl Limits {
+    /// [`Limits::max_graph_depth`], clamped to canopy-ir's bound.
+    pub fn graph_depth(&self) -> usize {
+        self.max_graph_depth.min(canopy_ir::verify::MAX_NESTING)
+    }
+
+    /// [`Limits::max_trips`], clamped to canopy-ir's bound.
+    pub fn trips(&self) -> usize {
+        self.max_trips.min(canopy_ir::control::MAX_WHILE_TRIPS)
     }
 }

@@ -15,7 +15,7 @@ const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_CUBIC: f32 = 0.044_715;
 
 /// Lowers node `id`, whose value is named `ex.name(id)`.
-pub(crate) fn lower(ex: &mut Exporter<'_>, id: ValueId) -> Result<(), OnnxError> {
+pub(crate) fn lower<'g>(ex: &mut Exporter<'g>, id: ValueId) -> Result<(), OnnxError> {
     let node = ex.graph().node(id);
     let out = ex.name(id);
     let ins: Vec<String> = node.inputs.iter().map(|&i| ex.name(i)).collect();
@@ -111,13 +111,16 @@ pub(crate) fn lower(ex: &mut Exporter<'_>, id: ValueId) -> Result<(), OnnxError>
                 "export an inference graph (`infer`, `eval`); training graphs run on canopy's backends",
             ));
         }
-        op @ (Op::Scan(_) | Op::Cond(_) | Op::WhileLoop(_) | Op::Output { .. }) => {
-            return Err(refuse(
-                id,
-                op,
-                "control flow does not export to ONNX yet",
-                "export a model without loops or branches",
-            ));
+        Op::Scan(scan) => super::control::scan(ex, id, scan)?,
+        Op::Cond(cond) => super::control::cond(ex, id, cond)?,
+        Op::WhileLoop(w) => super::control::while_loop(ex, id, w)?,
+        Op::Output { index } => {
+            // The ONNX node names each result after its first reader, so
+            // only a second reader of one result needs an Identity.
+            let source = ex.result_name(node.inputs[0], *index);
+            if source != out {
+                ex.emit("Identity", vec![source], &out, Vec::new());
+            }
         }
         op @ Op::CustomGrad(_) => {
             return Err(refuse(

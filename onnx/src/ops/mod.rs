@@ -19,6 +19,7 @@ use crate::proto::NodeProto;
 use table::{Lower, OpEntry};
 
 mod constant;
+mod control;
 mod conv;
 mod elementwise;
 mod index;
@@ -42,6 +43,7 @@ const FAMILIES: &[&[OpEntry<Lower>]] = &[
     shape::OPS,
     index::OPS,
     constant::OPS,
+    control::OPS,
 ];
 
 const OP_NAMES: [&str; table::op_count(FAMILIES)] = table::sorted_names(FAMILIES);
@@ -58,14 +60,13 @@ pub(crate) struct Lowering<'i, 'a, 'n> {
     pub(crate) attrs: Attrs<'n>,
 }
 
-/// Lowers `node` by its op's table entry and binds its output name.
+/// Lowers `node` by its op's table entry and binds its outputs' names.
 pub(crate) fn lower(
     imp: &mut Importer<'_>,
     node: &NodeProto,
     describe: &str,
 ) -> Result<(), OnnxError> {
     let attrs = Attrs { node, describe };
-    let output = single_output(node, &attrs)?;
     let Some(op) = table::find(FAMILIES, &node.op_type) else {
         return Err(OnnxError::UnsupportedOp {
             node: describe.to_string(),
@@ -82,21 +83,54 @@ pub(crate) fn lower(
     let mut lowering = Lowering { imp, node, attrs };
     match op.lower {
         Lower::Value(lower_value) => {
+            let output = single_output(node, &lowering.attrs)?;
             let value = lower_value(&mut lowering)?;
             lowering.imp.define_value(output, origin, value)
         }
         Lower::Alias(lower_alias) => {
+            let output = single_output(node, &lowering.attrs)?;
             let source = lower_alias(&mut lowering)?;
             lowering.imp.define_alias(output, origin, source, describe)
         }
         Lower::Constant(lower_constant) => {
+            let output = single_output(node, &lowering.attrs)?;
             let data = lower_constant(&mut lowering)?;
             lowering.imp.define_constant(output, origin, data)
+        }
+        Lower::Values(lower_values) => {
+            let values = lower_values(&mut lowering)?;
+            bind_outputs(lowering.imp, node, describe, values)
         }
     }
 }
 
-/// Every supported op has one required output; a second one (Dropout's
+/// Binds each named output of `node` to its value, in order; an empty
+/// name is an output the model does not use.
+fn bind_outputs(
+    imp: &mut Importer<'_>,
+    node: &NodeProto,
+    describe: &str,
+    values: Vec<ValueId>,
+) -> Result<(), OnnxError> {
+    if node.output.len() > values.len() {
+        return Err(OnnxError::InvalidNode {
+            node: describe.to_string(),
+            cause: format!(
+                "the node has {} outputs; it computes {}",
+                node.output.len(),
+                values.len()
+            ),
+        });
+    }
+    for (position, (name, value)) in node.output.iter().zip(values).enumerate() {
+        if !name.is_empty() {
+            imp.define_value(name, format!("output {position} of {describe}"), value)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every op but the control-flow ones has one required output; a second one (Dropout's
 /// mask, MaxPool's indices) is refused, since import does not compute it.
 fn single_output<'n>(node: &'n NodeProto, attrs: &Attrs<'_>) -> Result<&'n str, OnnxError> {
     let Some(first) = node.output.first() else {

@@ -26,6 +26,9 @@ pub(crate) enum Lower {
     Alias(for<'l, 'i, 'a, 'n> fn(&'l mut Lowering<'i, 'a, 'n>) -> Result<&'n str, OnnxError>),
     /// A constant known at import time (Constant).
     Constant(fn(&mut Lowering<'_, '_, '_>) -> Result<TensorData, OnnxError>),
+    /// One new value per output, in order (If, Loop and Scan, whose
+    /// outputs are a control-flow node's results).
+    Values(fn(&mut Lowering<'_, '_, '_>) -> Result<Vec<ValueId>, OnnxError>),
 }
 
 impl OpEntry<Lower> {
@@ -56,6 +59,18 @@ impl OpEntry<Lower> {
         OpEntry {
             name,
             lower: Lower::Constant(lower),
+        }
+    }
+}
+
+impl OpEntry<Lower> {
+    pub(crate) const fn values(
+        name: &'static str,
+        lower: fn(&mut Lowering<'_, '_, '_>) -> Result<Vec<ValueId>, OnnxError>,
+    ) -> Self {
+        OpEntry {
+            name,
+            lower: Lower::Values(lower),
         }
     }
 }

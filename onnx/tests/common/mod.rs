@@ -5,7 +5,7 @@
 
 use anyhow::{Context, Result, bail, ensure};
 use canopy_engine::{Backend, CpuBackend, Value};
-use canopy_ir::Graph;
+use canopy_ir::{Buffer, Graph};
 use canopy_onnx::proto::tensor_shape_proto::{Dimension, dimension};
 use canopy_onnx::proto::{
     AttributeProto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorProto,
@@ -105,6 +105,33 @@ pub fn attr_strings(name: &str, values: &[&str]) -> AttributeProto {
         name: name.to_string(),
         r#type: attribute_type::STRINGS,
         strings: values.iter().map(|v| v.as_bytes().to_vec()).collect(),
+        ..Default::default()
+    }
+}
+
+pub fn attr_graph(name: &str, g: GraphProto) -> AttributeProto {
+    AttributeProto {
+        name: name.to_string(),
+        r#type: attribute_type::GRAPH,
+        g: Some(g),
+        ..Default::default()
+    }
+}
+
+/// A subgraph (a Loop or Scan body, an If branch).
+pub fn subgraph(
+    name: &str,
+    nodes: Vec<NodeProto>,
+    inputs: Vec<ValueInfoProto>,
+    outputs: Vec<ValueInfoProto>,
+    initializers: Vec<TensorProto>,
+) -> GraphProto {
+    GraphProto {
+        name: name.to_string(),
+        node: nodes,
+        input: inputs,
+        output: outputs,
+        initializer: initializers,
         ..Default::default()
     }
 }
@@ -240,5 +267,98 @@ pub fn assert_close(what: &str, actual: &Value, shape: &[usize], expected: &[f32
             "{what}[{index}]: got {got}, expected {want} (all: {values:?})"
         );
     }
+    Ok(())
+}
+
+pub fn python() -> String {
+    std::env::var("CANOPY_PYTHON").unwrap_or_else(|_| "python3".to_string())
+}
+
+/// JSON for an f32 (NaN and infinities as Python's json reads them).
+fn json_number(value: f64) -> String {
+    if value.is_nan() {
+        "NaN".to_string()
+    } else if value.is_infinite() {
+        if value > 0.0 { "Infinity" } else { "-Infinity" }.to_string()
+    } else {
+        format!("{value:?}")
+    }
+}
+
+/// A tensor as `tests/reference/export_ops.py` reads it.
+pub fn json_tensor(name: &str, value: &Value) -> String {
+    let data = value.to_data();
+    let elements: Vec<String> = match &data.buffer {
+        Buffer::F32(v) => v.iter().map(|&x| json_number(f64::from(x))).collect(),
+        Buffer::I64(v) => v.iter().map(i64::to_string).collect(),
+        Buffer::I32(v) => v.iter().map(i32::to_string).collect(),
+        Buffer::Bool(v) => v.iter().map(bool::to_string).collect(),
+    };
+    format!(
+        r#"{{"name": "{name}", "dtype": "{}", "shape": {:?}, "data": [{}]}}"#,
+        data.dtype(),
+        data.shape,
+        elements.join(", ")
+    )
+}
+
+/// One model for ONNX Runtime, its inputs and the outputs canopy
+/// computed for them.
+pub struct ReferenceCase {
+    pub name: String,
+    pub model: ModelProto,
+    pub inputs: Vec<(String, Value)>,
+    pub outputs: Vec<(String, Value)>,
+}
+
+/// Runs `tests/reference/export_ops.py` on `cases`: each model must pass
+/// `onnx.checker` with full shape inference and ONNX Runtime must compute
+/// the outputs canopy computed (floats to 1e-5).
+pub fn onnx_runtime_agrees(cases: &[ReferenceCase]) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut manifest = Vec::with_capacity(cases.len());
+    for case in cases {
+        let file = format!("{}.onnx", case.name);
+        std::fs::write(dir.path().join(&file), case.model.encode_to_vec())?;
+        let tensors = |values: &[(String, Value)]| {
+            values
+                .iter()
+                .map(|(name, value)| json_tensor(name, value))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        manifest.push(format!(
+            r#"{{"name": "{}", "file": "{file}", "inputs": [{}], "outputs": [{}]}}"#,
+            case.name,
+            tensors(&case.inputs),
+            tensors(&case.outputs)
+        ));
+    }
+    std::fs::write(
+        dir.path().join("cases.json"),
+        format!("[\n{}\n]", manifest.join(",\n")),
+    )?;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/export_ops.py");
+    let output = std::process::Command::new(python())
+        .arg(script)
+        .arg(dir.path())
+        .output()
+        .with_context(|| {
+            format!(
+                "cannot run `{}`; hint: pip install -r requirements-dev.txt",
+                python()
+            )
+        })?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!(
+            "ONNX Runtime disagrees with canopy:\n{stdout}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    ensure!(
+        stdout.contains(&format!("{} cases match", cases.len())),
+        "{stdout}"
+    );
     Ok(())
 }
