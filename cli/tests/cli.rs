@@ -260,12 +260,33 @@ fn inspect_shows_entry_points_parameters_and_digest() {
         "infer",
         "eval",
         "matmul×",
+        // The CPU runs a linear layer and its activation as one kernel.
+        "fused:   ",
+        "matmul+add+relu×1",
     ] {
         assert!(
             text.contains(needle),
             "inspect output lacks `{needle}`:\n{text}"
         );
     }
+    let listed = ok(canopy(&["model", "inspect", &model, "--fused"]));
+    assert!(
+        listed.contains("matmul, %") && listed.contains("= fused["),
+        "{listed}"
+    );
+    let json = last_json(&ok(canopy(&["model", "inspect", &model, "--json"])));
+    let step = &json["entry_points"]["train_step"];
+    let fused = &step["cpu_fusion"];
+    assert_eq!(fused["nodes"], step["nodes"]);
+    let (nodes, after) = (
+        fused["nodes"].as_u64().unwrap(),
+        fused["after_fusion"].as_u64().unwrap(),
+    );
+    assert!(after < nodes, "{fused}");
+    assert!(
+        fused["fused_kernels"].as_object().unwrap().len() >= 3,
+        "{fused}"
+    );
 }
 
 #[test]

@@ -127,14 +127,20 @@ fn model_bench_json_prints_only_json() {
         &data,
         "--epochs",
         "1",
+        "--charlm-steps",
+        "1",
         "--json",
         "--backend",
         "cpu",
     ]);
     let bench = stdout_json(&out, "model bench --json");
     assert_eq!(bench["backend"], "cpu", "{bench}");
+    for figure in ["mlp_train_samples_per_s", "charlm_train_samples_per_s"] {
+        assert!(bench[figure].as_f64() > Some(0.0), "{figure}: {bench}");
+    }
+    let fusion = &bench["train_step_cpu_fusion"]["charlm"];
     assert!(
-        bench["mlp_train_samples_per_s"].as_f64() > Some(0.0),
+        fusion["after_fusion"].as_u64() < fusion["nodes"].as_u64(),
         "{bench}"
     );
     assert!(bench["adapter"].is_null(), "{bench}");
@@ -161,6 +167,8 @@ fn model_bench_on_a_software_adapter_says_so() {
         "--data",
         &data,
         "--epochs",
+        "1",
+        "--charlm-steps",
         "1",
         "--json",
         "--backend",
@@ -252,7 +260,7 @@ fn model_bench_shows_its_progress_on_a_terminal() {
     let data = tiny_mnist(&dir, 1024, 64);
     let json = dir.join("bench.json");
     let command_line = format!(
-        "{} model bench --data {} --epochs 1 --json --backend cpu > {}",
+        "{} model bench --data {} --epochs 1 --charlm-steps 1 --json --backend cpu > {}",
         shell_quote(env!("CARGO_BIN_EXE_canopy")),
         shell_quote(&data),
         shell_quote(&json.display().to_string())
@@ -266,7 +274,7 @@ fn model_bench_shows_its_progress_on_a_terminal() {
     succeeded(&out, "model bench under script");
     let terminal = String::from_utf8_lossy(&out.stdout);
     assert!(
-        terminal.contains("/7 backward/forward ratios") && terminal.contains("/7 matmul"),
+        terminal.contains("/8 charlm training") && terminal.contains("/8 matmul"),
         "the bar names the steps: {terminal:?}"
     );
     let written = std::fs::read(&json).unwrap();

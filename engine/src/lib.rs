@@ -14,6 +14,7 @@ pub mod data;
 pub mod error;
 pub mod fold;
 pub mod function;
+pub mod fuse;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 #[cfg(not(feature = "gpu"))]

@@ -238,6 +238,78 @@ fn a_charlm_learns_hamlets_next_character() {
     );
 }
 
+/// A `charlm` trains on the GPU as on the CPU: its loops run there, with
+/// the parameters and the optimizer state resident on the device, over
+/// the same batches; after a few Adam steps its parameters are the CPU's,
+/// and its evaluation on the GPU gives the CPU's loss.
+#[test]
+fn a_charlm_trains_and_evaluates_on_the_gpu_as_on_the_cpu() {
+    let Some(gpu) = common::gpu_under_test() else {
+        return;
+    };
+    let sequence = 8;
+    let train = role_samples("hamlet", "HAM", Part::Train, sequence);
+    let train = train.subset(&(0..128).collect::<Vec<_>>());
+    let test = role_samples("hamlet", "HAM", Part::Test, sequence);
+    let test = test.subset(&(0..100).collect::<Vec<_>>());
+    for (cell, layers) in [(Cell::Gru, 1), (Cell::Lstm, 2)] {
+        let config = ModelConfig {
+            architecture: Architecture::CharLm {
+                vocabulary: canopy_engine::data::VOCABULARY_SIZE,
+                sequence,
+                embedding: 4,
+                hidden: 8,
+                layers,
+                cell,
+                unrolled: false,
+            },
+            seed: 3,
+            optimizer: Optimizer::parse("adam").expect("adam"),
+            frozen_prefixes: vec![],
+            producer: "test".into(),
+        };
+        let start = build_model(&config).expect("model");
+        let trained = |backend: &dyn canopy_engine::Backend| {
+            let mut trainer = Trainer::new(&start, backend, 1).expect("trainer");
+            fit(
+                &mut trainer,
+                &train,
+                &FitConfig::new(1, 32, 0.01, 1),
+                &mut |_| ControlFlow::Continue(()),
+            )
+            .expect("fit");
+            let mut model = start.clone();
+            trainer.write_back(&mut model).expect("write back");
+            model
+        };
+        let (on_cpu, on_gpu) = (trained(&CpuBackend), trained(&gpu));
+        let what = cell.name();
+        let mut moved = false;
+        for (c, g) in on_cpu.parameters.iter().zip(&on_gpu.parameters) {
+            let (c, g) = (c.data.as_f32().expect("f32"), g.data.as_f32().expect("f32"));
+            let norm = |v: &mut dyn Iterator<Item = f32>| {
+                v.map(|x| f64::from(x).powi(2)).sum::<f64>().sqrt()
+            };
+            let difference = norm(&mut c.iter().zip(g).map(|(a, b)| a - b));
+            assert!(
+                difference <= 1e-4 * norm(&mut c.iter().copied()),
+                "{what}: CPU and GPU differ by {difference} in L2"
+            );
+        }
+        for (p, s) in on_gpu.parameters.iter().zip(&start.parameters) {
+            moved |= p.trainable && p.data != s.data;
+        }
+        assert!(moved, "{what}: training moved the parameters");
+        let cpu = evaluate(&on_gpu, &test, 64, &CpuBackend).expect("CPU evaluation");
+        let on_device = evaluate(&on_gpu, &test, 64, &gpu).expect("GPU evaluation");
+        assert_eq!(cpu.samples, on_device.samples);
+        assert!(
+            (cpu.loss - on_device.loss).abs() <= 1e-5 * cpu.loss.abs().max(1.0),
+            "{what}: CPU {cpu:?}, GPU {on_device:?}"
+        );
+    }
+}
+
 /// Nodes of a graph and of every graph nested in it.
 fn all_nodes(graph: &canopy_ir::Graph) -> usize {
     graph.len()

@@ -426,23 +426,15 @@ fn a_while_loop_stops_on_its_condition_or_its_bound() {
         g
     };
     let inputs = vec![Value::scalar_f32(1.5), Value::scalar_f32(100.0)];
-    let out = CpuBackend
-        .compile(&graph(50))
-        .expect("compile")
-        .run(inputs.clone())
-        .expect("run");
+    let out = run(&graph(50), inputs.clone());
     assert_eq!(out, vec![Value::scalar_f32(192.0), Value::scalar_i64(7)]);
-    let out = CpuBackend
-        .compile(&graph(3))
-        .expect("compile")
-        .run(inputs)
-        .expect("run");
+    let out = run(&graph(3), inputs);
     assert_eq!(out, vec![Value::scalar_f32(12.0), Value::scalar_i64(3)]);
 }
 
-/// A failure inside a body names the loop's node and the step.
-#[test]
-fn an_error_inside_a_body_names_the_node_and_the_step() {
+/// A scan that sums `table[index]` over three indices, the last out of
+/// range.
+fn scan_with_a_bad_index() -> (Graph, Vec<Value>) {
     let mut body = Graph::new();
     let total = body.input("total", f32_ty(&[])).expect("total");
     let index = body
@@ -481,6 +473,13 @@ fn an_error_inside_a_body_names_the_node_and_the_step() {
         Value::i64(&[3, 1], vec![0, 1, 7]).expect("indices"),
         Value::f32(&[2], vec![1.0, 2.0]).expect("table"),
     ];
+    (g, inputs)
+}
+
+/// A failure inside a body names the loop's node and the step.
+#[test]
+fn an_error_inside_a_body_names_the_node_and_the_step() {
+    let (g, inputs) = scan_with_a_bad_index();
     let error = CpuBackend
         .compile(&g)
         .expect("compile")
@@ -748,5 +747,354 @@ fn a_checkpoint_that_does_not_divide_the_length_is_refused() {
     assert!(
         message.contains("checkpoint 3 does not divide the length 10") && message.contains("= 2"),
         "{message}"
+    );
+}
+
+// ---- on the GPU ----------------------------------------------------------
+//
+// Every graph above also runs on the GPU and is checked against the CPU
+// (`common::compile`). These check what that cross-check cannot see: what
+// crosses between host and device, the carries a body moves between one
+// another, trip counts written from the host, and refusals and errors.
+
+/// Bytes a value takes on the device (bool as u32, i64 as two words).
+fn device_bytes(values: &[Value]) -> u64 {
+    values
+        .iter()
+        .map(|v| {
+            let element = if v.dtype() == DType::I64 { 8 } else { 4 };
+            element * v.len() as u64
+        })
+        .sum()
+}
+
+/// Runs `graph` on the GPU and on the CPU, checks that they agree, and
+/// returns the GPU's transfers for the one run.
+fn gpu_transfers(
+    gpu: &canopy_engine::GpuBackend,
+    graph: &Graph,
+    inputs: &[Value],
+) -> canopy_engine::backend::TransferCounters {
+    let want = CpuBackend
+        .compile(graph)
+        .and_then(|mut exe| exe.run(inputs.to_vec()))
+        .expect("CPU run");
+    let mut exe = gpu.compile(graph).expect("the GPU compiles control flow");
+    let before = exe.transfers();
+    let got = exe.run(inputs.to_vec()).expect("GPU run");
+    let after = exe.transfers();
+    assert_eq!(want.len(), got.len());
+    for ((w, g), name) in want.iter().zip(&got).zip(exe.output_names()) {
+        common::assert_close_across_backends(name, w, g);
+    }
+    let down = after.device_to_host_bytes - before.device_to_host_bytes;
+    let flags = 4 * (2 + want.len() as u64);
+    assert!(down >= device_bytes(&want) + flags, "{down} bytes down");
+    canopy_engine::backend::TransferCounters {
+        host_to_device_bytes: after.host_to_device_bytes - before.host_to_device_bytes,
+        device_to_host_bytes: down - device_bytes(&want) - flags,
+        submissions: after.submissions - before.submissions,
+        dispatches: after.dispatches - before.dispatches,
+    }
+}
+
+/// A scan's steps stay on the device: a run moves the inputs up and the
+/// outputs (and the run's flag words) down and nothing per step, in one
+/// submission for a short scan and a few for a long one, whose steps are
+/// recorded in batches.
+#[test]
+fn a_scan_on_the_gpu_reads_nothing_back_between_steps() {
+    let Some(gpu) = common::gpu_under_test() else {
+        return;
+    };
+    for steps in [5, 600] {
+        let inputs = rnn_inputs(steps, 2, 3, 16);
+        let moved = gpu_transfers(&gpu, &rnn_scan(steps, 2, 3, steps == 5), &inputs);
+        assert_eq!(moved.host_to_device_bytes, device_bytes(&inputs), "{steps}");
+        assert_eq!(moved.device_to_host_bytes, 0, "{steps} steps: read back");
+        let most = if steps == 5 { 1 } else { 4 };
+        assert!(
+            (1..=most).contains(&moved.submissions),
+            "{steps} steps: {} submissions",
+            moved.submissions
+        );
+        assert!(moved.dispatches >= steps as u64, "{moved:?}");
+    }
+}
+
+/// A while loop reads one word back per decision, the condition before
+/// each trip (n + 1 of them for n trips the condition ends, n for a loop
+/// its bound ends), and writes only its trip count from the host.
+#[test]
+fn a_while_loop_on_the_gpu_reads_back_one_word_per_decision() {
+    let Some(gpu) = common::gpu_under_test() else {
+        return;
+    };
+    for (max_trips, decisions) in [(8, 6), (3, 3)] {
+        let inputs = counted_inputs(4.5);
+        let moved = gpu_transfers(&gpu, &counted_loop(max_trips), &inputs);
+        assert_eq!(
+            moved.device_to_host_bytes,
+            4 * decisions,
+            "bound {max_trips}"
+        );
+        assert_eq!(
+            moved.host_to_device_bytes,
+            device_bytes(&inputs) + 8,
+            "the inputs and the trip count"
+        );
+    }
+}
+
+/// A cond reads its predicate back, one word, and runs only its branch.
+#[test]
+fn a_cond_on_the_gpu_reads_back_its_predicate_alone() {
+    let Some(gpu) = common::gpu_under_test() else {
+        return;
+    };
+    let mut rng = Rng(17);
+    let (x, w) = (random(&[2, 3], &mut rng), random(&[2, 3], &mut rng));
+    for pred in [true, false] {
+        let inputs = vec![bool_scalar(pred), x.clone(), w.clone()];
+        let moved = gpu_transfers(&gpu, &cond_graph(&[2, 3]), &inputs);
+        assert_eq!(moved.device_to_host_bytes, 4, "pred {pred}");
+        // then: two muls (fused into one kernel), else: exp and add (one).
+        assert_eq!(moved.dispatches, 1, "pred {pred}: only the branch runs");
+    }
+}
+
+/// Bodies that hand carries to one another: a step of Fibonacci swaps
+/// its two carries, (a, b) → (b, a + b), so each new carry is read from
+/// the other's buffer; in a scan (with `a` stacked) and a while loop.
+#[test]
+fn carries_that_swap_move_as_on_the_cpu() {
+    let scalar = || f32_ty(&[]);
+    let step = |g: &mut Graph, extra: &[TensorType]| {
+        let a = g.input("a", scalar()).expect("a");
+        let b = g.input("b", scalar()).expect("b");
+        let rest: Vec<ValueId> = extra
+            .iter()
+            .enumerate()
+            .map(|(k, ty)| g.input(format!("c{k}"), ty.clone()).expect("input"))
+            .collect();
+        let sum = g.add(a, b).expect("a + b");
+        (a, b, sum, rest)
+    };
+    let mut body = Graph::new();
+    let (a, b, sum, _) = step(&mut body, &[]);
+    body.set_output("a", b).expect("out");
+    body.set_output("b", sum).expect("out");
+    body.set_output("y", a).expect("out");
+    let mut g = Graph::new();
+    let a0 = g.input("a0", scalar()).expect("a0");
+    let b0 = g.input("b0", scalar()).expect("b0");
+    let scan = Scan {
+        body,
+        carries: 2,
+        scanned: 0,
+        length: Dim::Fixed(10),
+        reverse: false,
+        checkpoint: 0,
+    };
+    let results = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[a0, b0])
+        .expect("scan");
+    g.set_output("a", results[0]).expect("out");
+    g.set_output("b", results[1]).expect("out");
+    g.set_output("ys", results[2]).expect("out");
+    let out = run(&g, vec![Value::scalar_f32(0.0), Value::scalar_f32(1.0)]);
+    assert_eq!(out[0], Value::scalar_f32(55.0));
+    assert_eq!(out[1], Value::scalar_f32(89.0));
+    let fibonacci = [0.0, 1.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0, 34.0];
+    assert_eq!(out[2], Value::f32(&[10], fibonacci.to_vec()).expect("ys"));
+
+    let mut cond = Graph::new();
+    let (_, b, _, rest) = step(&mut cond, &[scalar()]);
+    let go = cond.binary(BinaryOp::Lt, b, rest[0]).expect("b < bound");
+    cond.set_output("go", go).expect("out");
+    let mut body = Graph::new();
+    let (_, b, sum, _) = step(&mut body, &[scalar()]);
+    body.set_output("a", b).expect("out");
+    body.set_output("b", sum).expect("out");
+    let mut g = Graph::new();
+    let a0 = g.input("a0", scalar()).expect("a0");
+    let b0 = g.input("b0", scalar()).expect("b0");
+    let bound = g.input("bound", scalar()).expect("bound");
+    let w = WhileLoop {
+        cond,
+        body,
+        carries: 2,
+        max_trips: 100,
+    };
+    let results = g
+        .push_tuple(Op::WhileLoop(Box::new(w)), &[a0, b0, bound])
+        .expect("while");
+    g.set_output("a", results[0]).expect("out");
+    g.set_output("b", results[1]).expect("out");
+    g.set_output("trips", results[2]).expect("out");
+    let out = run(
+        &g,
+        vec![
+            Value::scalar_f32(0.0),
+            Value::scalar_f32(1.0),
+            Value::scalar_f32(50.0),
+        ],
+    );
+    assert_eq!(
+        out,
+        vec![
+            Value::scalar_f32(34.0),
+            Value::scalar_f32(55.0),
+            Value::scalar_i64(9),
+        ]
+    );
+}
+
+/// A while loop inside a scan's body: each step doubles 1 until it
+/// reaches that step's bound and stacks the trips it took, so each
+/// step's trip count, written from the host, must land in its own row.
+#[test]
+fn a_while_loop_inside_a_scan_counts_each_steps_trips() {
+    let scalar = || f32_ty(&[]);
+    let mut cond = Graph::new();
+    let v = cond.input("v", scalar()).expect("v");
+    let bound = cond.input("bound", scalar()).expect("bound");
+    let go = cond.binary(BinaryOp::Lt, v, bound).expect("v < bound");
+    cond.set_output("go", go).expect("out");
+    let mut doubling = Graph::new();
+    let v = doubling.input("v", scalar()).expect("v");
+    let _bound = doubling.input("bound", scalar()).expect("bound");
+    let twice = doubling.add(v, v).expect("2v");
+    doubling.set_output("v", twice).expect("out");
+    let mut body = Graph::new();
+    let total = body.input("total", scalar()).expect("total");
+    let bound = body.input("bound", scalar()).expect("bound");
+    let one = body.scalar(1.0).expect("1");
+    let w = WhileLoop {
+        cond,
+        body: doubling,
+        carries: 1,
+        max_trips: 6,
+    };
+    let inner = body
+        .push_tuple(Op::WhileLoop(Box::new(w)), &[one, bound])
+        .expect("while");
+    let next = body.add(total, inner[0]).expect("total + v");
+    body.set_output("total", next).expect("out");
+    body.set_output("trips", inner[1]).expect("out");
+    let mut g = Graph::new();
+    let start = g.input("start", scalar()).expect("start");
+    let bounds = g.input("bounds", f32_ty(&[5])).expect("bounds");
+    let scan = Scan {
+        body,
+        carries: 1,
+        scanned: 1,
+        length: Dim::Fixed(5),
+        reverse: true,
+        checkpoint: 0,
+    };
+    let results = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[start, bounds])
+        .expect("scan");
+    g.set_output("total", results[0]).expect("out");
+    g.set_output("trips", results[1]).expect("out");
+    let bounds = Value::f32(&[5], vec![1.0, 3.0, 100.0, 8.0, 0.5]).expect("bounds");
+    let out = run(&g, vec![Value::scalar_f32(0.0), bounds]);
+    // 1, 4, 64 (the bound of 6 trips ends it), 8, 1.
+    assert_eq!(out[0], Value::scalar_f32(78.0));
+    assert_eq!(
+        out[1],
+        Value::i64(&[5], vec![0, 2, 6, 3, 0]).expect("trips")
+    );
+}
+
+/// A scan of no steps returns its initial carries and empty stacks.
+#[test]
+fn a_scan_of_no_steps_returns_its_initial_carries() {
+    let mut g = Graph::new();
+    let h0 = g.input("h0", f32_ty(&[2, 3])).expect("h0");
+    let xs = g.input("xs", f32_ty(&[0, 2, 3])).expect("xs");
+    let w = g.input("w", f32_ty(&[3, 3])).expect("w");
+    let scan = Scan {
+        body: rnn_body(2, 3),
+        carries: 1,
+        scanned: 1,
+        length: Dim::Fixed(0),
+        reverse: false,
+        checkpoint: 0,
+    };
+    let results = g
+        .push_tuple(Op::Scan(Box::new(scan)), &[h0, xs, w])
+        .expect("scan");
+    g.set_output("h", results[0]).expect("out");
+    g.set_output("ys", results[1]).expect("out");
+    let mut inputs = rnn_inputs(1, 2, 3, 18);
+    inputs[1] = Value::f32(&[0, 2, 3], vec![]).expect("no steps");
+    let out = run(&g, inputs.clone());
+    assert_eq!(out[0], inputs[0]);
+    assert_eq!(out[1].shape(), &[0, 2, 3]);
+}
+
+/// A body the adapter cannot hold (a value of 64 GiB inside it) is
+/// refused when the plan is laid out, naming the loop it sits in.
+#[test]
+fn a_body_past_the_adapters_limits_is_refused_naming_its_loop() {
+    let Some(gpu) = common::gpu_under_test() else {
+        return;
+    };
+    let huge = 1usize << 34;
+    let mut body = Graph::new();
+    let c = body.input("c", f32_ty(&[1])).expect("c");
+    let spread = body
+        .push(
+            Op::Broadcast {
+                shape: vec![Dim::Fixed(huge)],
+            },
+            &[c],
+        )
+        .expect("broadcast");
+    let total = body.sum(spread, &[0], true).expect("sum");
+    body.set_output("c", total).expect("out");
+    let mut g = Graph::new();
+    let c0 = g.input("c0", f32_ty(&[1])).expect("c0");
+    let scan = Scan {
+        body,
+        carries: 1,
+        scanned: 0,
+        length: Dim::Fixed(2),
+        reverse: false,
+        checkpoint: 0,
+    };
+    let c = g.push_tuple(Op::Scan(Box::new(scan)), &[c0]).expect("scan")[0];
+    g.set_output("c", c).expect("out");
+    let error = gpu
+        .compile(&g)
+        .expect("compiles: the plan is laid out at the first run")
+        .run(vec![Value::f32(&[1], vec![1.0]).expect("c0")])
+        .expect_err("64 GiB in the body");
+    let message = error.to_string();
+    assert!(
+        matches!(error, canopy_engine::EngineError::Gpu { .. })
+            && message.contains("in the body of node %1 (scan)")
+            && message.contains("bytes"),
+        "{message}"
+    );
+}
+
+/// An index out of range inside a body fails the run on the GPU too.
+#[test]
+fn an_index_out_of_range_inside_a_body_fails_on_the_gpu() {
+    let Some(gpu) = common::gpu_under_test() else {
+        return;
+    };
+    let (g, inputs) = scan_with_a_bad_index();
+    let error = gpu
+        .compile(&g)
+        .expect("compile")
+        .run(inputs)
+        .expect_err("index 7 of 2");
+    assert!(
+        error.to_string().contains("index was out of range"),
+        "{error}"
     );
 }

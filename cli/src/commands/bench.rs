@@ -34,6 +34,9 @@ pub struct BenchArgs {
     /// Epochs of the LeNet-5 workload.
     #[arg(long, default_value_t = 1)]
     lenet_epochs: usize,
+    /// Timed training steps of the charlm workload (after 3 warm-up steps).
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    charlm_steps: u32,
     /// Print one JSON object and nothing else on stdout (a warning about a
     /// software adapter goes to stderr).
     #[arg(long)]
@@ -50,7 +53,13 @@ const LR: f32 = 0.1;
 const MEASURE: Duration = Duration::from_millis(600);
 
 /// The steps `run` shows on its progress bar, in order.
-const STEPS: usize = 7;
+const STEPS: usize = 8;
+
+/// The recurrent workload's batch (`bench/jax_baselines.py` runs the same
+/// one on JAX's `lax.scan`): one GRU of 256 over 80 characters of a
+/// 77-character vocabulary with an 8-wide embedding.
+const CHARLM_BATCH: usize = 32;
+const CHARLM_WARM_UP_STEPS: usize = 3;
 
 pub fn run(args: BenchArgs) -> Result<()> {
     let opened = open_backend(args.backend)?;
@@ -97,6 +106,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "lenet5 training:         {lenet_rate:.0} samples/s ({} epochs)",
         args.lenet_epochs
     ))?;
+    report.steps.step("charlm training");
+    let charlm_rate = charlm_throughput(backend, args.charlm_steps as usize)?;
+    report.line(format_args!(
+        "charlm gru256 training:  {charlm_rate:.0} samples/s (sequence 80, batch {CHARLM_BATCH})"
+    ))?;
     report.steps.step("backward/forward ratios");
     let mlp_ratio = backward_forward_ratio(&mlp, &mlp_train, backend)?;
     let lenet_ratio = backward_forward_ratio(&lenet, &lenet_train, backend)?;
@@ -117,6 +131,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
     report.line(format_args!(
         "mlp train_step nodes:    {nodes_before} before passes, {nodes_after} after"
     ))?;
+    let mut fusion = serde_json::Map::new();
+    for (name, model) in [
+        ("mlp", &mlp),
+        ("lenet5", &lenet),
+        ("charlm", &charlm_model()?),
+    ] {
+        let fused = canopy_engine::cpu::fusion_report(model.entry("train_step")?)?;
+        report.line(format_args!(
+            "{name} train_step on the CPU: {} nodes, {} after fusion ({} fused kernels at the top level)",
+            fused.nodes,
+            fused.after_fusion,
+            fused.groups.len()
+        ))?;
+        fusion.insert(
+            name.to_string(),
+            serde_json::json!({"nodes": fused.nodes, "after_fusion": fused.after_fusion}),
+        );
+    }
     report.steps.step("matmul");
     let mut gflops = serde_json::Map::new();
     for n in [256, 512, 1024] {
@@ -132,6 +164,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             serde_json::json!({
                 "mlp_train_samples_per_s": mlp_rate,
                 "lenet5_train_samples_per_s": lenet_rate,
+                "charlm_train_samples_per_s": charlm_rate,
                 "backward_forward_ratio": mlp_ratio,
                 "lenet5_backward_forward_ratio": lenet_ratio,
                 "matmul_gflops": gflops,
@@ -139,6 +172,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 "lenet5_frozen_backbone_step_ms": frozen_ms,
                 "mlp_train_step_nodes_before_passes": nodes_before,
                 "mlp_train_step_nodes_after_passes": nodes_after,
+                "train_step_cpu_fusion": fusion,
                 "threads": rayon::current_num_threads(),
                 "backend": backend.name(),
                 "adapter": adapter.as_ref().map(|a| serde_json::json!({
@@ -265,6 +299,41 @@ fn train_throughput(
     })?;
     let samples: usize = stats.iter().map(|e| e.samples).sum();
     Ok(samples as f64 / started.elapsed().as_secs_f64())
+}
+
+fn charlm_model() -> Result<Model> {
+    model(Architecture::CharLm {
+        vocabulary: 77,
+        sequence: 80,
+        embedding: 8,
+        hidden: 256,
+        layers: 1,
+        cell: canopy_engine::recurrent::Cell::Gru,
+        unrolled: false,
+    })
+}
+
+/// Samples per second of `charlm` training steps on random characters
+/// (the speed of a step does not depend on the text).
+fn charlm_throughput(backend: &dyn Backend, steps: usize) -> Result<f64> {
+    let model = charlm_model()?;
+    let samples = CHARLM_BATCH * (steps + CHARLM_WARM_UP_STEPS);
+    // A fixed multiplicative hash: reproducible characters, no RNG state.
+    let character = |i: usize| (i.wrapping_mul(2_654_435_761) >> 7) % 77;
+    let features = (0..samples * 80).map(|i| character(i) as f32).collect();
+    let labels = (0..samples).map(|i| character(i + 13) as i64).collect();
+    let train = Dataset::new(features, vec![80], labels, 77)?;
+    let mut trainer = Trainer::new(&model, backend, 0)?;
+    let batches: Vec<_> = train.batches(CHARLM_BATCH, None, true)?.collect();
+    let (warm_up, timed) = batches.split_at(CHARLM_WARM_UP_STEPS);
+    for b in warm_up {
+        trainer.step(b.x.clone(), b.y.clone(), LR)?;
+    }
+    let started = Instant::now();
+    for b in timed {
+        trainer.step(b.x.clone(), b.y.clone(), LR)?;
+    }
+    Ok((timed.len() * CHARLM_BATCH) as f64 / started.elapsed().as_secs_f64())
 }
 
 /// (time of forward+backward − time of forward) / time of forward, for the

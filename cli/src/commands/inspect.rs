@@ -1,6 +1,8 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
+use canopy_engine::cpu::{FusionReport, fusion_report};
+use canopy_ir::Graph;
 use canopy_ir::format::digest_hex;
 use canopy_ir::model::{PARAM_PREFIX, STATE_PREFIX};
 use clap::Args;
@@ -14,12 +16,16 @@ pub struct InspectArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// List every group of nodes the CPU backend fuses into one kernel,
+    /// with its nodes, instead of a count of each kind.
+    #[arg(long)]
+    fused: bool,
 }
 
 pub fn run(args: InspectArgs) -> Result<()> {
     let (model, digest) = read_model_file(&args.file)?;
     if args.json {
-        outln!("{}", to_json(&model, &digest))?;
+        outln!("{}", to_json(&model, &digest)?)?;
         return Ok(());
     }
     let meta = &model.metadata;
@@ -75,11 +81,66 @@ pub fn run(args: InspectArgs) -> Result<()> {
             .map(|(op, n)| format!("{op}×{n}"))
             .collect();
         outln!("    ops:     {}", counts.join(" "))?;
+        print_fusion(graph, args.fused)?;
     }
     Ok(())
 }
 
-fn to_json(model: &canopy_ir::Model, digest: &[u8; 32]) -> serde_json::Value {
+/// How the CPU backend runs `graph`: its node count before and after
+/// fusion, and its fused kernels (each listed with `all`, else counted by
+/// kind).
+fn print_fusion(graph: &Graph, all: bool) -> Result<()> {
+    let report = fusion_report(graph)?;
+    outln!(
+        "    fused:   {} nodes -> {} on the CPU (loop bodies included), {} fused kernels at the top level",
+        report.nodes,
+        report.after_fusion,
+        report.groups.len()
+    )?;
+    if all {
+        for group in &report.groups {
+            let members: Vec<String> = group
+                .members
+                .iter()
+                .map(|&m| format!("%{m} {}", graph.nodes()[m].op.name()))
+                .collect();
+            let reads: Vec<String> = group.inputs.iter().map(|v| format!("%{v}")).collect();
+            outln!(
+                "      %{} = fused[{}] reads {}",
+                group.root(),
+                members.join(", "),
+                reads.join(" ")
+            )?;
+        }
+    } else if !report.groups.is_empty() {
+        let kinds: Vec<String> = kernel_kinds(graph, &report)
+            .into_iter()
+            .map(|(kind, n)| format!("{kind}×{n}"))
+            .collect();
+        outln!("             {}", kinds.join(" "))?;
+    }
+    Ok(())
+}
+
+/// Each fused kernel's ops joined by `+`, counted, in order of first use.
+fn kernel_kinds(graph: &Graph, report: &FusionReport) -> Vec<(String, usize)> {
+    let mut kinds: Vec<(String, usize)> = Vec::new();
+    for group in &report.groups {
+        let kind: Vec<&str> = group
+            .members
+            .iter()
+            .map(|&m| graph.nodes()[m].op.name())
+            .collect();
+        let kind = kind.join("+");
+        match kinds.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => kinds.push((kind, 1)),
+        }
+    }
+    kinds
+}
+
+fn to_json(model: &canopy_ir::Model, digest: &[u8; 32]) -> Result<serde_json::Value> {
     let params: Vec<_> = model
         .parameters
         .iter()
@@ -90,20 +151,30 @@ fn to_json(model: &canopy_ir::Model, digest: &[u8; 32]) -> serde_json::Value {
             })
         })
         .collect();
-    let entries: serde_json::Map<String, serde_json::Value> = model
-        .entry_points
-        .iter()
-        .map(|(name, g)| {
-            (
-                name.clone(),
-                serde_json::json!({"nodes": g.len(), "ops": g.op_counts()}),
-            )
-        })
-        .collect();
-    serde_json::json!({
+    let mut entries = serde_json::Map::new();
+    for (name, g) in &model.entry_points {
+        let report = fusion_report(g)?;
+        let kernels: serde_json::Map<String, serde_json::Value> = kernel_kinds(g, &report)
+            .into_iter()
+            .map(|(kind, n)| (kind, n.into()))
+            .collect();
+        entries.insert(
+            name.clone(),
+            serde_json::json!({
+                "nodes": g.len(),
+                "ops": g.op_counts(),
+                "cpu_fusion": {
+                    "nodes": report.nodes,
+                    "after_fusion": report.after_fusion,
+                    "fused_kernels": kernels,
+                },
+            }),
+        );
+    }
+    Ok(serde_json::json!({
         "model": model.metadata.model_name,
         "digest": digest_hex(digest),
         "parameters": params,
         "entry_points": entries,
-    })
+    }))
 }

@@ -83,10 +83,11 @@ fn one(model: &Model, backend: &dyn Backend, seed: u64) -> Result<Trainer, Train
     })?)
 }
 
-/// `run` on `backend`, or on the CPU when `backend` cannot run one of the
-/// graph's ops (the GPU and loops, today): the same result up to float
-/// rounding, where failing would lose the device's round. The one home of
-/// that rule, for training and evaluation alike.
+/// `run` on `backend`, or on the CPU when `backend` refuses one of the
+/// graph's ops (`EngineError::Unsupported`: an NPU runtime an op its
+/// export lacks, a GPU an op it has no kernel for): the same result up to
+/// float rounding, where failing would lose the device's round. The one
+/// home of that rule, for training and evaluation alike.
 pub(super) fn or_on_cpu<T>(
     backend: &dyn Backend,
     what: &str,
@@ -113,4 +114,94 @@ fn has_frozen_backbone(model: &Model) -> bool {
         .parameters
         .iter()
         .any(|p| !p.trainable && !p.name.starts_with(canopy_engine::nn::INPUT_STATS_PREFIX))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+
+    use canopy_engine::{EngineResult, Executable};
+    use canopy_ir::Graph;
+
+    use super::*;
+
+    /// A backend other than the CPU; what it can run is up to each test's
+    /// `run`.
+    struct Other;
+
+    impl Backend for Other {
+        fn name(&self) -> &'static str {
+            "other"
+        }
+
+        fn compile(&self, graph: &Graph) -> EngineResult<Box<dyn Executable>> {
+            CpuBackend.compile(graph)
+        }
+    }
+
+    fn refusal(backend: &str) -> EngineError {
+        EngineError::Unsupported {
+            backend: backend.into(),
+            what: "op `pow` (node %1): pow on i64".into(),
+        }
+    }
+
+    /// Runs `or_on_cpu` from `first` with a `run` that fails on the
+    /// backends `failing` names, with the error `fail` makes; returns its
+    /// outcome (the backend that ran) and the backends asked, in order.
+    fn asked(
+        first: &dyn Backend,
+        failing: &[&str],
+        fail: fn(&str) -> EngineError,
+    ) -> (Result<&'static str, EngineError>, Vec<&'static str>) {
+        let names = RefCell::new(Vec::new());
+        let outcome = or_on_cpu(first, "test", |backend| {
+            names.borrow_mut().push(backend.name());
+            if failing.contains(&backend.name()) {
+                Err(fail(backend.name()))
+            } else {
+                Ok(backend.name())
+            }
+        });
+        (outcome, names.into_inner())
+    }
+
+    #[test]
+    fn a_refusal_runs_it_on_the_cpu_instead() {
+        let (outcome, asked) = asked(&Other, &["other"], refusal);
+        assert_eq!(outcome.expect("the CPU runs it"), "cpu");
+        assert_eq!(asked, ["other", "cpu"]);
+    }
+
+    #[test]
+    fn a_backend_that_runs_it_is_the_only_one_asked() {
+        let (outcome, asked) = asked(&Other, &[], refusal);
+        assert_eq!(outcome.expect("runs"), "other");
+        assert_eq!(asked, ["other"]);
+    }
+
+    /// Only a refusal falls back: a failure of another kind (a GPU out of
+    /// memory, a bad input) is the caller's to see, not hidden by a rerun.
+    #[test]
+    fn another_failure_is_returned_as_it_is() {
+        let (outcome, asked) = asked(&Other, &["other"], |_| EngineError::Gpu {
+            what: "pooled buffer 3".into(),
+            cause: "needs more bytes than one buffer may hold".into(),
+        });
+        assert!(
+            matches!(outcome, Err(EngineError::Gpu { .. })),
+            "{outcome:?}"
+        );
+        assert_eq!(asked, ["other"]);
+    }
+
+    #[test]
+    fn the_cpus_own_refusal_is_returned_not_retried() {
+        let (outcome, asked) = asked(&CpuBackend, &["cpu"], refusal);
+        assert!(
+            matches!(outcome, Err(EngineError::Unsupported { .. })),
+            "{outcome:?}"
+        );
+        assert_eq!(asked, ["cpu"]);
+    }
 }

@@ -68,9 +68,7 @@ impl Run<'_> {
             let mut inputs: Vec<Arg<'_>> = carries.drain(..).map(Arg::Owned).collect();
             inputs.extend(xs.iter().map(|x| Arg::Owned(x.value().step(t))));
             inputs.extend(consts.iter().map(|v| Arg::Shared(v.value())));
-            let mut outputs = body
-                .execute(inputs, self.batch, None)
-                .map_err(self.nested(t))?;
+            let mut outputs = body.execute(inputs, self.batch).map_err(self.nested(t))?;
             let ys = outputs.split_off(c);
             carries = outputs;
             for (stack, y) in stacked.iter_mut().zip(&ys) {
@@ -86,7 +84,7 @@ impl Run<'_> {
         let pred = args.next().expect("a cond has a predicate");
         let branch = if truth(pred.value())? { 0 } else { 1 };
         self.bodies[branch]
-            .execute(args.collect(), self.batch, None)
+            .execute(args.collect(), self.batch)
             .map_err(self.nested(0))
     }
 
@@ -100,7 +98,7 @@ impl Run<'_> {
             let mut inputs: Vec<Arg<'_>> = carries.iter().map(Arg::Shared).collect();
             inputs.extend(consts.iter().map(|v| Arg::Shared(v.value())));
             let go = cond
-                .execute(inputs, self.batch, None)
+                .execute(inputs, self.batch)
                 .map_err(self.nested(trips))?;
             if !truth(&go[0])? {
                 break;
@@ -108,7 +106,7 @@ impl Run<'_> {
             let mut inputs: Vec<Arg<'_>> = carries.drain(..).map(Arg::Owned).collect();
             inputs.extend(consts.iter().map(|v| Arg::Shared(v.value())));
             carries = body
-                .execute(inputs, self.batch, None)
+                .execute(inputs, self.batch)
                 .map_err(self.nested(trips))?;
             trips += 1;
         }

@@ -253,4 +253,30 @@ impl GpuContext {
                 cause: e.to_string(),
             })
     }
+
+    /// Maps `staging` after the queue's work and copies it out; `what`
+    /// names the value read in errors.
+    pub(crate) fn read(&self, staging: &wgpu::Buffer, what: &str) -> EngineResult<Vec<u8>> {
+        let (sender, receiver) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |result| {
+            let _ = sender.send(result);
+        });
+        self.wait()?;
+        let failed = |cause: String| EngineError::Gpu {
+            what: what.to_string(),
+            cause,
+        };
+        receiver
+            .recv()
+            .map_err(|_| EngineError::Internal("GPU map callback never ran".into()))?
+            .map_err(|e| failed(e.to_string()))?;
+        let bytes = {
+            let view = staging
+                .get_mapped_range(..)
+                .map_err(|e| failed(e.to_string()))?;
+            view.to_vec()
+        };
+        staging.unmap();
+        Ok(bytes)
+    }
 }

@@ -1,16 +1,17 @@
 //! A compiled graph on the GPU: constants uploaded once, a plan per batch
 //! size, resident inputs in buffers of their own, and one submission per
-//! run.
+//! run (more where control flow decides on the host, see `control.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use canopy_ir::{DType, Graph, Op, ValueId};
+use canopy_ir::{DType, Graph, ValueId};
 use ndarray::{ArrayD, IxDyn};
 
 use super::context::GpuContext;
-use super::kernels::{self, FLAG_DIVISION_BY_ZERO, FLAG_INDEX_OUT_OF_RANGE, FLAG_OUTPUTS};
-use super::plan::{Bound, Dispatch, Plan, value_bytes};
+use super::kernels::{FLAG_DIVISION_BY_ZERO, FLAG_INDEX_OUT_OF_RANGE, FLAG_OUTPUTS};
+use super::plan::{Bound, Dispatch, Plan, Recorder, value_bytes};
+use super::program::Program;
 use super::wgsl::{self, HELPERS, flat_entry, grid};
 use crate::backend::{Executable, ResidentRun, TransferCounters};
 use crate::cpu::bind_batch;
@@ -44,10 +45,10 @@ struct Prepared {
 
 pub struct GpuExecutable {
     context: Arc<GpuContext>,
-    graph: Graph,
+    /// The graph, its constants and its bodies, compiled.
+    program: Program,
     input_names: Vec<String>,
     output_names: Vec<String>,
-    constants: BTreeMap<usize, wgpu::Buffer>,
     /// The run's flag words (`kernels::FLAG_*`).
     flags: wgpu::Buffer,
     resident: Vec<Option<Resident>>,
@@ -61,27 +62,9 @@ pub struct GpuExecutable {
 impl GpuExecutable {
     /// Compiles `graph`; `fuse` says whether plans fuse elementwise chains.
     pub fn new(context: Arc<GpuContext>, graph: &Graph, fuse: bool) -> EngineResult<GpuExecutable> {
-        canopy_ir::verify::verify(graph)?;
-        let graph = canopy_ir::passes::inline_custom_grads(graph)?;
-        for (index, node) in graph.nodes().iter().enumerate() {
-            let operands: Vec<DType> = node.inputs.iter().map(|id| graph.ty(*id).dtype).collect();
-            kernels::check(&node.op, &operands, node.ty.dtype).map_err(|detail| {
-                super::unsupported(format!("op `{}` (node %{index}): {detail}", node.op.name()))
-            })?;
-        }
         let mut counters = TransferCounters::default();
-        let mut constants = BTreeMap::new();
-        for (index, node) in graph.nodes().iter().enumerate() {
-            if let Op::Constant(data) = &node.op {
-                let value = Value::from_data(data);
-                let bytes = to_bytes(&value);
-                let buffer =
-                    context.storage_buffer(&format!("constant %{index}"), bytes.len() as u64)?;
-                context.queue().write_buffer(&buffer, 0, &bytes);
-                counters.host_to_device_bytes += bytes.len() as u64;
-                constants.insert(index, buffer);
-            }
-        }
+        let program = Program::new(&context, graph, &mut counters.host_to_device_bytes)?;
+        let graph = &program.graph;
         let flags_bytes = 4 * (u64::from(FLAG_OUTPUTS) + graph.outputs().len() as u64);
         let flags = context.storage_buffer("flags", flags_bytes)?;
         Ok(GpuExecutable {
@@ -89,8 +72,7 @@ impl GpuExecutable {
             output_names: graph.outputs().iter().map(|(n, _)| n.clone()).collect(),
             resident: (0..graph.inputs().len()).map(|_| None).collect(),
             context,
-            graph,
-            constants,
+            program,
             flags,
             prepared: BTreeMap::new(),
             counters,
@@ -111,9 +93,9 @@ impl GpuExecutable {
     ) -> EngineResult<ResidentRun> {
         let pairs: Vec<(ValueId, &Value)> = fed
             .iter()
-            .map(|(position, value)| (self.graph.inputs()[*position], value))
+            .map(|(position, value)| (self.program.graph.inputs()[*position], value))
             .collect();
-        let batch = bind_batch(&self.graph, &pairs)?;
+        let batch = bind_batch(&self.program.graph, &pairs)?;
         let key = (batch, resident_mode);
         if !self.prepared.contains_key(&key) {
             if self.prepared.len() >= MAX_PLANS {
@@ -131,80 +113,65 @@ impl GpuExecutable {
             }
             self.counters.host_to_device_bytes += bytes.len() as u64;
         }
-        let returned = self.encode_and_submit(prepared, resident_mode)?;
-        self.counters.submissions += 1;
-        self.counters.dispatches +=
-            (prepared.plan.dispatches.len() + prepared.finite_checks.len()) as u64;
-        let bytes = read_staging(&self.context, &prepared.staging)?;
+        let (returned, counters) = self.record_and_submit(prepared, resident_mode)?;
+        self.counters.submissions += counters.submissions;
+        self.counters.dispatches += counters.dispatches;
+        self.counters.host_to_device_bytes += counters.host_to_device_bytes;
+        self.counters.device_to_host_bytes += counters.device_to_host_bytes;
+        let bytes = self
+            .context
+            .read(&prepared.staging, "the outputs' staging buffer")?;
         self.counters.device_to_host_bytes += bytes.len() as u64;
         self.unpack(&bytes, &returned, prepared)
     }
 
-    /// Encodes every dispatch, the resident updates and the copies of the
-    /// returned outputs and flags into the staging buffer; submits once.
-    /// Returns the returned outputs' positions.
-    fn encode_and_submit(
+    /// Records the plan, the finiteness checks, the resident updates and
+    /// the copies of the returned outputs and flags into the staging
+    /// buffer, and submits: once, unless control flow submits on the way.
+    /// Returns the returned outputs' positions and what the recording did.
+    fn record_and_submit(
         &self,
         prepared: &Prepared,
         resident_mode: bool,
-    ) -> EngineResult<Vec<usize>> {
-        let device = self.context.device();
-        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("canopy run"),
-        });
-        encoder.clear_buffer(&self.flags, 0, None);
-        {
-            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("canopy graph"),
-                timestamp_writes: None,
-            });
-            for dispatch in prepared
-                .plan
-                .dispatches
-                .iter()
-                .chain(&prepared.finite_checks)
-            {
-                pass.set_pipeline(&dispatch.pipeline);
-                pass.set_bind_group(0, &dispatch.bind_group, &[]);
-                let [x, y, z] = dispatch.workgroups;
-                pass.dispatch_workgroups(x, y, z);
-            }
-        }
+    ) -> EngineResult<(Vec<usize>, TransferCounters)> {
+        let mut recorder = Recorder::new(&self.context);
+        recorder.encoder().clear_buffer(&self.flags, 0, None);
+        prepared.plan.record(&mut recorder)?;
+        recorder.kernels(&prepared.finite_checks);
         let bound = self.bound(prepared);
         let mut returned = Vec::new();
         let mut offset = 0u64;
-        for (j, (_, id)) in self.graph.outputs().iter().enumerate() {
+        for (j, (_, id)) in self.program.graph.outputs().iter().enumerate() {
             let source = prepared.plan.buffer(&bound, id.index())?;
-            let bytes = value_bytes(self.graph.ty(*id).dtype, &prepared.plan.shapes[id.index()]);
+            let bytes = value_bytes(
+                self.program.graph.ty(*id).dtype,
+                &prepared.plan.shapes[id.index()],
+            );
             match prepared.targets[j].filter(|_| resident_mode) {
                 Some(position) => {
                     let target = &self.resident[position]
                         .as_ref()
                         .expect("target is resident")
                         .buffer;
-                    if bytes > 0 && source != target {
-                        encoder.copy_buffer_to_buffer(source, 0, target, 0, bytes);
-                    }
+                    recorder.copy(source, 0, target, 0, bytes);
                 }
                 None => {
-                    if bytes > 0 {
-                        encoder.copy_buffer_to_buffer(source, 0, &prepared.staging, offset, bytes);
-                    }
+                    recorder.copy(source, 0, &prepared.staging, offset, bytes);
                     offset += bytes;
                     returned.push(j);
                 }
             }
         }
         let flags_bytes = self.flags.size();
-        encoder.copy_buffer_to_buffer(&self.flags, 0, &prepared.staging, offset, flags_bytes);
-        self.context.queue().submit([encoder.finish()]);
-        Ok(returned)
+        recorder.copy(&self.flags, 0, &prepared.staging, offset, flags_bytes);
+        recorder.submit();
+        Ok((returned, recorder.counters))
     }
 
     fn bound<'a>(&'a self, prepared: &'a Prepared) -> Bound<'a> {
         Bound {
             inputs: &prepared.input_buffers,
-            constants: &self.constants,
+            constants: &self.program.constants,
             flags: &self.flags,
         }
     }
@@ -218,8 +185,8 @@ impl GpuExecutable {
         let mut outputs = Vec::with_capacity(returned.len());
         let mut offset = 0usize;
         for &j in returned {
-            let id = self.graph.outputs()[j].1;
-            let dtype = self.graph.ty(id).dtype;
+            let id = self.program.graph.outputs()[j].1;
+            let dtype = self.program.graph.ty(id).dtype;
             let shape = &prepared.plan.shapes[id.index()];
             let len = value_bytes(dtype, shape) as usize;
             outputs.push(from_bytes(dtype, shape, &bytes[offset..offset + len])?);
@@ -252,12 +219,12 @@ impl GpuExecutable {
     }
 
     fn prepare(&self, batch: usize, resident_mode: bool) -> EngineResult<Prepared> {
-        let mut input_buffers = Vec::with_capacity(self.graph.inputs().len());
-        for (position, &id) in self.graph.inputs().iter().enumerate() {
+        let mut input_buffers = Vec::with_capacity(self.program.graph.inputs().len());
+        for (position, &id) in self.program.graph.inputs().iter().enumerate() {
             match &self.resident[position] {
                 Some(resident) if resident_mode => input_buffers.push(resident.buffer.clone()),
                 _ => {
-                    let ty = self.graph.ty(id);
+                    let ty = self.program.graph.ty(id);
                     let bytes = value_bytes(ty.dtype, &ty.shape.resolve(batch));
                     let what = format!("input `{}`", self.input_names[position]);
                     input_buffers.push(self.context.storage_buffer(&what, bytes)?);
@@ -266,10 +233,10 @@ impl GpuExecutable {
         }
         let bound = Bound {
             inputs: &input_buffers,
-            constants: &self.constants,
+            constants: &self.program.constants,
             flags: &self.flags,
         };
-        let plan = Plan::new(&self.context, &self.graph, batch, self.fuse, &bound)?;
+        let plan = Plan::new(&self.context, &self.program, batch, self.fuse, &bound)?;
         let targets: Vec<Option<usize>> = self
             .output_names
             .iter()
@@ -282,15 +249,15 @@ impl GpuExecutable {
             .collect();
         let mut staging_bytes = self.flags.size();
         let mut finite_checks = Vec::new();
-        for (j, (_, id)) in self.graph.outputs().iter().enumerate() {
-            let dtype = self.graph.ty(*id).dtype;
+        for (j, (_, id)) in self.program.graph.outputs().iter().enumerate() {
+            let dtype = self.program.graph.ty(*id).dtype;
             let shape = &plan.shapes[id.index()];
             if targets[j].is_none() {
                 staging_bytes += value_bytes(dtype, shape);
             } else if dtype == DType::F32 && value_bytes(dtype, shape) > 0 {
                 let bound = Bound {
                     inputs: &input_buffers,
-                    constants: &self.constants,
+                    constants: &self.program.constants,
                     flags: &self.flags,
                 };
                 let buffer = plan.buffer(&bound, id.index())?;
@@ -406,10 +373,10 @@ impl Executable for GpuExecutable {
         self.prepared.clear();
         self.resident = (0..self.input_names.len()).map(|_| None).collect();
         for (position, value) in values {
-            let &id = self.graph.inputs().get(position).ok_or_else(|| {
+            let &id = self.program.graph.inputs().get(position).ok_or_else(|| {
                 EngineError::Internal(format!("resident input {position} is out of range"))
             })?;
-            let ty = self.graph.ty(id);
+            let ty = self.program.graph.ty(id);
             let name = &self.input_names[position];
             if ty.shape.as_fixed().is_none() {
                 return Err(EngineError::Input {
@@ -417,7 +384,7 @@ impl Executable for GpuExecutable {
                     cause: "only an input of static shape can stay on the device".to_string(),
                 });
             }
-            bind_batch(&self.graph, &[(id, &value)])?;
+            bind_batch(&self.program.graph, &[(id, &value)])?;
             let bytes = to_bytes(&value);
             let buffer = self
                 .context
@@ -474,7 +441,9 @@ impl Executable for GpuExecutable {
         }
         self.context.queue().submit([encoder.finish()]);
         self.counters.submissions += 1;
-        let bytes = read_staging(&self.context, &staging)?;
+        let bytes = self
+            .context
+            .read(&staging, "the resident values' staging buffer")?;
         self.counters.device_to_host_bytes += bytes.len() as u64;
         let mut values = Vec::new();
         let mut offset = 0usize;
@@ -507,35 +476,10 @@ impl Executable for GpuExecutable {
     }
 }
 
-/// Maps `staging` after the queue's work and copies it out.
-fn read_staging(context: &GpuContext, staging: &wgpu::Buffer) -> EngineResult<Vec<u8>> {
-    let (sender, receiver) = std::sync::mpsc::channel();
-    staging.map_async(wgpu::MapMode::Read, .., move |result| {
-        let _ = sender.send(result);
-    });
-    context.wait()?;
-    receiver
-        .recv()
-        .map_err(|_| EngineError::Internal("GPU map callback never ran".into()))?
-        .map_err(|e| EngineError::Gpu {
-            what: "the outputs' staging buffer".to_string(),
-            cause: e.to_string(),
-        })?;
-    let bytes = {
-        let view = staging.get_mapped_range(..).map_err(|e| EngineError::Gpu {
-            what: "the outputs' staging buffer".to_string(),
-            cause: e.to_string(),
-        })?;
-        view.to_vec()
-    };
-    staging.unmap();
-    Ok(bytes)
-}
-
 /// A value's elements as the device stores them (little-endian; bool as
 /// u32; i64 as its two 32-bit halves, low first, which is its own
 /// little-endian layout).
-fn to_bytes(value: &Value) -> Vec<u8> {
+pub(super) fn to_bytes(value: &Value) -> Vec<u8> {
     match value {
         Value::F32(a) => a.iter().flat_map(|v| v.to_le_bytes()).collect(),
         Value::I32(a) => a.iter().flat_map(|v| v.to_le_bytes()).collect(),

@@ -22,6 +22,10 @@
 //! - A run is one command-buffer submission: the fed inputs are written,
 //!   every kernel is dispatched in one compute pass, the returned outputs
 //!   are copied to one staging buffer, which is mapped once.
+//! - Control flow ([`control`]) runs from the host over its bodies' plans,
+//!   with every tensor on the device: a `scan` records its steps into the
+//!   same submission (a long one into a few), while `cond` and
+//!   `while_loop` submit and read back one word per decision.
 //! - Resident inputs (parameters, optimizer state) live in their own
 //!   buffers; an output that replaces one is copied over it on the device
 //!   at the end of the submission.
@@ -31,11 +35,13 @@
 //! all 64 bits.
 
 mod context;
+mod control;
 mod executable;
 mod fuse;
 mod kernels;
 mod loader_env;
 mod plan;
+mod program;
 mod wgsl;
 
 use std::sync::Arc;

@@ -1,16 +1,20 @@
 //! A graph laid out for one batch size: elementwise nodes fused (see
 //! `fuse.rs`), buffers assigned by liveness, pipelines and bind groups
-//! made once, dispatches in order.
+//! made once, dispatches in order, and each control-flow node's bodies
+//! laid out as plans of their own (`control.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use canopy_ir::{DType, Graph, Op};
+use canopy_ir::{DType, Graph, Op, ValueId};
 
 use super::context::GpuContext;
+use super::control::{At, ControlPlan};
 use super::fuse::{Fusion, Group};
-use super::kernels::{self, Bind, FusedMember, FusedOperand, FusedSite, Kernel, Site};
+use super::kernels::{self, Bind, Family, FusedMember, FusedOperand, FusedSite, Kernel, Site};
+use super::program::Program;
 use super::wgsl::element_bytes;
+use crate::backend::TransferCounters;
 use crate::error::{EngineError, EngineResult};
 
 /// Where a value lives during a run.
@@ -30,6 +34,14 @@ pub struct Dispatch {
     pub workgroups: [u32; 3],
 }
 
+/// What a plan records, in order.
+pub enum Step {
+    /// Kernels dispatched in one compute pass.
+    Kernels(Vec<Dispatch>),
+    /// A control-flow node, run from the host over its bodies' plans.
+    Control(Box<ControlPlan>),
+}
+
 /// The buffers a plan binds that it does not own.
 pub struct Bound<'a> {
     pub inputs: &'a [wgpu::Buffer],
@@ -40,10 +52,11 @@ pub struct Bound<'a> {
 pub struct Plan {
     /// Per node: resolved shape.
     pub shapes: Vec<Vec<usize>>,
-    /// Per node: where its value lives (None for nodes never computed).
+    /// Per node: where its value lives (None for nodes never computed, and
+    /// for control-flow nodes, whose results live in their `output`s').
     pub storage: Vec<Option<Storage>>,
     pub pool: Vec<wgpu::Buffer>,
-    pub dispatches: Vec<Dispatch>,
+    pub steps: Vec<Step>,
     /// Which nodes are computed inside another node's kernel.
     pub fusion: Fusion,
 }
@@ -55,37 +68,79 @@ struct Endpoints<'a> {
 }
 
 impl Plan {
+    /// Lays `program` out at `batch`; `bound` holds its inputs' buffers
+    /// and its constants'.
     pub fn new(
         context: &GpuContext,
-        graph: &Graph,
+        program: &Program,
         batch: usize,
         fuse: bool,
         bound: &Bound<'_>,
     ) -> EngineResult<Plan> {
+        let graph = &program.graph;
         let shapes: Vec<Vec<usize>> = graph
             .nodes()
             .iter()
             .map(|node| node.ty.shape.resolve(batch))
             .collect();
         let fusion = if fuse {
-            Fusion::plan(graph, &shapes, context.max_fused_inputs())
+            super::fuse::plan(graph, &shapes, context.max_fused_inputs())
         } else {
             Fusion::none(graph)
         };
-        let (storage, pool_sizes) = assign_storage(graph, &shapes, &fusion);
-        let mut pool = Vec::with_capacity(pool_sizes.len());
-        for (k, bytes) in pool_sizes.iter().enumerate() {
+        let mut result_bytes: Vec<Vec<u64>> = vec![Vec::new(); graph.len()];
+        for (index, node) in graph.nodes().iter().enumerate() {
+            if node.op.is_tuple() {
+                let results = graph.results(ValueId(index as u32)).map_err(|cause| {
+                    EngineError::Internal(format!("node %{index} ({}): {cause}", node.op.name()))
+                })?;
+                result_bytes[index] = results
+                    .iter()
+                    .map(|ty| value_bytes(ty.dtype, &ty.shape.resolve(batch)))
+                    .collect();
+            }
+        }
+        let layout = assign_storage(graph, &shapes, &fusion, &result_bytes);
+        let mut pool = Vec::with_capacity(layout.sizes.len());
+        for (k, bytes) in layout.sizes.iter().enumerate() {
             pool.push(context.storage_buffer(&format!("pooled buffer {k}"), *bytes)?);
         }
         let mut plan = Plan {
             shapes,
-            storage,
+            storage: layout.storage,
             pool,
-            dispatches: Vec::new(),
+            steps: Vec::new(),
             fusion,
         };
         // A node without a kernel (`Family::NoKernel`) generates none.
-        for index in 0..graph.nodes().len() {
+        for (index, node) in graph.nodes().iter().enumerate() {
+            if Family::of(&node.op) == Family::ControlFlow {
+                // An `output` is its result's buffer, which the control-flow
+                // node writes; that node runs even when its result 0 is
+                // empty.
+                if node.op.is_tuple() {
+                    let operands = node
+                        .inputs
+                        .iter()
+                        .map(|id| plan.buffer(bound, id.index()).cloned())
+                        .collect::<EngineResult<Vec<_>>>()?;
+                    let results = layout.results[index]
+                        .iter()
+                        .zip(&result_bytes[index])
+                        .map(|(k, bytes)| (k.map(|k| plan.pool[k].clone()), *bytes))
+                        .collect();
+                    let at = At {
+                        node: index,
+                        op: &node.op,
+                        operands,
+                        results,
+                    };
+                    let bodies = &program.bodies[index];
+                    let control = ControlPlan::new(context, at, bodies, batch, fuse, bound.flags)?;
+                    plan.steps.push(Step::Control(Box::new(control)));
+                }
+                continue;
+            }
             let computed_here = !plan.fusion.is_fused_away(index);
             if !computed_here || plan.shapes[index].iter().product::<usize>() == 0 {
                 continue;
@@ -98,6 +153,25 @@ impl Plan {
             }
         }
         Ok(plan)
+    }
+
+    /// Records the plan's work: kernels, and control flow run from the
+    /// host (which may submit and wait, see `control.rs`).
+    pub fn record(&self, recorder: &mut Recorder<'_>) -> EngineResult<()> {
+        for step in &self.steps {
+            match step {
+                Step::Kernels(dispatches) => recorder.kernels(dispatches),
+                Step::Control(control) => control.record(recorder)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn push_dispatch(&mut self, dispatch: Dispatch) {
+        match self.steps.last_mut() {
+            Some(Step::Kernels(dispatches)) => dispatches.push(dispatch),
+            _ => self.steps.push(Step::Kernels(vec![dispatch])),
+        }
     }
 
     fn site<'g>(
@@ -139,7 +213,7 @@ impl Plan {
         };
         for kernel in generated {
             let dispatch = self.dispatch(context, bound, &endpoints, &kernel)?;
-            self.dispatches.push(dispatch);
+            self.push_dispatch(dispatch);
         }
         Ok(())
     }
@@ -192,7 +266,7 @@ impl Plan {
             output: root,
         };
         let dispatch = self.dispatch(context, bound, &endpoints, &kernel)?;
-        self.dispatches.push(dispatch);
+        self.push_dispatch(dispatch);
         Ok(())
     }
 
@@ -267,18 +341,31 @@ pub fn value_bytes(dtype: DType, shape: &[usize]) -> u64 {
     shape.iter().product::<usize>() as u64 * element_bytes(dtype)
 }
 
+/// Where each node's value lives, and the pool's buffer sizes.
+struct Layout {
+    storage: Vec<Option<Storage>>,
+    /// Per control-flow node: per result, the pooled buffer holding it
+    /// (none where no `output` reads it); empty for other nodes.
+    results: Vec<Vec<Option<usize>>>,
+    sizes: Vec<u64>,
+}
+
 /// Gives each node a storage: inputs and constants their own, a reshape
 /// its operand's, a node fused into another's kernel none, every other
-/// node a pooled buffer. A value is read where its readers are computed
-/// (a fused member's reads happen in its group's root), and a pooled
-/// buffer is free again after the last reader of every value stored in
-/// it; the smallest free buffer that fits is reused, else a new one is
-/// made. Returns the storages and the pool's buffer sizes.
+/// node a pooled buffer. A control-flow node has none itself: each of its
+/// results that an `output` reads gets a pooled buffer when the node
+/// runs, busy until the last reader of any of those `output`s, and the
+/// `output`s share it. A value is read where its readers are computed (a
+/// fused member's reads happen in its group's root), and a pooled buffer
+/// is free again after the last reader of every value stored in it; the
+/// smallest free buffer that fits is reused, else a new one is made.
+/// `result_bytes` gives each control-flow node's results' sizes.
 fn assign_storage(
     graph: &Graph,
     shapes: &[Vec<usize>],
     fusion: &Fusion,
-) -> (Vec<Option<Storage>>, Vec<u64>) {
+    result_bytes: &[Vec<u64>],
+) -> Layout {
     let nodes = graph.nodes();
     let input_position: BTreeMap<usize, usize> = graph
         .inputs()
@@ -297,11 +384,19 @@ fn assign_storage(
     for (_, out) in graph.outputs() {
         last_use[out.index()] = usize::MAX;
     }
+    // Per (control-flow node, result): the last use of any `output` of it.
+    let mut result_last_use: BTreeMap<(usize, usize), usize> = BTreeMap::new();
+    for (index, node) in nodes.iter().enumerate() {
+        if let Op::Output { index: result } = node.op {
+            let until = result_last_use
+                .entry((node.inputs[0].index(), result))
+                .or_insert(0);
+            *until = (*until).max(last_use[index]);
+        }
+    }
     let mut storage: Vec<Option<Storage>> = vec![None; nodes.len()];
-    let mut sizes: Vec<u64> = Vec::new();
-    let mut free: Vec<usize> = Vec::new();
-    // Per pooled buffer: the last use of any value stored in it.
-    let mut busy_until: Vec<usize> = Vec::new();
+    let mut results: Vec<Vec<Option<usize>>> = vec![Vec::new(); nodes.len()];
+    let mut pool = Pool::default();
     for (index, node) in nodes.iter().enumerate() {
         storage[index] = match &node.op {
             _ if fusion.is_fused_away(index) => None,
@@ -311,40 +406,272 @@ fn assign_storage(
                 let from = node.inputs[0].index();
                 let shared = storage[from].expect("operands precede their readers");
                 if let Storage::Pooled(k) = shared {
-                    busy_until[k] = busy_until[k].max(last_use[index]);
+                    pool.busy_until[k] = pool.busy_until[k].max(last_use[index]);
                 }
                 Some(shared)
             }
-            _ => {
-                // Whole vec4s, so a kernel may bind any pooled buffer as
-                // `array<vec4<f32>>` (gemm.rs).
-                let bytes = value_bytes(node.ty.dtype, &shapes[index])
-                    .next_multiple_of(16)
-                    .max(16);
-                let best = free
+            op if op.is_tuple() => {
+                results[index] = result_bytes[index]
                     .iter()
                     .enumerate()
-                    .filter(|(_, k)| sizes[**k] >= bytes)
-                    .min_by_key(|(_, k)| sizes[**k])
-                    .map(|(slot, _)| slot);
-                let k = match best {
-                    Some(slot) => free.swap_remove(slot),
-                    None => {
-                        sizes.push(bytes);
-                        busy_until.push(0);
-                        sizes.len() - 1
-                    }
-                };
-                busy_until[k] = last_use[index];
-                Some(Storage::Pooled(k))
+                    .map(|(r, bytes)| {
+                        let until = result_last_use.get(&(index, r))?;
+                        Some(pool.allocate(*bytes, *until))
+                    })
+                    .collect();
+                None
+            }
+            Op::Output { index: result } => {
+                let tuple = node.inputs[0].index();
+                results[tuple][*result].map(Storage::Pooled)
+            }
+            _ => {
+                let bytes = value_bytes(node.ty.dtype, &shapes[index]);
+                Some(Storage::Pooled(pool.allocate(bytes, last_use[index])))
             }
         };
-        // Buffers whose every value has been read by now are free.
-        for (k, until) in busy_until.iter().enumerate() {
-            if *until == index && !free.contains(&k) && *until != usize::MAX {
-                free.push(k);
+        pool.release(index);
+    }
+    Layout {
+        storage,
+        results,
+        sizes: pool.sizes,
+    }
+}
+
+/// The pooled buffers being assigned: their sizes, which are free, and
+/// until when each is busy.
+#[derive(Default)]
+struct Pool {
+    sizes: Vec<u64>,
+    free: Vec<usize>,
+    /// Per buffer: the last use of any value stored in it.
+    busy_until: Vec<usize>,
+}
+
+impl Pool {
+    /// The smallest free buffer of at least `bytes`, else a new one; busy
+    /// until node `until`.
+    fn allocate(&mut self, bytes: u64, until: usize) -> usize {
+        // Whole vec4s, so a kernel may bind any pooled buffer as
+        // `array<vec4<f32>>` (gemm.rs).
+        let bytes = bytes.next_multiple_of(16).max(16);
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| self.sizes[**k] >= bytes)
+            .min_by_key(|(_, k)| self.sizes[**k])
+            .map(|(slot, _)| slot);
+        let k = match best {
+            Some(slot) => self.free.swap_remove(slot),
+            None => {
+                self.sizes.push(bytes);
+                self.busy_until.push(0);
+                self.sizes.len() - 1
+            }
+        };
+        self.busy_until[k] = until;
+        k
+    }
+
+    /// Frees the buffers whose every value has been read by node `index`.
+    fn release(&mut self, index: usize) {
+        for (k, until) in self.busy_until.iter().enumerate() {
+            if *until == index && !self.free.contains(&k) && *until != usize::MAX {
+                self.free.push(k);
             }
         }
     }
-    (storage, sizes)
+}
+
+/// Loop steps recorded into one command buffer at most before it is
+/// submitted: a step records its body's dispatches and copies, so a long
+/// loop in one buffer would hold them all at once. Submitting does not
+/// wait, so the device keeps working while the host records on.
+pub const MAX_STEPS_PER_SUBMISSION: usize = 256;
+
+/// Records a run's commands, submitting when control flow needs a value
+/// from the device (or a write from the host) and at the end, and counts
+/// what it did.
+pub struct Recorder<'a> {
+    context: &'a GpuContext,
+    encoder: Option<wgpu::CommandEncoder>,
+    /// Loop steps recorded since the last submission.
+    steps: usize,
+    pub counters: TransferCounters,
+}
+
+impl<'a> Recorder<'a> {
+    pub fn new(context: &'a GpuContext) -> Recorder<'a> {
+        Recorder {
+            context,
+            encoder: None,
+            steps: 0,
+            counters: TransferCounters::default(),
+        }
+    }
+
+    /// The command buffer being recorded.
+    pub fn encoder(&mut self) -> &mut wgpu::CommandEncoder {
+        let device = self.context.device();
+        self.encoder.get_or_insert_with(|| {
+            device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("canopy run"),
+            })
+        })
+    }
+
+    /// `dispatches` in one compute pass.
+    pub fn kernels(&mut self, dispatches: &[Dispatch]) {
+        if dispatches.is_empty() {
+            return;
+        }
+        let mut pass = self
+            .encoder()
+            .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("canopy graph"),
+                timestamp_writes: None,
+            });
+        for dispatch in dispatches {
+            pass.set_pipeline(&dispatch.pipeline);
+            pass.set_bind_group(0, &dispatch.bind_group, &[]);
+            let [x, y, z] = dispatch.workgroups;
+            pass.dispatch_workgroups(x, y, z);
+        }
+        drop(pass);
+        self.counters.dispatches += dispatches.len() as u64;
+    }
+
+    /// Copies `bytes` on the device; nothing when there are none, or when
+    /// the source is the destination (a value already where it goes).
+    pub fn copy(
+        &mut self,
+        from: &wgpu::Buffer,
+        from_offset: u64,
+        to: &wgpu::Buffer,
+        to_offset: u64,
+        bytes: u64,
+    ) {
+        if bytes == 0 || (from == to && from_offset == to_offset) {
+            return;
+        }
+        self.encoder()
+            .copy_buffer_to_buffer(from, from_offset, to, to_offset, bytes);
+    }
+
+    /// Submits what has been recorded, without waiting for it.
+    pub fn submit(&mut self) {
+        if let Some(encoder) = self.encoder.take() {
+            self.context.queue().submit([encoder.finish()]);
+            self.counters.submissions += 1;
+        }
+        self.steps = 0;
+    }
+
+    /// Marks the end of a loop step, submitting past
+    /// [`MAX_STEPS_PER_SUBMISSION`].
+    pub fn step_done(&mut self) {
+        self.steps += 1;
+        if self.steps >= MAX_STEPS_PER_SUBMISSION {
+            self.submit();
+        }
+    }
+
+    /// The 32-bit word at the start of `from`, once everything recorded
+    /// so far has run: one submission and a wait, through `staging` (a
+    /// mappable buffer of at least 4 bytes). `what` names the value in
+    /// errors.
+    pub fn read_word(
+        &mut self,
+        from: &wgpu::Buffer,
+        staging: &wgpu::Buffer,
+        what: &str,
+    ) -> EngineResult<u32> {
+        self.copy(from, 0, staging, 0, 4);
+        self.submit();
+        let bytes = self.context.read(staging, what)?;
+        self.counters.device_to_host_bytes += 4;
+        let word = bytes
+            .get(..4)
+            .ok_or_else(|| EngineError::Internal(format!("{what}: a short read")))?;
+        Ok(u32::from_le_bytes([word[0], word[1], word[2], word[3]]))
+    }
+
+    /// Writes `bytes` at the start of `to` from the host, after everything
+    /// recorded so far and before anything recorded next: the queue
+    /// applies a write at its next submission, ahead of that submission's
+    /// commands, so what is recorded is submitted first.
+    pub fn write(&mut self, to: &wgpu::Buffer, bytes: &[u8]) {
+        self.submit();
+        self.context.queue().write_buffer(to, 0, bytes);
+        self.counters.host_to_device_bytes += bytes.len() as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use canopy_ir::{Dim, Scan, TensorType, UnaryOp};
+
+    use super::*;
+
+    /// x → a = exp(x) → scan(carry a, xs) whose result 0 only is read →
+    /// e = neg(x) → out = result 0 + e.
+    #[test]
+    fn a_control_flow_nodes_results_live_in_their_outputs_buffers() {
+        let mut body = Graph::new();
+        let h = body.input("h", TensorType::f32(&[4])).expect("h");
+        let x = body.input("x", TensorType::f32(&[4])).expect("x");
+        let next = body.add(h, x).expect("h + x");
+        body.set_output("h", next).expect("out");
+        body.set_output("y", next).expect("out");
+        let mut g = Graph::new();
+        let x = g.input("x", TensorType::f32(&[4])).expect("x");
+        let xs = g.input("xs", TensorType::f32(&[3, 4])).expect("xs");
+        let a = g.unary(UnaryOp::Exp, x).expect("a");
+        let scan = Scan {
+            body,
+            carries: 1,
+            scanned: 1,
+            length: Dim::Fixed(3),
+            reverse: false,
+            checkpoint: 0,
+        };
+        let tuple = g.push(Op::Scan(Box::new(scan)), &[a, xs]).expect("scan");
+        let result = g.push(Op::Output { index: 0 }, &[tuple]).expect("output");
+        let e = g.unary(UnaryOp::Neg, x).expect("e");
+        let out = g.add(result, e).expect("out");
+        g.set_output("out", out).expect("out");
+        let shapes: Vec<Vec<usize>> = g.nodes().iter().map(|n| n.ty.shape.resolve(1)).collect();
+        let result_bytes: Vec<Vec<u64>> = (0..g.len())
+            .map(|i| {
+                if i == tuple.index() {
+                    vec![16, 48]
+                } else {
+                    Vec::new()
+                }
+            })
+            .collect();
+        let layout = assign_storage(&g, &shapes, &Fusion::none(&g), &result_bytes);
+        let at = |id: ValueId| layout.storage[id.index()];
+        assert_eq!(at(tuple), None, "the tuple itself has no buffer");
+        let k = layout.results[tuple.index()][0].expect("result 0 is read");
+        assert_eq!(
+            at(result),
+            Some(Storage::Pooled(k)),
+            "the output is its result"
+        );
+        assert_eq!(
+            layout.results[tuple.index()][1],
+            None,
+            "no output reads the ys"
+        );
+        assert_ne!(
+            at(a),
+            at(result),
+            "a result never shares its operand's buffer"
+        );
+        assert_ne!(at(e), at(result), "nor a value made while it is read");
+        assert_eq!(layout.sizes[k], 16);
+    }
 }

@@ -21,28 +21,11 @@ pub fn compile(graph: &Graph) -> Box<dyn Executable> {
     let cpu = CpuBackend
         .compile(graph)
         .unwrap_or_else(|e| panic!("compile failed: {e:?}\n{graph:#?}"));
-    let gpu = gpu_under_test().and_then(|gpu| {
-        let compiled = gpu.compile(graph);
-        if has_control_flow(graph) {
-            // The one known gap: the GPU refuses control flow, by name.
-            // When it runs it, this fails and the graphs join the
-            // cross-check.
-            let refusal = compiled
-                .err()
-                .expect("the GPU ran control flow: cross-check it");
-            assert!(
-                refusal.to_string().contains("CPU backend only"),
-                "{refusal}"
-            );
-            return None;
-        }
-        Some(compiled.unwrap_or_else(|e| panic!("GPU compile failed: {e}\n{graph:#?}")))
+    let gpu = gpu_under_test().map(|gpu| {
+        gpu.compile(graph)
+            .unwrap_or_else(|e| panic!("GPU compile failed: {e}\n{graph:#?}"))
     });
     Box::new(CrossChecked { cpu, gpu })
-}
-
-fn has_control_flow(graph: &Graph) -> bool {
-    graph.nodes().iter().any(|node| node.op.is_tuple())
 }
 
 /// The GPU backend, which every suite also runs on. No silent skip: it

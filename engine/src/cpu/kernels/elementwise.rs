@@ -19,42 +19,157 @@ use crate::value::Value;
 /// √(2/π), the constant of the tanh approximation of GELU.
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 
+/// The one table of f32 unary functions: evaluates `$body` with `$f`
+/// bound to `op`'s function (each use compiles its own loop, which the
+/// compiler vectorises), or `$not` for `not`, the one bool op. The op
+/// kernel and the fused kernel both read it.
+macro_rules! with_unary_f32 {
+    ($op:expr, $f:ident => $body:expr, not => $not:expr) => {
+        match $op {
+            UnaryOp::Neg => with_unary_f32!(@ $f = |v: f32| -v; $body),
+            UnaryOp::Abs => with_unary_f32!(@ $f = f32::abs; $body),
+            UnaryOp::Sign => with_unary_f32!(@ $f = $crate::cpu::kernels::elementwise::sign; $body),
+            UnaryOp::Exp => with_unary_f32!(@ $f = f32::exp; $body),
+            UnaryOp::Log => with_unary_f32!(@ $f = f32::ln; $body),
+            UnaryOp::Sqrt => with_unary_f32!(@ $f = f32::sqrt; $body),
+            UnaryOp::Rsqrt => with_unary_f32!(@ $f = |v: f32| 1.0 / v.sqrt(); $body),
+            UnaryOp::Reciprocal => with_unary_f32!(@ $f = |v: f32| 1.0 / v; $body),
+            UnaryOp::Square => with_unary_f32!(@ $f = |v: f32| v * v; $body),
+            // Written as a comparison so that NaN passes through.
+            UnaryOp::Relu => {
+                with_unary_f32!(@ $f = |v: f32| if v < 0.0 { 0.0 } else { v }; $body)
+            }
+            UnaryOp::Gelu => with_unary_f32!(@ $f = $crate::cpu::kernels::elementwise::gelu; $body),
+            UnaryOp::Sigmoid => {
+                with_unary_f32!(@ $f = $crate::cpu::kernels::elementwise::sigmoid; $body)
+            }
+            UnaryOp::Tanh => with_unary_f32!(@ $f = $crate::cpu::kernels::elementwise::tanh; $body),
+            UnaryOp::Erf => {
+                with_unary_f32!(@ $f = |v: f32| libm::erf(f64::from(v)) as f32; $body)
+            }
+            UnaryOp::GeluErf => with_unary_f32!(@ $f = $crate::cpu::kernels::elementwise::gelu_erf; $body),
+            UnaryOp::Softplus => with_unary_f32!(@ $f = $crate::cpu::kernels::elementwise::softplus; $body),
+            UnaryOp::Log1p => with_unary_f32!(@ $f = f32::ln_1p; $body),
+            UnaryOp::Not => $not,
+        }
+    };
+    (@ $f:ident = $func:expr; $body:expr) => {{
+        let $f = $func;
+        $body
+    }};
+}
+pub(super) use with_unary_f32;
+
+/// The one table of f32 arithmetic (and `pow`): `$body` with `$f` bound to
+/// `op`'s function, or `$other` for the ops that are not arithmetic.
+macro_rules! with_arithmetic_f32 {
+    ($op:expr, $f:ident => $body:expr, other => $other:expr) => {
+        match $op {
+            BinaryOp::Add => with_unary_f32!(@ $f = <f32 as Number>::plus; $body),
+            BinaryOp::Sub => with_unary_f32!(@ $f = <f32 as Number>::minus; $body),
+            BinaryOp::Mul => with_unary_f32!(@ $f = <f32 as Number>::times; $body),
+            BinaryOp::Div => with_unary_f32!(@ $f = <f32 as Number>::divide; $body),
+            BinaryOp::Maximum => with_unary_f32!(@ $f = <f32 as Number>::maximum; $body),
+            BinaryOp::Minimum => with_unary_f32!(@ $f = <f32 as Number>::minimum; $body),
+            BinaryOp::Pow => with_unary_f32!(@ $f = f32::powf; $body),
+            _ => $other,
+        }
+    };
+}
+pub(super) use with_arithmetic_f32;
+
+/// The one table of comparisons, for any element type.
+macro_rules! with_comparison {
+    ($op:expr, $f:ident => $body:expr, other => $other:expr) => {
+        match $op {
+            BinaryOp::Eq => with_unary_f32!(@ $f = |p, q| p == q; $body),
+            BinaryOp::Ne => with_unary_f32!(@ $f = |p, q| p != q; $body),
+            BinaryOp::Lt => with_unary_f32!(@ $f = |p, q| p < q; $body),
+            BinaryOp::Le => with_unary_f32!(@ $f = |p, q| p <= q; $body),
+            BinaryOp::Gt => with_unary_f32!(@ $f = |p, q| p > q; $body),
+            BinaryOp::Ge => with_unary_f32!(@ $f = |p, q| p >= q; $body),
+            _ => $other,
+        }
+    };
+}
+pub(super) use with_comparison;
+
 pub fn unary(op: UnaryOp, arg: Arg<'_>) -> Result<Value, KernelError> {
     if op == UnaryOp::Not {
         let x = tensor::<bool>(arg, "operand")?;
         return Ok(Value::Bool(map(x, |v| !v)));
     }
     let x = tensor::<f32>(arg, "operand")?;
-    let out = match op {
-        UnaryOp::Neg => map(x, |v| -v),
-        UnaryOp::Abs => map(x, f32::abs),
-        UnaryOp::Sign => map(x, sign),
-        UnaryOp::Exp => map(x, f32::exp),
-        UnaryOp::Log => map(x, f32::ln),
-        UnaryOp::Sqrt => map(x, f32::sqrt),
-        UnaryOp::Rsqrt => map(x, |v| 1.0 / v.sqrt()),
-        UnaryOp::Reciprocal => map(x, |v| 1.0 / v),
-        UnaryOp::Square => map(x, |v| v * v),
-        // Written as a comparison so that NaN passes through.
-        UnaryOp::Relu => map(x, |v| if v < 0.0 { 0.0 } else { v }),
-        UnaryOp::Gelu => map(x, gelu),
-        UnaryOp::Sigmoid => map(x, |v| 1.0 / (1.0 + (-v).exp())),
-        UnaryOp::Tanh => map(x, f32::tanh),
-        UnaryOp::Erf => map(x, |v| libm::erf(f64::from(v)) as f32),
-        UnaryOp::GeluErf => map(x, gelu_erf),
-        UnaryOp::Softplus => map(x, softplus),
-        UnaryOp::Log1p => map(x, f32::ln_1p),
-        UnaryOp::Not => {
-            return Err(KernelError::Internal(
-                "`not` reached the f32 kernels".to_string(),
-            ));
-        }
-    };
+    let out = with_unary_f32!(op, f => map(x, f), not => {
+        return Err(KernelError::Internal(
+            "`not` reached the f32 kernels".to_string(),
+        ));
+    });
     Ok(Value::F32(out))
 }
 
+/// eˣ without a branch or a call, so that a loop over it vectorises:
+/// x = n·ln 2 + r with |r| ≤ ln 2 / 2, eʳ by a degree-7 polynomial
+/// (Cephes' expf coefficients), 2ⁿ by building the float's exponent.
+/// Within 2 ulp of the correctly rounded result over the normal range;
+/// results below the smallest normal float flush to 0, above `f32::MAX`
+/// are +inf, and NaN stays NaN. Recurrent cells spend most of their
+/// elementwise time here: `f32::exp` is a call per element.
+pub(super) fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding and subtracting 1.5·2²³ rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    const HIGHEST: f32 = 88.722_83;
+    const LOWEST: f32 = -87.336_55;
+    let clamped = x.clamp(LOWEST, HIGHEST);
+    let n = (clamped * LOG2E + ROUND) - ROUND;
+    let r = clamped - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 0.166_666_65;
+    p = p * r + 0.5;
+    let er = p * r * r + r + 1.0;
+    // 2ⁿ in two factors, each a normal float for every n in −126..=128
+    // (2ⁿ itself is not at either end).
+    let half = (n as i32) >> 1;
+    let power = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
+    let y = er * power(half) * power(n as i32 - half);
+    if x > HIGHEST {
+        f32::INFINITY
+    } else if x < LOWEST {
+        0.0
+    } else {
+        y
+    }
+}
+
+/// 1 / (1 + e⁻ˣ), on the vectorised [`exp`].
+pub(super) fn sigmoid(v: f32) -> f32 {
+    1.0 / (1.0 + exp(-v))
+}
+
+/// tanh, branch-free so that it vectorises: an odd polynomial below
+/// |x| = 0.625 (Cephes' tanhf coefficients; 1 − 2/(e²ˣ + 1) would cancel
+/// there), else 1 − 2/(e^2|x| + 1) with the sign restored.
+pub(super) fn tanh(v: f32) -> f32 {
+    let z = v * v;
+    let mut p = -5.704_988_7e-3_f32;
+    p = p * z + 2.063_909e-2;
+    p = p * z - 5.373_971_6e-2;
+    p = p * z + 0.133_314_42;
+    p = p * z - 0.333_332_8;
+    let small = p * z * v + v;
+    let large = 1.0 - 2.0 / (exp(2.0 * v.abs()) + 1.0);
+    // tanh is odd: the sign is v's (−0 included).
+    (if v.abs() < 0.625 { small } else { large }).copysign(v)
+}
+
 /// -1, 0 or 1 (NaN stays NaN, unlike `f32::signum`, which maps 0 to 1).
-fn sign(v: f32) -> f32 {
+pub(super) fn sign(v: f32) -> f32 {
     if v > 0.0 {
         1.0
     } else if v < 0.0 {
@@ -64,19 +179,19 @@ fn sign(v: f32) -> f32 {
     }
 }
 
-fn gelu(v: f32) -> f32 {
+pub(super) fn gelu(v: f32) -> f32 {
     0.5 * v * (1.0 + (SQRT_2_OVER_PI * (v + 0.044_715 * v * v * v)).tanh())
 }
 
 /// x·Φ(x), in f64 so the f32 result is correctly rounded but for ties.
-fn gelu_erf(v: f32) -> f32 {
+pub(super) fn gelu_erf(v: f32) -> f32 {
     let x = f64::from(v);
     (0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2))) as f32
 }
 
 /// max(x, 0) + log1p(e^(−|x|)): no overflow for large x, and full
 /// precision for very negative x, where log(1 + eˣ) would round to 0.
-fn softplus(v: f32) -> f32 {
+pub(super) fn softplus(v: f32) -> f32 {
     if v.is_nan() {
         return v;
     }
@@ -245,7 +360,7 @@ where
 /// `keep_dims`, a per-channel bias over NCHW (`inner` H·W, `period` C), a
 /// scalar (`period` 1, `inner` the length).
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct Repeat {
+pub(super) struct Repeat {
     inner: usize,
     period: usize,
 }
@@ -253,7 +368,7 @@ struct Repeat {
 /// `operand`'s elements in row-major order and how they pair with an
 /// output of `shape`. A broadcast over axes that are not adjacent is
 /// spelled out once and then pairs element for element.
-fn lined_up<'b, T: Clone>(
+pub(super) fn lined_up<'b, T: Clone>(
     operand: &'b ArrayViewD<'_, T>,
     shape: &[usize],
 ) -> Result<(CowArray<'b, T, IxDyn>, Repeat), KernelError> {
@@ -268,12 +383,19 @@ fn lined_up<'b, T: Clone>(
 
 /// A stretch of output whose operand elements are a slice of the operand
 /// or one element repeated.
-enum Run<'s, T> {
+pub(super) enum Run<'s, T> {
     Zip(&'s [T]),
     Splat(T),
 }
 
 impl Repeat {
+    /// Where output elements `offset..offset + len` find their operand
+    /// elements as one contiguous slice, if they do: from there on.
+    pub(super) fn contiguous(&self, offset: usize, len: usize) -> Option<usize> {
+        let start = offset % self.period;
+        (self.inner == 1 && start + len <= self.period).then_some(start)
+    }
+
     fn elementwise(len: usize) -> Repeat {
         Repeat {
             inner: 1,
@@ -305,7 +427,7 @@ impl Repeat {
     /// Calls `each` on consecutive stretches of `out`, which starts at
     /// output element `offset`, with the operand elements that pair with
     /// them.
-    fn for_runs<'s, O, T: Copy>(
+    pub(super) fn for_runs<'s, O, T: Copy>(
         self,
         offset: usize,
         out: &mut [O],
@@ -336,17 +458,9 @@ fn compare<T: Element>(op: BinaryOp, a: Arg<'_>, b: Arg<'_>) -> Result<Value, Ke
         tensor::<T>(b, "right operand")?,
     );
     let (x, y) = (x.view(), y.view());
-    let out = match op {
-        BinaryOp::Eq => compare_with(&x, &y, |p, q| p == q),
-        BinaryOp::Ne => compare_with(&x, &y, |p, q| p != q),
-        BinaryOp::Lt => compare_with(&x, &y, |p, q| p < q),
-        BinaryOp::Le => compare_with(&x, &y, |p, q| p <= q),
-        BinaryOp::Gt => compare_with(&x, &y, |p, q| p > q),
-        BinaryOp::Ge => compare_with(&x, &y, |p, q| p >= q),
-        other => Err(KernelError::Internal(format!(
-            "`{other:?}` is not a comparison"
-        ))),
-    }?;
+    let out = with_comparison!(op, f => compare_with(&x, &y, f), other => {
+        Err(KernelError::Internal(format!("`{op:?}` is not a comparison")))
+    })?;
     Ok(Value::Bool(out))
 }
 
@@ -492,6 +606,43 @@ fn convert<T: Element>(a: &ArrayD<T>, to: DType) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The largest relative error of `f` against `reference` (in f64) over
+    /// `count` points spread over `low..high`.
+    fn worst(f: fn(f32) -> f32, reference: fn(f64) -> f64, low: f32, high: f32) -> f64 {
+        let count = 200_000;
+        (0..=count)
+            .map(|i| low + (high - low) * i as f32 / count as f32)
+            .map(|x| {
+                let want = reference(f64::from(x));
+                (f64::from(f(x)) - want).abs() / want.abs().max(f64::from(f32::MIN_POSITIVE))
+            })
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn the_vectorised_exp_sigmoid_and_tanh_are_within_a_few_ulp() {
+        // One f32 ulp is 2^-23 ≈ 1.19e-7 relative at most.
+        assert!(worst(exp, f64::exp, -87.0, 88.7) < 3.0e-7);
+        assert!(worst(sigmoid, |x| 1.0 / (1.0 + (-x).exp()), -80.0, 80.0) < 4.0e-7);
+        assert!(worst(tanh, f64::tanh, -12.0, 12.0) < 3.0e-7);
+        assert!(worst(tanh, f64::tanh, -1e-3, 1e-3) < 2.0e-7);
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(f32::INFINITY), f32::INFINITY);
+        assert_eq!(exp(100.0), f32::INFINITY);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert!(exp(88.72).is_finite());
+        assert_eq!((tanh(f32::INFINITY), tanh(f32::NEG_INFINITY)), (1.0, -1.0));
+        assert_eq!(tanh(1e-30), 1e-30);
+        assert!(tanh(-0.0).is_sign_negative());
+        assert_eq!(
+            (sigmoid(f32::INFINITY), sigmoid(f32::NEG_INFINITY)),
+            (1.0, 0.0)
+        );
+        for f in [exp, sigmoid, tanh] {
+            assert!(f(f32::NAN).is_nan());
+        }
+    }
 
     /// The operand index each output element pairs with, by the rule.
     fn pairs(out: &[usize], operand: &[usize]) -> Option<Vec<usize>> {

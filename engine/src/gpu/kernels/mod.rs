@@ -95,8 +95,10 @@ pub enum Family {
     Conv,
     /// `pool.rs`: pooling and its adjoints.
     Pool,
-    /// Control flow (`scan`, `cond`, `while_loop` and their `output`s),
-    /// which runs on the CPU backend only, for now.
+    /// Control flow (`scan`, `cond`, `while_loop` and their `output`s):
+    /// no kernel of its own; the plan runs each loop or branch from the
+    /// host over its bodies' plans (`control.rs`), and an `output` is the
+    /// buffer its result is written to.
     ControlFlow,
 }
 
@@ -142,12 +144,12 @@ pub fn check(op: &Op, operands: &[DType], out: DType) -> Result<(), String> {
     let first = operands.first().copied().unwrap_or(out);
     let refused = || Err(format!("{} on {first}", op.name()));
     match Family::of(op) {
-        Family::NoKernel | Family::Shape | Family::Index | Family::Random => Ok(()),
+        // A control-flow node's bodies are checked as graphs of their own
+        // (`program.rs`).
+        Family::NoKernel | Family::Shape | Family::Index | Family::Random | Family::ControlFlow => {
+            Ok(())
+        }
         Family::Inlined => Err(format!("{} is inlined before compiling", op.name())),
-        Family::ControlFlow => Err(format!(
-            "{} (control flow) runs on the CPU backend only, for now",
-            op.name()
-        )),
         Family::Elementwise => elementwise::check(op, first, out),
         Family::Reduce => reduce::check(op, first),
         Family::MatMul | Family::Softmax if first == DType::F32 => Ok(()),
@@ -161,7 +163,10 @@ pub fn generate(site: &Site<'_>) -> Result<Vec<Kernel>, String> {
     match Family::of(site.op) {
         Family::NoKernel => Ok(Vec::new()),
         Family::Inlined => Err(format!("{} has no kernel of its own", site.op.name())),
-        Family::ControlFlow => Err(format!("{} has no GPU kernel", site.op.name())),
+        Family::ControlFlow => Err(format!(
+            "{} has no kernel: the plan runs it from the host",
+            site.op.name()
+        )),
         Family::Elementwise => elementwise::generate(site),
         Family::MatMul => gemm::generate(site),
         Family::Reduce => reduce::generate(site),
@@ -427,9 +432,13 @@ mod tests {
         let refusal = check(&custom, &[DType::F32], DType::F32).unwrap_err();
         assert!(refusal.contains("custom_grad"), "{refusal}");
         seen[Family::of(&custom).position()] = true;
+        // Control flow passes the check and has no kernel of its own: the
+        // plan runs it (engine/tests/control_flow.rs runs every construct).
         let output = Op::Output { index: 0 };
-        let refusal = check(&output, &[DType::F32], DType::F32).unwrap_err();
-        assert!(refusal.contains("CPU backend only"), "{refusal}");
+        assert_eq!(check(&output, &[DType::F32], DType::F32), Ok(()));
+        let refusal = generate(&site(&output, &[(DType::F32, &[2])], (DType::F32, &[2])))
+            .expect_err("no kernel for an output");
+        assert!(refusal.contains("output"), "{refusal}");
         seen[Family::of(&output).position()] = true;
         let missing: Vec<Family> = Family::ALL
             .into_iter()
