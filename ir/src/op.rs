@@ -480,6 +480,34 @@ impl Op {
     }
 
     /// The graphs nested in this op (bodies, branches, custom rules).
+    /// This op with each loop body and branch replaced by `f` of it (in
+    /// [`Op::subgraphs`] order); any other op, a custom gradient included,
+    /// as it is. The one place a pass that rewrites graphs walks into
+    /// control flow.
+    pub fn map_control_bodies(
+        &self,
+        mut f: impl FnMut(&Graph) -> crate::error::IrResult<Graph>,
+    ) -> crate::error::IrResult<Op> {
+        Ok(match self {
+            Op::Scan(scan) => {
+                let mut mapped = (**scan).clone();
+                mapped.body = f(&scan.body)?;
+                Op::Scan(Box::new(mapped))
+            }
+            Op::Cond(cond) => Op::Cond(Box::new(Cond {
+                then_branch: f(&cond.then_branch)?,
+                else_branch: f(&cond.else_branch)?,
+            })),
+            Op::WhileLoop(w) => Op::WhileLoop(Box::new(WhileLoop {
+                cond: f(&w.cond)?,
+                body: f(&w.body)?,
+                carries: w.carries,
+                max_trips: w.max_trips,
+            })),
+            op => op.clone(),
+        })
+    }
+
     pub fn subgraphs(&self) -> Vec<&Graph> {
         match self {
             Op::CustomGrad(c) => vec![&c.forward, &c.backward],

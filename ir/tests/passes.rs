@@ -792,3 +792,75 @@ fn optimize_leaves_an_optimal_graph_alone() -> R {
     assert!(report.per_pass.iter().all(|&(_, n)| n == 0));
     Ok(())
 }
+
+/// A custom gradient inside a loop body, inside a branch, is inlined there:
+/// no backend sees a `custom_grad` node at any depth.
+#[test]
+fn custom_gradients_are_inlined_inside_loop_bodies_and_branches() -> R {
+    use canopy_ir::autodiff::custom_grad;
+    use canopy_ir::passes::{has_custom_grad, inline_custom_grads};
+    use canopy_ir::{Cond, Scan};
+
+    let mut forward = Graph::new();
+    let x = forward.input("x", f32s(&[3]))?;
+    let y = forward.unary(UnaryOp::Sigmoid, x)?;
+    forward.set_output("y", y)?;
+    let mut backward = Graph::new();
+    let _ = backward.input("x", f32s(&[3]))?;
+    let y = backward.input("y", f32s(&[3]))?;
+    let dy = backward.input("dy", f32s(&[3]))?;
+    let dx = backward.mul(dy, y)?;
+    backward.set_output("dx", dx)?;
+    let rule = custom_grad("sigmoid", forward, backward)?;
+
+    // A branch that calls the rule, in a scan body over a carry.
+    let branch = |with_rule: bool| -> IrResult<Graph> {
+        let mut b = Graph::new();
+        let h = b.input("h", f32s(&[3]))?;
+        let out = if with_rule {
+            b.push(rule.clone(), &[h])?
+        } else {
+            b.neg(h)?
+        };
+        b.set_output("h", out)?;
+        Ok(b)
+    };
+    let mut body = Graph::new();
+    let flag = body.input("flag", TensorType::scalar(DType::Bool))?;
+    let h = body.input("h", f32s(&[3]))?;
+    let cond = Cond {
+        then_branch: branch(true)?,
+        else_branch: branch(false)?,
+    };
+    let picked = body.push_tuple(Op::Cond(Box::new(cond)), &[flag, h])?;
+    body.set_outputs(vec![("flag".into(), flag), ("h".into(), picked[0])])?;
+    let mut g = Graph::new();
+    let flag = g.input("flag", TensorType::scalar(DType::Bool))?;
+    let h0 = g.input("h0", f32s(&[3]))?;
+    let scan = Scan {
+        body,
+        carries: 2,
+        scanned: 0,
+        length: Dim::Fixed(4),
+        reverse: false,
+        checkpoint: 0,
+    };
+    let results = g.push_tuple(Op::Scan(Box::new(scan)), &[flag, h0])?;
+    g.set_output("h", results[1])?;
+    verify(&g)?;
+    assert!(has_custom_grad(&g));
+
+    let inlined = inline_custom_grads(&g)?;
+    verify(&inlined)?;
+    assert!(!has_custom_grad(&inlined));
+    let Op::Scan(scan) = &inlined.nodes()[results[0].index() - 1].op else {
+        // The scan keeps its place: inputs first, then the scan.
+        panic!("{:?}", inlined.op_counts());
+    };
+    let Op::Cond(cond) = &scan.body.nodes()[2].op else {
+        panic!("{:?}", scan.body.op_counts());
+    };
+    assert_eq!(cond.then_branch.op_counts().get("sigmoid"), Some(&1));
+    assert_eq!(cond.else_branch.op_counts().get("neg"), Some(&1));
+    Ok(())
+}

@@ -194,61 +194,10 @@ fn export_bound(
 }
 
 /// `graph` with every custom gradient replaced by its forward graph, in
-/// loop bodies and branches too (`canopy_ir::passes::inline_custom_grads`
-/// does the top level only); borrowed when there is none.
+/// loop bodies and branches too; borrowed when there is none.
 fn inline_custom_grads(graph: &Graph) -> canopy_ir::IrResult<Cow<'_, Graph>> {
-    fn has_custom(graph: &Graph) -> bool {
-        graph.nodes().iter().any(|node| match &node.op {
-            Op::CustomGrad(_) => true,
-            op => op.subgraphs().into_iter().any(has_custom),
-        })
-    }
-    fn rebuild(graph: &Graph) -> canopy_ir::IrResult<Graph> {
-        let mut out = Graph::new();
-        let mut map: Vec<ValueId> = Vec::with_capacity(graph.len());
-        for node in graph.nodes() {
-            let inputs: Vec<ValueId> = node.inputs.iter().map(|i| map[i.index()]).collect();
-            let id = match &node.op {
-                Op::Input { name } => out.input(name.clone(), node.ty.clone())?,
-                Op::CustomGrad(custom) => out.inline(&rebuild(&custom.forward)?, &inputs)?[0],
-                Op::Scan(scan) => {
-                    let body = rebuild(&scan.body)?;
-                    let op = Op::Scan(Box::new(canopy_ir::Scan {
-                        body,
-                        ..(**scan).clone()
-                    }));
-                    out.push(op, &inputs)?
-                }
-                Op::Cond(cond) => {
-                    let op = Op::Cond(Box::new(canopy_ir::Cond {
-                        then_branch: rebuild(&cond.then_branch)?,
-                        else_branch: rebuild(&cond.else_branch)?,
-                    }));
-                    out.push(op, &inputs)?
-                }
-                Op::WhileLoop(w) => {
-                    let op = Op::WhileLoop(Box::new(canopy_ir::WhileLoop {
-                        cond: rebuild(&w.cond)?,
-                        body: rebuild(&w.body)?,
-                        carries: w.carries,
-                        max_trips: w.max_trips,
-                    }));
-                    out.push(op, &inputs)?
-                }
-                op => out.push(op.clone(), &inputs)?,
-            };
-            map.push(id);
-        }
-        let outputs = graph
-            .outputs()
-            .iter()
-            .map(|(name, v)| (name.clone(), map[v.index()]))
-            .collect();
-        out.set_outputs(outputs)?;
-        Ok(out)
-    }
-    if has_custom(graph) {
-        rebuild(graph).map(Cow::Owned)
+    if canopy_ir::passes::has_custom_grad(graph) {
+        canopy_ir::passes::inline_custom_grads(graph).map(Cow::Owned)
     } else {
         Ok(Cow::Borrowed(graph))
     }

@@ -834,19 +834,7 @@ pub(crate) fn lower_for_reverse(graph: &Graph) -> IrResult<Graph> {
                 operands.extend(&inputs[c..]);
                 out.push(Op::Scan(Box::new(scan)), &operands)?
             }
-            Op::Scan(scan) => {
-                let mut scan = (**scan).clone();
-                scan.body = lower_for_reverse(&scan.body)?;
-                out.push(Op::Scan(Box::new(scan)), &inputs)?
-            }
-            Op::Cond(cond) => {
-                let lowered = Cond {
-                    then_branch: lower_for_reverse(&cond.then_branch)?,
-                    else_branch: lower_for_reverse(&cond.else_branch)?,
-                };
-                out.push(Op::Cond(Box::new(lowered)), &inputs)?
-            }
-            op => out.push(op.clone(), &inputs)?,
+            op => out.push(op.map_control_bodies(lower_for_reverse)?, &inputs)?,
         };
         map.push(id);
     }

@@ -5,13 +5,10 @@ use crate::error::IrResult;
 use crate::graph::{Graph, ValueId};
 use crate::op::Op;
 
-/// Replaces every `CustomGrad` node by its forward graph (recursively).
+/// Replaces every `CustomGrad` node by its forward graph, recursively and
+/// in loop bodies and branches too.
 pub fn inline_custom_grads(graph: &Graph) -> IrResult<Graph> {
-    if !graph
-        .nodes()
-        .iter()
-        .any(|n| matches!(n.op, Op::CustomGrad(_)))
-    {
+    if !has_custom_grad(graph) {
         return Ok(graph.clone());
     }
     let mut out = Graph::new();
@@ -24,7 +21,7 @@ pub fn inline_custom_grads(graph: &Graph) -> IrResult<Graph> {
                 let forward = inline_custom_grads(&custom.forward)?;
                 out.inline(&forward, &inputs)?[0]
             }
-            op => out.push(op.clone(), &inputs)?,
+            op => out.push(op.map_control_bodies(inline_custom_grads)?, &inputs)?,
         };
         map.push(id);
     }
@@ -35,4 +32,12 @@ pub fn inline_custom_grads(graph: &Graph) -> IrResult<Graph> {
         .collect();
     out.set_outputs(outputs)?;
     Ok(out)
+}
+
+/// Whether `graph`, its loop bodies or its branches hold a custom gradient.
+pub fn has_custom_grad(graph: &Graph) -> bool {
+    graph.nodes().iter().any(|node| match &node.op {
+        Op::CustomGrad(_) => true,
+        op => op.subgraphs().into_iter().any(has_custom_grad),
+    })
 }

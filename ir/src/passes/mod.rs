@@ -14,7 +14,7 @@ mod simplify;
 pub use cse::eliminate_common_subexpressions;
 pub use dce::eliminate_dead_code;
 pub use fold::{ConstEvaluator, fold_constants};
-pub use inline::inline_custom_grads;
+pub use inline::{has_custom_grad, inline_custom_grads};
 pub use pipeline::{
     DEFAULT_FOLD_MAX_ELEMENTS, MAX_ROUNDS, PassReport, optimize, optimize_with_report,
 };
