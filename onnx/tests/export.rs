@@ -7,9 +7,6 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::fmt::Write as _;
-use std::path::Path;
-use std::process::Command;
 
 use anyhow::{Context, Result, bail, ensure};
 use canopy_engine::Value;
@@ -23,7 +20,7 @@ use canopy_onnx::{
     BATCH_DIM_PARAM, EXPORT_OPSET, ExportOptions, Limits, OnnxError, decode_model, encode,
     export_graph, export_model, import_model,
 };
-use common::{json_tensor, python, run};
+use common::{ReferenceCase, onnx_runtime_agrees, run};
 
 /// One graph and the inputs it runs on.
 struct Case {
@@ -1146,72 +1143,43 @@ fn every_exportable_op_imports_back_with_the_same_outputs() -> Result<()> {
     Ok(())
 }
 
-/// Writes each case's ONNX file and a manifest of inputs and canopy's
-/// outputs for the reference script.
-fn write_cases(dir: &Path, cases: &[Case]) -> Result<()> {
-    let mut manifest = String::from("[\n");
-    for (index, case) in cases.iter().enumerate() {
-        let proto = export_graph(&case.graph, &ExportOptions::default())
-            .with_context(|| case.name.clone())?;
-        let file = format!("{}.onnx", case.name);
-        std::fs::write(dir.join(&file), encode(&proto))?;
-        let outputs = run(&case.graph, case.inputs.clone())?;
-        let inputs: Vec<String> = case
-            .graph
-            .input_names()
-            .iter()
-            .zip(&case.inputs)
-            .map(|(name, value)| json_tensor(name, value))
-            .collect();
-        let outputs: Vec<String> = case
-            .graph
-            .outputs()
-            .iter()
-            .zip(&outputs)
-            .map(|((name, _), value)| json_tensor(name, value))
-            .collect();
-        let separator = if index + 1 == cases.len() { "" } else { "," };
-        writeln!(
-            manifest,
-            r#"{{"name": "{}", "file": "{file}", "inputs": [{}], "outputs": [{}]}}{separator}"#,
-            case.name,
-            inputs.join(", "),
-            outputs.join(", ")
-        )?;
-    }
-    manifest.push(']');
-    std::fs::write(dir.join("cases.json"), manifest)?;
-    Ok(())
+/// Each case exported, with the outputs canopy computes for its inputs.
+fn reference_cases(cases: &[Case]) -> Result<Vec<ReferenceCase>> {
+    cases
+        .iter()
+        .map(|case| {
+            let model = export_graph(&case.graph, &ExportOptions::default())
+                .with_context(|| case.name.clone())?;
+            let outputs = run(&case.graph, case.inputs.clone())?;
+            let named =
+                |names: Vec<String>, values: Vec<Value>| names.into_iter().zip(values).collect();
+            Ok(ReferenceCase {
+                name: case.name.clone(),
+                model,
+                inputs: named(
+                    case.graph
+                        .input_names()
+                        .iter()
+                        .map(|n| n.to_string())
+                        .collect(),
+                    case.inputs.clone(),
+                ),
+                outputs: named(
+                    case.graph
+                        .outputs()
+                        .iter()
+                        .map(|(n, _)| n.clone())
+                        .collect(),
+                    outputs,
+                ),
+            })
+        })
+        .collect()
 }
 
 #[test]
 fn every_exportable_op_matches_onnx_runtime() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let cases = all_cases();
-    write_cases(dir.path(), &cases)?;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/export_ops.py");
-    let output = Command::new(python())
-        .arg(script)
-        .arg(dir.path())
-        .output()
-        .with_context(|| {
-            format!(
-                "cannot run `{}`; hint: pip install -r requirements-dev.txt",
-                python()
-            )
-        })?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
-        bail!(
-            "ONNX Runtime disagrees with canopy:\n{stdout}{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    ensure!(
-        stdout.contains(&format!("{} cases match", cases.len())),
-        "{stdout}"
-    );
-    Ok(())
+    onnx_runtime_agrees(&reference_cases(&all_cases())?)
 }
 
 fn tiny_model() -> Model {
