@@ -65,8 +65,11 @@ pub struct FusedKernel {
 /// How a block reads one input.
 enum Reader<'a> {
     /// The output buffer itself (an operand whose storage the kernel took
-    /// over): read before the block is written.
-    Buffer,
+    /// over): read before the block is written, from a staged copy when
+    /// the last member reads it other than in place.
+    Buffer {
+        staged: bool,
+    },
     Lined(CowArray<'a, f32, IxDyn>, Repeat),
 }
 
@@ -96,12 +99,26 @@ impl FusedKernel {
             })
             .collect::<Result<_, _>>()?;
         let views: Vec<ArrayViewD<'_, f32>> = as_f32.iter().map(CowArray::view).collect();
+        // Where the last member reads the buffer, if it does once and may
+        // run in place: it then updates the output in place.
+        let last = &self.members[self.members.len() - 1];
+        let reads_buffer = |k: usize| {
+            last.operands
+                .iter()
+                .filter(|&&s| s == Source::Input(k))
+                .count()
+        };
+        let in_place = buffer
+            .filter(|&k| reads_buffer(k) == 1 && runs_in_place(&last.op))
+            .and_then(|k| last.operands.iter().position(|&s| s == Source::Input(k)));
         let readers = views
             .iter()
             .enumerate()
             .map(|(k, view)| {
                 Ok(if Some(k) == buffer {
-                    Reader::Buffer
+                    Reader::Buffer {
+                        staged: reads_buffer(k) > 0 && in_place.is_none(),
+                    }
                 } else {
                     let (source, repeat) = lined_up(view, shape)?;
                     Reader::Lined(source, repeat)
@@ -117,7 +134,8 @@ impl FusedKernel {
                     scratch.resize(len, 0.0);
                 }
                 for (k, block) in chunk.chunks_mut(BLOCK).enumerate() {
-                    self.block(&readers, offset + k * BLOCK, block, &mut scratch[..len]);
+                    let at = offset + k * BLOCK;
+                    self.block(&readers, in_place, at, block, &mut scratch[..len]);
                 }
             });
         };
@@ -141,33 +159,29 @@ impl FusedKernel {
     /// into `scratch`, as is every member but the last, which writes into
     /// `out`: in place when it reads the buffer once and may (the op
     /// kernels' in-place update), else from a staged copy of the buffer.
-    fn block(&self, readers: &[Reader<'_>], offset: usize, out: &mut [f32], scratch: &mut [f32]) {
+    /// `in_place` is the operand of the last member that is `out` itself.
+    fn block(
+        &self,
+        readers: &[Reader<'_>],
+        in_place: Option<usize>,
+        offset: usize,
+        out: &mut [f32],
+        scratch: &mut [f32],
+    ) {
         let n = out.len();
         let (staged, members) = scratch.split_at_mut(readers.len() * n);
         let last = &self.members[self.members.len() - 1];
-        // Where the last member reads the buffer, if it does once and may
-        // run in place: it then updates `out` in place.
-        let buffer = readers.iter().position(|r| matches!(r, Reader::Buffer));
-        let reads_buffer = |k: usize| {
-            last.operands
-                .iter()
-                .filter(|&&s| s == Source::Input(k))
-                .count()
-        };
-        let in_place = buffer
-            .filter(|&k| reads_buffer(k) == 1 && runs_in_place(&last.op))
-            .and_then(|k| last.operands.iter().position(|&s| s == Source::Input(k)));
-        let is_staged = |k: usize, reader: &Reader<'_>| match reader {
-            Reader::Buffer => reads_buffer(k) > 0 && in_place.is_none(),
+        let is_staged = |reader: &Reader<'_>| match reader {
+            Reader::Buffer { staged } => *staged,
             Reader::Lined(_, repeat) => repeat.contiguous(offset, n).is_none(),
         };
         for (k, reader) in readers.iter().enumerate() {
-            if !is_staged(k, reader) {
+            if !is_staged(reader) {
                 continue;
             }
             let slot = &mut staged[k * n..(k + 1) * n];
             match reader {
-                Reader::Buffer => slot.copy_from_slice(out),
+                Reader::Buffer { .. } => slot.copy_from_slice(out),
                 Reader::Lined(source, repeat) => {
                     let src = source.as_slice().expect("standard layout");
                     repeat.for_runs(offset, slot, src, &mut |o, run| match run {
@@ -178,7 +192,7 @@ impl FusedKernel {
             }
         }
         let staged: &[f32] = staged;
-        let staged_at = |k: usize| is_staged(k, &readers[k]);
+        let staged_at = |k: usize| is_staged(&readers[k]);
         {
             let inputs = input_slices(readers, staged, out, &staged_at, (offset, n));
             for (j, member) in self.members[..self.members.len() - 1].iter().enumerate() {
@@ -208,7 +222,7 @@ fn input_slices<'s>(
     for ((k, reader), slot) in readers.iter().enumerate().zip(inputs.iter_mut()) {
         *slot = match reader {
             _ if is_staged(k) => &staged[k * n..(k + 1) * n],
-            Reader::Buffer => buffer,
+            Reader::Buffer { .. } => buffer,
             Reader::Lined(source, repeat) => {
                 let start = repeat
                     .contiguous(offset, n)
