@@ -78,27 +78,45 @@ fn matmul_2d(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>) -> Result<Array2<
 }
 
 /// Products below this many multiply-adds run on the calling thread: for
-/// them, waking a worker costs more than it saves. Measured on 2 cores: the
-/// MLP benchmark (64×784×128 layers, 6.4M) trains at a median of 207k
-/// samples/s single-threaded and 193k split; 1024³ gains 1.7× from the split.
-const PARALLEL_MACS: usize = 1 << 23;
+/// them, handing half to another core costs more than it saves even with
+/// that core's worker kept awake ([`super::hot`]).
+const PARALLEL_MACS: usize = 1 << 20;
+
+/// The fewest multiply-adds per element of the operand that both halves of
+/// a split product pack (the right one when the rows are split, the left
+/// one when the columns are). That ratio is the larger output dimension.
+/// Packing costs about as much as the arithmetic in products this size
+/// (perf on the MLP: 16 % of samples in `pack`, 22 % in the kernel), so a
+/// split that packs much twice loses: the MLP's 64×784 · 784×128 layer
+/// (ratio 128) split by columns made training 0.85× as fast, while a GRU
+/// 256's 32×256 · 256×768 step (ratio 768) gains 1.26× from its split, and
+/// 1024³ (ratio 1024) 1.7×.
+const MIN_MACS_PER_TWICE_PACKED: usize = 256;
+
+/// Whether an [m, k] · [k, n] product is split between two cores.
+fn splits([m, k, n]: [usize; 3]) -> bool {
+    let macs = m.saturating_mul(k).saturating_mul(n);
+    let twice_packed = k.saturating_mul(m.min(n));
+    macs >= PARALLEL_MACS
+        && macs >= twice_packed.saturating_mul(MIN_MACS_PER_TWICE_PACKED)
+        && m.max(n) >= 2
+}
 
 /// c = a·b. Products of at least `PARALLEL_MACS` are split once, in two,
 /// along the larger output dimension (splitting further repacks the
-/// operands per piece) and the halves run under `rayon::join`; each half is
-/// a single-threaded `matrixmultiply` call. One thread pool (rayon's) thus
+/// operands per piece), unless that packs too much twice
+/// (`MIN_MACS_PER_TWICE_PACKED`). The halves run under `rayon::join`, with
+/// a worker kept awake to take the second half ([`super::hot`]); each half
+/// is a single-threaded `matrixmultiply` call. One thread pool (rayon's) thus
 /// serves matmul and every other kernel, instead of two pools competing for
-/// the cores. In isolation the MLP's 64×784×128 layer runs at 172 GFLOPS
-/// split, 119 on one thread and 93 with `matrixmultiply`'s own threading;
-/// within a whole training step the split's wake-ups cost more than that,
-/// hence the threshold above it.
+/// the cores.
 fn gemm(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>, c: &mut ArrayViewMut2<'_, f32>) {
     let (m, k, n) = (a.nrows(), a.ncols(), b.ncols());
-    let macs = m.saturating_mul(k).saturating_mul(n);
-    if macs < PARALLEL_MACS || rayon::current_num_threads() < 2 || m.max(n) < 2 {
+    if !splits([m, k, n]) || rayon::current_num_threads() < 2 {
         general_mat_mul(1.0, a, b, 0.0, c);
         return;
     }
+    super::hot::keep_hot();
     if m >= n {
         let (a_top, a_bottom) = a.view().split_at(Axis(0), m / 2);
         let (mut c_top, mut c_bottom) = c.view_mut().split_at(Axis(0), m / 2);
@@ -183,4 +201,49 @@ fn select<'a>(view: &ArrayViewD<'a, f32>, index: &[usize]) -> ArrayViewD<'a, f32
         sub = sub.index_axis_move(Axis(0), i);
     }
     sub
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn products_split_only_where_the_halves_pack_little_twice() {
+        assert!(splits([32, 256, 768]), "a GRU 256 step");
+        assert!(splits([784, 64, 128]), "the MLP's first weight gradient");
+        assert!(splits([1024, 1024, 1024]));
+        assert!(
+            !splits([64, 784, 128]),
+            "the MLP's first layer packs its input twice"
+        );
+        assert!(!splits([64, 128, 10]), "below PARALLEL_MACS");
+        assert!(
+            !splits([1, 1 << 22, 1]),
+            "one output element cannot be split"
+        );
+    }
+
+    /// Both directions of the split against one single-threaded call.
+    #[test]
+    fn a_split_product_equals_the_whole_one() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for [m, k, n] in [[32, 256, 768], [784, 64, 128], [257, 64, 255]] {
+            let a = Array2::from_shape_fn((m, k), |(i, j)| ((i * 31 + j * 17) % 23) as f32 - 11.0);
+            let b = Array2::from_shape_fn((k, n), |(i, j)| ((i * 7 + j * 13) % 19) as f32 / 9.0);
+            assert!(splits([m, k, n]), "{m}x{k}x{n} must take the split path");
+            let mut whole = Array2::zeros((m, n));
+            general_mat_mul(1.0, &a.view(), &b.view(), 0.0, &mut whole);
+            let mut split = Array2::zeros((m, n));
+            pool.install(|| gemm(&a.view(), &b.view(), &mut split.view_mut()));
+            let scale = whole.iter().fold(1.0f32, |s, v| s.max(v.abs()));
+            let worst = (&whole - &split).iter().fold(0.0f32, |s, v| s.max(v.abs()));
+            assert!(
+                worst <= 1e-6 * scale,
+                "{m}x{k}x{n}: off by {worst} of {scale}"
+            );
+        }
+    }
 }

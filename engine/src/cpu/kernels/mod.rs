@@ -34,6 +34,7 @@ macro_rules! for_each_dtype {
 
 mod conv;
 mod elementwise;
+pub(crate) mod hot;
 pub(crate) mod fused;
 mod index;
 mod matmul;
