@@ -34,8 +34,8 @@ macro_rules! for_each_dtype {
 
 mod conv;
 mod elementwise;
-pub(crate) mod hot;
 pub(crate) mod fused;
+pub(crate) mod hot;
 mod index;
 mod matmul;
 mod pool;
