@@ -722,6 +722,38 @@ fn sum_over_middle_and_scattered_axes() {
     );
 }
 
+/// Three runs of reduced axes ([0], [2, 3] and [5] of a rank-6 operand,
+/// as a conv bias gradient has two) against a sum written out by hand.
+#[test]
+fn reductions_over_several_runs_of_axes_match_a_direct_loop() {
+    let shape = [2, 3, 2, 4, 3, 2];
+    let x = range(&shape, -40.0);
+    let Value::F32(array) = &x else {
+        unreachable!()
+    };
+    let axes = [0, 2, 3, 5];
+    let kept = [1, 4];
+    let mut sums = [0.0f32; 9];
+    let mut maxima = [f32::NEG_INFINITY; 9];
+    for (index, &v) in array.indexed_iter() {
+        let at = index[kept[0]] * 3 + index[kept[1]];
+        sums[at] += v;
+        maxima[at] = maxima[at].max(v);
+    }
+    let count = (2 * 2 * 4 * 2) as f32;
+    let means: Vec<f32> = sums.iter().map(|s| s / count).collect();
+    for (kind, want) in [
+        (ReduceKind::Sum, sums.to_vec()),
+        (ReduceKind::Mean, means),
+        (ReduceKind::Max, maxima.to_vec()),
+    ] {
+        let kept_dims = eval(reduce(kind, &axes, true), std::slice::from_ref(&x));
+        assert_f32(&kept_dims, &[1, 3, 1, 1, 3, 1], &want);
+        let dropped = eval(reduce(kind, &axes, false), std::slice::from_ref(&x));
+        assert_f32(&dropped, &[3, 3], &want);
+    }
+}
+
 #[test]
 fn mean_divides_by_the_reduced_count() {
     let x = range(&[2, 4], 1.0);
@@ -1194,6 +1226,42 @@ fn max_pool_takes_the_first_maximum_on_ties() {
     assert_f32(
         &eval(Op::MaxPool2dBackward(attrs), &[x, dy]),
         &[1, 1, 4, 4],
+        &expected,
+    );
+}
+
+/// 2×2 windows at stride 2 (the CPU reads them two rows at a time): a NaN
+/// wins its window, the first of equal maxima wins, and an odd last row and
+/// column belong to no window.
+#[test]
+fn max_pool_two_by_two_takes_nan_and_the_first_maximum_and_skips_an_odd_edge() {
+    let nan = f32::NAN;
+    #[rustfmt::skip]
+    let x = f32s(&[1, 1, 5, 5], &[
+        1.0, 2.0,   7.0, 7.0,  99.0,
+        nan, 0.0,   7.0, 6.0,  99.0,
+        -3.0, -1.0, 4.0, nan,  99.0,
+        -2.0, -1.0, nan, 9.0,  99.0,
+        99.0, 99.0, 99.0, 99.0, 99.0,
+    ]);
+    let attrs = pool([2, 2], [2, 2], [0, 0]);
+    assert_f32(
+        &eval(Op::MaxPool2d(attrs), std::slice::from_ref(&x)),
+        &[1, 1, 2, 2],
+        &[nan, 7.0, -1.0, nan],
+    );
+    let dy = f32s(&[1, 1, 2, 2], &[1.0, 2.0, 3.0, 4.0]);
+    #[rustfmt::skip]
+    let expected = [
+        0.0, 0.0, 2.0, 0.0, 0.0,
+        1.0, 0.0, 0.0, 0.0, 0.0,
+        0.0, 3.0, 0.0, 4.0, 0.0,
+        0.0, 0.0, 0.0, 0.0, 0.0,
+        0.0, 0.0, 0.0, 0.0, 0.0,
+    ];
+    assert_f32(
+        &eval(Op::MaxPool2dBackward(attrs), &[x, dy]),
+        &[1, 1, 5, 5],
         &expected,
     );
 }

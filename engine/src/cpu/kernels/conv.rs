@@ -224,6 +224,7 @@ where
     }
     let size = out.len() / images;
     if work >= PAR_WORK && images > 1 {
+        super::hot::keep_hot();
         out.par_chunks_mut(size)
             .enumerate()
             .try_for_each_init(Vec::new, |scratch, (n, chunk)| f(n, chunk, scratch))
@@ -357,6 +358,7 @@ fn filter_gradient(
         return accumulate(0..images);
     }
     let per_task = images.div_ceil(threads);
+    super::hot::keep_hot();
     let partials = (0..images)
         .step_by(per_task)
         .collect::<Vec<_>>()
@@ -369,4 +371,119 @@ fn filter_gradient(
         .unwrap_or_else(|| Array2::zeros((g.filters, g.patch())));
     parts.for_each(|part| total += &part);
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::ArrayD;
+
+    fn pattern(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 7919 + seed * 104_729) % 997) as f32 / 498.5 - 1.0)
+            .collect()
+    }
+
+    fn value(shape: &[usize], seed: usize) -> Value {
+        let len = shape.iter().product();
+        Value::F32(ArrayD::from_shape_vec(IxDyn(shape), pattern(len, seed)).unwrap())
+    }
+
+    fn dot(a: &Value, b: &Value) -> f64 {
+        let (Value::F32(a), Value::F32(b)) = (a, b) else {
+            unreachable!()
+        };
+        a.iter()
+            .zip(b)
+            .map(|(&p, &q)| f64::from(p) * f64::from(q))
+            .sum()
+    }
+
+    /// conv2d at one output, straight from the definition, in f64.
+    fn direct(x: &ArrayD<f32>, w: &ArrayD<f32>, attrs: &Conv2dAttrs, at: [usize; 4]) -> f64 {
+        let [n, f, oh, ow] = at;
+        let (c, kh, kw) = (w.shape()[1], w.shape()[2], w.shape()[3]);
+        let mut sum = 0.0;
+        for ch in 0..c {
+            for i in 0..kh {
+                for j in 0..kw {
+                    let ih = (oh * attrs.stride[0] + i * attrs.dilation[0]) as isize
+                        - attrs.padding[0] as isize;
+                    let iw = (ow * attrs.stride[1] + j * attrs.dilation[1]) as isize
+                        - attrs.padding[1] as isize;
+                    let inside = (0..x.shape()[2] as isize).contains(&ih)
+                        && (0..x.shape()[3] as isize).contains(&iw);
+                    if inside {
+                        sum += f64::from(x[[n, ch, ih as usize, iw as usize]])
+                            * f64::from(w[[f, ch, i, j]]);
+                    }
+                }
+            }
+        }
+        sum
+    }
+
+    /// Images split across two threads (the work is above `PAR_WORK`, and
+    /// 37 images split unevenly): the forward pass against the definition,
+    /// and both gradients through the adjoint identity
+    /// ⟨conv(x, w), dy⟩ = ⟨x, dx⟩ = ⟨w, dw⟩.
+    #[test]
+    fn parallel_convolutions_match_the_definition_and_their_adjoints() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let cases = [
+            ([37, 6, 14, 14], [16, 6, 5, 5], [1, 1], [0, 0]),
+            ([37, 3, 40, 40], [8, 3, 3, 3], [2, 2], [1, 1]),
+            ([37, 16, 32, 32], [12, 16, 1, 1], [1, 1], [0, 0]),
+        ];
+        for (x_shape, w_shape, stride, padding) in cases {
+            let attrs = Conv2dAttrs {
+                stride,
+                padding,
+                dilation: [1, 1],
+            };
+            let (x, w) = (value(&x_shape, 1), value(&w_shape, 2));
+            let g = Geometry::new(
+                &attrs,
+                [x_shape[1], w_shape[0]],
+                [x_shape[2], x_shape[3]],
+                [w_shape[2], w_shape[3]],
+            )
+            .unwrap();
+            assert!(g.work(x_shape[0]) >= PAR_WORK);
+            let y = pool
+                .install(|| conv2d(Arg::Shared(&x), Arg::Shared(&w), &attrs))
+                .unwrap();
+            let (Value::F32(xa), Value::F32(wa), Value::F32(ya)) = (&x, &w, &y) else {
+                unreachable!()
+            };
+            for (at, &got) in ya.indexed_iter() {
+                let want = direct(xa, wa, &attrs, [at[0], at[1], at[2], at[3]]);
+                assert!(
+                    (f64::from(got) - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{x_shape:?} at {at:?}: {got} vs {want}"
+                );
+            }
+            let dy = value(ya.shape(), 3);
+            let hw = [x_shape[2], x_shape[3]];
+            let dx = pool
+                .install(|| conv2d_backward_input(Arg::Shared(&dy), Arg::Shared(&w), &attrs, hw))
+                .unwrap();
+            let kernel = [w_shape[2], w_shape[3]];
+            let dw = pool
+                .install(|| {
+                    conv2d_backward_filter(Arg::Shared(&x), Arg::Shared(&dy), &attrs, kernel)
+                })
+                .unwrap();
+            let forward = dot(&y, &dy);
+            for (name, pair) in [("dx", dot(&x, &dx)), ("dw", dot(&w, &dw))] {
+                assert!(
+                    (pair - forward).abs() <= 1e-4 * forward.abs().max(1.0),
+                    "{x_shape:?} {name}: {pair} vs {forward}"
+                );
+            }
+        }
+    }
 }

@@ -238,6 +238,7 @@ type Body<'a, T> = dyn Fn(usize, &mut [T]) + Sync + 'a;
 /// [`PAR_THRESHOLD`] elements, else at once on this thread.
 fn run<T: Send>(dst: &mut [T], body: &Body<'_, T>) {
     if dst.len() >= PAR_THRESHOLD {
+        super::hot::keep_hot();
         dst.par_chunks_mut(BLOCK)
             .enumerate()
             .for_each(|(i, out)| body(i * BLOCK, out));

@@ -140,6 +140,7 @@ impl FusedKernel {
             });
         };
         if dst.len() >= PAR_THRESHOLD {
+            super::hot::keep_hot();
             dst.par_chunks_mut(TASK)
                 .enumerate()
                 .for_each(|(i, chunk)| sweep(i * TASK, chunk));

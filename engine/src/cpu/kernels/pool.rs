@@ -25,6 +25,10 @@ struct Geometry {
     row_windows: Vec<Range<usize>>,
     /// Input columns of each output column's window (padding excluded).
     col_windows: Vec<Range<usize>>,
+    /// 2×2 windows at stride 2 without padding (LeNet's, and most CNNs'
+    /// pooling), which [`Geometry::for_each_argmax`] reads two rows at a
+    /// time instead of window by window.
+    two_by_two: bool,
 }
 
 impl Geometry {
@@ -59,6 +63,7 @@ impl Geometry {
             kernel_area: (attrs.kernel[0] * attrs.kernel[1]) as f32,
             row_windows: windows(0),
             col_windows: windows(1),
+            two_by_two: attrs.kernel == [2, 2] && attrs.stride == [2, 2] && attrs.padding == [0, 0],
         })
     }
 
@@ -94,13 +99,81 @@ impl Geometry {
             let line = &plane[r * width..(r + 1) * width];
             for c in cols.clone() {
                 let v = line[c];
-                if v > best || (v.is_nan() && !best.is_nan()) {
+                if wins(v, best) {
                     best = v;
                     best_at = r * width + c;
                 }
             }
         }
         Some(best_at)
+    }
+
+    /// Calls `f(output_index, argmax)` for every output of a plane, with
+    /// [`Geometry::argmax`]'s answer.
+    fn for_each_argmax(&self, plane: &[f32], mut f: impl FnMut(usize, Option<usize>)) {
+        if !self.two_by_two {
+            self.for_each_window(|o, rows, cols| f(o, self.argmax(plane, rows, cols)));
+            return;
+        }
+        let (width, [out_h, out_w]) = (self.in_hw[1], self.out_hw);
+        for r in 0..out_h {
+            let top_start = 2 * r * width;
+            let top = &plane[top_start..][..2 * out_w];
+            let bottom = &plane[top_start + width..][..2 * out_w];
+            let pairs = top.chunks_exact(2).zip(bottom.chunks_exact(2));
+            for (c, (upper, lower)) in pairs.enumerate() {
+                let best_at = first_max_of_four([upper[0], upper[1], lower[0], lower[1]]);
+                let at = top_start + 2 * c + (best_at & 1) + (best_at >> 1) * width;
+                f(r * out_w + c, Some(at));
+            }
+        }
+    }
+
+    /// The maxima of a plane's 2×2 windows, without their positions: which
+    /// of equal maxima comes first does not change the value, so this is
+    /// a select per pair of elements that the compiler vectorises.
+    fn max_two_by_two(&self, plane: &[f32], out: &mut [f32]) {
+        let (width, out_w) = (self.in_hw[1], self.out_hw[1]);
+        for (r, out_row) in out.chunks_exact_mut(out_w).enumerate() {
+            let top = &plane[2 * r * width..][..2 * out_w];
+            let bottom = &plane[(2 * r + 1) * width..][..2 * out_w];
+            for ((o, upper), lower) in out_row
+                .iter_mut()
+                .zip(top.chunks_exact(2))
+                .zip(bottom.chunks_exact(2))
+            {
+                *o = max_or_nan(
+                    max_or_nan(upper[0], upper[1]),
+                    max_or_nan(lower[0], lower[1]),
+                );
+            }
+        }
+    }
+
+    /// Each of a plane's 2×2 windows' gradient `dy` written at its first
+    /// maximum in `dx`, zeros at the other three: the windows do not
+    /// overlap, so every element of `dx` is written once (an odd last row
+    /// or column keeps its zeros), without a branch.
+    fn route_two_by_two(&self, plane: &[f32], dy: &[f32], dx: &mut [f32]) {
+        let (width, out_w) = (self.in_hw[1], self.out_hw[1]);
+        for (r, dy_row) in dy.chunks_exact(out_w).enumerate() {
+            let start = 2 * r * width;
+            let top = &plane[start..][..2 * out_w];
+            let bottom = &plane[start + width..][..2 * out_w];
+            let (dx_top, dx_rest) = dx[start..].split_at_mut(width);
+            let dx_bottom = &mut dx_rest[..2 * out_w];
+            let windows = top.chunks_exact(2).zip(bottom.chunks_exact(2)).zip(dy_row);
+            let targets = dx_top[..2 * out_w]
+                .chunks_exact_mut(2)
+                .zip(dx_bottom.chunks_exact_mut(2));
+            for (((upper, lower), &g), (dx_upper, dx_lower)) in windows.zip(targets) {
+                let at = first_max_of_four([upper[0], upper[1], lower[0], lower[1]]);
+                dx_upper[0] = if at == 0 { g } else { 0.0 };
+                dx_upper[1] = if at == 1 { g } else { 0.0 };
+                dx_lower[0] = if at == 2 { g } else { 0.0 };
+                dx_lower[1] = if at == 3 { g } else { 0.0 };
+            }
+        }
     }
 
     /// Sum of `plane` over the window.
@@ -124,6 +197,31 @@ impl Geometry {
                 .for_each(|v| *v += value);
         }
     }
+}
+
+/// Whether `v`, met after `best` in a window, becomes its maximum: when
+/// larger, or NaN where `best` is not (NaN counts as the maximum).
+fn wins(v: f32, best: f32) -> bool {
+    (v > best) | (v.is_nan() & !best.is_nan())
+}
+
+/// Which of a 2×2 window's values, in row-major order, is its first
+/// maximum (as [`Geometry::argmax`] decides), chosen with masks: a branch
+/// per comparison mispredicts on real activations about every other window.
+fn first_max_of_four(window: [f32; 4]) -> usize {
+    let (mut best, mut best_at) = (window[0], 0u32);
+    for (k, &v) in (1u32..).zip(&window[1..]) {
+        let mask = 0u32.wrapping_sub(u32::from(wins(v, best)));
+        best = f32::from_bits((v.to_bits() & mask) | (best.to_bits() & !mask));
+        best_at = (k & mask) | (best_at & !mask);
+    }
+    best_at as usize
+}
+
+/// The larger of two values, or NaN when either is (the value `wins`
+/// picks, whatever the order).
+fn max_or_nan(a: f32, b: f32) -> f32 {
+    if wins(b, a) { b } else { a }
 }
 
 /// An NCHW f32 operand with its (N·C) plane count and (H, W).
@@ -166,6 +264,7 @@ fn per_plane(
     }
     let size = out.len() / planes;
     if work >= PAR_THRESHOLD {
+        super::hot::keep_hot();
         out.par_chunks_mut(size)
             .enumerate()
             .for_each(|(p, o)| f(p, o));
@@ -184,13 +283,15 @@ pub fn max_pool2d(x: Arg<'_>, attrs: &Pool2dAttrs) -> Result<Value, KernelError>
     let g = Geometry::new(attrs, in_hw)?;
     let view = x.view();
     let data = standard(&view);
-    select_into(
-        as_slice(&data)?,
-        as_slice(&data)?,
-        planes,
-        &g,
-        pooled_shape(&x, &g),
-    )
+    let xs = as_slice(&data)?;
+    if !g.two_by_two {
+        return select_into(xs, xs, planes, &g, pooled_shape(&x, &g));
+    }
+    let mut out = vec![0.0f32; planes * g.out_plane()];
+    per_plane(&mut out, planes, xs.len(), |p, out| {
+        g.max_two_by_two(&xs[p * g.in_plane()..][..g.in_plane()], out);
+    });
+    from_vec(&pooled_shape(&x, &g), out).map(Value::F32)
 }
 
 /// (x, v) → pooled: v at the first maximum of x in each window.
@@ -225,9 +326,7 @@ fn select_into(
     per_plane(&mut out, planes, x.len(), |p, out| {
         let xp = &x[p * g.in_plane()..][..g.in_plane()];
         let vp = &v[p * g.in_plane()..][..g.in_plane()];
-        g.for_each_window(|o, rows, cols| {
-            out[o] = g.argmax(xp, rows, cols).map_or(0.0, |i| vp[i]);
-        });
+        g.for_each_argmax(xp, |o, at| out[o] = at.map_or(0.0, |i| vp[i]));
     });
     from_vec(&shape, out).map(Value::F32)
 }
@@ -249,8 +348,12 @@ pub fn max_pool2d_backward(
     per_plane(&mut out, planes, xs.len(), |p, dx| {
         let xp = &xs[p * g.in_plane()..][..g.in_plane()];
         let dyp = &ds[p * g.out_plane()..][..g.out_plane()];
-        g.for_each_window(|o, rows, cols| {
-            if let Some(i) = g.argmax(xp, rows, cols) {
+        if g.two_by_two {
+            g.route_two_by_two(xp, dyp, dx);
+            return;
+        }
+        g.for_each_argmax(xp, |o, at| {
+            if let Some(i) = at {
                 dx[i] += dyp[o];
             }
         });

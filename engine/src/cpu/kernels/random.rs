@@ -30,6 +30,7 @@ pub fn random_uniform(seed: Arg<'_>, shape: &[usize]) -> Result<Value, KernelErr
     let len = checked_len(shape)?;
     let draw = |i: usize| uniform(seed, i as u64);
     let values: Vec<f32> = if len >= PAR_THRESHOLD {
+        super::hot::keep_hot();
         (0..len).into_par_iter().map(draw).collect()
     } else {
         (0..len).map(draw).collect()

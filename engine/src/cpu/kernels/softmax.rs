@@ -31,6 +31,7 @@ pub fn softmax(arg: Arg<'_>, axis: usize, output: Output) -> Result<Value, Kerne
             .as_slice_mut()
             .ok_or_else(|| KernelError::Internal("expected a contiguous array".to_string()))?;
         if parallel {
+            super::hot::keep_hot();
             data.par_chunks_exact_mut(lane)
                 .for_each(|row| normalise(row, output));
         } else {

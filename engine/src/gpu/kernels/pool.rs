@@ -22,8 +22,10 @@ enum MaxPoolOutput {
     Select,
 }
 
-/// WGSL for the argmax (first on ties, row-major) of window (oh, ow) of
-/// plane `plane` of `a0`, as `best_at` (-1 when the window is all padding).
+/// WGSL for the argmax (first on ties, row-major, a NaN winning as on the
+/// CPU) of window (oh, ow) of plane `plane` of `a0`, as `best_at` (-1 when
+/// the window is all padding). NaN is tested on the bits: a shader compiler
+/// may fold `v != v` to false.
 fn window_argmax(attrs: &Pool2dAttrs, in_hw: [usize; 2], oh: &str, ow: &str) -> String {
     let [kh, kw] = attrs.kernel;
     let [sh, sw] = attrs.stride;
@@ -40,7 +42,9 @@ fn window_argmax(attrs: &Pool2dAttrs, in_hw: [usize; 2], oh: &str, ow: &str) -> 
         if (iw < 0i || iw >= {w}i) {{ continue; }}
         let at = i32(plane * {hw}u) + ih * {w}i + iw;
         let v = a0[u32(at)];
-        if (best_at < 0i || v > best) {{ best = v; best_at = at; }}
+        let v_nan = (bitcast<u32>(v) & 0x7fffffffu) > 0x7f800000u;
+        let best_nan = (bitcast<u32>(best) & 0x7fffffffu) > 0x7f800000u;
+        if (best_at < 0i || v > best || (v_nan && !best_nan)) {{ best = v; best_at = at; }}
       }}
     }}
 "#,
