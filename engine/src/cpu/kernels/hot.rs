@@ -16,7 +16,11 @@
 //! matmul and every other kernel still share one pool.
 //!
 //! The cost is one core spinning for at most [`HOT_FOR`] after the last
-//! split; the keeper never blocks anyone (it is not joined).
+//! split; the keeper never blocks anyone (it is not joined). There is one
+//! keeper per process, in the pool of the split that spawned it: while it
+//! lives, splits in another pool (an app running two) extend its time
+//! without a keeper of their own, which costs them the wake-ups again but
+//! nothing else.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -26,7 +26,7 @@ struct Geometry {
     /// Input columns of each output column's window (padding excluded).
     col_windows: Vec<Range<usize>>,
     /// 2×2 windows at stride 2 without padding (LeNet's, and most CNNs'
-    /// pooling), which [`Geometry::for_each_argmax`] reads two rows at a
+    /// pooling): the max, its gradient and the argmax read two rows at a
     /// time instead of window by window.
     two_by_two: bool,
 }
