@@ -479,7 +479,6 @@ impl Op {
         })
     }
 
-    /// The graphs nested in this op (bodies, branches, custom rules).
     /// This op with each loop body and branch replaced by `f` of it (in
     /// [`Op::subgraphs`] order); any other op, a custom gradient included,
     /// as it is. The one place a pass that rewrites graphs walks into
@@ -508,6 +507,7 @@ impl Op {
         })
     }
 
+    /// The graphs nested in this op (bodies, branches, custom rules).
     pub fn subgraphs(&self) -> Vec<&Graph> {
         match self {
             Op::CustomGrad(c) => vec![&c.forward, &c.backward],

@@ -1,19 +1,16 @@
 //! Keeps one rayon worker awake while kernels are splitting work.
 //!
 //! A training step splits many medium-sized kernels between the cores (a
-//! GRU's 160 products per step; LeNet's convolutions, pooling and large
-//! elementwise nodes, every few hundred microseconds). Between two of them
-//! an idle rayon worker falls asleep, and waking it costs more than half
-//! such a kernel: measured on 2 cores, splitting the MLP's 64×784×128
-//! layers made its training 0.61× as fast as not splitting them, and a
-//! LeNet max pool took 200 µs in a step against 45 µs timed alone. So
-//! every kernel calls [`keep_hot`] before it splits, and the first call
-//! spawns a *keeper*: a
-//! rayon task that runs the pool's pending jobs (`rayon::yield_now`, which
-//! steals the other half of each `join`) and spins between them, until
-//! [`HOT_FOR`] has passed since the last split. A step thus pays one
-//! wake-up, not one per product, and no thread beyond rayon's exists, so
-//! matmul and every other kernel still share one pool.
+//! GRU's 160 products per step, every few hundred microseconds). Between
+//! two of them an idle rayon worker falls asleep, and waking it costs more
+//! than half such a kernel: measured on 2 cores, splitting the MLP's
+//! 64×784×128 layers made its training 0.61× as fast as not splitting
+//! them. So every kernel calls [`keep_hot`] before it splits, and the first
+//! call spawns a *keeper*: a rayon task that runs the pool's pending jobs
+//! (`rayon::yield_now`, which steals the other half of each `join`) and
+//! spins between them, until [`HOT_FOR`] has passed since the last split.
+//! A step thus pays one wake-up, not one per kernel, and no thread beyond
+//! rayon's exists, so matmul and every other kernel still share one pool.
 //!
 //! The cost is one core spinning for at most [`HOT_FOR`] after the last
 //! split; the keeper never blocks anyone (it is not joined). There is one

@@ -1,16 +1,17 @@
 //! Sum, Mean and Max over a set of axes.
 //!
-//! The input is viewed as [outer, reduced, inner] in row-major order: that
+//! The input is viewed as [outer, reduced, inner] in row-major order, which
 //! is free when the reduced axes are one contiguous run (leading, trailing
 //! or middle axes of a contiguous array, e.g. a bias gradient summed over
-//! the batch), and costs one transposing copy otherwise.
+//! the batch). Axes in several runs are reduced run by run, the last first
+//! (`reduce_in_stages`), never by a transposing copy of the operand.
 
 use canopy_ir::{DType, ReduceKind};
 use ndarray::{ArrayD, IxDyn};
 use rayon::prelude::*;
 
 use super::Arg;
-use super::tensor::{Number, PAR_THRESHOLD, as_slice, check_axis, from_vec, tensor, to_standard};
+use super::tensor::{Number, PAR_THRESHOLD, as_slice, check_axis, from_vec, tensor};
 use crate::error::KernelError;
 use crate::value::Value;
 
@@ -100,10 +101,7 @@ fn reduce_typed<T: Number>(
 /// more than one run (a conv bias gradient sums [N, C, H, W] over N, H and
 /// W: two runs).
 fn last_run_start(axes: &[usize]) -> Option<usize> {
-    let start = (1..axes.len())
-        .rev()
-        .find(|&i| axes[i] != axes[i - 1] + 1)?;
-    Some(start)
+    (1..axes.len()).rev().find(|&i| axes[i] != axes[i - 1] + 1)
 }
 
 /// Reduces the last run of `axes` (a free [outer, reduced, inner] view),
@@ -128,34 +126,28 @@ fn reduce_in_stages<T: Number>(
     Ok((out, last_count * earlier_count))
 }
 
-/// The elements of `x` in an order where the reduced axes form the middle
-/// of [outer, reduced, inner], with those three sizes.
+/// `x` as [outer, reduced, inner] around `axes`, one run of consecutive
+/// axes or none ([`reduce_in_stages`] splits the others), with those three
+/// sizes.
 fn arrange<'b, T: Number>(
     x: &'b ndarray::ArrayViewD<'_, T>,
     axes: &[usize],
 ) -> (ndarray::CowArray<'b, T, IxDyn>, [usize; 3]) {
+    debug_assert!(
+        last_run_start(axes).is_none(),
+        "axes {axes:?} are not one run"
+    );
     let shape = x.shape();
     let product = |dims: &[usize]| dims.iter().product::<usize>();
-    let is_run = axes.windows(2).all(|w| w[1] == w[0] + 1);
-    match (axes.first(), axes.last()) {
-        (Some(&first), Some(&last)) if is_run => {
-            let sizes = [
-                product(&shape[..first]),
-                product(&shape[first..=last]),
-                product(&shape[last + 1..]),
-            ];
-            (x.as_standard_layout(), sizes)
-        }
-        (None, _) | (_, None) => (x.as_standard_layout(), [x.len(), 1, 1]),
-        _ => {
-            let kept: Vec<usize> = (0..x.ndim()).filter(|a| !axes.contains(a)).collect();
-            let perm: Vec<usize> = kept.iter().chain(axes).copied().collect();
-            let moved = to_standard(x.view().permuted_axes(IxDyn(&perm)));
-            let outer = kept.iter().map(|&a| shape[a]).product();
-            let reduced = axes.iter().map(|&a| shape[a]).product();
-            (moved.into(), [outer, reduced, 1])
-        }
-    }
+    let sizes = match (axes.first(), axes.last()) {
+        (Some(&first), Some(&last)) => [
+            product(&shape[..first]),
+            product(&shape[first..=last]),
+            product(&shape[last + 1..]),
+        ],
+        _ => [x.len(), 1, 1],
+    };
+    (x.as_standard_layout(), sizes)
 }
 
 /// Folds the `reduced` axis of `data` viewed as [outer, reduced, inner]:
