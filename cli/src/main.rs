@@ -58,6 +58,10 @@ enum Command {
     /// it where the server cannot read its key.
     #[command(subcommand)]
     Authority(AuthorityCommand),
+    /// Plan a differentially private job: the ε a number of rounds spends,
+    /// or the noise that keeps them within a target ε.
+    #[command(subcommand)]
+    Privacy(PrivacyCommand),
     /// Run a federated job over many virtual devices, each enrolled with
     /// its own key and data shard, against a server in this process or
     /// the one you logged in to.
@@ -66,6 +70,16 @@ enum Command {
     /// process of its own; the server starts it.
     #[command(hide = true, name = canopy_sim::cloud::CENTRAL_WORKER)]
     CentralWorker(canopy_sim::cloud::CentralWorkerArgs),
+}
+
+#[derive(Subcommand)]
+enum PrivacyCommand {
+    /// The (ε, δ) that --steps rounds of the subsampled Gaussian mechanism
+    /// spend at --sampling-rate and --noise-multiplier.
+    Epsilon(commands::privacy::EpsilonArgs),
+    /// The least noise multiplier that keeps --steps rounds at
+    /// --sampling-rate within --epsilon at --delta.
+    Noise(commands::privacy::NoiseArgs),
 }
 
 #[derive(Subcommand)]
@@ -249,6 +263,8 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Dataset(DatasetCommand::Push(args)) => commands::datasets::push(args),
         Command::Dataset(DatasetCommand::Ls(args)) => commands::datasets::list(args),
         Command::Dataset(DatasetCommand::Rm(args)) => commands::datasets::remove(args),
+        Command::Privacy(PrivacyCommand::Epsilon(args)) => commands::privacy::epsilon(args),
+        Command::Privacy(PrivacyCommand::Noise(args)) => commands::privacy::noise(args),
         Command::Authority(AuthorityCommand::New(args)) => commands::authority::new(args),
         Command::Authority(AuthorityCommand::Certify(args)) => commands::authority::certify(args),
     }

@@ -10,6 +10,7 @@ pub mod jobs;
 pub mod login;
 pub mod models;
 pub mod new;
+pub mod privacy;
 pub mod run;
 pub mod simulate;
 pub mod stats;

@@ -1,0 +1,135 @@
+//! `canopy privacy`: plan a differentially private job's budget before it
+//! runs, as Opacus's `get_noise_multiplier` lets its users. Both commands
+//! are the `canopy-privacy` accountant, the one a job's server uses.
+
+use anyhow::Result;
+use canopy_privacy::plan::{self, Target};
+use canopy_privacy::{Accountant, Conversion, Event, Orders, PrivacyError, Spent};
+use clap::Args;
+
+use crate::files::Hint;
+use crate::output::outln;
+
+/// What both commands share.
+#[derive(Args)]
+pub struct Common {
+    /// The probability that each device takes part in a round (devices per
+    /// round over the population), in [0, 1].
+    #[arg(long, value_name = "Q", allow_negative_numbers = true)]
+    sampling_rate: f64,
+    /// Rounds (or steps) of the job.
+    #[arg(long, value_name = "T", allow_negative_numbers = true)]
+    steps: u64,
+    /// δ of the (ε, δ) guarantee: well below one over the population.
+    #[arg(long, value_name = "D", allow_negative_numbers = true)]
+    delta: f64,
+    /// How RDP becomes (ε, δ): `tight` (Balle et al. 2020, what Opacus and
+    /// dp_accounting print) or `classic` (Mironov 2017).
+    #[arg(long, default_value_t = Conversion::Tight, value_parser = parse_conversion)]
+    conversion: Conversion,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub struct EpsilonArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The noise's standard deviation over the clip (the L2 sensitivity).
+    #[arg(long, value_name = "S", allow_negative_numbers = true)]
+    noise_multiplier: f64,
+}
+
+#[derive(Args)]
+pub struct NoiseArgs {
+    #[command(flatten)]
+    common: Common,
+    /// The ε the job may spend in all.
+    #[arg(long, value_name = "E", allow_negative_numbers = true)]
+    epsilon: f64,
+}
+
+fn parse_conversion(text: &str) -> Result<Conversion, String> {
+    text.parse()
+        .map_err(|error: PrivacyError| error.to_string())
+}
+
+/// Prints the ε that `--steps` rounds spend.
+pub fn epsilon(args: EpsilonArgs) -> Result<()> {
+    let common = &args.common;
+    let mut accountant = Accountant::new(Orders::standard());
+    accountant
+        .compose(&Event::gaussian(
+            common.sampling_rate,
+            args.noise_multiplier,
+            common.steps,
+        ))
+        .map_err(explain)?;
+    let spent = accountant
+        .epsilon(common.delta, common.conversion)
+        .map_err(explain)?;
+    print(common, args.noise_multiplier, &spent)
+}
+
+/// Prints the least noise multiplier that keeps `--steps` rounds within
+/// `--epsilon`.
+pub fn noise(args: NoiseArgs) -> Result<()> {
+    let common = &args.common;
+    let target = Target {
+        epsilon: args.epsilon,
+        delta: common.delta,
+        sampling_rate: common.sampling_rate,
+        steps: common.steps,
+    };
+    let plan =
+        plan::noise_multiplier(target, common.conversion, &Orders::standard()).map_err(explain)?;
+    print(common, plan.noise_multiplier, &plan.spent)
+}
+
+fn print(common: &Common, noise_multiplier: f64, spent: &Spent) -> Result<()> {
+    let conversion = spent.conversion;
+    if common.json {
+        // serde_json writes an infinite ε (no order gives a bound) as null.
+        let json = serde_json::json!({
+            "epsilon": spent.epsilon,
+            "delta": spent.delta,
+            "order": spent.order,
+            "conversion": conversion.name(),
+            "conversion_source": conversion.source(),
+            "mechanism": "poisson_subsampled_gaussian",
+            "sampling_rate": common.sampling_rate,
+            "noise_multiplier": noise_multiplier,
+            "steps": common.steps,
+        });
+        outln!("{json}")?;
+        return Ok(());
+    }
+    outln!("epsilon           {}", spent.epsilon)?;
+    outln!("delta             {:e}", spent.delta)?;
+    outln!("noise multiplier  {noise_multiplier}")?;
+    outln!("sampling rate     {}", common.sampling_rate)?;
+    outln!("steps             {}", common.steps)?;
+    match spent.order {
+        Some(order) => outln!("best order        {order}")?,
+        None => outln!("best order        none (no order bounds this release)")?,
+    }
+    outln!("conversion        {conversion} ({})", conversion.source())?;
+    outln!("mechanism         Poisson-subsampled Gaussian, Rényi DP accountant")?;
+    Ok(())
+}
+
+/// The accountant's error, naming the flag and saying what to change.
+fn explain(error: PrivacyError) -> anyhow::Error {
+    let flag = format!("--{}", error.parameter().name().replace('_', "-"));
+    match &error {
+        PrivacyError::OutOfRange { value, bounds, .. } => {
+            anyhow::anyhow!("{flag} is {value}, outside {bounds}")
+        }
+        PrivacyError::Unreachable { .. } => Hint::attach(
+            anyhow::Error::new(error),
+            "allow a larger --epsilon or --delta, or plan fewer --steps or a lower --sampling-rate",
+        ),
+        PrivacyError::UnknownConversion { .. } => anyhow::Error::new(error),
+    }
+}
