@@ -197,6 +197,7 @@ fn task(fixture: &Fixture) -> Task {
         .expect("layout"),
         secure_aggregation: None,
         sub_round: None,
+        privacy: None,
         policy: Default::default(),
     }
 }

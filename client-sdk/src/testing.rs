@@ -101,6 +101,7 @@ impl TaskFixture {
             layout,
             secure_aggregation: None,
             sub_round: None,
+            privacy: None,
             policy: Default::default(),
         };
         (bytes, task, data)

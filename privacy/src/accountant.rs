@@ -76,6 +76,24 @@ impl Accountant {
         }
     }
 
+    /// An accountant as one was saved: its orders, the RDP spent at each
+    /// and the steps composed ([`Accountant::orders`], [`Accountant::rdp`],
+    /// [`Accountant::steps`]). Refused when the values cannot be an
+    /// accountant's: one per order, none negative or NaN.
+    pub fn restore(orders: Orders, rdp: Vec<f64>, steps: u64) -> Result<Accountant, PrivacyError> {
+        if rdp.len() != orders.len() {
+            return Err(PrivacyError::CorruptState {
+                reason: format!("{} RDP values for {} orders", rdp.len(), orders.len()),
+            });
+        }
+        if let Some(bad) = rdp.iter().find(|value| value.is_nan() || **value < 0.0) {
+            return Err(PrivacyError::CorruptState {
+                reason: format!("an RDP value of {bad}"),
+            });
+        }
+        Ok(Accountant { orders, rdp, steps })
+    }
+
     /// Adds `event`'s releases. A refused event changes nothing.
     pub fn compose(&mut self, event: &Event) -> Result<(), PrivacyError> {
         let added = event.rdp(&self.orders)?;
@@ -168,6 +186,31 @@ mod tests {
             .unwrap_err();
         assert_eq!(error.parameter(), Parameter::Steps);
         assert_eq!(accountant, before);
+    }
+
+    #[test]
+    fn a_restored_accountant_is_the_one_saved_and_a_corrupt_one_is_refused() {
+        let mut accountant = Accountant::default();
+        accountant.compose(&Event::gaussian(0.1, 1.0, 7)).unwrap();
+        let restored = Accountant::restore(
+            accountant.orders().clone(),
+            accountant.rdp().to_vec(),
+            accountant.steps(),
+        )
+        .unwrap();
+        assert_eq!(restored, accountant);
+        let short = Accountant::restore(Orders::standard(), vec![0.0; 3], 0);
+        assert!(
+            matches!(short, Err(PrivacyError::CorruptState { .. })),
+            "{short:?}"
+        );
+        let mut negative = accountant.rdp().to_vec();
+        negative[0] = -1.0;
+        let refused = Accountant::restore(Orders::standard(), negative, 7).unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "a saved accountant cannot be used: an RDP value of -1"
+        );
     }
 
     #[test]

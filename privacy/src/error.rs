@@ -66,6 +66,9 @@ pub enum PrivacyError {
         max_noise_multiplier: f64,
         epsilon_at_max: f64,
     },
+    /// A saved accountant whose values cannot be one.
+    #[error("a saved accountant cannot be used: {reason}")]
+    CorruptState { reason: String },
     #[error("unknown conversion `{given}`: expected {}", crate::Conversion::ALL.map(|c| c.name()).join(" or "))]
     UnknownConversion { given: String },
 }
@@ -77,6 +80,7 @@ impl PrivacyError {
             PrivacyError::OutOfRange { parameter, .. } => *parameter,
             PrivacyError::Unreachable { .. } => Parameter::Epsilon,
             PrivacyError::UnknownConversion { .. } => Parameter::Conversion,
+            PrivacyError::CorruptState { .. } => Parameter::Orders,
         }
     }
 }

@@ -20,6 +20,9 @@ pub const MAX_LEARNING_RATE: f64 = 100.0;
 /// server's configurable `max_model_bytes` may not exceed it, so it never
 /// accepts a model that devices would refuse.
 pub const MAX_MODEL_BYTES: u64 = 1 << 30;
+/// Largest clip norm a differentially private task may ask for: an update
+/// a million long is already no bound at all.
+pub const MAX_CLIP_NORM: f64 = 1e6;
 
 /// A task, or one of its fields, outside the shared bounds.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -80,6 +83,18 @@ pub fn check_learning_rate(field: &'static str, rate: f64) -> Result<(), BoundsE
     })
 }
 
+/// Checks a clip norm: finite, above zero, at most [`MAX_CLIP_NORM`].
+pub fn check_clip_norm(field: &'static str, norm: f64) -> Result<(), BoundsError> {
+    if norm.is_finite() && norm > 0.0 && norm <= MAX_CLIP_NORM {
+        return Ok(());
+    }
+    Err(BoundsError::OutOfRange {
+        field,
+        value: norm.to_string(),
+        allowed: format!("(0, {MAX_CLIP_NORM}]"),
+    })
+}
+
 /// Checks a model file's size against [`MAX_MODEL_BYTES`].
 pub fn check_model_bytes(field: &'static str, bytes: u64) -> Result<(), BoundsError> {
     check_u64(field, bytes, 0, MAX_MODEL_BYTES)
@@ -108,6 +123,9 @@ impl Task {
         )?;
         if let Some(sub_round) = &self.sub_round {
             sub_round.validate()?;
+        }
+        if let Some(privacy) = &self.privacy {
+            check_clip_norm("privacy.clip_norm", privacy.clip_norm)?;
         }
         self.layout.validate().map_err(BoundsError::Layout)
     }

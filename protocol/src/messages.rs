@@ -598,6 +598,20 @@ pub struct Task {
     /// as its `num_samples`, to `upload_path`. End devices never get one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sub_round: Option<SubRound>,
+    /// Present in a training task of a differentially private job: the
+    /// device clips its update to [`TaskPrivacy::clip_norm`] before it
+    /// sends it, so that no device moves the sum by more than that.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub privacy: Option<TaskPrivacy>,
+}
+
+/// What a differentially private job asks of each device's update.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskPrivacy {
+    /// The L2 norm the whole update (every trainable tensor together) is
+    /// scaled down to when it is longer: [`crate::update::clip_to_norm`].
+    pub clip_norm: f64,
 }
 
 /// What an aggregator's sub-round must do, from the cloud job's edge tier.

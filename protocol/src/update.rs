@@ -259,6 +259,42 @@ fn check_finite(layout: &UpdateLayout, values: &[f32]) -> Result<(), UpdateError
     Ok(())
 }
 
+/// The L2 norm of an update: every trainable tensor's values together, in
+/// f64 so that a million squares lose nothing.
+pub fn l2_norm(values: &[f32]) -> f64 {
+    values
+        .iter()
+        .map(|&value| f64::from(value) * f64::from(value))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// What an update is multiplied by to bring it within `clip_norm`: 1 when
+/// it is no longer than that, `clip_norm / norm` when it is. The one rule
+/// of a differentially private job's clipping: devices apply it to their
+/// update ([`clip_to_norm`]), and the server to each update it folds, so
+/// that one device moves the sum by at most `clip_norm` whatever it sent.
+pub fn clip_scale(norm: f64, clip_norm: f64) -> f64 {
+    if norm > clip_norm {
+        clip_norm / norm
+    } else {
+        1.0
+    }
+}
+
+/// Scales `values` down to L2 norm `clip_norm` when they are longer, and
+/// returns their norm before.
+pub fn clip_to_norm(values: &mut [f32], clip_norm: f64) -> f64 {
+    let norm = l2_norm(values);
+    let scale = clip_scale(norm, clip_norm);
+    if scale < 1.0 {
+        for value in values.iter_mut() {
+            *value = (f64::from(*value) * scale) as f32;
+        }
+    }
+    norm
+}
+
 /// A decoded update, checked against the layout it was decoded with.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecodedUpdate {

@@ -211,6 +211,7 @@ fn task(policy: DevicePolicy) -> Task {
         layout,
         secure_aggregation: None,
         sub_round: None,
+        privacy: None,
         policy,
     }
 }

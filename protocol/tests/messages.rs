@@ -330,10 +330,22 @@ fn task_json_roundtrip_with_layout() {
         secure_aggregation: None,
         sub_round: None,
         policy: Default::default(),
+        privacy: Some(canopy_protocol::messages::TaskPrivacy { clip_norm: 0.5 }),
     };
     let json = serde_json::to_string(&task).unwrap();
     let back: Task = serde_json::from_str(&json).unwrap();
     assert_eq!(back, task);
+
+    // A differentially private task's clip norm is bounded and named.
+    for (clip_norm, ok) in [(1.0, true), (0.0, false), (f64::NAN, false), (2e6, false)] {
+        let mut task = task.clone();
+        task.privacy = Some(canopy_protocol::messages::TaskPrivacy { clip_norm });
+        let result = task.validate();
+        assert_eq!(result.is_ok(), ok, "{clip_norm}: {result:?}");
+        if let Err(error) = result {
+            assert_eq!(error.field(), "privacy.clip_norm");
+        }
+    }
 
     // A layout that breaks the limits cannot arrive inside a task.
     let value: serde_json::Value = serde_json::from_str(&json).unwrap();

@@ -397,3 +397,21 @@ proptest! {
         prop_assert_eq!(a, b);
     }
 }
+
+#[test]
+fn clipping_scales_a_long_update_to_the_norm_and_leaves_a_short_one() {
+    use canopy_protocol::update::{clip_scale, clip_to_norm, l2_norm};
+    // 3-4-12 has norm 13.
+    let mut long = vec![3.0f32, -4.0, 12.0];
+    assert_eq!(clip_to_norm(&mut long, 6.5), 13.0);
+    assert_eq!(long, vec![1.5, -2.0, 6.0]);
+    assert!((l2_norm(&long) - 6.5).abs() < 1e-6);
+    let mut short = vec![0.3f32, -0.4];
+    assert!((clip_to_norm(&mut short, 1.0) - 0.5).abs() < 1e-7);
+    assert_eq!(short, vec![0.3, -0.4]);
+    // A zero update is left alone, not divided by its zero norm.
+    assert_eq!(clip_scale(0.0, 1.0), 1.0);
+    let mut zero = vec![0.0f32; 4];
+    assert_eq!(clip_to_norm(&mut zero, 1.0), 0.0);
+    assert_eq!(zero, vec![0.0; 4]);
+}

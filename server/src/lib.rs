@@ -24,6 +24,7 @@ pub mod inflight;
 pub mod metrics;
 pub mod migrations;
 pub mod orchestrator;
+pub mod privacy;
 pub mod request_slots;
 pub mod round_failure;
 pub mod secure;

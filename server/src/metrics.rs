@@ -6,6 +6,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -29,6 +30,12 @@ pub struct PoolLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct JobLabels {
+    /// A running job's id: the set is as large as the running private jobs.
+    pub job_id: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
 }
@@ -47,6 +54,9 @@ pub struct Metrics {
     pub refusals: Family<LimitLabels, Counter>,
     /// Places taken in each request pool, set when `/metrics` is read.
     pub request_slots_in_use: Family<PoolLabels, Gauge>,
+    /// The ε each running differentially private job has spent, set when
+    /// `/metrics` is read.
+    pub privacy_epsilon: Family<JobLabels, Gauge<f64, AtomicU64>>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -107,8 +117,15 @@ impl Metrics {
             "Places taken in each request pool (task_polls: polls waiting)",
             request_slots_in_use.clone(),
         );
+        let privacy_epsilon = Family::<JobLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "job_privacy_epsilon",
+            "Epsilon spent by each running differentially private job, at its delta",
+            privacy_epsilon.clone(),
+        );
         Metrics {
             registry,
+            privacy_epsilon,
             request_slots_in_use,
             open_connections,
             refusals,

@@ -52,6 +52,8 @@ pub enum OrchestratorError {
         #[source]
         source: canopy_ir::format::FormatError,
     },
+    #[error("job {job}'s privacy accountant cannot be used: {reason}")]
+    Privacy { job: i64, reason: String },
     #[error("cannot read the input shape of model version {version}: {reason}")]
     InputShape { version: i64, reason: String },
     #[error("the blob store failed")]
@@ -192,6 +194,10 @@ fn next_round(job: &JobRow, spec: &JobSpec, kind: RoundKind) -> rounds::NewRound
                 .asynchronous
                 .as_ref()
                 .map(|asynchronous| i64::from(asynchronous.max_staleness)),
+        },
+        clip_norm: match kind {
+            RoundKind::Statistics => None,
+            RoundKind::Train => spec.differential_privacy.as_ref().map(|dp| dp.clip_norm),
         },
     }
 }
@@ -571,6 +577,15 @@ async fn select(
         }
         return Ok(Selected::Waiting);
     }
+    if let (Some(privacy), RoundKind::Train) = (&spec.differential_privacy, round.kind) {
+        let sampling_rate = crate::privacy::sampling_rate(chosen.len(), eligible + busy);
+        if let Some(stop) = privacy_budget_stop(tx, job, privacy, sampling_rate).await? {
+            rounds::stop_job(tx, round, &stop).await?;
+            tracing::info!(round = round.id, job = job.id, reason = %stop, "job stopped");
+            return Ok(Selected::Failed);
+        }
+        rounds::set_sampling_rate(tx, round.id, sampling_rate).await?;
+    }
     let mut deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
     if let Some(closes_by) = sub_round_deadline(tx, job.id).await? {
         deadline = deadline.min(closes_by);
@@ -596,6 +611,41 @@ async fn select(
         "selected devices"
     );
     Ok(Selected::Training)
+}
+
+/// Why a private job must stop before this round, if it must: the round,
+/// at `sampling_rate`, would take its ε past its budget. A saved
+/// accountant that cannot be read stops it too: spending on without
+/// knowing what was spent is what a budget forbids.
+async fn privacy_budget_stop(
+    tx: &mut Tx<'_>,
+    job: &JobRow,
+    privacy: &crate::privacy::DifferentialPrivacy,
+    sampling_rate: f64,
+) -> Result<Option<RoundFailure>, OrchestratorError> {
+    let Some(budget) = privacy.budget_epsilon else {
+        return Ok(None);
+    };
+    let (_, saved) = jobs::privacy_state(tx, job.id).await?;
+    let accountant = match crate::privacy::load_accountant(saved.as_deref()) {
+        Ok(accountant) => accountant,
+        Err(reason) => return Ok(Some(RoundFailure::Privacy(reason))),
+    };
+    let event = privacy.round(sampling_rate);
+    let (spent, after) = match (
+        crate::privacy::epsilon(&accountant, privacy.delta),
+        accountant.epsilon_after(&event, privacy.delta, crate::privacy::CONVERSION),
+    ) {
+        (Ok(spent), Ok(after)) => (spent, after.epsilon),
+        (Err(reason), _) => return Ok(Some(RoundFailure::Privacy(reason))),
+        (_, Err(error)) => return Ok(Some(RoundFailure::Privacy(error.to_string()))),
+    };
+    Ok((after > budget).then_some(RoundFailure::PrivacyBudget {
+        budget,
+        spent,
+        would_spend: after,
+        sampling_rate,
+    }))
 }
 
 /// Who selection would add to a training round now, and why others could not take part.
@@ -1428,11 +1478,23 @@ async fn next_version(
         }
     };
     let sum = rounds::update_sum(&mut tx, round.id).await?;
+    let (noise_seed, _) = jobs::privacy_state(&mut tx, job.id).await?;
     tx.rollback().await?;
-    let sum = sum
+    let mut sum = sum
         .map(|bytes| fedavg::decode_sum(&bytes))
         .unwrap_or_default();
-    let weight_total = u64::try_from(round.weight_total).unwrap_or(0);
+    let mut weight_total = u64::try_from(round.weight_total).unwrap_or(0);
+    if let (Some(privacy), RoundKind::Train) = (&spec.differential_privacy, round.kind) {
+        // DP-FedAvg: the clipped sum plus noise, over the round's target
+        // (a fixed denominator: the count of updates is not released).
+        let seed = noise_seed.unwrap_or_default();
+        if let Err(reason) =
+            crate::privacy::add_noise(&mut sum, &seed, round.id, privacy.noise_stddev())
+        {
+            return Ok(Err(RoundFailure::Privacy(reason)));
+        }
+        weight_total = u64::try_from(round.target_devices).unwrap_or(1).max(1);
+    }
     let limit = state.settings.limits.max_model_bytes;
     let bytes = state.blobs.get(&base.digest, limit).await?;
     let built = tokio::task::spawn_blocking(move || match optimizer {
@@ -1443,6 +1505,36 @@ async fn next_version(
         round: round.id,
         source,
     })
+}
+
+/// Composes a private round into its job's accountant, and records the ε
+/// the job has spent after it, on the job and on the round, in the
+/// transaction that records the round's version: a crash keeps both or
+/// neither. A round selected before its sampling rate was recorded is
+/// accounted at rate 1, the most it could have spent.
+async fn account_for_round(
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+    privacy: &crate::privacy::DifferentialPrivacy,
+) -> Result<(), OrchestratorError> {
+    let (_, saved) = jobs::privacy_state(tx, job.id).await?;
+    let composed = crate::privacy::load_accountant(saved.as_deref()).and_then(|mut accountant| {
+        let event = privacy.round(round.dp_sampling_rate.unwrap_or(1.0));
+        accountant
+            .compose(&event)
+            .map_err(|error| error.to_string())?;
+        let epsilon = crate::privacy::epsilon(&accountant, privacy.delta)?;
+        Ok((accountant, epsilon))
+    });
+    let (accountant, epsilon) = composed.map_err(|reason| OrchestratorError::Privacy {
+        job: job.id,
+        reason,
+    })?;
+    let saved = crate::privacy::save_accountant(&accountant);
+    jobs::record_privacy(tx, job.id, &saved, epsilon).await?;
+    rounds::set_epsilon(tx, round.id, epsilon).await?;
+    Ok(())
 }
 
 /// A training round's end, once its version is stored: the federated and
@@ -1456,6 +1548,9 @@ async fn finish_training(
     version: &VersionRow,
     optimizer_state: &OptimizerState,
 ) -> Result<(), OrchestratorError> {
+    if let Some(privacy) = &spec.differential_privacy {
+        account_for_round(tx, round, job, privacy).await?;
+    }
     let last = round.number >= i64::from(spec.rounds);
     // An asynchronous job's devices are busy training, so only its last
     // version is evaluated federatedly; the central evaluation takes each.

@@ -60,6 +60,20 @@ pub enum RoundFailure {
     /// The masks could not be removed from the secure sum.
     #[error("{0}")]
     Unmask(String),
+    /// A differentially private job would pass its budget with this round.
+    #[error(
+        "the privacy budget is spent: this round, at sampling rate {sampling_rate}, would take \
+         the job's epsilon from {spent} to {would_spend}, past its budget_epsilon of {budget}"
+    )]
+    PrivacyBudget {
+        budget: f64,
+        spent: f64,
+        would_spend: f64,
+        sampling_rate: f64,
+    },
+    /// A private round's noise or accountant could not be used.
+    #[error("differential privacy: {0}")]
+    Privacy(String),
 }
 
 text_enum! {
@@ -92,6 +106,12 @@ text_enum! {
         SecureDropouts = "secure_dropouts",
         /// The secure sum could not be unmasked.
         UnmaskFailed = "unmask_failed",
+        /// A differentially private job stopped, completed, before a round
+        /// that would have passed its `budget_epsilon`.
+        PrivacyBudget = "privacy_budget",
+        /// A private round's noise secret or accountant state could not be
+        /// used.
+        PrivacyState = "privacy_state",
         /// The round failed before this server recorded causes.
         Unrecorded = "unrecorded",
     }
@@ -116,6 +136,8 @@ impl RoundFailure {
             RoundFailure::SecurePlan(_) => FailureKind::SecurePlanRefused,
             RoundFailure::SecureDropouts(_) => FailureKind::SecureDropouts,
             RoundFailure::Unmask(_) => FailureKind::UnmaskFailed,
+            RoundFailure::PrivacyBudget { .. } => FailureKind::PrivacyBudget,
+            RoundFailure::Privacy(_) => FailureKind::PrivacyState,
         }
     }
 
@@ -209,6 +231,17 @@ mod tests {
                 }),
                 "the averaged value of `w` at 3 is not finite",
                 "model_not_finite",
+            ),
+            (
+                RoundFailure::PrivacyBudget {
+                    budget: 2.0,
+                    spent: 1.5,
+                    would_spend: 2.25,
+                    sampling_rate: 0.5,
+                },
+                "the privacy budget is spent: this round, at sampling rate 0.5, would take the \
+                 job's epsilon from 1.5 to 2.25, past its budget_epsilon of 2",
+                "privacy_budget",
             ),
             (
                 RoundFailure::Averaging(FedAvgError::NoWeight),

@@ -79,6 +79,7 @@ impl Database {
             target_devices: 1,
             min_devices: 1,
             max_staleness: None,
+            clip_norm: None,
         };
         let round_id = rounds::open_round(&mut tx, &new)
             .await?

@@ -84,6 +84,21 @@ pub struct CreateArgs {
     /// Secure aggregation (SecAgg+): the server learns only each round's sum.
     #[arg(long)]
     secure: bool,
+    /// Differential privacy (DP-FedAvg, docs/privacy.md): the noise's
+    /// standard deviation over the clip norm; plan it with `canopy privacy
+    /// noise`. Needs --dp-clip-norm and --dp-delta.
+    #[arg(long, requires_all = ["dp_clip_norm", "dp_delta"], allow_negative_numbers = true)]
+    dp_noise_multiplier: Option<f64>,
+    /// The L2 norm each device's update is clipped to.
+    #[arg(long, requires = "dp_noise_multiplier", allow_negative_numbers = true)]
+    dp_clip_norm: Option<f64>,
+    /// δ of the job's (ε, δ) guarantee: well below one over the devices.
+    #[arg(long, requires = "dp_noise_multiplier", allow_negative_numbers = true)]
+    dp_delta: Option<f64>,
+    /// The most ε the job may spend: it stops before a round that would
+    /// pass it.
+    #[arg(long, requires = "dp_noise_multiplier", allow_negative_numbers = true)]
+    dp_budget_epsilon: Option<f64>,
     /// Run the job through edge aggregators (docs/edge.md): rounds select
     /// aggregators, counted by --min-devices and --target-devices, and each
     /// runs a sub-round that needs at least this many of its end devices.
@@ -312,6 +327,15 @@ fn apply_flags(
     }
     if args.secure {
         nested(spec, "secure_aggregation").insert("enabled".into(), json!(true));
+    }
+    if let Some(noise_multiplier) = args.dp_noise_multiplier {
+        let privacy = nested(spec, "differential_privacy");
+        privacy.insert("noise_multiplier".into(), json!(noise_multiplier));
+        privacy.insert("clip_norm".into(), json!(args.dp_clip_norm));
+        privacy.insert("delta".into(), json!(args.dp_delta));
+        if let Some(budget) = args.dp_budget_epsilon {
+            privacy.insert("budget_epsilon".into(), json!(budget));
+        }
     }
     if let Some(min) = args.edge_min_devices {
         let edges = nested(spec, "edges");
@@ -574,6 +598,38 @@ mod tests {
         spec.insert("model_version_id".into(), json!(4));
         apply_flags(&mut spec, &args(&[]), None).unwrap();
         assert!(!spec.contains_key("edges"), "{spec:?}");
+    }
+
+    #[test]
+    fn dp_flags_make_a_private_job() {
+        let mut spec: Map<String, Value> =
+            serde_json::from_value(json!({"model_version_id": 4})).unwrap();
+        let flags = args(&[
+            "--dp-noise-multiplier",
+            "1.1",
+            "--dp-clip-norm",
+            "0.5",
+            "--dp-delta",
+            "1e-6",
+            "--dp-budget-epsilon",
+            "3",
+        ]);
+        apply_flags(&mut spec, &flags, None).unwrap();
+        assert_eq!(
+            spec["differential_privacy"],
+            json!({"noise_multiplier": 1.1, "clip_norm": 0.5, "delta": 1e-6, "budget_epsilon": 3.0})
+        );
+        // A noise multiplier alone is not a plan: clap asks for the rest.
+        let lonely = Harness::try_parse_from(["create", "--dp-noise-multiplier", "1"]);
+        let error = lonely
+            .err()
+            .map(|error| error.to_string())
+            .unwrap_or_default();
+        assert!(error.contains("--dp-clip-norm"), "{error}");
+        let mut spec = Map::new();
+        spec.insert("model_version_id".into(), json!(4));
+        apply_flags(&mut spec, &args(&[]), None).unwrap();
+        assert!(!spec.contains_key("differential_privacy"), "{spec:?}");
     }
 
     #[test]

@@ -130,6 +130,8 @@ fn explain(error: PrivacyError) -> anyhow::Error {
             anyhow::Error::new(error),
             "allow a larger --epsilon or --delta, or plan fewer --steps or a lower --sampling-rate",
         ),
-        PrivacyError::UnknownConversion { .. } => anyhow::Error::new(error),
+        PrivacyError::UnknownConversion { .. } | PrivacyError::CorruptState { .. } => {
+            anyhow::Error::new(error)
+        }
     }
 }

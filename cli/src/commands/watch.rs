@@ -237,6 +237,12 @@ fn print_round(round: &Value) -> Result<()> {
         cell(&metrics["central_eval_accuracy"], 3),
         seconds
     )?;
+    if let Some(epsilon) = round["privacy"]["epsilon"].as_f64() {
+        outln!(
+            "       privacy: epsilon {epsilon:.4} spent after this round (sampling rate {})",
+            cell(&round["privacy"]["sampling_rate"], 4)
+        )?;
+    }
     if round["kind"] == "statistics" && round["state"] == "succeeded" {
         outln!("       (input statistics fitted from the devices' data; training starts)")?;
     }

@@ -24,7 +24,7 @@ use canopy_engine::data::Dataset;
 use canopy_ir::{Buffer, Model};
 use canopy_protocol::bounds::BoundsError;
 use canopy_protocol::messages::Task;
-use canopy_protocol::update::{TensorSpec, UpdateLayout, encode_update};
+use canopy_protocol::update::{TensorSpec, UpdateLayout, clip_to_norm, encode_update};
 
 pub use evaluate::{EVAL_BATCH, EvalOptions, Evaluation, evaluate};
 use placement::Placement;
@@ -276,11 +276,16 @@ fn train_on(
     let train_loss = run.epochs(&mut trainer, data)?;
     trainer.write_back(&mut model)?;
     run.finish();
-    let delta: Vec<f32> = trainable_values(&model)
+    let mut delta: Vec<f32> = trainable_values(&model)
         .iter()
         .zip(&before)
         .map(|(after, before)| after - before)
         .collect();
+    if let Some(privacy) = &task.privacy {
+        // A differentially private job bounds what one device can move
+        // the sum by; the server clips again what it folds.
+        clip_to_norm(&mut delta, privacy.clip_norm);
+    }
     let num_samples = data.len() as u64;
     let encoded = encode_update(&task.layout, num_samples, &delta)?;
     Ok(LocalUpdate {

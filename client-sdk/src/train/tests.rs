@@ -74,6 +74,35 @@ fn cancelling_from_another_thread_stops_training_between_batches() {
 }
 
 #[test]
+fn a_private_task_clips_the_update_it_sends() {
+    let (bytes, mut task, data) = setup(2);
+    let plain = train_plainly(&bytes, &task, &data, 7);
+    let norm = canopy_protocol::update::l2_norm(&plain.delta);
+    assert!(norm > 0.0, "training moved the model");
+    // Half the update's own length: scaled to exactly that.
+    task.privacy = Some(canopy_protocol::messages::TaskPrivacy {
+        clip_norm: norm / 2.0,
+    });
+    let clipped = train_plainly(&bytes, &task, &data, 7);
+    let clipped_norm = canopy_protocol::update::l2_norm(&clipped.delta);
+    assert!(
+        (clipped_norm - norm / 2.0).abs() < 1e-5 * norm,
+        "{clipped_norm} vs {norm}"
+    );
+    for (c, p) in clipped.delta.iter().zip(&plain.delta) {
+        assert!((c - p / 2.0).abs() <= 1e-6 * p.abs().max(1e-6), "{c} {p}");
+    }
+    // What it sends is what it clipped.
+    let sent = canopy_protocol::update::decode_update(&clipped.encoded, &task.layout).unwrap();
+    assert_eq!(sent.values, clipped.delta);
+    // A bound it is within leaves it alone.
+    task.privacy = Some(canopy_protocol::messages::TaskPrivacy {
+        clip_norm: norm * 2.0,
+    });
+    assert_eq!(train_plainly(&bytes, &task, &data, 7).delta, plain.delta);
+}
+
+#[test]
 fn a_task_outside_the_shared_bounds_is_refused_before_training() {
     let (bytes, mut task, data) = setup(MAX_EPOCHS + 1);
     let backend = Recording::default();

@@ -612,6 +612,7 @@ mod tests {
             .expect("layout"),
             secure_aggregation: None,
             sub_round: None,
+            privacy: None,
             policy: Default::default(),
         }
     }

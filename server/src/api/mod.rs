@@ -36,7 +36,7 @@ use crate::metrics::{PoolLabels, RequestLabels};
 use crate::request_slots::{CredentialRoute, Pool, RequestKind, SlotRefusal};
 use crate::slots::{SlotError, UploadOwner, UploadSlot, UploadSlots};
 use crate::state::AppState;
-use crate::store::devices;
+use crate::store::{devices, jobs};
 use canopy_term::error_chain as chain;
 use error::ApiError;
 
@@ -634,6 +634,16 @@ async fn metrics(State(state): State<AppState>) -> Response {
     let window = i64::try_from(state.settings.limits.online_window_ms).unwrap_or(i64::MAX);
     if let Ok(online) = devices::count_online(&state.db, now_ms() - window).await {
         state.metrics.online_devices.set(online);
+    }
+    if let Ok(spent) = jobs::privacy_spent_by_running_jobs(&state.db).await {
+        let gauges = &state.metrics.privacy_epsilon;
+        gauges.clear();
+        for (job_id, epsilon) in spent {
+            let labels = crate::metrics::JobLabels {
+                job_id: job_id.to_string(),
+            };
+            gauges.get_or_create(&labels).set(epsilon);
+        }
     }
     for pool in Pool::ALL {
         let in_use = i64::try_from(state.request_slots.in_use(pool)).unwrap_or(i64::MAX);

@@ -454,6 +454,14 @@ pub async fn set_certificate(db: &Db, id: i64, certificate: &[u8]) -> Result<boo
     Ok(result.rows_affected() == 1)
 }
 
+/// Devices enrolled and not revoked: the population a job's rounds sample.
+pub async fn count_enrolled(db: &Db) -> Result<i64, sqlx::Error> {
+    let (count,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM devices WHERE revoked_ms IS NULL")
+        .fetch_one(&db.pool)
+        .await?;
+    Ok(count)
+}
+
 pub async fn count_online(db: &Db, online_since_ms: i64) -> Result<i64, sqlx::Error> {
     let (count,): (i64,) = sqlx::query_as(
         "SELECT COUNT(*) FROM devices WHERE revoked_ms IS NULL AND last_seen_ms >= $1",

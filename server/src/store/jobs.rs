@@ -21,6 +21,7 @@ use crate::config::api_bounds::{
 use crate::db::{Db, now_ms};
 use canopy_protocol::messages::{DevicePolicy, GpuDeviceType};
 
+use crate::privacy::DifferentialPrivacy;
 use crate::round_failure::RoundFailure;
 use crate::strategy::{LearningRateSchedule, StrategySpec};
 
@@ -168,6 +169,14 @@ pub struct JobSpec {
     /// Synchronous rounds when left out. See `docs/strategies.md`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub asynchronous: Option<Asynchronous>,
+    /// Central differential privacy (DP-FedAvg, McMahan et al. 2018):
+    /// devices clip their updates to `clip_norm`, every update weighs the
+    /// same, and each round's sum gets Gaussian noise of `noise_multiplier`
+    /// times the clip. The job's ε is reported after every round, and it
+    /// stops before a round that would pass `budget_epsilon`. Not private
+    /// when left out. See `docs/privacy.md`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub differential_privacy: Option<DifferentialPrivacy>,
 }
 
 /// An asynchronous job's settings (FedBuff). A round is a buffer: it
@@ -394,7 +403,44 @@ impl JobSpec {
         self.device_policy.validate()?;
         self.check_edges()?;
         self.check_asynchronous()?;
-        self.check_secure_aggregation()
+        self.check_secure_aggregation()?;
+        self.check_differential_privacy()
+    }
+
+    /// A private job's settings, and what they cannot be combined with yet.
+    fn check_differential_privacy(&self) -> Result<(), String> {
+        let Some(privacy) = &self.differential_privacy else {
+            return Ok(());
+        };
+        privacy.check_fields()?;
+        let refused = |other: &str, why: &str| {
+            Err(format!(
+                "`differential_privacy` cannot be combined with `{other}`: {why}"
+            ))
+        };
+        if self.asynchronous.is_some() {
+            return refused(
+                "asynchronous",
+                "a buffer mixes updates of different versions, which the accountant's \
+                 one release per round does not describe",
+            );
+        }
+        if self.edges.is_some() {
+            return refused(
+                "edges",
+                "an edge's partial sum is a weighted mean of its devices, not one clipped \
+                 update per device",
+            );
+        }
+        if self.secure_aggregation.enabled {
+            return refused(
+                "secure_aggregation",
+                "central DP adds its noise to the sum the server unmasks, and a secure \
+                 round's sum weighs devices by their samples; run it without secure \
+                 aggregation",
+            );
+        }
+        Ok(())
     }
 
     /// An asynchronous job's settings, and what it cannot be combined with.
@@ -862,11 +908,15 @@ any_row! {
         pub updated_ms: i64,
         pub started_ms: Option<i64>,
         pub finished_ms: Option<i64>,
+        /// A differentially private job's ε spent so far (at its δ); `None`
+        /// before its first round, and for any other job.
+        pub dp_epsilon: Option<f64>,
     }
 }
 
 pub const JOB_COLUMNS: &str = "id, name, model_version_id, current_version_id, config, state, \
-     rounds_completed, round_failures, status_message, created_ms, updated_ms, started_ms, finished_ms";
+     rounds_completed, round_failures, status_message, created_ms, updated_ms, started_ms, \
+     finished_ms, dp_epsilon";
 
 impl JobRow {
     pub fn spec(&self) -> Result<JobSpec, sqlx::Error> {
@@ -879,13 +929,61 @@ pub async fn insert(db: &Db, spec: &JobSpec) -> Result<JobRow, sqlx::Error> {
     let _writer = db.write_lock().await;
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "INSERT INTO jobs (name, model_version_id, current_version_id, config, state, \
-         created_ms, updated_ms) VALUES ($1, $2, $2, $3, 'created', $4, $4) RETURNING {JOB_COLUMNS}"
+         created_ms, updated_ms, dp_noise_seed) VALUES ($1, $2, $2, $3, 'created', $4, $4, $5) \
+         RETURNING {JOB_COLUMNS}"
     )))
     .bind(spec.name.clone())
     .bind(spec.model_version_id)
     .bind(serde_json::to_string(spec).unwrap_or_default())
     .bind(now)
+    .bind(
+        spec.differential_privacy
+            .as_ref()
+            .map(|_| crate::privacy::new_noise_seed()),
+    )
     .fetch_one(&db.pool)
+    .await
+}
+
+/// A private job's noise secret and saved accountant. The secret is read
+/// only here, by the orchestrator, and never leaves the server.
+pub async fn privacy_state(
+    tx: &mut super::rounds::Tx<'_>,
+    id: i64,
+) -> Result<(Option<String>, Option<String>), sqlx::Error> {
+    let row: Option<(Option<String>, Option<String>)> =
+        sqlx::query_as("SELECT dp_noise_seed, dp_accountant FROM jobs WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut **tx)
+            .await?;
+    Ok(row.unwrap_or((None, None)))
+}
+
+/// Saves a private job's accountant and the ε it has spent, in the
+/// transaction that records the round's version.
+pub async fn record_privacy(
+    tx: &mut super::rounds::Tx<'_>,
+    id: i64,
+    accountant: &str,
+    epsilon: f64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE jobs SET dp_accountant = $1, dp_epsilon = $2 WHERE id = $3")
+        .bind(accountant)
+        .bind(epsilon)
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The ε each running private job has spent (jobs that have finished a
+/// private round), for `/metrics`.
+pub async fn privacy_spent_by_running_jobs(db: &Db) -> Result<Vec<(i64, f64)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT id, dp_epsilon FROM jobs WHERE state = 'running' AND dp_epsilon IS NOT NULL \
+         ORDER BY id",
+    )
+    .fetch_all(&db.pool)
     .await
 }
 

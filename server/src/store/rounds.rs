@@ -19,6 +19,7 @@ use super::{Page, parse_state, text_enum};
 use crate::db::{Db, now_ms};
 use crate::fedavg;
 use crate::round_failure::RoundFailure;
+use canopy_protocol::update;
 
 pub use super::task_state::ParticipantState;
 
@@ -140,6 +141,15 @@ any_row! {
         /// A buffer of an asynchronous job: the oldest update it takes, in
         /// versions; `None` in a synchronous round.
         pub max_staleness: Option<i64>,
+        /// A round of a differentially private job: the L2 norm each
+        /// update is clipped to as it folds, every update weighing the
+        /// same; `None` in any other round.
+        pub clip_norm: Option<f64>,
+        /// A private round's sampling rate: devices selected over those it
+        /// could have selected.
+        pub dp_sampling_rate: Option<f64>,
+        /// The job's ε after a private round succeeded.
+        pub dp_epsilon: Option<f64>,
     }
 }
 
@@ -148,7 +158,7 @@ pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_versio
      weight_total, bytes_in, bytes_out, dropouts, ineligible, status_message, kind, created_ms, \
      training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage, eval_state, \
      central_eval_loss, central_eval_accuracy, central_eval_samples, central_eval_state, \
-     central_eval_error, failure_kind, max_staleness";
+     central_eval_error, failure_kind, max_staleness, clip_norm, dp_sampling_rate, dp_epsilon";
 
 impl RoundRow {
     /// Whether the round is a buffer of an asynchronous job.
@@ -189,6 +199,8 @@ pub struct NewRound {
     pub min_devices: i64,
     /// A buffer of an asynchronous job: its maximum staleness.
     pub max_staleness: Option<i64>,
+    /// A training round of a differentially private job: its clip norm.
+    pub clip_norm: Option<f64>,
 }
 
 /// Opens the next round of a job unless one is open; the partial unique
@@ -196,8 +208,8 @@ pub struct NewRound {
 pub async fn open_round(tx: &mut Tx<'_>, new: &NewRound) -> Result<Option<i64>, sqlx::Error> {
     let row: Option<(i64,)> = sqlx::query_as(
         "INSERT INTO rounds (job_id, number, attempt, state, base_version_id, target_devices, \
-         min_devices, created_ms, kind, max_staleness) \
-         VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7, $8, $9) \
+         min_devices, created_ms, kind, max_staleness, clip_norm) \
+         VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7, $8, $9, $10) \
          ON CONFLICT DO NOTHING RETURNING id",
     )
     .bind(new.job_id)
@@ -209,9 +221,54 @@ pub async fn open_round(tx: &mut Tx<'_>, new: &NewRound) -> Result<Option<i64>, 
     .bind(now_ms())
     .bind(new.kind.as_str())
     .bind(new.max_staleness)
+    .bind(new.clip_norm)
     .fetch_optional(&mut **tx)
     .await?;
     Ok(row.map(|(id,)| id))
+}
+
+/// Records the sampling rate a private round's selection had.
+pub async fn set_sampling_rate(tx: &mut Tx<'_>, id: i64, rate: f64) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE rounds SET dp_sampling_rate = $1 WHERE id = $2")
+        .bind(rate)
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Records the job's ε after a private round, in the transaction that
+/// records its version.
+pub async fn set_epsilon(tx: &mut Tx<'_>, id: i64, epsilon: f64) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE rounds SET dp_epsilon = $1 WHERE id = $2")
+        .bind(epsilon)
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Ends a job that has spent what it may: its round, not yet begun (no
+/// device was selected), fails with `failure`, and the job completes with
+/// the reason as its status.
+pub async fn stop_job(
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    failure: &RoundFailure,
+) -> Result<(), sqlx::Error> {
+    let reason = failure.to_string();
+    let now = now_ms();
+    mark_failed(tx, round.id, failure, now).await?;
+    sqlx::query(
+        "UPDATE jobs SET state = 'completed', finished_ms = $1, updated_ms = $1, \
+         status_message = $2 WHERE id = $3 AND state = 'running'",
+    )
+    .bind(now)
+    .bind(format!("stopped before round {}: {reason}", round.number))
+    .bind(round.job_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Opens an asynchronous job's next buffer straight into `training`, in
@@ -678,16 +735,7 @@ pub async fn fail(
     .bind(format!("the round failed: {reason}"))
     .execute(&mut **tx)
     .await?;
-    sqlx::query(
-        "UPDATE rounds SET state = 'failed', finished_ms = $1, closed_ms = COALESCE(closed_ms, $1), \
-         status_message = $2, failure_kind = $3 WHERE id = $4",
-    )
-    .bind(now)
-    .bind(&reason)
-    .bind(failure.kind().as_str())
-    .bind(round.id)
-    .execute(&mut **tx)
-    .await?;
+    mark_failed(tx, round.id, failure, now).await?;
     let job_message = format!(
         "round {} attempt {} failed: {reason}",
         round.number, round.attempt
@@ -702,6 +750,26 @@ pub async fn fail(
     .bind(job_message)
     .bind(max_retries)
     .bind(round.job_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// The round's row: `failed` at `now`, with the failure's text and kind.
+async fn mark_failed(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    failure: &RoundFailure,
+    now: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE rounds SET state = 'failed', finished_ms = $1, closed_ms = COALESCE(closed_ms, $1), \
+         status_message = $2, failure_kind = $3 WHERE id = $4",
+    )
+    .bind(now)
+    .bind(failure.to_string())
+    .bind(failure.kind().as_str())
+    .bind(round_id)
     .execute(&mut **tx)
     .await?;
     Ok(())
@@ -1043,6 +1111,7 @@ any_row! {
         job_id: i64,
         number: i64,
         max_staleness: Option<i64>,
+        clip_norm: Option<f64>,
     }
 }
 
@@ -1095,8 +1164,8 @@ pub async fn accept_updates(
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
     let round: Option<LockedRound> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT state, deadline_ms, weight_total, job_id, number, max_staleness FROM rounds \
-         WHERE id = $1{}",
+        "SELECT state, deadline_ms, weight_total, job_id, number, max_staleness, clip_norm \
+         FROM rounds WHERE id = $1{}",
         db.for_update()
     )))
     .bind(round_id)
@@ -1142,14 +1211,19 @@ pub async fn accept_updates(
             gate,
             target: &target,
             max_staleness: round.max_staleness,
+            clip_norm: round.clip_norm,
             now,
         };
         let outcome = fold_one(&mut tx, &fold, update, &mut sum).await?;
         if outcome.is_ok() {
             accepted += 1;
             bytes_in = bytes_in.saturating_add(i64::try_from(update.bytes).unwrap_or(i64::MAX));
-            weight_total =
-                weight_total.saturating_add(i64::try_from(update.num_samples).unwrap_or(i64::MAX));
+            // A private round's updates weigh one each.
+            let weight = match round.clip_norm {
+                Some(_) => 1,
+                None => i64::try_from(update.num_samples).unwrap_or(i64::MAX),
+            };
+            weight_total = weight_total.saturating_add(weight);
         }
         outcomes.push(outcome);
     }
@@ -1284,6 +1358,9 @@ struct Fold<'a> {
     gate: RoundGate,
     target: &'a FoldTarget,
     max_staleness: Option<i64>,
+    /// A private round's clip norm: each update is clipped to it and
+    /// weighs one, whatever its sample count.
+    clip_norm: Option<f64>,
     now: i64,
 }
 
@@ -1388,7 +1465,13 @@ async fn fold_one(
         let reason = "the participant left meanwhile";
         return Ok(Err(UploadRejection::Closed { round_id, reason }));
     }
-    fedavg::fold_weighted(sum, update.num_samples as f64 * weight, &update.values);
+    let weight = match fold.clip_norm {
+        // The device clipped it already, unless it is old or lies: clipped
+        // here, one device moves the sum by at most the clip norm.
+        Some(clip_norm) => update::clip_scale(update::l2_norm(&update.values), clip_norm),
+        None => update.num_samples as f64 * weight,
+    };
+    fedavg::fold_weighted(sum, weight, &update.values);
     Ok(Ok(()))
 }
 

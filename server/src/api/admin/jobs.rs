@@ -39,12 +39,37 @@ pub struct JobView {
     pub updated_ms: i64,
     pub started_ms: Option<i64>,
     pub finished_ms: Option<i64>,
+    /// A differentially private job's spending: the ε of its (ε, δ)
+    /// guarantee so far, by the tight conversion; absent for other jobs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub privacy: Option<PrivacySpent>,
+}
+
+/// What a differentially private job has spent.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PrivacySpent {
+    /// ε after the rounds that have succeeded; 0 before the first.
+    pub epsilon: f64,
+    pub delta: f64,
+    /// The job's `budget_epsilon`, if it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget_epsilon: Option<f64>,
 }
 
 impl JobView {
     fn from_row(row: JobRow) -> ApiResult<JobView> {
+        let spec = row.spec()?;
+        let privacy = spec
+            .differential_privacy
+            .as_ref()
+            .map(|privacy| PrivacySpent {
+                epsilon: row.dp_epsilon.unwrap_or(0.0),
+                delta: privacy.delta,
+                budget_epsilon: privacy.budget_epsilon,
+            });
         Ok(JobView {
-            spec: row.spec()?,
+            privacy,
+            spec,
             state: row.state,
             id: row.id,
             name: row.name,
@@ -134,6 +159,13 @@ pub async fn create(
         )));
     }
     check_model_for_job(&state, &spec, &version).await?;
+    if let Some(privacy) = &spec.differential_privacy {
+        let enrolled = crate::store::devices::count_enrolled(&state.db).await?;
+        let enrolled = u64::try_from(enrolled).unwrap_or(0);
+        crate::privacy::budget_below_one_round(privacy, spec.selection_size(), enrolled)
+            .map_err(ApiError::internal)?
+            .map_or(Ok(()), |refusal| Err(ApiError::unprocessable(refusal)))?;
+    }
     if let Some(name) = &spec.evaluation.central_dataset {
         check_central_dataset(&state, name, &version).await?;
     }
@@ -194,7 +226,8 @@ async fn check_model_for_job(
     version: &models::VersionRow,
 ) -> ApiResult<()> {
     let proximal = spec.strategy.proximal_mu().ok().flatten().is_some();
-    if !proximal && !spec.secure_aggregation.enabled {
+    let private = spec.differential_privacy.is_some();
+    if !proximal && !spec.secure_aggregation.enabled && !private {
         return Ok(());
     }
     let limit = state.settings.limits.max_model_bytes;
@@ -218,6 +251,14 @@ async fn check_model_for_job(
              (secure aggregation clips what devices send); hint: fit them with \
              `canopy model stats FILE --data DIR -o FITTED` and push that, or run the job \
              without secure aggregation, which fits them in a statistics round"
+        )));
+    }
+    if private && unfitted {
+        return Err(ApiError::unprocessable(format!(
+            "{name} has unfitted input statistics, and a differentially private job cannot fit \
+             them federatedly (a statistics round would reveal the devices' data moments \
+             without noise); hint: fit them with `canopy model stats FILE --data DIR -o FITTED` \
+             on data you may use, and push that"
         )));
     }
     Ok(())
@@ -480,6 +521,18 @@ pub struct RoundView {
     /// it took, from devices selected in it or in earlier buffers.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_staleness: Option<i64>,
+    /// For a round of a differentially private job: its sampling rate
+    /// (devices selected over those it could have selected) and, once it
+    /// succeeded, the job's ε after it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub privacy: Option<RoundPrivacy>,
+}
+
+/// A private round's part of its job's spending.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RoundPrivacy {
+    pub sampling_rate: Option<f64>,
+    pub epsilon: Option<f64>,
 }
 
 impl From<&RoundRow> for RoundView {
@@ -503,6 +556,10 @@ impl From<&RoundRow> for RoundView {
             finished_ms: row.finished_ms,
             secure_stage: row.secagg_stage.clone(),
             max_staleness: row.max_staleness,
+            privacy: row.clip_norm.map(|_| RoundPrivacy {
+                sampling_rate: row.dp_sampling_rate,
+                epsilon: row.dp_epsilon,
+            }),
         }
     }
 }

@@ -307,6 +307,7 @@ async fn build_evaluation_task(
         secure_aggregation: None,
         sub_round: spec.evaluation_sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)),
         policy: spec.device_policy,
+        privacy: None,
     })
 }
 
@@ -350,6 +351,10 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         secure_aggregation: secure_task(state, &task)?,
         sub_round: spec.sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)),
         policy: spec.device_policy,
+        privacy: match kind {
+            TaskKind::Train => spec.differential_privacy.as_ref().map(|dp| dp.task()),
+            TaskKind::Evaluate | TaskKind::Statistics => None,
+        },
     })
 }
 

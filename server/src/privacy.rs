@@ -1,0 +1,394 @@
+//! Central differential privacy: DP-FedAvg (McMahan, Ramage, Talwar, Zhang
+//! 2018, "Learning Differentially Private Recurrent Language Models").
+//!
+//! A job with `differential_privacy` makes every round one release of the
+//! Poisson-subsampled Gaussian mechanism, with device-level sensitivity:
+//!
+//! - each device clips its update to L2 norm C (the task's `privacy`), and
+//!   the fold clips again what it takes (`store::rounds`), so that one
+//!   device moves the sum by at most C whatever it sent;
+//! - every update weighs the same (1, not its sample count, which would
+//!   let one device outweigh the bound);
+//! - the round's sum gets Gaussian noise of standard deviation σ·C per
+//!   coordinate ([`add_noise`]) and is divided by the round's
+//!   `target_devices`, the fixed denominator of the paper's estimator: a
+//!   denominator that counted the updates would reveal how many arrived;
+//! - the job's accountant (`canopy-privacy`) composes each round at the
+//!   sampling rate it really had: devices selected over the devices that
+//!   could have been ([`sampling_rate`]), and the job stops before a round
+//!   that would take its ε past `budget_epsilon`.
+//!
+//! The noise is drawn from a ChaCha20 stream keyed by a secret the server
+//! makes for the job ([`new_noise_seed`]) and by the round's id, so that a
+//! round aggregated again after a crash gets the same noise: the version it
+//! makes does not depend on when the server died, and no second draw of
+//! the same sum is ever made. The secret never leaves the database.
+
+use canopy_privacy::{Accountant, Conversion, Event, Orders, Parameter, PrivacyError, limits};
+use canopy_protocol::messages::TaskPrivacy;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use utoipa::ToSchema;
+
+/// How the accountant's RDP becomes the ε a job reports and is held to:
+/// the tighter conversion that Opacus and Google's `dp_accounting` use.
+pub const CONVERSION: Conversion = Conversion::Tight;
+
+/// A job's central differential privacy settings. See `docs/privacy.md`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DifferentialPrivacy {
+    /// σ: the standard deviation of the Gaussian noise added to each
+    /// round's sum, over `clip_norm`.
+    #[schema(exclusive_minimum = 0, maximum = 1_000_000)]
+    pub noise_multiplier: f64,
+    /// C: each device's update (all its trainable tensors together) is
+    /// scaled down to this L2 norm when it is longer.
+    #[schema(exclusive_minimum = 0, maximum = 1_000_000)]
+    pub clip_norm: f64,
+    /// δ of the job's (ε, δ) guarantee: well below one over the number of
+    /// devices.
+    #[schema(exclusive_minimum = 0, maximum = 1)]
+    pub delta: f64,
+    /// The most ε the job may spend: it stops, completed, before a round
+    /// that would take it further. No limit when left out (ε is still
+    /// reported after every round).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(exclusive_minimum = 0, maximum = 1_000_000)]
+    pub budget_epsilon: Option<f64>,
+}
+
+impl DifferentialPrivacy {
+    /// Each setting within its bounds, the error naming the field.
+    pub fn check_fields(&self) -> Result<(), String> {
+        let field = |parameter: Parameter, value: f64| -> Result<(), String> {
+            let bounds = match parameter {
+                Parameter::NoiseMultiplier => limits::NOISE_MULTIPLIER,
+                Parameter::Delta => limits::DELTA,
+                _ => limits::EPSILON,
+            };
+            bounds.check(parameter, value).map(|_| ()).map_err(|error| {
+                let name = match parameter {
+                    Parameter::Epsilon => "budget_epsilon",
+                    other => other.name(),
+                };
+                match error {
+                    PrivacyError::OutOfRange { bounds, .. } => {
+                        format!("`differential_privacy.{name}` must be in {bounds}, got {value}")
+                    }
+                    other => format!("`differential_privacy.{name}`: {other}"),
+                }
+            })
+        };
+        field(Parameter::NoiseMultiplier, self.noise_multiplier)?;
+        field(Parameter::Delta, self.delta)?;
+        if let Some(budget) = self.budget_epsilon {
+            field(Parameter::Epsilon, budget)?;
+        }
+        canopy_protocol::bounds::check_clip_norm("differential_privacy.clip_norm", self.clip_norm)
+            .map_err(|error| match error {
+                canopy_protocol::bounds::BoundsError::OutOfRange { allowed, value, .. } => {
+                    format!("`differential_privacy.clip_norm` must be in {allowed}, got {value}")
+                }
+                other => other.to_string(),
+            })
+    }
+
+    /// What each device's training task asks of its update.
+    pub fn task(&self) -> TaskPrivacy {
+        TaskPrivacy {
+            clip_norm: self.clip_norm,
+        }
+    }
+
+    /// The noise's standard deviation per coordinate of the sum.
+    pub fn noise_stddev(&self) -> f64 {
+        self.noise_multiplier * self.clip_norm
+    }
+
+    /// One round at `sampling_rate`, for the accountant.
+    pub fn round(&self, sampling_rate: f64) -> Event {
+        Event::gaussian(sampling_rate, self.noise_multiplier, 1)
+    }
+}
+
+/// The sampling rate of a round that selected `selected` of the
+/// `candidates` devices it could have: at most 1, and 1 when it could
+/// choose from no more than it took (no amplification to claim).
+pub fn sampling_rate(selected: usize, candidates: usize) -> f64 {
+    if candidates == 0 || selected >= candidates {
+        return 1.0;
+    }
+    selected as f64 / candidates as f64
+}
+
+/// Why a new job's budget cannot pay for even one round, if so: its first
+/// round, choosing `selection_size` of the `enrolled` devices (the
+/// smallest sampling rate the devices enrolled now allow), would spend
+/// more than the whole budget.
+pub fn budget_below_one_round(
+    privacy: &DifferentialPrivacy,
+    selection_size: u32,
+    enrolled: u64,
+) -> Result<Option<String>, String> {
+    let Some(budget) = privacy.budget_epsilon else {
+        return Ok(None);
+    };
+    let candidates = usize::try_from(enrolled).unwrap_or(usize::MAX);
+    let rate = sampling_rate(selection_size as usize, candidates);
+    let accountant = Accountant::new(Orders::standard());
+    let one_round = accountant
+        .epsilon_after(&privacy.round(rate), privacy.delta, CONVERSION)
+        .map_err(|error| error.to_string())?
+        .epsilon;
+    if one_round <= budget {
+        return Ok(None);
+    }
+    Ok(Some(format!(
+        "`differential_privacy.budget_epsilon` is {budget}, below what one round spends: epsilon \
+         {one_round} at sampling rate {rate} ({selection_size} of the {enrolled} devices enrolled \
+         now); hint: raise `budget_epsilon` or `noise_multiplier`, select fewer devices a round, \
+         or enroll more devices first"
+    )))
+}
+
+/// A new job's noise secret: 32 bytes from the operating system's
+/// generator, as hex.
+pub fn new_noise_seed() -> String {
+    let mut seed = [0u8; 32];
+    rand::rng().fill(&mut seed);
+    hex::encode(seed)
+}
+
+/// Adds the round's Gaussian noise, of standard deviation `stddev`, to each
+/// coordinate of `sum`: the same noise for the same job secret and round,
+/// however often the round is aggregated.
+pub fn add_noise(
+    sum: &mut [f64],
+    seed_hex: &str,
+    round_id: i64,
+    stddev: f64,
+) -> Result<(), String> {
+    let seed = hex::decode(seed_hex)
+        .ok()
+        .filter(|seed| seed.len() == 32)
+        .ok_or_else(|| "the job's noise secret is not 32 bytes of hex".to_string())?;
+    let key: [u8; 32] = Sha256::new()
+        .chain_update(b"canopy dp-fedavg round noise v1")
+        .chain_update(&seed)
+        .chain_update(round_id.to_le_bytes())
+        .finalize()
+        .into();
+    let mut stream = ChaCha20Rng::from_seed(key);
+    for value in sum.iter_mut() {
+        let normal: f64 = stream.sample(rand_distr::StandardNormal);
+        *value += stddev * normal;
+    }
+    Ok(())
+}
+
+/// The accountant as a job keeps it, in `jobs.dp_accountant`: each order
+/// and RDP value by its bits, so that it reads back exactly (infinite RDP
+/// too, which JSON has no number for).
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedAccountant {
+    order_bits: Vec<u64>,
+    rdp_bits: Vec<u64>,
+    steps: u64,
+}
+
+/// A job's accountant from its saved text; a new one when there is none.
+pub fn load_accountant(saved: Option<&str>) -> Result<Accountant, String> {
+    let Some(text) = saved else {
+        return Ok(Accountant::new(Orders::standard()));
+    };
+    let saved: SavedAccountant = serde_json::from_str(text)
+        .map_err(|error| format!("the job's saved privacy accountant does not parse: {error}"))?;
+    let orders = saved.order_bits.into_iter().map(f64::from_bits).collect();
+    let orders = Orders::new(orders).map_err(|error| error.to_string())?;
+    let rdp = saved.rdp_bits.into_iter().map(f64::from_bits).collect();
+    Accountant::restore(orders, rdp, saved.steps).map_err(|error| error.to_string())
+}
+
+/// The text [`load_accountant`] reads back.
+pub fn save_accountant(accountant: &Accountant) -> String {
+    let saved = SavedAccountant {
+        order_bits: accountant
+            .orders()
+            .as_slice()
+            .iter()
+            .map(|order| order.to_bits())
+            .collect(),
+        rdp_bits: accountant
+            .rdp()
+            .iter()
+            .map(|value| value.to_bits())
+            .collect(),
+        steps: accountant.steps(),
+    };
+    serde_json::to_string(&saved).unwrap_or_default()
+}
+
+/// The ε an accountant has spent at `delta`.
+pub fn epsilon(accountant: &Accountant, delta: f64) -> Result<f64, String> {
+    accountant
+        .epsilon(delta, CONVERSION)
+        .map(|spent| spent.epsilon)
+        .map_err(|error| error.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> DifferentialPrivacy {
+        DifferentialPrivacy {
+            noise_multiplier: 1.0,
+            clip_norm: 0.5,
+            delta: 1e-5,
+            budget_epsilon: Some(3.0),
+        }
+    }
+
+    #[test]
+    fn bad_settings_name_their_field() {
+        assert_eq!(settings().check_fields(), Ok(()));
+        let cases = [
+            (
+                DifferentialPrivacy {
+                    noise_multiplier: 0.0,
+                    ..settings()
+                },
+                "noise_multiplier",
+            ),
+            (
+                DifferentialPrivacy {
+                    noise_multiplier: -1.0,
+                    ..settings()
+                },
+                "noise_multiplier",
+            ),
+            (
+                DifferentialPrivacy {
+                    clip_norm: f64::NAN,
+                    ..settings()
+                },
+                "clip_norm",
+            ),
+            (
+                DifferentialPrivacy {
+                    delta: 0.0,
+                    ..settings()
+                },
+                "delta",
+            ),
+            (
+                DifferentialPrivacy {
+                    delta: 2.0,
+                    ..settings()
+                },
+                "delta",
+            ),
+            (
+                DifferentialPrivacy {
+                    budget_epsilon: Some(0.0),
+                    ..settings()
+                },
+                "budget_epsilon",
+            ),
+        ];
+        for (settings, field) in cases {
+            let error = settings.check_fields().unwrap_err();
+            assert!(
+                error.starts_with(&format!("`differential_privacy.{field}` must be in ")),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_schema_states_the_accountants_bounds() {
+        use utoipa::PartialSchema;
+        let schema = serde_json::to_value(DifferentialPrivacy::schema()).unwrap();
+        let property = |name: &str| schema["properties"][name].clone();
+        assert_eq!(
+            property("noise_multiplier")["maximum"],
+            limits::NOISE_MULTIPLIER.high
+        );
+        assert_eq!(property("delta")["maximum"], limits::DELTA.high);
+        assert_eq!(
+            property("clip_norm")["maximum"],
+            canopy_protocol::bounds::MAX_CLIP_NORM
+        );
+        let budget = property("budget_epsilon");
+        assert!(
+            budget
+                .to_string()
+                .contains(&limits::EPSILON.high.to_string()),
+            "{budget}"
+        );
+    }
+
+    #[test]
+    fn noise_is_the_same_for_a_round_and_differs_between_rounds() {
+        let seed = new_noise_seed();
+        let draw = |round_id| {
+            let mut sum = vec![0.0; 20_000];
+            add_noise(&mut sum, &seed, round_id, 2.0).unwrap();
+            sum
+        };
+        let first = draw(7);
+        assert_eq!(first, draw(7));
+        assert_ne!(first, draw(8));
+        // Its standard deviation is the one asked for, its mean zero
+        // (20,000 draws: the sample's std is within 3 % with near certainty).
+        let mean = first.iter().sum::<f64>() / first.len() as f64;
+        let variance = first.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / first.len() as f64;
+        assert!(mean.abs() < 0.06, "{mean}");
+        assert!(
+            (variance.sqrt() / 2.0 - 1.0).abs() < 0.03,
+            "{}",
+            variance.sqrt()
+        );
+        assert!(add_noise(&mut [0.0], "beef", 1, 1.0).is_err());
+    }
+
+    #[test]
+    fn a_saved_accountant_reads_back() {
+        let mut accountant = Accountant::new(Orders::standard());
+        accountant.compose(&settings().round(0.1)).unwrap();
+        accountant.compose(&settings().round(0.2)).unwrap();
+        let back = load_accountant(Some(&save_accountant(&accountant))).unwrap();
+        assert_eq!(back, accountant);
+        assert!(load_accountant(Some("{}")).is_err());
+        assert_eq!(load_accountant(None).unwrap().steps(), 0);
+    }
+
+    #[test]
+    fn a_budget_one_round_would_pass_is_named() {
+        let tight = DifferentialPrivacy {
+            budget_epsilon: Some(0.01),
+            ..settings()
+        };
+        let refusal = budget_below_one_round(&tight, 10, 100).unwrap().unwrap();
+        assert!(
+            refusal.contains("sampling rate 0.1 (10 of the 100 devices"),
+            "{refusal}"
+        );
+        assert_eq!(budget_below_one_round(&settings(), 10, 100), Ok(None));
+        let unlimited = DifferentialPrivacy {
+            budget_epsilon: None,
+            ..settings()
+        };
+        assert_eq!(budget_below_one_round(&unlimited, 10, 10), Ok(None));
+    }
+
+    #[test]
+    fn sampling_rates_never_claim_more_than_the_selection() {
+        assert_eq!(sampling_rate(10, 100), 0.1);
+        assert_eq!(sampling_rate(10, 10), 1.0);
+        assert_eq!(sampling_rate(0, 0), 1.0);
+    }
+}
