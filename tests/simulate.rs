@@ -35,6 +35,7 @@ fn job_settings() -> JobSettings {
         round_deadline_ms: 60_000,
         central_dataset: None,
         strategy: None,
+        privacy: None,
         buffer: None,
     }
 }

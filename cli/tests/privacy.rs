@@ -230,3 +230,65 @@ fn the_commands_in_docs_privacy_and_the_readme_run_as_written() {
         assert!(stdout.starts_with("epsilon "), "{command}: {stdout}");
     }
 }
+
+/// A private job end to end: `canopy simulate` with the `--dp-*` flags
+/// `canopy job create` shares. Each round prints the ε the planner gives
+/// for that many rounds at its sampling rate (10 of 40 devices), and the
+/// job stops, completed, before the round that would pass its budget.
+#[test]
+fn a_simulated_private_job_reports_its_epsilon_and_stops_at_its_budget() {
+    let planned = |rounds: u32| -> f64 {
+        let steps = rounds.to_string();
+        json(&[
+            "privacy",
+            "epsilon",
+            "--sampling-rate",
+            "0.25",
+            "--noise-multiplier",
+            "1",
+            "--steps",
+            &steps,
+            "--delta",
+            "1e-3",
+        ])["epsilon"]
+            .as_f64()
+            .unwrap()
+    };
+    // Four rounds fit in the budget, five do not.
+    let budget = (planned(4) + planned(5)) / 2.0;
+    let budget = format!("{budget}");
+    let out = ok(canopy(&[
+        "simulate",
+        "--devices",
+        "40",
+        "--per-round",
+        "10",
+        "--rounds",
+        "8",
+        "--dp-noise-multiplier",
+        "1",
+        "--dp-clip-norm",
+        "1",
+        "--dp-delta",
+        "1e-3",
+        "--dp-budget-epsilon",
+        &budget,
+    ]));
+    let spent: Vec<f64> = out
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("privacy: epsilon "))
+        .map(|rest| rest.split(' ').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(spent.len(), 4, "{out}");
+    for (round, epsilon) in (1..).zip(&spent) {
+        assert!(
+            (epsilon - planned(round)).abs() < 1e-4,
+            "round {round}: {epsilon}\n{out}"
+        );
+    }
+    assert!(
+        out.contains("round failed: the privacy budget is spent"),
+        "{out}"
+    );
+    assert!(out.contains("completed: 4 rounds"), "{out}");
+}

@@ -580,6 +580,16 @@ async fn select(
     if let (Some(privacy), RoundKind::Train) = (&spec.differential_privacy, round.kind) {
         let sampling_rate = crate::privacy::sampling_rate(chosen.len(), eligible + busy);
         if let Some(stop) = privacy_budget_stop(tx, job, privacy, sampling_rate).await? {
+            // The last version's evaluations are the job's result: it
+            // stops once they are in, as a job that ran all its rounds
+            // completes.
+            if evaluations::job_has_open(tx, job.id).await? {
+                let message = format!("{stop}; stopping once the last version is evaluated");
+                if message != round.status_message {
+                    rounds::set_status(tx, round.id, &message).await?;
+                }
+                return Ok(Selected::Waiting);
+            }
             rounds::stop_job(tx, round, &stop).await?;
             tracing::info!(round = round.id, job = job.id, reason = %stop, "job stopped");
             return Ok(Selected::Failed);

@@ -191,6 +191,7 @@ fn job(version: &Value, rounds: u32, per_round: usize, edges: usize) -> Value {
         round_deadline_ms: 1_800_000,
         central_dataset: None,
         strategy: None,
+        privacy: None,
         buffer: None,
     };
     let mut body = settings.body(version["id"].as_i64().unwrap_or_default());

@@ -118,6 +118,8 @@ pub struct JobSettings {
     pub central_dataset: Option<String>,
     /// The job's `strategy` (JSON); FedAvg when `None`.
     pub strategy: Option<Value>,
+    /// The job's `differential_privacy` (JSON); not private when `None`.
+    pub privacy: Option<Value>,
     /// Asynchronous rounds (FedBuff), with `per_round` devices training at
     /// once; synchronous rounds when `None`.
     pub buffer: Option<Buffer>,
@@ -157,6 +159,9 @@ impl JobSettings {
         });
         if let Some(strategy) = &self.strategy {
             body["strategy"] = strategy.clone();
+        }
+        if let Some(privacy) = &self.privacy {
+            body["differential_privacy"] = privacy.clone();
         }
         if let Some(buffer) = self.buffer {
             // A buffer at its deadline makes a version of what it has.

@@ -84,21 +84,8 @@ pub struct CreateArgs {
     /// Secure aggregation (SecAgg+): the server learns only each round's sum.
     #[arg(long)]
     secure: bool,
-    /// Differential privacy (DP-FedAvg, docs/privacy.md): the noise's
-    /// standard deviation over the clip norm; plan it with `canopy privacy
-    /// noise`. Needs --dp-clip-norm and --dp-delta.
-    #[arg(long, requires_all = ["dp_clip_norm", "dp_delta"], allow_negative_numbers = true)]
-    dp_noise_multiplier: Option<f64>,
-    /// The L2 norm each device's update is clipped to.
-    #[arg(long, requires = "dp_noise_multiplier", allow_negative_numbers = true)]
-    dp_clip_norm: Option<f64>,
-    /// δ of the job's (ε, δ) guarantee: well below one over the devices.
-    #[arg(long, requires = "dp_noise_multiplier", allow_negative_numbers = true)]
-    dp_delta: Option<f64>,
-    /// The most ε the job may spend: it stops before a round that would
-    /// pass it.
-    #[arg(long, requires = "dp_noise_multiplier", allow_negative_numbers = true)]
-    dp_budget_epsilon: Option<f64>,
+    #[command(flatten)]
+    privacy: super::privacy::JobPrivacyArgs,
     /// Run the job through edge aggregators (docs/edge.md): rounds select
     /// aggregators, counted by --min-devices and --target-devices, and each
     /// runs a sub-round that needs at least this many of its end devices.
@@ -328,14 +315,9 @@ fn apply_flags(
     if args.secure {
         nested(spec, "secure_aggregation").insert("enabled".into(), json!(true));
     }
-    if let Some(noise_multiplier) = args.dp_noise_multiplier {
-        let privacy = nested(spec, "differential_privacy");
-        privacy.insert("noise_multiplier".into(), json!(noise_multiplier));
-        privacy.insert("clip_norm".into(), json!(args.dp_clip_norm));
-        privacy.insert("delta".into(), json!(args.dp_delta));
-        if let Some(budget) = args.dp_budget_epsilon {
-            privacy.insert("budget_epsilon".into(), json!(budget));
-        }
+    let privacy = args.privacy.fields();
+    if !privacy.is_empty() {
+        nested(spec, "differential_privacy").extend(privacy);
     }
     if let Some(min) = args.edge_min_devices {
         let edges = nested(spec, "edges");

@@ -50,6 +50,67 @@ pub struct NoiseArgs {
     epsilon: f64,
 }
 
+/// A job's differential privacy (DP-FedAvg, docs/privacy.md), as `canopy
+/// job create` and `canopy simulate` take it.
+#[derive(Args, Clone, Debug, Default)]
+pub struct JobPrivacyArgs {
+    /// Differential privacy: the noise's standard deviation over the clip
+    /// norm; plan it with `canopy privacy noise`. Needs --dp-clip-norm and
+    /// --dp-delta.
+    #[arg(
+        long,
+        value_name = "S",
+        requires_all = ["dp_clip_norm", "dp_delta"],
+        allow_negative_numbers = true
+    )]
+    pub dp_noise_multiplier: Option<f64>,
+    /// The L2 norm each device's update is clipped to.
+    #[arg(
+        long,
+        value_name = "C",
+        requires = "dp_noise_multiplier",
+        allow_negative_numbers = true
+    )]
+    pub dp_clip_norm: Option<f64>,
+    /// δ of the job's (ε, δ) guarantee: well below one over the devices.
+    #[arg(
+        long,
+        value_name = "D",
+        requires = "dp_noise_multiplier",
+        allow_negative_numbers = true
+    )]
+    pub dp_delta: Option<f64>,
+    /// The most ε the job may spend: it stops before a round that would
+    /// pass it.
+    #[arg(
+        long,
+        value_name = "E",
+        requires = "dp_noise_multiplier",
+        allow_negative_numbers = true
+    )]
+    pub dp_budget_epsilon: Option<f64>,
+}
+
+impl JobPrivacyArgs {
+    /// The fields of the job's `differential_privacy` these flags set (the
+    /// server checks each and names the one out of bounds).
+    pub fn fields(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut fields = serde_json::Map::new();
+        let flags = [
+            ("noise_multiplier", self.dp_noise_multiplier),
+            ("clip_norm", self.dp_clip_norm),
+            ("delta", self.dp_delta),
+            ("budget_epsilon", self.dp_budget_epsilon),
+        ];
+        for (name, value) in flags {
+            if let Some(value) = value {
+                fields.insert(name.into(), serde_json::json!(value));
+            }
+        }
+        fields
+    }
+}
+
 fn parse_conversion(text: &str) -> Result<Conversion, String> {
     text.parse()
         .map_err(|error: PrivacyError| error.to_string())

@@ -84,6 +84,9 @@ pub struct SimulateArgs {
     /// left out (docs/strategies.md).
     #[arg(long, value_parser = parse_strategy)]
     strategy: Option<Value>,
+    /// A differentially private job (DP-FedAvg, docs/privacy.md).
+    #[command(flatten)]
+    privacy: super::privacy::JobPrivacyArgs,
     /// How often an idle device checks in for a task; by default about
     /// 1,000 check-ins a second over the fleet, each device every 1 to 30 s.
     #[arg(long, value_parser = clap::value_parser!(u64).range(100..=600_000))]
@@ -220,6 +223,9 @@ impl SimulateArgs {
             round_deadline_ms: self.round_deadline_ms,
             central_dataset: Some(TEST_DATASET.to_string()),
             strategy: self.strategy.clone(),
+            privacy: Some(self.privacy.fields())
+                .filter(|fields| !fields.is_empty())
+                .map(Value::Object),
             buffer: self.buffer_size.map(|buffer_size| setup::Buffer {
                 size: buffer_size,
                 max_staleness: self.max_staleness,
