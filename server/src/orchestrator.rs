@@ -580,6 +580,11 @@ async fn select(
     if let (Some(privacy), RoundKind::Train) = (&spec.differential_privacy, round.kind) {
         let sampling_rate = crate::privacy::sampling_rate(chosen.len(), eligible + busy);
         if let Some(stop) = privacy_budget_stop(tx, job, privacy, sampling_rate).await? {
+            if let RoundFailure::Privacy(_) = stop {
+                // What was spent is unknown: the job cannot go on.
+                stop.record(tx, round, 0).await?;
+                return Ok(Selected::Failed);
+            }
             // The last version's evaluations are the job's result: it
             // stops once they are in, as a job that ran all its rounds
             // completes.
@@ -625,8 +630,8 @@ async fn select(
 
 /// Why a private job must stop before this round, if it must: the round,
 /// at `sampling_rate`, would take its ε past its budget. A saved
-/// accountant that cannot be read stops it too: spending on without
-/// knowing what was spent is what a budget forbids.
+/// accountant that cannot be read fails it: spending on without knowing
+/// what was spent is what a budget forbids.
 async fn privacy_budget_stop(
     tx: &mut Tx<'_>,
     job: &JobRow,
@@ -1488,7 +1493,10 @@ async fn next_version(
         }
     };
     let sum = rounds::update_sum(&mut tx, round.id).await?;
-    let (noise_seed, _) = jobs::privacy_state(&mut tx, job.id).await?;
+    let noise_seed = match spec.differential_privacy {
+        Some(_) => jobs::privacy_state(&mut tx, job.id).await?.0,
+        None => None,
+    };
     tx.rollback().await?;
     let mut sum = sum
         .map(|bytes| fedavg::decode_sum(&bytes))

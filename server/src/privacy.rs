@@ -24,7 +24,7 @@
 //! makes does not depend on when the server died, and no second draw of
 //! the same sum is ever made. The secret never leaves the database.
 
-use canopy_privacy::{Accountant, Conversion, Event, Orders, Parameter, PrivacyError, limits};
+use canopy_privacy::{Accountant, Bounds, Conversion, Event, Orders, limits};
 use canopy_protocol::messages::TaskPrivacy;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
@@ -63,37 +63,17 @@ pub struct DifferentialPrivacy {
 impl DifferentialPrivacy {
     /// Each setting within its bounds, the error naming the field.
     pub fn check_fields(&self) -> Result<(), String> {
-        let field = |parameter: Parameter, value: f64| -> Result<(), String> {
-            let bounds = match parameter {
-                Parameter::NoiseMultiplier => limits::NOISE_MULTIPLIER,
-                Parameter::Delta => limits::DELTA,
-                _ => limits::EPSILON,
-            };
-            bounds.check(parameter, value).map(|_| ()).map_err(|error| {
-                let name = match parameter {
-                    Parameter::Epsilon => "budget_epsilon",
-                    other => other.name(),
-                };
-                match error {
-                    PrivacyError::OutOfRange { bounds, .. } => {
-                        format!("`differential_privacy.{name}` must be in {bounds}, got {value}")
-                    }
-                    other => format!("`differential_privacy.{name}`: {other}"),
-                }
-            })
-        };
-        field(Parameter::NoiseMultiplier, self.noise_multiplier)?;
-        field(Parameter::Delta, self.delta)?;
+        check(
+            "noise_multiplier",
+            limits::NOISE_MULTIPLIER,
+            self.noise_multiplier,
+        )?;
+        check("delta", limits::DELTA, self.delta)?;
         if let Some(budget) = self.budget_epsilon {
-            field(Parameter::Epsilon, budget)?;
+            check("budget_epsilon", limits::EPSILON, budget)?;
         }
-        canopy_protocol::bounds::check_clip_norm("differential_privacy.clip_norm", self.clip_norm)
-            .map_err(|error| match error {
-                canopy_protocol::bounds::BoundsError::OutOfRange { allowed, value, .. } => {
-                    format!("`differential_privacy.clip_norm` must be in {allowed}, got {value}")
-                }
-                other => other.to_string(),
-            })
+        let clip = canopy_protocol::bounds::MAX_CLIP_NORM;
+        check("clip_norm", Bounds::above(0.0, clip), self.clip_norm)
     }
 
     /// What each device's training task asks of its update.
@@ -112,6 +92,16 @@ impl DifferentialPrivacy {
     pub fn round(&self, sampling_rate: f64) -> Event {
         Event::gaussian(sampling_rate, self.noise_multiplier, 1)
     }
+}
+
+/// `value` within `bounds`, or the error naming `differential_privacy.{field}`.
+fn check(field: &str, bounds: Bounds, value: f64) -> Result<(), String> {
+    if bounds.contains(value) {
+        return Ok(());
+    }
+    Err(format!(
+        "`differential_privacy.{field}` must be in {bounds}, got {value}"
+    ))
 }
 
 /// The sampling rate of a round that selected `selected` of the
