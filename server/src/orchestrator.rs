@@ -147,7 +147,7 @@ async fn open_rounds(state: &AppState) -> Result<(), OrchestratorError> {
         let mut tx = state.db.pool.begin().await?;
         if job.rounds_completed >= i64::from(spec.rounds) {
             if !evaluations::job_has_open(&mut tx, job.id).await? {
-                jobs::complete(&mut tx, job.id).await?;
+                jobs::complete(&mut tx, job.id, "").await?;
                 tracing::info!(job = job.id, "job completed");
             }
             tx.commit().await?;

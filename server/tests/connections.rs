@@ -106,26 +106,13 @@ async fn connections_are_capped_per_address_and_in_all() -> Result<()> {
         "places were not given back"
     );
 
-    let metrics = reqwest_get(&server, "/metrics").await?;
+    let metrics = server.metrics().await?;
     ensure!(
         metrics.contains("canopy_limit_refusals_total{limit=\"max_connections_per_address\"} 50")
             && metrics.contains("canopy_limit_refusals_total{limit=\"max_connections\"} 30"),
         "refusals are not counted in /metrics:\n{metrics}"
     );
     Ok(())
-}
-
-async fn reqwest_get(server: &TestServer, path: &str) -> Result<String> {
-    // With the admin token: `/metrics` needs one.
-    Ok(server
-        .transport()
-        .http()
-        .get(server.transport().url(path))
-        .bearer_auth(&server.admin_token)
-        .send()
-        .await?
-        .text()
-        .await?)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -325,7 +325,7 @@ async fn private_job(database: Database, kill_in_round: Option<u32>) -> Result<(
     // Prometheus shows running jobs only; ε stays on the finished job.
     let gauge = format!("canopy_job_privacy_epsilon{{job_id=\"{job}\"}}");
     ensure!(
-        !metrics(&server).await?.contains(&gauge),
+        !server.metrics().await?.contains(&gauge),
         "a finished job's gauge lingers"
     );
     Ok(())
@@ -433,19 +433,6 @@ fn the_job_conversion_is_the_planners_default() {
     assert_eq!(canopy_server::privacy::CONVERSION, Conversion::default());
 }
 
-/// `/metrics`, as Prometheus scrapes it (with the admin token).
-async fn metrics(server: &TestServer) -> Result<String> {
-    Ok(server
-        .transport()
-        .http()
-        .get(server.transport().url("/metrics"))
-        .bearer_auth(&server.admin_token)
-        .send()
-        .await?
-        .text()
-        .await?)
-}
-
 /// Waits until the running job has finished `rounds` rounds, then reads
 /// its ε from `/metrics`.
 async fn gauge_after(server: &TestServer, job: i64, rounds: i64) -> Result<f64> {
@@ -463,7 +450,7 @@ async fn gauge_after(server: &TestServer, job: i64, rounds: i64) -> Result<f64> 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let gauge = format!("canopy_job_privacy_epsilon{{job_id=\"{job}\"}} ");
-    let text = metrics(server).await?;
+    let text = server.metrics().await?;
     let value = text
         .lines()
         .find_map(|line| line.strip_prefix(&gauge))

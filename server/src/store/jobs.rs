@@ -1055,14 +1055,21 @@ pub async fn fail(
     Ok(())
 }
 
-/// `running` → `completed`, once every round has run and been evaluated.
-pub async fn complete(tx: &mut super::rounds::Tx<'_>, id: i64) -> Result<(), sqlx::Error> {
+/// `running` → `completed`, once every round has run and been evaluated
+/// (`status_message` empty), or once a private job has spent its budget
+/// (the message says so).
+pub async fn complete(
+    tx: &mut super::rounds::Tx<'_>,
+    id: i64,
+    status_message: &str,
+) -> Result<(), sqlx::Error> {
     let now = now_ms();
     sqlx::query(
         "UPDATE jobs SET state = 'completed', finished_ms = $1, updated_ms = $1, \
-         status_message = '' WHERE id = $2 AND state = 'running'",
+         status_message = $2 WHERE id = $3 AND state = 'running'",
     )
     .bind(now)
+    .bind(status_message)
     .bind(id)
     .execute(&mut **tx)
     .await?;

@@ -256,19 +256,9 @@ pub async fn stop_job(
     round: &RoundRow,
     failure: &RoundFailure,
 ) -> Result<(), sqlx::Error> {
-    let reason = failure.to_string();
-    let now = now_ms();
-    mark_failed(tx, round.id, failure, now).await?;
-    sqlx::query(
-        "UPDATE jobs SET state = 'completed', finished_ms = $1, updated_ms = $1, \
-         status_message = $2 WHERE id = $3 AND state = 'running'",
-    )
-    .bind(now)
-    .bind(format!("stopped before round {}: {reason}", round.number))
-    .bind(round.job_id)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
+    mark_failed(tx, round.id, failure, now_ms()).await?;
+    let message = format!("stopped before round {}: {failure}", round.number);
+    super::jobs::complete(tx, round.job_id, &message).await
 }
 
 /// Opens an asynchronous job's next buffer straight into `training`, in

@@ -406,6 +406,19 @@ impl TestServer {
         Trust::PinnedSha256(self.fingerprint.clone())
     }
 
+    /// `/metrics` as Prometheus scrapes it, with the admin token it needs.
+    pub async fn metrics(&self) -> Result<String> {
+        let transport = self.transport();
+        Ok(transport
+            .http()
+            .get(transport.url("/metrics"))
+            .bearer_auth(&self.admin_token)
+            .send()
+            .await?
+            .text()
+            .await?)
+    }
+
     pub fn transport(&self) -> Transport {
         Transport::new(&self.base, &self.trust()).expect("transport")
     }
