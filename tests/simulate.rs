@@ -36,6 +36,7 @@ fn job_settings() -> JobSettings {
         central_dataset: None,
         strategy: None,
         privacy: None,
+        robust: None,
         buffer: None,
     }
 }

@@ -91,12 +91,7 @@ impl BlobStore {
 
     fn key(&self, digest: &str) -> StorePath {
         let shard = digest.get(..2).unwrap_or("00");
-        let relative = format!("sha256/{shard}/{digest}");
-        if self.prefix.as_ref().is_empty() {
-            StorePath::from(relative)
-        } else {
-            StorePath::from(format!("{}/{relative}", self.prefix))
-        }
+        self.prefixed(format!("sha256/{shard}/{digest}"))
     }
 
     /// Stores `bytes` under `digest` unless a blob is already there.
@@ -112,6 +107,12 @@ impl BlobStore {
                 });
             }
         }
+        self.write(key, digest, bytes).await
+    }
+
+    /// Writes `bytes` at `key`: on local disk as a private file, whole or
+    /// not at all.
+    async fn write(&self, key: StorePath, digest: &str, bytes: Bytes) -> Result<(), BlobError> {
         let io = |source| BlobError::Io {
             digest: digest.to_string(),
             source,
@@ -151,6 +152,93 @@ impl BlobStore {
             digest: digest.to_string(),
             source,
         })
+    }
+
+    /// Where a robust round keeps one device's update: under the round, so
+    /// that the round's updates are deleted together, and named by the
+    /// update's digest too, so that a second upload from the device (which
+    /// the round refuses) never replaces the one it accepted.
+    fn update_key(&self, round_id: i64, device_id: i64, digest: &str) -> StorePath {
+        self.prefixed(format!(
+            "{}/{device_id}-{digest}",
+            Self::round_dir(round_id)
+        ))
+    }
+
+    fn round_dir(round_id: i64) -> String {
+        format!("updates/{round_id}")
+    }
+
+    fn prefixed(&self, relative: String) -> StorePath {
+        if self.prefix.as_ref().is_empty() {
+            StorePath::from(relative)
+        } else {
+            StorePath::from(format!("{}/{relative}", self.prefix))
+        }
+    }
+
+    /// Stores a robust round's update (written and synced before it is
+    /// recorded, like a model blob).
+    pub async fn put_update(
+        &self,
+        round_id: i64,
+        device_id: i64,
+        digest: &str,
+        bytes: Bytes,
+    ) -> Result<(), BlobError> {
+        let key = self.update_key(round_id, device_id, digest);
+        self.write(key, digest, bytes).await
+    }
+
+    /// `range` of the bytes of a robust round's stored update.
+    pub async fn read_update(
+        &self,
+        round_id: i64,
+        device_id: i64,
+        digest: &str,
+        range: Range<u64>,
+    ) -> Result<Bytes, BlobError> {
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(range)),
+            ..GetOptions::default()
+        };
+        let key = self.update_key(round_id, device_id, digest);
+        let result = self
+            .store
+            .get_opts(&key, options)
+            .await
+            .map_err(|source| not_found_or_io(digest, source))?;
+        result.bytes().await.map_err(|source| BlobError::Io {
+            digest: digest.to_string(),
+            source,
+        })
+    }
+
+    /// Deletes every update stored for a round, accepted or not; how many.
+    pub async fn delete_round_updates(&self, round_id: i64) -> Result<usize, BlobError> {
+        let dir = Self::round_dir(round_id);
+        let io = |source| BlobError::Io {
+            digest: dir.clone(),
+            source,
+        };
+        if let Some(root) = &self.local_root {
+            // The round's directory goes too, not only its files.
+            let path = root.join(&dir);
+            let removed = tokio::task::spawn_blocking(move || remove_dir(&path)).await;
+            return removed
+                .map_err(|error| io(local_error(std::io::Error::other(error))))?
+                .map_err(|error| io(local_error(error)));
+        }
+        let prefix = self.prefixed(dir.clone());
+        let listed: Vec<_> = self.store.list(Some(&prefix)).collect().await;
+        let mut deleted = 0;
+        for meta in listed {
+            match self.store.delete(&meta.map_err(io)?.location).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => deleted += 1,
+                Err(source) => return Err(io(source)),
+            }
+        }
+        Ok(deleted)
     }
 
     /// Streams a blob, from `offset` to its end.
@@ -232,6 +320,17 @@ fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
             Err(error)
         }
     }
+}
+
+/// Removes a directory of blobs and what it holds; how many files.
+fn remove_dir(path: &Path) -> std::io::Result<usize> {
+    let files = match std::fs::read_dir(path) {
+        Ok(entries) => entries.count(),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(error) => return Err(error),
+    };
+    std::fs::remove_dir_all(path)?;
+    Ok(files)
 }
 
 fn not_found_or_io(digest: &str, source: object_store::Error) -> BlobError {

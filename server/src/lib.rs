@@ -26,6 +26,7 @@ pub mod migrations;
 pub mod orchestrator;
 pub mod privacy;
 pub mod request_slots;
+pub mod robust;
 pub mod round_failure;
 pub mod secure;
 pub mod server;

@@ -105,6 +105,23 @@ pub async fn tick_once(state: &AppState) -> Result<(), OrchestratorError> {
             tracing::warn!(round = round_id, error = %chain(&error), "cannot advance round");
         }
     }
+    delete_stored_updates(state).await
+}
+
+/// Deletes the updates robust rounds stored once the rounds are over
+/// (succeeded or failed): deleted first and recorded after, so a crash
+/// between the two only deletes them again.
+async fn delete_stored_updates(state: &AppState) -> Result<(), OrchestratorError> {
+    let per_tick = i64::from(state.settings.limits.max_rounds_per_tick);
+    for round_id in rounds::keeping_updates(&state.db, per_tick).await? {
+        let deleted = state.blobs.delete_round_updates(round_id).await?;
+        rounds::updates_deleted(&state.db, round_id).await?;
+        tracing::debug!(
+            round = round_id,
+            deleted,
+            "deleted a robust round's stored updates"
+        );
+    }
     Ok(())
 }
 
@@ -198,6 +215,10 @@ fn next_round(job: &JobRow, spec: &JobSpec, kind: RoundKind) -> rounds::NewRound
         clip_norm: match kind {
             RoundKind::Statistics => None,
             RoundKind::Train => spec.differential_privacy.as_ref().map(|dp| dp.clip_norm),
+        },
+        robust_rule: match kind {
+            RoundKind::Statistics => None,
+            RoundKind::Train => spec.robust_aggregation.as_ref().map(|robust| robust.rule),
         },
     }
 }
@@ -1497,11 +1518,27 @@ async fn next_version(
         Some(_) => jobs::privacy_state(&mut tx, job.id).await?.0,
         None => None,
     };
+    let stored = match round.robust_rule()? {
+        Some(_) => rounds::stored_updates(&mut tx, round.id).await?,
+        None => Vec::new(),
+    };
     tx.rollback().await?;
     let mut sum = sum
         .map(|bytes| fedavg::decode_sum(&bytes))
         .unwrap_or_default();
     let mut weight_total = u64::try_from(round.weight_total).unwrap_or(0);
+    if round.robust_rule()?.is_some() {
+        let updates = crate::robust::RoundUpdates {
+            blobs: &state.blobs,
+            round_id: round.id,
+            updates: &stored,
+            len: layout.num_elements(),
+        };
+        match robust_aggregate(spec, &updates).await {
+            Ok(aggregate) => (sum, weight_total) = (aggregate, 1),
+            Err(failure) => return Ok(Err(failure)),
+        }
+    }
     if let (Some(privacy), RoundKind::Train) = (&spec.differential_privacy, round.kind) {
         // DP-FedAvg: the clipped sum plus noise, over the round's target
         // (a fixed denominator: the count of updates is not released).
@@ -1523,6 +1560,23 @@ async fn next_version(
         round: round.id,
         source,
     })
+}
+
+/// A robust round's aggregate of its stored updates by the job's rule, or
+/// why the round fails.
+async fn robust_aggregate(
+    spec: &JobSpec,
+    updates: &crate::robust::RoundUpdates<'_>,
+) -> Result<Vec<f64>, RoundFailure> {
+    let rule = match spec.robust_rule() {
+        Ok(Some(rule)) => rule,
+        Ok(None) => return Err(RoundFailure::Robust("the job has no robust rule".into())),
+        Err(reason) => return Err(RoundFailure::Robust(reason)),
+    };
+    updates
+        .aggregate(rule)
+        .await
+        .map_err(|error| RoundFailure::Robust(chain(&error)))
 }
 
 /// Composes a private round into its job's accountant, and records the ε

@@ -74,6 +74,9 @@ pub enum RoundFailure {
     /// A private round's noise or accountant could not be used.
     #[error("differential privacy: {0}")]
     Privacy(String),
+    /// A robust round's stored updates could not be aggregated.
+    #[error("robust aggregation: {0}")]
+    Robust(String),
 }
 
 text_enum! {
@@ -131,7 +134,8 @@ impl RoundFailure {
             RoundFailure::Averaging(FedAvgError::NonFinite { .. }) => FailureKind::ModelNotFinite,
             RoundFailure::BaseModel(_)
             | RoundFailure::Averaging(_)
-            | RoundFailure::Serialise(_) => FailureKind::AggregationFailed,
+            | RoundFailure::Serialise(_)
+            | RoundFailure::Robust(_) => FailureKind::AggregationFailed,
             RoundFailure::Statistics(_) => FailureKind::StatisticsUnfitted,
             RoundFailure::SecurePlan(_) => FailureKind::SecurePlanRefused,
             RoundFailure::SecureDropouts(_) => FailureKind::SecureDropouts,

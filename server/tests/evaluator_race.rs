@@ -80,6 +80,7 @@ impl Database {
             min_devices: 1,
             max_staleness: None,
             clip_norm: None,
+            robust_rule: None,
         };
         let round_id = rounds::open_round(&mut tx, &new)
             .await?

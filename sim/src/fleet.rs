@@ -86,6 +86,69 @@ pub struct FleetSettings {
     /// `all_devices`, which seeds that device's key and draws its speed.
     /// One process hosts them all by default.
     pub part: Option<FleetPart>,
+    /// Devices that poison their training updates, to try a job's robust
+    /// aggregation; all honest when `None`.
+    pub attack: Option<Attack>,
+}
+
+/// The simulation's first `devices` devices (by index over every part)
+/// send poisoned updates: they train honestly, then change the update
+/// they send as `kind` says. Their sample counts stay honest.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Attack {
+    pub devices: usize,
+    pub kind: AttackKind,
+}
+
+/// How an attacker changes its update Δ.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AttackKind {
+    /// Sends `factor`·Δ (model replacement's boost).
+    Scale { factor: f32 },
+    /// Sends −`factor`·Δ: the update pushed back up the loss.
+    SignFlip { factor: f32 },
+}
+
+impl AttackKind {
+    /// The most an attack may scale an update by.
+    pub const MAX_FACTOR: f32 = 1e6;
+
+    /// `scale:F` or `sign-flip[:F]` (F 1 when left out).
+    pub fn parse(text: &str) -> Result<AttackKind, String> {
+        let (name, factor) = match text.split_once(':') {
+            Some((name, factor)) => {
+                let factor: f32 = factor
+                    .parse()
+                    .map_err(|_| format!("`{factor}` is not a number"))?;
+                (name, Some(factor))
+            }
+            None => (text, None),
+        };
+        if let Some(factor) = factor.filter(|f| !(f.is_finite() && f.abs() <= Self::MAX_FACTOR)) {
+            return Err(format!(
+                "the factor must be finite and at most {} in size, got {factor}",
+                Self::MAX_FACTOR
+            ));
+        }
+        match (name, factor) {
+            ("scale", Some(factor)) => Ok(AttackKind::Scale { factor }),
+            ("scale", None) => Err("`scale` needs its factor: `scale:10`".into()),
+            ("sign-flip", factor) => Ok(AttackKind::SignFlip {
+                factor: factor.unwrap_or(1.0),
+            }),
+            _ => Err(format!(
+                "unknown attack `{name}`: `scale:F` or `sign-flip[:F]`"
+            )),
+        }
+    }
+
+    /// The multiplier of Δ the attack sends.
+    fn multiplier(self) -> f32 {
+        match self {
+            AttackKind::Scale { factor } => factor,
+            AttackKind::SignFlip { factor } => -factor,
+        }
+    }
 }
 
 /// The devices one of several processes hosts: its shards are devices
@@ -151,6 +214,7 @@ impl FleetSettings {
             max_active: devices.clamp(1, MAX_ACTIVE_DEVICES),
             step_time: None,
             part: None,
+            attack: None,
         }
     }
 }
@@ -210,6 +274,8 @@ struct Shared {
     /// Each slot's simulated time per training step, in milliseconds;
     /// empty when devices run at the host's speed. 4 bytes a device.
     step_ms: Vec<f32>,
+    /// The index over every part of this fleet's first device.
+    first_device: usize,
 }
 
 /// Device `index`'s key: SHA-256 over the domain, the seed and the index.
@@ -317,6 +383,7 @@ impl Fleet {
                 .step_time
                 .map(|time| time.per_device(part.all_devices, settings.seed)[hosted].to_vec())
                 .unwrap_or_default(),
+            first_device: part.first_device,
             settings,
             shards,
             slots,
@@ -664,6 +731,30 @@ enum Computed {
     Evaluation(canopy_sdk::train::Evaluation),
 }
 
+/// The update slot `slot` sends: its own, or, for an attacker, the
+/// attack's change of it.
+fn poisoned(
+    shared: &Shared,
+    slot: usize,
+    task: &Task,
+    mut update: canopy_sdk::train::LocalUpdate,
+) -> Result<canopy_sdk::train::LocalUpdate, canopy_protocol::update::UpdateError> {
+    let Some(attack) = shared.settings.attack else {
+        return Ok(update);
+    };
+    if shared.first_device + slot >= attack.devices {
+        return Ok(update);
+    }
+    let multiplier = attack.kind.multiplier();
+    update
+        .delta
+        .iter_mut()
+        .for_each(|value| *value *= multiplier);
+    update.encoded =
+        canopy_protocol::update::encode_update(&task.layout, update.num_samples, &update.delta)?;
+    Ok(update)
+}
+
 /// A task's computation on slot `slot`'s shard, as an agent's would be.
 fn compute(
     shared: &Shared,
@@ -686,6 +777,7 @@ fn compute(
             let (evaluation, update) =
                 train_and_evaluate(model, task, &data, seed, &options).map_err(|e| failed(&e))?;
             let metrics = round_metrics(task, evaluation, &update);
+            let update = poisoned(shared, slot, task, update).map_err(|e| failed(&e))?;
             Ok(Computed::Update {
                 update,
                 metrics: Some(metrics),

@@ -20,7 +20,7 @@ pub mod fleet;
 pub mod partition;
 pub mod setup;
 
-pub use fleet::{Fleet, FleetPart, FleetReport, FleetSettings, StepTime};
+pub use fleet::{Attack, AttackKind, Fleet, FleetPart, FleetReport, FleetSettings, StepTime};
 pub use partition::Partition;
 
 /// Most devices one simulation process hosts.

@@ -120,6 +120,8 @@ pub struct JobSettings {
     pub strategy: Option<Value>,
     /// The job's `differential_privacy` (JSON); not private when `None`.
     pub privacy: Option<Value>,
+    /// The job's `robust_aggregation` (JSON); FedAvg's mean when `None`.
+    pub robust: Option<Value>,
     /// Asynchronous rounds (FedBuff), with `per_round` devices training at
     /// once; synchronous rounds when `None`.
     pub buffer: Option<Buffer>,
@@ -162,6 +164,9 @@ impl JobSettings {
         }
         if let Some(privacy) = &self.privacy {
             body["differential_privacy"] = privacy.clone();
+        }
+        if let Some(robust) = &self.robust {
+            body["robust_aggregation"] = robust.clone();
         }
         if let Some(buffer) = self.buffer {
             // A buffer at its deadline makes a version of what it has.

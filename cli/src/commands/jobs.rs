@@ -86,6 +86,8 @@ pub struct CreateArgs {
     secure: bool,
     #[command(flatten)]
     privacy: super::privacy::JobPrivacyArgs,
+    #[command(flatten)]
+    robust: super::robust::JobRobustArgs,
     /// Run the job through edge aggregators (docs/edge.md): rounds select
     /// aggregators, counted by --min-devices and --target-devices, and each
     /// runs a sub-round that needs at least this many of its end devices.
@@ -318,6 +320,9 @@ fn apply_flags(
     let privacy = args.privacy.fields();
     if !privacy.is_empty() {
         nested(spec, "differential_privacy").extend(privacy);
+    }
+    if let Some(robust) = args.robust.fields() {
+        nested(spec, "robust_aggregation").extend(robust);
     }
     if let Some(min) = args.edge_min_devices {
         let edges = nested(spec, "edges");
@@ -612,6 +617,38 @@ mod tests {
         spec.insert("model_version_id".into(), json!(4));
         apply_flags(&mut spec, &args(&[]), None).unwrap();
         assert!(!spec.contains_key("differential_privacy"), "{spec:?}");
+    }
+
+    #[test]
+    fn robust_flags_make_a_robust_job() {
+        let mut spec = Map::new();
+        let flags = args(&[
+            "--robust",
+            "multi_krum",
+            "--byzantine",
+            "3",
+            "--krum-selected",
+            "5",
+        ]);
+        apply_flags(&mut spec, &flags, None).unwrap();
+        assert_eq!(
+            spec["robust_aggregation"],
+            json!({"rule": "multi_krum", "byzantine": 3, "selected": 5})
+        );
+        let mut spec = Map::new();
+        let flags = args(&["--robust", "trimmed_mean", "--trim-fraction", "0.2"]);
+        apply_flags(&mut spec, &flags, None).unwrap();
+        assert_eq!(
+            spec["robust_aggregation"],
+            json!({"rule": "trimmed_mean", "trim_fraction": 0.2})
+        );
+        // A rule's setting without a rule is a mistake clap names.
+        let lonely = Harness::try_parse_from(["create", "--byzantine", "1"]);
+        let error = lonely.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(error.contains("--robust"), "{error}");
+        let mut spec = Map::new();
+        apply_flags(&mut spec, &args(&[]), None).unwrap();
+        assert!(!spec.contains_key("robust_aggregation"), "{spec:?}");
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod login;
 pub mod models;
 pub mod new;
 pub mod privacy;
+pub mod robust;
 pub mod run;
 pub mod simulate;
 pub mod stats;

@@ -13,7 +13,9 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use canopy_sdk::{CancelToken, Transport};
 use canopy_sim::fleet::{MAX_SPREAD, MAX_STEP_MS};
 use canopy_sim::setup::{self, JobSettings, MAX_HIDDEN, MAX_ROUNDS};
-use canopy_sim::{Fleet, FleetPart, FleetSettings, MAX_DEVICES, Partition, StepTime};
+use canopy_sim::{
+    Attack, AttackKind, Fleet, FleetPart, FleetSettings, MAX_DEVICES, Partition, StepTime,
+};
 use canopy_term::progress::StepBar;
 use clap::Args;
 use reqwest::Method;
@@ -87,6 +89,17 @@ pub struct SimulateArgs {
     /// A differentially private job (DP-FedAvg, docs/privacy.md).
     #[command(flatten)]
     privacy: super::privacy::JobPrivacyArgs,
+    /// Robust aggregation (docs/robustness.md).
+    #[command(flatten)]
+    robust: super::robust::JobRobustArgs,
+    /// How many of the devices (the first ones) poison their updates, as
+    /// --attack says, to try a robust rule against them.
+    #[arg(long, default_value_t = 0)]
+    attackers: usize,
+    /// What the attackers send instead of their update Δ: `scale:F`
+    /// (F·Δ) or `sign-flip[:F]` (−F·Δ).
+    #[arg(long, default_value = "sign-flip", value_parser = AttackKind::parse)]
+    attack: AttackKind,
     /// How often an idle device checks in for a task; by default about
     /// 1,000 check-ins a second over the fleet, each device every 1 to 30 s.
     #[arg(long, value_parser = clap::value_parser!(u64).range(100..=600_000))]
@@ -134,6 +147,12 @@ impl SimulateArgs {
             self.per_round >= 1 && self.per_round as usize <= self.devices,
             "--per-round {} must be between 1 and --devices ({})",
             self.per_round,
+            self.devices
+        );
+        ensure!(
+            self.attackers <= self.devices,
+            "--attackers {} must be at most --devices ({})",
+            self.attackers,
             self.devices
         );
         if let Some(part) = self.part {
@@ -209,6 +228,10 @@ impl SimulateArgs {
             median_ms,
             spread: self.step_spread,
         });
+        settings.attack = (self.attackers > 0).then_some(Attack {
+            devices: self.attackers,
+            kind: self.attack,
+        });
         settings
     }
 
@@ -226,6 +249,7 @@ impl SimulateArgs {
             privacy: Some(self.privacy.fields())
                 .filter(|fields| !fields.is_empty())
                 .map(Value::Object),
+            robust: self.robust.fields().map(Value::Object),
             buffer: self.buffer_size.map(|buffer_size| setup::Buffer {
                 size: buffer_size,
                 max_staleness: self.max_staleness,

@@ -22,6 +22,7 @@ use crate::db::{Db, now_ms};
 use canopy_protocol::messages::{DevicePolicy, GpuDeviceType};
 
 use crate::privacy::DifferentialPrivacy;
+use crate::robust::{RobustAggregation, Rule};
 use crate::round_failure::RoundFailure;
 use crate::strategy::{LearningRateSchedule, StrategySpec};
 
@@ -177,6 +178,14 @@ pub struct JobSpec {
     /// when left out. See `docs/privacy.md`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub differential_privacy: Option<DifferentialPrivacy>,
+    /// Robust aggregation against poisoned updates: each round combines
+    /// its updates by coordinate-wise `median`, `trimmed_mean`, `krum` or
+    /// `multi_krum` instead of their weighted mean, each device weighing
+    /// the same. The updates are stored in the blob store and aggregated
+    /// block by block. FedAvg's mean when left out. See
+    /// `docs/robustness.md`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub robust_aggregation: Option<RobustAggregation>,
 }
 
 /// An asynchronous job's settings (FedBuff). A round is a buffer: it
@@ -404,7 +413,50 @@ impl JobSpec {
         self.check_edges()?;
         self.check_asynchronous()?;
         self.check_secure_aggregation()?;
-        self.check_differential_privacy()
+        self.check_differential_privacy()?;
+        self.robust_rule().map(|_| ())
+    }
+
+    /// A robust job's rule, its settings checked, and what it cannot be
+    /// combined with; `None` for FedAvg's mean.
+    pub fn robust_rule(&self) -> Result<Option<Rule>, String> {
+        let Some(robust) = &self.robust_aggregation else {
+            return Ok(None);
+        };
+        let rule = robust.check(self.min_devices)?;
+        let refused = |other: &str, why: &str| {
+            Err(format!(
+                "`robust_aggregation` cannot be combined with `{other}`: {why}"
+            ))
+        };
+        if self.secure_aggregation.enabled {
+            return refused(
+                "secure_aggregation",
+                "the server sees only the masked sum of a secure round, never the individual \
+                 updates a robust rule compares",
+            );
+        }
+        if self.differential_privacy.is_some() {
+            return refused(
+                "differential_privacy",
+                "DP-FedAvg's noise is calibrated to one clipped update's share of the mean, \
+                 which a robust rule does not compute",
+            );
+        }
+        if self.asynchronous.is_some() {
+            return refused(
+                "asynchronous",
+                "a buffer's updates come from different versions and are weighted by their \
+                 staleness, which the robust rules do not take",
+            );
+        }
+        if self.edges.is_some() {
+            return refused(
+                "edges",
+                "an edge sends the server one partial sum of its devices, not their updates",
+            );
+        }
+        Ok(Some(rule))
     }
 
     /// A private job's settings, and what they cannot be combined with yet.

@@ -150,6 +150,13 @@ any_row! {
         pub dp_sampling_rate: Option<f64>,
         /// The job's ε after a private round succeeded.
         pub dp_epsilon: Option<f64>,
+        /// A robust round's rule: it stores each update in the blob store
+        /// instead of folding it into a sum (`crate::robust`); read it
+        /// through [`RoundRow::robust_rule`].
+        robust_rule: Option<String>,
+        /// When a robust round's stored updates were deleted, after it
+        /// closed.
+        pub updates_deleted_ms: Option<i64>,
     }
 }
 
@@ -158,7 +165,8 @@ pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_versio
      weight_total, bytes_in, bytes_out, dropouts, ineligible, status_message, kind, created_ms, \
      training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage, eval_state, \
      central_eval_loss, central_eval_accuracy, central_eval_samples, central_eval_state, \
-     central_eval_error, failure_kind, max_staleness, clip_norm, dp_sampling_rate, dp_epsilon";
+     central_eval_error, failure_kind, max_staleness, clip_norm, dp_sampling_rate, dp_epsilon, \
+     robust_rule, updates_deleted_ms";
 
 impl RoundRow {
     /// Whether the round is a buffer of an asynchronous job.
@@ -173,6 +181,14 @@ impl RoundRow {
         self.eval_state
             .clone()
             .map(|text| parse_state("rounds.eval_state", text))
+            .transpose()
+    }
+
+    /// A robust round's rule; `None` in a round that folds a sum.
+    pub fn robust_rule(&self) -> Result<Option<crate::robust::RobustRule>, sqlx::Error> {
+        self.robust_rule
+            .clone()
+            .map(|text| parse_state("rounds.robust_rule", text))
             .transpose()
     }
 
@@ -201,6 +217,8 @@ pub struct NewRound {
     pub max_staleness: Option<i64>,
     /// A training round of a differentially private job: its clip norm.
     pub clip_norm: Option<f64>,
+    /// A training round of a robust job: its rule.
+    pub robust_rule: Option<crate::robust::RobustRule>,
 }
 
 /// Opens the next round of a job unless one is open; the partial unique
@@ -208,8 +226,8 @@ pub struct NewRound {
 pub async fn open_round(tx: &mut Tx<'_>, new: &NewRound) -> Result<Option<i64>, sqlx::Error> {
     let row: Option<(i64,)> = sqlx::query_as(
         "INSERT INTO rounds (job_id, number, attempt, state, base_version_id, target_devices, \
-         min_devices, created_ms, kind, max_staleness, clip_norm) \
-         VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7, $8, $9, $10) \
+         min_devices, created_ms, kind, max_staleness, clip_norm, robust_rule) \
+         VALUES ($1, $2, $3, 'selecting', $4, $5, $6, $7, $8, $9, $10, $11) \
          ON CONFLICT DO NOTHING RETURNING id",
     )
     .bind(new.job_id)
@@ -222,6 +240,7 @@ pub async fn open_round(tx: &mut Tx<'_>, new: &NewRound) -> Result<Option<i64>, 
     .bind(new.kind.as_str())
     .bind(new.max_staleness)
     .bind(new.clip_norm)
+    .bind(new.robust_rule.map(|rule| rule.as_str()))
     .fetch_optional(&mut **tx)
     .await?;
     Ok(row.map(|(id,)| id))
@@ -1060,6 +1079,8 @@ any_row! {
         /// takes plain updates.
         pub secagg_stage: Option<String>,
         pub max_staleness: Option<i64>,
+        /// A robust round's rule: its updates are stored before they fold.
+        pub robust_rule: Option<String>,
     }
 }
 
@@ -1082,7 +1103,7 @@ pub async fn standing(
 ) -> Result<Option<Standing>, sqlx::Error> {
     sqlx::query_as(
         "SELECT p.state AS participant, r.state AS round, r.deadline_ms, r.base_version_id, r.kind, \
-         r.job_id, r.secagg_stage, r.max_staleness FROM participants p \
+         r.job_id, r.secagg_stage, r.max_staleness, r.robust_rule FROM participants p \
          JOIN rounds r ON r.id = p.round_id \
          WHERE p.round_id = $1 AND p.device_id = $2",
     )
@@ -1102,6 +1123,7 @@ any_row! {
         number: i64,
         max_staleness: Option<i64>,
         clip_norm: Option<f64>,
+        robust_rule: Option<String>,
     }
 }
 
@@ -1134,8 +1156,13 @@ struct FoldTarget {
 pub struct AcceptedUpdate {
     pub device_id: i64,
     pub num_samples: u64,
+    /// The values, to fold into the round's sum; empty when `stored`.
     pub values: Vec<f32>,
     pub bytes: u64,
+    /// In a robust round: the digest of the update the blob store holds
+    /// for it (`BlobStore::put_update`), which the participant's row names
+    /// instead of the update folding.
+    pub stored: Option<String>,
 }
 
 /// Folds a batch of updates to one round into its running weighted sum and
@@ -1154,7 +1181,8 @@ pub async fn accept_updates(
     let _writer = db.write_lock().await;
     let mut tx = db.pool.begin().await?;
     let round: Option<LockedRound> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT state, deadline_ms, weight_total, job_id, number, max_staleness, clip_norm \
+        "SELECT state, deadline_ms, weight_total, job_id, number, max_staleness, clip_norm, \
+         robust_rule \
          FROM rounds WHERE id = $1{}",
         db.for_update()
     )))
@@ -1202,6 +1230,7 @@ pub async fn accept_updates(
             target: &target,
             max_staleness: round.max_staleness,
             clip_norm: round.clip_norm,
+            robust: round.robust_rule.is_some(),
             now,
         };
         let outcome = fold_one(&mut tx, &fold, update, &mut sum).await?;
@@ -1230,6 +1259,50 @@ pub async fn accept_updates(
     let counted = count_batch(&mut tx, target.round_id, accepted, bytes_in, weight_total).await?;
     tx.commit().await?;
     Ok(numbered(outcomes, counted))
+}
+
+/// A robust round's accepted updates, as their participants' rows name
+/// them, by device.
+pub async fn stored_updates(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+) -> Result<Vec<crate::robust::StoredUpdate>, sqlx::Error> {
+    let rows: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT device_id, update_digest FROM participants \
+         WHERE round_id = $1 AND state = $2 AND update_digest IS NOT NULL \
+         ORDER BY device_id",
+    )
+    .bind(round_id)
+    .bind(ParticipantState::Uploaded.as_str())
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(device_id, digest)| crate::robust::StoredUpdate { device_id, digest })
+        .collect())
+}
+
+/// Robust rounds that are over but still keep their stored updates, at
+/// most `limit`, oldest first.
+pub async fn keeping_updates(db: &Db, limit: i64) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM rounds WHERE robust_rule IS NOT NULL AND updates_deleted_ms IS NULL \
+         AND state NOT IN {OPEN_STATES} ORDER BY id LIMIT $1"
+    )))
+    .bind(limit)
+    .fetch_all(&db.pool)
+    .await
+}
+
+/// Records that a closed robust round's stored updates are deleted.
+pub async fn updates_deleted(db: &Db, round_id: i64) -> Result<(), sqlx::Error> {
+    let _writer = db.write_lock().await;
+    sqlx::query("UPDATE rounds SET updates_deleted_ms = $1 WHERE id = $2")
+        .bind(now_ms())
+        .bind(round_id)
+        .execute(&db.pool)
+        .await?;
+    Ok(())
 }
 
 /// The same refusal for every update of a batch.
@@ -1351,6 +1424,8 @@ struct Fold<'a> {
     /// A private round's clip norm: each update is clipped to it and
     /// weighs one, whatever its sample count.
     clip_norm: Option<f64>,
+    /// A robust round: each update is stored, and only named here.
+    robust: bool,
     now: i64,
 }
 
@@ -1419,13 +1494,25 @@ async fn fold_one(
         drop_stale(tx, round_id, device_id, &rejection.to_string()).await?;
         return Ok(Err(rejection));
     }
-    let sum = sum.get_or_insert_with(|| vec![0.0; update.values.len()]);
-    if sum.len() != update.values.len() {
-        return Ok(Err(UploadRejection::SumLength {
-            round_id,
-            stored: sum.len(),
-            got: update.values.len(),
-        }));
+    let stored = match (fold.robust, &update.stored) {
+        (true, Some(digest)) => Some(digest.as_str()),
+        (false, None) => None,
+        // Read from the round before the body, and a round's rule never
+        // changes, so these do not happen.
+        (true, None) | (false, Some(_)) => {
+            let reason = "the round's aggregation is not the one the upload was prepared for";
+            return Ok(Err(UploadRejection::Closed { round_id, reason }));
+        }
+    };
+    if stored.is_none() {
+        let sum = sum.get_or_insert_with(|| vec![0.0; update.values.len()]);
+        if sum.len() != update.values.len() {
+            return Ok(Err(UploadRejection::SumLength {
+                round_id,
+                stored: sum.len(),
+                got: update.values.len(),
+            }));
+        }
     }
     let columns = [
         ("uploaded_ms", Value::Int(now)),
@@ -1444,9 +1531,11 @@ async fn fold_one(
             ("staleness", Value::Int(staleness)),
         ]
     });
+    let digest = stored.map(|digest| [("update_digest", Value::Text(digest))]);
     let columns: Vec<_> = columns
         .into_iter()
         .chain(buffered.into_iter().flatten())
+        .chain(digest.into_iter().flatten())
         .collect();
     let uploaded = ParticipantState::Uploaded;
     if !task_state::move_pending(tx, round_id, device_id, uploaded, &columns).await? {
@@ -1455,6 +1544,10 @@ async fn fold_one(
         let reason = "the participant left meanwhile";
         return Ok(Err(UploadRejection::Closed { round_id, reason }));
     }
+    let Some(sum) = sum.as_mut().filter(|_| stored.is_none()) else {
+        // Stored: the round aggregates it when it closes.
+        return Ok(Ok(()));
+    };
     let weight = match fold.clip_norm {
         // The device clipped it already, unless it is old or lies: clipped
         // here, one device moves the sum by at most the clip norm.

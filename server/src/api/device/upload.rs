@@ -24,6 +24,7 @@ use crate::db::now_ms;
 use crate::state::AppState;
 use crate::store::jobs;
 use crate::store::rounds::{self, AcceptedUpdate, RoundKind, UploadRejection};
+use canopy_term::error_chain as chain;
 
 pub async fn upload_update(
     State(state): State<AppState>,
@@ -32,7 +33,7 @@ pub async fn upload_update(
     headers: HeaderMap,
     body: Body,
 ) -> ApiResult<(StatusCode, Json<UploadReceipt>)> {
-    let (kind, base_version_id, job_id) =
+    let (kind, base_version_id, job_id, robust) =
         check_participant(&state, round_id, device.device_id).await?;
     let layout = round_layout(&state, kind, base_version_id).await?;
     let limit = layout.encoded_len();
@@ -79,11 +80,20 @@ pub async fn upload_update(
             ))
         })?;
     }
+    let (values, stored) = match robust {
+        true => {
+            let values = decoded.values;
+            let digest = store_update(&state, round_id, device.device_id, values).await?;
+            (Vec::new(), Some(digest))
+        }
+        false => (decoded.values, None),
+    };
     let update = AcceptedUpdate {
         device_id: device.device_id,
         num_samples,
-        values: decoded.values,
+        values,
         bytes: bytes.len() as u64,
+        stored,
     };
     folds::submit(&state, round_id, update)
         .await
@@ -131,7 +141,7 @@ async fn check_participant(
     state: &AppState,
     round_id: i64,
     device_id: i64,
-) -> ApiResult<(RoundKind, i64, i64)> {
+) -> ApiResult<(RoundKind, i64, i64, bool)> {
     let standing = rounds::standing(&state.db, round_id, device_id).await?;
     let Some(standing) = standing else {
         return Err(rejection(UploadRejection::NotParticipant {
@@ -146,7 +156,43 @@ async fn check_participant(
     if standing.secagg_stage.is_some() {
         return Err(rejection(UploadRejection::Secure { round_id }));
     }
-    Ok((standing.kind, standing.base_version_id, standing.job_id))
+    let robust = standing.robust_rule.is_some();
+    Ok((
+        standing.kind,
+        standing.base_version_id,
+        standing.job_id,
+        robust,
+    ))
+}
+
+/// Writes a robust round's update to the blob store, synced, before the
+/// fold names it: its values as little-endian f32, so that the round can
+/// read any block of coordinates. Its digest.
+async fn store_update(
+    state: &AppState,
+    round_id: i64,
+    device_id: i64,
+    values: Vec<f32>,
+) -> ApiResult<String> {
+    use sha2::{Digest, Sha256};
+    let (raw, digest) = tokio::task::spawn_blocking(move || {
+        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let digest = hex::encode(Sha256::digest(&raw));
+        (raw, digest)
+    })
+    .await
+    .map_err(|error| ApiError::internal(format!("update hashing task failed: {error}")))?;
+    state
+        .blobs
+        .put_update(round_id, device_id, &digest, bytes::Bytes::from(raw))
+        .await
+        .map_err(|error| {
+            ApiError::internal(format!(
+                "round {round_id}'s update from device {device_id} could not be stored: {}",
+                chain(&error)
+            ))
+        })?;
+    Ok(digest)
 }
 
 /// Refuses an update that claims more samples than its job allows one

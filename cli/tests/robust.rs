@@ -1,0 +1,85 @@
+//! Robust aggregation end to end: `canopy simulate` on the bundled UCI
+//! digits, ten devices a round, three of them attackers that send their
+//! update flipped and scaled by ten (`--attackers 3 --attack
+//! sign-flip:10`). FedAvg collapses; the median, the trimmed mean, Krum
+//! and Multi-Krum each stay within three points of the clean run.
+//! docs/robustness.md has the same on mnist-10k, and other attacks.
+
+mod common;
+
+use common::{canopy, fails, ok};
+
+const ROUNDS: &str = "10";
+
+/// The job's central accuracy after its last round, from `--curve`.
+fn final_accuracy(extra: &[&str]) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let curve = dir.path().join("curve.csv");
+    let mut args = vec![
+        "simulate",
+        "--devices",
+        "10",
+        "--per-round",
+        "10",
+        "--rounds",
+        ROUNDS,
+        "--partition",
+        "iid",
+        "--curve",
+        curve.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    let out = ok(canopy(&args));
+    let csv = std::fs::read_to_string(&curve).unwrap();
+    let last = csv.lines().last().unwrap();
+    assert!(last.starts_with(&format!("{ROUNDS},")), "{csv}\n{out}");
+    last.split(',').nth(2).unwrap().parse().unwrap()
+}
+
+#[test]
+fn robust_rules_hold_where_fedavg_collapses() {
+    let attack = ["--attackers", "3", "--attack", "sign-flip:10"];
+    let clean = final_accuracy(&[]);
+    assert!(clean > 0.85, "the clean run learns: {clean}");
+    let fedavg = final_accuracy(&attack);
+    assert!(fedavg < 0.3, "FedAvg under attack: {fedavg}");
+    let rules: [&[&str]; 4] = [
+        &["--robust", "median"],
+        &["--robust", "trimmed_mean", "--trim-fraction", "0.3"],
+        &["--robust", "krum", "--byzantine", "3"],
+        &["--robust", "multi_krum", "--byzantine", "3"],
+    ];
+    for rule in rules {
+        let mut args = attack.to_vec();
+        args.extend(rule);
+        let robust = final_accuracy(&args);
+        assert!(
+            robust > clean - 0.03,
+            "{rule:?} under attack: {robust}, clean {clean}"
+        );
+    }
+}
+
+/// A robust setting the server refuses comes back to the user named.
+#[test]
+fn a_bad_robust_setting_is_named() {
+    let err = fails(canopy(&[
+        "simulate",
+        "--devices",
+        "4",
+        "--per-round",
+        "4",
+        "--rounds",
+        "1",
+        "--robust",
+        "krum",
+        "--byzantine",
+        "1",
+    ]));
+    assert!(
+        err.contains("`min_devices` must be at least 5, got 4"),
+        "{err}"
+    );
+    let err = fails(canopy(&["simulate", "--attack", "scale"]));
+    assert!(err.contains("`scale` needs its factor"), "{err}");
+}
