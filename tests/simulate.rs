@@ -37,6 +37,7 @@ fn job_settings() -> JobSettings {
         strategy: None,
         privacy: None,
         robust: None,
+        compression: None,
         buffer: None,
     }
 }

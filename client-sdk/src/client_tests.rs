@@ -198,6 +198,7 @@ fn task(fixture: &Fixture) -> Task {
         secure_aggregation: None,
         sub_round: None,
         privacy: None,
+        compression: None,
         policy: Default::default(),
     }
 }

@@ -69,6 +69,7 @@ fn secure_task(update_len: usize, deadline_unix_ms: u64) -> Task {
         policy: Default::default(),
         sub_round: None,
         privacy: None,
+        compression: None,
     }
 }
 

@@ -102,6 +102,7 @@ impl TaskFixture {
             secure_aggregation: None,
             sub_round: None,
             privacy: None,
+            compression: None,
             policy: Default::default(),
         };
         (bytes, task, data)

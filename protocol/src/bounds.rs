@@ -127,6 +127,14 @@ impl Task {
         if let Some(privacy) = &self.privacy {
             check_clip_norm("privacy.clip_norm", privacy.clip_norm)?;
         }
+        if let Some(compression) = &self.compression {
+            check_u64(
+                "compression.int8_min_elements",
+                compression.int8_min_elements,
+                1,
+                crate::update::MAX_ELEMENTS as u64,
+            )?;
+        }
         self.layout.validate().map_err(BoundsError::Layout)
     }
 }

@@ -603,6 +603,20 @@ pub struct Task {
     /// sends it, so that no device moves the sum by more than that.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub privacy: Option<TaskPrivacy>,
+    /// Present in a training task of a job with compressed updates: the
+    /// device sends its larger tensors as int8 blocks
+    /// ([`crate::update::encode_update_int8`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<TaskCompression>,
+}
+
+/// How a job with compressed updates asks devices to encode them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskCompression {
+    /// Tensors of at least this many values go as int8 blocks, smaller
+    /// ones (biases, norms) as f32.
+    pub int8_min_elements: u64,
 }
 
 /// What a differentially private job asks of each device's update.

@@ -12,11 +12,21 @@
 //! tensor_count u32
 //! per tensor, in layout order:
 //!   name_len u16, name (UTF-8, name_len bytes)
-//!   dtype u8 (1 = f32; only f32 supported)
+//!   dtype u8 (1 = f32, 2 = int8 blocks)
 //!   rank u8 (<= MAX_RANK)
 //!   dims: rank × u64
-//! then the data of every tensor, in layout order, f32 LE, no padding
+//! then the data of every tensor, in layout order, no padding:
+//!   f32:         n × f32 LE
+//!   int8 blocks: per block of INT8_BLOCK_VALUES values (the last one
+//!                shorter): scale f32 LE (finite, >= 0), then one i8 per
+//!                value (-127..=127); each value is i8 × scale
 //! ```
+//!
+//! An int8 tensor is a compressed update ([`encode_update_int8`]): each
+//! block's values are scaled by the block's largest magnitude to ±127 and
+//! rounded stochastically, up or down with the probabilities that make the
+//! decoded value's expectation the value itself, so that averaging many
+//! devices' updates is unbiased. About a quarter of f32's bytes.
 //!
 //! The header repeats the layout the server already knows so that a device
 //! training against the wrong model version is caught by name and shape
@@ -39,6 +49,12 @@ pub const MAX_NAME_BYTES: usize = 256;
 pub const MAX_ELEMENTS: usize = 1 << 30;
 
 const DTYPE_F32: u8 = 1;
+const DTYPE_INT8_BLOCKS: u8 = 2;
+/// Values per int8 block, each block with its own scale: 1.6 % overhead.
+pub const INT8_BLOCK_VALUES: usize = 256;
+/// The largest magnitude of an int8 value; −128 is not used, so that
+/// the scale is symmetric.
+const INT8_MAX: f32 = 127.0;
 const FIXED_HEADER_LEN: usize = 8 + 2 + 2 + 8 + 4;
 const F32_BYTES: usize = 4;
 
@@ -199,6 +215,38 @@ pub fn encode_update(
     num_samples: u64,
     values: &[f32],
 ) -> Result<Vec<u8>, UpdateError> {
+    encode_with(layout, num_samples, values, None)
+}
+
+/// Encodes an update with every tensor of at least `min_elements` values
+/// as int8 blocks, stochastically rounded with `rng` (the rest f32).
+pub fn encode_update_int8(
+    layout: &UpdateLayout,
+    num_samples: u64,
+    values: &[f32],
+    min_elements: u64,
+    rng: &mut dyn rand::RngCore,
+) -> Result<Vec<u8>, UpdateError> {
+    encode_with(layout, num_samples, values, Some((min_elements, rng)))
+}
+
+/// Whether a tensor of `elements` values goes as int8 blocks when an
+/// update is compressed with `min_elements`.
+pub fn is_int8(elements: usize, min_elements: u64) -> bool {
+    elements as u64 >= min_elements.max(1)
+}
+
+/// Bytes of a tensor of `elements` values encoded as int8 blocks.
+pub fn int8_data_len(elements: usize) -> usize {
+    elements.div_ceil(INT8_BLOCK_VALUES) * F32_BYTES + elements
+}
+
+fn encode_with(
+    layout: &UpdateLayout,
+    num_samples: u64,
+    values: &[f32],
+    mut int8: Option<(u64, &mut dyn rand::RngCore)>,
+) -> Result<Vec<u8>, UpdateError> {
     layout.validate()?;
     check_num_samples(num_samples)?;
     let expected_values = layout.num_elements();
@@ -221,19 +269,60 @@ pub fn encode_update(
     // validate() bounds these conversions: tensors <= MAX_TENSORS, names
     // <= MAX_NAME_BYTES, rank <= MAX_RANK.
     out.extend_from_slice(&(layout.tensors.len() as u32).to_le_bytes());
+    let quantised = |tensor: &TensorSpec, int8: &Option<(u64, &mut dyn rand::RngCore)>| {
+        int8.as_ref()
+            .is_some_and(|(min, _)| is_int8(tensor.num_elements(), *min))
+    };
     for tensor in &layout.tensors {
         out.extend_from_slice(&(tensor.name.len() as u16).to_le_bytes());
         out.extend_from_slice(tensor.name.as_bytes());
-        out.push(DTYPE_F32);
+        out.push(match quantised(tensor, &int8) {
+            true => DTYPE_INT8_BLOCKS,
+            false => DTYPE_F32,
+        });
         out.push(tensor.shape.len() as u8);
         for &dim in &tensor.shape {
             out.extend_from_slice(&(dim as u64).to_le_bytes());
         }
     }
-    for value in values {
-        out.extend_from_slice(&value.to_le_bytes());
+    let mut start = 0;
+    for tensor in &layout.tensors {
+        let end = start + tensor.num_elements();
+        let quantise = quantised(tensor, &int8);
+        match (&mut int8, quantise) {
+            (Some((_, rng)), true) => push_int8(&mut out, &values[start..end], &mut **rng),
+            _ => {
+                for value in &values[start..end] {
+                    out.extend_from_slice(&value.to_le_bytes());
+                }
+            }
+        }
+        start = end;
     }
     Ok(out)
+}
+
+/// Uniform in [0, 1): 24 random bits, as many as an f32's significand.
+fn unit_uniform(rng: &mut dyn rand::RngCore) -> f32 {
+    (rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32
+}
+
+/// Appends `values` as int8 blocks: each block's scale is its largest
+/// magnitude over 127, and each value `v` becomes `⌊v / scale + u⌋` for
+/// `u` uniform in [0, 1), whose expectation is `v / scale`.
+fn push_int8(out: &mut Vec<u8>, values: &[f32], rng: &mut dyn rand::RngCore) {
+    for block in values.chunks(INT8_BLOCK_VALUES) {
+        let largest = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = largest / INT8_MAX;
+        out.extend_from_slice(&scale.to_le_bytes());
+        for &value in block {
+            let level = match scale > 0.0 {
+                true => (value / scale + unit_uniform(rng)).floor(),
+                false => 0.0,
+            };
+            out.push(level.clamp(-INT8_MAX, INT8_MAX) as i8 as u8);
+        }
+    }
 }
 
 fn check_num_samples(num_samples: u64) -> Result<(), UpdateError> {
@@ -378,6 +467,7 @@ pub fn decode_update(bytes: &[u8], expected: &UpdateLayout) -> Result<DecodedUpd
         });
     }
 
+    let mut dtypes = Vec::with_capacity(expected.tensors.len());
     for (index, tensor) in expected.tensors.iter().enumerate() {
         let name_len = usize::from(reader.u16()?);
         let name = reader.take(name_len)?;
@@ -389,12 +479,13 @@ pub fn decode_update(bytes: &[u8], expected: &UpdateLayout) -> Result<DecodedUpd
             });
         }
         let dtype = reader.u8()?;
-        if dtype != DTYPE_F32 {
+        if dtype != DTYPE_F32 && dtype != DTYPE_INT8_BLOCKS {
             return Err(UpdateError::DType {
                 name: tensor.name.clone(),
                 code: dtype,
             });
         }
+        dtypes.push(dtype);
         // The rank is a u8, so even a hostile header cannot make this read
         // more than 255 dims.
         let rank = usize::from(reader.u8()?);
@@ -415,7 +506,15 @@ pub fn decode_update(bytes: &[u8], expected: &UpdateLayout) -> Result<DecodedUpd
     // validate() capped the element count at MAX_ELEMENTS, so this cannot
     // overflow.
     let value_count = expected.num_elements();
-    let data_len = value_count * F32_BYTES;
+    let data_len: usize = expected
+        .tensors
+        .iter()
+        .zip(&dtypes)
+        .map(|(tensor, &dtype)| match dtype {
+            DTYPE_INT8_BLOCKS => int8_data_len(tensor.num_elements()),
+            _ => tensor.num_elements() * F32_BYTES,
+        })
+        .sum();
     let remaining = bytes.len() - reader.offset;
     if remaining < data_len {
         return Err(UpdateError::Truncated {
@@ -431,28 +530,76 @@ pub fn decode_update(bytes: &[u8], expected: &UpdateLayout) -> Result<DecodedUpd
     }
 
     let mut values = Vec::with_capacity(value_count);
-    let mut chunks = bytes[reader.offset..].chunks_exact(F32_BYTES);
-    for tensor in &expected.tensors {
-        for index in 0..tensor.num_elements() {
-            let chunk = chunks.next().ok_or(UpdateError::ValueCount {
-                expected: value_count,
-                got: values.len(),
-            })?;
-            let value = f32::from_le_bytes([chunk[0], chunk[1], chunk[2], chunk[3]]);
-            if !value.is_finite() {
-                return Err(UpdateError::NonFinite {
-                    name: tensor.name.clone(),
-                    index,
-                    value,
-                });
-            }
-            values.push(value);
+    for (tensor, &dtype) in expected.tensors.iter().zip(&dtypes) {
+        match dtype {
+            DTYPE_INT8_BLOCKS => read_int8(&mut reader, tensor, &mut values)?,
+            _ => read_f32(&mut reader, tensor, &mut values)?,
         }
     }
     Ok(DecodedUpdate {
         num_samples,
         values,
     })
+}
+
+fn read_f32(
+    reader: &mut Reader<'_>,
+    tensor: &TensorSpec,
+    values: &mut Vec<f32>,
+) -> Result<(), UpdateError> {
+    for index in 0..tensor.num_elements() {
+        let value = f32::from_le_bytes(reader.array()?);
+        if !value.is_finite() {
+            return Err(UpdateError::NonFinite {
+                name: tensor.name.clone(),
+                index,
+                value,
+            });
+        }
+        values.push(value);
+    }
+    Ok(())
+}
+
+/// Decodes a tensor's int8 blocks into f32: each value its level times
+/// its block's scale.
+fn read_int8(
+    reader: &mut Reader<'_>,
+    tensor: &TensorSpec,
+    values: &mut Vec<f32>,
+) -> Result<(), UpdateError> {
+    let elements = tensor.num_elements();
+    for block in 0..elements.div_ceil(INT8_BLOCK_VALUES) {
+        let scale = f32::from_le_bytes(reader.array()?);
+        if !(scale.is_finite() && scale >= 0.0) {
+            return Err(UpdateError::Int8Scale {
+                name: tensor.name.clone(),
+                block,
+                value: scale,
+            });
+        }
+        let first = block * INT8_BLOCK_VALUES;
+        let count = (elements - first).min(INT8_BLOCK_VALUES);
+        for (offset, &byte) in reader.take(count)?.iter().enumerate() {
+            let level = byte as i8;
+            if level == i8::MIN {
+                return Err(UpdateError::Int8Level {
+                    name: tensor.name.clone(),
+                    index: first + offset,
+                });
+            }
+            let value = f32::from(level) * scale;
+            if !value.is_finite() {
+                return Err(UpdateError::NonFinite {
+                    name: tensor.name.clone(),
+                    index: first + offset,
+                    value,
+                });
+            }
+            values.push(value);
+        }
+    }
+    Ok(())
 }
 
 /// An untrusted name for an error message: lossy UTF-8, cut to a length
@@ -509,8 +656,21 @@ pub enum UpdateError {
         expected: String,
         got: String,
     },
-    #[error("tensor `{name}` has dtype code {code}; only 1 (f32) is supported")]
+    #[error(
+        "tensor `{name}` has dtype code {code}; only 1 (f32) and 2 (int8 blocks) are supported"
+    )]
     DType { name: String, code: u8 },
+    #[error(
+        "tensor `{name}` int8 block {block} has scale {value}; a scale must be finite and at \
+         least 0"
+    )]
+    Int8Scale {
+        name: String,
+        block: usize,
+        value: f32,
+    },
+    #[error("tensor `{name}` element {index} is the int8 level -128; levels are -127..=127")]
+    Int8Level { name: String, index: usize },
     #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
     Shape {
         name: String,
@@ -543,6 +703,8 @@ impl UpdateError {
             | UpdateError::DType { .. }
             | UpdateError::Shape { .. }
             | UpdateError::NonFinite { .. }
+            | UpdateError::Int8Scale { .. }
+            | UpdateError::Int8Level { .. }
             | UpdateError::ValueCount { .. } => true,
             UpdateError::BadMagic
             | UpdateError::UnsupportedVersion { .. }

@@ -212,6 +212,7 @@ fn task(policy: DevicePolicy) -> Task {
         secure_aggregation: None,
         sub_round: None,
         privacy: None,
+        compression: None,
         policy,
     }
 }

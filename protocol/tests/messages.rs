@@ -331,6 +331,9 @@ fn task_json_roundtrip_with_layout() {
         sub_round: None,
         policy: Default::default(),
         privacy: Some(canopy_protocol::messages::TaskPrivacy { clip_norm: 0.5 }),
+        compression: Some(canopy_protocol::messages::TaskCompression {
+            int8_min_elements: 20_000,
+        }),
     };
     let json = serde_json::to_string(&task).unwrap();
     let back: Task = serde_json::from_str(&json).unwrap();

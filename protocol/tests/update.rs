@@ -204,10 +204,10 @@ fn wrong_name_is_rejected_with_both_names() {
 fn wrong_dtype_is_rejected() {
     let mut bytes = encoded();
     assert_eq!(bytes[FIRST_DTYPE_AT], 1);
-    bytes[FIRST_DTYPE_AT] = 2;
+    bytes[FIRST_DTYPE_AT] = 3;
     let err = decode_update(&bytes, &layout()).unwrap_err();
     assert!(
-        matches!(&err, UpdateError::DType { name, code: 2 } if name == "params/fc1.w"),
+        matches!(&err, UpdateError::DType { name, code: 3 } if name == "params/fc1.w"),
         "{err:?}"
     );
     assert!(err.to_string().contains("params/fc1.w"));
@@ -342,6 +342,112 @@ fn tensor_spec_num_elements() {
     assert_eq!(spec("m", &[3, 4, 5]).num_elements(), 60);
     assert_eq!(spec("z", &[3, 0]).num_elements(), 0);
     assert_eq!(spec("o", &[usize::MAX, 2]).num_elements(), usize::MAX);
+}
+
+/// A layout with one large tensor (int8 at the default threshold) and a
+/// small one (f32).
+fn int8_layout() -> UpdateLayout {
+    UpdateLayout::new(vec![spec("w", &[100, 300]), spec("b", &[10])]).unwrap()
+}
+
+fn int8_values() -> Vec<f32> {
+    (0..30_010)
+        .map(|i| ((i as f32) * 0.37).sin() * (1.0 + (i % 7) as f32))
+        .collect()
+}
+
+fn int8_encoded(seed: u64) -> Vec<u8> {
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    encode_update_int8(&int8_layout(), 5, &int8_values(), 20_000, &mut rng).unwrap()
+}
+
+#[test]
+fn int8_is_a_quarter_of_f32_and_each_value_within_one_level() {
+    let values = int8_values();
+    let bytes = int8_encoded(1);
+    let f32_len = encode_update(&int8_layout(), 5, &values).unwrap().len();
+    let expected = int8_layout().header_len() + int8_data_len(30_000) + 10 * 4;
+    assert_eq!(bytes.len(), expected);
+    let ratio = bytes.len() as f64 / f32_len as f64;
+    assert!((0.25..0.26).contains(&ratio), "{ratio}");
+    let decoded = decode_update(&bytes, &int8_layout()).unwrap();
+    assert_eq!(decoded.num_samples, 5);
+    // The f32 tensor is exact; each int8 value is within one level of its
+    // block's scale.
+    assert_eq!(&decoded.values[30_000..], &values[30_000..]);
+    for (block, chunk) in values[..30_000].chunks(INT8_BLOCK_VALUES).enumerate() {
+        let scale = chunk.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
+        let start = block * INT8_BLOCK_VALUES;
+        for (i, v) in chunk.iter().enumerate() {
+            let got = decoded.values[start + i];
+            assert!((got - v).abs() <= scale * 1.0001, "{v} became {got}");
+        }
+    }
+}
+
+/// Stochastic rounding is unbiased: the mean of many encodings of the same
+/// values converges on them. One draw errs by at most half a level in
+/// standard deviation, so a mean of 400 by a 40th of one; the bound, over
+/// 30,000 values, is 6 of those, and the bias of rounding to the nearest
+/// level instead would be 20.
+#[test]
+fn int8_rounding_is_unbiased() {
+    let values = int8_values();
+    let draws = 400;
+    let mut mean = vec![0.0f64; values.len()];
+    for seed in 0..draws {
+        let decoded = decode_update(&int8_encoded(seed), &int8_layout()).unwrap();
+        for (total, v) in mean.iter_mut().zip(&decoded.values) {
+            *total += f64::from(*v) / draws as f64;
+        }
+    }
+    let largest = 7.0f64;
+    let level = largest / 127.0;
+    let worst = values
+        .iter()
+        .zip(&mean)
+        .map(|(v, m)| (f64::from(*v) - m).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 6.0 * 0.5 * level / 20.0, "{worst} vs level {level}");
+    // And the rounding is random: two seeds differ.
+    assert_ne!(int8_encoded(1), int8_encoded(2));
+}
+
+#[test]
+fn hostile_int8_blocks_are_refused_by_name() {
+    let offset = int8_layout().header_len();
+    let mut bytes = int8_encoded(1);
+    bytes[offset..offset + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    let err = decode_update(&bytes, &int8_layout()).unwrap_err();
+    assert!(
+        matches!(&err, UpdateError::Int8Scale { name, block: 0, .. } if name == "w"),
+        "{err:?}"
+    );
+    let mut bytes = int8_encoded(1);
+    bytes[offset..offset + 4].copy_from_slice(&(-1.0f32).to_le_bytes());
+    assert!(matches!(
+        decode_update(&bytes, &int8_layout()),
+        Err(UpdateError::Int8Scale { .. })
+    ));
+    let mut bytes = int8_encoded(1);
+    bytes[offset + 4 + 3] = 0x80;
+    let err = decode_update(&bytes, &int8_layout()).unwrap_err();
+    assert!(
+        matches!(&err, UpdateError::Int8Level { name, index: 3 } if name == "w"),
+        "{err:?}"
+    );
+    let bytes = int8_encoded(1);
+    for cut in [offset + 2, offset + 100, bytes.len() - 1] {
+        assert!(decode_update(&bytes[..cut], &int8_layout()).is_err());
+    }
+    // A zero block is all zeros, whatever the rounding.
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let zeros = vec![0.0f32; 30_010];
+    let encoded = encode_update_int8(&int8_layout(), 1, &zeros, 1, &mut rng).unwrap();
+    let decoded = decode_update(&encoded, &int8_layout()).unwrap();
+    assert!(decoded.values.iter().all(|v| *v == 0.0));
 }
 
 proptest! {

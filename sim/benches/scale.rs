@@ -193,6 +193,7 @@ fn job(version: &Value, rounds: u32, per_round: usize, edges: usize) -> Value {
         strategy: None,
         privacy: None,
         robust: None,
+        compression: None,
         buffer: None,
     };
     let mut body = settings.body(version["id"].as_i64().unwrap_or_default());

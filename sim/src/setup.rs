@@ -122,6 +122,8 @@ pub struct JobSettings {
     pub privacy: Option<Value>,
     /// The job's `robust_aggregation` (JSON); FedAvg's mean when `None`.
     pub robust: Option<Value>,
+    /// The job's `update_compression` (JSON); f32 updates when `None`.
+    pub compression: Option<Value>,
     /// Asynchronous rounds (FedBuff), with `per_round` devices training at
     /// once; synchronous rounds when `None`.
     pub buffer: Option<Buffer>,
@@ -167,6 +169,9 @@ impl JobSettings {
         }
         if let Some(robust) = &self.robust {
             body["robust_aggregation"] = robust.clone();
+        }
+        if let Some(compression) = &self.compression {
+            body["update_compression"] = compression.clone();
         }
         if let Some(buffer) = self.buffer {
             // A buffer at its deadline makes a version of what it has.

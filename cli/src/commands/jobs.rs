@@ -88,6 +88,8 @@ pub struct CreateArgs {
     privacy: super::privacy::JobPrivacyArgs,
     #[command(flatten)]
     robust: super::robust::JobRobustArgs,
+    #[command(flatten)]
+    compression: super::compression::JobCompressionArgs,
     /// Run the job through edge aggregators (docs/edge.md): rounds select
     /// aggregators, counted by --min-devices and --target-devices, and each
     /// runs a sub-round that needs at least this many of its end devices.
@@ -323,6 +325,9 @@ fn apply_flags(
     }
     if let Some(robust) = args.robust.fields() {
         nested(spec, "robust_aggregation").extend(robust);
+    }
+    if let Some(compression) = args.compression.fields() {
+        nested(spec, "update_compression").extend(compression);
     }
     if let Some(min) = args.edge_min_devices {
         let edges = nested(spec, "edges");

@@ -1,5 +1,6 @@
 pub mod authority;
 pub mod bench;
+pub mod compression;
 pub mod datasets;
 pub mod devices;
 pub mod eval;

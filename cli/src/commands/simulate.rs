@@ -92,6 +92,9 @@ pub struct SimulateArgs {
     /// Robust aggregation (docs/robustness.md).
     #[command(flatten)]
     robust: super::robust::JobRobustArgs,
+    /// Compressed updates (docs/compression.md).
+    #[command(flatten)]
+    compression: super::compression::JobCompressionArgs,
     /// How many of the devices (the first ones) poison their updates, as
     /// --attack says, to try a robust rule against them.
     #[arg(long, default_value_t = 0)]
@@ -250,6 +253,7 @@ impl SimulateArgs {
                 .filter(|fields| !fields.is_empty())
                 .map(Value::Object),
             robust: self.robust.fields().map(Value::Object),
+            compression: self.compression.fields().map(Value::Object),
             buffer: self.buffer_size.map(|buffer_size| setup::Buffer {
                 size: buffer_size,
                 max_staleness: self.max_staleness,
@@ -443,8 +447,9 @@ async fn write_curve(remote: &Remote, job: i64, path: &std::path::Path) -> Resul
         .list_all(&format!("/api/v1/jobs/{job}/rounds"), &subject)
         .await?;
     let started_ms = detail["started_ms"].as_i64().unwrap_or_default();
-    let mut csv =
-        String::from("version,seconds,central_accuracy,central_loss,updates,aggregating_ms\n");
+    let mut csv = String::from(
+        "version,seconds,central_accuracy,central_loss,updates,aggregating_ms,bytes_in\n",
+    );
     let made = rounds
         .iter()
         .filter(|round| round["state"] == "succeeded" && round["kind"] == "train");
@@ -452,13 +457,14 @@ async fn write_curve(remote: &Remote, job: i64, path: &std::path::Path) -> Resul
         let metrics = &round["metrics"];
         let finished_ms = round["finished_ms"].as_i64().unwrap_or(started_ms);
         csv.push_str(&format!(
-            "{},{:.3},{},{},{},{}\n",
+            "{},{:.3},{},{},{},{},{}\n",
             round["number"],
             (finished_ms - started_ms) as f64 / 1000.0,
             metrics["central_eval_accuracy"],
             metrics["central_eval_loss"],
             metrics["updates_accepted"],
             round["durations"]["aggregating_ms"],
+            metrics["bytes_in"],
         ));
     }
     std::fs::write(path, csv).with_context(|| format!("cannot write {}", path.display()))

@@ -24,7 +24,9 @@ use canopy_engine::data::Dataset;
 use canopy_ir::{Buffer, Model};
 use canopy_protocol::bounds::BoundsError;
 use canopy_protocol::messages::Task;
-use canopy_protocol::update::{TensorSpec, UpdateLayout, clip_to_norm, encode_update};
+use canopy_protocol::update::{
+    TensorSpec, UpdateLayout, clip_to_norm, encode_update, encode_update_int8,
+};
 
 pub use evaluate::{EVAL_BATCH, EvalOptions, Evaluation, evaluate};
 use placement::Placement;
@@ -127,7 +129,8 @@ pub struct LocalUpdate {
     /// training task the change of each trainable parameter, for a
     /// statistics task the moments. `encoded` is what a plain upload
     /// sends; a secure round masks these values (they are the same
-    /// numbers: the encoding is f32).
+    /// numbers: the encoding is f32). A compressed job's `encoded` holds
+    /// them rounded to int8 (`Task::compression`, never in a secure round).
     pub delta: Vec<f32>,
     pub num_samples: u64,
     /// Sample-weighted mean loss over the last epoch.
@@ -287,7 +290,7 @@ fn train_on(
         clip_to_norm(&mut delta, privacy.clip_norm);
     }
     let num_samples = data.len() as u64;
-    let encoded = encode_update(&task.layout, num_samples, &delta)?;
+    let encoded = encode_delta(task, num_samples, &delta, seed)?;
     Ok(LocalUpdate {
         encoded,
         delta,
@@ -295,6 +298,24 @@ fn train_on(
         train_loss,
         train_duration_ms: started.elapsed().as_millis() as u64,
     })
+}
+
+/// The update as the task asks for it: f32, or with a compressed job's
+/// larger tensors as int8, rounded from a stream seeded by the training
+/// seed (so a device's update is reproducible).
+fn encode_delta(
+    task: &Task,
+    num_samples: u64,
+    delta: &[f32],
+    seed: u64,
+) -> Result<Vec<u8>, canopy_protocol::update::UpdateError> {
+    let Some(compression) = &task.compression else {
+        return encode_update(&task.layout, num_samples, delta);
+    };
+    use rand::SeedableRng;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x1A78_5EED_0F1A_7800);
+    let min_elements = compression.int8_min_elements;
+    encode_update_int8(&task.layout, num_samples, delta, min_elements, &mut rng)
 }
 
 fn check_cancelled(cancel: &CancelToken) -> Result<(), TrainError> {

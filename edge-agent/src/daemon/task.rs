@@ -613,6 +613,7 @@ mod tests {
             secure_aggregation: None,
             sub_round: None,
             privacy: None,
+            compression: None,
             policy: Default::default(),
         }
     }

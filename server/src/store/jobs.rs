@@ -186,6 +186,47 @@ pub struct JobSpec {
     /// `docs/robustness.md`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub robust_aggregation: Option<RobustAggregation>,
+    /// Compressed updates: devices send each tensor of at least
+    /// `min_elements` values as int8, stochastically rounded with a scale
+    /// per block of 256 (unbiased, about a quarter of f32's bytes), and
+    /// the server decodes them before it folds. f32 when left out. See
+    /// `docs/compression.md`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update_compression: Option<UpdateCompression>,
+}
+
+text_enum! {
+    /// How a job's devices compress their updates.
+    pub enum CompressionScheme {
+        /// int8 levels with a scale per block, stochastically rounded.
+        Int8 = "int8",
+    }
+}
+
+/// A job's compressed updates.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateCompression {
+    pub scheme: CompressionScheme,
+    /// Tensors with fewer values (biases, norms) stay f32: they cost
+    /// little and quantising them costs accuracy. TensorFlow Federated's
+    /// threshold when left out.
+    #[serde(default = "default_int8_min_elements")]
+    #[schema(minimum = 1, maximum = 1_073_741_824_u64, default = 20_000)]
+    pub min_elements: u64,
+}
+
+fn default_int8_min_elements() -> u64 {
+    20_000
+}
+
+impl UpdateCompression {
+    /// What each device's training task asks of its update.
+    pub fn task(&self) -> canopy_protocol::messages::TaskCompression {
+        canopy_protocol::messages::TaskCompression {
+            int8_min_elements: self.min_elements,
+        }
+    }
 }
 
 /// An asynchronous job's settings (FedBuff). A round is a buffer: it
@@ -414,7 +455,43 @@ impl JobSpec {
         self.check_asynchronous()?;
         self.check_secure_aggregation()?;
         self.check_differential_privacy()?;
+        self.check_update_compression()?;
         self.robust_rule().map(|_| ())
+    }
+
+    /// A job's compressed updates, and what they cannot be combined with.
+    fn check_update_compression(&self) -> Result<(), String> {
+        let Some(compression) = &self.update_compression else {
+            return Ok(());
+        };
+        let most = canopy_protocol::update::MAX_ELEMENTS as u64;
+        if !(1..=most).contains(&compression.min_elements) {
+            return Err(format!(
+                "`update_compression.min_elements` must be between 1 and {most}, got {}",
+                compression.min_elements
+            ));
+        }
+        let refused = |other: &str, why: &str| {
+            Err(format!(
+                "`update_compression` cannot be combined with `{other}`: {why}"
+            ))
+        };
+        if self.secure_aggregation.enabled {
+            return refused(
+                "secure_aggregation",
+                "a secure round's input is already SecAgg's own fixed-point encoding, masked so \
+                 that every value is uniform over the ring, which int8 cannot shrink; a smaller \
+                 `secure_aggregation.bits` is the secure round's compression",
+            );
+        }
+        if self.edges.is_some() {
+            return refused(
+                "edges",
+                "an edge's devices take their task from the edge's own job, and an edge sends \
+                 its partial sum in f32",
+            );
+        }
+        Ok(())
     }
 
     /// A robust job's rule, its settings checked, and what it cannot be
@@ -1197,4 +1274,21 @@ pub async fn apply_action(db: &Db, id: i64, action: JobAction) -> Result<JobRow,
     }
     tx.commit().await?;
     Ok(row)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_compression_schema_states_the_formats_bounds() {
+        use utoipa::PartialSchema;
+        let schema = serde_json::to_value(UpdateCompression::schema()).unwrap();
+        let min_elements = &schema["properties"]["min_elements"];
+        assert_eq!(
+            min_elements["maximum"],
+            canopy_protocol::update::MAX_ELEMENTS as u64
+        );
+        assert_eq!(min_elements["default"], default_int8_min_elements());
+    }
 }

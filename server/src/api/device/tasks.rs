@@ -308,6 +308,7 @@ async fn build_evaluation_task(
         sub_round: spec.evaluation_sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)),
         policy: spec.device_policy,
         privacy: None,
+        compression: None,
     })
 }
 
@@ -353,6 +354,12 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         policy: spec.device_policy,
         privacy: match kind {
             TaskKind::Train => spec.differential_privacy.as_ref().map(|dp| dp.task()),
+            TaskKind::Evaluate | TaskKind::Statistics => None,
+        },
+        // A statistics round's moments stay f32: they are few, and fitted
+        // exactly.
+        compression: match kind {
+            TaskKind::Train => spec.update_compression.as_ref().map(|c| c.task()),
             TaskKind::Evaluate | TaskKind::Statistics => None,
         },
     })

@@ -41,7 +41,8 @@ pub async fn upload_update(
         && length > limit
     {
         return Err(ApiError::too_large(format!(
-            "the update is {length} bytes, but an update of this model is exactly {limit} bytes"
+            "the update is {length} bytes, but an update of this model is at most {limit} bytes \
+             (all f32)"
         )));
     }
     let _slot = upload_slot(
@@ -52,7 +53,7 @@ pub async fn upload_update(
     .await?;
     let over_limit = || {
         ApiError::too_large(format!(
-            "the update is over {limit} bytes, the exact size of an update of this model"
+            "the update is over {limit} bytes, the size of an update of this model in f32"
         ))
     };
     let bytes = within_upload_timeout(
