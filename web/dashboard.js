@@ -242,6 +242,7 @@ function renderJob() {
   }
   renderSettings(job);
   renderCharts(rounds, job);
+  renderPrivacy(rounds, job);
   renderRoundsTable(rounds);
   renderRound();
 }
@@ -367,6 +368,39 @@ function renderCharts(rounds, job) {
       },
     ],
   });
+}
+
+/// A private job's ε after each round, against its budget: the job stops
+/// before a round that would pass the budget, so the curve never crosses
+/// the budget's line. Hidden for a job without differential privacy.
+function renderPrivacy(rounds, job) {
+  const privacy = job.privacy;
+  const figure = $("privacy-figure");
+  figure.hidden = !job.spec.differential_privacy || !privacy;
+  if (figure.hidden) return;
+  const spent = points(rounds, (r) => r.privacy && r.privacy.epsilon, job);
+  const budget = privacy.budget_epsilon;
+  const series = [{ key: "epsilon", name: "ε spent", className: "s-epsilon", points: spent }];
+  if (typeof budget === "number" && spent.length > 0) {
+    series.push({
+      key: "budget", name: "budget", className: "s-budget",
+      points: spent.map((p) => ({ ...p, y: budget })),
+    });
+  }
+  lineChart($("chart-privacy"), {
+    x: xAxis(job),
+    yTitle: "ε",
+    fit: [0, typeof budget === "number" ? budget : 0],
+    finishedRounds: points(rounds, () => 0).length,
+    missing: "a round accounted for yet",
+    series,
+  });
+  const spentNow = typeof privacy.epsilon === "number" ? fixed(privacy.epsilon, 3) : "nothing";
+  $("privacy-note").textContent =
+    `(ε, δ)-differential privacy at δ = ${privacy.delta}: ${spentNow} spent so far` +
+    (typeof budget === "number"
+      ? `, of a budget of ${Number(budget.toPrecision(4))}; the job stops before a round that would pass it.`
+      : "; no budget.");
 }
 
 function renderRoundsTable(rounds) {

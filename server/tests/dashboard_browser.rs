@@ -530,6 +530,7 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
     let finished = admin.wait_for_job(job, Duration::from_secs(60)).await?;
     ensure!(finished["state"] == "completed", "{finished}");
     let async_job = asynchronous_job(&server).await?;
+    let private_job = private_job(&server).await?;
 
     let status = Command::new("node")
         .arg(&script)
@@ -538,6 +539,7 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
         .env("CANOPY_TOKEN", &server.admin_token)
         .env("CANOPY_JOB_ID", job.to_string())
         .env("CANOPY_ASYNC_JOB_ID", async_job.to_string())
+        .env("CANOPY_PRIVATE_JOB_ID", private_job.to_string())
         .env("CANOPY_ARTIFACTS", &artifacts)
         .env("CANOPY_CHROMIUM", CHROMIUM)
         .stdin(Stdio::null())
@@ -552,6 +554,7 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
         "tiered-round-desktop.png",
         "tiered-round-420px.png",
         "asynchronous-job.png",
+        "private-job.png",
     ] {
         let size = std::fs::metadata(artifacts.join(shot))
             .map(|m| m.len())
@@ -567,6 +570,76 @@ async fn the_dashboard_shows_a_tiered_rounds_tree_in_chromium() -> Result<()> {
 
 /// A finished asynchronous job: two end devices, one training at a time
 /// each, a version from every update, three versions.
+/// A differentially private job that spends its budget: three devices,
+/// two a round (sampling rate 2/3), and a budget that two rounds fit and
+/// a third would pass, so it stops, completed, after two.
+async fn private_job(server: &TestServer) -> Result<i64> {
+    use canopy_privacy::{Accountant, Conversion, Event, Orders};
+    let epsilon_after = |rounds: u64| -> Result<f64> {
+        let mut accountant = Accountant::new(Orders::standard());
+        accountant.compose(&Event::gaussian(2.0 / 3.0, 1.0, rounds))?;
+        Ok(accountant.epsilon(1e-5, Conversion::Tight)?.epsilon)
+    };
+    let budget = 0.5 * (epsilon_after(2)? + epsilon_after(3)?);
+    let admin = server.admin();
+    let version = admin
+        .upload_model("private", support::logreg_model_bytes(7))
+        .await?;
+    let token = admin.enrollment_token(3).await?;
+    let mut devices = Vec::new();
+    for _ in 0..3 {
+        let device = support::enroll_device(server, &token).await?;
+        // The job's dataset, which no other device on this server holds:
+        // online before the job starts, so each round chooses 2 of 3.
+        device
+            .heartbeat(&Heartbeat {
+                state: Some("idle".to_string()),
+                round_id: None,
+                datasets: Some(vec![DatasetInfo {
+                    name: "private".to_string(),
+                    samples: 50,
+                    sample_shape: vec![64],
+                    classes: 10,
+                }]),
+                last_error: None,
+                conditions: None,
+            })
+            .await?;
+        device.next_task(0).await?;
+        devices.push(device);
+    }
+    let job = admin
+        .create_job(json!({
+            "name": "private", "model_version_id": version["id"], "rounds": 5, "dataset": "private",
+            "min_devices": 2, "target_devices": 2, "over_selection": 0.0,
+            "round_deadline_ms": 60_000, "local_epochs": 1, "batch_size": 8,
+            "learning_rate": 0.1, "evaluation": {"fraction": 0.0},
+            "differential_privacy": {"noise_multiplier": 1.0, "clip_norm": 0.5,
+                                     "delta": 1e-5, "budget_epsilon": budget},
+        }))
+        .await?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let view = admin.ok(&format!("/api/v1/jobs/{job}")).await?;
+        if view["state"] != "running" && view["state"] != "created" {
+            ensure!(view["state"] == "completed", "{view}");
+            ensure!(view["rounds_completed"] == 2, "{view}");
+            return Ok(job);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the private job did not finish: {view}"
+        );
+        for device in &devices {
+            if let Some(task) = device.next_task(100).await? {
+                let values = vec![0.01; task.layout.num_elements()];
+                let update = canopy_protocol::update::encode_update(&task.layout, 10, &values)?;
+                device.upload_update(&task, Bytes::from(update)).await?;
+            }
+        }
+    }
+}
+
 async fn asynchronous_job(server: &TestServer) -> Result<i64> {
     let admin = server.admin();
     let version = admin

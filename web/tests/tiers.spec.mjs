@@ -5,7 +5,9 @@
 // CANOPY_JOB_ID has finished one round through two aggregators that
 // reported their sub-rounds (the first: 4 of 5 devices, one timed out; the
 // second: 3 of 3); and an asynchronous job, CANOPY_ASYNC_JOB_ID, whose
-// three buffers each made a version, drawn against time.
+// three buffers each made a version, drawn against time; and a private
+// job, CANOPY_PRIVATE_JOB_ID, that stopped at its ε budget after two
+// rounds.
 //
 // Exits non-zero with the first failed check. Screenshots go to
 // CANOPY_ARTIFACTS.
@@ -17,6 +19,7 @@ const base = env("CANOPY_URL");
 const token = env("CANOPY_TOKEN");
 const jobId = Number(env("CANOPY_JOB_ID"));
 const asyncJobId = Number(env("CANOPY_ASYNC_JOB_ID"));
+const privateJobId = Number(env("CANOPY_PRIVATE_JOB_ID"));
 const artifacts = env("CANOPY_ARTIFACTS");
 const executablePath = env("CANOPY_CHROMIUM");
 
@@ -61,7 +64,9 @@ async function main() {
     check(overflow <= 1, `at 420 px the page does not scroll sideways (${overflow} px too wide)`);
     await page.screenshot({ path: join(artifacts, "tiered-round-420px.png"), fullPage: true });
     await page.setViewportSize({ width: 1280, height: 900 });
+    check(await page.isHidden("#privacy-figure"), "a job without differential privacy has no ε chart");
     await asynchronousOverTime(page);
+    await privacySpent(page);
     check(problems.length === 0, `no errors on the page: ${JSON.stringify(problems)}`);
     console.log("[tiers.spec] the tiered round's tree is shown");
   } finally {
@@ -100,6 +105,33 @@ async function asynchronousOverTime(page) {
   const caption = await page.$eval("#chart-accuracy", (chart) => chart.closest("figure").querySelector("figcaption").textContent);
   check(caption === "Accuracy per version, over time", `the accuracy chart's caption: ${caption}`);
   await page.screenshot({ path: join(artifacts, "asynchronous-job.png"), fullPage: true });
+}
+
+/// A private job's ε after each round, below its budget's line, as the
+/// API reports them.
+async function privacySpent(page) {
+  await page.goto("about:blank");
+  await page.goto(`${base}/dashboard#token=${encodeURIComponent(token)}&job=${privateJobId}`);
+  await page.waitForSelector("#privacy-figure:not([hidden]) polyline[data-series=epsilon]", { timeout: 15_000 });
+  const response = await page.request.get(`${base}/api/v1/jobs/${privateJobId}/rounds`, {
+    headers: { authorization: `Bearer ${token}` },
+  });
+  const spent = (await response.json()).items
+    .filter((round) => round.state === "succeeded" && round.privacy && typeof round.privacy.epsilon === "number")
+    .map((round) => round.privacy.epsilon);
+  check(spent.length === 2 && spent[0] < spent[1], `the API's ε after each round: ${spent}`);
+  const rounds = await page.$eval("#chart-privacy polyline[data-series=epsilon]", (line) => line.dataset.rounds);
+  check(rounds === "1,2", `one ε point per round: ${rounds}`);
+  const markers = await page.$$eval("#chart-privacy .s-epsilon circle title", (titles) => titles.map((t) => t.textContent));
+  check(markers.length === 2 && markers[1].startsWith("ε spent, round 2: ") &&
+    Math.abs(Number(markers[1].split(": ")[1]) - spent[1]) < 0.01 * spent[1],
+    `the markers show the API's ε: ${markers} against ${spent}`);
+  const budget = await page.$eval("#chart-privacy polyline[data-series=budget]", (line) => line.dataset.rounds);
+  check(budget === "1,2", `the budget's line spans the rounds: ${budget}`);
+  const note = await page.textContent("#privacy-note");
+  check(note.includes("δ = 0.00001") && note.includes("of a budget of") && note.includes("stops before a round"),
+    `the note names δ, the spend and the budget: ${note}`);
+  await page.screenshot({ path: join(artifacts, "private-job.png"), fullPage: true });
 }
 
 main().catch((error) => {
