@@ -410,18 +410,7 @@ async fn bad_privacy_settings_are_refused_by_name() -> Result<()> {
         for (key, value) in patch.as_object().into_iter().flatten() {
             body[key] = value.clone();
         }
-        let reply = admin.post("/api/v1/jobs", body).await?;
-        ensure!(
-            reply.status == 422 || reply.status == 400,
-            "{patch}: answered {} {}",
-            reply.status,
-            reply.body
-        );
-        let message = reply.body["error"]["message"].as_str().unwrap_or_default();
-        ensure!(
-            message.contains(needle),
-            "{patch}: `{message}` does not name `{needle}`"
-        );
+        admin.job_refused(body, needle, &patch.to_string()).await?;
     }
     Ok(())
 }

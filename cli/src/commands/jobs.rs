@@ -626,7 +626,7 @@ mod tests {
 
     #[test]
     fn robust_flags_make_a_robust_job() {
-        let mut spec = Map::new();
+        let mut spec = with_version();
         let flags = args(&[
             "--robust",
             "multi_krum",
@@ -640,7 +640,7 @@ mod tests {
             spec["robust_aggregation"],
             json!({"rule": "multi_krum", "byzantine": 3, "selected": 5})
         );
-        let mut spec = Map::new();
+        let mut spec = with_version();
         let flags = args(&["--robust", "trimmed_mean", "--trim-fraction", "0.2"]);
         apply_flags(&mut spec, &flags, None).unwrap();
         assert_eq!(
@@ -651,9 +651,20 @@ mod tests {
         let lonely = Harness::try_parse_from(["create", "--byzantine", "1"]);
         let error = lonely.err().map(|e| e.to_string()).unwrap_or_default();
         assert!(error.contains("--robust"), "{error}");
-        let mut spec = Map::new();
+        let mut spec = with_version();
         apply_flags(&mut spec, &args(&[]), None).unwrap();
         assert!(!spec.contains_key("robust_aggregation"), "{spec:?}");
+        let mut spec = with_version();
+        let flags = args(&["--compress", "int8", "--int8-min-elements", "1000"]);
+        apply_flags(&mut spec, &flags, None).unwrap();
+        assert_eq!(
+            spec["update_compression"],
+            json!({"scheme": "int8", "min_elements": 1000})
+        );
+    }
+
+    fn with_version() -> Map<String, Value> {
+        serde_json::from_value(json!({"model_version_id": 4})).unwrap()
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, anyhow, bail, ensure};
 use bytes::Bytes;
 use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::messages::{Capabilities, DeviceRole, Task, Tier};
@@ -522,6 +522,24 @@ impl Admin {
 
     pub async fn post(&self, path: &str, body: Value) -> Result<Reply> {
         self.send(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// Posts a job that must be refused, 400 or 422, with a message that
+    /// names `needle` (the field, the bound); `what` names the case.
+    pub async fn job_refused(&self, body: Value, needle: &str, what: &str) -> Result<()> {
+        let reply = self.post("/api/v1/jobs", body).await?;
+        ensure!(
+            reply.status == 422 || reply.status == 400,
+            "{what}: answered {} {}",
+            reply.status,
+            reply.body
+        );
+        let message = reply.body["error"]["message"].as_str().unwrap_or_default();
+        ensure!(
+            message.contains(needle),
+            "{what}: `{message}` does not name `{needle}`"
+        );
+        Ok(())
     }
 
     pub async fn post_bytes(&self, path: &str, bytes: Vec<u8>) -> Result<Reply> {
