@@ -111,8 +111,9 @@ pub enum Rule {
 
 impl RobustAggregation {
     /// Each field within its bounds and meant for the rule, the error
-    /// naming it; `min_devices` is the job's.
-    pub fn check(&self, min_devices: u32) -> Result<Rule, String> {
+    /// naming it; `min_devices` is the job's, `selection_size` the most
+    /// devices a round selects (and so the most updates it aggregates).
+    pub fn check(&self, min_devices: u32, selection_size: u32) -> Result<Rule, String> {
         let field = |name: &str| format!("`robust_aggregation.{name}`");
         let refuse_unless = |name: &str, present: bool, rules: &str| {
             if present {
@@ -157,7 +158,18 @@ impl RobustAggregation {
                 }
                 Ok(Rule::TrimmedMean { trim_fraction })
             }
-            RobustRule::Krum | RobustRule::MultiKrum => self.check_krum(min_devices),
+            RobustRule::Krum | RobustRule::MultiKrum => {
+                if selection_size > MAX_KRUM_DEVICES {
+                    return Err(format!(
+                        "`robust_aggregation.rule` `{}` scores at most {MAX_KRUM_DEVICES} updates a \
+                         round (its work is n² times the model's size), but the job's rounds \
+                         select up to {selection_size} devices; lower `target_devices` or \
+                         `over_selection`, or use `median` or `trimmed_mean`",
+                        self.rule
+                    ));
+                }
+                self.check_krum(min_devices)
+            }
         }
     }
 
@@ -575,35 +587,42 @@ mod tests {
             byzantine,
             selected,
         };
-        let err = robust(RobustRule::TrimmedMean, Some(0.5), None, None).check(10);
+        let err = robust(RobustRule::TrimmedMean, Some(0.5), None, None).check(10, 10);
         assert!(
             err.unwrap_err()
                 .contains("`robust_aggregation.trim_fraction`")
         );
-        let err = robust(RobustRule::TrimmedMean, Some(f64::NAN), None, None).check(10);
+        let err = robust(RobustRule::TrimmedMean, Some(f64::NAN), None, None).check(10, 10);
         assert!(err.unwrap_err().contains("trim_fraction"));
-        let err = robust(RobustRule::Median, Some(0.1), None, None).check(10);
+        let err = robust(RobustRule::Median, Some(0.1), None, None).check(10, 10);
         assert!(
             err.unwrap_err()
                 .contains("applies only to the `trimmed_mean`")
         );
-        let err = robust(RobustRule::Krum, None, Some(4), None).check(10);
+        let err = robust(RobustRule::Krum, None, Some(4), None).check(10, 10);
         assert!(
             err.unwrap_err()
                 .contains("`min_devices` must be at least 11")
         );
-        let err = robust(RobustRule::Krum, None, None, None).check(10);
+        let err = robust(RobustRule::Krum, None, None, None).check(10, 10);
         assert!(
             err.unwrap_err()
                 .contains("`robust_aggregation.byzantine` is required")
         );
-        let err = robust(RobustRule::Krum, None, Some(499), None).check(u32::MAX);
+        let err = robust(RobustRule::Krum, None, Some(499), None).check(u32::MAX, 10);
         assert!(err.unwrap_err().contains("at most 498"));
-        let err = robust(RobustRule::MultiKrum, None, Some(1), Some(0)).check(10);
+        let err = robust(RobustRule::MultiKrum, None, Some(1), Some(0)).check(10, 10);
         assert!(err.unwrap_err().contains("`robust_aggregation.selected`"));
         assert_eq!(
-            robust(RobustRule::Krum, None, Some(3), None).check(10),
+            robust(RobustRule::Krum, None, Some(3), None).check(10, 10),
             Ok(Rule::Krum { byzantine: 3 })
+        );
+        let err = robust(RobustRule::Krum, None, Some(3), None).check(10, 1_001);
+        assert!(err.unwrap_err().contains("select up to 1001 devices"));
+        assert!(
+            robust(RobustRule::Median, None, None, None)
+                .check(10, 100_000)
+                .is_ok()
         );
     }
 }

@@ -500,7 +500,7 @@ impl JobSpec {
         let Some(robust) = &self.robust_aggregation else {
             return Ok(None);
         };
-        let rule = robust.check(self.min_devices)?;
+        let rule = robust.check(self.min_devices, self.selection_size())?;
         let refused = |other: &str, why: &str| {
             Err(format!(
                 "`robust_aggregation` cannot be combined with `{other}`: {why}"
