@@ -1518,16 +1518,17 @@ async fn next_version(
         Some(_) => jobs::privacy_state(&mut tx, job.id).await?.0,
         None => None,
     };
-    let stored = match round.robust_rule()? {
-        Some(_) => rounds::stored_updates(&mut tx, round.id).await?,
-        None => Vec::new(),
+    let robust = round.robust_rule()?.is_some();
+    let stored = match robust {
+        true => rounds::stored_updates(&mut tx, round.id).await?,
+        false => Vec::new(),
     };
     tx.rollback().await?;
     let mut sum = sum
         .map(|bytes| fedavg::decode_sum(&bytes))
         .unwrap_or_default();
     let mut weight_total = u64::try_from(round.weight_total).unwrap_or(0);
-    if round.robust_rule()?.is_some() {
+    if robust {
         let updates = crate::robust::RoundUpdates {
             blobs: &state.blobs,
             round_id: round.id,

@@ -13,13 +13,14 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use bytes::Bytes;
-use canopy_ir::Buffer;
 use canopy_privacy::{Accountant, Conversion, Event, Orders};
 use canopy_protocol::messages::Task;
 use canopy_protocol::update::{UpdateLayout, clip_to_norm, encode_update};
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task};
+use support::{
+    Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task, trainable,
+};
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 const DEVICES: usize = 6;
@@ -203,18 +204,6 @@ async fn noise_seed(server: &TestServer, job: i64) -> Result<String> {
     seed.context("a private job has a noise secret")
 }
 
-fn flat(model: &canopy_ir::Model) -> Vec<f32> {
-    model
-        .parameters
-        .iter()
-        .filter(|p| p.trainable)
-        .flat_map(|p| match &p.data.buffer {
-            Buffer::F32(values) => values.clone(),
-            _ => panic!("f32 parameter"),
-        })
-        .collect()
-}
-
 /// DP-FedAvg over the rounds as they ran: each selected device's update
 /// clipped, summed with weight one, plus the round's noise drawn from the
 /// job's secret `seed` (none: without noise), over the target, added to
@@ -294,8 +283,14 @@ async fn private_job(database: Database, kill_in_round: Option<u32>) -> Result<(
 
     // Every version is DP-FedAvg of what was sent, with the round's noise.
     let seed = noise_seed(&server, job).await?;
-    let got = flat(&fetch_model(&admin, "logreg", 3).await?);
-    let want = expected_dp_fedavg(&flat(&base), &layout, &runs, Some(&seed))?;
+    let got = trainable(&fetch_model(&admin, "logreg", 3).await?);
+    let want = expected_dp_fedavg(&trainable(&base), &layout, &runs, Some(&seed))?;
+    ensure!(
+        got.len() == want.len(),
+        "{} parameters, DP-FedAvg gives {}",
+        got.len(),
+        want.len()
+    );
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         ensure!(
             (g - w).abs() <= 1e-6 * w.abs().max(1.0),
@@ -305,7 +300,7 @@ async fn private_job(database: Database, kill_in_round: Option<u32>) -> Result<(
 
     // And the noise has the configured scale: what the model moved by,
     // less the clipped updates, over 650 coordinates and two rounds.
-    let noiseless = expected_dp_fedavg(&flat(&base), &layout, &runs, None)?;
+    let noiseless = expected_dp_fedavg(&trainable(&base), &layout, &runs, None)?;
     let residuals: Vec<f64> = got
         .iter()
         .zip(&noiseless)

@@ -12,12 +12,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use bytes::Bytes;
-use canopy_ir::Buffer;
 use canopy_protocol::messages::Task;
 use canopy_protocol::update::{UpdateLayout, encode_update};
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task};
+use support::{
+    Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task, trainable,
+};
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 /// Every device trains in every round.
@@ -141,18 +142,6 @@ async fn send(device: &DeviceClient, index: usize, task: &Task) -> Result<()> {
     Ok(())
 }
 
-fn flat(model: &canopy_ir::Model) -> Vec<f32> {
-    model
-        .parameters
-        .iter()
-        .filter(|p| p.trainable)
-        .flat_map(|p| match &p.data.buffer {
-            Buffer::F32(values) => values.clone(),
-            _ => panic!("f32 parameter"),
-        })
-        .collect()
-}
-
 /// The server's devices, in the order they enrolled (the first
 /// `ATTACKERS` attack), each online.
 async fn enroll_all(server: &TestServer) -> Result<Vec<DeviceClient>> {
@@ -231,8 +220,14 @@ async fn check_version(
 ) -> Result<()> {
     let base = canopy_ir::format::read_model(&logreg_model_bytes(11))?;
     let layout = canopy_server::fedavg::layout_of(&base)?;
-    let got = flat(&fetch_model(&server.admin(), "logreg", version).await?);
-    let want = expected_model(&flat(&base), &layout, rule);
+    let got = trainable(&fetch_model(&server.admin(), "logreg", version).await?);
+    let want = expected_model(&trainable(&base), &layout, rule);
+    ensure!(
+        got.len() == want.len(),
+        "{what}: {} parameters, the rule gives {}",
+        got.len(),
+        want.len()
+    );
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         ensure!(
             (g - w).abs() <= 1e-6 * w.abs().max(1.0),
@@ -240,7 +235,7 @@ async fn check_version(
         );
     }
     // The plain mean, which the attackers pull, is nowhere near.
-    let mean = expected_model(&flat(&base), &layout, Expected::TrimmedMean(0));
+    let mean = expected_model(&trainable(&base), &layout, Expected::TrimmedMean(0));
     let apart = got.iter().zip(&mean).any(|(g, m)| (g - m).abs() > 1e-3);
     ensure!(apart, "{what}: the version is FedAvg's");
     Ok(())
