@@ -5,15 +5,12 @@
 
 mod common;
 
-use common::{canopy, fails, ok};
+use common::{canopy, fails, simulate_curve};
 
 /// The job's central accuracy after its last round and the bytes its
 /// rounds' updates took, from `--curve`.
 fn run(extra: &[&str]) -> (f64, u64) {
-    let dir = tempfile::tempdir().unwrap();
-    let curve = dir.path().join("curve.csv");
     let mut args = vec![
-        "simulate",
         // Every device every round: the two runs differ only in the
         // encoding.
         "--devices",
@@ -22,18 +19,9 @@ fn run(extra: &[&str]) -> (f64, u64) {
         "10",
         "--rounds",
         "10",
-        "--curve",
-        curve.to_str().unwrap(),
     ];
     args.extend(extra);
-    let out = ok(canopy(&args));
-    let csv = std::fs::read_to_string(&curve).unwrap();
-    let rows: Vec<Vec<&str>> = csv
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').collect())
-        .collect();
-    assert_eq!(rows.len(), 10, "{csv}\n{out}");
+    let rows = simulate_curve(&args, 10);
     let bytes = rows.iter().map(|row| row[6].parse::<u64>().unwrap()).sum();
     (rows[9][2].parse().unwrap(), bytes)
 }

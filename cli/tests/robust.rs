@@ -7,16 +7,13 @@
 
 mod common;
 
-use common::{canopy, fails, ok};
+use common::{canopy, fails, simulate_curve};
 
 const ROUNDS: &str = "10";
 
 /// The job's central accuracy after its last round, from `--curve`.
 fn final_accuracy(extra: &[&str]) -> f64 {
-    let dir = tempfile::tempdir().unwrap();
-    let curve = dir.path().join("curve.csv");
     let mut args = vec![
-        "simulate",
         "--devices",
         "10",
         "--per-round",
@@ -25,15 +22,11 @@ fn final_accuracy(extra: &[&str]) -> f64 {
         ROUNDS,
         "--partition",
         "iid",
-        "--curve",
-        curve.to_str().unwrap(),
     ];
     args.extend(extra);
-    let out = ok(canopy(&args));
-    let csv = std::fs::read_to_string(&curve).unwrap();
-    let last = csv.lines().last().unwrap();
-    assert!(last.starts_with(&format!("{ROUNDS},")), "{csv}\n{out}");
-    last.split(',').nth(2).unwrap().parse().unwrap()
+    let rows = simulate_curve(&args, 10);
+    assert_eq!(rows[9][0], ROUNDS, "{rows:?}");
+    rows[9][2].parse().unwrap()
 }
 
 #[test]

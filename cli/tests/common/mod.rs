@@ -87,3 +87,23 @@ pub fn fails(out: Output) -> String {
 pub fn last_json(stdout: &str) -> serde_json::Value {
     serde_json::from_str(stdout.lines().last().expect("output")).expect("last line is JSON")
 }
+
+/// Runs `canopy simulate` with `args` and `--curve`, and returns the
+/// curve's rows (one per version, split at commas, without the header).
+/// The simulation must have made `versions` versions.
+pub fn simulate_curve(args: &[&str], versions: usize) -> Vec<Vec<String>> {
+    let dir = tempfile::tempdir().unwrap();
+    let curve = dir.path().join("curve.csv");
+    let mut all = vec!["simulate"];
+    all.extend(args);
+    all.extend(["--curve", curve.to_str().unwrap()]);
+    let out = ok(canopy(&all));
+    let csv = std::fs::read_to_string(&curve).unwrap();
+    let rows: Vec<Vec<String>> = csv
+        .lines()
+        .skip(1)
+        .map(|line| line.split(',').map(str::to_string).collect())
+        .collect();
+    assert_eq!(rows.len(), versions, "{csv}\n{out}");
+    rows
+}
