@@ -364,78 +364,87 @@ async fn simulate(args: &SimulateArgs) -> Result<ExitCode> {
         .collect();
     let fleet_settings = args.fleet();
     let target = target(args, scratch.path(), &fleet_settings).await?;
-    let remote = Remote::new(target.login.clone())?;
-    outln!(
-        "server: {}{}",
-        target.login.url,
-        if target.running.is_some() {
-            " (in this process, SQLite)"
-        } else {
-            ""
-        }
-    )?;
-
-    let version = match part.creates_job() {
-        true => {
-            let version = push_model(&remote, &data.train, args).await?;
-            push_test_split(&remote, &data.test, scratch.path()).await?;
-            Some(version)
-        }
-        false => None,
-    };
-    let token = enrollment_token(&remote, shards.len()).await?;
-    let transport = Transport::new(&target.login.url, &target.login.trust())?;
-    let enrolling = Instant::now();
-    let fleet = enroll(transport, &token, shards, fleet_settings).await?;
-    outln!(
-        "{} devices enrolled in {:.1} s ({} partition of {} samples; each idle device keeps {} bytes)",
-        fleet.len(),
-        enrolling.elapsed().as_secs_f64(),
-        args.partition,
-        data.train.len(),
-        Fleet::idle_bytes_per_device()
-    )?;
-
-    if part != Part::WHOLE {
+    // Whatever ends the run, an in-process server stops before its
+    // scratch directory (its database) is deleted.
+    let outcome = async {
+        let remote = Remote::new(target.login.clone())?;
         outln!(
-            "part {} of {}: devices {} to {} of {}",
-            part.index,
-            part.of,
-            hosted.start,
-            hosted.end,
-            args.devices
+            "server: {}{}",
+            target.login.url,
+            if target.running.is_some() {
+                " (in this process, SQLite)"
+            } else {
+                ""
+            }
         )?;
+
+        let version = match part.creates_job() {
+            true => {
+                let version = push_model(&remote, &data.train, args).await?;
+                push_test_split(&remote, &data.test, scratch.path()).await?;
+                Some(version)
+            }
+            false => None,
+        };
+        let token = enrollment_token(&remote, shards.len()).await?;
+        let transport = Transport::new(&target.login.url, &target.login.trust())?;
+        let enrolling = Instant::now();
+        let fleet = enroll(transport, &token, shards, fleet_settings).await?;
+        outln!(
+            "{} devices enrolled in {:.1} s ({} partition of {} samples; each idle device keeps {} bytes)",
+            fleet.len(),
+            enrolling.elapsed().as_secs_f64(),
+            args.partition,
+            data.train.len(),
+            Fleet::idle_bytes_per_device()
+        )?;
+
+        if part != Part::WHOLE {
+            outln!(
+                "part {} of {}: devices {} to {} of {}",
+                part.index,
+                part.of,
+                hosted.start,
+                hosted.end,
+                args.devices
+            )?;
+        }
+        let job = match version {
+            Some(version) => create_job(&remote, &args.job().body(version)).await?,
+            None => join_job(&remote, &args.job().name).await?,
+        };
+        let fleet = Arc::new(fleet);
+        let stop = CancelToken::new();
+        let running_fleet = {
+            let (fleet, stop) = (fleet.clone(), stop.clone());
+            tokio::spawn(async move { fleet.run(stop).await })
+        };
+        let watched = watch(&remote, job, Duration::from_millis(WATCH_INTERVAL_MS)).await;
+        stop.cancel();
+        let report = running_fleet.await.context("the simulated fleet stopped")?;
+        print_report(&report, started)?;
+        let end = watched?;
+        if let (WatchEnd::Completed, Some(path)) = (&end, &args.save_model) {
+            save_model(&remote, job, path).await?;
+            outln!("final model written to {}", path.display())?;
+        }
+        if let Some(path) = &args.curve {
+            write_curve(&remote, job, path).await?;
+            outln!("learning curve written to {}", path.display())?;
+        }
+        Ok(match end {
+            WatchEnd::Completed => ExitCode::SUCCESS,
+            WatchEnd::Interrupted => ExitCode::from(INTERRUPTED_EXIT),
+        })
     }
-    let job = match version {
-        Some(version) => create_job(&remote, &args.job().body(version)).await?,
-        None => join_job(&remote, &args.job().name).await?,
-    };
-    let fleet = Arc::new(fleet);
-    let stop = CancelToken::new();
-    let running_fleet = {
-        let (fleet, stop) = (fleet.clone(), stop.clone());
-        tokio::spawn(async move { fleet.run(stop).await })
-    };
-    let watched = watch(&remote, job, Duration::from_millis(WATCH_INTERVAL_MS)).await;
-    stop.cancel();
-    let report = running_fleet.await.context("the simulated fleet stopped")?;
-    print_report(&report, started)?;
-    let end = watched?;
-    if let (WatchEnd::Completed, Some(path)) = (&end, &args.save_model) {
-        save_model(&remote, job, path).await?;
-        outln!("final model written to {}", path.display())?;
-    }
-    if let Some(path) = &args.curve {
-        write_curve(&remote, job, path).await?;
-        outln!("learning curve written to {}", path.display())?;
-    }
+    .await;
     if let Some(running) = target.running {
-        running.shutdown().await?;
+        let stopped = running.shutdown().await;
+        if outcome.is_ok() {
+            stopped?;
+        }
     }
-    Ok(match end {
-        WatchEnd::Completed => ExitCode::SUCCESS,
-        WatchEnd::Interrupted => ExitCode::from(INTERRUPTED_EXIT),
-    })
+    outcome
 }
 
 /// The job's learning curve against time, as CSV: a row per version a
