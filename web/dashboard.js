@@ -397,7 +397,9 @@ function renderPrivacy(rounds, job) {
   });
   const spentNow = typeof privacy.epsilon === "number" ? fixed(privacy.epsilon, 3) : "nothing";
   $("privacy-note").textContent =
-    `(ε, δ)-differential privacy at δ = ${privacy.delta}: ${spentNow} spent so far` +
+    `(ε, δ)-differential privacy at δ = ${privacy.delta}, noise added by ` +
+    (privacy.noise_added_by === "devices" ? "the devices before masking" : "the server") +
+    `: ${spentNow} spent so far` +
     (typeof budget === "number"
       ? `, of a budget of ${Number(budget.toPrecision(4))}; the job stops before a round that would pass it.`
       : "; no budget.");

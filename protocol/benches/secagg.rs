@@ -680,6 +680,16 @@ fn device_side(args: &Args) {
     };
     let plan = |n: usize| config.plan(n, params).expect("a plan");
     let mut cases: Vec<(String, Plan)> = vec![("n=100".to_string(), plan(100))];
+    // Distributed DP: the same round, each device drawing its Skellam
+    // shares (two Poisson draws a value) as it masks.
+    let target = canopy_protocol::secagg::noise::NoiseTarget {
+        noise_multiplier: 1.0,
+        clip_norm: 1.0,
+    };
+    let private = config
+        .private_plan(100, params, &target)
+        .expect("a private plan");
+    cases.push(("n=100, distributed DP".to_string(), private));
     if !args.quick {
         cases.push(("n=1000".to_string(), plan(1000)));
     }

@@ -37,6 +37,14 @@ pub enum BoundsError {
     Layout(#[source] UpdateError),
     #[error("task field `sub_round.secure_aggregation` is invalid: {0}")]
     SubRoundSecure(String),
+    /// A private secure round whose noise is sized for a clip the task
+    /// does not ask the device to apply: its update could move the sum
+    /// past the sensitivity the noise covers.
+    #[error(
+        "task field `privacy.clip_norm` is {task}, and the secure round's noise is sized for \
+         updates clipped to {plan}"
+    )]
+    PrivateClip { task: String, plan: f64 },
 }
 
 impl BoundsError {
@@ -46,6 +54,7 @@ impl BoundsError {
             BoundsError::OutOfRange { field, .. } => field,
             BoundsError::Layout(_) => "layout",
             BoundsError::SubRoundSecure(_) => "sub_round.secure_aggregation",
+            BoundsError::PrivateClip { .. } => "privacy.clip_norm",
         }
     }
 }
@@ -127,6 +136,7 @@ impl Task {
         if let Some(privacy) = &self.privacy {
             check_clip_norm("privacy.clip_norm", privacy.clip_norm)?;
         }
+        self.check_private_clip()?;
         if let Some(compression) = &self.compression {
             check_u64(
                 "compression.int8_min_elements",
@@ -136,6 +146,27 @@ impl Task {
             )?;
         }
         self.layout.validate().map_err(BoundsError::Layout)
+    }
+}
+
+impl Task {
+    /// A secure round with device noise needs the device to clip its
+    /// update to exactly the plan's clip.
+    fn check_private_clip(&self) -> Result<(), BoundsError> {
+        let Some(plan) = self.secure_aggregation.as_ref().map(|secure| &secure.plan) else {
+            return Ok(());
+        };
+        if plan.device_noise.is_none() {
+            return Ok(());
+        }
+        let clip = self.privacy.as_ref().map(|privacy| privacy.clip_norm);
+        match clip {
+            Some(clip) if clip == plan.clip => Ok(()),
+            _ => Err(BoundsError::PrivateClip {
+                task: clip.map_or("missing".to_string(), |clip| clip.to_string()),
+                plan: plan.clip,
+            }),
+        }
     }
 }
 

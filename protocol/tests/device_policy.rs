@@ -1,5 +1,6 @@
 //! A job's device policy, the conditions devices report, and the
-//! withdrawal of a device that no longer meets the policy.
+//! withdrawal of a device that no longer meets the policy; and the other
+//! checks a device makes of a task before it trains.
 
 use canopy_protocol::bounds::BoundsError;
 use canopy_protocol::messages::*;
@@ -299,4 +300,37 @@ fn withdrawals_have_their_own_paths_and_checks() {
         let error = bad.validate().unwrap_err();
         assert!(error.contains(fragment), "{fragment}: {error}");
     }
+}
+
+#[test]
+fn a_private_secure_task_must_ask_for_the_clip_its_noise_is_sized_for() {
+    use canopy_protocol::secagg::SecAggConfig;
+    use canopy_protocol::secagg::noise::NoiseTarget;
+
+    let target = NoiseTarget {
+        noise_multiplier: 1.0,
+        clip_norm: 0.5,
+    };
+    let plan = SecAggConfig::default()
+        .private_plan(10, 2, &target)
+        .unwrap();
+    let mut private = task(DevicePolicy::default());
+    private.secure_aggregation = Some(SecureTask {
+        plan,
+        path: "/device/v1/rounds/9/secagg".into(),
+        stage_timeout_ms: 1_000,
+    });
+    for clip in [None, Some(0.25)] {
+        private.privacy = clip.map(|clip_norm| TaskPrivacy { clip_norm });
+        let error = private.validate().unwrap_err();
+        assert_eq!(error.field(), "privacy.clip_norm", "{error}");
+        assert!(
+            error
+                .to_string()
+                .contains("sized for updates clipped to 0.5"),
+            "{error}"
+        );
+    }
+    private.privacy = Some(TaskPrivacy { clip_norm: 0.5 });
+    private.validate().unwrap();
 }

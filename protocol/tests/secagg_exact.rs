@@ -12,6 +12,10 @@ use canopy_protocol::secagg::{Aggregator, Client, SecAggConfig, SecAggError, Ses
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
 
+#[path = "support/honest.rs"]
+mod honest;
+use honest::HonestRound;
+
 /// Which devices go silent before each of the six stages, and which seal
 /// garbage for their neighbours in ShareKeys (they are excluded, as if they
 /// had dropped out). One silent before ConsistencyCheck has its masked
@@ -254,18 +258,10 @@ fn quantized_updates_average_back_to_the_float_mean() {
     // quantizing with its own coins: some chunks start past the first.
     let len = 2 * 65_536 + 1_001;
     let plan = config.plan(n, len).unwrap().commit_graph(&[5; 32]);
-    let ids: Vec<u64> = (1..=n as u64).collect();
     let session = Session {
         job_id: 1,
         round_id: 1,
     };
-    let keys: Vec<DeviceKey> = ids.iter().map(|_| DeviceKey::generate()).collect();
-    let public: Vec<(u64, [u8; 32])> = ids
-        .iter()
-        .zip(&keys)
-        .map(|(&id, k)| (id, k.public_key()))
-        .collect();
-    let mut server = Aggregator::new(session, plan.clone(), &[5; 32], &public).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(9);
     let updates: Vec<(Vec<f32>, u64)> = (0..n)
         .map(|_| {
@@ -275,22 +271,8 @@ fn quantized_updates_average_back_to_the_float_mean() {
             )
         })
         .collect();
-    let mut clients = Vec::new();
-    for (i, &id) in ids.iter().enumerate() {
-        let (client, advert) =
-            Client::start(session, id, plan.clone(), &keys[i], KeyTrust::Server).unwrap();
-        server.receive_advertisement(id, &advert).unwrap();
-        clients.push(client);
-    }
-    for (id, message) in server.close_advertising().unwrap() {
-        let reply = clients[id as usize - 1].share_keys(&message).unwrap();
-        server.receive_shares(id, &reply).unwrap();
-    }
-    for (id, message) in server.close_sharing().unwrap() {
-        let receipt = clients[id as usize - 1].check_shares(&message).unwrap();
-        server.receive_share_receipt(id, &receipt).unwrap();
-    }
-    for (id, message) in server.close_checking().unwrap() {
+    let (mut round, exclusions) = HonestRound::start(session, &plan, &[5; 32], n);
+    for (id, message) in exclusions {
         let (delta, samples) = &updates[id as usize - 1];
         if id == 1 {
             // Rounded for another plan, the update is refused, and the
@@ -300,7 +282,7 @@ fn quantized_updates_average_back_to_the_float_mean() {
                 ..plan.clone()
             };
             let wrong = arith::Quantizer::new(&other, delta, *samples).unwrap();
-            let error = clients[0]
+            let error = round.clients[0]
                 .masked_update(&message, &wrong, &mut rng)
                 .unwrap_err();
             assert!(
@@ -309,22 +291,12 @@ fn quantized_updates_average_back_to_the_float_mean() {
             );
         }
         let update = arith::Quantizer::new(&plan, delta, *samples).unwrap();
-        let reply = clients[id as usize - 1]
+        let reply = round.clients[id as usize - 1]
             .masked_update(&message, &update, &mut rng)
             .unwrap();
-        server.receive_masked_input(id, &reply).unwrap();
+        round.server.receive_masked_input(id, &reply).unwrap();
     }
-    for (id, message) in server.close_collection().unwrap() {
-        let reply = clients[id as usize - 1]
-            .sign_survivors(&message, &keys[id as usize - 1])
-            .unwrap();
-        server.receive_survivor_signature(id, &reply).unwrap();
-    }
-    for (id, message) in server.close_consistency().unwrap() {
-        let reply = clients[id as usize - 1].unmask(&message).unwrap();
-        server.receive_unmask_response(id, &reply).unwrap();
-    }
-    let (sum, _) = server.finish().unwrap();
+    let (sum, _) = round.finish();
     let (weighted, weight) = arith::decode_sum(&plan, &sum).unwrap();
     let expected_weight: u64 = updates.iter().map(|(_, w)| *w).sum();
     assert_eq!(weight, expected_weight);

@@ -600,7 +600,18 @@ async fn select(
     }
     if let (Some(privacy), RoundKind::Train) = (&spec.differential_privacy, round.kind) {
         let sampling_rate = crate::privacy::sampling_rate(chosen.len(), eligible + busy);
-        if let Some(stop) = privacy_budget_stop(tx, job, privacy, sampling_rate).await? {
+        // A secure round's noise is its plan's (the one `secure::begin`
+        // makes below from the same inputs).
+        let plan = match spec.noise_target() {
+            Some(_) => {
+                let base = base_version(state, round).await?;
+                let update_len = usize::try_from(base.trainable_elements).unwrap_or(usize::MAX);
+                spec.round_plan(chosen.len(), update_len).ok()
+            }
+            None => None,
+        };
+        let event = privacy.round(sampling_rate, plan.as_ref());
+        if let Some(stop) = privacy_budget_stop(tx, job, privacy, &event, sampling_rate).await? {
             if let RoundFailure::Privacy(_) = stop {
                 // What was spent is unknown: the job cannot go on.
                 stop.record(tx, round, 0).await?;
@@ -657,6 +668,7 @@ async fn privacy_budget_stop(
     tx: &mut Tx<'_>,
     job: &JobRow,
     privacy: &crate::privacy::DifferentialPrivacy,
+    event: &canopy_privacy::Event,
     sampling_rate: f64,
 ) -> Result<Option<RoundFailure>, OrchestratorError> {
     let Some(budget) = privacy.budget_epsilon else {
@@ -667,10 +679,9 @@ async fn privacy_budget_stop(
         Ok(accountant) => accountant,
         Err(reason) => return Ok(Some(RoundFailure::Privacy(reason))),
     };
-    let event = privacy.round(sampling_rate);
     let (spent, after) = match (
         crate::privacy::epsilon(&accountant, privacy.delta),
-        accountant.epsilon_after(&event, privacy.delta, crate::privacy::CONVERSION),
+        accountant.epsilon_after(event, privacy.delta, crate::privacy::CONVERSION),
     ) {
         (Ok(spent), Ok(after)) => (spent, after.epsilon),
         (Err(reason), _) => return Ok(Some(RoundFailure::Privacy(reason))),
@@ -1542,12 +1553,15 @@ async fn next_version(
     }
     if let (Some(privacy), RoundKind::Train) = (&spec.differential_privacy, round.kind) {
         // DP-FedAvg: the clipped sum plus noise, over the round's target
-        // (a fixed denominator: the count of updates is not released).
-        let seed = noise_seed.unwrap_or_default();
-        if let Err(reason) =
-            crate::privacy::add_noise(&mut sum, &seed, round.id, privacy.noise_stddev())
-        {
-            return Ok(Err(RoundFailure::Privacy(reason)));
+        // (a fixed denominator: the count of updates is not released). A
+        // secure round's sum carries its devices' noise already.
+        if spec.noise_target().is_none() {
+            let seed = noise_seed.unwrap_or_default();
+            if let Err(reason) =
+                crate::privacy::add_noise(&mut sum, &seed, round.id, privacy.noise_stddev())
+            {
+                return Ok(Err(RoundFailure::Privacy(reason)));
+            }
         }
         weight_total = u64::try_from(round.target_devices).unwrap_or(1).max(1);
     }
@@ -1592,8 +1606,12 @@ async fn account_for_round(
     privacy: &crate::privacy::DifferentialPrivacy,
 ) -> Result<(), OrchestratorError> {
     let (_, saved) = jobs::privacy_state(tx, job.id).await?;
+    // A secure round is accounted by the noise its plan guaranteed.
+    let plan = crate::store::secagg::get(&mut **tx, round.id)
+        .await?
+        .map(|secure| secure.plan);
     let composed = crate::privacy::load_accountant(saved.as_deref()).and_then(|mut accountant| {
-        let event = privacy.round(round.dp_sampling_rate.unwrap_or(1.0));
+        let event = privacy.round(round.dp_sampling_rate.unwrap_or(1.0), plan.as_ref());
         accountant
             .compose(&event)
             .map_err(|error| error.to_string())?;

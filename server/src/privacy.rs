@@ -18,14 +18,24 @@
 //!   could have been ([`sampling_rate`]), and the job stops before a round
 //!   that would take its ε past `budget_epsilon`.
 //!
-//! The noise is drawn from a ChaCha20 stream keyed by a secret the server
+//! With `secure_aggregation` as well, the privacy is distributed instead
+//! (`canopy_protocol::secagg::noise`): each device adds a share of Skellam
+//! noise to its quantised update before masking, sized so that the
+//! devices the round is sure to keep carry σ times the sensitivity between
+//! them; the server adds nothing, and only ever unmasks a noisy sum. Each
+//! round is then one release of the Skellam mechanism in the plan's
+//! integer domain ([`DifferentialPrivacy::round`]).
+//!
+//! The central noise is drawn from a ChaCha20 stream keyed by a secret the server
 //! makes for the job ([`new_noise_seed`]) and by the round's id, so that a
 //! round aggregated again after a crash gets the same noise: the version it
 //! makes does not depend on when the server died, and no second draw of
 //! the same sum is ever made. The secret never leaves the database.
 
-use canopy_privacy::{Accountant, Bounds, Conversion, Event, Orders, limits};
+use canopy_privacy::skellam::Skellam;
+use canopy_privacy::{Accountant, Bounds, Conversion, Event, Mechanism, Orders, limits};
 use canopy_protocol::messages::TaskPrivacy;
+use canopy_protocol::secagg::Plan;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use serde::{Deserialize, Serialize};
@@ -36,7 +46,9 @@ use utoipa::ToSchema;
 /// the tighter conversion that Opacus and Google's `dp_accounting` use.
 pub const CONVERSION: Conversion = Conversion::Tight;
 
-/// A job's central differential privacy settings. See `docs/privacy.md`.
+/// A job's differential privacy settings: central DP-FedAvg, or with
+/// `secure_aggregation` distributed DP, where devices add the noise before
+/// masking. See `docs/privacy.md`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DifferentialPrivacy {
@@ -88,10 +100,39 @@ impl DifferentialPrivacy {
         self.noise_multiplier * self.clip_norm
     }
 
-    /// One round at `sampling_rate`, for the accountant.
-    pub fn round(&self, sampling_rate: f64) -> Event {
-        Event::gaussian(sampling_rate, self.noise_multiplier, 1)
+    /// One round at `sampling_rate`, for the accountant: the Gaussian noise
+    /// the server adds, or in a secure round (its `plan`) the Skellam noise
+    /// its devices' shares guarantee the sum, in the plan's integer domain.
+    pub fn round(&self, sampling_rate: f64, plan: Option<&Plan>) -> Event {
+        let Some((plan, noise)) = plan.and_then(|plan| Some((plan, plan.device_noise.as_ref()?)))
+        else {
+            return Event::gaussian(sampling_rate, self.noise_multiplier, 1);
+        };
+        let sensitivity = plan.sensitivity();
+        Event {
+            mechanism: Mechanism::Skellam(Skellam {
+                variance: noise.guaranteed_variance(),
+                l1_sensitivity: sensitivity.l1,
+                l2_sensitivity: sensitivity.l2,
+            }),
+            sampling_rate,
+            steps: 1,
+        }
     }
+}
+
+/// Who adds a private job's noise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NoiseSource {
+    /// Central DP (DP-FedAvg): the server adds Gaussian noise to the sum
+    /// of the clipped updates it sees. Private against whoever gets the
+    /// models, not against the server.
+    Server,
+    /// Distributed DP: with secure aggregation, each device adds a share
+    /// of Skellam noise before masking, so the server only ever unmasks a
+    /// noisy sum.
+    Devices,
 }
 
 /// `value` within `bounds`, or the error naming `differential_privacy.{field}`.
@@ -117,11 +158,12 @@ pub fn sampling_rate(selected: usize, candidates: usize) -> f64 {
 /// Why a new job's budget cannot pay for even one round, if so: its first
 /// round, choosing `selection_size` of the `enrolled` devices (the
 /// smallest sampling rate the devices enrolled now allow), would spend
-/// more than the whole budget.
+/// more than the whole budget. `plan` is that round's, for a secure job.
 pub fn budget_below_one_round(
     privacy: &DifferentialPrivacy,
     selection_size: u32,
     enrolled: u64,
+    plan: Option<&Plan>,
 ) -> Result<Option<String>, String> {
     let Some(budget) = privacy.budget_epsilon else {
         return Ok(None);
@@ -130,7 +172,7 @@ pub fn budget_below_one_round(
     let rate = sampling_rate(selection_size as usize, candidates);
     let accountant = Accountant::new(Orders::standard());
     let one_round = accountant
-        .epsilon_after(&privacy.round(rate), privacy.delta, CONVERSION)
+        .epsilon_after(&privacy.round(rate, plan), privacy.delta, CONVERSION)
         .map_err(|error| error.to_string())?
         .epsilon;
     if one_round <= budget {
@@ -348,8 +390,8 @@ mod tests {
     #[test]
     fn a_saved_accountant_reads_back() {
         let mut accountant = Accountant::new(Orders::standard());
-        accountant.compose(&settings().round(0.1)).unwrap();
-        accountant.compose(&settings().round(0.2)).unwrap();
+        accountant.compose(&settings().round(0.1, None)).unwrap();
+        accountant.compose(&settings().round(0.2, None)).unwrap();
         let back = load_accountant(Some(&save_accountant(&accountant))).unwrap();
         assert_eq!(back, accountant);
         assert!(load_accountant(Some("{}")).is_err());
@@ -362,17 +404,19 @@ mod tests {
             budget_epsilon: Some(0.01),
             ..settings()
         };
-        let refusal = budget_below_one_round(&tight, 10, 100).unwrap().unwrap();
+        let refusal = budget_below_one_round(&tight, 10, 100, None)
+            .unwrap()
+            .unwrap();
         assert!(
             refusal.contains("sampling rate 0.1 (10 of the 100 devices"),
             "{refusal}"
         );
-        assert_eq!(budget_below_one_round(&settings(), 10, 100), Ok(None));
+        assert_eq!(budget_below_one_round(&settings(), 10, 100, None), Ok(None));
         let unlimited = DifferentialPrivacy {
             budget_epsilon: None,
             ..settings()
         };
-        assert_eq!(budget_below_one_round(&unlimited, 10, 10), Ok(None));
+        assert_eq!(budget_below_one_round(&unlimited, 10, 10, None), Ok(None));
     }
 
     #[test]

@@ -409,10 +409,7 @@ pub async fn begin(
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut seed);
     // Committed before any device has made its keys: devices check the
     // seed they are later sent against it.
-    let plan = match spec
-        .round_secure_aggregation()
-        .and_then(|config| config.plan(participants, update_len))
-    {
+    let plan = match spec.round_plan(participants, update_len) {
         Ok(plan) => plan.commit_graph(&seed),
         Err(error) => return Ok(Begun::Refused(RoundFailure::SecurePlan(error))),
     };

@@ -384,10 +384,10 @@ async fn bad_privacy_settings_are_refused_by_name() -> Result<()> {
         (
             {
                 let mut patch = dp(json!({}));
-                patch["secure_aggregation"] = json!({"enabled": true});
+                patch["secure_aggregation"] = json!({"enabled": true, "bits": 11});
                 patch
             },
-            "`differential_privacy` cannot be combined with `secure_aggregation`",
+            "bits = 11 could overflow with distributed differential privacy",
         ),
         (
             {

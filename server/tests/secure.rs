@@ -277,6 +277,24 @@ impl Device {
 
 /// ConsistencyCheck, then Unmasking, for every device: each stage closes
 /// once all have answered.
+/// Every device through every stage, none dropping out; device i masks
+/// its input rounded with seed `seed + i`.
+async fn every_stage(devices: &mut [Device], seed: u64) -> Result<()> {
+    for device in devices.iter_mut() {
+        device.advertise().await?;
+    }
+    for device in devices.iter_mut() {
+        device.share().await?;
+    }
+    for device in devices.iter_mut() {
+        device.check().await?;
+    }
+    for (i, device) in devices.iter_mut().enumerate() {
+        device.masked_input(seed + i as u64).await?;
+    }
+    sign_then_unmask(devices).await
+}
+
 async fn sign_then_unmask(devices: &mut [Device]) -> Result<()> {
     for device in devices.iter_mut() {
         device.sign().await?;
@@ -545,19 +563,7 @@ async fn certified_devices_run_a_secure_round_and_uncertified_ones_wait() -> Res
     );
     let plan = devices[0].plan();
     ensure!(plan.participants == 4, "plan: {plan:?}");
-    for device in devices.iter_mut() {
-        device.advertise().await?;
-    }
-    for device in devices.iter_mut() {
-        device.share().await?;
-    }
-    for device in devices.iter_mut() {
-        device.check().await?;
-    }
-    for (i, device) in devices.iter_mut().enumerate() {
-        device.masked_input(700 + i as u64).await?;
-    }
-    sign_then_unmask(&mut devices).await?;
+    every_stage(&mut devices, 700).await?;
     let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
     ensure!(finished["state"] == "completed", "job: {finished}");
     let next = fetch_model(&admin, "logreg", 2).await?;
@@ -691,6 +697,121 @@ async fn an_overflowing_configuration_is_refused_at_job_creation() -> Result<()>
     ensure!(
         message.contains("max_weight must be between 1"),
         "{message}"
+    );
+    Ok(())
+}
+
+/// Distributed differential privacy: a job with both `secure_aggregation`
+/// and `differential_privacy` plans each device's Skellam noise, devices
+/// add it before masking, and the server adds none of its own: the model
+/// is the base plus exactly the devices' noisy inputs over the round's
+/// target, and the round reports the ε of the noise its plan guarantees.
+/// A ring too narrow for the noise is refused at creation, naming the bits
+/// it needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_private_secure_round_carries_its_devices_noise() -> Result<()> {
+    use canopy_privacy::skellam::Skellam;
+    use canopy_privacy::{Accountant, Conversion, Event, Mechanism, Orders};
+
+    let (server, _config) = start(Database::Sqlite, "info,sqlx=warn")?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(3)).await?;
+    let clients = enroll_all(&server, &admin, 4).await?;
+    let mut spec = secure_job(version_id(&version), 4, 3, 0.25, 0);
+    let (noise_multiplier, clip_norm, delta_dp) = (1.0, 0.5, 1e-5);
+    spec["differential_privacy"] = json!({
+        "noise_multiplier": noise_multiplier, "clip_norm": clip_norm, "delta": delta_dp,
+    });
+    // Narrow rings first: enough for the values (12 bits hold 4 × 255
+    // levels), not with room for the noise.
+    spec["secure_aggregation"]["bits"] = json!(12);
+    let reply = admin.post("/api/v1/jobs", spec.clone()).await?;
+    let message = reply.body["error"]["message"].as_str().unwrap_or_default();
+    ensure!(reply.status == 422, "{} {}", reply.status, reply.body);
+    ensure!(
+        message.contains("bits = 12 could overflow with distributed differential privacy")
+            && message.contains("needs 13 bits")
+            && message.contains("raise bits to 13")
+            && message.contains("the model trains 650 values"),
+        "{message}"
+    );
+    spec["secure_aggregation"]["bits"] = json!(32);
+    let job = admin.create_job(spec).await?;
+    let base = fetch_model(&admin, "logreg", 1).await?;
+    let mut devices = start_devices(clients).await?;
+    let plan = devices[0].plan();
+    let noise = plan.device_noise.clone().context("a private plan")?;
+    ensure!(
+        plan.max_weight == 1 && plan.clip == clip_norm && plan.max_dropouts == 1,
+        "plan: {plan:?}"
+    );
+    // One allowed dropout, one corrupt device at most: three devices carry
+    // the whole noise.
+    ensure!(noise.guaranteed_devices == 3, "plan: {plan:?}");
+    let task_clip = devices[0].task.privacy.as_ref().map(|p| p.clip_norm);
+    ensure!(
+        task_clip == Some(clip_norm),
+        "the task asks devices to clip"
+    );
+
+    every_stage(&mut devices, 40).await?;
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(finished["state"] == "completed", "job: {finished}");
+
+    // Base + Σ inputs / target (the fixed denominator), and nothing else.
+    let mut sum = vec![0u32; plan.masked_len()];
+    for device in &devices {
+        for (total, value) in sum.iter_mut().zip(&device.input) {
+            *total = total.wrapping_add(*value);
+        }
+    }
+    let (noisy_sum, weight) = arith::decode_sum(&plan, &sum)?;
+    ensure!(weight == 4, "every device weighs 1: {weight}");
+    let base_values = trainable(&base);
+    let got = trainable(&fetch_model(&admin, "logreg", 2).await?);
+    ensure!(got.len() == base_values.len() && got.len() == plan.update_len);
+    for i in 0..got.len() {
+        let expected = base_values[i] as f64 + noisy_sum[i] / 4.0;
+        ensure!(
+            (got[i] as f64 - expected).abs() <= 1e-6,
+            "parameter {i}: {} vs {expected}",
+            got[i]
+        );
+    }
+    // The inputs hold noise of about σ·C·√(4/3) per coordinate of the sum
+    // (four devices' shares, planned for three).
+    let sum_of_updates = |i: usize| devices.iter().map(|d| f64::from(d.delta[i])).sum::<f64>();
+    let noise_variance = (0..got.len())
+        .map(|i| (noisy_sum[i] - sum_of_updates(i)).powi(2))
+        .sum::<f64>()
+        / got.len() as f64;
+    let planned = (noise_multiplier * clip_norm).powi(2) * 4.0 / 3.0;
+    ensure!(
+        (noise_variance / planned - 1.0).abs() < 0.25,
+        "noise variance {noise_variance} against {planned}"
+    );
+
+    // ε of the Skellam release the plan guarantees, at sampling rate 1.
+    let sensitivity = plan.sensitivity();
+    let event = Event {
+        mechanism: Mechanism::Skellam(Skellam {
+            variance: noise.guaranteed_variance(),
+            l1_sensitivity: sensitivity.l1,
+            l2_sensitivity: sensitivity.l2,
+        }),
+        sampling_rate: 1.0,
+        steps: 1,
+    };
+    let mut accountant = Accountant::new(Orders::standard());
+    accountant.compose(&event)?;
+    let expected = accountant.epsilon(delta_dp, Conversion::Tight)?.epsilon;
+    let round = admin
+        .ok(&format!("/api/v1/rounds/{}", devices[0].task.round_id))
+        .await?;
+    let epsilon = round["privacy"]["epsilon"].as_f64().unwrap_or_default();
+    ensure!(
+        (epsilon / expected - 1.0).abs() < 1e-9,
+        "round ε {epsilon} against {expected}: {round}"
     );
     Ok(())
 }

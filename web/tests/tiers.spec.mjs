@@ -129,7 +129,8 @@ async function privacySpent(page) {
   const budget = await page.$eval("#chart-privacy polyline[data-series=budget]", (line) => line.dataset.rounds);
   check(budget === "1,2", `the budget's line spans the rounds: ${budget}`);
   const note = await page.textContent("#privacy-note");
-  check(note.includes("δ = 0.00001") && note.includes("of a budget of") && note.includes("stops before a round"),
+  check(note.includes("δ = 0.00001") && note.includes("noise added by the server") && note.includes("of a budget of") &&
+    note.includes("stops before a round"),
     `the note names δ, the spend and the budget: ${note}`);
   await page.screenshot({ path: join(artifacts, "private-job.png"), fullPage: true });
 }

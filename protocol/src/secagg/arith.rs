@@ -11,6 +11,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
 
 use super::SecAggError;
+use super::noise::SkellamShares;
 use super::params::Plan;
 
 /// The device's input to the masking stage: the weighted, quantized update
@@ -28,6 +29,8 @@ pub fn quantize<R: Rng + ?Sized>(
     let mut coins = SmallRng::from_rng(&mut caller);
     let mut out = vec![0u32; plan.masked_len()];
     update.fill(0, &mut out, &mut coins);
+    let mut noise = rand::rngs::StdRng::from_rng(&mut caller);
+    update.add_noise(0, &mut out, &mut noise);
     Ok(out)
 }
 
@@ -44,6 +47,8 @@ pub struct Quantizer<'a> {
     /// time of rounding in f64, measured).
     fixed_per_unit: f64,
     fixed_limit: f64,
+    /// A private round's noise shares ([`Plan::device_noise`]).
+    shares: Option<SkellamShares>,
 }
 
 impl<'a> Quantizer<'a> {
@@ -71,12 +76,18 @@ impl<'a> Quantizer<'a> {
         // |levels| < 2³¹ (the plan checks its ring), so ±levels·2³² fits
         // in an i64.
         debug_assert!(plan.levels < 1 << 31);
+        let shares = plan
+            .device_noise
+            .as_ref()
+            .map(SkellamShares::new)
+            .transpose()?;
         Ok(Quantizer {
             plan: plan.clone(),
             delta,
             weight: num_samples.min(plan.max_weight) as i64,
             fixed_per_unit: plan.levels as f64 / plan.clip * TWO_TO_32,
             fixed_limit: plan.levels as f64 * TWO_TO_32,
+            shares,
         })
     }
 
@@ -107,6 +118,28 @@ impl<'a> Quantizer<'a> {
         debug_assert!(weight_slot.len() <= 1);
         if let Some(slot) = weight_slot.first_mut() {
             *slot = self.weight as u32 & mask;
+        }
+    }
+
+    /// Whether the round asks this device for noise shares.
+    pub fn is_private(&self) -> bool {
+        self.shares.is_some()
+    }
+
+    /// Adds a private round's noise share to each value among words
+    /// `first..first + out.len()` (not to the weight), drawn from `noise`,
+    /// which must be secret: whoever could replay it could subtract the
+    /// noise. Nothing in a round without noise.
+    pub fn add_noise<R: Rng + ?Sized>(&self, first: usize, out: &mut [u32], noise: &mut R) {
+        let Some(shares) = &self.shares else {
+            return;
+        };
+        let mask = self.plan.modulus_mask();
+        let values_end = self.plan.update_len.saturating_sub(first).min(out.len());
+        for slot in &mut out[..values_end] {
+            // Two's complement: adding the share modulo 2³², then reducing
+            // to b bits, adds it modulo 2^b.
+            *slot = slot.wrapping_add(shares.sample(noise) as u32) & mask;
         }
     }
 

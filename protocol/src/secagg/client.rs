@@ -423,10 +423,22 @@ impl Client {
             ));
         }
         let coin_seed = rng.next_u64();
-        self.mask_and_pack(exclusions, |first| {
+        // A private round's noise comes from a secret key of the device's
+        // own, a stream per window so the windows can draw in parallel.
+        let mut noise_key = [0u8; 32];
+        if update.is_private() {
+            rng.fill_bytes(&mut noise_key);
+        }
+        let message = self.mask_and_pack(exclusions, |first| {
             let mut coins = SmallRng::seed_from_u64(coin_seed.wrapping_add(first as u64));
-            move |first: usize, chunk: &mut [u32]| update.fill(first, chunk, &mut coins)
-        })
+            let mut noise = noise_stream(&noise_key, first);
+            move |first: usize, chunk: &mut [u32]| {
+                update.fill(first, chunk, &mut coins);
+                update.add_noise(first, chunk, &mut noise);
+            }
+        });
+        noise_key.zeroize();
+        message
     }
 
     /// The MaskedInput message: the vector that `window_filler` makes
@@ -823,4 +835,19 @@ pub fn verify_advertisement(
                 ),
             )
         })
+}
+
+/// The noise stream of the window of the masked vector that starts at
+/// word `first`: ChaCha12 keyed by the device's secret noise key and the
+/// window.
+fn noise_stream(key: &[u8; 32], first: usize) -> rand::rngs::StdRng {
+    let mut window_key: [u8; 32] = Sha256::new()
+        .chain_update(b"canopy secagg noise window v1")
+        .chain_update(key)
+        .chain_update((first as u64).to_le_bytes())
+        .finalize()
+        .into();
+    let stream = rand::rngs::StdRng::from_seed(window_key);
+    window_key.zeroize();
+    stream
 }

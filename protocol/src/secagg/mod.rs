@@ -9,6 +9,7 @@
 //! - [`graph`]: the random k-regular graph of who shares with whom.
 //! - [`shamir`], [`crypto`], [`mask`]: the primitives.
 //! - [`arith`]: fixed point, stochastic rounding and bit packing.
+//! - [`noise`]: distributed differential privacy's Skellam shares.
 //! - [`wire`]: the versioned, bounded binary messages.
 //! - [`client`] and [`server`]: the two sides.
 
@@ -17,6 +18,7 @@ pub mod client;
 pub mod crypto;
 pub mod graph;
 pub mod mask;
+pub mod noise;
 pub mod params;
 pub mod server;
 pub mod shamir;

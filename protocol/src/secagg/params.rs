@@ -21,6 +21,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::SecAggError;
+use super::noise::{DeviceNoise, NoiseTarget, RoundShape};
 
 pub const MIN_BITS: u32 = 8;
 /// At most 32 bits per element, so that a masked upload is never larger
@@ -125,6 +126,12 @@ pub struct Plan {
     /// Zero until [`Plan::commit_graph`].
     #[serde(default, with = "hex_32")]
     pub graph_commitment: [u8; 32],
+    /// Distributed differential privacy: the Skellam noise each device adds
+    /// before masking ([`super::noise`]). A device that does not know this
+    /// field refuses the plan (unknown fields are denied), rather than send
+    /// an update without its noise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_noise: Option<DeviceNoise>,
 }
 
 /// 32 bytes as 64 lowercase hex digits in JSON.
@@ -297,6 +304,85 @@ impl SecAggConfig {
             max_dropouts: (self.max_dropout_fraction * participants as f64).floor() as usize,
             update_len,
             graph_commitment: [0; 32],
+            device_noise: None,
+        })
+    }
+
+    /// The parameters of a round of `participants` devices under
+    /// distributed differential privacy ([`super::noise`]): every device
+    /// weighs 1 (a sample count would let one device outweigh the
+    /// sensitivity), each coordinate is clipped to the L2 clip (no
+    /// coordinate of a clipped update is longer), and the levels leave the
+    /// ring room for the noise.
+    pub fn private_plan(
+        &self,
+        participants: usize,
+        update_len: usize,
+        target: &NoiseTarget,
+    ) -> Result<Plan, SecAggError> {
+        self.check_fields()?;
+        check_participants(participants)?;
+        let (degree, threshold) = choose_degree_and_threshold(
+            participants,
+            self.max_dropout_fraction,
+            self.max_corrupt_fraction,
+        )?;
+        let round = RoundSize::new(
+            participants,
+            self.max_dropout_fraction,
+            self.max_corrupt_fraction,
+        );
+        let scale = self.private_shape(participants, update_len).scale(target)?;
+        Ok(Plan {
+            participants,
+            degree,
+            threshold,
+            bits: self.bits,
+            clip: target.clip_norm,
+            levels: scale.levels,
+            max_weight: 1,
+            max_dropouts: round.dropped,
+            update_len,
+            graph_commitment: [0; 32],
+            device_noise: Some(scale.noise),
+        })
+    }
+
+    /// A private round of `participants` devices, as its scale sees it.
+    fn private_shape(&self, participants: usize, update_len: usize) -> RoundShape {
+        let round = RoundSize::new(
+            participants,
+            self.max_dropout_fraction,
+            self.max_corrupt_fraction,
+        );
+        RoundShape {
+            bits: self.bits,
+            participants,
+            guaranteed_devices: participants.saturating_sub(round.dropped + round.corrupt),
+            update_len,
+        }
+    }
+
+    /// [`SecAggConfig::validate`] for a job with distributed differential
+    /// privacy, whose models train `update_len` values: besides a graph,
+    /// every round size from `min_devices` to `max_devices` must keep the
+    /// fewest levels with room for its noise.
+    pub fn validate_private(
+        &self,
+        min_devices: usize,
+        max_devices: usize,
+        update_len: usize,
+        target: &NoiseTarget,
+    ) -> Result<(), SecAggError> {
+        self.validate(min_devices, max_devices)?;
+        if update_len == 0 || update_len > crate::update::MAX_ELEMENTS {
+            return Err(SecAggError::Config(format!(
+                "a model of {update_len} trainable values cannot be aggregated"
+            )));
+        }
+        (min_devices..=max_devices).try_for_each(|n| {
+            let shape = self.private_shape(n, update_len);
+            shape.check_fewest_levels(target).map(|_| ())
         })
     }
 
@@ -425,6 +511,9 @@ impl Plan {
         if !(self.clip.is_finite() && self.clip > 0.0 && self.clip <= MAX_CLIP) {
             return bad(format!("plan.clip {} is out of range", self.clip));
         }
+        if let Some(noise) = &self.device_noise {
+            self.validate_noise(noise)?;
+        }
         let headroom = self.participants as u128 * u128::from(self.max_weight.max(1));
         if self.levels < 1
             || self.max_weight == 0
@@ -446,6 +535,47 @@ impl Plan {
             return bad(format!(
                 "plan.update_len {} is out of range",
                 self.update_len
+            ));
+        }
+        Ok(())
+    }
+
+    /// A private plan's noise: shares a device can draw exactly, carried by
+    /// devices the round keeps, with every device weighing 1 and room in
+    /// the ring for the noise of all participants.
+    fn validate_noise(&self, noise: &DeviceNoise) -> Result<(), SecAggError> {
+        let bad = |message: String| Err(SecAggError::Config(message));
+        let variance = noise.variance;
+        if !(variance.is_finite()
+            && variance > 0.0
+            && variance <= super::noise::MAX_DEVICE_VARIANCE)
+        {
+            return bad(format!(
+                "plan.device_noise.variance {variance} is out of range"
+            ));
+        }
+        let kept = self.participants.saturating_sub(self.max_dropouts);
+        if noise.guaranteed_devices == 0 || noise.guaranteed_devices > kept {
+            return bad(format!(
+                "plan.device_noise.guaranteed_devices {} is not between 1 and the {kept} \
+                 devices the round keeps",
+                noise.guaranteed_devices
+            ));
+        }
+        if self.max_weight != 1 {
+            return bad(format!(
+                "plan.max_weight is {} in a private round, where every device weighs 1",
+                self.max_weight
+            ));
+        }
+        let room = ((1u128 << (self.bits - 1)) - 1) as f64;
+        let values = self.participants as f64 * self.levels as f64;
+        let total_variance = variance * self.participants as f64;
+        if values + super::noise::noise_bound(total_variance, self.update_len) > room {
+            return bad(format!(
+                "plan.levels {} leave no room in {} bits for the noise of variance {variance} \
+                 from each of {} devices",
+                self.levels, self.bits, self.participants
             ));
         }
         Ok(())

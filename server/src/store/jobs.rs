@@ -9,7 +9,8 @@ use utoipa::ToSchema;
 
 use canopy_protocol::bounds::{self, MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE};
 use canopy_protocol::messages::{DeviceRole, SubRound};
-use canopy_protocol::secagg::{SecAggConfig, SecAggError};
+use canopy_protocol::secagg::noise::NoiseTarget;
+use canopy_protocol::secagg::{Plan, SecAggConfig, SecAggError};
 use canopy_protocol::update::MAX_SAMPLES;
 
 use super::{Page, from_json, text_enum};
@@ -561,14 +562,9 @@ impl JobSpec {
                  update per device",
             );
         }
-        if self.secure_aggregation.enabled {
-            return refused(
-                "secure_aggregation",
-                "central DP adds its noise to the sum the server unmasks, and a secure \
-                 round's sum weighs devices by their samples; run it without secure \
-                 aggregation",
-            );
-        }
+        // With secure aggregation the privacy is distributed: devices add
+        // the noise before masking (`JobSpec::round_plan`), checked against
+        // the model's size when the job is created (`check_private_rounds`).
         Ok(())
     }
 
@@ -792,6 +788,56 @@ impl JobSpec {
                 format!(
                     "{error} (in the rounds among aggregators: rounds select {min} to {max} \
                      aggregators)"
+                )
+            })
+    }
+
+    /// What the job's secure rounds must carry as distributed differential
+    /// privacy: its `differential_privacy`, when it also has secure
+    /// aggregation (the server then never sees an un-noised sum).
+    pub fn noise_target(&self) -> Option<NoiseTarget> {
+        let privacy = self.differential_privacy.as_ref()?;
+        let devices = self.noise_source() == Some(crate::privacy::NoiseSource::Devices);
+        devices.then_some(NoiseTarget {
+            noise_multiplier: privacy.noise_multiplier,
+            clip_norm: privacy.clip_norm,
+        })
+    }
+
+    /// Who adds the noise of a private job; `None` for other jobs.
+    pub fn noise_source(&self) -> Option<crate::privacy::NoiseSource> {
+        self.differential_privacy.as_ref()?;
+        Some(match self.secure_aggregation.enabled {
+            true => crate::privacy::NoiseSource::Devices,
+            false => crate::privacy::NoiseSource::Server,
+        })
+    }
+
+    /// The plan of one of the job's secure rounds: `participants` devices
+    /// (aggregators, for a tiered job) sending `update_len` values each,
+    /// with each device's noise when the job is private.
+    pub fn round_plan(&self, participants: usize, update_len: usize) -> Result<Plan, SecAggError> {
+        let config = self.round_secure_aggregation()?;
+        match self.noise_target() {
+            Some(target) => config.private_plan(participants, update_len, &target),
+            None => config.plan(participants, update_len),
+        }
+    }
+
+    /// A private secure job's rounds against its model's `update_len`
+    /// trainable values: every round size must leave room for the noise
+    /// in the ring, or the job is refused naming the bits it needs.
+    pub fn check_private_rounds(&self, update_len: usize) -> Result<(), String> {
+        let Some(target) = self.noise_target() else {
+            return Ok(());
+        };
+        let (min, max) = (self.min_devices, self.selection_size());
+        self.secure_aggregation
+            .validate_private(min as usize, max as usize, update_len, &target)
+            .map_err(|error| {
+                format!(
+                    "{error} (rounds select {min} to {max} devices, and the model trains \
+                     {update_len} values)"
                 )
             })
     }

@@ -51,6 +51,9 @@ pub struct PrivacySpent {
     /// ε after the rounds that have succeeded; 0 before the first.
     pub epsilon: f64,
     pub delta: f64,
+    /// Who adds the noise: the server (central DP) or the devices, before
+    /// masking (distributed DP, with secure aggregation).
+    pub noise_added_by: crate::privacy::NoiseSource,
     /// The job's `budget_epsilon`, if it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget_epsilon: Option<f64>,
@@ -62,9 +65,11 @@ impl JobView {
         let privacy = spec
             .differential_privacy
             .as_ref()
-            .map(|privacy| PrivacySpent {
+            .zip(spec.noise_source())
+            .map(|(privacy, noise_added_by)| PrivacySpent {
                 epsilon: row.dp_epsilon.unwrap_or(0.0),
                 delta: privacy.delta,
+                noise_added_by,
                 budget_epsilon: privacy.budget_epsilon,
             });
         Ok(JobView {
@@ -160,11 +165,27 @@ pub async fn create(
     }
     check_model_for_job(&state, &spec, &version).await?;
     if let Some(privacy) = &spec.differential_privacy {
+        let update_len = usize::try_from(version.trainable_elements).unwrap_or(usize::MAX);
+        spec.check_private_rounds(update_len)
+            .map_err(ApiError::unprocessable)?;
+        // A secure job's first round, as its plan will be.
+        let plan = match spec.noise_target() {
+            Some(_) => Some(
+                spec.round_plan(spec.selection_size() as usize, update_len)
+                    .map_err(|error| ApiError::unprocessable(error.to_string()))?,
+            ),
+            None => None,
+        };
         let enrolled = crate::store::devices::count_enrolled(&state.db).await?;
         let enrolled = u64::try_from(enrolled).unwrap_or(0);
-        crate::privacy::budget_below_one_round(privacy, spec.selection_size(), enrolled)
-            .map_err(ApiError::internal)?
-            .map_or(Ok(()), |refusal| Err(ApiError::unprocessable(refusal)))?;
+        crate::privacy::budget_below_one_round(
+            privacy,
+            spec.selection_size(),
+            enrolled,
+            plan.as_ref(),
+        )
+        .map_err(ApiError::internal)?
+        .map_or(Ok(()), |refusal| Err(ApiError::unprocessable(refusal)))?;
     }
     if let Some(name) = &spec.evaluation.central_dataset {
         check_central_dataset(&state, name, &version).await?;
