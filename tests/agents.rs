@@ -1110,7 +1110,11 @@ async fn a_charlm_learns_shakespeare_federatedly() -> Result<()> {
 /// certifies (id and public key), `canopy-agent certify` installs the
 /// certificate (one made for another device's key is refused before it is
 /// sent), and the secure rounds, whose NeighbourKeys now carry and are
-/// checked against the certificates, complete.
+/// checked against the certificates, complete. The job is private as
+/// well, so its privacy is distributed: each agent clips its update and
+/// adds its share of Skellam noise before masking (a small noise
+/// multiplier, so the two rounds still learn), and the job reports the ε
+/// of the noise added by the devices.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_pinning_a_device_authority_run_a_secure_job() -> Result<()> {
     use canopy_protocol::device_cert::DeviceAuthority;
@@ -1162,6 +1166,8 @@ async fn agents_pinning_a_device_authority_run_a_secure_job() -> Result<()> {
     let mut spec = job(version["id"].as_i64().unwrap_or_default(), 2, 5, 5, 60_000);
     spec["secure_aggregation"] =
         json!({"enabled": true, "max_dropout_fraction": 0.2, "clip": 1.0, "bits": 31});
+    spec["differential_privacy"] =
+        json!({"noise_multiplier": 0.05, "clip_norm": 2.0, "delta": 1e-5});
     let id = admin.create_job(spec).await?;
     let finished = admin.wait_for_job(id, JOB_TIMEOUT).await?;
     ensure!(
@@ -1184,6 +1190,14 @@ async fn agents_pinning_a_device_authority_run_a_secure_job() -> Result<()> {
     ensure!(
         stages.len() == 2 && stages.iter().all(|stage| *stage == "unmask"),
         "{rounds}"
+    );
+    let privacy = &finished["privacy"];
+    ensure!(
+        privacy["noise_added_by"] == "devices"
+            && privacy["epsilon"]
+                .as_f64()
+                .is_some_and(|epsilon| epsilon > 0.0),
+        "{finished}"
     );
     Ok(())
 }
