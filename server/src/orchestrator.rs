@@ -214,7 +214,11 @@ fn next_round(job: &JobRow, spec: &JobSpec, kind: RoundKind) -> rounds::NewRound
         },
         clip_norm: match kind {
             RoundKind::Statistics => None,
-            RoundKind::Train => spec.differential_privacy.as_ref().map(|dp| dp.clip_norm),
+            // Adaptive clipping moves the job's clip after each round.
+            RoundKind::Train => spec
+                .differential_privacy
+                .as_ref()
+                .map(|dp| job.dp_clip_norm.unwrap_or(dp.clip_norm)),
         },
         robust_rule: match kind {
             RoundKind::Statistics => None,
@@ -1557,9 +1561,10 @@ async fn next_version(
         // secure round's sum carries its devices' noise already.
         if spec.noise_target().is_none() {
             let seed = noise_seed.unwrap_or_default();
-            if let Err(reason) =
-                crate::privacy::add_noise(&mut sum, &seed, round.id, privacy.noise_stddev())
-            {
+            let clip_norm = round.clip_norm.unwrap_or(privacy.clip_norm);
+            let target = u32::try_from(round.target_devices).unwrap_or(u32::MAX);
+            let stddev = privacy.noise_stddev(clip_norm, target);
+            if let Err(reason) = crate::privacy::add_noise(&mut sum, &seed, round.id, stddev) {
                 return Ok(Err(RoundFailure::Privacy(reason)));
             }
         }
@@ -1618,14 +1623,44 @@ async fn account_for_round(
         let epsilon = crate::privacy::epsilon(&accountant, privacy.delta)?;
         Ok((accountant, epsilon))
     });
+    let next_clip = match privacy.adaptive_clipping {
+        Some(_) => Some(adapted_clip(tx, round, job, privacy).await?),
+        None => None,
+    };
     let (accountant, epsilon) = composed.map_err(|reason| OrchestratorError::Privacy {
         job: job.id,
         reason,
     })?;
     let saved = crate::privacy::save_accountant(&accountant);
-    jobs::record_privacy(tx, job.id, &saved, epsilon).await?;
+    jobs::record_privacy(tx, job.id, &saved, epsilon, next_clip).await?;
     rounds::set_epsilon(tx, round.id, epsilon).await?;
     Ok(())
+}
+
+/// The clip adaptive clipping gives the round after `round`, from how many
+/// of its updates the fold found within its clip and the count's noise.
+async fn adapted_clip(
+    tx: &mut Tx<'_>,
+    round: &RoundRow,
+    job: &JobRow,
+    privacy: &crate::privacy::DifferentialPrivacy,
+) -> Result<f64, OrchestratorError> {
+    let privacy_error = |reason: String| OrchestratorError::Privacy {
+        job: job.id,
+        reason,
+    };
+    let (seed, _) = jobs::privacy_state(tx, job.id).await?;
+    let target_devices = u32::try_from(round.target_devices).unwrap_or(u32::MAX);
+    let stddev = privacy.count_noise_stddev(target_devices).unwrap_or(0.0);
+    let noise = crate::privacy::count_noise(&seed.unwrap_or_default(), round.id, stddev)
+        .map_err(privacy_error)?;
+    let clipped = crate::privacy::ClippedRound {
+        clip_norm: round.clip_norm.unwrap_or(privacy.clip_norm),
+        unclipped: u64::try_from(round.dp_unclipped).unwrap_or(0),
+        accepted: u64::try_from(round.updates_accepted).unwrap_or(0),
+        target_devices,
+    };
+    Ok(privacy.next_clip(&clipped, noise))
 }
 
 /// A training round's end, once its version is stored: the federated and

@@ -70,6 +70,75 @@ pub struct DifferentialPrivacy {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(exclusive_minimum = 0, maximum = 1_000_000)]
     pub budget_epsilon: Option<f64>,
+    /// Adapt the clip to the updates, round by round (central DP only):
+    /// `clip_norm` is then the first round's clip.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adaptive_clipping: Option<AdaptiveClipping>,
+}
+
+/// Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy 2021): after each
+/// round the clip moves geometrically toward the `target_quantile` of the
+/// updates' norms, from a noisy count of the updates it left unclipped.
+/// The count's noise is part of the job's privacy: the updates' sum gets
+/// a little more noise, so that the two releases together are worth
+/// exactly `noise_multiplier` ([`DifferentialPrivacy::sum_noise_multiplier`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveClipping {
+    /// γ: the fraction of updates the clip should leave unclipped (1: clip
+    /// none, the clip growing past the longest).
+    #[serde(default = "default_target_quantile")]
+    #[schema(exclusive_minimum = 0, maximum = 1, default = 0.5)]
+    pub target_quantile: f64,
+    /// η: each round multiplies the clip by exp(−η·(unclipped fraction − γ)).
+    #[serde(default = "default_clip_learning_rate")]
+    #[schema(exclusive_minimum = 0, maximum = 10, default = 0.2)]
+    pub learning_rate: f64,
+    /// σ_b: the standard deviation of the noise on the count of unclipped
+    /// updates. Left out, the round's target over 20 (the paper's choice)
+    /// or the noise multiplier, whichever is larger.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(exclusive_minimum = 0, maximum = 1_000_000)]
+    pub count_noise_stddev: Option<f64>,
+}
+
+fn default_target_quantile() -> f64 {
+    0.5
+}
+
+fn default_clip_learning_rate() -> f64 {
+    0.2
+}
+
+/// The smallest clip adaptive clipping may reach: a floor so that a run of
+/// tiny updates cannot drive it to zero, where every update would be
+/// scaled to nothing.
+pub const MIN_ADAPTIVE_CLIP: f64 = 1e-6;
+
+/// The bounds of adaptive clipping's settings (the schema states the
+/// same; a test ties them).
+const TARGET_QUANTILE: Bounds = Bounds::above(0.0, 1.0);
+const CLIP_LEARNING_RATE: Bounds = Bounds::above(0.0, 10.0);
+const COUNT_NOISE_STDDEV: Bounds = Bounds::above(0.0, 1e6);
+
+impl AdaptiveClipping {
+    fn check_fields(&self) -> Result<(), String> {
+        let field = |name: &str| format!("adaptive_clipping.{name}");
+        check(
+            &field("target_quantile"),
+            TARGET_QUANTILE,
+            self.target_quantile,
+        )?;
+        check(
+            &field("learning_rate"),
+            CLIP_LEARNING_RATE,
+            self.learning_rate,
+        )?;
+        if let Some(stddev) = self.count_noise_stddev {
+            check(&field("count_noise_stddev"), COUNT_NOISE_STDDEV, stddev)?;
+        }
+        Ok(())
+    }
 }
 
 impl DifferentialPrivacy {
@@ -85,19 +154,87 @@ impl DifferentialPrivacy {
             check("budget_epsilon", limits::EPSILON, budget)?;
         }
         let clip = canopy_protocol::bounds::MAX_CLIP_NORM;
-        check("clip_norm", Bounds::above(0.0, clip), self.clip_norm)
-    }
-
-    /// What each device's training task asks of its update.
-    pub fn task(&self) -> TaskPrivacy {
-        TaskPrivacy {
-            clip_norm: self.clip_norm,
+        check("clip_norm", Bounds::above(0.0, clip), self.clip_norm)?;
+        match &self.adaptive_clipping {
+            Some(adaptive) => adaptive.check_fields(),
+            None => Ok(()),
         }
     }
 
-    /// The noise's standard deviation per coordinate of the sum.
-    pub fn noise_stddev(&self) -> f64 {
-        self.noise_multiplier * self.clip_norm
+    /// With adaptive clipping, whether rounds of `target_devices` can run:
+    /// the count's noise must be worth less than the whole budget of
+    /// noise, 2σ_b > σ, or nothing would be left for the updates' sum.
+    pub fn check_adaptive(&self, target_devices: u32) -> Result<(), String> {
+        let Some(count_stddev) = self.count_noise_stddev(target_devices) else {
+            return Ok(());
+        };
+        if 2.0 * count_stddev > self.noise_multiplier {
+            return Ok(());
+        }
+        Err(format!(
+            "`differential_privacy.adaptive_clipping.count_noise_stddev` is {count_stddev}, and \
+             adaptive clipping needs more than half the noise multiplier ({}): the count's \
+             noise would spend the whole privacy budget, and leave none for the updates; \
+             hint: raise `count_noise_stddev`, or leave it out for the default",
+            self.noise_multiplier / 2.0
+        ))
+    }
+
+    /// What each device's training task asks of its update: to clip it to
+    /// `clip_norm`. With adaptive clipping nothing: the server must see
+    /// whether each update was within the round's clip, so devices send
+    /// them whole and the fold clips them (in central DP the server sees
+    /// every update anyway).
+    pub fn task(&self) -> Option<TaskPrivacy> {
+        match self.adaptive_clipping {
+            Some(_) => None,
+            None => Some(TaskPrivacy {
+                clip_norm: self.clip_norm,
+            }),
+        }
+    }
+
+    /// σ_b, the noise on the count of unclipped updates, for rounds of
+    /// `target_devices`; `None` without adaptive clipping.
+    pub fn count_noise_stddev(&self, target_devices: u32) -> Option<f64> {
+        let adaptive = self.adaptive_clipping.as_ref()?;
+        let default = (f64::from(target_devices) / 20.0).max(self.noise_multiplier);
+        Some(adaptive.count_noise_stddev.unwrap_or(default))
+    }
+
+    /// σ_Δ, the noise multiplier of the updates' sum: σ itself, or with
+    /// adaptive clipping (σ⁻² − (2σ_b)⁻²)^(−1/2), so that the sum and the
+    /// count together (the count's sensitivity is ½) are one Gaussian
+    /// release of multiplier σ (Andrew et al. 2021, Theorem 1), which is
+    /// what the accountant composes.
+    pub fn sum_noise_multiplier(&self, target_devices: u32) -> f64 {
+        let sigma = self.noise_multiplier;
+        match self.count_noise_stddev(target_devices) {
+            Some(count) => (sigma.powi(-2) - (2.0 * count).powi(-2)).powf(-0.5),
+            None => sigma,
+        }
+    }
+
+    /// The noise's standard deviation per coordinate of the sum of a round
+    /// that clipped to `clip_norm`.
+    pub fn noise_stddev(&self, clip_norm: f64, target_devices: u32) -> f64 {
+        self.sum_noise_multiplier(target_devices) * clip_norm
+    }
+
+    /// The next round's clip after a round that clipped to `clip_norm`:
+    /// of its `accepted` updates, `unclipped` were within it; `count_noise`
+    /// is the count's noise draw ([`count_noise`]). The count is centred,
+    /// Σ(bᵢ − ½), so that one device moves it by ½, and estimated over the
+    /// round's target, the fixed denominator the updates' mean uses too.
+    pub fn next_clip(&self, round: &ClippedRound, count_noise: f64) -> f64 {
+        let Some(adaptive) = &self.adaptive_clipping else {
+            return round.clip_norm;
+        };
+        let centred = round.unclipped as f64 - round.accepted as f64 / 2.0 + count_noise;
+        let unclipped_fraction = centred / f64::from(round.target_devices.max(1)) + 0.5;
+        let step = -adaptive.learning_rate * (unclipped_fraction - adaptive.target_quantile);
+        (round.clip_norm * step.exp())
+            .clamp(MIN_ADAPTIVE_CLIP, canopy_protocol::bounds::MAX_CLIP_NORM)
     }
 
     /// One round at `sampling_rate`, for the accountant: the Gaussian noise
@@ -119,6 +256,16 @@ impl DifferentialPrivacy {
             steps: 1,
         }
     }
+}
+
+/// What a private round's fold saw of its updates' norms.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClippedRound {
+    pub clip_norm: f64,
+    /// Updates whose norm was at most the clip.
+    pub unclipped: u64,
+    pub accepted: u64,
+    pub target_devices: u32,
 }
 
 /// Who adds a private job's noise.
@@ -203,22 +350,37 @@ pub fn add_noise(
     round_id: i64,
     stddev: f64,
 ) -> Result<(), String> {
-    let seed = hex::decode(seed_hex)
-        .ok()
-        .filter(|seed| seed.len() == 32)
-        .ok_or_else(|| "the job's noise secret is not 32 bytes of hex".to_string())?;
-    let key: [u8; 32] = Sha256::new()
-        .chain_update(b"canopy dp-fedavg round noise v1")
-        .chain_update(&seed)
-        .chain_update(round_id.to_le_bytes())
-        .finalize()
-        .into();
-    let mut stream = ChaCha20Rng::from_seed(key);
+    let mut stream = noise_stream(seed_hex, b"canopy dp-fedavg round noise v1", round_id)?;
     for value in sum.iter_mut() {
         let normal: f64 = stream.sample(rand_distr::StandardNormal);
         *value += stddev * normal;
     }
     Ok(())
+}
+
+/// The noise on a round's count of unclipped updates (adaptive clipping),
+/// of standard deviation `stddev`: from the job's secret and the round,
+/// as [`add_noise`], on a stream of its own.
+pub fn count_noise(seed_hex: &str, round_id: i64, stddev: f64) -> Result<f64, String> {
+    let mut stream = noise_stream(seed_hex, b"canopy dp adaptive clip count v1", round_id)?;
+    let normal: f64 = stream.sample(rand_distr::StandardNormal);
+    Ok(stddev * normal)
+}
+
+/// The ChaCha20 stream of one use (`domain`) of a round's noise, keyed by
+/// the job's secret.
+fn noise_stream(seed_hex: &str, domain: &[u8], round_id: i64) -> Result<ChaCha20Rng, String> {
+    let seed = hex::decode(seed_hex)
+        .ok()
+        .filter(|seed| seed.len() == 32)
+        .ok_or_else(|| "the job's noise secret is not 32 bytes of hex".to_string())?;
+    let key: [u8; 32] = Sha256::new()
+        .chain_update(domain)
+        .chain_update(&seed)
+        .chain_update(round_id.to_le_bytes())
+        .finalize()
+        .into();
+    Ok(ChaCha20Rng::from_seed(key))
 }
 
 /// The accountant as a job keeps it, in `jobs.dp_accountant`: each order
@@ -281,7 +443,56 @@ mod tests {
             clip_norm: 0.5,
             delta: 1e-5,
             budget_epsilon: Some(3.0),
+            adaptive_clipping: None,
         }
+    }
+
+    fn adaptive(count_noise_stddev: Option<f64>) -> DifferentialPrivacy {
+        DifferentialPrivacy {
+            adaptive_clipping: Some(AdaptiveClipping {
+                target_quantile: 0.5,
+                learning_rate: 0.2,
+                count_noise_stddev,
+            }),
+            ..settings()
+        }
+    }
+
+    #[test]
+    fn adaptive_clipping_splits_the_noise_and_moves_the_clip_within_bounds() {
+        // Fixed clipping: the sum gets all of σ, and devices clip.
+        assert_eq!(settings().sum_noise_multiplier(100), 1.0);
+        assert_eq!(settings().task().map(|task| task.clip_norm), Some(0.5));
+        // σ_b = 100/20 = 5: (1 − 1/100)^(−1/2).
+        let paper = adaptive(None);
+        assert_eq!(paper.count_noise_stddev(100), Some(5.0));
+        let expected = (1.0f64 - 0.01).powf(-0.5);
+        assert!((paper.sum_noise_multiplier(100) - expected).abs() < 1e-15);
+        // Few devices: σ_b is σ, and the sum's share is (1 − ¼)^(−1/2).
+        assert_eq!(paper.count_noise_stddev(4), Some(1.0));
+        assert!((paper.sum_noise_multiplier(4) - 0.75f64.powf(-0.5)).abs() < 1e-15);
+        assert_eq!(
+            paper.task(),
+            None,
+            "the server counts, so devices send whole"
+        );
+        assert!(adaptive(Some(0.5)).check_adaptive(100).is_err());
+        assert!(adaptive(Some(0.51)).check_adaptive(100).is_ok());
+        // Half within the clip at γ = ½ keeps it; all within shrinks it by
+        // e^(−0.1); the floor and the ceiling hold.
+        let round = |clip_norm, unclipped| ClippedRound {
+            clip_norm,
+            unclipped,
+            accepted: 10,
+            target_devices: 10,
+        };
+        assert_eq!(paper.next_clip(&round(0.5, 5), 0.0), 0.5);
+        let shrunk = paper.next_clip(&round(0.5, 10), 0.0);
+        assert!((shrunk - 0.5 * (-0.1f64).exp()).abs() < 1e-15);
+        assert_eq!(paper.next_clip(&round(1e-6, 10), 0.0), MIN_ADAPTIVE_CLIP);
+        let ceiling = canopy_protocol::bounds::MAX_CLIP_NORM;
+        assert_eq!(paper.next_clip(&round(ceiling, 0), 0.0), ceiling);
+        assert_eq!(settings().next_clip(&round(0.5, 10), 3.0), 0.5);
     }
 
     #[test]
@@ -361,6 +572,19 @@ mod tests {
                 .contains(&limits::EPSILON.high.to_string()),
             "{budget}"
         );
+        let adaptive = serde_json::to_value(AdaptiveClipping::schema()).unwrap();
+        for (name, bounds) in [
+            ("target_quantile", TARGET_QUANTILE),
+            ("learning_rate", CLIP_LEARNING_RATE),
+            ("count_noise_stddev", COUNT_NOISE_STDDEV),
+        ] {
+            let property = adaptive["properties"][name].to_string();
+            assert!(
+                property.contains(&format!("\"maximum\":{}", bounds.high)),
+                "{property}"
+            );
+            assert!(property.contains("\"exclusiveMinimum\":0"), "{property}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ mod support;
 
 use std::time::Duration;
 
-use anyhow::{Context, Result, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
 use canopy_privacy::{Accountant, Conversion, Event, Orders};
 use canopy_protocol::messages::Task;
@@ -85,11 +85,20 @@ fn spec(version_id: i64) -> Value {
     })
 }
 
-async fn send(device: &DeviceClient, task: &Task) -> Result<()> {
-    let privacy = task
-        .privacy
-        .context("a private job's task asks for clipping")?;
-    ensure!(privacy.clip_norm == CLIP_NORM, "{privacy:?}");
+/// The job with adaptive clipping, at its defaults.
+fn adaptive_spec(version_id: i64) -> Value {
+    let mut spec = spec(version_id);
+    spec["differential_privacy"]["adaptive_clipping"] = json!({});
+    spec
+}
+
+async fn send(device: &DeviceClient, task: &Task, adaptive: bool) -> Result<()> {
+    match (&task.privacy, adaptive) {
+        // The server must see whether each update was within the clip.
+        (None, true) => {}
+        (Some(privacy), false) => ensure!(privacy.clip_norm == CLIP_NORM, "{privacy:?}"),
+        (privacy, _) => bail!("adaptive {adaptive}, the task asks for {privacy:?}"),
+    }
     device.download_model(task).await?;
     // Sent unclipped: the server's clipping is what is under test here
     // (the SDK's is `a_private_task_clips_the_update_it_sends`).
@@ -129,6 +138,7 @@ async fn selected_tasks(devices: &[DeviceClient]) -> Result<Vec<(usize, Task)>> 
 async fn run_job(
     database: Database,
     kill_in_round: Option<u32>,
+    adaptive: bool,
 ) -> Result<(TestServer, i64, Vec<RoundRun>)> {
     let mut server = TestServer::start(database)?;
     let admin = server.admin();
@@ -141,9 +151,11 @@ async fn run_job(
         device.next_task(0).await?;
         devices.push(device);
     }
-    let job = admin
-        .create_job(spec(version["id"].as_i64().unwrap_or_default()))
-        .await?;
+    let version_id = version["id"].as_i64().unwrap_or_default();
+    let job = match adaptive {
+        true => admin.create_job(adaptive_spec(version_id)).await?,
+        false => admin.create_job(spec(version_id)).await?,
+    };
     let mut runs = Vec::new();
     for round in 1..ROUNDS {
         let tasks = selected_tasks(&devices).await?;
@@ -151,7 +163,7 @@ async fn run_job(
         let killed = kill_in_round == Some(round);
         let first = if killed { TARGET / 2 } else { TARGET };
         for (index, task) in tasks.iter().take(first) {
-            send(&devices[*index], task).await?;
+            send(&devices[*index], task, adaptive).await?;
         }
         if killed {
             server.restart()?;
@@ -164,7 +176,7 @@ async fn run_job(
                     task.round_number == round,
                     "the same round after the restart"
                 );
-                send(&devices[*index], &task).await?;
+                send(&devices[*index], &task, adaptive).await?;
             }
         }
         runs.push(RoundRun {
@@ -204,6 +216,22 @@ async fn noise_seed(server: &TestServer, job: i64) -> Result<String> {
     seed.context("a private job has a noise secret")
 }
 
+/// How each round clipped, and the noise multiplier of its sum.
+struct Clipping {
+    /// Each round's clip, in order.
+    clips: Vec<f64>,
+    sum_noise_multiplier: f64,
+}
+
+impl Clipping {
+    fn fixed(rounds: usize) -> Clipping {
+        Clipping {
+            clips: vec![CLIP_NORM; rounds],
+            sum_noise_multiplier: NOISE_MULTIPLIER,
+        }
+    }
+}
+
 /// DP-FedAvg over the rounds as they ran: each selected device's update
 /// clipped, summed with weight one, plus the round's noise drawn from the
 /// job's secret `seed` (none: without noise), over the target, added to
@@ -213,19 +241,20 @@ fn expected_dp_fedavg(
     layout: &UpdateLayout,
     runs: &[RoundRun],
     seed: Option<&str>,
+    clipping: &Clipping,
 ) -> Result<Vec<f32>> {
     let mut theta = base.to_vec();
-    for run in runs {
+    for (run, &clip) in runs.iter().zip(&clipping.clips) {
         let mut sum = vec![0.0f64; theta.len()];
         for &device in &run.devices {
             let mut update = delta(layout, device, run.number);
-            clip_to_norm(&mut update, CLIP_NORM);
+            clip_to_norm(&mut update, clip);
             for (total, value) in sum.iter_mut().zip(&update) {
                 *total += f64::from(*value);
             }
         }
         if let Some(seed) = seed {
-            let stddev = NOISE_MULTIPLIER * CLIP_NORM;
+            let stddev = clipping.sum_noise_multiplier * clip;
             canopy_server::privacy::add_noise(&mut sum, seed, run.id, stddev)
                 .map_err(anyhow::Error::msg)?;
         }
@@ -239,7 +268,7 @@ fn expected_dp_fedavg(
 async fn private_job(database: Database, kill_in_round: Option<u32>) -> Result<()> {
     let base = canopy_ir::format::read_model(&logreg_model_bytes(11))?;
     let layout = canopy_server::fedavg::layout_of(&base)?;
-    let (server, job, runs) = run_job(database, kill_in_round).await?;
+    let (server, job, runs) = run_job(database, kill_in_round, false).await?;
     let admin = server.admin();
 
     // Stopped before round 3, whose ε would pass the budget.
@@ -284,7 +313,8 @@ async fn private_job(database: Database, kill_in_round: Option<u32>) -> Result<(
     // Every version is DP-FedAvg of what was sent, with the round's noise.
     let seed = noise_seed(&server, job).await?;
     let got = trainable(&fetch_model(&admin, "logreg", 3).await?);
-    let want = expected_dp_fedavg(&trainable(&base), &layout, &runs, Some(&seed))?;
+    let fixed = Clipping::fixed(runs.len());
+    let want = expected_dp_fedavg(&trainable(&base), &layout, &runs, Some(&seed), &fixed)?;
     ensure!(
         got.len() == want.len(),
         "{} parameters, DP-FedAvg gives {}",
@@ -300,7 +330,7 @@ async fn private_job(database: Database, kill_in_round: Option<u32>) -> Result<(
 
     // And the noise has the configured scale: what the model moved by,
     // less the clipped updates, over 650 coordinates and two rounds.
-    let noiseless = expected_dp_fedavg(&trainable(&base), &layout, &runs, None)?;
+    let noiseless = expected_dp_fedavg(&trainable(&base), &layout, &runs, None, &fixed)?;
     let residuals: Vec<f64> = got
         .iter()
         .zip(&noiseless)
@@ -341,6 +371,94 @@ async fn dp_fedavg_survives_kill_9_on_postgres() -> Result<()> {
     private_job(Database::Postgres, Some(2)).await
 }
 
+/// Adaptive clipping (Andrew et al. 2021), at its defaults: devices send
+/// their updates whole, the fold clips each to the round's clip and counts
+/// those within it, and after each round the clip moves by
+/// exp(−η·(b̃ − γ)), b̃ the noisy, centred fraction within it; the updates'
+/// sum gets σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2) times the clip, so that the
+/// accountant's Gaussian of multiplier σ covers both releases. Device 1's
+/// update is within any clip here, every other's far past it. A kill -9
+/// in round 2 changes nothing.
+async fn adaptive_job(database: Database) -> Result<()> {
+    let base = canopy_ir::format::read_model(&logreg_model_bytes(11))?;
+    let layout = canopy_server::fedavg::layout_of(&base)?;
+    let (server, job, runs) = run_job(database, Some(2), true).await?;
+    let admin = server.admin();
+    let seed = noise_seed(&server, job).await?;
+    // The defaults: γ = ½, η = 0.2, σ_b = max(target/20, σ) = 1.
+    let (quantile, rate, count_stddev) = (0.5, 0.2, 1.0f64);
+    let mut clips = vec![CLIP_NORM];
+    for run in &runs {
+        let clip = *clips.last().context("a clip")?;
+        let within = run
+            .devices
+            .iter()
+            .filter(|&&device| {
+                let update = delta(&layout, device, run.number);
+                let norm = update
+                    .iter()
+                    .map(|v| f64::from(*v).powi(2))
+                    .sum::<f64>()
+                    .sqrt();
+                norm <= clip
+            })
+            .count() as f64;
+        let noise = canopy_server::privacy::count_noise(&seed, run.id, count_stddev)
+            .map_err(anyhow::Error::msg)?;
+        let fraction = (within - TARGET as f64 / 2.0 + noise) / TARGET as f64 + 0.5;
+        clips.push(clip * (-rate * (fraction - quantile)).exp());
+    }
+    let rounds = admin.ok(&format!("/api/v1/jobs/{job}/rounds")).await?;
+    let items = rounds["items"].as_array().context("rounds")?;
+    for (run, clip) in runs.iter().zip(&clips) {
+        let round = items
+            .iter()
+            .find(|round| round["id"] == run.id)
+            .context("the round")?;
+        let shown = round["privacy"]["clip_norm"].as_f64().unwrap_or_default();
+        ensure!((shown / clip - 1.0).abs() < 1e-12, "clip {clip}: {round}");
+    }
+    let job_view = admin.ok(&format!("/api/v1/jobs/{job}")).await?;
+    let next = job_view["privacy"]["clip_norm"]
+        .as_f64()
+        .unwrap_or_default();
+    ensure!(
+        (next / clips[runs.len()] - 1.0).abs() < 1e-12,
+        "the next clip is {next}, expected {}",
+        clips[runs.len()]
+    );
+    ensure!(clips[1] != CLIP_NORM, "the clip moved: {clips:?}");
+    // Both releases together are the same Gaussian: the same ε as before.
+    let spent = job_view["privacy"]["epsilon"].as_f64().unwrap_or_default();
+    ensure!((spent / epsilon_after(2) - 1.0).abs() < 1e-9, "{job_view}");
+
+    let clipping = Clipping {
+        clips: clips[..runs.len()].to_vec(),
+        sum_noise_multiplier: (NOISE_MULTIPLIER.powi(-2) - (2.0 * count_stddev).powi(-2))
+            .powf(-0.5),
+    };
+    let got = trainable(&fetch_model(&admin, "logreg", 3).await?);
+    let want = expected_dp_fedavg(&trainable(&base), &layout, &runs, Some(&seed), &clipping)?;
+    ensure!(got.len() == want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        ensure!(
+            (g - w).abs() <= 1e-6 * w.abs().max(1.0),
+            "parameter {i} is {g}, adaptive DP-FedAvg gives {w}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_clipping_follows_the_noisy_quantile_through_kill_9_on_sqlite() -> Result<()> {
+    adaptive_job(Database::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_clipping_follows_the_noisy_quantile_through_kill_9_on_postgres() -> Result<()> {
+    adaptive_job(Database::Postgres).await
+}
+
 /// Settings are checked at creation; the 422 names the field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_privacy_settings_are_refused_by_name() -> Result<()> {
@@ -377,6 +495,28 @@ async fn bad_privacy_settings_are_refused_by_name() -> Result<()> {
             "`differential_privacy.budget_epsilon` must be in (0, 1000000]",
         ),
         (dp(json!({"sigma": 1.0})), "sigma"),
+        (
+            dp(json!({"adaptive_clipping": {"target_quantile": 0.0}})),
+            "`differential_privacy.adaptive_clipping.target_quantile` must be in (0, 1]",
+        ),
+        (
+            dp(json!({"adaptive_clipping": {"learning_rate": 11.0}})),
+            "`differential_privacy.adaptive_clipping.learning_rate` must be in (0, 10]",
+        ),
+        (
+            dp(json!({"adaptive_clipping": {"count_noise_stddev": 0.5}})),
+            "`differential_privacy.adaptive_clipping.count_noise_stddev` is 0.5, and adaptive \
+             clipping needs more than half the noise multiplier (0.5)",
+        ),
+        (
+            {
+                let mut patch = dp(json!({"adaptive_clipping": {}}));
+                patch["secure_aggregation"] = json!({"enabled": true});
+                patch
+            },
+            "`differential_privacy.adaptive_clipping` cannot be combined with \
+             `secure_aggregation`",
+        ),
         (
             dp(json!({"budget_epsilon": 0.001})),
             "`differential_privacy.budget_epsilon` is 0.001, below what one round spends",

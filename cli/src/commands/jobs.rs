@@ -622,6 +622,30 @@ mod tests {
         spec.insert("model_version_id".into(), json!(4));
         apply_flags(&mut spec, &args(&[]), None).unwrap();
         assert!(!spec.contains_key("differential_privacy"), "{spec:?}");
+        // Adaptive clipping: the quantile alone takes the default; a rate
+        // comes with it.
+        for (extra, adaptive) in [
+            (
+                vec!["--dp-adaptive-clip-quantile"],
+                json!({"target_quantile": 0.5}),
+            ),
+            (
+                vec![
+                    "--dp-adaptive-clip-quantile",
+                    "0.7",
+                    "--dp-adaptive-clip-rate",
+                    "0.1",
+                ],
+                json!({"target_quantile": 0.7, "learning_rate": 0.1}),
+            ),
+        ] {
+            let mut spec = with_version();
+            let mut all = vec!["--dp-noise-multiplier", "1", "--dp-clip-norm", "1"];
+            all.extend(["--dp-delta", "1e-6"]);
+            all.extend(extra);
+            apply_flags(&mut spec, &args(&all), None).unwrap();
+            assert_eq!(spec["differential_privacy"]["adaptive_clipping"], adaptive);
+        }
     }
 
     #[test]

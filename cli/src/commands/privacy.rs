@@ -89,6 +89,27 @@ pub struct JobPrivacyArgs {
         allow_negative_numbers = true
     )]
     pub dp_budget_epsilon: Option<f64>,
+    /// Adaptive clipping: after each round the clip moves toward the
+    /// quantile Q of the updates' norms (0.5 when left out); --dp-clip-norm
+    /// is then the first round's clip. Central DP only.
+    #[arg(
+        long,
+        value_name = "Q",
+        num_args = 0..=1,
+        default_missing_value = "0.5",
+        requires = "dp_noise_multiplier",
+        allow_negative_numbers = true
+    )]
+    pub dp_adaptive_clip_quantile: Option<f64>,
+    /// Adaptive clipping's step: the clip is multiplied by
+    /// exp(−RATE·(unclipped fraction − Q)) each round (0.2 when left out).
+    #[arg(
+        long,
+        value_name = "RATE",
+        requires = "dp_adaptive_clip_quantile",
+        allow_negative_numbers = true
+    )]
+    pub dp_adaptive_clip_rate: Option<f64>,
 }
 
 impl JobPrivacyArgs {
@@ -106,6 +127,13 @@ impl JobPrivacyArgs {
             if let Some(value) = value {
                 fields.insert(name.into(), serde_json::json!(value));
             }
+        }
+        if let Some(quantile) = self.dp_adaptive_clip_quantile {
+            let mut adaptive = serde_json::json!({"target_quantile": quantile});
+            if let Some(rate) = self.dp_adaptive_clip_rate {
+                adaptive["learning_rate"] = serde_json::json!(rate);
+            }
+            fields.insert("adaptive_clipping".into(), adaptive);
         }
         fields
     }

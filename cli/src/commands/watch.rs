@@ -239,8 +239,10 @@ fn print_round(round: &Value) -> Result<()> {
     )?;
     if let Some(epsilon) = round["privacy"]["epsilon"].as_f64() {
         outln!(
-            "       privacy: epsilon {epsilon:.4} spent after this round (sampling rate {})",
-            cell(&round["privacy"]["sampling_rate"], 4)
+            "       privacy: epsilon {epsilon:.4} spent after this round (sampling rate {}, \
+             clip {})",
+            cell(&round["privacy"]["sampling_rate"], 4),
+            cell(&round["privacy"]["clip_norm"], 4)
         )?;
     }
     if round["kind"] == "statistics" && round["state"] == "succeeded" {

@@ -562,6 +562,17 @@ impl JobSpec {
                  update per device",
             );
         }
+        if privacy.adaptive_clipping.is_some() && self.secure_aggregation.enabled {
+            return Err(
+                "`differential_privacy.adaptive_clipping` cannot be combined with \
+                 `secure_aggregation`: the server would have to see which updates the clip left \
+                 whole, and a secure round shows it only their masked sum; hint: leave out \
+                 `adaptive_clipping` and choose `clip_norm` (for instance as the median update \
+                 norm of a run without secure aggregation)"
+                    .to_string(),
+            );
+        }
+        privacy.check_adaptive(self.target_devices)?;
         // With secure aggregation the privacy is distributed: devices add
         // the noise before masking (`JobSpec::round_plan`), checked against
         // the model's size when the job is created (`check_private_rounds`).
@@ -1086,12 +1097,15 @@ any_row! {
         /// A differentially private job's ε spent so far (at its δ); `None`
         /// before its first round, and for any other job.
         pub dp_epsilon: Option<f64>,
+        /// With adaptive clipping, the clip its next round takes; `None`
+        /// before its first round has adapted it, and for any other job.
+        pub dp_clip_norm: Option<f64>,
     }
 }
 
 pub const JOB_COLUMNS: &str = "id, name, model_version_id, current_version_id, config, state, \
      rounds_completed, round_failures, status_message, created_ms, updated_ms, started_ms, \
-     finished_ms, dp_epsilon";
+     finished_ms, dp_epsilon, dp_clip_norm";
 
 impl JobRow {
     pub fn spec(&self) -> Result<JobSpec, sqlx::Error> {
@@ -1134,20 +1148,26 @@ pub async fn privacy_state(
     Ok(row.unwrap_or((None, None)))
 }
 
-/// Saves a private job's accountant and the ε it has spent, in the
-/// transaction that records the round's version.
+/// Saves a private job's accountant, the ε it has spent and, with
+/// adaptive clipping, its next round's clip, in the transaction that
+/// records the round's version.
 pub async fn record_privacy(
     tx: &mut super::rounds::Tx<'_>,
     id: i64,
     accountant: &str,
     epsilon: f64,
+    next_clip_norm: Option<f64>,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE jobs SET dp_accountant = $1, dp_epsilon = $2 WHERE id = $3")
-        .bind(accountant)
-        .bind(epsilon)
-        .bind(id)
-        .execute(&mut **tx)
-        .await?;
+    sqlx::query(
+        "UPDATE jobs SET dp_accountant = $1, dp_epsilon = $2, \
+         dp_clip_norm = COALESCE($3, dp_clip_norm) WHERE id = $4",
+    )
+    .bind(accountant)
+    .bind(epsilon)
+    .bind(next_clip_norm)
+    .bind(id)
+    .execute(&mut **tx)
+    .await?;
     Ok(())
 }
 

@@ -150,6 +150,9 @@ any_row! {
         pub dp_sampling_rate: Option<f64>,
         /// The job's ε after a private round succeeded.
         pub dp_epsilon: Option<f64>,
+        /// A private round's updates whose norm was within its clip, as
+        /// folded: what adaptive clipping moves the next round's clip by.
+        pub dp_unclipped: i64,
         /// A robust round's rule: it stores each update in the blob store
         /// instead of folding it into a sum (`crate::robust`); read it
         /// through [`RoundRow::robust_rule`].
@@ -166,7 +169,7 @@ pub const ROUND_COLUMNS: &str = "id, job_id, number, attempt, state, base_versio
      training_started_ms, deadline_ms, closed_ms, finished_ms, secagg_stage, eval_state, \
      central_eval_loss, central_eval_accuracy, central_eval_samples, central_eval_state, \
      central_eval_error, failure_kind, max_staleness, clip_norm, dp_sampling_rate, dp_epsilon, \
-     robust_rule, updates_deleted_ms";
+     dp_unclipped, robust_rule, updates_deleted_ms";
 
 impl RoundRow {
     /// Whether the round is a buffer of an asynchronous job.
@@ -1218,7 +1221,7 @@ pub async fn accept_updates(
     let stored = update_sum(&mut tx, target.round_id).await?;
     let mut sum = stored.map(|bytes| fedavg::decode_sum(&bytes));
     let mut outcomes = Vec::with_capacity(updates.len());
-    let (mut accepted, mut bytes_in) = (0i64, 0i64);
+    let (mut accepted, mut bytes_in, mut unclipped) = (0i64, 0i64, 0i64);
     for update in updates {
         if target.room.is_some_and(|room| accepted >= room) {
             // Full: the update waits for the next buffer.
@@ -1234,8 +1237,9 @@ pub async fn accept_updates(
             now,
         };
         let outcome = fold_one(&mut tx, &fold, update, &mut sum).await?;
-        if outcome.is_ok() {
+        if let Ok(folded) = &outcome {
             accepted += 1;
+            unclipped += i64::from(folded.within_clip);
             bytes_in = bytes_in.saturating_add(i64::try_from(update.bytes).unwrap_or(i64::MAX));
             // A private round's updates weigh one each.
             let weight = match round.clip_norm {
@@ -1244,7 +1248,7 @@ pub async fn accept_updates(
             };
             weight_total = weight_total.saturating_add(weight);
         }
-        outcomes.push(outcome);
+        outcomes.push(outcome.map(|_| ()));
     }
     if accepted == 0 {
         // Only refusals; a stale one dropped its participant, which stands.
@@ -1257,6 +1261,9 @@ pub async fn accept_updates(
     }
     let weight_total = Some(weight_total);
     let counted = count_batch(&mut tx, target.round_id, accepted, bytes_in, weight_total).await?;
+    if unclipped > 0 {
+        count_unclipped(&mut tx, target.round_id, unclipped).await?;
+    }
     tx.commit().await?;
     Ok(numbered(outcomes, counted))
 }
@@ -1454,6 +1461,20 @@ pub async fn count_batch(
     Ok(before as u64)
 }
 
+/// Counts a batch's private updates that were within the round's clip.
+async fn count_unclipped(
+    tx: &mut Tx<'_>,
+    round_id: i64,
+    unclipped: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE rounds SET dp_unclipped = dp_unclipped + $1 WHERE id = $2")
+        .bind(unclipped)
+        .bind(round_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 /// A batch's outcomes in order, each accepted one numbered by how many the
 /// round had accepted with it (counting on from `before`).
 pub fn numbered<E>(outcomes: Vec<Result<(), E>>, before: u64) -> Vec<Result<u64, E>> {
@@ -1477,7 +1498,7 @@ async fn fold_one(
     fold: &Fold<'_>,
     update: &AcceptedUpdate,
     sum: &mut Option<Vec<f64>>,
-) -> Result<Result<(), UploadRejection>, sqlx::Error> {
+) -> Result<Result<Folded, UploadRejection>, sqlx::Error> {
     let (round_id, device_id, now) = (fold.gate.round_id, update.device_id, fold.now);
     let participant = task_state::member_state(tx, round_id, device_id).await?;
     if let Err(rejection) = admit(fold.gate, device_id, participant, now) {
@@ -1546,16 +1567,26 @@ async fn fold_one(
     }
     let Some(sum) = sum.as_mut().filter(|_| stored.is_none()) else {
         // Stored: the round aggregates it when it closes.
-        return Ok(Ok(()));
+        return Ok(Ok(Folded { within_clip: false }));
     };
-    let weight = match fold.clip_norm {
-        // The device clipped it already, unless it is old or lies: clipped
-        // here, one device moves the sum by at most the clip norm.
-        Some(clip_norm) => update::clip_scale(update::l2_norm(&update.values), clip_norm),
-        None => update.num_samples as f64 * weight,
+    let (weight, within_clip) = match fold.clip_norm {
+        // The device clipped it already, unless it is old, lies, or was
+        // asked not to (adaptive clipping): clipped here, one device moves
+        // the sum by at most the clip norm.
+        Some(clip_norm) => {
+            let norm = update::l2_norm(&update.values);
+            (update::clip_scale(norm, clip_norm), norm <= clip_norm)
+        }
+        None => (update.num_samples as f64 * weight, false),
     };
     fedavg::fold_weighted(sum, weight, &update.values);
-    Ok(Ok(()))
+    Ok(Ok(Folded { within_clip }))
+}
+
+/// What folding an accepted update saw.
+struct Folded {
+    /// A private round's update whose norm was within the round's clip.
+    within_clip: bool,
 }
 
 /// Drops a participant whose update is too stale to take, so that its

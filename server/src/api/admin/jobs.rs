@@ -54,6 +54,9 @@ pub struct PrivacySpent {
     /// Who adds the noise: the server (central DP) or the devices, before
     /// masking (distributed DP, with secure aggregation).
     pub noise_added_by: crate::privacy::NoiseSource,
+    /// The clip the job's next round takes: `clip_norm`, or with adaptive
+    /// clipping where the rounds so far have moved it.
+    pub clip_norm: f64,
     /// The job's `budget_epsilon`, if it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget_epsilon: Option<f64>,
@@ -70,6 +73,7 @@ impl JobView {
                 epsilon: row.dp_epsilon.unwrap_or(0.0),
                 delta: privacy.delta,
                 noise_added_by,
+                clip_norm: row.dp_clip_norm.unwrap_or(privacy.clip_norm),
                 budget_epsilon: privacy.budget_epsilon,
             });
         Ok(JobView {
@@ -554,6 +558,9 @@ pub struct RoundView {
 pub struct RoundPrivacy {
     pub sampling_rate: Option<f64>,
     pub epsilon: Option<f64>,
+    /// The L2 norm the round clipped each update to (with adaptive
+    /// clipping, the clip the rounds before it adapted).
+    pub clip_norm: f64,
 }
 
 impl From<&RoundRow> for RoundView {
@@ -577,9 +584,10 @@ impl From<&RoundRow> for RoundView {
             finished_ms: row.finished_ms,
             secure_stage: row.secagg_stage.clone(),
             max_staleness: row.max_staleness,
-            privacy: row.clip_norm.map(|_| RoundPrivacy {
+            privacy: row.clip_norm.map(|clip_norm| RoundPrivacy {
                 sampling_rate: row.dp_sampling_rate,
                 epsilon: row.dp_epsilon,
+                clip_norm,
             }),
         }
     }

@@ -353,7 +353,7 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         sub_round: spec.sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)),
         policy: spec.device_policy,
         privacy: match kind {
-            TaskKind::Train => spec.differential_privacy.as_ref().map(|dp| dp.task()),
+            TaskKind::Train => spec.differential_privacy.as_ref().and_then(|dp| dp.task()),
             TaskKind::Evaluate | TaskKind::Statistics => None,
         },
         // A statistics round's moments stay f32: they are few, and fitted
