@@ -638,6 +638,14 @@ mod tests {
                 ],
                 json!({"target_quantile": 0.7, "learning_rate": 0.1}),
             ),
+            (
+                vec![
+                    "--dp-adaptive-clip-quantile",
+                    "--dp-adaptive-clip-count-noise",
+                    "2",
+                ],
+                json!({"target_quantile": 0.5, "count_noise_stddev": 2.0}),
+            ),
         ] {
             let mut spec = with_version();
             let mut all = vec!["--dp-noise-multiplier", "1", "--dp-clip-norm", "1"];

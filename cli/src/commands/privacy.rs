@@ -110,6 +110,16 @@ pub struct JobPrivacyArgs {
         allow_negative_numbers = true
     )]
     pub dp_adaptive_clip_rate: Option<f64>,
+    /// Adaptive clipping's noise on the count of updates within the clip,
+    /// as a standard deviation (the round's target over 20, or the noise
+    /// multiplier if larger, when left out).
+    #[arg(
+        long,
+        value_name = "STDDEV",
+        requires = "dp_adaptive_clip_quantile",
+        allow_negative_numbers = true
+    )]
+    pub dp_adaptive_clip_count_noise: Option<f64>,
 }
 
 impl JobPrivacyArgs {
@@ -132,6 +142,9 @@ impl JobPrivacyArgs {
             let mut adaptive = serde_json::json!({"target_quantile": quantile});
             if let Some(rate) = self.dp_adaptive_clip_rate {
                 adaptive["learning_rate"] = serde_json::json!(rate);
+            }
+            if let Some(stddev) = self.dp_adaptive_clip_count_noise {
+                adaptive["count_noise_stddev"] = serde_json::json!(stddev);
             }
             fields.insert("adaptive_clipping".into(), adaptive);
         }

@@ -187,6 +187,18 @@ impl RoundShape {
     }
 
     fn needs_bits(&self, fewest: i64, sigma: f64) -> SecAggError {
+        let variance = self.device_variance(fewest, sigma);
+        if variance > MAX_DEVICE_VARIANCE {
+            // No ring helps: the shares themselves would be inexact.
+            return SecAggError::Config(format!(
+                "noise multiplier {sigma} is too large for distributed differential privacy: \
+                 each of the {} devices guaranteed to stay would add noise of variance \
+                 {variance:.3e} levels², over the {MAX_DEVICE_VARIANCE:.3e} that its Poisson \
+                 draws can hold exactly; lower the noise multiplier, or select more devices \
+                 per round",
+                self.guaranteed_devices
+            ));
+        }
         let needed = (self.bits + 1..=64).find(|&bits| {
             let wider = RoundShape { bits, ..*self };
             wider.fits(fewest, sigma)
@@ -403,6 +415,15 @@ mod tests {
         assert!(error.contains("raise bits to 20"), "{error}");
         let wider = RoundShape { bits: 20, ..shape };
         assert!(wider.scale(&UNIT).is_ok());
+        let loud = NoiseTarget {
+            noise_multiplier: 1e6,
+            ..UNIT
+        };
+        let error = hundred_devices(32).scale(&loud).unwrap_err().to_string();
+        assert!(
+            error.contains("noise multiplier 1000000 is too large"),
+            "{error}"
+        );
         let none = RoundShape {
             guaranteed_devices: 0,
             ..shape
