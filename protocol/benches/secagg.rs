@@ -657,16 +657,25 @@ fn measure_device(label: String, plan: Plan) -> DeviceRow {
     }
 }
 
-/// The smallest ring width b for which `config` plans a round of `n`.
-fn narrowest_bits(config: &SecAggConfig, n: usize) -> u32 {
+/// The smallest ring width b for which `config` plans a round like
+/// `plan`: with its noise, for a private plan (unit noise multiplier and
+/// clip, as the bench's private column).
+fn narrowest_bits(config: &SecAggConfig, plan: &Plan) -> u32 {
+    let n = plan.participants;
+    let unit = canopy_protocol::secagg::noise::NoiseTarget {
+        noise_multiplier: 1.0,
+        clip_norm: 1.0,
+    };
     (8..=32)
         .find(|&bits| {
-            SecAggConfig {
+            let narrow = SecAggConfig {
                 bits,
                 ..config.clone()
+            };
+            match plan.device_noise {
+                Some(_) => narrow.private_plan(n, plan.update_len, &unit).is_ok(),
+                None => narrow.plan(n, 1).is_ok(),
             }
-            .plan(n, 1)
-            .is_ok()
         })
         .unwrap_or(32)
 }
@@ -769,12 +778,13 @@ fn device_side(args: &Args) {
         row("  MaskedInput alone vs float32 (ratio ×)", &|r| {
             format!("{:.4}×", r.masked_bytes as f64 / float_bytes as f64)
         }),
-        row("  fewest bits b that fit n·max_weight", &|r| {
-            narrowest_bits(&config, r.plan.participants).to_string()
-        }),
+        row(
+            "  fewest bits b that fit n·max_weight (and the noise)",
+            &|r| narrowest_bits(&config, &r.plan).to_string(),
+        ),
         row("  upload at that b, computed (ratio ×)", &|r| {
             let narrow = Plan {
-                bits: narrowest_bits(&config, r.plan.participants),
+                bits: narrowest_bits(&config, &r.plan),
                 ..r.plan.clone()
             };
             let masked = r.masked_bytes - r.plan.packed_bytes() + narrow.packed_bytes();
