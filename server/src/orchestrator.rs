@@ -602,19 +602,20 @@ async fn select(
         }
         return Ok(Selected::Waiting);
     }
+    // A secure training round's plan, made once: a private round is
+    // accounted by its noise below, and `secure::begin` commits to it.
+    let plan = match spec.secure_aggregation.enabled && round.kind == RoundKind::Train {
+        true => {
+            let base = base_version(state, round).await?;
+            let update_len = usize::try_from(base.trainable_elements).unwrap_or(usize::MAX);
+            Some(spec.round_plan(chosen.len(), update_len))
+        }
+        false => None,
+    };
     if let (Some(privacy), RoundKind::Train) = (&spec.differential_privacy, round.kind) {
         let sampling_rate = crate::privacy::sampling_rate(chosen.len(), eligible + busy);
-        // A secure round's noise is its plan's (the one `secure::begin`
-        // makes below from the same inputs).
-        let plan = match spec.noise_target() {
-            Some(_) => {
-                let base = base_version(state, round).await?;
-                let update_len = usize::try_from(base.trainable_elements).unwrap_or(usize::MAX);
-                spec.round_plan(chosen.len(), update_len).ok()
-            }
-            None => None,
-        };
-        let event = privacy.round(sampling_rate, plan.as_ref());
+        let planned = plan.as_ref().and_then(|plan| plan.as_ref().ok());
+        let event = privacy.round(sampling_rate, planned);
         if let Some(stop) = privacy_budget_stop(tx, job, privacy, &event, sampling_rate).await? {
             if let RoundFailure::Privacy(_) = stop {
                 // What was spent is unknown: the job cannot go on.
@@ -643,10 +644,8 @@ async fn select(
     }
     crate::store::task_state::open::<rounds::ParticipantState>(tx, round.id, &chosen, deadline)
         .await?;
-    if spec.secure_aggregation.enabled && round.kind == RoundKind::Train {
-        let base = base_version(state, round).await?;
-        let update_len = usize::try_from(base.trainable_elements).unwrap_or(usize::MAX);
-        let begun = secure::begin(state, tx, round.id, spec, chosen.len(), update_len).await?;
+    if let Some(plan) = plan {
+        let begun = secure::begin(state, tx, round.id, plan).await?;
         if let secure::Begun::Refused(failure) = begun {
             let round = reload(tx, round.id).await?;
             failure
@@ -1610,7 +1609,7 @@ async fn account_for_round(
     job: &JobRow,
     privacy: &crate::privacy::DifferentialPrivacy,
 ) -> Result<(), OrchestratorError> {
-    let (_, saved) = jobs::privacy_state(tx, job.id).await?;
+    let (seed, saved) = jobs::privacy_state(tx, job.id).await?;
     // A secure round is accounted by the noise its plan guaranteed.
     let plan = crate::store::secagg::get(&mut **tx, round.id)
         .await?
@@ -1624,7 +1623,7 @@ async fn account_for_round(
         Ok((accountant, epsilon))
     });
     let next_clip = match privacy.adaptive_clipping {
-        Some(_) => Some(adapted_clip(tx, round, job, privacy).await?),
+        Some(_) => Some(adapted_clip(round, job, privacy, seed.as_deref())?),
         None => None,
     };
     let (accountant, epsilon) = composed.map_err(|reason| OrchestratorError::Privacy {
@@ -1638,21 +1637,21 @@ async fn account_for_round(
 }
 
 /// The clip adaptive clipping gives the round after `round`, from how many
-/// of its updates the fold found within its clip and the count's noise.
-async fn adapted_clip(
-    tx: &mut Tx<'_>,
+/// of its updates the fold found within its clip and the count's noise,
+/// drawn from the job's noise secret `seed`.
+fn adapted_clip(
     round: &RoundRow,
     job: &JobRow,
     privacy: &crate::privacy::DifferentialPrivacy,
+    seed: Option<&str>,
 ) -> Result<f64, OrchestratorError> {
     let privacy_error = |reason: String| OrchestratorError::Privacy {
         job: job.id,
         reason,
     };
-    let (seed, _) = jobs::privacy_state(tx, job.id).await?;
     let target_devices = u32::try_from(round.target_devices).unwrap_or(u32::MAX);
     let stddev = privacy.count_noise_stddev(target_devices).unwrap_or(0.0);
-    let noise = crate::privacy::count_noise(&seed.unwrap_or_default(), round.id, stddev)
+    let noise = crate::privacy::count_noise(seed.unwrap_or_default(), round.id, stddev)
         .map_err(privacy_error)?;
     let clipped = crate::privacy::ClippedRound {
         clip_norm: round.clip_norm.unwrap_or(privacy.clip_norm),

@@ -396,20 +396,20 @@ pub enum Begun {
     Refused(RoundFailure),
 }
 
-/// Makes a freshly selected round secure: AdvertiseKeys opens.
+/// Makes a freshly selected round secure with its `plan`
+/// ([`JobSpec::round_plan`]), or the reason there is none: AdvertiseKeys
+/// opens.
 pub async fn begin(
     state: &AppState,
     tx: &mut Tx<'_>,
     round_id: i64,
-    spec: &JobSpec,
-    participants: usize,
-    update_len: usize,
+    plan: Result<Plan, SecAggError>,
 ) -> Result<Begun, SecureError> {
     let mut seed = [0u8; 32];
     rand::RngCore::fill_bytes(&mut rand::rng(), &mut seed);
     // Committed before any device has made its keys: devices check the
     // seed they are later sent against it.
-    let plan = match spec.round_plan(participants, update_len) {
+    let plan = match plan {
         Ok(plan) => plan.commit_graph(&seed),
         Err(error) => return Ok(Begun::Refused(RoundFailure::SecurePlan(error))),
     };
@@ -417,7 +417,7 @@ pub async fn begin(
     secagg::begin(tx, round_id, &plan, &seed, deadline).await?;
     tracing::info!(
         round = round_id,
-        participants,
+        participants = plan.participants,
         degree = plan.degree,
         threshold = plan.threshold,
         bits = plan.bits,

@@ -134,13 +134,14 @@ impl RoundShape {
     /// stays exact.
     fn fits(&self, levels: i64, noise_multiplier: f64) -> bool {
         let variance = self.device_variance(levels, noise_multiplier);
-        if variance > MAX_DEVICE_VARIANCE {
-            return false;
-        }
-        let room = ((1u128 << (self.bits - 1)) - 1) as f64;
-        let values = self.participants as f64 * levels as f64;
-        let noise = noise_bound(variance * self.participants as f64, self.update_len);
-        values + noise <= room
+        variance <= MAX_DEVICE_VARIANCE
+            && sum_fits_ring(
+                self.bits,
+                self.participants,
+                levels,
+                variance,
+                self.update_len,
+            )
     }
 
     /// The fewest levels a private round may keep, if they fit: what a job
@@ -223,6 +224,24 @@ impl RoundShape {
             self.bits, self.participants, self.update_len, self.guaranteed_devices
         ))
     }
+}
+
+/// Whether the sum of `participants` updates of `update_len` values at
+/// `levels` per clip, each with a noise share of `device_variance`, stays
+/// inside a ring of `bits` bits: the values' worst case n·L plus the
+/// noise's [`noise_bound`] within 2^(b−1) − 1. The one rule the plan is
+/// made by and checked against.
+pub fn sum_fits_ring(
+    bits: u32,
+    participants: usize,
+    levels: i64,
+    device_variance: f64,
+    update_len: usize,
+) -> bool {
+    let room = ((1u128 << (bits - 1)) - 1) as f64;
+    let values = participants as f64 * levels as f64;
+    let noise = noise_bound(device_variance * participants as f64, update_len);
+    values + noise <= room
 }
 
 /// A bound that Skellam noise of `variance` per coordinate stays within,

@@ -322,29 +322,16 @@ impl SecAggConfig {
     ) -> Result<Plan, SecAggError> {
         self.check_fields()?;
         check_participants(participants)?;
-        let (degree, threshold) = choose_degree_and_threshold(
-            participants,
-            self.max_dropout_fraction,
-            self.max_corrupt_fraction,
-        )?;
-        let round = RoundSize::new(
-            participants,
-            self.max_dropout_fraction,
-            self.max_corrupt_fraction,
-        );
+        // First, so that a ring too narrow names the bits the noise needs.
+        // A scale that fits leaves the plain plan's scale room too: weight
+        // 1 at no fewer than its minimum levels.
         let scale = self.private_shape(participants, update_len).scale(target)?;
         Ok(Plan {
-            participants,
-            degree,
-            threshold,
-            bits: self.bits,
             clip: target.clip_norm,
             levels: scale.levels,
             max_weight: 1,
-            max_dropouts: round.dropped,
-            update_len,
-            graph_commitment: [0; 32],
             device_noise: Some(scale.noise),
+            ..self.plan(participants, update_len)?
         })
     }
 
@@ -363,18 +350,17 @@ impl SecAggConfig {
         }
     }
 
-    /// [`SecAggConfig::validate`] for a job with distributed differential
-    /// privacy, whose models train `update_len` values: besides a graph,
-    /// every round size from `min_devices` to `max_devices` must keep the
-    /// fewest levels with room for its noise.
-    pub fn validate_private(
+    /// What a job with distributed differential privacy, whose models
+    /// train `update_len` values, needs beyond [`SecAggConfig::validate`]
+    /// (which its caller runs): every round size from `min_devices` to
+    /// `max_devices` must keep the fewest levels with room for its noise.
+    pub fn validate_private_scale(
         &self,
         min_devices: usize,
         max_devices: usize,
         update_len: usize,
         target: &NoiseTarget,
     ) -> Result<(), SecAggError> {
-        self.validate(min_devices, max_devices)?;
         if update_len == 0 || update_len > crate::update::MAX_ELEMENTS {
             return Err(SecAggError::Config(format!(
                 "a model of {update_len} trainable values cannot be aggregated"
@@ -568,10 +554,8 @@ impl Plan {
                 self.max_weight
             ));
         }
-        let room = ((1u128 << (self.bits - 1)) - 1) as f64;
-        let values = self.participants as f64 * self.levels as f64;
-        let total_variance = variance * self.participants as f64;
-        if values + super::noise::noise_bound(total_variance, self.update_len) > room {
+        let (n, d) = (self.participants, self.update_len);
+        if !super::noise::sum_fits_ring(self.bits, n, self.levels, variance, d) {
             return bad(format!(
                 "plan.levels {} leave no room in {} bits for the noise of variance {variance} \
                  from each of {} devices",

@@ -837,14 +837,15 @@ impl JobSpec {
 
     /// A private secure job's rounds against its model's `update_len`
     /// trainable values: every round size must leave room for the noise
-    /// in the ring, or the job is refused naming the bits it needs.
+    /// in the ring, or the job is refused naming the bits it needs. The
+    /// graph of each size is [`JobSpec::validate`]'s.
     pub fn check_private_rounds(&self, update_len: usize) -> Result<(), String> {
         let Some(target) = self.noise_target() else {
             return Ok(());
         };
         let (min, max) = (self.min_devices, self.selection_size());
         self.secure_aggregation
-            .validate_private(min as usize, max as usize, update_len, &target)
+            .validate_private_scale(min as usize, max as usize, update_len, &target)
             .map_err(|error| {
                 format!(
                     "{error} (rounds select {min} to {max} devices, and the model trains \

@@ -1259,11 +1259,13 @@ pub async fn accept_updates(
     if let Some(sum) = &sum {
         store_sum(&mut tx, target.round_id, fedavg::encode_sum(sum)).await?;
     }
-    let weight_total = Some(weight_total);
-    let counted = count_batch(&mut tx, target.round_id, accepted, bytes_in, weight_total).await?;
-    if unclipped > 0 {
-        count_unclipped(&mut tx, target.round_id, unclipped).await?;
-    }
+    let batch = BatchCount {
+        accepted,
+        bytes_in,
+        weight_total: Some(weight_total),
+        unclipped,
+    };
+    let counted = count_batch(&mut tx, target.round_id, batch).await?;
     tx.commit().await?;
     Ok(numbered(outcomes, counted))
 }
@@ -1436,43 +1438,39 @@ struct Fold<'a> {
     now: i64,
 }
 
-/// Counts a folded batch in the round's row: its accepted updates and
-/// bytes, and the new weight total where the fold keeps one (a secure
-/// round learns its weights only when it unmasks). How many updates the
-/// round had accepted before the batch.
+/// What a folded batch adds to its round's row.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BatchCount {
+    pub accepted: i64,
+    pub bytes_in: i64,
+    /// The new weight total where the fold keeps one (a secure round
+    /// learns its weights only when it unmasks).
+    pub weight_total: Option<i64>,
+    /// A private round's updates that were within its clip.
+    pub unclipped: i64,
+}
+
+/// Counts a folded batch in the round's row, in one write. How many
+/// updates the round had accepted before the batch.
 pub async fn count_batch(
     tx: &mut Tx<'_>,
     round_id: i64,
-    accepted: i64,
-    bytes_in: i64,
-    weight_total: Option<i64>,
+    batch: BatchCount,
 ) -> Result<u64, sqlx::Error> {
     let (before,): (i64,) = sqlx::query_as(
         "UPDATE rounds SET weight_total = COALESCE($1, weight_total), \
-         updates_accepted = updates_accepted + $2, bytes_in = bytes_in + $3 \
-         WHERE id = $4 RETURNING updates_accepted - $2",
+         updates_accepted = updates_accepted + $2, bytes_in = bytes_in + $3, \
+         dp_unclipped = dp_unclipped + $4 \
+         WHERE id = $5 RETURNING updates_accepted - $2",
     )
-    .bind(weight_total)
-    .bind(accepted)
-    .bind(bytes_in)
+    .bind(batch.weight_total)
+    .bind(batch.accepted)
+    .bind(batch.bytes_in)
+    .bind(batch.unclipped)
     .bind(round_id)
     .fetch_one(&mut **tx)
     .await?;
     Ok(before as u64)
-}
-
-/// Counts a batch's private updates that were within the round's clip.
-async fn count_unclipped(
-    tx: &mut Tx<'_>,
-    round_id: i64,
-    unclipped: i64,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("UPDATE rounds SET dp_unclipped = dp_unclipped + $1 WHERE id = $2")
-        .bind(unclipped)
-        .bind(round_id)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
 }
 
 /// A batch's outcomes in order, each accepted one numbered by how many the

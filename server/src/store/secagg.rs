@@ -682,7 +682,12 @@ pub async fn fold_masked_batch<S, E>(
         return Ok(outcomes.into_iter().map(|o| o.map(|()| 0)).collect());
     }
     super::rounds::store_sum(&mut tx, round_id, close(&sum)).await?;
-    let counted = super::rounds::count_batch(&mut tx, round_id, accepted, bytes_in, None).await?;
+    let batch = super::rounds::BatchCount {
+        accepted,
+        bytes_in,
+        ..Default::default()
+    };
+    let counted = super::rounds::count_batch(&mut tx, round_id, batch).await?;
     tx.commit().await?;
     Ok(super::rounds::numbered(outcomes, counted))
 }
