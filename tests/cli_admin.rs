@@ -237,7 +237,9 @@ fn the_readme_section_runs_a_job_to_completion() -> Result<()> {
         "`canopy device ls` listed {online} online devices\n{report}"
     );
     secure_section_ran(&stdout, &report)?;
-    edge_section_ran(&stdout, &report)?;
+    let edge_log =
+        std::fs::read_to_string(dir.path().join("quickstart/edge.log")).unwrap_or_default();
+    edge_section_ran(&stdout, &edge_log, &report)?;
     simulate_section_ran(&stdout, &report)
 }
 
@@ -267,8 +269,10 @@ fn simulate_section_ran(stdout: &str, report: &str) -> Result<()> {
 
 /// What the edge aggregator's commands printed: the edge enrolled as an
 /// aggregator, three agents enrolled with the edge, and the tiered job's
-/// rounds each answered by the one aggregator.
-fn edge_section_ran(stdout: &str, report: &str) -> Result<()> {
+/// rounds each answered by the one aggregator; and what the edge logged:
+/// each of its three sub-rounds made a version of its own (`--edge-rounds
+/// 2`), which its agents verified and trained on, before its result.
+fn edge_section_ran(stdout: &str, edge_log: &str, report: &str) -> Result<()> {
     ensure!(stdout.contains("enrolled as aggregator"), "{report}");
     ensure!(stdout.contains("created job 3 `digits-tiered`"), "{report}");
     ensure!(stdout.contains("job 3 completed: 3 rounds"), "{report}");
@@ -277,6 +281,13 @@ fn edge_section_ran(stdout: &str, report: &str) -> Result<()> {
         .filter(|cells| cells[1] == "succeeded" && cells[2] == "1/1")
         .count();
     ensure!(rows == 3, "{rows} tiered rounds with 1/1\n{report}");
+    let own_versions = edge_log.matches("round succeeded").count();
+    let results = edge_log.matches("sub-round closed").count();
+    ensure!(
+        own_versions == 3 && results == 3,
+        "the edge logged {own_versions} versions of its own and {results} results\n{}",
+        tail(edge_log, 30)
+    );
     Ok(())
 }
 

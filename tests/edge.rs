@@ -352,6 +352,196 @@ async fn an_asynchronous_job_buffers_its_edges_results() -> Result<()> {
     Ok(())
 }
 
+/// Edges that buffer for their own devices (`edges.asynchronous`, two
+/// versions of their own per result) under a cloud that buffers for its
+/// edges. At each edge, two updates fill the first buffer into the edge's
+/// first version, which the edge signs under the cloud's delegation and
+/// its devices verify (their trust stays the cloud's key) and are handed
+/// to train on; the other two, trained on the cloud's version, fold into
+/// the second buffer one version stale. Each edge then sends the step
+/// from the cloud's version to its last, weighing all four updates, and
+/// the cloud's model is FedBuff over both tiers, computed here from what
+/// the devices sent, to 1e-6, though the first edge is killed with SIGKILL
+/// between its buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn edges_buffer_for_their_own_devices() -> Result<()> {
+    const EDGES_HERE: usize = 2;
+    let cloud = TestServer::start(Database::Sqlite)?;
+    let admin = cloud.admin();
+    let (mut edges, mut fleets, cloud_key) =
+        tiered_fleet(&cloud, EDGES_HERE, DEVICES_PER_EDGE).await?;
+    let base_bytes = support::logreg_model_bytes(13);
+    let base = canopy_ir::format::read_model(&base_bytes)?;
+    let version = admin.upload_model("tiered", base_bytes).await?;
+    let mut spec = tiered_job(&version, 1, EDGES_HERE, EDGES_HERE, 2);
+    spec["asynchronous"] = json!({"concurrency": EDGES_HERE, "max_staleness": 1});
+    spec["edges"]["rounds"] = json!(2);
+    spec["edges"]["asynchronous"] = json!({"concurrency": DEVICES_PER_EDGE, "max_staleness": 2});
+    let job = admin.create_job(spec).await?;
+    let mut results = Vec::new();
+    for (e, (edge, devices)) in edges.iter_mut().zip(&mut fleets).enumerate() {
+        // The first edge is killed with SIGKILL between its two buffers.
+        let killed = e == 0;
+        let result = buffer_at_edge(
+            e * DEVICES_PER_EDGE,
+            edge,
+            devices,
+            &base,
+            &cloud_key,
+            killed,
+        )
+        .await
+        .with_context(|| edge.log())?;
+        results.push(result);
+    }
+    completed(&admin, job, &edges).await?;
+    // The cloud's one buffer: both edges' results on its version, fresh.
+    let weight: f64 = results.iter().map(|(w, _)| *w as f64).sum();
+    let expected: Vec<f64> = trainable(&base)
+        .iter()
+        .enumerate()
+        .map(|(k, value)| {
+            let sum: f64 = results
+                .iter()
+                .map(|(w, step)| *w as f64 * f64::from(step[k]))
+                .sum();
+            f64::from((value + sum / weight) as f32)
+        })
+        .collect();
+    let worst = distance(&admin, 2, &expected).await?;
+    ensure!(
+        worst <= 1e-6,
+        "the model is {worst} from FedBuff over both tiers"
+    );
+    // Each edge's account covers both its buffers: the four updates, and
+    // the devices still training when it made its result, let go.
+    let (_, participants) = first_round(&admin, job).await?;
+    let reported = participants["items"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    ensure!(reported.len() == EDGES_HERE, "{participants}");
+    for edge in &reported {
+        let sub_round = &edge["sub_round"];
+        let selected = sub_round["selected"].as_u64().unwrap_or(0);
+        ensure!(
+            sub_round["updates"] == 4
+                && (6..=7).contains(&selected)
+                && sub_round["dropouts"] == selected - 4
+                && edge["num_samples"] == sub_round["samples"],
+            "{edge}"
+        );
+        let reason = sub_round["dropout_reasons"][0]["reason"]
+            .as_str()
+            .unwrap_or_default();
+        ensure!(reason.contains("made its result"), "{edge}");
+    }
+    Ok(())
+}
+
+/// One edge's part in [`edges_buffer_for_their_own_devices`], played by its
+/// four devices from index `first` on: the result the edge must send, as
+/// its weight and its step from the cloud's version (f32, as encoded).
+/// With `killed`, the edge is killed with SIGKILL once its first version
+/// is made and started again: it serves that version with its signature
+/// and the cloud's delegation from its database, and its second buffer
+/// takes the two stale updates once each.
+async fn buffer_at_edge(
+    first: usize,
+    edge: &mut Edge,
+    devices: &mut [DeviceClient],
+    base: &canopy_ir::Model,
+    cloud_key: &str,
+    killed: bool,
+) -> Result<(u64, Vec<f32>)> {
+    let mut tasks = Vec::new();
+    for device in devices.iter() {
+        tasks.push(poll_task(device).await?);
+    }
+    let len = tasks[0].layout.num_elements();
+    let updates: Vec<(u64, Vec<f32>)> = (0..DEVICES_PER_EDGE)
+        .map(|i| update_of(first + i, 1, len))
+        .collect();
+    for i in 0..2 {
+        send(&devices[i], &tasks[i], &updates[i]).await?;
+    }
+    let mean = |from: usize| -> Vec<f64> {
+        let pair = &updates[from..from + 2];
+        let weight: f64 = pair.iter().map(|(n, _)| *n as f64).sum();
+        (0..len)
+            .map(|k| {
+                let sum: f64 = pair.iter().map(|(n, v)| *n as f64 * f64::from(v[k])).sum();
+                sum / weight
+            })
+            .collect()
+    };
+    // The first buffer made the edge's first version, and the second
+    // buffer tops up, on that version, the places free of the four: at
+    // least one of the two devices that filled the first (the other may
+    // have been topped up into the first again as soon as it uploaded).
+    let mut own = None;
+    for (index, device) in devices[..2].iter().enumerate() {
+        let task = poll_task(device).await?;
+        if task.model_version_id != tasks[0].model_version_id {
+            own = Some((index, task));
+        }
+    }
+    let (index, own) = own.context("no device was handed the edge's own version")?;
+    if killed {
+        edge.kill9();
+        edge.start()?;
+        for device in devices.iter_mut() {
+            device.set_transport(edge.transport());
+        }
+    }
+    let device = &devices[index];
+    let downloaded = device.download_model(&own).await?;
+    ensure!(
+        downloaded.signer_key_hex != cloud_key && device.trusted_keys().current_hex() == cloud_key,
+        "the edge's version verified as signed by {}, and the device now trusts {}",
+        downloaded.signer_key_hex,
+        device.trusted_keys().current_hex()
+    );
+    let cloud_values = trainable(base);
+    let own_values: Vec<f64> = cloud_values
+        .iter()
+        .zip(mean(0))
+        .map(|(value, step)| f64::from((value + step) as f32))
+        .collect();
+    let got = trainable(&canopy_ir::format::read_model(&downloaded.bytes)?);
+    let worst = got
+        .iter()
+        .zip(&own_values)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f64, f64::max);
+    ensure!(
+        worst <= 1e-6,
+        "the edge's first version is {worst} from its buffer's mean"
+    );
+    // The other two trained on the cloud's version: one version stale at
+    // the edge, each weighing 1/√2 of its samples.
+    for i in 2..DEVICES_PER_EDGE {
+        send(&devices[i], &tasks[i], &updates[i]).await?;
+    }
+    let (stale, late) = (2f64.powf(-0.5), mean(2));
+    let step: Vec<f32> = (0..len)
+        .map(|k| ((own_values[k] - cloud_values[k]) + stale * late[k]) as f32)
+        .collect();
+    let weight = updates.iter().map(|(n, _)| n).sum();
+    Ok((weight, step))
+}
+
+/// Uploads `update` (samples, values) for `task`.
+async fn send(
+    device: &DeviceClient,
+    task: &canopy_protocol::messages::Task,
+    (num_samples, values): &(u64, Vec<f32>),
+) -> Result<()> {
+    let encoded = encode_update(&task.layout, *num_samples, values)?;
+    device.upload_update(task, encoded.into()).await?;
+    Ok(())
+}
+
 /// Each cloud round's tree: its aggregators, each with its account of
 /// its sub-round, whose counts and samples are those of its devices. A
 /// secure round's samples are inside its sum: the cloud holds no edge's.

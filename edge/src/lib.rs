@@ -91,7 +91,11 @@ pub async fn run(
         current_key: cloud.trusted_keys().current_hex(),
         endorsements: Vec::new(),
     };
-    let running = server::start_relay(settings, chain).await?;
+    // The aggregator's enrolled key signs the versions its sub-rounds
+    // make, under the cloud's delegation: the devices' trust stays rooted
+    // in the cloud's key.
+    let own_key = canopy_protocol::model_sig::ServerKey::from_bytes(&cloud.key().to_bytes());
+    let running = server::start_relay(settings, chain, own_key).await?;
     let state = running.state().clone();
     tracing::info!(
         cloud = %cloud.transport.url(""),

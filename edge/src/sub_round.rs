@@ -26,6 +26,8 @@ pub enum Refusal {
     TooLate,
     #[error("the sub-round's settings make no valid local job: {0}")]
     LocalJob(String),
+    #[error("the sub-round makes versions of its own, and {0}")]
+    Delegation(String),
     #[error("cannot fetch the cloud's model")]
     Download(#[source] SdkError),
     #[error("the edge's blob store failed")]
@@ -41,6 +43,9 @@ pub async fn open(cloud: &DeviceClient, state: &AppState, task: &Task) -> Result
         return Err(Refusal::NotTiered);
     };
     let spec = local_job_spec(task, sub_round, now_ms())?;
+    if task.kind == TaskKind::Train && sub_round.makes_versions() {
+        check_delegation(cloud, sub_round)?;
+    }
     let signature = cached_signature(state, task).await?;
     let signature = match signature {
         Some(signature) => signature,
@@ -67,8 +72,43 @@ pub async fn open(cloud: &DeviceClient, state: &AppState, task: &Task) -> Result
     Ok(uplink.job_id)
 }
 
+/// That the cloud lets this aggregator's key sign the versions its
+/// sub-round makes, by a key the aggregator trusts as the cloud's, for
+/// long enough: its devices would refuse them otherwise.
+fn check_delegation(cloud: &DeviceClient, sub_round: &SubRound) -> Result<(), Refusal> {
+    let refuse = |reason: String| Refusal::Delegation(reason);
+    let delegation = sub_round
+        .delegation
+        .as_ref()
+        .ok_or_else(|| refuse("the task carries no delegation to sign them".to_string()))?;
+    let (delegator, delegate) = delegation
+        .verify()
+        .map_err(|error| refuse(canopy_term::error_chain(&error)))?;
+    let now = u64::try_from(now_ms()).unwrap_or(0);
+    cloud
+        .trusted_keys()
+        .accepts(&delegator, now)
+        .map_err(|error| refuse(format!("its delegation is not the cloud's: {error}")))?;
+    if delegate != cloud.key().public_key() {
+        return Err(refuse(format!(
+            "its delegation is for key {}, not this aggregator's {}",
+            delegation.delegate_key,
+            cloud.key().public_key_hex()
+        )));
+    }
+    if delegation.valid_until_ms < sub_round.deadline_unix_ms {
+        return Err(refuse(format!(
+            "its delegation ends at {} ms, before the sub-round's deadline at {} ms",
+            delegation.valid_until_ms, sub_round.deadline_unix_ms
+        )));
+    }
+    Ok(())
+}
+
 /// The local job that runs a sub-round: one round on the cloud's version
-/// with the sub-round's counts and deadline, the cloud's training settings,
+/// (or for training, `sub_round.rounds` of them, buffered when the
+/// sub-round says so) with the sub-round's counts and deadline, the
+/// cloud's training settings,
 /// device policy and secure aggregation, no retries (the cloud round will
 /// not wait for one), no server optimizer (the cloud's), and no evaluation
 /// of its own; for an evaluation task, only the evaluation of the cloud's
@@ -104,6 +144,18 @@ pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<
         },
         "max_samples_per_device": sub_round.max_samples_per_device,
     });
+    // A training sub-round may make versions of its own first
+    // (`edges.rounds`), and may buffer for its devices (FedBuff).
+    if task.kind == TaskKind::Train {
+        spec["rounds"] = serde_json::json!(sub_round.rounds);
+        if let Some(buffers) = &sub_round.asynchronous {
+            spec["asynchronous"] = serde_json::json!({
+                "concurrency": buffers.concurrency,
+                "max_staleness": buffers.max_staleness,
+                "staleness_exponent": buffers.staleness_exponent,
+            });
+        }
+    }
     // Secure among the edge's devices when the cloud's job is: the edge
     // learns only their sum.
     if let Some(secure) = &sub_round.secure_aggregation {
@@ -166,6 +218,7 @@ async fn fetch(
     Ok(ModelSignature {
         key_hex: model.signer_key_hex,
         signature_hex: model.signature_hex,
+        delegation: None,
     })
 }
 

@@ -226,15 +226,9 @@ async fn send_secure(
 /// result goes up whether or not the report does: the tree is for people,
 /// the result for the model.
 async fn report(cloud: &DeviceClient, state: &AppState, uplink: &UplinkRow) {
-    let round = match uplinks::local_round(&state.db, uplink.job_id).await {
-        Ok(Some(round)) => round,
-        Ok(None) => return,
-        Err(error) => {
-            tracing::warn!(error = %chain(&error), "cannot read the sub-round for its report");
-            return;
-        }
-    };
-    let report = match rounds::sub_round_report(&state.db, &round, uplink.cloud_round_id).await {
+    let report = match rounds::sub_round_report(&state.db, uplink.job_id, uplink.cloud_round_id)
+        .await
+    {
         Ok(report) => report,
         Err(error) => {
             tracing::warn!(error = %chain(&error), "cannot sum up the sub-round for its report");

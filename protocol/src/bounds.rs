@@ -175,6 +175,15 @@ pub const MAX_SUB_ROUND_DEVICES: u32 = 100_000;
 /// Most over-selection a round or sub-round may ask for, as a fraction of
 /// its target.
 pub const MAX_OVER_SELECTION: f64 = 4.0;
+/// Most versions an aggregator makes from its devices' updates for one
+/// result (`sub_round.rounds`, a job's `edges.rounds`).
+pub const MAX_SUB_ROUND_VERSIONS: u32 = 1_000;
+/// Oldest update a buffer may take, in versions (`max_staleness`, for a
+/// job's buffers and an aggregator's alike).
+pub const MAX_STALENESS: u32 = 10_000;
+/// Largest staleness exponent: at 4, an update 10 versions old already
+/// weighs 10⁻⁴ of a fresh one.
+pub const MAX_STALENESS_EXPONENT: f64 = 4.0;
 
 /// Devices a round selects: its target plus over-selection, to absorb
 /// dropouts. One rule for the cloud's rounds and the edges' sub-rounds.
@@ -212,6 +221,40 @@ impl SubRound {
             1,
             crate::update::MAX_SAMPLES,
         )?;
+        check_u64(
+            "sub_round.rounds",
+            u64::from(self.rounds),
+            1,
+            u64::from(MAX_SUB_ROUND_VERSIONS),
+        )?;
+        if let Some(buffers) = &self.asynchronous {
+            check_u64(
+                "sub_round.asynchronous.concurrency",
+                u64::from(buffers.concurrency),
+                u64::from(self.target_devices),
+                max_devices,
+            )?;
+            check_u64(
+                "sub_round.asynchronous.max_staleness",
+                u64::from(buffers.max_staleness),
+                1,
+                u64::from(MAX_STALENESS),
+            )?;
+            if !(0.0..=MAX_STALENESS_EXPONENT).contains(&buffers.staleness_exponent) {
+                return Err(BoundsError::OutOfRange {
+                    field: "sub_round.asynchronous.staleness_exponent",
+                    value: buffers.staleness_exponent.to_string(),
+                    allowed: format!("0..={MAX_STALENESS_EXPONENT}"),
+                });
+            }
+        }
+        if self.makes_versions() && self.delegation.is_none() {
+            return Err(BoundsError::OutOfRange {
+                field: "sub_round.delegation",
+                value: "absent".to_string(),
+                allowed: "a delegation when the sub-round makes versions of its own".to_string(),
+            });
+        }
         if let Some(config) = &self.secure_aggregation {
             if !config.enabled {
                 return Err(BoundsError::SubRoundSecure(
@@ -236,6 +279,74 @@ mod tests {
             batch_size: 32,
             learning_rate: 0.05,
         }
+    }
+
+    fn buffering_sub_round() -> SubRound {
+        SubRound {
+            min_devices: 2,
+            target_devices: 3,
+            over_selection: 0.0,
+            deadline_unix_ms: 1,
+            max_samples_per_device: 100,
+            secure_aggregation: None,
+            delegation: Some(
+                crate::model_sig::ServerKey::generate()
+                    .delegate(&crate::model_sig::ServerKey::generate().public_key(), 1),
+            ),
+            rounds: 4,
+            asynchronous: Some(crate::messages::SubRoundBuffers {
+                concurrency: 5,
+                max_staleness: 2,
+                staleness_exponent: 0.5,
+            }),
+        }
+    }
+
+    #[test]
+    fn a_buffering_sub_round_bounds_each_field_and_its_weight() {
+        let sub_round = buffering_sub_round();
+        sub_round.validate().unwrap();
+        // Each buffer takes updates from up to the 5 devices training at
+        // once, and the result spans 4 of them.
+        assert_eq!(sub_round.max_devices(), 5);
+        assert_eq!(sub_round.max_samples(), 5 * 4 * 100);
+        let with = |change: fn(&mut SubRound)| {
+            let mut sub_round = buffering_sub_round();
+            change(&mut sub_round);
+            sub_round.validate().unwrap_err().field()
+        };
+        assert_eq!(with(|s| s.rounds = 0), "sub_round.rounds");
+        assert_eq!(with(|s| s.delegation = None), "sub_round.delegation");
+        assert_eq!(
+            with(|s| s.rounds = MAX_SUB_ROUND_VERSIONS + 1),
+            "sub_round.rounds"
+        );
+        assert_eq!(
+            with(|s| s.asynchronous.as_mut().unwrap().concurrency = 2),
+            "sub_round.asynchronous.concurrency"
+        );
+        assert_eq!(
+            with(|s| s.asynchronous.as_mut().unwrap().max_staleness = 0),
+            "sub_round.asynchronous.max_staleness"
+        );
+        assert_eq!(
+            with(|s| s.asynchronous.as_mut().unwrap().staleness_exponent = f64::NAN),
+            "sub_round.asynchronous.staleness_exponent"
+        );
+        // A plain sub-round's wire form is unchanged: no `rounds`, no
+        // `asynchronous`; and an old form still reads as one round.
+        let plain = SubRound {
+            rounds: 1,
+            asynchronous: None,
+            delegation: None,
+            ..buffering_sub_round()
+        };
+        let json = serde_json::to_value(&plain).unwrap();
+        for field in ["rounds", "asynchronous", "delegation"] {
+            assert!(json.get(field).is_none(), "{json}");
+        }
+        let read: SubRound = serde_json::from_value(json).unwrap();
+        assert_eq!(read, plain);
     }
 
     #[test]

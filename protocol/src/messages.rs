@@ -650,18 +650,70 @@ pub struct SubRound {
     /// whose plan comes in the task's `secure_aggregation`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secure_aggregation: Option<crate::secagg::SecAggConfig>,
+    /// Versions the aggregator makes from its own devices' updates before
+    /// it sends its one result, the difference between its last version
+    /// and the task's (a training task's; others run one round). One, a
+    /// plain sub-round whose result is its devices' weighted mean, when
+    /// absent.
+    #[serde(default = "one_version", skip_serializing_if = "is_one_version")]
+    pub rounds: u32,
+    /// When the aggregator buffers for its devices (FedBuff): its buffers'
+    /// settings, `target_devices` being the buffer size. Its rounds are
+    /// synchronous when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub asynchronous: Option<SubRoundBuffers>,
+    /// When the sub-round makes versions of its own: the cloud's leave for
+    /// the aggregator's key to sign them until the sub-round's deadline,
+    /// which the aggregator hands its devices with each such version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delegation: Option<crate::model_sig::ModelDelegation>,
+}
+
+fn one_version() -> u32 {
+    1
+}
+
+fn is_one_version(rounds: &u32) -> bool {
+    *rounds == 1
+}
+
+/// How an aggregator buffers its devices' updates (FedBuff), from the
+/// cloud job's `edges.asynchronous`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubRoundBuffers {
+    /// Its devices training at once.
+    pub concurrency: u32,
+    /// Oldest update a buffer takes, in the aggregator's own versions.
+    pub max_staleness: u32,
+    /// An update `τ` versions old weighs `(1 + τ)^-exponent` times its
+    /// samples.
+    pub staleness_exponent: f64,
 }
 
 impl SubRound {
-    /// The most end devices the sub-round selects, each of which may upload.
-    pub fn max_devices(&self) -> u32 {
-        crate::bounds::selection_size(self.target_devices, self.over_selection)
+    /// Whether the aggregator makes versions of its own before its result:
+    /// more than one round, or buffers (whose every buffer is a version).
+    pub fn makes_versions(&self) -> bool {
+        self.rounds > 1 || self.asynchronous.is_some()
     }
 
-    /// The most samples an aggregator's partial result may claim: every
-    /// device it may select, each at its bound.
+    /// The most end devices one of the sub-round's rounds takes updates
+    /// from: those it selects, or for buffers those training at once.
+    pub fn max_devices(&self) -> u32 {
+        let selected = crate::bounds::selection_size(self.target_devices, self.over_selection);
+        match &self.asynchronous {
+            Some(buffers) => selected.max(buffers.concurrency),
+            None => selected,
+        }
+    }
+
+    /// The most samples an aggregator's result may claim: in each of its
+    /// rounds, every device it may take an update from, each at its bound.
     pub fn max_samples(&self) -> u64 {
-        u64::from(self.max_devices()).saturating_mul(self.max_samples_per_device)
+        u64::from(self.max_devices())
+            .saturating_mul(u64::from(self.rounds.max(1)))
+            .saturating_mul(self.max_samples_per_device)
     }
 }
 

@@ -106,6 +106,39 @@ pub struct KeyEndorsement {
     pub signature: String,
 }
 
+/// The bytes one key signs about another until a time, under `domain`:
+/// `domain \n by hex \n about hex \n until_ms \n`. An endorsement and a
+/// delegation are both such statements; their domains keep either from
+/// passing for the other.
+fn statement_message(domain: &str, by: &[u8; 32], about: &[u8; 32], until_ms: u64) -> Vec<u8> {
+    format!(
+        "{domain}\n{}\n{}\n{until_ms}\n",
+        hex::encode(by),
+        hex::encode(about)
+    )
+    .into_bytes()
+}
+
+/// Checks a statement's signature under its `by` key; returns both keys,
+/// or what is wrong, naming which key (`by_name`, `about_name`).
+fn verify_statement(
+    domain: &str,
+    (by_name, by_hex): (&str, &str),
+    (about_name, about_hex): (&str, &str),
+    until_ms: u64,
+    signature_hex: &str,
+) -> Result<([u8; 32], [u8; 32]), String> {
+    let by = keys::parse_verifying_key_hex(by_hex).map_err(|e| format!("{by_name} key: {e}"))?;
+    let about =
+        keys::parse_verifying_key_hex(about_hex).map_err(|e| format!("{about_name} key: {e}"))?;
+    let signature =
+        keys::parse_signature_hex(signature_hex).map_err(|e| format!("signature: {e}"))?;
+    let message = statement_message(domain, &by.to_bytes(), &about.to_bytes(), until_ms);
+    by.verify_strict(&message, &signature)
+        .map_err(|_| format!("the signature does not verify under the {by_name} key"))?;
+    Ok((by.to_bytes(), about.to_bytes()))
+}
+
 /// The bytes a retiring key signs:
 /// `KEY_ROTATION_DOMAIN \n previous hex \n next hex \n valid_until_ms \n`.
 pub fn endorsement_message(
@@ -113,12 +146,12 @@ pub fn endorsement_message(
     next_key: &[u8; 32],
     previous_valid_until_ms: u64,
 ) -> Vec<u8> {
-    format!(
-        "{KEY_ROTATION_DOMAIN}\n{}\n{}\n{previous_valid_until_ms}\n",
-        hex::encode(previous_key),
-        hex::encode(next_key)
+    statement_message(
+        KEY_ROTATION_DOMAIN,
+        previous_key,
+        next_key,
+        previous_valid_until_ms,
     )
-    .into_bytes()
 }
 
 impl ServerKey {
@@ -143,24 +176,97 @@ impl KeyEndorsement {
             next_key: self.next_key.clone(),
             reason,
         };
-        let previous = keys::parse_verifying_key_hex(&self.previous_key)
-            .map_err(|reason| bad(format!("previous key: {reason}")))?;
-        let next = keys::parse_verifying_key_hex(&self.next_key)
-            .map_err(|reason| bad(format!("next key: {reason}")))?;
-        if previous == next {
+        if self.previous_key.eq_ignore_ascii_case(&self.next_key) {
             return Err(bad("a key cannot endorse itself".to_string()));
         }
-        let signature = keys::parse_signature_hex(&self.signature)
-            .map_err(|reason| bad(format!("signature: {reason}")))?;
-        let message = endorsement_message(
-            &previous.to_bytes(),
-            &next.to_bytes(),
+        verify_statement(
+            KEY_ROTATION_DOMAIN,
+            ("previous", &self.previous_key),
+            ("next", &self.next_key),
             self.previous_valid_until_ms,
-        );
-        previous
-            .verify_strict(&message, &signature)
-            .map_err(|_| bad("the signature does not verify under the previous key".to_string()))?;
-        Ok((previous.to_bytes(), next.to_bytes()))
+            &self.signature,
+        )
+        .map_err(bad)
+    }
+}
+
+/// JSON of a [`ModelDelegation`]: present when [`HEADER_MODEL_KEY`] is a
+/// key the server's own trusted key lets sign models for a while (an edge
+/// aggregator's versions of its own), absent otherwise.
+pub const HEADER_MODEL_DELEGATION: &str = "x-canopy-model-delegation";
+/// What a trusted key signs when it lets another key sign models.
+pub const DELEGATION_DOMAIN: &str = "canopy-model-delegation-v1";
+/// Largest [`HEADER_MODEL_DELEGATION`] a device reads: the JSON of one
+/// delegation is about 330 bytes.
+pub const MAX_DELEGATION_BYTES: usize = 1_024;
+
+/// A trusted key's statement that `delegate_key`'s model signatures are
+/// its own until `valid_until_ms` (Unix milliseconds). The cloud gives one
+/// to an edge aggregator that makes versions of its own (a tiered job's
+/// `edges.rounds` or `edges.asynchronous`), lasting its sub-round, so that
+/// the edge's devices, which trust only the cloud's key, can verify those
+/// versions. The delegate signs models under the same domain as any
+/// server ([`ServerKey::sign_model`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelDelegation {
+    /// Hex public key that made `signature`: one the device trusts.
+    pub signer_key: String,
+    /// Hex public key allowed to sign models.
+    pub delegate_key: String,
+    pub valid_until_ms: u64,
+    /// 128 hex characters: Ed25519 over [`delegation_message`].
+    pub signature: String,
+}
+
+/// The bytes a delegating key signs:
+/// `DELEGATION_DOMAIN \n signer hex \n delegate hex \n valid_until_ms \n`.
+pub fn delegation_message(signer: &[u8; 32], delegate: &[u8; 32], valid_until_ms: u64) -> Vec<u8> {
+    statement_message(DELEGATION_DOMAIN, signer, delegate, valid_until_ms)
+}
+
+impl ServerKey {
+    /// Lets `delegate` sign models as this key until `valid_until_ms`.
+    pub fn delegate(&self, delegate: &[u8; 32], valid_until_ms: u64) -> ModelDelegation {
+        let signer = self.public_key();
+        let message = delegation_message(&signer, delegate, valid_until_ms);
+        ModelDelegation {
+            signer_key: hex::encode(signer),
+            delegate_key: hex::encode(delegate),
+            valid_until_ms,
+            signature: hex::encode(self.sign_message(&message)),
+        }
+    }
+}
+
+impl ModelDelegation {
+    /// Checks the signature under `signer_key`; returns the signer and the
+    /// delegate.
+    pub fn verify(&self) -> Result<([u8; 32], [u8; 32]), KeyTrustError> {
+        verify_statement(
+            DELEGATION_DOMAIN,
+            ("signer", &self.signer_key),
+            ("delegate", &self.delegate_key),
+            self.valid_until_ms,
+            &self.signature,
+        )
+        .map_err(|reason| KeyTrustError::BadDelegation {
+            signer_key: self.signer_key.clone(),
+            delegate_key: self.delegate_key.clone(),
+            reason,
+        })
+    }
+
+    /// Reads the [`HEADER_MODEL_DELEGATION`] value, within its size bound.
+    pub fn from_header(value: &str) -> Result<ModelDelegation, KeyTrustError> {
+        let bad = |reason: String| KeyTrustError::MalformedDelegation { reason };
+        if value.len() > MAX_DELEGATION_BYTES {
+            return Err(bad(format!(
+                "it is {} bytes, over the limit of {MAX_DELEGATION_BYTES}",
+                value.len()
+            )));
+        }
+        serde_json::from_str(value).map_err(|error| bad(error.to_string()))
     }
 }
 
@@ -326,6 +432,45 @@ impl TrustedKeys {
         })
     }
 
+    /// Checks a model signature by a delegate at `now_ms`: the delegation
+    /// must be signed by a key this trust accepts, name `signer` as its
+    /// delegate and still be valid, and the signature must verify under
+    /// `signer`.
+    pub fn verify_delegated_model(
+        &self,
+        delegation: &ModelDelegation,
+        signer: &[u8; 32],
+        digest_hex: &str,
+        signature_hex: &str,
+        now_ms: u64,
+    ) -> Result<(), KeyTrustError> {
+        let (delegator, delegate) = delegation.verify()?;
+        self.accepts(&delegator, now_ms)?;
+        if delegate != *signer {
+            return Err(KeyTrustError::BadDelegation {
+                signer_key: delegation.signer_key.clone(),
+                delegate_key: delegation.delegate_key.clone(),
+                reason: format!(
+                    "the model was signed by key {}, not by the delegate",
+                    hex::encode(signer)
+                ),
+            });
+        }
+        if now_ms > delegation.valid_until_ms {
+            return Err(KeyTrustError::DelegationExpired {
+                delegate_key: delegation.delegate_key.clone(),
+                valid_until_ms: delegation.valid_until_ms,
+                now_ms,
+            });
+        }
+        verify_model_signature(signer, digest_hex, signature_hex).map_err(|source| {
+            KeyTrustError::Signature {
+                signer: hex::encode(signer),
+                source,
+            }
+        })
+    }
+
     /// Follows `endorsements` from the current key to `signer`: each link
     /// must be signed by the key the previous link ended at. The result
     /// trusts `signer`, and the key before it until that key's window ends.
@@ -406,6 +551,24 @@ pub enum KeyTrustError {
     },
     #[error("model signing key `{key}` is malformed: {reason}")]
     MalformedKey { key: String, reason: String },
+    #[error(
+        "the delegation of model signing to key {delegate_key} by key {signer_key} is invalid: {reason}"
+    )]
+    BadDelegation {
+        signer_key: String,
+        delegate_key: String,
+        reason: String,
+    },
+    #[error("the `{}` header is malformed: {reason}", HEADER_MODEL_DELEGATION)]
+    MalformedDelegation { reason: String },
+    #[error(
+        "model signing key {delegate_key} was allowed to sign models only until {valid_until_ms} ms after the Unix epoch (now {now_ms})"
+    )]
+    DelegationExpired {
+        delegate_key: String,
+        valid_until_ms: u64,
+        now_ms: u64,
+    },
     #[error("the model signature by key {signer} is invalid")]
     Signature {
         signer: String,
@@ -429,6 +592,77 @@ mod tests {
             .map(|(i, pair)| pair[0].endorse(&pair[1].public_key(), 1_000 * (i as u64 + 1)))
             .collect();
         (keys, links)
+    }
+
+    #[test]
+    fn a_delegate_signs_as_the_trusted_key_until_its_delegation_ends() {
+        let cloud = ServerKey::generate();
+        let edge = ServerKey::generate();
+        let trust = TrustedKeys::new(cloud.public_key());
+        let delegation = cloud.delegate(&edge.public_key(), 5_000);
+        let signature = edge.sign_model(DIGEST);
+        let header = serde_json::to_string(&delegation).unwrap();
+        let read = ModelDelegation::from_header(&header).unwrap();
+        trust
+            .verify_delegated_model(&read, &edge.public_key(), DIGEST, &signature, 5_000)
+            .expect("a delegate's signature within its window");
+        // Past its window.
+        let error = trust
+            .verify_delegated_model(&read, &edge.public_key(), DIGEST, &signature, 5_001)
+            .unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::DelegationExpired { .. }),
+            "{error}"
+        );
+        // A delegation lengthened after signing.
+        let stretched = ModelDelegation {
+            valid_until_ms: u64::MAX,
+            ..delegation.clone()
+        };
+        let error = trust
+            .verify_delegated_model(&stretched, &edge.public_key(), DIGEST, &signature, 6_000)
+            .unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::BadDelegation { .. }),
+            "{error}"
+        );
+        // Another key's signature under the delegation.
+        let other = ServerKey::generate();
+        let error = trust
+            .verify_delegated_model(
+                &delegation,
+                &other.public_key(),
+                DIGEST,
+                &other.sign_model(DIGEST),
+                0,
+            )
+            .unwrap_err();
+        assert!(error.to_string().contains("not by the delegate"), "{error}");
+        // A delegation by a key the device does not trust.
+        let stranger = ServerKey::generate();
+        let forged = stranger.delegate(&edge.public_key(), 5_000);
+        let error = trust
+            .verify_delegated_model(&forged, &edge.public_key(), DIGEST, &signature, 0)
+            .unwrap_err();
+        assert!(
+            matches!(error, KeyTrustError::UnknownSigner { .. }),
+            "{error}"
+        );
+        // A delegate's signature over another digest.
+        let error = trust
+            .verify_delegated_model(
+                &delegation,
+                &edge.public_key(),
+                &DIGEST.replace('0', "1"),
+                &signature,
+                0,
+            )
+            .unwrap_err();
+        assert!(matches!(error, KeyTrustError::Signature { .. }), "{error}");
+        // An oversized or malformed header.
+        let long = format!("{header}{}", " ".repeat(MAX_DELEGATION_BYTES));
+        assert!(ModelDelegation::from_header(&long).is_err());
+        assert!(ModelDelegation::from_header("{}").is_err());
     }
 
     #[test]

@@ -113,34 +113,75 @@ pub fn mean_update(
     Ok(sum.iter().map(|s| s / weight_total).collect())
 }
 
-/// An edge's sub-round result for the cloud: the mean update
-/// `Σ nᵢΔᵢ / Σ nᵢ` as an ordinary encoded update whose `num_samples` is
-/// `Σ nᵢ`, so that the cloud's fold multiplies it back and its sum is the
-/// sum over every end device (ARCHITECTURE.md, "The edge tier").
-pub fn partial_update(
+/// An edge's sub-round result for the cloud, as an ordinary encoded
+/// update whose `num_samples` is `weight`, so that the cloud's fold
+/// multiplies it back: for one round, the mean update `Σ nᵢΔᵢ / Σ nᵢ`
+/// with `weight = Σ nᵢ`, and the cloud's sum is the sum over every end
+/// device (ARCHITECTURE.md, "The edge tier").
+pub fn encode_result(
     layout: &UpdateLayout,
-    sum: &[f64],
-    weight_total: u64,
+    values: &[f64],
+    weight: u64,
 ) -> Result<Vec<u8>, FedAvgError> {
-    let mean = mean_update(layout, sum, weight_total)?;
-    let mut values = Vec::with_capacity(mean.len());
-    for (index, value) in mean.iter().enumerate() {
+    let mut narrowed = Vec::with_capacity(values.len());
+    for (index, value) in values.iter().enumerate() {
         let value = *value as f32;
         if !value.is_finite() {
-            let name = layout
-                .tensors
-                .first()
-                .map(|tensor| tensor.name.clone())
-                .unwrap_or_default();
+            let (name, index) = locate(layout, index);
             return Err(FedAvgError::NonFinite { name, index });
         }
-        values.push(value);
+        narrowed.push(value);
     }
     Ok(canopy_protocol::update::encode_update(
-        layout,
-        weight_total,
-        &values,
+        layout, weight, &narrowed,
     )?)
+}
+
+/// The tensor holding the `index`th value of the layout, and the value's
+/// index within it.
+fn locate(layout: &UpdateLayout, mut index: usize) -> (String, usize) {
+    for tensor in &layout.tensors {
+        let len = tensor.num_elements();
+        if index < len {
+            return (tensor.name.clone(), index);
+        }
+        index -= len;
+    }
+    (String::new(), index)
+}
+
+/// `last − first` over the trainable parameters, in layout order: the
+/// step an edge's own versions took from the cloud's.
+pub fn difference(
+    first: &Model,
+    last: &Model,
+    layout: &UpdateLayout,
+) -> Result<Vec<f64>, FedAvgError> {
+    for model in [first, last] {
+        if &layout_of(model)? != layout {
+            return Err(FedAvgError::LayoutMismatch {
+                reason: "an edge's version does not have the cloud's layout".to_string(),
+            });
+        }
+    }
+    let values = |model: &Model| -> Vec<f32> {
+        model
+            .parameters
+            .iter()
+            .filter(|p| p.trainable)
+            .flat_map(|p| match &p.data.buffer {
+                Buffer::F32(values) => values.as_slice(),
+                _ => unreachable!("layout_of accepted only f32 parameters"),
+            })
+            .copied()
+            .collect()
+    };
+    let (from, to) = (values(first), values(last));
+    Ok(from
+        .iter()
+        .zip(&to)
+        .map(|(a, b)| f64::from(*b) - f64::from(*a))
+        .collect())
 }
 
 /// Adds `step` to the model's trainable parameters, in layout order.

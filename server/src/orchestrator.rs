@@ -1349,14 +1349,25 @@ async fn aggregate(
     job: &JobRow,
     spec: &JobSpec,
 ) -> Result<Option<RoundState>, OrchestratorError> {
-    if let Some(uplink) = uplinks::for_job(&state.db.pool, job.id).await? {
-        return keep_partial(state, round, job, spec, &uplink).await;
+    // An edge's sub-round keeps its result where its last round would
+    // make a version; its earlier rounds (`edges.rounds`) make versions of
+    // the edge's own.
+    let last = round.number >= i64::from(spec.rounds);
+    let uplink = uplinks::for_job(&state.db.pool, job.id).await?;
+    if let Some(uplink) = uplink.as_ref().filter(|_| last) {
+        return keep_partial(state, round, job, spec, uplink).await;
     }
     let base = base_version(state, round).await?;
     let next = match next_version(state, round, job, spec, &base).await? {
         Ok(next) => {
             let stored = put_blob(state, next.file(), Some(round.id)).await?;
-            Ok((next, stored))
+            match uplink
+                .as_ref()
+                .map(|uplink| sign_own_version(state, uplink, &stored))
+            {
+                Some(Err(failure)) => Err(failure),
+                signed => Ok((next, stored, signed.and_then(Result::ok))),
+            }
         }
         Err(failure) => Err(failure),
     };
@@ -1366,8 +1377,11 @@ async fn aggregate(
         return Ok(None);
     }
     let outcome = match next {
-        Ok((next, stored)) => {
+        Ok((next, stored, signed)) => {
             let version = insert_version(&mut tx, &base, &stored, job.id, Some(round.id)).await?;
+            if let Some(signed) = &signed {
+                crate::store::relayed_signatures::put(&mut tx, &version.digest, signed).await?;
+            }
             match next {
                 NextVersion::Trained {
                     optimizer_state, ..
@@ -1393,6 +1407,27 @@ async fn aggregate(
     Ok(Some(outcome))
 }
 
+/// An edge's signature over a version its sub-round made (one of
+/// `edges.rounds`, or a buffer), under the cloud's delegation in the
+/// sub-round's task: its devices, which trust only the cloud's key, take
+/// it on that leave.
+fn sign_own_version(
+    state: &AppState,
+    uplink: &uplinks::UplinkRow,
+    stored: &StoredBlob,
+) -> Result<crate::signing::ModelSignature, RoundFailure> {
+    let task: canopy_protocol::messages::Task = serde_json::from_str(&uplink.cloud_task)
+        .map_err(|error| RoundFailure::Delegation(format!("the cloud's task: {error}")))?;
+    let delegation = task
+        .sub_round
+        .and_then(|sub_round| sub_round.delegation)
+        .ok_or_else(|| RoundFailure::Delegation("the cloud's task carries none".to_string()))?;
+    state
+        .signing
+        .sign_as_delegate(&stored.digest, &delegation)
+        .map_err(RoundFailure::Delegation)
+}
+
 /// Whether the round, claimed in `tx`, still aggregates the updates it
 /// did when `round` was read, under a running job. A job paused or stopped
 /// meanwhile is the next tick's to handle.
@@ -1415,9 +1450,11 @@ async fn still_aggregating(
 }
 
 /// An edge's sub-round closes: where a cloud round would write a version,
-/// it keeps its devices' weighted mean, with their total weight, in its
-/// uplink row for the cloud (`canopy-edge` sends it), in the transaction
-/// that closes the round; or it fails by the same rules as any round.
+/// it keeps its result, with its weight, in its uplink row for the cloud
+/// (`canopy-edge` sends it), in the transaction that closes the round; or
+/// it fails by the same rules as any round. The result is computed before
+/// the writer lock, as `aggregate`'s version is, and kept only if the
+/// round still holds the updates it was computed from.
 async fn keep_partial(
     state: &AppState,
     round: &RoundRow,
@@ -1425,13 +1462,14 @@ async fn keep_partial(
     spec: &JobSpec,
     uplink: &uplinks::UplinkRow,
 ) -> Result<Option<RoundState>, OrchestratorError> {
+    let result = sub_round_result(state, round, job, uplink).await?;
     let _writer = state.db.write_lock().await;
     let mut tx = state.db.pool.begin().await?;
     if !still_aggregating(state, &mut tx, round, job).await? {
         return Ok(None);
     }
-    let partial = match sub_round_result(&mut tx, round, uplink).await? {
-        Ok(partial) => partial,
+    let (partial, weight) = match result {
+        Ok(result) => result,
         Err(failure) => {
             let max_retries = i64::from(spec.max_round_retries);
             let outcome = failure.record(&mut tx, round, max_retries).await?;
@@ -1439,28 +1477,36 @@ async fn keep_partial(
             return Ok(Some(outcome));
         }
     };
-    let weight_total = u64::try_from(round.weight_total).unwrap_or(0);
-    uplinks::keep_partial(&mut tx, job.id, &partial, weight_total).await?;
+    uplinks::keep_partial(&mut tx, job.id, &partial, weight).await?;
     rounds::succeed_partial(&mut tx, round).await?;
+    if round.is_buffer() {
+        let reason = "not needed: the sub-round made its result before this device uploaded";
+        rounds::drop_buffered(&mut tx, job.id, reason).await?;
+    }
     tx.commit().await?;
     tracing::info!(
         job = job.id,
         round = round.id,
         updates = round.updates_accepted,
-        samples = round.weight_total,
+        samples = weight,
         "sub-round closed; its result waits for the uplink"
     );
     Ok(Some(RoundState::Succeeded))
 }
 
-/// A closed sub-round's encoded result, or why the round fails. The
-/// uplink's cloud task is written once, with the sub-round, so the row
-/// read before the transaction still holds.
+/// A closed sub-round's encoded result with its weight, or why the round
+/// fails. A sub-round of one round sends its devices' weighted mean,
+/// weighing their samples. One that made versions of its own sends the
+/// step from the cloud's version to its last, plus the last round's mean,
+/// weighing the samples of all its rounds: to the cloud, the progress of
+/// one participant that trained on that much data. The uplink's cloud task
+/// is written once, with the sub-round, so the row read before still holds.
 async fn sub_round_result(
-    tx: &mut Tx<'_>,
+    state: &AppState,
     round: &RoundRow,
+    job: &JobRow,
     uplink: &uplinks::UplinkRow,
-) -> Result<Result<Vec<u8>, RoundFailure>, OrchestratorError> {
+) -> Result<Result<(Vec<u8>, u64), RoundFailure>, OrchestratorError> {
     if round.updates_accepted < round.min_devices {
         return Ok(Err(RoundFailure::TooFewUpdates {
             arrived: round.updates_accepted,
@@ -1469,12 +1515,65 @@ async fn sub_round_result(
     }
     let task: canopy_protocol::messages::Task =
         from_json("uplinks.cloud_task", &uplink.cloud_task)?;
-    let sum = rounds::update_sum(tx, round.id)
-        .await?
+    // A read transaction (no writer lock): one snapshot of the two reads.
+    let mut tx = state.db.pool.begin().await?;
+    let sum = rounds::update_sum(&mut tx, round.id).await?;
+    let earlier_samples = rounds::earlier_samples(&mut tx, job.id, round.id).await?;
+    tx.rollback().await?;
+    let sum = sum
         .map(|bytes| fedavg::decode_sum(&bytes))
         .unwrap_or_default();
     let weight_total = u64::try_from(round.weight_total).unwrap_or(0);
-    Ok(fedavg::partial_update(&task.layout, &sum, weight_total).map_err(RoundFailure::from))
+    let mut mean = match fedavg::mean_update(&task.layout, &sum, weight_total) {
+        Ok(mean) => mean,
+        Err(error) => return Ok(Err(error.into())),
+    };
+    if round.base_version_id != job.model_version_id {
+        match own_progress(state, round, job, &task.layout).await? {
+            Ok(progress) => mean.iter_mut().zip(progress).for_each(|(m, p)| *m += p),
+            Err(failure) => return Ok(Err(failure)),
+        }
+    }
+    let weight = weight_total.saturating_add(earlier_samples);
+    let encoded = fedavg::encode_result(&task.layout, &mean, weight);
+    Ok(encoded
+        .map(|bytes| (bytes, weight))
+        .map_err(RoundFailure::from))
+}
+
+/// The step an edge's own versions have taken, from the cloud's version
+/// its sub-round began on to the base of `round`, in layout order.
+async fn own_progress(
+    state: &AppState,
+    round: &RoundRow,
+    job: &JobRow,
+    layout: &canopy_protocol::update::UpdateLayout,
+) -> Result<Result<Vec<f64>, RoundFailure>, OrchestratorError> {
+    let limit = state.settings.limits.max_model_bytes;
+    let mut files = Vec::with_capacity(2);
+    for id in [job.model_version_id, round.base_version_id] {
+        let version =
+            models::get_version(&state.db, id)
+                .await?
+                .ok_or(OrchestratorError::MissingVersion {
+                    round: round.id,
+                    version: id,
+                })?;
+        files.push(state.blobs.get(&version.digest, limit).await?);
+    }
+    let layout = layout.clone();
+    let progress = tokio::task::spawn_blocking(move || {
+        let read = |bytes: &[u8]| {
+            canopy_ir::format::read_model(bytes)
+                .map_err(|error| RoundFailure::BaseModel(chain(&error)))
+        };
+        let (first, last) = (read(&files[0])?, read(&files[1])?);
+        Ok(fedavg::difference(&first, &last, &layout)?)
+    });
+    progress.await.map_err(|source| OrchestratorError::Task {
+        round: round.id,
+        source,
+    })
 }
 
 /// The file of the version a round produces, with what goes with it.
@@ -1726,7 +1825,10 @@ async fn next_buffer(
         return Ok(());
     };
     let new = next_round(&job, spec, RoundKind::Train);
-    let deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
+    let mut deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
+    if let Some(closes_by) = sub_round_deadline(tx, job_id).await? {
+        deadline = deadline.min(closes_by);
+    }
     if let Some(round_id) = rounds::open_buffer(tx, &new, deadline).await? {
         tracing::debug!(
             job = job_id,

@@ -77,6 +77,10 @@ pub enum RoundFailure {
     /// A robust round's stored updates could not be aggregated.
     #[error("robust aggregation: {0}")]
     Robust(String),
+    /// An edge cannot sign a version its sub-round made: the cloud's
+    /// delegation is missing or not for its key.
+    #[error("the edge cannot sign its own version: {0}")]
+    Delegation(String),
 }
 
 text_enum! {
@@ -135,7 +139,8 @@ impl RoundFailure {
             RoundFailure::BaseModel(_)
             | RoundFailure::Averaging(_)
             | RoundFailure::Serialise(_)
-            | RoundFailure::Robust(_) => FailureKind::AggregationFailed,
+            | RoundFailure::Robust(_)
+            | RoundFailure::Delegation(_) => FailureKind::AggregationFailed,
             RoundFailure::Statistics(_) => FailureKind::StatisticsUnfitted,
             RoundFailure::SecurePlan(_) => FailureKind::SecurePlanRefused,
             RoundFailure::SecureDropouts(_) => FailureKind::SecureDropouts,

@@ -255,14 +255,19 @@ pub async fn start(settings: Settings) -> Result<Running, ServeError> {
 
 /// [`start`] for an edge aggregator: the server hands its devices the
 /// cloud's model signatures and key chain (`chain`, kept current by the
-/// edge with [`SigningRing::set_relayed_chain`]) and signs no model.
-pub async fn start_relay(settings: Settings, chain: SigningKeys) -> Result<Running, ServeError> {
-    start_signing(settings, Some(chain)).await
+/// edge with [`SigningRing::set_relayed_chain`]), and signs only versions
+/// of its own, with `own_key` as the cloud's delegation lets it.
+pub async fn start_relay(
+    settings: Settings,
+    chain: SigningKeys,
+    own_key: canopy_protocol::model_sig::ServerKey,
+) -> Result<Running, ServeError> {
+    start_signing(settings, Some((chain, own_key))).await
 }
 
 async fn start_signing(
     settings: Settings,
-    relayed_chain: Option<SigningKeys>,
+    relayed_chain: Option<(SigningKeys, canopy_protocol::model_sig::ServerKey)>,
 ) -> Result<Running, ServeError> {
     tls::install_crypto_provider();
     let listen = settings.listen;
@@ -283,7 +288,7 @@ async fn start_signing(
     let data_dir = settings.data_dir.clone();
     let grace = Duration::from_millis(settings.limits.shutdown_grace_ms);
     let signing = match relayed_chain {
-        Some(chain) => SigningRing::relaying(ring, chain),
+        Some((chain, own_key)) => SigningRing::relaying(ring, chain, own_key),
         None => SigningRing::new(ring),
     };
     let state = AppState::new(db, blobs, signing, settings);

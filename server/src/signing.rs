@@ -7,7 +7,7 @@
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use canopy_protocol::model_sig::SigningKeys;
+use canopy_protocol::model_sig::{ModelDelegation, ServerKey, SigningKeys};
 use tokio::sync::watch;
 
 use crate::db::Db;
@@ -20,6 +20,9 @@ use crate::store::signing_keys::{self, Ring};
 pub struct ModelSignature {
     pub key_hex: String,
     pub signature_hex: String,
+    /// When the key is an edge's, the cloud's leave for it to sign
+    /// (`ModelDelegation`, as the JSON of its header).
+    pub delegation: Option<String>,
 }
 
 /// What a server hands devices as a model's signature: its own key
@@ -30,6 +33,9 @@ pub struct SigningRing {
     /// On an edge: the cloud's key chain, which devices enrolled here pin
     /// and follow. Signatures are then read from `relayed_signatures`.
     relayed: Option<RwLock<Arc<SigningKeys>>>,
+    /// On an edge: its own key (its enrolled aggregator key), which signs
+    /// the versions its sub-rounds make under the cloud's delegation.
+    delegate: Option<ServerKey>,
 }
 
 /// A digest an edge has no cloud signature for.
@@ -53,16 +59,44 @@ impl SigningRing {
         SigningRing {
             own: RwLock::new(Arc::new(ring)),
             relayed: None,
+            delegate: None,
         }
     }
 
     /// An edge's ring: models carry the cloud's signatures, and devices
-    /// are handed the cloud's `chain`.
-    pub fn relaying(ring: Ring, chain: SigningKeys) -> SigningRing {
+    /// are handed the cloud's `chain`; versions of its own are signed by
+    /// `delegate` as the cloud lets it.
+    pub fn relaying(ring: Ring, chain: SigningKeys, delegate: ServerKey) -> SigningRing {
         SigningRing {
             own: RwLock::new(Arc::new(ring)),
             relayed: Some(RwLock::new(Arc::new(chain))),
+            delegate: Some(delegate),
         }
+    }
+
+    /// An edge's signature over a version of its own, under `delegation`,
+    /// which must name this edge's key; the reason when it cannot sign.
+    pub fn sign_as_delegate(
+        &self,
+        digest_hex: &str,
+        delegation: &ModelDelegation,
+    ) -> Result<ModelSignature, String> {
+        let Some(key) = &self.delegate else {
+            return Err("this server signs for itself and takes no delegation".to_string());
+        };
+        let (_, delegate) = delegation.verify().map_err(|error| error.to_string())?;
+        if delegate != key.public_key() {
+            return Err(format!(
+                "the cloud's delegation names key {}, and this edge's key is {}",
+                delegation.delegate_key,
+                key.public_key_hex()
+            ));
+        }
+        Ok(ModelSignature {
+            key_hex: key.public_key_hex(),
+            signature_hex: key.sign_model(digest_hex),
+            delegation: Some(serde_json::to_string(delegation).map_err(|e| e.to_string())?),
+        })
     }
 
     fn ring(&self) -> Arc<Ring> {
@@ -113,12 +147,26 @@ impl SigningRing {
             })
     }
 
+    /// The key in use's leave for `delegate` to sign models until
+    /// `valid_until_ms`; none on an edge, which signs nothing as the cloud.
+    pub fn delegate(
+        &self,
+        delegate: &[u8; 32],
+        valid_until_ms: u64,
+    ) -> Option<canopy_protocol::model_sig::ModelDelegation> {
+        if self.relayed.is_some() {
+            return None;
+        }
+        Some(self.ring().current.delegate(delegate, valid_until_ms))
+    }
+
     /// Signs with the key in use.
     fn sign_model(&self, digest_hex: &str) -> ModelSignature {
         let ring = self.ring();
         ModelSignature {
             key_hex: ring.current.public_key_hex(),
             signature_hex: ring.current.sign_model(digest_hex),
+            delegation: None,
         }
     }
 

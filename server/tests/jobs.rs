@@ -173,6 +173,20 @@ async fn over_selection_and_filters() -> Result<()> {
     Ok(())
 }
 
+/// Posts each job and checks it is refused (422) with `wanted` in its
+/// message.
+async fn each_is_refused(admin: &support::Admin, cases: Vec<(Value, &str)>) -> Result<()> {
+    for (body, wanted) in cases {
+        let refused = admin.post("/api/v1/jobs", body).await?;
+        let message = refused.body["error"]["message"]
+            .as_str()
+            .unwrap_or_default();
+        ensure!(refused.status == 422, "{}", refused.body);
+        ensure!(message.contains(wanted), "wanted {wanted:?} in: {message}");
+    }
+    Ok(())
+}
+
 /// Asynchronous settings that cannot work are refused, each naming the
 /// setting and why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -188,7 +202,7 @@ async fn bad_asynchronous_settings_are_refused() -> Result<()> {
         }
         body
     };
-    let cases = [
+    let cases = vec![
         (
             with(30, json!({"concurrency": 20}), json!({})),
             "`target_devices` (the buffer size K, 30) is above `asynchronous.concurrency` (20)",
@@ -222,14 +236,7 @@ async fn bad_asynchronous_settings_are_refused() -> Result<()> {
             "unknown field `buffer`",
         ),
     ];
-    for (body, wanted) in cases {
-        let refused = admin.post("/api/v1/jobs", body).await?;
-        let message = refused.body["error"]["message"]
-            .as_str()
-            .unwrap_or_default();
-        assert_eq!(refused.status, 422, "{}", refused.body);
-        assert!(message.contains(wanted), "wanted {wanted:?} in: {message}");
-    }
+    each_is_refused(&admin, cases).await?;
     let accepted = admin
         .post(
             "/api/v1/jobs",
@@ -242,6 +249,80 @@ async fn bad_asynchronous_settings_are_refused() -> Result<()> {
         accepted.body["spec"]["asynchronous"]["staleness_exponent"],
         0.5
     );
+    Ok(())
+}
+
+/// Edge settings that make versions of their own are bounded and named
+/// like the job's: `edges.rounds`, `edges.asynchronous.*`, and their
+/// refusal with secure aggregation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_edge_version_settings_are_refused() -> Result<()> {
+    let server = TestServer::start(Database::Sqlite)?;
+    let admin = server.admin();
+    let version = admin.upload_model("logreg", logreg_model_bytes(3)).await?;
+    let with = |edges: Value, extra: Value| {
+        let mut body = spec(&version, 1, 2, 0.0, json!({}));
+        body["edges"] = json!({"min_devices": 2, "target_devices": 4});
+        for (key, value) in edges.as_object().cloned().unwrap_or_default() {
+            body["edges"][key] = value;
+        }
+        for (key, value) in extra.as_object().cloned().unwrap_or_default() {
+            body[key] = value;
+        }
+        body
+    };
+    let cases = vec![
+        (
+            with(json!({"rounds": 0}), json!({})),
+            "`edges.rounds` must be between 1 and 1000",
+        ),
+        (
+            with(json!({"rounds": 1001}), json!({})),
+            "`edges.rounds` must be between 1 and 1000",
+        ),
+        (
+            with(json!({"asynchronous": {"concurrency": 3}}), json!({})),
+            "`edges.target_devices` (the buffer size K, 4) is above \
+             `edges.asynchronous.concurrency` (3)",
+        ),
+        (
+            with(
+                json!({"asynchronous": {"concurrency": 8, "max_staleness": 0}}),
+                json!({}),
+            ),
+            "`edges.asynchronous.max_staleness` must be at least 1, got 0",
+        ),
+        (
+            with(
+                json!({"asynchronous": {"concurrency": 8, "staleness_exponent": -1.0}}),
+                json!({}),
+            ),
+            "`edges.asynchronous.staleness_exponent` must be between 0 and 4",
+        ),
+        (
+            with(
+                json!({"rounds": 2, "min_devices": 3}),
+                json!({"secure_aggregation": {"enabled": true}, "min_devices": 3,
+                       "target_devices": 3}),
+            ),
+            "`edges.rounds` above 1 and `edges.asynchronous` cannot be combined with \
+             `secure_aggregation`",
+        ),
+    ];
+    each_is_refused(&admin, cases).await?;
+    let accepted = admin
+        .post(
+            "/api/v1/jobs",
+            with(
+                json!({"rounds": 3, "asynchronous": {"concurrency": 8}}),
+                json!({}),
+            ),
+        )
+        .await?;
+    assert_eq!(accepted.status, 201, "{}", accepted.body);
+    let edges = &accepted.body["spec"]["edges"];
+    assert_eq!(edges["rounds"], 3, "{edges}");
+    assert_eq!(edges["asynchronous"]["max_staleness"], 20, "{edges}");
     Ok(())
 }
 

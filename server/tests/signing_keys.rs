@@ -15,7 +15,8 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use canopy_protocol::messages::Task;
 use canopy_protocol::model_sig::{
-    HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE, ServerKey, SigningKeys,
+    HEADER_MODEL_DELEGATION, HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE,
+    ServerKey, SigningKeys,
 };
 use canopy_sdk::{DeviceClient, SdkError, Transport, Trust};
 use serde_json::{Value, json};
@@ -199,7 +200,117 @@ async fn key_rotation_end_to_end(database: Database) -> Result<()> {
     let chain = device.signing_keys().await?;
     ensure!(chain.endorsements.len() == 1 && chain.endorsements[0].previous_key == k1);
 
-    forged_signer_is_refused(&device, &task, chain).await
+    forged_signer_is_refused(&device, &task, chain.clone()).await?;
+    forged_delegations_are_refused(&device, &task, chain).await
+}
+
+/// A server (a test-only HTTP server on a real socket) that signs the
+/// model with keys of its own and hands the device delegations it made
+/// itself, as an edge would hand the cloud's: every one is refused, by
+/// name, and the device's trust stays where it was.
+async fn forged_delegations_are_refused(
+    device: &DeviceClient,
+    task: &Task,
+    real_chain: SigningKeys,
+) -> Result<()> {
+    let model = logreg_model_bytes(3);
+    let digest = task.model_digest.clone();
+    let forger = ServerKey::generate();
+    let accomplice = ServerKey::generate();
+    let delegation = |by: &ServerKey, to: &ServerKey| {
+        serde_json::to_string(&by.delegate(&to.public_key(), u64::MAX)).unwrap_or_default()
+    };
+    // (the model's signer, the delegation header, what the refusal says);
+    // a delegation by a trusted key that names another signer, or has
+    // ended, is refused too (`model_sig`'s unit tests: only the real
+    // server's key could make one here).
+    let cases = [
+        (
+            &forger,
+            delegation(&forger, &forger),
+            "not trusted".to_string(),
+        ),
+        (
+            &accomplice,
+            delegation(&forger, &accomplice),
+            "not trusted".to_string(),
+        ),
+        (
+            &forger,
+            "{\"signer_key\": 1}".to_string(),
+            "header is malformed".to_string(),
+        ),
+        (&forger, "x".repeat(2_000), "over the limit".to_string()),
+    ];
+    let headers = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, String)>::new()));
+    let served_headers = headers.clone();
+    let chain_json: Value = serde_json::to_value(&real_chain)?;
+    let app = Router::new()
+        .route(
+            "/device/v1/models/{id}",
+            get(move || {
+                let model = model.clone();
+                let mut response = model.into_response();
+                let listed = served_headers.lock().map(|h| h.clone()).unwrap_or_default();
+                for (name, value) in listed {
+                    if let (Ok(name), Ok(value)) = (
+                        header::HeaderName::try_from(name.as_str()),
+                        header::HeaderValue::try_from(value.as_str()),
+                    ) {
+                        response.headers_mut().insert(name, value);
+                    }
+                }
+                async move { response }
+            }),
+        )
+        .route(
+            "/device/v1/signing-keys",
+            get(move || {
+                let body = chain_json.clone();
+                async move { axum::Json(body) }
+            }),
+        );
+    let (through_forger, served) = serve_forger(device, app).await?;
+    let trusted_before = device.trusted_keys();
+    for (signer, header_value, refusal) in cases {
+        if let Ok(mut slot) = headers.lock() {
+            *slot = vec![
+                (HEADER_MODEL_DIGEST.to_string(), digest.clone()),
+                (
+                    HEADER_MODEL_SIGNATURE.to_string(),
+                    signer.sign_model(&digest),
+                ),
+                (HEADER_MODEL_KEY.to_string(), signer.public_key_hex()),
+                (HEADER_MODEL_DELEGATION.to_string(), header_value.clone()),
+            ];
+        }
+        let error = through_forger
+            .download_model(task)
+            .await
+            .expect_err("a forged delegation");
+        let reason = verification_reason(&error)?;
+        ensure!(reason.contains(&refusal), "wanted {refusal:?} in: {reason}");
+    }
+    ensure!(device.trusted_keys() == trusted_before, "the trust moved");
+    served.abort();
+    Ok(())
+}
+
+/// Serves `app` on a real socket; `device` as a client of it instead of
+/// its server, and the server's task.
+async fn serve_forger(
+    device: &DeviceClient,
+    app: Router,
+) -> Result<(DeviceClient, tokio::task::JoinHandle<std::io::Result<()>>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let served = tokio::spawn(async move { axum::serve(listener, app).await });
+    let mut through_forger = device.clone();
+    through_forger.set_transport(Transport::new(
+        &base,
+        &Trust::PinnedSha256("ab".repeat(32)),
+    )?);
+    Ok((through_forger, served))
 }
 
 /// A server (a test-only HTTP server on a real socket) that signs the model
@@ -251,14 +362,7 @@ async fn forged_signer_is_refused(
                 async move { axum::Json(body) }
             }),
         );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let base = format!("http://{}", listener.local_addr()?);
-    let served = tokio::spawn(async move { axum::serve(listener, app).await });
-    let mut through_forger = device.clone();
-    through_forger.set_transport(Transport::new(
-        &base,
-        &Trust::PinnedSha256("ab".repeat(32)),
-    )?);
+    let (through_forger, served) = serve_forger(device, app).await?;
     let trusted_before = device.trusted_keys();
 
     let error = through_forger

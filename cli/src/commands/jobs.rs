@@ -103,6 +103,16 @@ pub struct CreateArgs {
     /// deadline, leaving the rest for its result to reach the server).
     #[arg(long, requires = "edge_min_devices")]
     edge_deadline_ms: Option<u64>,
+    /// Versions each aggregator makes from its own devices' updates before
+    /// it sends its result (docs/edge.md, "Edges that make versions of
+    /// their own"; default 1, a plain sub-round).
+    #[arg(long, requires = "edge_min_devices")]
+    edge_rounds: Option<u32>,
+    /// Each aggregator buffers for its devices (FedBuff one tier down), this
+    /// many training at once; every --edge-target-devices updates make
+    /// one of its versions.
+    #[arg(long, requires = "edge_min_devices")]
+    edge_concurrency: Option<u32>,
     /// Start the job once it is created.
     #[arg(long)]
     start: bool,
@@ -338,6 +348,12 @@ fn apply_flags(
         );
         if let Some(deadline_ms) = args.edge_deadline_ms {
             edges.insert("deadline_ms".into(), json!(deadline_ms));
+        }
+        if let Some(rounds) = args.edge_rounds {
+            edges.insert("rounds".into(), json!(rounds));
+        }
+        if let Some(concurrency) = args.edge_concurrency {
+            edges.insert("asynchronous".into(), json!({"concurrency": concurrency}));
         }
     }
     if !spec.contains_key("model_version_id") {
@@ -585,6 +601,22 @@ mod tests {
         assert_eq!(
             spec["edges"],
             json!({"min_devices": 5, "target_devices": 8, "deadline_ms": 30000})
+        );
+        let mut spec: Map<String, Value> =
+            serde_json::from_value(json!({"model_version_id": 4})).unwrap();
+        let flags = args(&[
+            "--edge-min-devices",
+            "5",
+            "--edge-rounds",
+            "4",
+            "--edge-concurrency",
+            "20",
+        ]);
+        apply_flags(&mut spec, &flags, None).unwrap();
+        assert_eq!(
+            spec["edges"],
+            json!({"min_devices": 5, "target_devices": 5, "rounds": 4,
+                   "asynchronous": {"concurrency": 20}})
         );
         let mut spec = Map::new();
         spec.insert("model_version_id".into(), json!(4));

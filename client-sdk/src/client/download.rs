@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use canopy_protocol::messages::Task;
 use canopy_protocol::model_sig::{
-    self, HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE, KeyTrustError, SigningKeys,
+    self, HEADER_MODEL_DELEGATION, HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE,
+    KeyTrustError, ModelDelegation, SigningKeys, TrustedKeys,
 };
 use reqwest::{Method, StatusCode};
 
@@ -76,13 +77,16 @@ impl DeviceClient {
     /// Checks a download's signature under the trusted keys. A signer the
     /// device does not trust yet is looked up in the server's endorsement
     /// chain; the trust moves to it only if the chain leads there from the
-    /// trusted key and the signature then verifies.
+    /// trusted key and the signature then verifies. With a delegation (an
+    /// edge's own version), the delegating key is the one that must be
+    /// trusted, and the delegation must name the signer and be current.
     async fn verify_model_signature(
         &self,
         version_id: i64,
         signer_hex: Option<&str>,
         digest: &str,
         signature: &str,
+        delegation: Option<&str>,
     ) -> Result<(), SdkError> {
         let fail = |error: KeyTrustError| SdkError::ModelVerification {
             version_id,
@@ -96,15 +100,31 @@ impl DeviceClient {
             None => trust.current(),
         };
         let now = now_ms();
-        match trust.verify_model(&signer, digest, signature, now) {
+        // An edge's own version: the key that must be trusted is the one
+        // that delegated, and the signer is its delegate.
+        let delegation = match delegation {
+            Some(header) => Some(ModelDelegation::from_header(header).map_err(fail)?),
+            None => None,
+        };
+        let verify = |trust: &TrustedKeys| match &delegation {
+            Some(delegation) => {
+                trust.verify_delegated_model(delegation, &signer, digest, signature, now)
+            }
+            None => trust.verify_model(&signer, digest, signature, now),
+        };
+        match verify(&trust) {
             Err(KeyTrustError::UnknownSigner { .. }) => {}
             verified => return verified.map_err(fail),
         }
+        let trusted_signer = match &delegation {
+            Some(delegation) => delegation.verify().map_err(fail)?.0,
+            None => signer,
+        };
         let chain = self.signing_keys().await?;
-        let advanced = trust.advance(&signer, &chain.endorsements).map_err(fail)?;
-        advanced
-            .verify_model(&signer, digest, signature, now)
+        let advanced = trust
+            .advance(&trusted_signer, &chain.endorsements)
             .map_err(fail)?;
+        verify(&advanced).map_err(fail)?;
         self.advance_trust(trust, advanced);
         Ok(())
     }
@@ -279,8 +299,15 @@ impl DeviceClient {
                     )));
                 }
                 let signer = header(HEADER_MODEL_KEY);
-                self.verify_model_signature(version_id, signer.as_deref(), &digest, &signature)
-                    .await?;
+                let delegation = header(HEADER_MODEL_DELEGATION);
+                self.verify_model_signature(
+                    version_id,
+                    signer.as_deref(),
+                    &digest,
+                    &signature,
+                    delegation.as_deref(),
+                )
+                .await?;
                 let signer_key_hex =
                     signer.unwrap_or_else(|| hex::encode(self.trusted_keys().current()));
                 *verified = Some(Verified {

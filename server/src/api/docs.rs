@@ -193,6 +193,16 @@ mod tests {
         assert_eq!(job("local_epochs")["maximum"], bounds::MAX_EPOCHS);
         assert_eq!(job("batch_size")["maximum"], bounds::MAX_BATCH_SIZE);
         assert_eq!(job("learning_rate")["maximum"], bounds::MAX_LEARNING_RATE);
+        let buffers = |name: &str| schema_property(&document, "Asynchronous", name);
+        assert_eq!(buffers("concurrency")["maximum"], MAX_DEVICES_PER_ROUND);
+        assert_eq!(buffers("max_staleness")["maximum"], bounds::MAX_STALENESS);
+        assert_eq!(
+            buffers("staleness_exponent")["maximum"],
+            bounds::MAX_STALENESS_EXPONENT
+        );
+        let edges = |name: &str| schema_property(&document, "EdgeTier", name);
+        assert_eq!(edges("rounds")["maximum"], bounds::MAX_SUB_ROUND_VERSIONS);
+        assert_eq!(edges("target_devices")["maximum"], MAX_DEVICES_PER_ROUND);
         let backends = schema_property(&document, "DeviceFilter", "backends");
         assert_eq!(backends["maxItems"], MAX_FILTER_BACKENDS);
         let gpu_types = schema_property(&document, "DeviceFilter", "gpu_types");

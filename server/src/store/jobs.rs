@@ -7,7 +7,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use canopy_protocol::bounds::{self, MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE};
+use canopy_protocol::bounds::{
+    self, MAX_BATCH_SIZE, MAX_EPOCHS, MAX_LEARNING_RATE, MAX_SUB_ROUND_VERSIONS,
+};
 use canopy_protocol::messages::{DeviceRole, SubRound};
 use canopy_protocol::secagg::noise::NoiseTarget;
 use canopy_protocol::secagg::{Plan, SecAggConfig, SecAggError};
@@ -254,10 +256,7 @@ pub struct Asynchronous {
     pub staleness_exponent: f64,
 }
 
-/// Largest `asynchronous.max_staleness`.
-pub const MAX_STALENESS: u32 = 10_000;
-/// Largest `asynchronous.staleness_exponent`.
-pub const MAX_STALENESS_EXPONENT: f64 = 4.0;
+pub use canopy_protocol::bounds::{MAX_STALENESS, MAX_STALENESS_EXPONENT};
 
 fn default_max_staleness() -> u32 {
     20
@@ -271,6 +270,63 @@ impl Asynchronous {
     /// The weight of an update `staleness` versions old, per sample.
     pub fn staleness_weight(&self, staleness: u64) -> f64 {
         (1.0 + staleness as f64).powf(-self.staleness_exponent)
+    }
+
+    /// The settings' bounds, for buffers of `target_devices` (the job's,
+    /// or with `prefix` `edges.` an aggregator's): each field is named as
+    /// the job spells it.
+    fn check(&self, prefix: &str, target_devices: u32) -> Result<(), String> {
+        let field = |name: &str| format!("{prefix}asynchronous.{name}");
+        check_range(
+            &field("concurrency"),
+            self.concurrency,
+            1,
+            MAX_DEVICES_PER_ROUND,
+        )?;
+        if target_devices > self.concurrency {
+            return Err(format!(
+                "`{prefix}target_devices` (the buffer size K, {target_devices}) is above `{}` \
+                 ({}): a buffer would wait for more updates than devices train at once; lower \
+                 `{prefix}target_devices` or raise `{}`",
+                field("concurrency"),
+                self.concurrency,
+                field("concurrency"),
+            ));
+        }
+        if self.max_staleness == 0 {
+            return Err(format!(
+                "`{}` must be at least 1, got 0: every device would have to finish before the \
+                 next version, which is a synchronous round (leave `{prefix}asynchronous` out \
+                 for that)",
+                field("max_staleness")
+            ));
+        }
+        check_range(
+            &field("max_staleness"),
+            self.max_staleness,
+            1,
+            MAX_STALENESS,
+        )?;
+        let exponent = self.staleness_exponent;
+        if !(0.0..=MAX_STALENESS_EXPONENT).contains(&exponent) {
+            return Err(out_of_range(
+                &field("staleness_exponent"),
+                exponent,
+                0.0,
+                MAX_STALENESS_EXPONENT,
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl From<&Asynchronous> for canopy_protocol::messages::SubRoundBuffers {
+    fn from(settings: &Asynchronous) -> Self {
+        canopy_protocol::messages::SubRoundBuffers {
+            concurrency: settings.concurrency,
+            max_staleness: settings.max_staleness,
+            staleness_exponent: settings.staleness_exponent,
+        }
     }
 }
 
@@ -297,6 +353,30 @@ pub struct EdgeTier {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(minimum = 1_000, maximum = 604_799_000)]
     pub deadline_ms: Option<u64>,
+    /// Versions each aggregator makes from its own devices' updates before
+    /// it sends its one result: the difference between its last version
+    /// and the round's (hierarchical FedAvg, or with `asynchronous`, an
+    /// aggregator that buffers for its devices). Every round's sub-round
+    /// must make them by `deadline_ms`. One, a plain sub-round whose
+    /// result is its devices' weighted mean, when left out.
+    #[serde(default = "one_edge_round", skip_serializing_if = "is_one_edge_round")]
+    #[schema(minimum = 1, maximum = 1_000, default = 1)]
+    pub rounds: u32,
+    /// Each aggregator buffers for its own devices (FedBuff): up to
+    /// `concurrency` of them train at once, each on the aggregator's newest
+    /// version, and every `edges.target_devices` updates make its next
+    /// version, each weighted down by its staleness. Synchronous sub-rounds
+    /// when left out. See `docs/edge.md`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub asynchronous: Option<Asynchronous>,
+}
+
+fn one_edge_round() -> u32 {
+    1
+}
+
+fn is_one_edge_round(rounds: &u32) -> bool {
+    *rounds == 1
 }
 
 impl EdgeTier {
@@ -584,43 +664,7 @@ impl JobSpec {
         let Some(asynchronous) = &self.asynchronous else {
             return Ok(());
         };
-        check_range(
-            "asynchronous.concurrency",
-            asynchronous.concurrency,
-            1,
-            MAX_DEVICES_PER_ROUND,
-        )?;
-        if self.target_devices > asynchronous.concurrency {
-            return Err(format!(
-                "`target_devices` (the buffer size K, {}) is above `asynchronous.concurrency` \
-                 ({}): a buffer would wait for more updates than devices train at once; lower \
-                 `target_devices` or raise `asynchronous.concurrency`",
-                self.target_devices, asynchronous.concurrency
-            ));
-        }
-        if asynchronous.max_staleness == 0 {
-            return Err(
-                "`asynchronous.max_staleness` must be at least 1, got 0: every device would \
-                 have to finish before the next version, which is a synchronous round (leave \
-                 `asynchronous` out for that)"
-                    .to_string(),
-            );
-        }
-        check_range(
-            "asynchronous.max_staleness",
-            asynchronous.max_staleness,
-            1,
-            MAX_STALENESS,
-        )?;
-        let exponent = asynchronous.staleness_exponent;
-        if !(0.0..=MAX_STALENESS_EXPONENT).contains(&exponent) {
-            return Err(out_of_range(
-                "asynchronous.staleness_exponent",
-                exponent,
-                0.0,
-                MAX_STALENESS_EXPONENT,
-            ));
-        }
+        asynchronous.check("", self.target_devices)?;
         if self.secure_aggregation.enabled {
             return Err(
                 "`asynchronous` cannot be combined with `secure_aggregation`: SecAgg+ unmasks \
@@ -901,6 +945,10 @@ impl JobSpec {
                 .secure_aggregation
                 .enabled
                 .then(|| self.secure_aggregation.clone()),
+            rounds: edges.rounds,
+            asynchronous: edges.asynchronous.as_ref().map(Into::into),
+            // The task's builder signs one for the aggregator it goes to.
+            delegation: None,
         })
     }
 
@@ -918,6 +966,9 @@ impl JobSpec {
             deadline_unix_ms: deadline_unix_ms.saturating_sub(self.uplink_ms(edges)),
             max_samples_per_device: self.max_samples_per_device.unwrap_or(MAX_SAMPLES),
             secure_aggregation: None,
+            rounds: 1,
+            asynchronous: None,
+            delegation: None,
         })
     }
 
@@ -947,6 +998,25 @@ impl JobSpec {
             .unwrap_or(default_edge_deadline_ms(self.round_deadline_ms))
     }
 
+    /// An aggregator's own versions: how many per result, and its buffers.
+    fn check_edge_versions(&self, edges: &EdgeTier) -> Result<(), String> {
+        check_range("edges.rounds", edges.rounds, 1, MAX_SUB_ROUND_VERSIONS)?;
+        if let Some(buffers) = &edges.asynchronous {
+            buffers.check("edges.", edges.target_devices)?;
+        }
+        let own_versions = edges.rounds > 1 || edges.asynchronous.is_some();
+        if own_versions && self.secure_aggregation.enabled {
+            return Err(
+                "`edges.rounds` above 1 and `edges.asynchronous` cannot be combined with \
+                 `secure_aggregation`: an aggregator that makes versions of its own must see \
+                 each of them, and the aggregators' SecAgg+ ring is sized for one sub-round's \
+                 weight; hint: leave both out, and each aggregator sends one masked sub-round"
+                    .to_string(),
+            );
+        }
+        Ok(())
+    }
+
     fn check_edges(&self) -> Result<(), String> {
         if let Some(bound) = self.max_samples_per_device {
             check_range("max_samples_per_device", bound, 1, MAX_SAMPLES)?;
@@ -960,6 +1030,7 @@ impl JobSpec {
             edges.target_devices,
             edges.over_selection,
         )?;
+        self.check_edge_versions(edges)?;
         let latest_ms = self.round_deadline_ms.saturating_sub(MIN_UPLINK_MS);
         check_range(
             "edges.deadline_ms",

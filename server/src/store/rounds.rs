@@ -704,6 +704,27 @@ pub async fn succeed_statistics(
 /// An edge's sub-round: `aggregating` → `succeeded` with no version of
 /// its own (its result went to its uplink row, in this transaction), and
 /// its one-round job completed.
+/// The samples behind the job's rounds that succeeded before `round_id`:
+/// an edge's earlier versions, whose weight its one result carries too.
+pub async fn earlier_samples(
+    tx: &mut Tx<'_>,
+    job_id: i64,
+    round_id: i64,
+) -> Result<u64, sqlx::Error> {
+    // Summed here: PostgreSQL's SUM of a BIGINT is a NUMERIC.
+    let weights: Vec<i64> = sqlx::query_scalar(
+        "SELECT weight_total FROM rounds WHERE job_id = $1 AND id <> $2 AND state = 'succeeded'",
+    )
+    .bind(job_id)
+    .bind(round_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    Ok(weights
+        .into_iter()
+        .map(|weight| u64::try_from(weight).unwrap_or(0))
+        .fold(0, u64::saturating_add))
+}
+
 pub async fn succeed_partial(tx: &mut Tx<'_>, round: &RoundRow) -> Result<(), sqlx::Error> {
     let now = now_ms();
     clear_sum(tx, round.id).await?;
@@ -1632,22 +1653,35 @@ pub async fn record_sub_round(
     Ok(result.rows_affected() > 0)
 }
 
-/// What an edge's sub-round did, for its report to the cloud: the
-/// round's counts and bytes, and its dropouts grouped by reason.
+/// An edge's account of its sub-round for the cloud's round tree, over
+/// every round of the sub-round's local job (one, or `edges.rounds`).
 pub async fn sub_round_report(
     db: &Db,
-    round: &RoundRow,
+    job_id: i64,
     cloud_round_id: i64,
 ) -> Result<canopy_protocol::messages::SubRoundReport, sqlx::Error> {
     use canopy_protocol::messages::{DropoutCount, MAX_SUB_ROUND_REASONS};
     let reasons: Vec<(Option<String>, i64)> = sqlx::query_as(
-        "SELECT drop_reason, COUNT(*) FROM participants WHERE round_id = $1 AND state = 'dropped' \
-         GROUP BY drop_reason ORDER BY COUNT(*) DESC",
+        "SELECT p.drop_reason, COUNT(*) FROM participants p JOIN rounds r ON r.id = p.round_id \
+         WHERE r.job_id = $1 AND p.state = 'dropped' GROUP BY p.drop_reason \
+         ORDER BY COUNT(*) DESC",
     )
-    .bind(round.id)
+    .bind(job_id)
+    .fetch_all(&db.pool)
+    .await?;
+    let rounds: Vec<RoundRow> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT {ROUND_COLUMNS} FROM rounds WHERE job_id = $1 ORDER BY id"
+    )))
+    .bind(job_id)
     .fetch_all(&db.pool)
     .await?;
     let count = |n: i64| u32::try_from(n).unwrap_or(u32::MAX);
+    let total = |field: fn(&RoundRow) -> i64| {
+        rounds
+            .iter()
+            .map(|round| u64::try_from(field(round)).unwrap_or(0))
+            .fold(0u64, u64::saturating_add)
+    };
     let dropout_reasons = reasons
         .into_iter()
         .take(MAX_SUB_ROUND_REASONS)
@@ -1661,25 +1695,29 @@ pub async fn sub_round_report(
             devices: count(devices),
         })
         .collect();
-    let closed_ms = round
-        .closed_ms
-        .or(round.finished_ms)
-        .unwrap_or(round.created_ms);
+    let opened_ms = rounds.first().map_or(0, |round| round.created_ms);
+    let closed_ms = rounds.last().map_or(opened_ms, |round| {
+        round
+            .closed_ms
+            .or(round.finished_ms)
+            .unwrap_or(round.created_ms)
+    });
+    let narrow = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
     Ok(canopy_protocol::messages::SubRoundReport {
         round_id: cloud_round_id,
-        selected: count(round.selected_count),
-        updates: count(round.updates_accepted),
-        dropouts: count(round.dropouts),
-        ineligible: count(round.ineligible),
+        selected: narrow(total(|r| r.selected_count)),
+        updates: narrow(total(|r| r.updates_accepted)),
+        dropouts: narrow(total(|r| r.dropouts)),
+        ineligible: narrow(total(|r| r.ineligible)),
         dropout_reasons,
         // A secure round's weight is one of the secrets its sum hides.
-        samples: round
-            .secagg_stage
-            .is_none()
-            .then(|| u64::try_from(round.weight_total).unwrap_or(0)),
-        bytes_in: u64::try_from(round.bytes_in).unwrap_or(0),
-        bytes_out: u64::try_from(round.bytes_out).unwrap_or(0),
-        duration_ms: u64::try_from(closed_ms - round.created_ms).unwrap_or(0),
+        samples: rounds
+            .iter()
+            .all(|round| round.secagg_stage.is_none())
+            .then(|| total(|r| r.weight_total)),
+        bytes_in: total(|r| r.bytes_in),
+        bytes_out: total(|r| r.bytes_out),
+        duration_ms: u64::try_from(closed_ms - opened_ms).unwrap_or(0),
     })
 }
 

@@ -1,9 +1,9 @@
 //! An edge aggregator's sub-rounds and what it owes the cloud for each
-//! (ARCHITECTURE.md, "The edge tier"). A sub-round is a local job of one
-//! round on the cloud's version, run by the same orchestrator as every
-//! job; its uplink row records the cloud's task, and, once the round has
-//! closed, the weighted mean its devices' updates make, until the cloud
-//! has it.
+//! (ARCHITECTURE.md, "The edge tier"). A sub-round is a local job on the
+//! cloud's version, of one round or of `edges.rounds` (buffered or not),
+//! run by the same orchestrator as every job; its uplink row records the
+//! cloud's task, and, once the last round has closed, the result its
+//! devices' updates make, until the cloud has it.
 
 use canopy_protocol::messages::TaskKind;
 use canopy_protocol::update::UpdateLayout;
@@ -20,9 +20,9 @@ use crate::store::rounds::{ROUND_COLUMNS, RoundRow, Tx};
 text_enum! {
     /// Where an edge's result for one cloud round stands.
     pub enum UplinkState {
-        /// The local round runs.
+        /// The local rounds run.
         Collecting = "collecting",
-        /// The local round closed; `partial` waits to reach the cloud.
+        /// The last local round closed; `partial` waits to reach the cloud.
         Ready = "ready",
         /// The cloud accepted it.
         Sent = "sent",
@@ -208,7 +208,8 @@ where
     .await
 }
 
-/// The local round of an uplink's job (a sub-round has one), if opened.
+/// The latest local round of an uplink's job, if opened: an evaluation
+/// sub-round's one round.
 pub async fn local_round(db: &Db, job_id: i64) -> Result<Option<RoundRow>, sqlx::Error> {
     sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT {ROUND_COLUMNS} FROM rounds WHERE job_id = $1 ORDER BY id DESC LIMIT 1"

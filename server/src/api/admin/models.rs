@@ -395,7 +395,8 @@ pub async fn download_version(
         .model_signature(&state.db, &row.digest)
         .await
         .map_err(|error| ApiError::internal(canopy_term::error_chain(&error)))?;
-    Ok((
+    let delegation = signed.delegation.clone();
+    let mut response = (
         [
             (header::CONTENT_TYPE, "application/octet-stream".to_string()),
             (header::CONTENT_LENGTH, blob.size.to_string()),
@@ -417,7 +418,14 @@ pub async fn download_version(
         ],
         Body::from_stream(blob.stream),
     )
-        .into_response())
+        .into_response();
+    // An edge's own version: the cloud's leave for the edge's key.
+    if let Some(value) = delegation.and_then(|json| json.parse().ok()) {
+        response
+            .headers_mut()
+            .insert(canopy_protocol::model_sig::HEADER_MODEL_DELEGATION, value);
+    }
+    Ok(response)
 }
 
 /// A version's ancestry: which round produced it from which parent.

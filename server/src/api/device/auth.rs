@@ -44,6 +44,8 @@ pub const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934c
 #[derive(Clone, Debug)]
 pub struct DeviceAuth {
     pub device_id: i64,
+    /// The enrolled key the request was signed with.
+    pub public_key: [u8; 32],
     pub content_sha256: String,
     /// This request's place under `max_requests_per_device`, held until the
     /// handler returns.
@@ -136,6 +138,7 @@ impl FromRequestParts<AppState> for DeviceAuth {
         }
         Ok(DeviceAuth {
             device_id,
+            public_key,
             content_sha256: request.content_sha256,
             _in_flight: Arc::new(in_flight),
         })

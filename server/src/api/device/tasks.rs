@@ -13,7 +13,9 @@ use axum::response::{IntoResponse, Response};
 use canopy_protocol::messages::{
     ERROR_NO_OPEN_TASK, SecureTask, Task, TaskKind, TrainingConfig, task_paths,
 };
-use canopy_protocol::model_sig::{HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE};
+use canopy_protocol::model_sig::{
+    HEADER_MODEL_DELEGATION, HEADER_MODEL_DIGEST, HEADER_MODEL_KEY, HEADER_MODEL_SIGNATURE,
+};
 use canopy_protocol::update::UpdateLayout;
 use serde::Deserialize;
 
@@ -82,7 +84,8 @@ pub async fn next_task(
                 return Ok(axum::Json(build_evaluation_task(&state, task).await?).into_response());
             }
             if let Some(task) = rounds::take_task(&state.db, device.device_id).await? {
-                return Ok(axum::Json(build_task(&state, task).await?).into_response());
+                let task = build_task(&state, task, &device.public_key).await?;
+                return Ok(axum::Json(task).into_response());
             }
         }
         if tokio::time::Instant::now() >= deadline || state.is_shutting_down() {
@@ -320,7 +323,13 @@ fn training_config(spec: &JobSpec, round_number: i64) -> TrainingConfig {
     }
 }
 
-async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> {
+/// The task of a training or statistics round for the device whose key
+/// is `device_key`.
+async fn build_task(
+    state: &AppState,
+    task: rounds::TaskRow,
+    device_key: &[u8; 32],
+) -> ApiResult<Task> {
     let spec = job_spec(task.job_id, &task.config)?;
     let version = models::get_version(&state.db, task.base_version_id)
         .await?
@@ -350,7 +359,7 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
         dataset: spec.dataset.clone(),
         layout: (*layout).clone(),
         secure_aggregation: secure_task(state, &task)?,
-        sub_round: spec.sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)),
+        sub_round: sub_round(state, &spec, kind, &task, device_key)?,
         policy: spec.device_policy,
         privacy: match kind {
             TaskKind::Train => spec.differential_privacy.as_ref().and_then(|dp| dp.task()),
@@ -363,6 +372,38 @@ async fn build_task(state: &AppState, task: rounds::TaskRow) -> ApiResult<Task> 
             TaskKind::Evaluate | TaskKind::Statistics => None,
         },
     })
+}
+
+/// A tiered job's sub-round for the aggregator whose key is `device_key`.
+/// A training sub-round that makes versions of its own carries this
+/// server's leave for that key to sign them, until the sub-round's
+/// deadline: the aggregator's devices trust only this server's key.
+fn sub_round(
+    state: &AppState,
+    spec: &JobSpec,
+    kind: TaskKind,
+    task: &rounds::TaskRow,
+    device_key: &[u8; 32],
+) -> ApiResult<Option<canopy_protocol::messages::SubRound>> {
+    let Some(mut sub_round) = spec.sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)) else {
+        return Ok(None);
+    };
+    if kind != TaskKind::Train {
+        sub_round.rounds = 1;
+        sub_round.asynchronous = None;
+    }
+    if sub_round.makes_versions() {
+        let delegation = state
+            .signing
+            .delegate(device_key, sub_round.deadline_unix_ms)
+            .ok_or_else(|| {
+                ApiError::internal(
+                    "a server that relays another's signatures cannot let an aggregator sign",
+                )
+            })?;
+        sub_round.delegation = Some(delegation);
+    }
+    Ok(Some(sub_round))
 }
 
 fn secure_task(state: &AppState, task: &rounds::TaskRow) -> ApiResult<Option<SecureTask>> {
@@ -465,6 +506,11 @@ pub async fn download_model(
         Body::from_stream(blob.stream),
     )
         .into_response();
+    if let Some(delegation) = signed.delegation.and_then(|json| json.parse().ok()) {
+        response
+            .headers_mut()
+            .insert(HEADER_MODEL_DELEGATION, delegation);
+    }
     if start.is_some() {
         let value = format!(
             "bytes {}-{}/{}",

@@ -216,9 +216,10 @@ async fn check_sample_bound(
             sub_round.max_samples(),
             format!(
                 "an aggregator's result in round {round_id} may claim at most {} samples \
-                 (its sub-round selects at most {} devices, each at most the job's \
-                 `max_samples_per_device` of {})",
+                 (each of its sub-round's {} rounds takes updates from at most {} devices, each \
+                 at most the job's `max_samples_per_device` of {})",
                 sub_round.max_samples(),
+                sub_round.rounds,
                 sub_round.max_devices(),
                 sub_round.max_samples_per_device
             ),
