@@ -10,7 +10,7 @@ use canopy_server::blobs::BlobError;
 use canopy_server::db::{SqlError, now_ms};
 use canopy_server::signing::ModelSignature;
 use canopy_server::state::AppState;
-use canopy_server::store::jobs::JobSpec;
+use canopy_server::store::jobs::{Asynchronous, JobSpec};
 use canopy_server::store::uplinks::{self, NewSubRound, UplinkKind};
 use canopy_server::store::{models, relayed_signatures};
 
@@ -149,11 +149,8 @@ pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<
     if task.kind == TaskKind::Train {
         spec["rounds"] = serde_json::json!(sub_round.rounds);
         if let Some(buffers) = &sub_round.asynchronous {
-            spec["asynchronous"] = serde_json::json!({
-                "concurrency": buffers.concurrency,
-                "max_staleness": buffers.max_staleness,
-                "staleness_exponent": buffers.staleness_exponent,
-            });
+            spec["asynchronous"] = serde_json::to_value(Asynchronous::from(buffers))
+                .map_err(|error| Refusal::LocalJob(error.to_string()))?;
         }
     }
     // Secure among the edge's devices when the cloud's job is: the edge

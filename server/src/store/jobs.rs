@@ -320,6 +320,18 @@ impl Asynchronous {
     }
 }
 
+/// An aggregator's buffers as its local job runs them: the settings the
+/// cloud's job gave, back in the job's own form.
+impl From<&canopy_protocol::messages::SubRoundBuffers> for Asynchronous {
+    fn from(buffers: &canopy_protocol::messages::SubRoundBuffers) -> Self {
+        Asynchronous {
+            concurrency: buffers.concurrency,
+            max_staleness: buffers.max_staleness,
+            staleness_exponent: buffers.staleness_exponent,
+        }
+    }
+}
+
 impl From<&Asynchronous> for canopy_protocol::messages::SubRoundBuffers {
     fn from(settings: &Asynchronous) -> Self {
         canopy_protocol::messages::SubRoundBuffers {
