@@ -43,7 +43,8 @@ pub async fn open(cloud: &DeviceClient, state: &AppState, task: &Task) -> Result
         return Err(Refusal::NotTiered);
     };
     let spec = local_job_spec(task, sub_round, now_ms())?;
-    if task.kind == TaskKind::Train && sub_round.makes_versions() {
+    // `Task::validate` let only a training sub-round make versions.
+    if sub_round.makes_versions() {
         check_delegation(cloud, sub_round)?;
     }
     let signature = cached_signature(state, task).await?;
@@ -113,7 +114,8 @@ fn check_delegation(cloud: &DeviceClient, sub_round: &SubRound) -> Result<(), Re
 /// not wait for one), no server optimizer (the cloud's), and no evaluation
 /// of its own; for an evaluation task, only the evaluation of the cloud's
 /// version by every eligible device, up to the sub-round's target (the
-/// orchestrator trains nothing in such a job).
+/// orchestrator trains nothing in such a job). The task has passed
+/// [`Task::validate`].
 pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<JobSpec, Refusal> {
     let remaining_ms = u64::try_from(now_ms)
         .ok()
@@ -123,7 +125,6 @@ pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<
     let mut spec = serde_json::json!({
         "name": format!("sub-round of cloud round {}", task.round_id),
         "model_version_id": 0,
-        "rounds": 1,
         "min_devices": sub_round.min_devices,
         "target_devices": sub_round.target_devices,
         "over_selection": sub_round.over_selection,
@@ -145,13 +146,12 @@ pub fn local_job_spec(task: &Task, sub_round: &SubRound, now_ms: i64) -> Result<
         "max_samples_per_device": sub_round.max_samples_per_device,
     });
     // A training sub-round may make versions of its own first
-    // (`edges.rounds`), and may buffer for its devices (FedBuff).
-    if task.kind == TaskKind::Train {
-        spec["rounds"] = serde_json::json!(sub_round.rounds);
-        if let Some(buffers) = &sub_round.asynchronous {
-            spec["asynchronous"] = serde_json::to_value(Asynchronous::from(buffers))
-                .map_err(|error| Refusal::LocalJob(error.to_string()))?;
-        }
+    // (`edges.rounds`), and may buffer for its devices (FedBuff); the
+    // task's validation refused both in any other.
+    spec["rounds"] = serde_json::json!(sub_round.rounds);
+    if let Some(buffers) = &sub_round.asynchronous {
+        spec["asynchronous"] = serde_json::to_value(Asynchronous::from(buffers))
+            .map_err(|error| Refusal::LocalJob(error.to_string()))?;
     }
     // Secure among the edge's devices when the cloud's job is: the edge
     // learns only their sum.

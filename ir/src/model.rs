@@ -82,6 +82,26 @@ impl Model {
             .sum()
     }
 
+    /// The trainable parameters' values one after another, in declaration
+    /// order: the order an update's layout holds them. The one reader of
+    /// them for devices, aggregators and tests alike; a trainable
+    /// parameter that is not f32 has no place in an update, so it is an
+    /// error, not skipped.
+    pub fn trainable_values(&self) -> IrResult<Vec<f32>> {
+        let mut values = Vec::with_capacity(self.trainable_elements());
+        for parameter in self.parameters.iter().filter(|p| p.trainable) {
+            let data = parameter.data.as_f32().ok_or_else(|| {
+                IrError::Invalid(format!(
+                    "trainable parameter `{}` is {}, and only f32 parameters train",
+                    parameter.name,
+                    parameter.data.buffer.dtype()
+                ))
+            })?;
+            values.extend_from_slice(data);
+        }
+        Ok(values)
+    }
+
     /// Checks that every entry point verifies and that every `params/NAME`
     /// input names a parameter of the same type.
     pub fn validate(&self) -> IrResult<()> {
@@ -119,5 +139,48 @@ impl Model {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::Buffer;
+
+    fn parameter(name: &str, data: TensorData, trainable: bool) -> Parameter {
+        Parameter {
+            name: name.to_string(),
+            data,
+            trainable,
+        }
+    }
+
+    #[test]
+    fn trainable_values_follow_declaration_order_and_skip_frozen() {
+        let model = Model {
+            parameters: vec![
+                parameter("w", TensorData::f32(vec![2], vec![1.0, 2.0]).unwrap(), true),
+                parameter(
+                    "frozen",
+                    TensorData::f32(vec![1], vec![9.0]).unwrap(),
+                    false,
+                ),
+                parameter("b", TensorData::f32(vec![1], vec![3.0]).unwrap(), true),
+            ],
+            ..Model::default()
+        };
+        assert_eq!(model.trainable_values().unwrap(), vec![1.0, 2.0, 3.0]);
+        assert_eq!(model.trainable_elements(), 3);
+    }
+
+    #[test]
+    fn a_trainable_parameter_that_is_not_f32_is_named() {
+        let steps = TensorData::new(vec![1], Buffer::I64(vec![4])).unwrap();
+        let model = Model {
+            parameters: vec![parameter("steps", steps, true)],
+            ..Model::default()
+        };
+        let error = model.trainable_values().unwrap_err().to_string();
+        assert!(error.contains("`steps` is i64"), "{error}");
     }
 }

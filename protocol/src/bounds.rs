@@ -7,7 +7,7 @@
 //! here, in the contract both ends link, and a change to one is a change
 //! for all of them.
 
-use crate::messages::{MAX_BATTERY_PERCENT, SubRound, Task, TrainingConfig};
+use crate::messages::{MAX_BATTERY_PERCENT, SubRound, Task, TaskKind, TrainingConfig};
 use crate::update::UpdateError;
 
 /// Most local epochs one task (or one local training run) may ask for.
@@ -132,6 +132,7 @@ impl Task {
         )?;
         if let Some(sub_round) = &self.sub_round {
             sub_round.validate()?;
+            check_versions_only_in_training(self.kind, sub_round)?;
         }
         if let Some(privacy) = &self.privacy {
             check_clip_norm("privacy.clip_norm", privacy.clip_norm)?;
@@ -147,6 +148,28 @@ impl Task {
         }
         self.layout.validate().map_err(BoundsError::Layout)
     }
+}
+
+/// Only a training sub-round makes versions of its own: evaluating or
+/// counting the cloud's version is one round of it, so an aggregator
+/// neither trains nor signs anything for such a task.
+fn check_versions_only_in_training(
+    kind: TaskKind,
+    sub_round: &SubRound,
+) -> Result<(), BoundsError> {
+    if kind == TaskKind::Train || !sub_round.makes_versions() {
+        return Ok(());
+    }
+    let (field, value) = match &sub_round.asynchronous {
+        Some(_) => ("sub_round.asynchronous", "present".to_string()),
+        None => ("sub_round.rounds", sub_round.rounds.to_string()),
+    };
+    Err(BoundsError::OutOfRange {
+        field,
+        value,
+        allowed: "one round and no buffers: only a `train` task's sub-round makes versions"
+            .to_string(),
+    })
 }
 
 impl Task {
@@ -347,6 +370,34 @@ mod tests {
         }
         let read: SubRound = serde_json::from_value(json).unwrap();
         assert_eq!(read, plain);
+    }
+
+    #[test]
+    fn only_a_training_sub_round_makes_versions() {
+        let buffering = buffering_sub_round();
+        let rounds_only = SubRound {
+            asynchronous: None,
+            ..buffering_sub_round()
+        };
+        let plain = SubRound {
+            rounds: 1,
+            asynchronous: None,
+            delegation: None,
+            ..buffering_sub_round()
+        };
+        for sub_round in [&buffering, &rounds_only, &plain] {
+            check_versions_only_in_training(TaskKind::Train, sub_round).unwrap();
+        }
+        for kind in [TaskKind::Evaluate, TaskKind::Statistics] {
+            check_versions_only_in_training(kind, &plain).unwrap();
+            let field = |sub_round| {
+                check_versions_only_in_training(kind, sub_round)
+                    .unwrap_err()
+                    .field()
+            };
+            assert_eq!(field(&buffering), "sub_round.asynchronous");
+            assert_eq!(field(&rounds_only), "sub_round.rounds");
+        }
     }
 
     #[test]

@@ -164,19 +164,14 @@ pub fn difference(
             });
         }
     }
-    let values = |model: &Model| -> Vec<f32> {
+    let values = |model: &Model| {
         model
-            .parameters
-            .iter()
-            .filter(|p| p.trainable)
-            .flat_map(|p| match &p.data.buffer {
-                Buffer::F32(values) => values.as_slice(),
-                _ => unreachable!("layout_of accepted only f32 parameters"),
+            .trainable_values()
+            .map_err(|error| FedAvgError::LayoutMismatch {
+                reason: error.to_string(),
             })
-            .copied()
-            .collect()
     };
-    let (from, to) = (values(first), values(last));
+    let (from, to) = (values(first)?, values(last)?);
     Ok(from
         .iter()
         .zip(&to)

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use canopy_engine::data::Dataset;
-use canopy_ir::{Buffer, Model};
+use canopy_ir::Model;
 use canopy_protocol::bounds::BoundsError;
 use canopy_protocol::messages::Task;
 use canopy_protocol::update::{
@@ -203,14 +203,10 @@ pub(crate) fn trainable_layout(model: &Model) -> Result<UpdateLayout, TrainError
     UpdateLayout::new(tensors).map_err(|error| TrainError::Layout(error.to_string()))
 }
 
-fn trainable_values(model: &Model) -> Vec<f32> {
-    let mut values = Vec::with_capacity(model.trainable_elements());
-    for parameter in model.parameters.iter().filter(|p| p.trainable) {
-        if let Buffer::F32(data) = &parameter.data.buffer {
-            values.extend_from_slice(data);
-        }
-    }
-    values
+fn trainable_values(model: &Model) -> Result<Vec<f32>, TrainError> {
+    model
+        .trainable_values()
+        .map_err(|error| TrainError::Layout(error.to_string()))
 }
 
 /// Trains a task's model on `data` for the task's epochs, shuffled by
@@ -269,7 +265,7 @@ fn train_on(
             task.layout.num_elements()
         )));
     }
-    let before = trainable_values(&model);
+    let before = trainable_values(&model)?;
     let mut trainer = placement.trainer(&model, seed)?;
     let mut run = Run::new(task, model_bytes, data, seed, options);
     if run.resume(&mut trainer) == Resume::Failed {
@@ -279,7 +275,7 @@ fn train_on(
     let train_loss = run.epochs(&mut trainer, data)?;
     trainer.write_back(&mut model)?;
     run.finish();
-    let mut delta: Vec<f32> = trainable_values(&model)
+    let mut delta: Vec<f32> = trainable_values(&model)?
         .iter()
         .zip(&before)
         .map(|(after, before)| after - before)

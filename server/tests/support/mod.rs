@@ -809,17 +809,12 @@ pub async fn server_counters(admin: &Admin) -> Result<ServerCounters> {
     Ok(counters)
 }
 
-/// A model's trainable parameters, in order, as one vector.
+/// A model's trainable parameters, in order, as one vector; the tests'
+/// models train only f32 parameters.
 pub fn trainable(model: &canopy_ir::Model) -> Vec<f32> {
     model
-        .parameters
-        .iter()
-        .filter(|parameter| parameter.trainable)
-        .flat_map(|parameter| match &parameter.data.buffer {
-            canopy_ir::data::Buffer::F32(values) => values.clone(),
-            _ => Vec::new(),
-        })
-        .collect()
+        .trainable_values()
+        .expect("a test model's trainable parameters are f32")
 }
 
 pub async fn fetch_model(admin: &Admin, name: &str, version: i64) -> Result<canopy_ir::Model> {

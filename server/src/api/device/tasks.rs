@@ -388,6 +388,9 @@ fn sub_round(
     let Some(mut sub_round) = spec.sub_round(u64::try_from(task.deadline_ms).unwrap_or(0)) else {
         return Ok(None);
     };
+    // Versions of the aggregator's own are a training sub-round's: the
+    // job's edge settings for them leave any other task (devices refuse
+    // them there, `Task::validate`).
     if kind != TaskKind::Train {
         sub_round.rounds = 1;
         sub_round.asynchronous = None;
