@@ -2,11 +2,10 @@
 //! states what the server accepts, and the bearer scheme is read as
 //! RFC 9110 says.
 
-mod support;
-
 use anyhow::{Context, Result, bail};
 use serde_json::{Map, Value};
-use support::{Database, TestServer, logreg_model_bytes};
+
+use crate::support::{Database, TestServer, logreg_model_bytes};
 
 /// Follows `$ref`s into `components.schemas`.
 fn resolve<'a>(document: &'a Value, schema: &'a Value) -> &'a Value {

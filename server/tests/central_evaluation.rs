@@ -7,8 +7,6 @@
 //! it after restart; an evaluation that cannot run is recorded with its
 //! reason and does not fail the job.
 
-mod support;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -21,7 +19,8 @@ use canopy_protocol::messages::{Task, TaskKind};
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{
+
+use crate::support::{
     Admin, Database, Reply, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task,
 };
 

@@ -15,8 +15,6 @@
 //!   server killed mid-evaluation has counted the attempt, and its
 //!   orphaned worker ends on its own.
 
-mod support;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -30,7 +28,10 @@ use canopy_protocol::messages::{Task, TaskKind};
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{Admin, Database, Reply, TestServer, enroll_device, logreg_model_bytes, poll_task};
+
+use crate::support::{
+    Admin, Database, Reply, TestServer, enroll_device, logreg_model_bytes, poll_task,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(90);
 /// The expansion: each of 64 features repeated 2^24 times.

@@ -4,18 +4,15 @@
 //! Real `canopy-server` processes, raw TCP and TLS sockets from several
 //! loopback addresses.
 
-#[path = "support/raw.rs"]
-mod raw;
-mod support;
-
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
-use raw::{loopback, tcp_from, tls_from};
-use support::{Database, TestServer, limits_file};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+use crate::raw::{loopback, tcp_from, tls_from};
+use crate::support::{Database, TestServer, limits_file};
 
 /// Whether the server closed `stream` within `within` (EOF or reset), or
 /// still holds it.

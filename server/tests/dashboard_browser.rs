@@ -16,8 +16,6 @@
 //!
 //! Also here: the rounds list's `order=newest`, which the dashboard polls.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -31,7 +29,9 @@ use canopy_engine::zoo::{Architecture, ModelConfig, build_model, fit_input_stats
 use canopy_protocol::messages::{DatasetInfo, Heartbeat, RoundMetrics, Task, TaskKind};
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device};
+
+use crate::support;
+use crate::support::{Database, TestServer, enroll_device};
 
 const CHROMIUM: &str = "/usr/bin/chromium";
 const ROUNDS: u32 = 24;

@@ -4,8 +4,6 @@
 //! integrity check, and a damaged write-ahead log that would silently drop
 //! committed transactions is refused.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::str::FromStr;
@@ -14,6 +12,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use sqlx::ConnectOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
+
+use crate::support;
 
 fn server_bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_canopy-server"))

@@ -6,18 +6,17 @@
 //! deleted until the job has finished; jobs name only datasets that exist
 //! and fit their model.
 
-#[path = "support/raw.rs"]
-mod raw;
-mod support;
-
 use std::io::Write as _;
 use std::path::Path;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use support::{Admin, Database, Reply, TestServer, logreg_model_bytes};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::raw;
+use crate::support;
+use crate::support::{Admin, Database, Reply, TestServer, logreg_model_bytes};
 
 pub fn digits_csv_gz() -> Vec<u8> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets/digits/digits.csv.gz");

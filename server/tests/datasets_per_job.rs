@@ -4,8 +4,6 @@
 //! it, and when no device fits, the job's status says why before any
 //! round is spent.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
@@ -15,7 +13,10 @@ use canopy_protocol::messages::{DatasetInfo, Heartbeat};
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device, logreg_model_bytes, model_bytes, poll_task};
+
+use crate::support::{
+    Database, TestServer, enroll_device, logreg_model_bytes, model_bytes, poll_task,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 

@@ -7,8 +7,6 @@
 //! Roles: a token enrolls devices of its role alone, and rounds never
 //! select an aggregator.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail, ensure};
@@ -21,7 +19,9 @@ use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use canopy_sdk::train::Evaluation;
 use serde_json::{Value, json};
-use support::{Admin, Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
+
+use crate::support;
+use crate::support::{Admin, Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 

@@ -5,8 +5,6 @@
 //! repeated ones refused, and a job completes only once its last version's
 //! evaluation has closed.
 
-mod support;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -18,7 +16,10 @@ use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use canopy_sdk::train::{EvalOptions, Evaluation, read_model};
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task};
+
+use crate::support::{
+    Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task,
+};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 

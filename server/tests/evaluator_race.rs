@@ -19,8 +19,6 @@
 //! state machine (`store::task_state`), race a training round's close
 //! (`rounds::close`) the same way.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -31,6 +29,8 @@ use canopy_server::store::rounds::{self, ParticipantState, RoundKind};
 use canopy_server::store::task_state::{self, Admission};
 use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
+
+use crate::support;
 
 const DEVICE_ID: i64 = 1;
 const TIMEOUT: Duration = Duration::from_secs(30);

@@ -2,10 +2,6 @@
 //! slots or the poll capacity from the others, and model uploads do not
 //! buffer whole files per request. Real server processes over HTTPS.
 
-#[path = "support/raw.rs"]
-mod raw;
-mod support;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -15,10 +11,11 @@ use canopy_protocol::messages::Task;
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use serde_json::json;
-use support::{
+use tokio::sync::mpsc;
+
+use crate::support::{
     Database, TestServer, enroll_device, limits_file, logreg_model_bytes, model_bytes, poll_task,
 };
-use tokio::sync::mpsc;
 
 fn now_ms() -> u64 {
     u64::try_from(canopy_server::db::now_ms()).unwrap_or(0)

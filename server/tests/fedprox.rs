@@ -4,8 +4,6 @@
 //! are the downloaded parameters), and a job over a model without
 //! `train_loss` is refused with the reason.
 
-mod support;
-
 use std::path::Path;
 use std::time::Duration;
 
@@ -17,7 +15,8 @@ use canopy_engine::zoo::ENTRY_TRAIN_LOSS;
 use canopy_ir::model::ENTRY_TRAIN_STEP;
 use canopy_sdk::train::{TrainOptions, train_task};
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
+
+use crate::support::{Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 const MU: f64 = 0.5;

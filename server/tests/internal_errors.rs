@@ -3,13 +3,12 @@
 //! under the request id that the answer names, and the client is told where
 //! to look.
 
-mod support;
-
 use std::process::Command;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::Value;
-use support::{Database, TestServer, logreg_model_bytes};
+
+use crate::support::{Database, TestServer, logreg_model_bytes};
 
 /// Status, `x-request-id` and body of an admin GET.
 async fn get(server: &TestServer, path: &str) -> Result<(u16, String, Value)> {

@@ -7,8 +7,6 @@
 //! creation names the version the job starts from, whose provenance says
 //! round numbers beside round ids.
 
-mod support;
-
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
@@ -18,7 +16,8 @@ use canopy_protocol::messages::{DatasetInfo, DeviceConditions, Heartbeat};
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{
+
+use crate::support::{
     Admin, Database, TestServer, enroll_device, logreg_model_bytes, model_bytes, poll_task,
 };
 

@@ -1,14 +1,14 @@
 //! Job control, selection and device filters.
 
-mod support;
-
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
 use bytes::Bytes;
 use canopy_protocol::update::encode_update;
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device, logreg_model_bytes};
+
+use crate::support;
+use crate::support::{Database, TestServer, enroll_device, logreg_model_bytes};
 
 fn spec(version: &Value, min: u32, target: u32, over_selection: f64, filters: Value) -> Value {
     json!({

@@ -2,8 +2,6 @@
 //! digits, train the shipped `train_step` locally through `canopy-sdk`, and
 //! the server's FedAvg versions get better on held-out data round by round.
 
-mod support;
-
 use std::path::Path;
 use std::time::Duration;
 
@@ -14,7 +12,8 @@ use canopy_engine::zoo::{Architecture, ModelConfig, build_model, fit_input_stats
 use canopy_protocol::messages::RoundMetrics;
 use canopy_sdk::DeviceClient;
 use serde_json::json;
-use support::{Database, TestServer, enroll_device, fetch_model};
+
+use crate::support::{Database, TestServer, enroll_device, fetch_model};
 
 const DEVICES: usize = 5;
 const ROUNDS: u32 = 4;

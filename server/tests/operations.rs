@@ -1,8 +1,6 @@
 //! Operating the server: shutdown, request ids, rate limits, health,
 //! metrics, the token CLI, configuration and pagination.
 
-mod support;
-
 use std::process::Command;
 use std::time::Duration;
 
@@ -11,7 +9,9 @@ use bytes::Bytes;
 use canopy_protocol::auth;
 use canopy_protocol::update::encode_update;
 use serde_json::json;
-use support::{Database, TestServer, enroll_device, logreg_model_bytes};
+
+use crate::support;
+use crate::support::{Database, TestServer, enroll_device, logreg_model_bytes};
 
 fn server_bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_canopy-server"))

@@ -7,8 +7,6 @@
 //! none of it, and the job stops, completed, before the round that would
 //! pass its budget.
 
-mod support;
-
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
@@ -18,7 +16,8 @@ use canopy_protocol::messages::Task;
 use canopy_protocol::update::{UpdateLayout, clip_to_norm, encode_update};
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{
+
+use crate::support::{
     Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task, trainable,
 };
 

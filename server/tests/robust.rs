@@ -6,8 +6,6 @@
 //! a round's updates were stored changes nothing; the stored updates are
 //! deleted once their round is over; bad settings are refused by name.
 
-mod support;
-
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
@@ -16,7 +14,8 @@ use canopy_protocol::messages::Task;
 use canopy_protocol::update::{UpdateLayout, encode_update};
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{
+
+use crate::support::{
     Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task, trainable,
 };
 

@@ -3,8 +3,6 @@
 //! FedAvg computed here, independently, and every kind of bad request is
 //! refused without stopping the job.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -19,7 +17,8 @@ use canopy_protocol::update::{UpdateLayout, encode_update};
 use canopy_sdk::{DeviceClient, SdkError};
 use reqwest::Method;
 use serde_json::{Value, json};
-use support::{
+
+use crate::support::{
     Admin, Database, TestServer, capabilities, enroll_device, enroll_device_with, fetch_model,
     logreg_model_bytes, poll_task,
 };

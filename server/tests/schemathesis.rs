@@ -8,15 +8,14 @@
 //!
 //! Needs Schemathesis: `pip install -r requirements-dev.txt`.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::json;
-use support::{Database, TestServer, enroll_device, logreg_model_bytes};
+
+use crate::support::{Database, TestServer, enroll_device, logreg_model_bytes};
 
 /// Test cases per operation and phase; with the coverage phase's own cases
 /// this takes about half a minute per database on a 2-core machine.

@@ -4,8 +4,6 @@
 //! restart, a throttled device that waits out `Retry-After`, and
 //! certificate failures that are not retried.
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::Path;
@@ -22,7 +20,9 @@ use canopy_protocol::messages::{Capabilities, Heartbeat, RoundMetrics, Task, Tie
 use canopy_sdk::train::{TrainOptions, train_task};
 use canopy_sdk::{CancelToken, RetryPolicy, SdkError, Transport, Trust, blocking};
 use serde_json::{Value, json};
-use support::{Database, TestServer, fetch_model, logreg_model_bytes, model_bytes};
+
+use crate::support;
+use crate::support::{Database, TestServer, fetch_model, logreg_model_bytes, model_bytes};
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()

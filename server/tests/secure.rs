@@ -5,15 +5,12 @@
 //! for any survivor's plaintext update, as floats or as fixed point, in
 //! every byte the server wrote: database files, blob store and logs.
 
-mod support;
-
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use bytes::Bytes;
-use canopy_ir::Buffer;
 use canopy_protocol::device_cert::DeviceAuthority;
 use canopy_protocol::messages::{
     CERTIFICATE_PATH, RoundMetrics, Task, secagg_endpoints as endpoints,
@@ -23,7 +20,8 @@ use canopy_sdk::DeviceClient;
 use rand::SeedableRng;
 use reqwest::Method;
 use serde_json::{Value, json};
-use support::{
+
+use crate::support::{
     Admin, Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task,
     trainable,
 };
@@ -344,13 +342,11 @@ fn expected_params(
         }
     }
     let (weighted, weight) = arith::decode_sum(plan, &sum)?;
-    let mut params = Vec::new();
-    for parameter in base.parameters.iter().filter(|p| p.trainable) {
-        let Buffer::F32(values) = &parameter.data.buffer else {
-            bail!("f32 parameter")
-        };
-        params.extend(values.iter().map(|v| *v as f64));
-    }
+    let params: Vec<f64> = base
+        .trainable_values()?
+        .into_iter()
+        .map(f64::from)
+        .collect();
     Ok(params
         .iter()
         .zip(&weighted)

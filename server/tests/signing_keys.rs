@@ -4,8 +4,6 @@
 //! inside its window, refuses it after, and refuses a signer that no
 //! endorsement chain leads to.
 
-mod support;
-
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
@@ -20,7 +18,9 @@ use canopy_protocol::model_sig::{
 };
 use canopy_sdk::{DeviceClient, SdkError, Transport, Trust};
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
+
+use crate::support;
+use crate::support::{Database, TestServer, enroll_device, logreg_model_bytes, poll_task};
 
 /// The old key's window in the test: long enough to download through both
 /// processes after the rotation, short enough to wait out.

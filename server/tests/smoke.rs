@@ -1,6 +1,4 @@
-mod support;
-
-use support::{Database, TestServer};
+use crate::support::{Database, TestServer};
 
 #[tokio::test]
 async fn server_starts_and_guards_the_admin_api() -> anyhow::Result<()> {

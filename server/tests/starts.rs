@@ -3,8 +3,6 @@
 //! made it or the operator is told how to make one, and the files that hold
 //! secrets are private. Runs the real `canopy-server` binary.
 
-mod support;
-
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::Path;
@@ -12,7 +10,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use support::server_binary;
+
+use crate::support;
+use crate::support::server_binary;
 
 fn serve_command(data_dir: &Path, port: u16) -> Command {
     let mut command = Command::new(server_binary());

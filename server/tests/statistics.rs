@@ -5,8 +5,6 @@
 //! them on all the devices' data at once; a report that cannot be moments
 //! of real data is refused alone.
 
-mod support;
-
 use std::path::Path;
 use std::time::Duration;
 
@@ -20,7 +18,8 @@ use canopy_protocol::messages::TaskKind;
 use canopy_protocol::update::{encode_update, statistics_layout};
 use canopy_sdk::train::{TrainOptions, statistics_update, train_task};
 use serde_json::json;
-use support::{Database, TestServer, enroll_device, poll_task};
+
+use crate::support::{Database, TestServer, enroll_device, poll_task};
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 

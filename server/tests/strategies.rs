@@ -3,8 +3,6 @@
 //! independently, and a `kill -9` in the middle of the job changes nothing
 //! (the optimizer's state is durable), on SQLite and on PostgreSQL.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -16,7 +14,10 @@ use canopy_protocol::update::{UpdateLayout, encode_update};
 use canopy_sdk::DeviceClient;
 use canopy_server::strategy::StrategyName;
 use serde_json::{Value, json};
-use support::{Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task};
+
+use crate::support::{
+    Database, TestServer, enroll_device, fetch_model, logreg_model_bytes, poll_task,
+};
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(120);
 const DEVICES: usize = 4;
@@ -148,15 +149,7 @@ async fn wait_for_version(server: &TestServer, version: i64) -> Result<()> {
 /// updates, with the server's f32 model rounding after each round.
 fn expected_fedadam(base: &canopy_ir::Model, layout: &UpdateLayout) -> BTreeMap<String, Vec<f32>> {
     let (lr, beta1, beta2, tau) = (0.05, 0.9, 0.99, 0.01);
-    let mut theta: Vec<f32> = base
-        .parameters
-        .iter()
-        .filter(|p| p.trainable)
-        .flat_map(|p| match &p.data.buffer {
-            Buffer::F32(values) => values.clone(),
-            _ => panic!("f32 parameter"),
-        })
-        .collect();
+    let mut theta = base.trainable_values().expect("f32 parameters");
     let mut m = vec![0.0f64; theta.len()];
     let mut v = vec![tau * tau; theta.len()];
     // Devices are enrolled 1..=DEVICES on a fresh database.

@@ -7,8 +7,6 @@
 //! secure round) are refused and change nothing. The edge itself is
 //! `tests/edge.rs`.
 
-mod support;
-
 use std::time::Duration;
 
 use anyhow::{Result, ensure};
@@ -17,7 +15,9 @@ use canopy_protocol::auth::DeviceKey;
 use canopy_protocol::update::encode_update;
 use canopy_sdk::DeviceClient;
 use serde_json::{Value, json};
-use support::{
+
+use crate::support;
+use crate::support::{
     Admin, Database, TestServer, enroll_aggregator, enroll_device, fetch_model, poll_task,
 };
 

@@ -6,12 +6,12 @@
 //! were recorded (`failure_kind`, SQLite 0019, PostgreSQL 0020) reads as
 //! `unrecorded`; other rounds have no kind.
 
-mod support;
-
 use anyhow::{Context, Result, ensure};
 use canopy_server::migrations::{POSTGRES, SQLITE};
 use sqlx::any::AnyPoolOptions;
 use sqlx::migrate::Migrator;
+
+use crate::support;
 
 /// A sum as a round of a few parameters would hold it, and large enough
 /// to span SQLite overflow pages.

@@ -5,10 +5,6 @@
 //! and the upload was answered 400, "cut off"). Real server processes over
 //! HTTPS.
 
-#[path = "support/raw.rs"]
-mod raw;
-mod support;
-
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, ensure};
@@ -17,7 +13,10 @@ use canopy_protocol::auth;
 use canopy_protocol::update::encode_update;
 use futures_util::StreamExt;
 use serde_json::json;
-use support::{Database, TestServer, enroll_device, limits_file, logreg_model_bytes, poll_task};
+
+use crate::support::{
+    Database, TestServer, enroll_device, limits_file, logreg_model_bytes, poll_task,
+};
 
 /// Uploads the first byte of a valid, signed update and then nothing;
 /// returns the answer's status, body and when it came.
