@@ -28,6 +28,17 @@ fn mnist() -> String {
     repo().join("datasets/mnist-10k").display().to_string()
 }
 
+/// The MLP the tests train on MNIST: 784-128-10.
+const MLP: &[&str] = &[
+    "mlp",
+    "--inputs",
+    "784",
+    "--hidden",
+    "128",
+    "--classes",
+    "10",
+];
+
 /// How the MLP is trained: plain SGD.
 const MLP_RECIPE: &[&str] = &["--lr", "0.1"];
 
@@ -67,19 +78,7 @@ fn train_and_eval_for(
 
 #[test]
 fn mlp_reaches_092_test_accuracy() {
-    let eval = train_and_eval(
-        &[
-            "mlp",
-            "--inputs",
-            "784",
-            "--hidden",
-            "128",
-            "--classes",
-            "10",
-        ],
-        MLP_RECIPE,
-        "mlp",
-    );
+    let eval = train_and_eval(MLP, MLP_RECIPE, "mlp");
     let accuracy = eval["accuracy"].as_f64().unwrap();
     assert!(accuracy >= 0.92, "MLP test accuracy {accuracy}");
     assert_eq!(eval["samples"], 1996);
@@ -99,19 +98,10 @@ fn the_gpu_backend_trains_as_the_cpu_does() {
     if std::env::var("CANOPY_TEST_BACKENDS").as_deref() == Ok("cpu") {
         return;
     }
-    let mlp = [
-        "mlp",
-        "--inputs",
-        "784",
-        "--hidden",
-        "128",
-        "--classes",
-        "10",
-    ];
     let on = |backend: &str| {
         // LeNet-5's recipe, for its momentum.
         let recipe = [LENET_RECIPE, &["--backend", backend]].concat();
-        train_and_eval_for("1", &mlp, &recipe, &format!("mlp-{backend}"))
+        train_and_eval_for("1", MLP, &recipe, &format!("mlp-{backend}"))
     };
     let (cpu, gpu) = (on("cpu"), on("gpu"));
     let metric = |eval: &serde_json::Value, name: &str| eval[name].as_f64().unwrap();
