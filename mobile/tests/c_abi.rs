@@ -2,7 +2,7 @@
 //! cbindgen generates, runs one device through enroll -> task -> upload
 //! against a real server, under valgrind, with no error and no leak.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

@@ -8,7 +8,7 @@
 //! (`requirements-dev.txt`), JNA is Debian's `libjna-java` (`.ci/run`
 //! installs both).
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -2,8 +2,8 @@
 //! cdylib this build made, laid out as `pip install ./mobile` lays it out
 //! ([`python_package`]).
 
-mod common;
-mod python_package;
+use crate::common;
+use crate::python_package;
 
 use std::path::Path;
 use std::process::Command;

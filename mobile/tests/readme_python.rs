@@ -6,8 +6,8 @@
 //! run finds no job and must say why; its second run must skip
 //! enrollment, take a task of the job, and print what it did.
 
-mod common;
-mod python_package;
+use crate::common;
+use crate::python_package;
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;

@@ -3,7 +3,7 @@
 //! generated from this build's cdylib and checked for the API an iOS app
 //! calls, not compiled. docs/mobile.md shows the XCFramework build.
 
-mod common;
+use crate::common;
 
 use anyhow::{Result, ensure};
 use canopy_bindgen::Language;
