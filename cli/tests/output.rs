@@ -135,6 +135,27 @@ fn model_bench_json_prints_only_json() {
     ]);
     let bench = stdout_json(&out, "model bench --json");
     assert_eq!(bench["backend"], "cpu", "{bench}");
+    // Without --workloads, every workload's figures.
+    let figures = keys(&bench);
+    assert_eq!(
+        figures,
+        [
+            "adapter",
+            "backend",
+            "backward_forward_ratio",
+            "charlm_train_samples_per_s",
+            "lenet5_backward_forward_ratio",
+            "lenet5_frozen_backbone_step_ms",
+            "lenet5_full_step_ms",
+            "lenet5_train_samples_per_s",
+            "matmul_gflops",
+            "mlp_train_samples_per_s",
+            "mlp_train_step_nodes_after_passes",
+            "mlp_train_step_nodes_before_passes",
+            "threads",
+            "train_step_cpu_fusion",
+        ]
+    );
     for figure in ["mlp_train_samples_per_s", "charlm_train_samples_per_s"] {
         assert!(bench[figure].as_f64() > Some(0.0), "{figure}: {bench}");
     }
@@ -151,6 +172,18 @@ fn model_bench_json_prints_only_json() {
     );
 }
 
+/// A JSON object's keys, sorted.
+fn keys(object: &serde_json::Value) -> Vec<&str> {
+    let mut keys: Vec<&str> = object
+        .as_object()
+        .expect("a JSON object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    keys
+}
+
 /// `--backend gpu` takes any adapter, lavapipe in CI: the figures then come
 /// from the CPU, and the bench says so (on stderr, and as
 /// `adapter.software` in the JSON).
@@ -159,22 +192,24 @@ fn model_bench_on_a_software_adapter_says_so() {
     if std::env::var("CANOPY_TEST_BACKENDS").as_deref() == Ok("cpu") {
         return;
     }
-    let dir = scratch("bench-gpu");
-    let data = tiny_mnist(&dir, 1024, 64);
+    // Matrix products alone: a whole bench on lavapipe took 73 s, and the
+    // warning comes before any workload.
     let out = canopy(&[
         "model",
         "bench",
-        "--data",
-        &data,
-        "--epochs",
-        "1",
-        "--charlm-steps",
-        "1",
+        "--workloads",
+        "matmul",
         "--json",
         "--backend",
         "gpu",
     ]);
     let bench = stdout_json(&out, "model bench --backend gpu --json");
+    let figures = keys(&bench);
+    assert_eq!(
+        figures,
+        ["adapter", "backend", "matmul_gflops", "threads"],
+        "--workloads matmul measures matmul alone"
+    );
     let adapter = &bench["adapter"];
     let software = adapter["device_type"] == "cpu";
     assert_eq!(adapter["software"], software, "{bench}");

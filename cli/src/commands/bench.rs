@@ -4,7 +4,7 @@
 //! timed region is the training or execution loop alone.
 
 use std::ops::ControlFlow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -17,7 +17,7 @@ use canopy_engine::zoo::{Architecture, ENTRY_TRAIN_LOSS, ModelConfig, build_mode
 use canopy_engine::{Backend, Executable, Value};
 use canopy_ir::model::PARAM_PREFIX;
 use canopy_ir::{Graph, Model, TensorType, autodiff};
-use clap::Args;
+use clap::{Args, ValueEnum};
 
 use super::load_for_model;
 use crate::output::progress::StepBar;
@@ -45,15 +45,21 @@ pub struct BenchArgs {
     /// GPU when there is one, else the CPU).
     #[arg(long, default_value_t = BackendChoice::Auto)]
     backend: BackendChoice,
+    /// Which figures to measure, comma-separated; all when not given.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    workloads: Vec<Workload>,
 }
 
+/// The MLP workload: MNIST's 784 pixels, 128 hidden units, 10 classes.
+const MLP: Architecture = Architecture::Mlp {
+    inputs: 784,
+    hidden: 128,
+    classes: 10,
+};
 const BATCH: usize = 64;
 const LR: f32 = 0.1;
 /// How long each micro-benchmark runs.
 const MEASURE: Duration = Duration::from_millis(600);
-
-/// The steps `run` shows on its progress bar, in order.
-const STEPS: usize = 8;
 
 /// The recurrent workload's batch (`bench/jax_baselines.py` runs the same
 /// one on JAX's `lax.scan`): one GRU of 256 over 80 characters of a
@@ -74,69 +80,253 @@ pub fn run(args: BenchArgs) -> Result<()> {
             adapter.api
         );
     }
-    let mut report = Report::new(args.json);
+    let workloads = Workload::selected(&args.workloads);
+    let needs_data = workloads.iter().any(|w| w.needs_data());
+    let mut report = Report::new(args.json, workloads.len() + usize::from(needs_data));
     report.line(format_args!(
         "backend: {}",
         super::describe_backend(backend)
     ))?;
-    let mlp = model(Architecture::Mlp {
-        inputs: 784,
-        hidden: 128,
-        classes: 10,
-    })?;
-    let lenet = model(Architecture::LeNet5 { classes: 10 })?;
-    report.steps.step("loading data");
-    let (mlp_train, _) = load_for_model(&args.data, &mlp)?;
-    let (lenet_train, _) = load_for_model(&args.data, &lenet)?;
-    report.steps.step("mlp training");
-    let mlp_rate = train_throughput(&mlp, &mlp_train, args.epochs, backend, &mut report.steps)?;
-    report.line(format_args!(
-        "mlp 784-128-10 training: {mlp_rate:.0} samples/s ({} epochs, batch {BATCH}, SGD {LR})",
-        args.epochs
-    ))?;
-    report.steps.step("lenet5 training");
-    let lenet_rate = train_throughput(
-        &lenet,
-        &lenet_train,
-        args.lenet_epochs,
+    let data = if needs_data {
+        report.steps.step("loading data");
+        Some(Workloads::load(&args.data)?)
+    } else {
+        None
+    };
+    let bench = Bench {
+        args: &args,
         backend,
-        &mut report.steps,
-    )?;
-    report.line(format_args!(
-        "lenet5 training:         {lenet_rate:.0} samples/s ({} epochs)",
-        args.lenet_epochs
-    ))?;
-    report.steps.step("charlm training");
-    let charlm_rate = charlm_throughput(backend, args.charlm_steps as usize)?;
-    report.line(format_args!(
-        "charlm gru256 training:  {charlm_rate:.0} samples/s (sequence 80, batch {CHARLM_BATCH})"
-    ))?;
-    report.steps.step("backward/forward ratios");
-    let mlp_ratio = backward_forward_ratio(&mlp, &mlp_train, backend)?;
-    let lenet_ratio = backward_forward_ratio(&lenet, &lenet_train, backend)?;
-    report.line(format_args!(
-        "backward/forward time:   mlp {mlp_ratio:.2}, lenet5 {lenet_ratio:.2}"
-    ))?;
-    report.steps.step("lenet5 steps");
-    let full_ms = step_millis(&lenet, &lenet_train, backend)?;
-    let frozen = model_frozen(Architecture::LeNet5 { classes: 10 }, &["conv", "fc1"])?;
-    let frozen_ms = step_millis(&frozen, &lenet_train, backend)?;
-    report.line(format_args!(
-        "lenet5 step, batch {BATCH}:  full {full_ms:.2} ms ({} nodes), frozen conv+fc1 {frozen_ms:.2} ms ({} nodes)",
-        lenet.entry("train_step")?.len(),
-        frozen.entry("train_step")?.len()
-    ))?;
-    report.steps.step("optimisation passes");
+        data: data.as_ref(),
+    };
+    let mut figures = serde_json::Map::new();
+    for workload in workloads {
+        report.steps.step(workload.step());
+        bench.measure(workload, &mut report, &mut figures)?;
+    }
+    report.steps.finish();
+    if args.json {
+        figures.insert("threads".into(), rayon::current_num_threads().into());
+        figures.insert("backend".into(), backend.name().into());
+        figures.insert(
+            "adapter".into(),
+            serde_json::json!(adapter.as_ref().map(|a| serde_json::json!({
+                "name": a.name, "api": a.api, "device_type": a.device_type, "driver": a.driver,
+                "max_buffer_bytes": a.max_buffer_bytes, "software": software,
+            }))),
+        );
+        outln!("{}", serde_json::Value::Object(figures))?;
+    }
+    Ok(())
+}
+
+/// What `model bench` measures; `--workloads` picks some, run in this
+/// order.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, ValueEnum)]
+enum Workload {
+    /// Training throughput of the MLP 784-128-10 (`--epochs`).
+    Mlp,
+    /// Training throughput of LeNet-5 (`--lenet-epochs`).
+    Lenet5,
+    /// Training throughput of the GRU character model (`--charlm-steps`).
+    Charlm,
+    /// Backward/forward time ratios of the MLP and LeNet-5.
+    Ratios,
+    /// LeNet-5's step time, full and with its backbone frozen.
+    Steps,
+    /// Node counts: the MLP's step before and after the passes, each
+    /// model's step after the CPU's fusion.
+    Nodes,
+    /// Square matrix products of 256, 512 and 1024, in GFLOPS.
+    Matmul,
+}
+
+impl Workload {
+    /// `asked` in the enum's order without repeats; every workload when
+    /// none was asked for.
+    fn selected(asked: &[Workload]) -> Vec<Workload> {
+        Workload::value_variants()
+            .iter()
+            .copied()
+            .filter(|w| asked.is_empty() || asked.contains(w))
+            .collect()
+    }
+
+    /// Whether it trains or runs on `--data`.
+    fn needs_data(self) -> bool {
+        matches!(
+            self,
+            Workload::Mlp | Workload::Lenet5 | Workload::Ratios | Workload::Steps
+        )
+    }
+
+    /// Its step on the progress bar.
+    fn step(self) -> &'static str {
+        match self {
+            Workload::Mlp => "mlp training",
+            Workload::Lenet5 => "lenet5 training",
+            Workload::Charlm => "charlm training",
+            Workload::Ratios => "backward/forward ratios",
+            Workload::Steps => "lenet5 steps",
+            Workload::Nodes => "optimisation passes",
+            Workload::Matmul => "matmul",
+        }
+    }
+}
+
+/// The two image models and their training sets from `--data`.
+struct Workloads {
+    mlp: Model,
+    lenet: Model,
+    mlp_train: Dataset,
+    lenet_train: Dataset,
+}
+
+impl Workloads {
+    fn load(data: &Path) -> Result<Workloads> {
+        let mlp = model(MLP)?;
+        let lenet = model(Architecture::LeNet5 { classes: 10 })?;
+        let (mlp_train, _) = load_for_model(data, &mlp)?;
+        let (lenet_train, _) = load_for_model(data, &lenet)?;
+        Ok(Workloads {
+            mlp,
+            lenet,
+            mlp_train,
+            lenet_train,
+        })
+    }
+}
+
+/// What every workload measures with.
+struct Bench<'a> {
+    args: &'a BenchArgs,
+    backend: &'a dyn Backend,
+    /// Loaded when a workload needs it (`Workload::needs_data`).
+    data: Option<&'a Workloads>,
+}
+
+impl Bench<'_> {
+    fn data(&self) -> Result<&Workloads> {
+        self.data
+            .context("internal error: a workload that needs --data ran without it")
+    }
+
+    /// Runs `workload`, prints its lines and adds its JSON figures.
+    fn measure(
+        &self,
+        workload: Workload,
+        report: &mut Report,
+        figures: &mut serde_json::Map<String, serde_json::Value>,
+    ) -> Result<()> {
+        let backend = self.backend;
+        match workload {
+            Workload::Mlp => {
+                let data = self.data()?;
+                let epochs = self.args.epochs;
+                let rate = train_throughput(
+                    &data.mlp,
+                    &data.mlp_train,
+                    epochs,
+                    backend,
+                    &mut report.steps,
+                )?;
+                report.line(format_args!(
+                    "mlp 784-128-10 training: {rate:.0} samples/s ({epochs} epochs, batch {BATCH}, SGD {LR})"
+                ))?;
+                figures.insert("mlp_train_samples_per_s".into(), rate.into());
+            }
+            Workload::Lenet5 => {
+                let data = self.data()?;
+                let epochs = self.args.lenet_epochs;
+                let rate = train_throughput(
+                    &data.lenet,
+                    &data.lenet_train,
+                    epochs,
+                    backend,
+                    &mut report.steps,
+                )?;
+                report.line(format_args!(
+                    "lenet5 training:         {rate:.0} samples/s ({epochs} epochs)"
+                ))?;
+                figures.insert("lenet5_train_samples_per_s".into(), rate.into());
+            }
+            Workload::Charlm => {
+                let rate = charlm_throughput(backend, self.args.charlm_steps as usize)?;
+                report.line(format_args!(
+                    "charlm gru256 training:  {rate:.0} samples/s (sequence 80, batch {CHARLM_BATCH})"
+                ))?;
+                figures.insert("charlm_train_samples_per_s".into(), rate.into());
+            }
+            Workload::Ratios => {
+                let data = self.data()?;
+                let mlp = backward_forward_ratio(&data.mlp, &data.mlp_train, backend)?;
+                let lenet = backward_forward_ratio(&data.lenet, &data.lenet_train, backend)?;
+                report.line(format_args!(
+                    "backward/forward time:   mlp {mlp:.2}, lenet5 {lenet:.2}"
+                ))?;
+                figures.insert("backward_forward_ratio".into(), mlp.into());
+                figures.insert("lenet5_backward_forward_ratio".into(), lenet.into());
+            }
+            Workload::Steps => self.lenet_steps(report, figures)?,
+            Workload::Nodes => node_counts(report, figures)?,
+            Workload::Matmul => {
+                let mut gflops = serde_json::Map::new();
+                for n in [256, 512, 1024] {
+                    report.steps.detail(format!("{n}x{n}"));
+                    let rate = matmul_gflops(n, backend)?;
+                    report.line(format_args!("matmul {n}x{n}:          {rate:.1} GFLOPS"))?;
+                    gflops.insert(n.to_string(), rate.into());
+                }
+                figures.insert("matmul_gflops".into(), gflops.into());
+            }
+        }
+        Ok(())
+    }
+
+    fn lenet_steps(
+        &self,
+        report: &mut Report,
+        figures: &mut serde_json::Map<String, serde_json::Value>,
+    ) -> Result<()> {
+        let data = self.data()?;
+        let full_ms = step_millis(&data.lenet, &data.lenet_train, self.backend)?;
+        let frozen = model_frozen(Architecture::LeNet5 { classes: 10 }, &["conv", "fc1"])?;
+        let frozen_ms = step_millis(&frozen, &data.lenet_train, self.backend)?;
+        report.line(format_args!(
+            "lenet5 step, batch {BATCH}:  full {full_ms:.2} ms ({} nodes), frozen conv+fc1 {frozen_ms:.2} ms ({} nodes)",
+            data.lenet.entry("train_step")?.len(),
+            frozen.entry("train_step")?.len()
+        ))?;
+        figures.insert("lenet5_full_step_ms".into(), full_ms.into());
+        figures.insert("lenet5_frozen_backbone_step_ms".into(), frozen_ms.into());
+        Ok(())
+    }
+}
+
+/// The MLP's step before and after the passes, and each model's step
+/// after the CPU's fusion.
+fn node_counts(
+    report: &mut Report,
+    figures: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
     let (nodes_before, nodes_after) = mlp_pass_report()?;
     report.line(format_args!(
         "mlp train_step nodes:    {nodes_before} before passes, {nodes_after} after"
     ))?;
+    figures.insert(
+        "mlp_train_step_nodes_before_passes".into(),
+        nodes_before.into(),
+    );
+    figures.insert(
+        "mlp_train_step_nodes_after_passes".into(),
+        nodes_after.into(),
+    );
     let mut fusion = serde_json::Map::new();
-    for (name, model) in [
-        ("mlp", &mlp),
-        ("lenet5", &lenet),
-        ("charlm", &charlm_model()?),
-    ] {
+    let models = [
+        ("mlp", model(MLP)?),
+        ("lenet5", model(Architecture::LeNet5 { classes: 10 })?),
+        ("charlm", charlm_model()?),
+    ];
+    for (name, model) in models {
         let fused = canopy_engine::cpu::fusion_report(model.entry("train_step")?)?;
         report.line(format_args!(
             "{name} train_step on the CPU: {} nodes, {} after fusion ({} fused kernels at the top level)",
@@ -149,39 +339,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             serde_json::json!({"nodes": fused.nodes, "after_fusion": fused.after_fusion}),
         );
     }
-    report.steps.step("matmul");
-    let mut gflops = serde_json::Map::new();
-    for n in [256, 512, 1024] {
-        report.steps.detail(format!("{n}x{n}"));
-        let rate = matmul_gflops(n, backend)?;
-        report.line(format_args!("matmul {n}x{n}:          {rate:.1} GFLOPS"))?;
-        gflops.insert(n.to_string(), rate.into());
-    }
-    report.steps.finish();
-    if args.json {
-        outln!(
-            "{}",
-            serde_json::json!({
-                "mlp_train_samples_per_s": mlp_rate,
-                "lenet5_train_samples_per_s": lenet_rate,
-                "charlm_train_samples_per_s": charlm_rate,
-                "backward_forward_ratio": mlp_ratio,
-                "lenet5_backward_forward_ratio": lenet_ratio,
-                "matmul_gflops": gflops,
-                "lenet5_full_step_ms": full_ms,
-                "lenet5_frozen_backbone_step_ms": frozen_ms,
-                "mlp_train_step_nodes_before_passes": nodes_before,
-                "mlp_train_step_nodes_after_passes": nodes_after,
-                "train_step_cpu_fusion": fusion,
-                "threads": rayon::current_num_threads(),
-                "backend": backend.name(),
-                "adapter": adapter.as_ref().map(|a| serde_json::json!({
-                    "name": a.name, "api": a.api, "device_type": a.device_type, "driver": a.driver,
-                    "max_buffer_bytes": a.max_buffer_bytes, "software": software,
-                })),
-            })
-        )?;
-    }
+    figures.insert("train_step_cpu_fusion".into(), fusion.into());
     Ok(())
 }
 
@@ -200,10 +358,10 @@ struct Report {
 }
 
 impl Report {
-    fn new(json: bool) -> Report {
+    fn new(json: bool, steps: usize) -> Report {
         Report {
             json,
-            steps: StepBar::new(STEPS),
+            steps: StepBar::new(steps),
         }
     }
 
@@ -249,11 +407,7 @@ fn step_millis(model: &Model, train: &Dataset, backend: &dyn Backend) -> Result<
 /// before and after the optimisation passes.
 fn mlp_pass_report() -> Result<(usize, usize)> {
     let config = ModelConfig {
-        architecture: Architecture::Mlp {
-            inputs: 784,
-            hidden: 128,
-            classes: 10,
-        },
+        architecture: MLP,
         seed: 0,
         optimizer: Optimizer::sgd(),
         frozen_prefixes: Vec::new(),

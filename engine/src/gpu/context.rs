@@ -2,7 +2,7 @@
 //! creation within the adapter's limits.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::backend::AdapterInfo;
 use crate::error::{EngineError, EngineResult};
@@ -160,21 +160,40 @@ impl GpuContext {
     }
 
     /// A pipeline for `source`, compiled once per context.
+    ///
+    /// The cache's lock is not held while a kernel compiles: a compile
+    /// takes milliseconds on a GPU's driver and up to a second on lavapipe
+    /// (LLVM), and every thread that shares the context (the tests, a
+    /// simulated fleet on one engine) waited on it. Two threads may then
+    /// compile the same source at once; the first to finish is kept.
     pub(crate) fn pipeline(
         &self,
         label: &str,
         source: &str,
     ) -> EngineResult<Arc<wgpu::ComputePipeline>> {
-        let mut cache = self
-            .pipelines
-            .lock()
-            .map_err(|_| EngineError::Internal("GPU pipeline cache poisoned".into()))?;
-        if let Some(pipeline) = cache.get(source) {
+        if let Some(pipeline) = self.cached_pipelines()?.get(source) {
             return Ok(pipeline.clone());
         }
-        if cache.len() >= MAX_CACHED_PIPELINES {
+        let compiled = Arc::new(self.compile_pipeline(label, source)?);
+        let mut cache = self.cached_pipelines()?;
+        if cache.len() >= MAX_CACHED_PIPELINES && !cache.contains_key(source) {
             cache.clear();
         }
+        Ok(cache.entry(source.to_string()).or_insert(compiled).clone())
+    }
+
+    fn cached_pipelines(
+        &self,
+    ) -> EngineResult<MutexGuard<'_, HashMap<String, Arc<wgpu::ComputePipeline>>>> {
+        self.pipelines
+            .lock()
+            .map_err(|_| EngineError::Internal("GPU pipeline cache poisoned".into()))
+    }
+
+    /// Compiles `source`; a validation error names the kernel. Error
+    /// scopes are per thread in wgpu, so concurrent compiles catch only
+    /// their own errors.
+    fn compile_pipeline(&self, label: &str, source: &str) -> EngineResult<wgpu::ComputePipeline> {
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let module = self
             .device
@@ -197,8 +216,6 @@ impl GpuContext {
                 "GPU kernel `{label}` failed to build: {error}\n{source}"
             )));
         }
-        let pipeline = Arc::new(pipeline);
-        cache.insert(source.to_string(), pipeline.clone());
         Ok(pipeline)
     }
 
@@ -240,11 +257,16 @@ impl GpuContext {
         Ok(())
     }
 
-    /// Waits for the queue's work, within [`SUBMISSION_TIMEOUT_MS`].
-    pub(crate) fn wait(&self) -> EngineResult<()> {
+    /// Waits for `submission` (and the queue's work before it), within
+    /// [`SUBMISSION_TIMEOUT_MS`]; for all the queue's work when `None`.
+    ///
+    /// A caller waits for its own submission, not the queue's latest:
+    /// threads that share the context (the tests, a simulated fleet on
+    /// one engine) would otherwise each wait for the others' work too.
+    pub(crate) fn wait(&self, submission: Option<wgpu::SubmissionIndex>) -> EngineResult<()> {
         self.device
             .poll(wgpu::PollType::Wait {
-                submission_index: None,
+                submission_index: submission,
                 timeout: Some(std::time::Duration::from_millis(SUBMISSION_TIMEOUT_MS)),
             })
             .map(|_| ())
@@ -254,14 +276,19 @@ impl GpuContext {
             })
     }
 
-    /// Maps `staging` after the queue's work and copies it out; `what`
-    /// names the value read in errors.
-    pub(crate) fn read(&self, staging: &wgpu::Buffer, what: &str) -> EngineResult<Vec<u8>> {
+    /// Maps `staging` once `submission`, the last to write it, has run,
+    /// and copies it out; `what` names the value read in errors.
+    pub(crate) fn read(
+        &self,
+        staging: &wgpu::Buffer,
+        submission: Option<wgpu::SubmissionIndex>,
+        what: &str,
+    ) -> EngineResult<Vec<u8>> {
         let (sender, receiver) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |result| {
             let _ = sender.send(result);
         });
-        self.wait()?;
+        self.wait(submission)?;
         let failed = |cause: String| EngineError::Gpu {
             what: what.to_string(),
             cause,

@@ -113,14 +113,14 @@ impl GpuExecutable {
             }
             self.counters.host_to_device_bytes += bytes.len() as u64;
         }
-        let (returned, counters) = self.record_and_submit(prepared, resident_mode)?;
+        let (returned, counters, submitted) = self.record_and_submit(prepared, resident_mode)?;
         self.counters.submissions += counters.submissions;
         self.counters.dispatches += counters.dispatches;
         self.counters.host_to_device_bytes += counters.host_to_device_bytes;
         self.counters.device_to_host_bytes += counters.device_to_host_bytes;
-        let bytes = self
-            .context
-            .read(&prepared.staging, "the outputs' staging buffer")?;
+        let bytes =
+            self.context
+                .read(&prepared.staging, submitted, "the outputs' staging buffer")?;
         self.counters.device_to_host_bytes += bytes.len() as u64;
         self.unpack(&bytes, &returned, prepared)
     }
@@ -128,12 +128,13 @@ impl GpuExecutable {
     /// Records the plan, the finiteness checks, the resident updates and
     /// the copies of the returned outputs and flags into the staging
     /// buffer, and submits: once, unless control flow submits on the way.
-    /// Returns the returned outputs' positions and what the recording did.
+    /// Returns the returned outputs' positions, what the recording did and
+    /// the last submission.
     fn record_and_submit(
         &self,
         prepared: &Prepared,
         resident_mode: bool,
-    ) -> EngineResult<(Vec<usize>, TransferCounters)> {
+    ) -> EngineResult<(Vec<usize>, TransferCounters, Option<wgpu::SubmissionIndex>)> {
         let mut recorder = Recorder::new(&self.context);
         recorder.encoder().clear_buffer(&self.flags, 0, None);
         prepared.plan.record(&mut recorder)?;
@@ -165,7 +166,7 @@ impl GpuExecutable {
         let flags_bytes = self.flags.size();
         recorder.copy(&self.flags, 0, &prepared.staging, offset, flags_bytes);
         recorder.submit();
-        Ok((returned, recorder.counters))
+        Ok((returned, recorder.counters, recorder.submitted))
     }
 
     fn bound<'a>(&'a self, prepared: &'a Prepared) -> Bound<'a> {
@@ -439,11 +440,13 @@ impl Executable for GpuExecutable {
             );
             offset += resident.buffer.size();
         }
-        self.context.queue().submit([encoder.finish()]);
+        let submitted = self.context.queue().submit([encoder.finish()]);
         self.counters.submissions += 1;
-        let bytes = self
-            .context
-            .read(&staging, "the resident values' staging buffer")?;
+        let bytes = self.context.read(
+            &staging,
+            Some(submitted),
+            "the resident values' staging buffer",
+        )?;
         self.counters.device_to_host_bytes += bytes.len() as u64;
         let mut values = Vec::new();
         let mut offset = 0usize;

@@ -499,6 +499,8 @@ pub struct Recorder<'a> {
     encoder: Option<wgpu::CommandEncoder>,
     /// Loop steps recorded since the last submission.
     steps: usize,
+    /// The last submission made, which a read waits for.
+    pub submitted: Option<wgpu::SubmissionIndex>,
     pub counters: TransferCounters,
 }
 
@@ -508,6 +510,7 @@ impl<'a> Recorder<'a> {
             context,
             encoder: None,
             steps: 0,
+            submitted: None,
             counters: TransferCounters::default(),
         }
     }
@@ -563,7 +566,7 @@ impl<'a> Recorder<'a> {
     /// Submits what has been recorded, without waiting for it.
     pub fn submit(&mut self) {
         if let Some(encoder) = self.encoder.take() {
-            self.context.queue().submit([encoder.finish()]);
+            self.submitted = Some(self.context.queue().submit([encoder.finish()]));
             self.counters.submissions += 1;
         }
         self.steps = 0;
@@ -590,7 +593,7 @@ impl<'a> Recorder<'a> {
     ) -> EngineResult<u32> {
         self.copy(from, 0, staging, 0, 4);
         self.submit();
-        let bytes = self.context.read(staging, what)?;
+        let bytes = self.context.read(staging, self.submitted.clone(), what)?;
         self.counters.device_to_host_bytes += 4;
         let word = bytes
             .get(..4)
