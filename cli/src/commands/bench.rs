@@ -56,6 +56,8 @@ const MLP: Architecture = Architecture::Mlp {
     hidden: 128,
     classes: 10,
 };
+/// The LeNet-5 workload, on MNIST's 10 classes.
+const LENET5: Architecture = Architecture::LeNet5 { classes: 10 };
 const BATCH: usize = 64;
 const LR: f32 = 0.1;
 /// How long each micro-benchmark runs.
@@ -184,7 +186,7 @@ struct Workloads {
 impl Workloads {
     fn load(data: &Path) -> Result<Workloads> {
         let mlp = model(MLP)?;
-        let lenet = model(Architecture::LeNet5 { classes: 10 })?;
+        let lenet = model(LENET5)?;
         let (mlp_train, _) = load_for_model(data, &mlp)?;
         let (lenet_train, _) = load_for_model(data, &lenet)?;
         Ok(Workloads {
@@ -289,7 +291,7 @@ impl Bench<'_> {
     ) -> Result<()> {
         let data = self.data()?;
         let full_ms = step_millis(&data.lenet, &data.lenet_train, self.backend)?;
-        let frozen = model_frozen(Architecture::LeNet5 { classes: 10 }, &["conv", "fc1"])?;
+        let frozen = model_frozen(LENET5, &["conv", "fc1"])?;
         let frozen_ms = step_millis(&frozen, &data.lenet_train, self.backend)?;
         report.line(format_args!(
             "lenet5 step, batch {BATCH}:  full {full_ms:.2} ms ({} nodes), frozen conv+fc1 {frozen_ms:.2} ms ({} nodes)",
@@ -323,7 +325,7 @@ fn node_counts(
     let mut fusion = serde_json::Map::new();
     let models = [
         ("mlp", model(MLP)?),
-        ("lenet5", model(Architecture::LeNet5 { classes: 10 })?),
+        ("lenet5", model(LENET5)?),
         ("charlm", charlm_model()?),
     ];
     for (name, model) in models {
