@@ -766,6 +766,64 @@ async fn an_edge_down_past_its_deadline_leaves_the_round_to_the_others() -> Resu
     Ok(())
 }
 
+/// An edge that makes two versions per sub-round, one of whose two devices
+/// takes its first task and never answers: the first round closes by its
+/// half of the edge's deadline with the other device's update, which
+/// leaves the second round the other half, so that the edge still sends
+/// the cloud both rounds' work. (Were the first round to wait for the
+/// whole deadline, the second would open past it and fail the sub-round.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_device_leaves_an_edges_later_rounds_their_time() -> Result<()> {
+    const EDGE_DEADLINE_MS: u64 = 8_000;
+    let cloud = TestServer::start(Database::Sqlite)?;
+    let admin = cloud.admin();
+    let (edges, fleets, _) = tiered_fleet(&cloud, 1, 2).await?;
+    let mut devices = fleets.into_iter().flatten();
+    let (Some(answering), Some(silent)) = (devices.next(), devices.next()) else {
+        anyhow::bail!("the fleet has fewer than two devices");
+    };
+    let version = admin
+        .upload_model("tiered", support::logreg_model_bytes(13))
+        .await?;
+    let mut spec = tiered_job(&version, 1, 1, 1, 2);
+    spec["round_deadline_ms"] = json!(EDGE_DEADLINE_MS + 4_000);
+    spec["edges"]["min_devices"] = json!(1);
+    spec["edges"]["deadline_ms"] = json!(EDGE_DEADLINE_MS);
+    spec["edges"]["rounds"] = json!(2);
+    let job = admin.create_job(spec).await?;
+    let started = std::time::Instant::now();
+    let _never_answered = poll_task(&silent).await?;
+    let mut first_round_closed = None;
+    for round in 1..=2 {
+        let task = poll_task(&answering).await?;
+        if round == 2 {
+            first_round_closed = Some(started.elapsed());
+        }
+        let (num_samples, values) = update_of(0, round, task.layout.num_elements());
+        let encoded = encode_update(&task.layout, num_samples, &values)?;
+        answering.upload_update(&task, encoded.into()).await?;
+    }
+    let finished = admin.wait_for_job(job, JOB_TIMEOUT).await?;
+    ensure!(
+        finished["state"] == "completed",
+        "{finished}\n{}",
+        edges[0].log()
+    );
+    let half = Duration::from_millis(EDGE_DEADLINE_MS / 2);
+    ensure!(
+        first_round_closed.is_some_and(|closed| closed <= half + Duration::from_secs(1)),
+        "the edge's first round closed after {first_round_closed:?}, not by half its deadline"
+    );
+    let (round, participants) = first_round(&admin, job).await?;
+    ensure!(round["metrics"]["updates_accepted"] == 1, "{round}");
+    let sub_round = &participants["items"][0]["sub_round"];
+    ensure!(
+        sub_round["updates"] == 2 && sub_round["dropouts"] == 2,
+        "the edge's result must hold both rounds' updates: {participants}"
+    );
+    Ok(())
+}
+
 /// The same fleet with secure aggregation at both tiers: each edge's
 /// devices mask their updates for it (it learns their sum), and the edges
 /// mask their sub-rounds' results for the cloud (it learns the sum over

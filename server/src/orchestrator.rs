@@ -638,9 +638,11 @@ async fn select(
         }
         rounds::set_sampling_rate(tx, round.id, sampling_rate).await?;
     }
-    let mut deadline = now_ms() + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
+    let now = now_ms();
+    let mut deadline = now + i64::try_from(spec.round_deadline_ms).unwrap_or(i64::MAX / 2);
     if let Some(closes_by) = sub_round_deadline(tx, job.id).await? {
-        deadline = deadline.min(closes_by);
+        let rounds_left = i64::from(spec.rounds) - round.number + 1;
+        deadline = deadline.min(share_of_sub_round(closes_by, now, rounds_left));
     }
     crate::store::task_state::open::<rounds::ParticipantState>(tx, round.id, &chosen, deadline)
         .await?;
@@ -765,7 +767,8 @@ async fn top_up(
 }
 
 /// On an edge, when the job runs a sub-round: the time it must close by,
-/// the cloud's sub-round deadline, however late its devices came.
+/// the cloud's sub-round deadline, however late its devices came (its
+/// synchronous rounds share it: [`share_of_sub_round`]).
 async fn sub_round_deadline(
     tx: &mut Tx<'_>,
     job_id: i64,
@@ -778,6 +781,16 @@ async fn sub_round_deadline(
     Ok(task
         .sub_round
         .map(|sub_round| i64::try_from(sub_round.deadline_unix_ms).unwrap_or(i64::MAX)))
+}
+
+/// When a sub-round's round must close: the rounds still to run, this one
+/// included, share what is left of the cloud's deadline evenly. A round
+/// that waits on a silent device then leaves the later ones their time,
+/// and the edge a result to send, instead of closing at the deadline
+/// itself and leaving the next round none (which would fail the
+/// sub-round, and lose the rounds made).
+fn share_of_sub_round(closes_by: i64, now: i64, rounds_left: i64) -> i64 {
+    now + closes_by.saturating_sub(now).max(0) / rounds_left.max(1)
 }
 
 /// The failure of a round that has waited for devices longer than its
