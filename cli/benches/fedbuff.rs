@@ -1,10 +1,13 @@
 //! Benchmark: asynchronous (FedBuff) against synchronous rounds with slow
 //! devices, over several draws of the devices' speeds, in one run.
 //!
-//! For each seed, `canopy simulate` runs the same job twice on MNIST-10k
-//! (IID over 20 devices, the MLP 784-128-10): synchronously, 20 devices a
-//! round for `--rounds` rounds, then asynchronously, all 20 training at
-//! once and a version every `--buffer-size` updates. Each device's time
+//! For each seed, `canopy simulate` runs the same job on MNIST-10k (IID
+//! over 20 devices, the MLP 784-128-10): synchronously, 20 devices a round
+//! for `--rounds` rounds, then asynchronously, all 20 training at once and
+//! a version every `--buffer-size` updates, once for each staleness
+//! exponent of `--exponents` (an update τ versions old weighs
+//! `(1 + τ)^-exponent`; 0.5, FedBuff's 1/√(1 + τ), is the job's default).
+//! Each device's time
 //! per step is drawn log-normal from the seed (median `--step-ms`, the
 //! slowest exactly `--spread` times the fastest), so a synchronous round
 //! waits for its slowest device. The seed also deals the data, draws the
@@ -12,15 +15,16 @@
 //! it.
 //!
 //! Figures, per seed: the synchronous run's final central accuracy and
-//! wall time, the time the asynchronous run first reaches that accuracy,
-//! and their ratio (the issue's target: at most 0.5); then the median
-//! ratio and how many seeds met it. Both runs' learning curves (each
-//! version's seconds since the job started, central accuracy and loss) are
-//! written under `--out` when it is given.
+//! wall time, and for each exponent the time the asynchronous run first
+//! reaches that accuracy, as a fraction of the synchronous run's wall time
+//! (the issue's target: at most 0.5), and its own final accuracy; then,
+//! per exponent, the median ratio and how many seeds met it. Every run's
+//! learning curve (each version's seconds since the job started, central
+//! accuracy and loss) is written under `--out` when it is given.
 //!
 //! ```text
 //! cargo bench -p canopy-cli --bench fedbuff
-//! cargo bench -p canopy-cli --bench fedbuff -- --seeds 7,8,9,10,11 --out fedbuff-curves
+//! cargo bench -p canopy-cli --bench fedbuff -- --seeds 7,8 --exponents 0.5 --out fedbuff-curves
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -32,14 +36,18 @@ use anyhow::{Context, Result, bail, ensure};
 const CANOPY: &str = env!("CARGO_BIN_EXE_canopy");
 /// The dataset, relative to the workspace root (the bench runs in `cli/`).
 const DATA: &str = "../datasets/mnist-10k";
-/// Most seeds one run takes: each costs about a minute and a half.
+/// Most seeds one run takes: each costs about a minute, plus one for each
+/// exponent.
 const MAX_SEEDS: usize = 100;
+/// Most staleness exponents one run compares.
+const MAX_EXPONENTS: usize = 8;
 
 struct Options {
     seeds: Vec<u64>,
     rounds: u32,
     buffer_size: u32,
     versions: u32,
+    exponents: Vec<f64>,
     step_ms: f64,
     spread: f64,
     out: Option<PathBuf>,
@@ -52,6 +60,7 @@ impl Default for Options {
             rounds: 30,
             buffer_size: 10,
             versions: 120,
+            exponents: vec![0.5, 0.25],
             step_ms: 20.0,
             spread: 10.0,
             out: None,
@@ -79,6 +88,17 @@ fn parse_options() -> Result<Options> {
                     })
                     .collect::<Result<_>>()?;
             }
+            "--exponents" => {
+                options.exponents = value()?
+                    .split(',')
+                    .map(|exponent| {
+                        exponent
+                            .trim()
+                            .parse()
+                            .context("--exponents: a comma-separated list of numbers")
+                    })
+                    .collect::<Result<_>>()?;
+            }
             "--rounds" => options.rounds = value()?.parse().context("--rounds")?,
             "--buffer-size" => options.buffer_size = value()?.parse().context("--buffer-size")?,
             "--versions" => options.versions = value()?.parse().context("--versions")?,
@@ -86,8 +106,8 @@ fn parse_options() -> Result<Options> {
             "--spread" => options.spread = value()?.parse().context("--spread")?,
             "--out" => options.out = Some(PathBuf::from(value()?)),
             other => bail!(
-                "unknown option {other}; the options are --seeds, --rounds, --buffer-size, \
-                 --versions, --step-ms, --spread and --out"
+                "unknown option {other}; the options are --seeds, --exponents, --rounds, \
+                 --buffer-size, --versions, --step-ms, --spread and --out"
             ),
         }
     }
@@ -95,6 +115,11 @@ fn parse_options() -> Result<Options> {
         (1..=MAX_SEEDS).contains(&options.seeds.len()),
         "--seeds takes 1 to {MAX_SEEDS} seeds, got {}",
         options.seeds.len()
+    );
+    ensure!(
+        (1..=MAX_EXPONENTS).contains(&options.exponents.len()),
+        "--exponents takes 1 to {MAX_EXPONENTS} exponents, got {}",
+        options.exponents.len()
     );
     Ok(options)
 }
@@ -157,19 +182,30 @@ fn simulate(options: &Options, seed: u64, mode: &[String], curve: &Path) -> Resu
     read_curve(curve)
 }
 
-/// What one seed measured.
+/// What one asynchronous run measured against its seed's synchronous one.
+struct Asynchronous {
+    /// When it first reached the synchronous run's final accuracy.
+    reached_seconds: Option<f64>,
+    final_accuracy: f64,
+}
+
+/// What one seed measured: the synchronous run, and an asynchronous run
+/// per exponent, in `--exponents` order.
 struct Comparison {
     seed: u64,
     sync_accuracy: f64,
     sync_seconds: f64,
-    async_seconds: Option<f64>,
-    async_final_accuracy: f64,
+    asynchronous: Vec<Asynchronous>,
 }
 
 impl Comparison {
-    fn ratio(&self) -> Option<f64> {
-        self.async_seconds
-            .map(|seconds| seconds / self.sync_seconds)
+    /// Each exponent's time to the synchronous final accuracy, as a
+    /// fraction of the synchronous wall time (infinite when never).
+    fn ratios(&self) -> impl Iterator<Item = f64> + '_ {
+        self.asynchronous.iter().map(|run| {
+            run.reached_seconds
+                .map_or(f64::INFINITY, |seconds| seconds / self.sync_seconds)
+        })
     }
 }
 
@@ -177,26 +213,33 @@ fn compare(options: &Options, seed: u64, folder: &Path) -> Result<Comparison> {
     let sync_mode = vec!["--rounds".to_string(), options.rounds.to_string()];
     let sync_curve = folder.join(format!("sync-seed{seed}.csv"));
     let sync = simulate(options, seed, &sync_mode, &sync_curve)?;
-    let async_mode = vec![
-        "--buffer-size".to_string(),
-        options.buffer_size.to_string(),
-        "--rounds".to_string(),
-        options.versions.to_string(),
-    ];
-    let async_curve = folder.join(format!("async-seed{seed}.csv"));
-    let asynchronous = simulate(options, seed, &async_mode, &async_curve)?;
     let non_empty = "read_curve refuses an empty curve";
     let last = sync.last().expect(non_empty);
-    let reached = asynchronous
-        .iter()
-        .find(|point| point.accuracy >= last.accuracy)
-        .map(|point| point.seconds);
+    let mut asynchronous = Vec::new();
+    for exponent in &options.exponents {
+        let async_mode = vec![
+            "--buffer-size".to_string(),
+            options.buffer_size.to_string(),
+            "--rounds".to_string(),
+            options.versions.to_string(),
+            "--staleness-exponent".to_string(),
+            exponent.to_string(),
+        ];
+        let async_curve = folder.join(format!("async-seed{seed}-exponent{exponent}.csv"));
+        let curve = simulate(options, seed, &async_mode, &async_curve)?;
+        asynchronous.push(Asynchronous {
+            reached_seconds: curve
+                .iter()
+                .find(|point| point.accuracy >= last.accuracy)
+                .map(|point| point.seconds),
+            final_accuracy: curve.last().expect(non_empty).accuracy,
+        });
+    }
     Ok(Comparison {
         seed,
         sync_accuracy: last.accuracy,
         sync_seconds: last.seconds,
-        async_seconds: reached,
-        async_final_accuracy: asynchronous.last().expect(non_empty).accuracy,
+        asynchronous,
     })
 }
 
@@ -217,42 +260,52 @@ fn main() -> Result<()> {
     };
     println!(
         "fedbuff: 20 devices, MNIST-10k IID, MLP 784-128-10, step {} ms median, slowest {}x the fastest; \
-         synchronous {} rounds against buffers of {} ({} versions)",
+         synchronous {} rounds against buffers of {} ({} versions); each asynchronous column: \
+         the time to the synchronous final accuracy as a fraction of its wall time, and its own final",
         options.step_ms, options.spread, options.rounds, options.buffer_size, options.versions
     );
+    let columns: String = options
+        .exponents
+        .iter()
+        .map(|exponent| format!(" {:>20}", format!("exponent {exponent}")))
+        .collect();
     println!(
-        "{:>5} {:>10} {:>9} {:>14} {:>7} {:>12}",
-        "seed", "sync final", "sync s", "async reaches", "ratio", "async final"
+        "{:>5} {:>10} {:>9}{columns}",
+        "seed", "sync final", "sync s"
     );
     let started = Instant::now();
-    let mut ratios = Vec::new();
+    let mut ratios = vec![Vec::new(); options.exponents.len()];
     for &seed in &options.seeds {
         let comparison = compare(&options, seed, &folder)?;
-        let reached = comparison
-            .async_seconds
-            .map_or("never".to_string(), |seconds| format!("{seconds:.1} s"));
-        let ratio = comparison
-            .ratio()
-            .map_or("-".to_string(), |ratio| format!("{ratio:.2}"));
+        let cells: String = comparison
+            .ratios()
+            .zip(&comparison.asynchronous)
+            .map(|(ratio, run)| {
+                let shown = match ratio.is_finite() {
+                    true => format!("{ratio:.2}"),
+                    false => "never".to_string(),
+                };
+                format!(" {:>20}", format!("{shown} ({:.4})", run.final_accuracy))
+            })
+            .collect();
         println!(
-            "{:>5} {:>10.4} {:>9.1} {:>14} {:>7} {:>12.4}",
-            comparison.seed,
-            comparison.sync_accuracy,
-            comparison.sync_seconds,
-            reached,
-            ratio,
-            comparison.async_final_accuracy
+            "{:>5} {:>10.4} {:>9.1}{cells}",
+            comparison.seed, comparison.sync_accuracy, comparison.sync_seconds
         );
-        ratios.push(comparison.ratio().unwrap_or(f64::INFINITY));
+        for (all, ratio) in ratios.iter_mut().zip(comparison.ratios()) {
+            all.push(ratio);
+        }
     }
-    ratios.sort_by(f64::total_cmp);
-    let median = ratios[ratios.len() / 2];
-    let met = ratios.iter().filter(|&&ratio| ratio <= 0.5).count();
-    println!(
-        "median ratio {median:.2}; at most 0.5 on {met} of {} seeds ({:.0} s in all)",
-        ratios.len(),
-        started.elapsed().as_secs_f64()
-    );
+    for (exponent, mut ratios) in options.exponents.iter().zip(ratios) {
+        ratios.sort_by(f64::total_cmp);
+        let median = ratios[ratios.len() / 2];
+        let met = ratios.iter().filter(|&&ratio| ratio <= 0.5).count();
+        println!(
+            "exponent {exponent}: median ratio {median:.2}; at most 0.5 on {met} of {} seeds",
+            ratios.len()
+        );
+    }
+    println!("{:.0} s in all", started.elapsed().as_secs_f64());
     if let Some(out) = &options.out {
         println!("curves written to {}", out.display());
     }
