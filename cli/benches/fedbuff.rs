@@ -7,10 +7,9 @@
 //! a version every `--buffer-size` updates, once for each staleness
 //! exponent of `--exponents` (an update τ versions old weighs
 //! `(1 + τ)^-exponent`; 0.5, FedBuff's 1/√(1 + τ), is the job's default).
-//! Each device's time
-//! per step is drawn log-normal from the seed (median `--step-ms`, the
-//! slowest exactly `--spread` times the fastest), so a synchronous round
-//! waits for its slowest device. The seed also deals the data, draws the
+//! Each device's time per step is drawn log-normal from the seed (median
+//! `--step-ms`, the slowest exactly `--spread` times the fastest), so a
+//! synchronous round waits for its slowest device. The seed also deals the data, draws the
 //! starting model and keys the devices: both runs of a seed share all of
 //! it.
 //!
@@ -78,27 +77,8 @@ fn parse_options() -> Result<Options> {
         }
         let mut value = || args.next().with_context(|| format!("{flag} needs a value"));
         match flag.as_str() {
-            "--seeds" => {
-                options.seeds = value()?
-                    .split(',')
-                    .map(|seed| {
-                        seed.trim()
-                            .parse()
-                            .context("--seeds: a comma-separated list of integers")
-                    })
-                    .collect::<Result<_>>()?;
-            }
-            "--exponents" => {
-                options.exponents = value()?
-                    .split(',')
-                    .map(|exponent| {
-                        exponent
-                            .trim()
-                            .parse()
-                            .context("--exponents: a comma-separated list of numbers")
-                    })
-                    .collect::<Result<_>>()?;
-            }
+            "--seeds" => options.seeds = comma_separated(&value()?, "--seeds")?,
+            "--exponents" => options.exponents = comma_separated(&value()?, "--exponents")?,
             "--rounds" => options.rounds = value()?.parse().context("--rounds")?,
             "--buffer-size" => options.buffer_size = value()?.parse().context("--buffer-size")?,
             "--versions" => options.versions = value()?.parse().context("--versions")?,
@@ -122,6 +102,21 @@ fn parse_options() -> Result<Options> {
         options.exponents.len()
     );
     Ok(options)
+}
+
+/// A flag's comma-separated values, each parsed as `T`.
+fn comma_separated<T>(text: &str, flag: &str) -> Result<Vec<T>>
+where
+    T: std::str::FromStr,
+    T::Err: std::error::Error + Send + Sync + 'static,
+{
+    text.split(',')
+        .map(|item| {
+            let item = item.trim();
+            item.parse()
+                .with_context(|| format!("{flag}: {item:?} in a comma-separated list"))
+        })
+        .collect()
 }
 
 /// One version of a learning curve.
